@@ -1,0 +1,148 @@
+"""Round-trip properties of every codec, and fuzzing of the Triton store/gather kernels against the PyTorch reference.
+
+Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them); without either they are skipped."""
+import math
+import pytest
+import torch
+from hypothesis import given, strategies as st, settings
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, store_records, gather_records, e4m3_codes, e4m3_values,
+                              e2m1_codes, e2m1_values, quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX)
+
+DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
+
+@st.composite
+def fp8_codecs(draw):
+    block = draw(st.sampled_from([16, 32, 64]))
+    qdim = block * draw(st.integers(1, 6))
+    rope = draw(st.sampled_from([0, 2, 16, 64]))
+    if draw(st.booleans()) and rope == 0: return FP8Record('fp8_fp32', qdim, qdim, fp32_scale=True)
+    return FP8Record('fp8', qdim + rope, block, rope_dim=rope, pad_to=draw(st.sampled_from([1, 8])))
+
+@st.composite
+def fp4_codecs(draw):
+    fmt = draw(st.sampled_from(['e4m3', 'ue8m0']))
+    block = draw(st.sampled_from([16, 32]))
+    return FP4Record('fp4', block * draw(st.integers(1, 6)), block, fmt)
+
+codecs = st.one_of(fp8_codecs(), fp4_codecs(), st.sampled_from(list(cache_codecs(ModelConfig.full()).values())
+                                                                 + list(cache_codecs(ModelConfig.tiny()).values())))
+
+@st.composite
+def vectors(draw, dim, n_max=9):
+    "Vectors whose scale blocks span many magnitudes, with exact zeros and sign-flipped zeros sprinkled in"
+    n = draw(st.integers(1, n_max))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(n, dim, generator=g)
+    log_mag = draw(st.floats(-30, 30))
+    spread = draw(st.floats(0, 12))
+    x = x * torch.exp2(log_mag + spread * torch.rand(n, 1, generator=g))
+    mask = torch.rand(n, dim, generator=g) < draw(st.floats(0, 0.3))
+    x[mask] = 0.0
+    x[torch.rand(n, dim, generator=g) < 0.05] = -0.0
+    return x
+
+def block_bound(codec, x):
+    "Per-element worst error of one round trip"
+    if isinstance(codec, FP8Record):
+        q = x[..., :codec.qdim]
+        pad = -q.shape[-1] % codec.block
+        g = torch.nn.functional.pad(q, (0, pad)).unflatten(-1, (-1, codec.block))
+        amax = g.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+        s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+        b = torch.maximum(q.abs() * 2 ** -4, (s * 2 ** -10).expand_as(g).flatten(-2)[..., :codec.qdim])
+        return torch.cat([b, x[..., codec.qdim:].abs() * 2 ** -8], -1)          # the BF16 tail: half an ulp
+    g = x.unflatten(-1, (-1, codec.block))
+    amax = g.abs().amax(-1, keepdim=True)
+    if codec.scale_format == 'e4m3':    # amax/6 rounded to E4M3 (coarse when it is subnormal), at least 2^-9
+        s = (amax.clamp_min(FP4_MAX * 2 ** -9) / FP4_MAX).to(torch.float8_e4m3fn).float()
+    else:                               # the power of two at or above amax/6
+        s = torch.exp2(torch.ceil(torch.log2(amax.clamp_min(FP4_MAX * 2 ** -126) / FP4_MAX)))
+    a = g.abs()
+    inside = torch.maximum(a / 4, 0.25 * s)           # half the widest E2M1 gap around |x|/s, times s
+    return torch.where(a <= FP4_MAX * s, inside, a - FP4_MAX * s).flatten(-2) * (1 + 1e-6)
+
+@given(codecs, st.data())
+def test_round_trip_error_bound(codec, data):
+    x = data.draw(vectors(codec.dim))
+    if isinstance(codec, FP4Record) and codec.scale_format == 'e4m3': x = x.clamp(-2000, 2000)   # below the 2688 saturation
+    if isinstance(codec, FP8Record) and codec.rope_dim: x[..., codec.qdim:] = x[..., codec.qdim:].clamp(-1e38, 1e38)
+    r = codec.pack(x)
+    assert r.dtype == torch.uint8 and r.shape == (x.shape[0], codec.record_bytes)
+    y = codec.unpack(r)
+    assert torch.isfinite(y).all()
+    err = (y - x).abs()
+    bound = block_bound(codec, x)
+    assert (err <= bound + 1e-45).all(), (err - bound).max()
+    assert torch.equal(codec.pack(x), r)                                           # deterministic
+
+@given(codecs, st.data())
+def test_non_finite_poisons_exactly_its_block(codec, data):
+    x = data.draw(vectors(codec.dim, n_max=3)).clamp(-1000, 1000)
+    qdim = codec.qdim if isinstance(codec, FP8Record) else codec.dim
+    row, col = data.draw(st.integers(0, x.shape[0] - 1)), data.draw(st.integers(0, qdim - 1))
+    x[row, col] = data.draw(st.sampled_from([float('nan'), float('inf'), -float('inf')]))
+    y = codec.unpack(codec.pack(x))
+    block = codec.qdim if getattr(codec, 'fp32_scale', False) else codec.block
+    lo = col // block * block
+    assert torch.isnan(y[row, lo:min(lo + block, qdim)]).all()
+    poisoned = torch.zeros_like(y, dtype=torch.bool); poisoned[row, lo:min(lo + block, qdim)] = True
+    assert torch.isfinite(y[~poisoned]).all()
+
+def test_ds_fp4_saturates_at_2688():
+    c = FP4Record('c', 32, 16, 'e4m3')
+    x = torch.full((1, 32), 1e6); x[0, 1::2] = -3e4
+    y = c.unpack(c.pack(x))
+    assert torch.equal(y.abs(), torch.full((1, 32), FP8_MAX * FP4_MAX))
+
+def test_scalar_encodings_against_brute_force():
+    grid = e4m3_values(torch.arange(256, dtype=torch.uint8))
+    finite = torch.isfinite(grid)
+    x = torch.cat([torch.randn(50000) * torch.exp2(torch.randint(-12, 9, (50000,)).float()), (grid[1:126] + grid[2:127]) / 2]).clamp(-448, 448)
+    y = e4m3_values(e4m3_codes(x))
+    d = (x[:, None] - grid[finite][None]).abs()
+    assert torch.equal((y - x).abs(), d.min(1).values)                           # nearest representable
+    v = e2m1_values(e2m1_codes(x.clamp(-6, 6)))
+    grid4 = e2m1_values(torch.arange(16, dtype=torch.uint8))
+    assert torch.equal((v - x.clamp(-6, 6)).abs(), (x.clamp(-6, 6)[:, None] - grid4[None]).abs().min(1).values)
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason='no Triton: needs a GPU or TRITON_INTERPRET=1')
+
+@needs_triton
+@settings(max_examples=25)
+@given(codecs, st.data())
+def test_kernels_match_reference(codec, data):
+    "Fuzz: random codec, vector count, slot mapping (holes, order), index list (repeats, -1), dtype; bytes and values identical"
+    n = data.draw(st.integers(0, 70))
+    block_size = data.draw(st.sampled_from([1, 4, 16]))
+    num_slots = block_size * data.draw(st.integers(max(1, -(-n // block_size)), max(1, -(-n // block_size)) + 4))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    x = (torch.randn(n, codec.dim, generator=g) * torch.exp2(torch.randint(-20, 20, (n, 1), generator=g).float()))
+    if n and data.draw(st.booleans()): x[0, 0] = float('nan')
+    dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    x = x.clamp(-6e4, 6e4).to(dtype).to(DEV)
+    slots = torch.randperm(num_slots, generator=g)[:n]
+    slots[torch.rand(n, generator=g) < 0.3] = -1
+    slots = slots.to(data.draw(st.sampled_from([torch.int32, torch.int64]))).to(DEV)
+    stale = codec.pack(torch.randn(num_slots, codec.dim, generator=g)).view(-1, block_size, codec.record_bytes).to(DEV)
+    ref, got = stale.clone(), stale.clone()
+    with use_kernels('torch'): store_records(codec, x, ref, slots)
+    with use_kernels('triton'): store_records(codec, x, got, slots)
+    assert torch.equal(got.cpu(), ref.cpu())
+    idx = torch.randint(-1, num_slots, (data.draw(st.integers(0, 40)),), generator=g).to(DEV)
+    out_dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    with use_kernels('torch'): a = gather_records(codec, ref, idx, out_dtype)
+    with use_kernels('triton'): b = gather_records(codec, got, idx, out_dtype)
+    torch.testing.assert_close(b.cpu(), a.cpu(), rtol=0, atol=0, equal_nan=True)
+
+@needs_triton
+def test_kernel_non_contiguous_rows():
+    codec = cache_codecs(ModelConfig.tiny())['window']
+    base = torch.randn(10, codec.dim * 2, device=DEV)
+    x = base[:, ::2]                                   # last dim not unit-stride
+    cache = torch.zeros(4, 4, codec.record_bytes, dtype=torch.uint8, device=DEV)
+    slots = torch.arange(10, device=DEV)
+    with use_kernels('triton'): store_records(codec, x, cache, slots)
+    assert torch.equal(cache.view(-1, codec.record_bytes)[:10].cpu(), codec.pack(x.cpu()))
