@@ -1,0 +1,478 @@
+"Exact cases for dsv41_nb.kv_cache, in the manner of vLLM's prefix-caching tests, plus seed 004's worked numbers and bad input"
+import hashlib, os, random, subprocess, sys
+from dataclasses import replace
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheManager, KVCacheCoordinator, BlockPool, Request,
+                               RequestBlockHasher, ImageSpan, hash_block_tokens, NONE_HASH, CacheCapacityError, BlockStored,
+                               BlockRemoved, AllBlocksCleared, slot_mapping, compressed_slot_mapping, compressed_state_slots,
+                               ring_slot_mapping, PAD_SLOT_ID, cdiv)
+
+FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
+GLOBAL, SWA, RING = 0, 1, 2
+
+
+def tiny_kv(n_blocks=64, events=False, **cc):
+    "A tiny-config manager: global blocks of 16 tokens, SWA blocks of 4 (window 16), one ring per request"
+    return KVCacheManager(get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=n_blocks, **cc)),
+                          enable_kv_cache_events=events)
+
+
+def toks(n, seed=0, vocab=TINY.vocab_size):
+    r = random.Random(seed)
+    return [r.randrange(vocab) for _ in range(n)]
+
+
+def run(kv, req, chunk=10 ** 9):
+    "Admit with a prefix hit, then prefill every known token; returns the hit length"
+    hit, n = kv.get_computed_blocks(req)
+    k = min(chunk, req.num_tokens - n)
+    assert kv.allocate_slots(req, k, n, hit) is not None
+    req.num_computed_tokens = n + k
+    while req.num_computed_tokens < req.num_tokens:
+        k = min(chunk, req.num_tokens - req.num_computed_tokens)
+        assert kv.allocate_slots(req, k) is not None
+        req.num_computed_tokens += k
+    return n
+
+
+def free_order(kv):
+    return [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
+
+
+def snapshot(kv):
+    pool = kv.block_pool
+    return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], free_order(kv),
+            {k: (v.block_id if not isinstance(v, dict) else sorted(v)) for k, v in pool.cached_block_hash_to_block.items()},
+            {r: kv.get_block_ids(r) for r in kv.live_requests})
+
+
+# ---------------------------------------------------------------- layout and config
+def test_full_layout_matches_seed_004():
+    kc = get_kv_cache_config(FULL)
+    g, s, r = kc.groups
+    assert (g.block_size, s.block_size, kc.hash_block_size, kc.resume_alignment) == (128, 32, 32, 128)
+    assert [m.kind for m in g.members] == ['main_kv', 'index_k'] * 4 and [m.layer for m in g.members][::2] == [2, 8, 14, 20]
+    assert len(s.members) == 43 and {m.record_bytes for m in s.members} == {528}
+    assert [m.layer for m in r.members] == [2, 8, 14] and r.bytes_per_block == 3 * 2 * 1024 * 4
+    assert g.bytes_per_block == 64 * 3 * (288 + 68) + 128 * (288 + 68)
+    assert kc.page_bytes == 43 * 32 * 528 == max(x.bytes_per_block for x in kc.groups)
+    assert [x.prefix_caching for x in kc.groups] == ['yes', 'retained tails only', 'never']
+    fp8 = get_kv_cache_config(FULL, CacheConfig(main_kv_format='fp8_ds_mla', index_key_format='fp8'))
+    assert fp8.groups[0].bytes_per_block == 64 * 3 * (584 + 132) + 128 * (584 + 132)
+
+
+@pytest.mark.parametrize('kw,msg', [
+    (dict(prefix_cache_retention_interval=-1), 'expected 0'),
+    (dict(prefix_cache_retention_interval=96), 'not a multiple of the resume alignment'),
+    (dict(swa_block_size=127), 'lcm = 16256 tokens > max_resume_alignment'),
+    (dict(main_kv_format='nvfp4'), "main_kv_format = 'nvfp4'"),
+    (dict(num_gpu_blocks_override=1), 'num_gpu_blocks_override = 1'),
+])
+def test_cache_config_rejects(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace('(', r'\(')):
+        CacheConfig(**kw)
+
+
+def test_global_block_must_hold_whole_states():
+    with pytest.raises(ValueError, match="not a multiple of KV source layer 2's compress_ratio 2"):
+        get_kv_cache_config(TINY, CacheConfig(swa_block_size=3, global_block_size=9))
+
+
+# ---------------------------------------------------------------- hashing
+def by_hand(parent, tokens, extra=()):
+    "The documented serialisation, written independently of the library"
+    payload = (parent or NONE_HASH) + len(tokens).to_bytes(4, 'little') + b''.join(t.to_bytes(4, 'little') for t in tokens)
+    for k in extra: payload += b's' + len(k.encode()).to_bytes(4, 'little') + k.encode()
+    return hashlib.sha256(payload).digest()
+
+
+def test_hash_chain_matches_independent_serialisation():
+    t = toks(200, vocab=FULL.vocab_size)
+    req = Request('r', t, RequestBlockHasher(32, FULL.vocab_size), cache_salt='salt', mm_features=[ImageSpan(70, 10, 'imgA')])
+    parent = None
+    for i in range(6):
+        extra = (['imgA'] if i == 2 else []) + (['salt'] if i == 0 else [])
+        parent = by_hand(parent, t[32 * i:32 * (i + 1)], extra)
+        assert req.block_hashes[i] == parent
+    assert len(req.block_hashes) == 200 // 32
+
+
+def test_hashes_are_the_same_in_another_process():
+    code = ("from dsv41_nb.kv_cache import Request, RequestBlockHasher; "
+            "print(Request('r', list(range(1000, 1300)), RequestBlockHasher(32, 129280)).block_hashes[-1].hex())")
+    outs = {subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
+                           env={**os.environ, 'PYTHONHASHSEED': seed}).stdout.strip() for seed in ('1', '2')}
+    here = Request('r', list(range(1000, 1300)), RequestBlockHasher(32, 129280)).block_hashes[-1].hex()
+    assert outs == {here}
+
+
+@pytest.mark.parametrize('bad,pos', [(129280, 5), (-1, 5), (10 ** 12, 5)])
+def test_token_outside_vocabulary(bad, pos):
+    t = list(range(40)); t[pos] = bad
+    with pytest.raises(ValueError, match=f'token id {bad} at position {pos} is outside the vocabulary'):
+        Request('r', t, RequestBlockHasher(32, FULL.vocab_size))
+    with pytest.raises(ValueError, match=f'token id {bad} at position {pos}'):
+        hash_block_tokens(None, t[:32], vocab_size=FULL.vocab_size)
+    req = Request('r', list(range(40)), RequestBlockHasher(32, FULL.vocab_size))
+    with pytest.raises(ValueError, match=f'token id {bad} at position 40'):
+        req.append_output_token_ids(bad)
+    with pytest.raises(ValueError, match=f'token id {bad} at position 41'):
+        req.append_output_token_ids([1, bad])
+    assert req.num_tokens == 40 and len(req.block_hashes) == 1           # nothing stored
+
+
+def test_incremental_hashing_equals_bulk():
+    t = toks(300, 3)
+    h = RequestBlockHasher(4, TINY.vocab_size)
+    bulk, grown = Request('a', t, h), Request('b', t[:7], h)
+    for i in range(7, 300, 5): grown.append_output_token_ids(t[i:i + 5])
+    assert grown.block_hashes == bulk.block_hashes
+
+
+# ---------------------------------------------------------------- block pool: vLLM-style exact cases
+def test_eviction_order_of_a_freed_prefix():
+    kv = tiny_kv(40)
+    req = kv.new_request('a', toks(40))                 # global: 2 full + 1 partial; SWA: tail 4..7 of checkpoint 32
+    run(kv, req)
+    (g, s, (ring,)) = kv.get_blocks('a').blocks
+    never_used = [i for i in free_order(kv)]
+    kv.free(req)
+    order = free_order(kv)
+    anonymous = [ring.block_id] + [s[i].block_id for i in (0, 1, 2, 3, 8, 9)] + [g[2].block_id]
+    registered = [g[1].block_id, g[0].block_id] + [s[i].block_id for i in (7, 6, 5, 4)]
+    assert order == anonymous + never_used + registered
+    # handing blocks out: anonymous first, then never-used, then the registered prefix from its end
+    n = len(anonymous) + len(never_used)
+    kv.block_pool.get_new_blocks(n)
+    assert kv.block_pool.get_cached_block(req.block_hashes[3], [GLOBAL]) is not None
+    kv.block_pool.get_new_blocks(1)                     # evicts g[1], the prefix's last global block
+    assert kv.block_pool.get_cached_block(req.block_hashes[7], [GLOBAL]) is None
+    assert kv.block_pool.get_cached_block(req.block_hashes[3], [GLOBAL])[0].block_id == g[0].block_id
+
+
+def test_partial_block_is_reused_first():
+    pool = BlockPool(10)
+    req = Request('a', list(range(10)), RequestBlockHasher(4, 100))
+    blocks = pool.get_new_blocks(3)                     # 4 + 4 + 2 tokens
+    pool.cache_full_blocks(req, blocks, range(2), 4, 1, 0)
+    pool.free_blocks(reversed(blocks))
+    assert pool.get_new_blocks(1)[0] is blocks[2]        # the partial, unregistered block comes back first
+
+
+def test_hash_is_dropped_when_a_block_is_reused():
+    pool = BlockPool(4, enable_kv_cache_events=True)
+    req = Request('a', list(range(8)), RequestBlockHasher(4, 100))
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, range(2), 4, 1, 0)
+    assert [type(e) for e in pool.take_events()] == [BlockStored]
+    pool.free_blocks(reversed(blocks))
+    got = pool.get_new_blocks(3)                         # the never-used block, then blocks[1], then blocks[0]
+    assert [b.block_id for b in got] == [3, blocks[1].block_id, blocks[0].block_id]
+    assert all(b.block_hash is None and b.ref_cnt == 1 for b in got)
+    assert pool.cached_block_hash_to_block == {}
+    assert pool.take_events() == [BlockRemoved((req.block_hashes[1],), 0), BlockRemoved((req.block_hashes[0],), 0)]
+
+
+def test_two_blocks_sharing_a_hash():
+    kv = tiny_kv(80)
+    t = toks(40, 1)
+    a, b = kv.new_request('a', t), kv.new_request('b', t)
+    ha, na = kv.get_computed_blocks(a); hb, nb = kv.get_computed_blocks(b)   # both look up before either allocates
+    assert na == nb == 0
+    kv.allocate_slots(a, 40, na, ha); kv.allocate_slots(b, 40, nb, hb)
+    key = (a.block_hashes[3], GLOBAL)
+    both = kv.block_pool.cached_block_hash_to_block[key]
+    assert isinstance(both, dict) and set(both) == {kv.get_block_ids('a')[0][0], kv.get_block_ids('b')[0][0]}
+    kv.free(a)
+    b_block = kv.block_pool.blocks[kv.get_block_ids('b')[0][0]]
+    a_copy = [x for x in both.values() if x is not b_block][0]
+    kv.block_pool._maybe_evict_cached_block(a_copy)      # a's copy is repurposed
+    assert kv.block_pool.cached_block_hash_to_block[key] is b_block
+    c = kv.new_request('c', t + [1, 2, 3])
+    hit, n = kv.get_computed_blocks(c)
+    assert n == 32 and hit.blocks[GLOBAL][0] is b_block
+
+
+def test_failed_allocation_has_no_side_effect():
+    kv = tiny_kv(24)
+    a = kv.new_request('a', toks(40, 2)); run(kv, a)
+    b = kv.new_request('b', toks(40, 2) + toks(60, 3))  # a hit on a's blocks, then far too much
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 32
+    before = snapshot(kv)
+    assert kv.allocate_slots(b, b.num_tokens - n, n, hit) is None
+    assert snapshot(kv) == before
+    # a running request whose growth does not fit, even counting the SWA blocks its skip would release
+    a.num_computed_tokens = 40
+    before = snapshot(kv)
+    assert kv.allocate_slots(a, 1, num_lookahead_tokens=200) is None
+    assert snapshot(kv) == before                         # the skippable SWA blocks were NOT released
+    assert sum(not x.is_null for x in kv.get_blocks('a').blocks[SWA]) == 10
+
+
+def test_growth_that_fits_only_thanks_to_released_window_blocks():
+    kv = tiny_kv(16)                                      # 15 usable: a holds 3 + 10 + 1 = 14
+    a = kv.new_request('a', toks(40, 4)); run(kv, a)
+    assert kv.num_free_blocks == 1
+    a.append_output_token_ids(5)
+    got = kv.allocate_slots(a, 1, num_lookahead_tokens=7)  # 48 slots: 2 new SWA blocks, 1 free; the skip frees 6 (blocks 0..5)
+    assert got is not None and got.num_blocks == (0, 2, 0)
+    assert [x.is_null for x in kv.get_blocks('a').blocks[SWA]] == [True] * 6 + [False] * 6
+
+
+def test_window_release_feeds_the_other_groups():
+    "Regression (found by the state machine): a global block that only the SWA release makes room for"
+    kv = tiny_kv(17)                                      # 16 usable: a 48-token prompt holds 3 + 12 + 1 = 16
+    a = kv.new_request('a', toks(48, 15)); run(kv, a)
+    assert kv.num_free_blocks == 0
+    a.append_output_token_ids(3)
+    got = kv.allocate_slots(a, 1)                         # 49 slots: a 4th global and a 13th SWA block; the skip frees 8
+    assert got is not None and got.num_blocks == (1, 1, 0)
+    assert sum(x.is_null for x in kv.get_blocks('a').blocks[SWA]) == 8 and kv.num_free_blocks == 6
+
+
+def test_cached_blocks_survive_while_other_free_blocks_exist():
+    kv = tiny_kv(60)
+    a = kv.new_request('a', toks(40, 5)); run(kv, a); kv.free(a)
+    registered = [k for k in kv.block_pool.cached_block_hash_to_block]
+    anonymous = sum(1 for x in kv.block_pool.free_block_queue.get_all_free_blocks() if x.block_hash is None)
+    kv.block_pool.get_new_blocks(anonymous)               # everything that is not a cached prefix
+    assert sorted(kv.block_pool.cached_block_hash_to_block) == sorted(registered)
+    kv.block_pool.get_new_blocks(1)
+    assert len(kv.block_pool.cached_block_hash_to_block) == len(registered) - 1
+
+
+def test_claimed_hit_blocks_cannot_be_evicted():
+    kv = tiny_kv(30)
+    t = toks(40, 6)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)
+    b = kv.new_request('b', t + [1])
+    hit, n = kv.get_computed_blocks(b)
+    assert kv.allocate_slots(b, 1, n, hit) is not None
+    claimed = [x for g in hit.blocks for x in g if not x.is_null]
+    c = kv.new_request('c', toks(300, 7))
+    while c.num_computed_tokens < c.num_tokens and kv.allocate_slots(c, 4) is not None:
+        c.num_computed_tokens += 4
+    assert c.num_computed_tokens < c.num_tokens           # the pool ran dry ...
+    assert all(x.ref_cnt == 1 and x.block_hash is not None for x in claimed)   # ... without touching b's prefix
+
+
+def test_lookahead_slots_take_ceil_blocks():
+    kv = tiny_kv(64)
+    a = kv.new_request('a', toks(10, 8))
+    got = kv.allocate_slots(a, 10, num_lookahead_tokens=7)   # 17 slots
+    assert got.num_blocks == (cdiv(17, 16), cdiv(17, 4), 1)
+
+
+# ---------------------------------------------------------------- hybrid hits
+def test_seed_004_worked_example():
+    "Global through 32,768, SWA only through 24,576 -> resume at 24,576; then 256 + 8, 4 + 32, 1 blocks"
+    t = toks(50_000, 9, FULL.vocab_size)
+    for interval, expect in ((0, 24_576), (8192, 32_768)):
+        kv = KVCacheManager(get_kv_cache_config(FULL, CacheConfig(num_gpu_blocks_override=4000, prefix_cache_retention_interval=interval)))
+        t1 = kv.new_request('t1', t[:24_600]); run(kv, t1, 4096)
+        for tok in t[24_600:32_800]:                      # decode: each sampled token computed in the next step
+            t1.append_output_token_ids(tok)
+            if t1.num_tokens < 32_800:
+                assert kv.allocate_slots(t1, 1) is not None; t1.num_computed_tokens += 1
+        kv.free(t1)
+        rocco = kv.new_request('rocco', t)
+        g = kv.managers[GLOBAL].find_longest_cache_hit(rocco.block_hashes, rocco.num_tokens - 1)
+        assert len(g) * 128 == 32_768
+        hit, n = kv.get_computed_blocks(rocco)
+        assert n == expect
+        if interval:
+            asked = [m.get_num_blocks_to_allocate('rocco', n + 1024, h) for m, h in zip(kv.managers, hit.blocks)]
+            assert asked == [256 + 8, 4 + 32, 1]
+            new = kv.allocate_slots(rocco, 1024, n, hit)
+            assert new.num_blocks == (8, 32, 1)
+            assert [len(x) for x in kv.get_block_ids('rocco')] == [264, 1056, 1]
+
+
+def hybrid_setup():
+    kv = tiny_kv(120, prefix_cache_retention_interval=16)   # a checkpoint every 16 tokens: every SWA block is in a tail
+    t = toks(100, 10)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)
+    return kv, a, kv.new_request('b', t + toks(20, 11))
+
+
+def evict(kv, req, group, index, stride):
+    b = kv.block_pool.get_cached_block(req.block_hashes[(index + 1) * stride - 1], [group])[0]
+    assert kv.block_pool._maybe_evict_cached_block(b)
+
+
+def test_hybrid_hit_lengths():
+    kv, a, b = hybrid_setup()
+    assert kv.get_computed_blocks(b)[1] == 96
+    evict(kv, a, SWA, 0, 1)                               # out of the window of 96: the hit stays
+    assert kv.get_computed_blocks(b)[1] == 96
+    evict(kv, a, SWA, 22, 1)                              # inside the window before 96 (tokens 88..91)
+    assert kv.get_computed_blocks(b)[1] == 80
+    kv, a, b = hybrid_setup()
+    evict(kv, a, GLOBAL, 5, 4)                            # the last global block (80..95)
+    assert kv.get_computed_blocks(b)[1] == 80
+    evict(kv, a, GLOBAL, 0, 4)                            # the first global block: a miss
+    assert kv.get_computed_blocks(b)[1] == 0
+
+
+def test_full_prompt_hit_recomputes_last_token():
+    kv = tiny_kv(80, prefix_cache_retention_interval=16)  # checkpoints at 16, 32 and 48: all 48 tokens are cached
+    t = toks(48, 12)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)
+    assert kv.get_computed_blocks(kv.new_request('b', t + [1]))[1] == 48
+    assert kv.get_computed_blocks(kv.new_request('c', t))[1] == 32   # the same prompt: 47 floors to 32, never 48
+
+
+def test_lcm_flooring():
+    cc = CacheConfig(swa_block_size=32, global_block_size=48, num_gpu_blocks_override=200)   # lcm 96, gcd 16
+    kv = KVCacheManager(get_kv_cache_config(FULL, cc))
+    assert (kv.kv_cache_config.hash_block_size, kv.kv_cache_config.resume_alignment) == (16, 96)
+    t = toks(150, 13, FULL.vocab_size)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)    # 3 full global blocks (144 tokens), SWA checkpoint at 96
+    b = kv.new_request('b', t + toks(50, 14, FULL.vocab_size))
+    assert len(kv.managers[GLOBAL].find_longest_cache_hit(b.block_hashes, b.num_tokens - 1)) == 2   # 144 -> 96
+    assert kv.get_computed_blocks(b)[1] == 96
+
+
+def test_ring_state_is_never_cached():
+    kv = tiny_kv(80, events=True)
+    for i in range(3):
+        r = kv.new_request(f'r{i}', toks(45, 20))
+        run(kv, r)
+        ring = kv.get_blocks(r.request_id).blocks[RING][0]
+        assert ring.block_hash is None
+        kv.free(r)
+        assert free_order(kv)[0] == ring.block_id          # anonymous: first in line for reuse
+        hit, n = kv.get_computed_blocks(kv.new_request('x', toks(45, 20)))
+        assert hit.blocks[RING] == [] and n == 32
+    assert all(k[1] != RING for k in kv.block_pool.cached_block_hash_to_block)
+    assert all(e.group_id != RING for e in kv.take_events() if not isinstance(e, AllBlocksCleared))
+
+
+def test_coordinator_agrees_with_brute_force():
+    @settings(max_examples=150, deadline=None)
+    @given(st.data())
+    def check(data):
+        sizes = data.draw(st.sampled_from([(4, 16), (4, 8), (8, 8), (2, 16)]))
+        kc = get_kv_cache_config(TINY, CacheConfig(swa_block_size=sizes[0], global_block_size=sizes[1], num_gpu_blocks_override=300))
+        pool = BlockPool(kc.num_blocks); coord = KVCacheCoordinator(kc, pool)
+        n = data.draw(st.integers(1, 120))
+        req = Request('r', list(range(n)), RequestBlockHasher(kc.hash_block_size, TINY.vocab_size))
+        for m in coord.managers[:2]:
+            blocks = pool.get_new_blocks(max(1, n // m.block_size))
+            keep = [i for i in range(n // m.block_size) if data.draw(st.booleans())]
+            pool.cache_full_blocks(req, blocks, keep, m.block_size, m.hash_stride, m.group_id)
+        limit = data.draw(st.integers(0, n))
+        (g, s, _), L = coord.find_longest_cache_hit(req.block_hashes, limit)
+        brute = 0
+        for cand in range(limit // kc.resume_alignment * kc.resume_alignment, -1, -kc.resume_alignment):
+            gm, sm = coord.managers[:2]
+            need_g = range(cand // gm.block_size)
+            need_s = range(max(0, cand // sm.block_size - sm.tail_blocks), cand // sm.block_size)
+            if all(gm._lookup(req.block_hashes, i) for i in need_g) and all(sm._lookup(req.block_hashes, i) for i in need_s):
+                brute = cand; break
+        assert L == brute and len(g) * gm.block_size == L and len(s) * sm.block_size == L
+        assert all(not b.is_null for b in g)
+        assert all(not b.is_null for b in s[max(0, len(s) - sm.tail_blocks):])
+    check()
+
+
+# ---------------------------------------------------------------- slot mappings
+def by_hand_slots(ids, positions, bs, ratio=1):
+    out = []
+    for p in positions:
+        if (p + 1) % ratio: out.append(-1); continue
+        i, per = p // ratio, bs // ratio
+        out.append(ids[i // per] * per + i % per)
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_slot_mappings_match_definition(data):
+    bs = data.draw(st.sampled_from([4, 16, 32, 128]))
+    nb = data.draw(st.integers(1, 20))
+    ids = data.draw(st.lists(st.integers(1, 10_000), min_size=nb, max_size=nb, unique=True))
+    pos = data.draw(st.lists(st.integers(0, nb * bs - 1), min_size=0, max_size=50))
+    assert slot_mapping(ids, pos, bs).tolist() == by_hand_slots(ids, pos, bs)
+    for r in (1, 2):
+        assert compressed_slot_mapping(ids, pos, bs, r).tolist() == by_hand_slots(ids, pos, bs, r)
+    states = [p // 2 for p in pos] + [-1]
+    assert compressed_state_slots(ids, states, bs, 2).tolist()[-1] == PAD_SLOT_ID
+
+
+def test_batch_slot_mappings_against_reference():
+    kv = tiny_kv(120)
+    reqs = [kv.new_request(f'r{i}', toks(n, 30 + i)) for i, n in enumerate((37, 5, 64))]
+    sched = []
+    for r in reqs:
+        kv.allocate_slots(r, r.num_tokens); sched.append((r.request_id, 0, r.num_tokens))
+    sm = kv.slot_mappings(sched)
+    exp_swa, exp_c2, exp_c1, exp_ring = [], [], [], []
+    for r in reqs:
+        g, s, (ring,) = kv.get_block_ids(r.request_id); pos = range(r.num_tokens)
+        exp_swa += by_hand_slots(s, pos, 4); exp_c2 += by_hand_slots(g, pos, 16, 2); exp_c1 += by_hand_slots(g, pos, 16, 1)
+        exp_ring += ring_slot_mapping(ring, pos, 2).tolist()
+    assert sm.swa.tolist() == exp_swa and sm.compressed[2].tolist() == exp_c2 and sm.compressed[1].tolist() == exp_c1
+    assert sm.ring.tolist() == exp_ring
+    bt = kv.block_table([r.request_id for r in reqs], SWA)
+    assert bt.shape == (3, 16) and bt.dtype == torch.int32 and bt[1, 2:].eq(0).all()
+
+
+def test_slot_mapping_refuses_released_blocks():
+    kv = tiny_kv(64)
+    a = kv.new_request('a', toks(40, 40)); run(kv, a)
+    a.append_output_token_ids(1); kv.allocate_slots(a, 1)   # releases SWA blocks 0..5
+    with pytest.raises(ValueError, match='null'):
+        kv.slot_mappings([('a', 0, 4)])
+    assert kv.slot_mappings([('a', 40, 1)]).swa.numel() == 1
+
+
+# ---------------------------------------------------------------- bad input, events, reset
+def test_request_that_can_never_fit_is_refused_at_admission():
+    kv = tiny_kv(20)
+    before = snapshot(kv)
+    with pytest.raises(CacheCapacityError, match=r"request 'big' can never fit: at 400 tokens it needs 31 blocks \(global 25 \+ swa 5 \+ compressor 1\) but the pool has only 19"):
+        kv.allocate_slots(kv.new_request('big', toks(400)), 8)
+    with pytest.raises(CacheCapacityError):
+        kv.allocate_slots(kv.new_request('greedy', toks(50), max_tokens=350), 8)
+    assert snapshot(kv) == before
+
+
+def test_double_free():
+    kv = tiny_kv(40)
+    a = kv.new_request('a', toks(20)); run(kv, a); kv.free(a)
+    before = snapshot(kv)
+    with pytest.raises(ValueError, match="request 'a' holds no KV blocks: freed twice"):
+        kv.free(a)
+    kv.free(a, missing_ok=True)
+    with pytest.raises(ValueError, match='freed twice'):
+        kv.block_pool.free_blocks([kv.block_pool.blocks[1]])
+    assert snapshot(kv) == before
+
+
+def test_events_and_reset():
+    kv = tiny_kv(60, events=True)
+    seen = []
+    kv.subscribe(seen.append)
+    a = kv.new_request('a', toks(40, 50)); run(kv, a)
+    assert [(type(e), e.group_id, len(e.block_hashes)) for e in seen] == [(BlockStored, GLOBAL, 2), (BlockStored, SWA, 4)]
+    assert seen[0].token_ids == tuple(a.all_token_ids[:32]) and seen[0].parent_block_hash is None
+    assert seen[1].parent_block_hash == a.block_hashes[3] and seen[1].token_ids == tuple(a.all_token_ids[16:32])
+    assert kv.reset_prefix_cache() is False
+    kv.free(a)
+    assert kv.reset_prefix_cache() is True and seen[-1] == AllBlocksCleared()
+    assert kv.take_events() == seen
+    assert kv.get_computed_blocks(kv.new_request('b', toks(40, 50)))[1] == 0
+
+
+def test_prefix_caching_disabled():
+    kv = tiny_kv(60, enable_prefix_caching=False)
+    t = toks(40, 60)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)
+    assert kv.block_pool.cached_block_hash_to_block == {} and a.block_hashes == []
+    assert kv.get_computed_blocks(kv.new_request('b', t))[1] == 0
+    assert kv.num_free_blocks == 59
