@@ -17,6 +17,8 @@ def triton_interpreting() -> bool:
 
 def kernel_backend(*tensors: torch.Tensor) -> str:
     "'triton' or 'torch': which implementation runs for `tensors` (forced by `use_kernels` or `DSV41_KERNELS`)"
+    bad = [type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)]
+    if bad: raise TypeError(f"kernel_backend: expected tensors, got {', '.join(bad)}")
     devices = {t.device.type for t in tensors}
     if len(devices) > 1: raise ValueError(f"tensors on several devices {sorted(devices)}; move them to one")
     triton_ok = triton_interpreting() or devices == {'cuda'}
@@ -45,19 +47,30 @@ def check_device() -> torch.device:
 __all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
-def median_time(fn, warmup: int = 25, rep: int = 100) -> float:
+def median_time(fn, # the call to time, with no arguments
+                warmup: int = 25, # warm-up: milliseconds on a GPU (`do_bench`), calls on the CPU
+                rep: int = 100, # measuring: milliseconds on a GPU, rep // 10 calls (at least 5) on the CPU
+               ) -> float:
     "Median seconds per call of `fn` (warm-up first; CUDA events on a GPU)"
+    if not callable(fn): raise TypeError(f"median_time: fn must be callable, got {type(fn).__name__}")
+    for name, v in (('warmup', warmup), ('rep', rep)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == 'warmup' else 1):
+            raise ValueError(f"median_time: {name} must be an int >= {0 if name == 'warmup' else 1}, got {v!r}")
     if torch.cuda.is_available():
         import triton.testing
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode='median') / 1e3
-    for _ in range(3): fn()
+    for _ in range(min(warmup, 3)): fn()
     times = []
     for _ in range(max(5, rep // 10)):
         t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
     return statistics.median(times)
 
-def copy_bandwidth(nbytes: int = 2 * 2**30, device='cuda') -> float:
+def copy_bandwidth(nbytes: int = 2 * 2**30, # bytes in the source buffer (the copy moves twice that)
+                   device='cuda', # where to measure
+                  ) -> float:
     "Measured device-to-device copy bandwidth, bytes/s, counting bytes read plus bytes written"
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
+        raise ValueError(f"copy_bandwidth: nbytes must be a positive int, got {nbytes!r}")
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
     return 2 * nbytes / median_time(lambda: dst.copy_(src))

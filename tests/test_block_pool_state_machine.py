@@ -7,13 +7,14 @@ of block-table references, no block belongs to two groups, and every registered 
 test recorded it when the block was written) hashes to it. Prefix-hit blocks are checked against that content too.
 
 Default: >= 10,000 operations. DSV41_SLOW=1: 10x more."""
-import hashlib, os
+import os
 from collections import Counter
 import pytest
 from hypothesis import settings, strategies as st, HealthCheck, Phase
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition, run_state_machine_as_test
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, KVCacheManager, CacheCapacityError, NONE_HASH
+from dsv41_nb.block_pool import reference_block_hash
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, KVCacheManager, CacheCapacityError, cache_snapshot, cdiv
 
 TINY = ModelConfig.tiny()
 SLOW = bool(os.environ.get('DSV41_SLOW'))
@@ -23,15 +24,13 @@ VOCAB = 24                # a small alphabet: shared prefixes also arise by chan
 
 
 def chain_hash(salt, tokens, hbs, memo={}):
-    "Independent re-implementation of the documented chain: sha256(parent | u32 n | u32 tokens | salt on block 0)"
+    "The documented chain, block by block through the reference serialiser, the salt on block 0 (memoised per prefix)"
     key = (salt, tokens)
-    if key in memo: return memo[key]
-    n = len(tokens)
-    parent = NONE_HASH if n == hbs else chain_hash(salt, tokens[:n - hbs], hbs)
-    payload = parent + hbs.to_bytes(4, 'little') + b''.join(t.to_bytes(4, 'little') for t in tokens[n - hbs:])
-    if n == hbs and salt is not None: payload += b's' + len(salt.encode()).to_bytes(4, 'little') + salt.encode()
-    memo[key] = h = hashlib.sha256(payload).digest()
-    return h
+    if key not in memo:
+        n = len(tokens)
+        parent = None if n == hbs else chain_hash(salt, tokens[:n - hbs], hbs)
+        memo[key] = reference_block_hash(parent, tokens[n - hbs:], (salt,) if n == hbs and salt is not None else ())
+    return memo[key]
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -51,11 +50,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.n += 1
         return self.kv.new_request(f'r{self.n}', tokens, cache_salt=salt)
 
-    def _snapshot(self):
-        return ([(b.ref_cnt, b.block_hash) for b in self.pool.blocks],
-                [b.block_id for b in self.pool.free_block_queue.get_all_free_blocks()],
-                {k: (v.block_id if not isinstance(v, dict) else sorted(v)) for k, v in self.pool.cached_block_hash_to_block.items()},
-                {r: self.kv.get_block_ids(r) for r in self.kv.live_requests})
+    def _snapshot(self): return cache_snapshot(self.kv)
 
     def _write(self, req, start, n):
         "The forward pass wrote positions [start, start + n): record full blocks' content"
@@ -73,7 +68,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def _check_hits(self, req, hit):
         swa = self.kv.managers[1]
-        need = -(-(TINY.window_size - 1) // swa.block_size)               # the window before the resume point
+        need = cdiv(TINY.window_size - 1, swa.block_size)                 # the window before the resume point
         assert not any(b.is_null for b in hit.blocks[1][-need:]), 'a hit without the window before it'
         for m, blocks in zip(self.kv.managers, hit.blocks):
             for i, b in enumerate(blocks):

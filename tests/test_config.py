@@ -1,11 +1,13 @@
 "Property tests for ModelConfig: random valid topologies are accepted and mapped consistently; broken ones fail with ConfigError"
 import json
-from dataclasses import replace
+from dataclasses import replace, fields
 from pathlib import Path
 import pytest
-from hypothesis import given, strategies as st, assume
-from dsv41_nb.config import (ModelConfig, ConfigError, layer_topology, role_counts, source_layer, compressed_entries_per_token,
-                             engram_bucket_primes, engram_table_rows, is_prime, checkpoint_manifest, params_by_group, expert_params)
+import fastcore.test as fct
+from hypothesis import given, strategies as st
+from dsv41_nb.config import (ModelConfig, ConfigError, layer_topology, role_counts, source_layer, engram_bucket_primes,
+                             engram_table_rows, is_prime, validate, expect_config, check_int, topology_table, plot_layer_map,
+                             TOPOLOGY_COLUMNS)
 
 PUBLIC = Path(__file__).resolve().parent.parent / 'nbs' / 'reference' / 'deepseek_v41_config.json'
 TINY = ModelConfig.tiny()
@@ -52,7 +54,6 @@ def test_random_valid_topologies(t):
     counts = role_counts(c)
     assert sum(counts.values()) == len(topo)
     assert counts['Full'] == len(c.kv_source_layers)
-    assert abs(compressed_entries_per_token(c) - sum(1 / c.compress_ratios[s] for s in c.kv_source_layers)) < 1e-12
     assert ModelConfig.from_dict(json.loads(c.to_json())) == c
 
 MUTATIONS = st.sampled_from(['drop_kv', 'drop_index', 'ratio', 'topk', 'heads', 'dims', 'engram', 'drafter'])
@@ -82,17 +83,57 @@ def test_engram_primes():
         assert engram_table_rows(c) == c.engram_num_embeddings
     assert [n for n in range(200) if is_prime(n)] == [n for n in range(2, 200) if all(n % d for d in range(2, int(n ** 0.5) + 1))]
 
-def test_manifest_counts():
-    for c in (TINY, ModelConfig.bench()):
-        man = checkpoint_manifest(c)
-        names = [s.name for s in man]
-        assert len(names) == len(set(names))
-        g = params_by_group(man)
-        assert g['routed_experts'] == c.n_layers * c.n_routed_experts * expert_params(c)
-        assert g['dspark_experts'] == c.n_mtp_layers * c.dspark_n_routed_experts * expert_params(c)
-        assert sum(1 for s in names if s.endswith('.attn.compressor.norm.weight')) == len(c.kv_source_layers)
-        assert sum(1 for s in names if s.endswith('.attn.indexer.wq_b.weight')) == len(c.index_source_layers)
-        assert sum(1 for s in names if s.endswith('.engram.embed.weight')) == len(c.engram_layer_ids)
-
 def test_unknown_key():
     with pytest.raises(ConfigError, match='unknown config keys'): ModelConfig.from_dict({'dim': 64, 'bogus': 1})
+
+FULL = ModelConfig.full()
+
+# (call, exception type, words the message must contain): every public function of dsv41_nb.config, given bad input
+BAD_INPUTS = [
+    (lambda: ModelConfig(vocab_size='abc'), ConfigError, "vocab_size = 'abc' is a str; expected an int"),
+    (lambda: ModelConfig(n_heads=True), ConfigError, 'n_heads = True is a bool'),
+    (lambda: ModelConfig(route_scale='1.5'), ConfigError, "route_scale = '1.5' is a str; expected a number"),
+    (lambda: ModelConfig(norm_eps=float('inf')), ConfigError, 'norm_eps = inf; expected a finite number'),
+    (lambda: ModelConfig(score_func=1), ConfigError, 'score_func = 1 is a int; expected a str'),
+    (lambda: ModelConfig(kv_source_layers=(2.0, 8, 14, 20)), ConfigError, 'holds 2.0, a float; expected ints'),
+    (lambda: ModelConfig(compress_ratios=None), ConfigError, 'compress_ratios = None is a NoneType; expected a tuple'),
+    (lambda: ModelConfig(window_size=-128), ConfigError, 'window_size = -128; it must be positive'),
+    (lambda: ModelConfig(dim=0), ConfigError, 'dim = 0; it must be positive'),
+    (lambda: ModelConfig(hc_eps=0.0), ConfigError, 'hc_eps = 0.0; it must be positive'),
+    (lambda: ModelConfig(n_mtp_layers=-1), ConfigError, 'n_mtp_layers = -1; it must not be negative'),
+    (lambda: ModelConfig(candidate_source_layer=-7), ConfigError, 'candidate_source_layer = -7'),
+    (lambda: ModelConfig(engram_vocab_size=-5, engram_num_embeddings=()), ConfigError, 'engram_vocab_size = -5; it must be positive'),
+    (lambda: ModelConfig(vision_max_wh_ratio=-1.0), ConfigError, 'vision_max_wh_ratio = -1.0'),
+    (lambda: ModelConfig.from_dict(['dim', 64]), ConfigError, 'expected a dict of config.json keys, got list'),
+    (lambda: ModelConfig.from_dict({'dim': 64, 'bogus': 1}), ConfigError, 'unknown config keys'),
+    (lambda: source_layer((2, 8), 'x'), TypeError, "source_layer: layer must be an int, got 'x'"),
+    (lambda: source_layer(None, 3), TypeError, 'source_layer: sources must be a tuple or list'),
+    (lambda: source_layer((2, '8'), 3), TypeError, 'source_layer: sources must be a tuple or list'),
+    (lambda: is_prime('7'), TypeError, "is_prime: n must be an int, got '7'"),
+    (lambda: is_prime(7.0), TypeError, 'is_prime: n must be an int, got 7.0'),
+    (lambda: check_int('f', 'n', -1, 0), ValueError, 'f: n = -1; expected at least 0'),
+    (lambda: validate('full'), TypeError, 'validate: expected a ModelConfig, got str'),
+    (lambda: expect_config({}, 'g'), TypeError, 'g: expected a ModelConfig, got dict'),
+    (lambda: engram_bucket_primes(None), TypeError, 'engram_bucket_primes: expected a ModelConfig'),
+    (lambda: engram_table_rows(FULL.to_dict()), TypeError, 'engram_bucket_primes: expected a ModelConfig, got dict'),
+    (lambda: layer_topology('full'), TypeError, 'layer_topology: expected a ModelConfig, got str'),
+    (lambda: role_counts(FULL, 'middle'), ValueError, "role_counts: half = 'middle'"),
+    (lambda: role_counts(3), TypeError, 'layer_topology: expected a ModelConfig, got int'),
+    (lambda: topology_table(None), TypeError, 'layer_topology: expected a ModelConfig, got NoneType'),
+    (lambda: plot_layer_map('tiny'), TypeError, 'layer_topology: expected a ModelConfig, got str'),
+]
+
+@pytest.mark.parametrize('call, exc, words', BAD_INPUTS, ids=[w[:40] for _, _, w in BAD_INPUTS])
+def test_bad_inputs(call, exc, words):
+    fct.test_fail(call, contains=words, exc=exc)
+
+WRONG = {'int': 'x', 'float': 'x', 'str': 3, 'tuple': 'x', 'float | None': 'x', 'str | None': 3}
+
+@pytest.mark.parametrize('name', [f.name for f in fields(ModelConfig)])
+def test_every_field_rejects_a_wrong_type(name):
+    "A JSON value of the wrong type is named in a ConfigError, never a comparison or attribute error later"
+    kind = {f.name: f.type for f in fields(ModelConfig)}[name]
+    with pytest.raises(ConfigError, match=f'^{name} = '): replace(FULL, **{name: WRONG[kind]})
+
+def test_topology_columns_match_the_table():
+    for c in (TINY, FULL): assert topology_table(c).splitlines()[0].split() == list(TOPOLOGY_COLUMNS)

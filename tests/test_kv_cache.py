@@ -1,14 +1,14 @@
-"Exact cases for dsv41_nb.kv_cache, in the manner of vLLM's prefix-caching tests, plus seed 004's worked numbers and bad input"
-import hashlib, os, random, subprocess, sys
-from dataclasses import replace
+"""Exact cases for dsv41_nb.kv_cache, in the manner of vLLM's prefix-caching tests, plus the worked numbers of
+"The Life of a DeepSeek V4.1 Flash KV Cache in vLLM" and bad input"""
+import random
 import pytest
 import torch
+import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheManager, KVCacheCoordinator, BlockPool, Request,
-                               RequestBlockHasher, ImageSpan, hash_block_tokens, NONE_HASH, CacheCapacityError, BlockStored,
-                               BlockRemoved, AllBlocksCleared, slot_mapping, compressed_slot_mapping, compressed_state_slots,
-                               ring_slot_mapping, PAD_SLOT_ID, cdiv)
+from dsv41_nb.block_pool import BlockPool, Request, RequestBlockHasher, BlockStored, AllBlocksCleared, reference_slot_mapping, ring_slot_mapping
+from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheManager, KVCacheCoordinator, CacheCapacityError, cdiv,
+                               cache_snapshot, reference_longest_hit)
 
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
 GLOBAL, SWA, RING = 0, 1, 2
@@ -42,15 +42,8 @@ def free_order(kv):
     return [b.block_id for b in kv.block_pool.free_block_queue.get_all_free_blocks()]
 
 
-def snapshot(kv):
-    pool = kv.block_pool
-    return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], free_order(kv),
-            {k: (v.block_id if not isinstance(v, dict) else sorted(v)) for k, v in pool.cached_block_hash_to_block.items()},
-            {r: kv.get_block_ids(r) for r in kv.live_requests})
-
-
 # ---------------------------------------------------------------- layout and config
-def test_full_layout_matches_seed_004():
+def test_full_layout_matches_the_blog_post():
     kc = get_kv_cache_config(FULL)
     g, s, r = kc.groups
     assert (g.block_size, s.block_size, kc.hash_block_size, kc.resume_alignment) == (128, 32, 32, 128)
@@ -60,7 +53,7 @@ def test_full_layout_matches_seed_004():
     assert g.bytes_per_block == 64 * 3 * (288 + 68) + 128 * (288 + 68)
     assert kc.page_bytes == 43 * 32 * 528 == max(x.bytes_per_block for x in kc.groups)
     assert [x.prefix_caching for x in kc.groups] == ['yes', 'retained tails only', 'never']
-    fp8 = get_kv_cache_config(FULL, CacheConfig(main_kv_format='fp8_ds_mla', index_key_format='fp8'))
+    fp8 = get_kv_cache_config(FULL, CacheConfig(main_kv_format='fp8_ds_mla', index_key_format='index_fp8'))
     assert fp8.groups[0].bytes_per_block == 64 * 3 * (584 + 132) + 128 * (584 + 132)
 
 
@@ -79,57 +72,6 @@ def test_cache_config_rejects(kw, msg):
 def test_global_block_must_hold_whole_states():
     with pytest.raises(ValueError, match="not a multiple of KV source layer 2's compress_ratio 2"):
         get_kv_cache_config(TINY, CacheConfig(swa_block_size=3, global_block_size=9))
-
-
-# ---------------------------------------------------------------- hashing
-def by_hand(parent, tokens, extra=()):
-    "The documented serialisation, written independently of the library"
-    payload = (parent or NONE_HASH) + len(tokens).to_bytes(4, 'little') + b''.join(t.to_bytes(4, 'little') for t in tokens)
-    for k in extra: payload += b's' + len(k.encode()).to_bytes(4, 'little') + k.encode()
-    return hashlib.sha256(payload).digest()
-
-
-def test_hash_chain_matches_independent_serialisation():
-    t = toks(200, vocab=FULL.vocab_size)
-    req = Request('r', t, RequestBlockHasher(32, FULL.vocab_size), cache_salt='salt', mm_features=[ImageSpan(70, 10, 'imgA')])
-    parent = None
-    for i in range(6):
-        extra = (['imgA'] if i == 2 else []) + (['salt'] if i == 0 else [])
-        parent = by_hand(parent, t[32 * i:32 * (i + 1)], extra)
-        assert req.block_hashes[i] == parent
-    assert len(req.block_hashes) == 200 // 32
-
-
-def test_hashes_are_the_same_in_another_process():
-    code = ("from dsv41_nb.kv_cache import Request, RequestBlockHasher; "
-            "print(Request('r', list(range(1000, 1300)), RequestBlockHasher(32, 129280)).block_hashes[-1].hex())")
-    outs = {subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
-                           env={**os.environ, 'PYTHONHASHSEED': seed}).stdout.strip() for seed in ('1', '2')}
-    here = Request('r', list(range(1000, 1300)), RequestBlockHasher(32, 129280)).block_hashes[-1].hex()
-    assert outs == {here}
-
-
-@pytest.mark.parametrize('bad,pos', [(129280, 5), (-1, 5), (10 ** 12, 5)])
-def test_token_outside_vocabulary(bad, pos):
-    t = list(range(40)); t[pos] = bad
-    with pytest.raises(ValueError, match=f'token id {bad} at position {pos} is outside the vocabulary'):
-        Request('r', t, RequestBlockHasher(32, FULL.vocab_size))
-    with pytest.raises(ValueError, match=f'token id {bad} at position {pos}'):
-        hash_block_tokens(None, t[:32], vocab_size=FULL.vocab_size)
-    req = Request('r', list(range(40)), RequestBlockHasher(32, FULL.vocab_size))
-    with pytest.raises(ValueError, match=f'token id {bad} at position 40'):
-        req.append_output_token_ids(bad)
-    with pytest.raises(ValueError, match=f'token id {bad} at position 41'):
-        req.append_output_token_ids([1, bad])
-    assert req.num_tokens == 40 and len(req.block_hashes) == 1           # nothing stored
-
-
-def test_incremental_hashing_equals_bulk():
-    t = toks(300, 3)
-    h = RequestBlockHasher(4, TINY.vocab_size)
-    bulk, grown = Request('a', t, h), Request('b', t[:7], h)
-    for i in range(7, 300, 5): grown.append_output_token_ids(t[i:i + 5])
-    assert grown.block_hashes == bulk.block_hashes
 
 
 # ---------------------------------------------------------------- block pool: vLLM-style exact cases
@@ -151,29 +93,6 @@ def test_eviction_order_of_a_freed_prefix():
     kv.block_pool.get_new_blocks(1)                     # evicts g[1], the prefix's last global block
     assert kv.block_pool.get_cached_block(req.block_hashes[7], [GLOBAL]) is None
     assert kv.block_pool.get_cached_block(req.block_hashes[3], [GLOBAL])[0].block_id == g[0].block_id
-
-
-def test_partial_block_is_reused_first():
-    pool = BlockPool(10)
-    req = Request('a', list(range(10)), RequestBlockHasher(4, 100))
-    blocks = pool.get_new_blocks(3)                     # 4 + 4 + 2 tokens
-    pool.cache_full_blocks(req, blocks, range(2), 4, 1, 0)
-    pool.free_blocks(reversed(blocks))
-    assert pool.get_new_blocks(1)[0] is blocks[2]        # the partial, unregistered block comes back first
-
-
-def test_hash_is_dropped_when_a_block_is_reused():
-    pool = BlockPool(4, enable_kv_cache_events=True)
-    req = Request('a', list(range(8)), RequestBlockHasher(4, 100))
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(req, blocks, range(2), 4, 1, 0)
-    assert [type(e) for e in pool.take_events()] == [BlockStored]
-    pool.free_blocks(reversed(blocks))
-    got = pool.get_new_blocks(3)                         # the never-used block, then blocks[1], then blocks[0]
-    assert [b.block_id for b in got] == [3, blocks[1].block_id, blocks[0].block_id]
-    assert all(b.block_hash is None and b.ref_cnt == 1 for b in got)
-    assert pool.cached_block_hash_to_block == {}
-    assert pool.take_events() == [BlockRemoved((req.block_hashes[1],), 0), BlockRemoved((req.block_hashes[0],), 0)]
 
 
 def test_two_blocks_sharing_a_hash():
@@ -202,14 +121,14 @@ def test_failed_allocation_has_no_side_effect():
     b = kv.new_request('b', toks(40, 2) + toks(60, 3))  # a hit on a's blocks, then far too much
     hit, n = kv.get_computed_blocks(b)
     assert n == 32
-    before = snapshot(kv)
+    before = cache_snapshot(kv)
     assert kv.allocate_slots(b, b.num_tokens - n, n, hit) is None
-    assert snapshot(kv) == before
+    assert cache_snapshot(kv) == before
     # a running request whose growth does not fit, even counting the SWA blocks its skip would release
     a.num_computed_tokens = 40
-    before = snapshot(kv)
+    before = cache_snapshot(kv)
     assert kv.allocate_slots(a, 1, num_lookahead_tokens=200) is None
-    assert snapshot(kv) == before                         # the skippable SWA blocks were NOT released
+    assert cache_snapshot(kv) == before                         # the skippable SWA blocks were NOT released
     assert sum(not x.is_null for x in kv.get_blocks('a').blocks[SWA]) == 10
 
 
@@ -224,7 +143,7 @@ def test_growth_that_fits_only_thanks_to_released_window_blocks():
 
 
 def test_window_release_feeds_the_other_groups():
-    "Regression (found by the state machine): a global block that only the SWA release makes room for"
+    "A global block that only the window release makes room for: the release comes before every group allocates"
     kv = tiny_kv(17)                                      # 16 usable: a 48-token prompt holds 3 + 12 + 1 = 16
     a = kv.new_request('a', toks(48, 15)); run(kv, a)
     assert kv.num_free_blocks == 0
@@ -268,7 +187,7 @@ def test_lookahead_slots_take_ceil_blocks():
 
 
 # ---------------------------------------------------------------- hybrid hits
-def test_seed_004_worked_example():
+def test_roccos_worked_example():
     "Global through 32,768, SWA only through 24,576 -> resume at 24,576; then 256 + 8, 4 + 32, 1 blocks"
     t = toks(50_000, 9, FULL.vocab_size)
     for interval, expect in ((0, 24_576), (8192, 32_768)):
@@ -367,43 +286,15 @@ def test_coordinator_agrees_with_brute_force():
             pool.cache_full_blocks(req, blocks, keep, m.block_size, m.hash_stride, m.group_id)
         limit = data.draw(st.integers(0, n))
         (g, s, _), L = coord.find_longest_cache_hit(req.block_hashes, limit)
-        brute = 0
-        for cand in range(limit // kc.resume_alignment * kc.resume_alignment, -1, -kc.resume_alignment):
-            gm, sm = coord.managers[:2]
-            need_g = range(cand // gm.block_size)
-            need_s = range(max(0, cand // sm.block_size - sm.tail_blocks), cand // sm.block_size)
-            if all(gm._lookup(req.block_hashes, i) for i in need_g) and all(sm._lookup(req.block_hashes, i) for i in need_s):
-                brute = cand; break
-        assert L == brute and len(g) * gm.block_size == L and len(s) * sm.block_size == L
+        gm, sm = coord.managers[:2]
+        assert L == reference_longest_hit(coord, req.block_hashes, limit)
+        assert len(g) * gm.block_size == L and len(s) * sm.block_size == L
         assert all(not b.is_null for b in g)
         assert all(not b.is_null for b in s[max(0, len(s) - sm.tail_blocks):])
     check()
 
 
 # ---------------------------------------------------------------- slot mappings
-def by_hand_slots(ids, positions, bs, ratio=1):
-    out = []
-    for p in positions:
-        if (p + 1) % ratio: out.append(-1); continue
-        i, per = p // ratio, bs // ratio
-        out.append(ids[i // per] * per + i % per)
-    return out
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.data())
-def test_slot_mappings_match_definition(data):
-    bs = data.draw(st.sampled_from([4, 16, 32, 128]))
-    nb = data.draw(st.integers(1, 20))
-    ids = data.draw(st.lists(st.integers(1, 10_000), min_size=nb, max_size=nb, unique=True))
-    pos = data.draw(st.lists(st.integers(0, nb * bs - 1), min_size=0, max_size=50))
-    assert slot_mapping(ids, pos, bs).tolist() == by_hand_slots(ids, pos, bs)
-    for r in (1, 2):
-        assert compressed_slot_mapping(ids, pos, bs, r).tolist() == by_hand_slots(ids, pos, bs, r)
-    states = [p // 2 for p in pos] + [-1]
-    assert compressed_state_slots(ids, states, bs, 2).tolist()[-1] == PAD_SLOT_ID
-
-
 def test_batch_slot_mappings_against_reference():
     kv = tiny_kv(120)
     reqs = [kv.new_request(f'r{i}', toks(n, 30 + i)) for i, n in enumerate((37, 5, 64))]
@@ -414,7 +305,7 @@ def test_batch_slot_mappings_against_reference():
     exp_swa, exp_c2, exp_c1, exp_ring = [], [], [], []
     for r in reqs:
         g, s, (ring,) = kv.get_block_ids(r.request_id); pos = range(r.num_tokens)
-        exp_swa += by_hand_slots(s, pos, 4); exp_c2 += by_hand_slots(g, pos, 16, 2); exp_c1 += by_hand_slots(g, pos, 16, 1)
+        exp_swa += reference_slot_mapping(s, pos, 4); exp_c2 += reference_slot_mapping(g, pos, 16, 2); exp_c1 += reference_slot_mapping(g, pos, 16, 1)
         exp_ring += ring_slot_mapping(ring, pos, 2).tolist()
     assert sm.swa.tolist() == exp_swa and sm.compressed[2].tolist() == exp_c2 and sm.compressed[1].tolist() == exp_c1
     assert sm.ring.tolist() == exp_ring
@@ -434,24 +325,24 @@ def test_slot_mapping_refuses_released_blocks():
 # ---------------------------------------------------------------- bad input, events, reset
 def test_request_that_can_never_fit_is_refused_at_admission():
     kv = tiny_kv(20)
-    before = snapshot(kv)
+    before = cache_snapshot(kv)
     with pytest.raises(CacheCapacityError, match=r"request 'big' can never fit: at 400 tokens it needs 31 blocks \(global 25 \+ swa 5 \+ compressor 1\) but the pool has only 19"):
         kv.allocate_slots(kv.new_request('big', toks(400)), 8)
     with pytest.raises(CacheCapacityError):
         kv.allocate_slots(kv.new_request('greedy', toks(50), max_tokens=350), 8)
-    assert snapshot(kv) == before
+    assert cache_snapshot(kv) == before
 
 
 def test_double_free():
     kv = tiny_kv(40)
     a = kv.new_request('a', toks(20)); run(kv, a); kv.free(a)
-    before = snapshot(kv)
+    before = cache_snapshot(kv)
     with pytest.raises(ValueError, match="request 'a' holds no KV blocks: freed twice"):
         kv.free(a)
     kv.free(a, missing_ok=True)
     with pytest.raises(ValueError, match='freed twice'):
         kv.block_pool.free_blocks([kv.block_pool.blocks[1]])
-    assert snapshot(kv) == before
+    assert cache_snapshot(kv) == before
 
 
 def test_events_and_reset():
@@ -476,3 +367,62 @@ def test_prefix_caching_disabled():
     assert kv.block_pool.cached_block_hash_to_block == {} and a.block_hashes == []
     assert kv.get_computed_blocks(kv.new_request('b', t))[1] == 0
     assert kv.num_free_blocks == 59
+
+
+def test_duplicate_request_id():
+    "A second request under a live id used to be accepted; allocate_slots then grew the first's tables and free blamed a double free"
+    kv = tiny_kv(60)
+    a = kv.new_request('a', toks(20)); run(kv, a)
+    twin = Request('a', toks(30, 1), kv.block_hasher)                 # made directly, past new_request's check
+    before = cache_snapshot(kv)
+    fct.test_fail(lambda: kv.new_request('a', toks(5)), exc=ValueError, contains="request id 'a' is already live in this cache")
+    fct.test_fail(lambda: kv.allocate_slots(twin, 30), exc=ValueError, contains="request id 'a' belongs to another live request")
+    fct.test_fail(lambda: kv.free(twin), exc=ValueError, contains="request id 'a' belongs to another live request")
+    assert cache_snapshot(kv) == before
+    kv.free(a)
+    assert kv.allocate_slots(twin, 30) is not None and kv.live_requests == {'a'}   # the id is free again
+    kv.free(twin)
+    assert kv.num_free_blocks == kv.block_pool.num_usable_blocks
+
+
+def test_block_table_refuses_what_it_cannot_draw():
+    "block_table(['nope'], 0) used to return a row of null blocks; a narrow width silently cut tables"
+    kv = tiny_kv(60)
+    a = kv.new_request('a', toks(40)); run(kv, a)
+    fct.test_fail(lambda: kv.block_table(['nope'], 0), exc=ValueError, contains="block_table: request 'nope' holds no KV blocks")
+    fct.test_fail(lambda: kv.block_table(['a'], 1, width=3), exc=ValueError, contains='width = 3 is narrower than the longest table (10 blocks)')
+    assert kv.block_table(['a'], 1, width=12)[0].tolist() == kv.get_block_ids('a')[1] + [0, 0]
+
+
+def test_bad_input():
+    kv = tiny_kv(20)
+    ok = kv.new_request('ok', toks(40, 2)); kv.allocate_slots(ok, 40)
+    before = cache_snapshot(kv)
+    for f, exc, msg in [
+            (lambda: CacheConfig(swa_block_size=0), ValueError, 'swa_block_size = 0; expected a positive integer'),
+            (lambda: CacheConfig(global_block_size=0), ValueError, 'global_block_size = 0; expected a positive integer'),
+            (lambda: CacheConfig(swa_block_size=2.5), ValueError, 'swa_block_size = 2.5; expected a positive integer'),
+            (lambda: CacheConfig(index_key_format='mxfp4'), ValueError, "index_key_format = 'mxfp4'; expected one of ('index_mxfp4', 'index_fp8')"),
+            (lambda: CacheConfig(kv_cache_memory_bytes=-1), ValueError, 'kv_cache_memory_bytes = -1'),
+            (lambda: CacheConfig.for_model('tiny'), TypeError, 'expected a ModelConfig'),
+            (lambda: get_kv_cache_config(TINY, dict(swa_block_size=4)), TypeError, 'cc must be a CacheConfig'),
+            (lambda: get_kv_cache_config(TINY, CacheConfig(kv_cache_memory_bytes=100)), ValueError, 'the pool needs at least 2'),
+            (lambda: KVCacheManager(CacheConfig()), TypeError, 'expected a KVCacheConfig'),
+            (lambda: kv.new_request('e', None), TypeError, 'prompt_token_ids must be a sequence of token ids, got NoneType'),
+            (lambda: kv.new_request('x', [1, 2, 512]), ValueError, 'token id 512 at position 2 is outside the vocabulary'),
+            (lambda: kv.new_request('ok', [1]), ValueError, "request id 'ok' is already live"),
+            (lambda: kv.allocate_slots('ok', 1), TypeError, 'expected a Request, got str'),
+            (lambda: kv.allocate_slots(ok, 0), ValueError, 'num_new_tokens = 0, num_lookahead_tokens = 0; expected >= 1 and >= 0'),
+            (lambda: kv.allocate_slots(ok, 1, num_lookahead_tokens=-1), ValueError, 'num_lookahead_tokens = -1'),
+            (lambda: kv.allocate_slots(ok, 1, num_new_computed_tokens=-16), ValueError, 'num_new_computed_tokens = -16'),
+            (lambda: kv.allocate_slots(ok, 1 << 20), ValueError, 'exceed max_model_len'),
+            (lambda: kv.allocate_slots(kv.new_request('big', toks(400)), 8), CacheCapacityError, "request 'big' can never fit"),
+            (lambda: kv.free(kv.new_request('never', [1])), ValueError, "request 'never' holds no KV blocks"),
+            (lambda: kv.block_table('ok', 0), TypeError, 'request_ids must be a sequence of ids'),
+            (lambda: kv.block_table(['ok'], 3), ValueError, 'group_id = 3; expected 0..2'),
+            (lambda: kv.block_table(['nope'], 0), ValueError, "request 'nope' holds no KV blocks"),
+            (lambda: kv.slot_mappings([('nope', 0, 1)]), ValueError, "slot_mappings: request 'nope' holds no KV blocks"),
+            (lambda: kv.slot_mappings([('ok', -1, 2)]), ValueError, 'scheduled at position -1 for 2 tokens'),
+            (lambda: kv.slot_mappings([('ok', 0, 41)]), ValueError, 'need 11 blocks but the table has 10')]:
+        fct.test_fail(f, exc=exc, contains=msg)
+    assert cache_snapshot(kv) == before

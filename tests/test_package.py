@@ -1,5 +1,5 @@
-"The package imports and runs its CLI on a machine without a GPU"
-import os, subprocess, sys
+"The package as a user meets it: imports without a GPU, its docstring and version, the `dsv41` command"
+import configparser, os, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -8,6 +8,11 @@ def run(code, env_extra=None):
     env = {**os.environ, 'CUDA_VISIBLE_DEVICES': '', **(env_extra or {})}
     env.pop('TRITON_INTERPRET', None)
     return subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env, cwd=ROOT)
+
+def cli(*args, exe=None):
+    "Run the command line (`python -m dsv41_nb` unless `exe` is given) and return the finished process"
+    cmd = [exe] if exe else [sys.executable, '-m', 'dsv41_nb']
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=ROOT)
 
 def test_import_without_gpu_touches_no_device():
     code = ("import torch, importlib, pkgutil, dsv41_nb\n"
@@ -21,10 +26,11 @@ def test_import_without_gpu_touches_no_device():
 
 def test_reference_path_without_interpreter():
     "On a CPU without TRITON_INTERPRET the dispatch falls back to PyTorch and the codecs still work"
-    code = ("import torch\nfrom dsv41_nb.dispatch import kernel_backend\nfrom dsv41_nb.formats import cache_codecs, store_records, gather_records\n"
+    code = ("import torch\nfrom dsv41_nb.dispatch import kernel_backend\n"
+            "from dsv41_nb.formats import cache_format, store_records, gather_records\n"
             "from dsv41_nb.config import ModelConfig\n"
             "assert kernel_backend(torch.zeros(1)) == 'torch'\n"
-            "c = cache_codecs(ModelConfig.tiny())['window']\n"
+            "c = cache_format(ModelConfig.tiny(), 'window_fp8')\n"
             "cache = torch.zeros(2, 4, c.record_bytes, dtype=torch.uint8); x = torch.randn(3, c.dim)\n"
             "store_records(c, x, cache, torch.tensor([5, -1, 0]))\n"
             "y = gather_records(c, cache, torch.tensor([5, 0]), torch.float32)\n"
@@ -32,13 +38,41 @@ def test_reference_path_without_interpreter():
     r = run(code)
     assert r.returncode == 0 and 'ok' in r.stdout, r.stderr
 
-def test_cli_prints_accounting_and_layer_map():
-    r = subprocess.run([sys.executable, '-m', 'dsv41_nb'], capture_output=True, text=True, cwd=ROOT)
+def test_docstring_and_version():
+    "help(dsv41_nb) shows what the package is; __version__ is settings.ini's"
+    cfg = configparser.ConfigParser(delimiters=['=']); cfg.read(ROOT / 'settings.ini')
+    r = run("import dsv41_nb, pydoc; print(dsv41_nb.__version__); print(pydoc.render_doc(dsv41_nb, renderer=pydoc.plaintext))")
     assert r.returncode == 0, r.stderr
-    assert 'global KV per token, DeepSeek layout (B)' in r.stdout and '890' in r.stdout
+    version, doc = r.stdout.split('\n', 1)
+    assert version == cfg['DEFAULT']['version']
+    assert "DeepSeek-V4.1-Flash's inference path" in doc.split('FILE')[0], doc[:500]
+
+def test_cli_prints_accounting_and_layer_map():
+    r = cli()
+    assert r.returncode == 0, r.stderr
+    assert 'global KV per token' in r.stdout and '890' in r.stdout
     assert '== layer map: tiny ==' in r.stdout and 'Reindex' in r.stdout
-    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', '--config', str(ROOT / 'nbs/reference/deepseek_v41_config.json')],
-                       capture_output=True, text=True, cwd=ROOT)
+    for column in ('kv_src', 'idx_src', 'candidates', 'dspark_tap', 'ratio'):  # the legend explains each column
+        assert any(line.split()[:1] == [column] for line in r.stdout.splitlines()), column
+    r = cli('--config', str(ROOT / 'nbs/reference/deepseek_v41_config.json'))
     assert r.returncode == 0 and '1,460' in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', '--config', 'nope.json'], capture_output=True, text=True, cwd=ROOT)
-    assert r.returncode != 0
+    r = cli('--config', 'nope.json')
+    assert r.returncode == 2 and "no preset or config file named 'nope.json'" in r.stderr and 'Traceback' not in r.stderr
+
+def test_cli_stops_quietly_when_the_reader_does():
+    "`python -m dsv41_nb | head -1`: no BrokenPipeError trace once the reader has gone"
+    env = {**os.environ, 'PYTHONUNBUFFERED': '1'}  # each line reaches the pipe as it is printed
+    p = subprocess.Popen([sys.executable, '-m', 'dsv41_nb'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    assert p.stdout.readline().startswith(b'== accounting')
+    p.stdout.close()  # the reader goes away while the program still has the accounting and the layer map to print
+    err = p.stderr.read().decode(); p.wait(timeout=60)
+    assert 'Traceback' not in err and 'BrokenPipeError' not in err, err
+
+def test_console_script_names_itself():
+    "The installed `dsv41` script says `dsv41` in its usage line; `python -m dsv41_nb` says that"
+    exe = Path(sys.executable).parent / 'dsv41'
+    assert exe.exists(), f'the dsv41 console script is not installed next to {sys.executable}'
+    r = cli('--help', exe=str(exe))
+    assert r.returncode == 0 and r.stdout.startswith('usage: dsv41 '), r.stdout
+    r = cli('--help')
+    assert r.returncode == 0 and r.stdout.startswith('usage: python -m dsv41_nb '), r.stdout

@@ -1,0 +1,166 @@
+"Accounting: the checkpoint inventory, bytes per token, expert touch and decode floors against independent computations"
+import math
+from dataclasses import replace
+import pytest
+import torch
+import numpy as np
+import fastcore.test as fct
+from hypothesis import given, strategies as st
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.formats import cache_format, CACHE_FORMATS
+from dsv41_nb.accounting import (compressed_entries_per_token, global_kv_bytes_per_token, swa_bytes_per_sequence,
+                                 record_saving, checkpoint_manifest, params_by_group, expert_params, active_params_per_token,
+                                 memory_table, engram_gathers_per_token, engram_bytes_per_token, expert_touch_fraction,
+                                 decode_floor, Hardware, HARDWARE, TensorSpec, agreement, accounting_rows, format_rows,
+                                 ROW_HEADER, GiB)
+from test_config import topologies
+
+TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
+
+def test_manifest_counts():
+    for c in (TINY, ModelConfig.bench()):
+        man = checkpoint_manifest(c)
+        names = [s.name for s in man]
+        assert len(names) == len(set(names))
+        g = params_by_group(man)
+        assert g['routed_experts'] == c.n_layers * c.n_routed_experts * expert_params(c)
+        assert g['dspark_experts'] == c.n_mtp_layers * c.dspark_n_routed_experts * expert_params(c)
+        assert sum(1 for s in names if s.endswith('.attn.compressor.norm.weight')) == len(c.kv_source_layers)
+        assert sum(1 for s in names if s.endswith('.attn.indexer.wq_b.weight')) == len(c.index_source_layers)
+        assert sum(1 for s in names if s.endswith('.engram.embed.weight')) == len(c.engram_layer_ids)
+
+@given(topologies(), st.integers(1, 64))
+def test_entries_per_token_by_emission(t, n_pairs):
+    "Count the entries the compressors emit over a sequence ((pos + 1) % ratio == 0) and compare per token"
+    c = replace(TINY, **t)
+    n = 2 * n_pairs                                                         # a multiple of every ratio (1, 2)
+    emitted = sum(1 for s in c.kv_source_layers for pos in range(n) if (pos + 1) % c.compress_ratios[s] == 0)
+    assert compressed_entries_per_token(c) == pytest.approx(emitted / n, rel=1e-12)
+
+@pytest.mark.parametrize('c', [TINY, FULL], ids=['tiny', 'full'])
+def test_kv_bytes_match_packed_records(c):
+    "Bytes per token from the widths the codecs really write (pack random vectors and measure)"
+    width = {n: cache_format(c, n).pack(torch.randn(3, cache_format(c, n).dim)).shape[-1] for n in CACHE_FORMATS}
+    e = compressed_entries_per_token(c)
+    assert global_kv_bytes_per_token(c, 'ds_fp4', 'index_mxfp4') == pytest.approx(e * (width['ds_fp4'] + width['index_mxfp4']))
+    assert global_kv_bytes_per_token(c, 'fp8_ds_mla') == pytest.approx(e * width['fp8_ds_mla'])
+    assert swa_bytes_per_sequence(c) == c.window_size * (c.n_layers + c.n_mtp_layers) * width['window_fp8']
+    assert record_saving(c, 'ds_fp4', 'window_fp8') == pytest.approx(1 - width['ds_fp4'] / width['window_fp8'])
+
+def test_nvfp4_saving_and_flags_in_rows():
+    rows = {r[0]: r for r in accounting_rows(FULL)}
+    assert all(len(r) == len(ROW_HEADER) for r in rows.values())
+    nv = rows['NVFP4 (ds_fp4) KV smaller than FP8 (window_fp8)']
+    assert nv[1:] == ('45%', '45%', 'throughput news', 'same')
+    assert rows['KV per 1M-token sequence, DeepSeek / vLLM (MB)'][1:3] == ('933 / 1,531', '933 / 1,530')
+    assert rows['KV per 1M-token sequence, DeepSeek / vLLM (MB)'][4] == 'rounding'
+    assert rows['checkpoint size (GiB)'][1:3] == ('474.3', '476') and rows['checkpoint size (GiB)'][4].startswith('differs')
+    for r in rows.values():                                     # a row whose figures print differently is never 'same'
+        if r[2] and r[4] == 'same' and '-' not in r[2]: assert r[1] == r[2].replace('~', '')
+    assert {r[4] for r in accounting_rows(TINY)} == {''}        # the sources' figures describe the released model only
+    assert 'rounding' in format_rows(accounting_rows(FULL))
+
+@given(st.floats(-1e6, 1e6, allow_nan=False), st.integers(0, 3))
+def test_agreement(x, d):
+    "A source quotes q to d decimals: q itself is the same, q + 0.6 units a rounding, q + 3 units a difference"
+    quoted, unit = f'{x:.{d}f}', 10 ** -d
+    q = float(quoted)
+    assert agreement(q, quoted, quoted) == 'same'
+    assert agreement(q + 0.6 * unit, f'{q + 0.6 * unit:.{d + 1}f}', quoted) == 'rounding'
+    assert agreement(q - 3 * unit, f'{q - 3 * unit:.{d}f}', quoted) == 'differs: see notebook'
+
+@given(st.integers(0, 5000), st.integers(1, 512), st.data())
+def test_expert_touch_against_combinations(batch, n, data):
+    "1 - P(an expert escapes every token), P(escape one token) = C(n-1, k) / C(n, k)"
+    k = data.draw(st.integers(1, n))
+    expected = 1 - (math.comb(n - 1, k) / math.comb(n, k)) ** batch
+    assert expert_touch_fraction(batch, k, n) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+def test_expert_touch_by_simulation():
+    "Route B tokens to k distinct random experts; the tolerance is 5 standard deviations of a negatively associated mean"
+    T, n, k = 300, 96, 3
+    for B in (1, 7, 40):
+        picks = torch.rand(T, B, n).topk(k, dim=-1).indices
+        frac = torch.zeros(T, n, dtype=torch.bool).scatter_(1, picks.flatten(1), True).float().mean(1).mean().item()
+        p = expert_touch_fraction(B, k, n)
+        assert abs(frac - p) <= 5 * math.sqrt(p * (1 - p) / (n * T)) + 1e-12
+    assert np.allclose(expert_touch_fraction(np.arange(5)), [expert_touch_fraction(b) for b in range(5)])
+
+def test_decode_floor_properties():
+    hw = HARDWARE['B300']
+    f0, f1, f_big = (decode_floor(TINY, hw, b) for b in (0, 1, 10_000))
+    assert f0['expert_bytes'] == 0 and f0['dense_bytes'] == f1['dense_bytes'] > 0
+    assert f0['expert_bytes'] < f1['expert_bytes'] < f_big['expert_bytes']
+    slice_ = TINY.n_routed_experts * TINY.n_layers * expert_params(TINY) * (0.5 + 1 / 32) / 8
+    assert f_big['expert_bytes'] == pytest.approx(slice_)                # every expert touched: the whole slice
+    assert decode_floor(TINY, hw, 10_000, ranks=4)['expert_bytes'] == pytest.approx(2 * slice_)
+    assert f1['seconds'] == pytest.approx((f1['dense_bytes'] + f1['expert_bytes']) / hw.bandwidth)
+    slow = replace(hw, bandwidth=hw.bandwidth / 3)
+    assert decode_floor(TINY, slow, 1)['seconds'] == pytest.approx(3 * f1['seconds'])
+
+def test_memory_table_adds_up():
+    for c in (TINY, FULL):
+        mem, man = memory_table(c), checkpoint_manifest(c)
+        assert sum(v for k, v in mem.items() if k != 'total') == pytest.approx(mem['total'], rel=1e-12)
+        assert mem['total'] * GiB == pytest.approx(sum(s.nbytes for s in man), rel=1e-12)
+
+def test_engram_bytes_from_the_manifest():
+    "Per-token bytes = rows gathered x (bytes of one table row + its scales), with row sizes read off the inventory"
+    for c in (TINY, FULL):
+        man = {s.name: s for s in checkpoint_manifest(c)}
+        total = 0
+        for l in c.engram_layer_ids:
+            w, sc = man[f'layers.{l}.engram.embed.weight'], man[f'layers.{l}.engram.embed.scale']
+            total += engram_gathers_per_token(c) * (w.nbytes + sc.nbytes) // w.shape[0]
+        assert engram_bytes_per_token(c) == total
+
+def test_active_params_halve_in_prefill():
+    for c in (TINY, FULL):
+        dec, pre = active_params_per_token(c, 'decode'), active_params_per_token(c, 'prefill')
+        assert dec['routed'] == 2 * pre['routed'] and dec['shared'] == 2 * pre['shared']
+        assert dec['total'] == sum(v for k, v in dec.items() if k != 'total')
+
+# (call, exception type, words the message must contain): every public function of dsv41_nb.accounting, given bad input
+BAD_INPUTS = [
+    (lambda: expert_touch_fraction(-3), ValueError, 'batch = -3; a token count cannot be negative'),
+    (lambda: expert_touch_fraction(np.array([4, -1])), ValueError, 'a token count cannot be negative'),
+    (lambda: expert_touch_fraction(1.5), TypeError, 'batch must be a token count (int), got 1.5'),
+    (lambda: expert_touch_fraction('64'), TypeError, "batch must be a token count (int), got '64'"),
+    (lambda: expert_touch_fraction(64, 0), ValueError, 'n_activated = 0; expected at least 1'),
+    (lambda: expert_touch_fraction(64, 6, 0), ValueError, 'n_experts = 0; expected at least 1'),
+    (lambda: expert_touch_fraction(64, 8, 4), ValueError, 'n_activated = 8 > n_experts = 4'),
+    (lambda: expert_touch_fraction(64, 6.0), TypeError, 'n_activated must be an int'),
+    (lambda: decode_floor(FULL, 'B300'), TypeError, 'hw must be a Hardware'),
+    (lambda: decode_floor(FULL, HARDWARE['B300'], -1), ValueError, 'batch = -1; expected at least 0'),
+    (lambda: decode_floor(FULL, HARDWARE['B300'], 1, ranks=0), ValueError, 'ranks = 0; expected at least 1'),
+    (lambda: decode_floor(FULL, HARDWARE['B300'], 1, dense_bytes_per_param=0), ValueError, 'dense_bytes_per_param = 0'),
+    (lambda: decode_floor('full', HARDWARE['B300']), TypeError, 'active_params_per_token: expected a ModelConfig'),
+    (lambda: Hardware('x', 1e9, 0, ''), ValueError, 'bandwidth = 0; expected a positive number'),
+    (lambda: Hardware('x', '141e9', 1e12, ''), ValueError, "hbm_bytes = '141e9'"),
+    (lambda: active_params_per_token(FULL, 'train'), ValueError, "phase = 'train'; expected one of ('decode', 'prefill')"),
+    (lambda: active_params_per_token(None), TypeError, 'active_params_per_token: expected a ModelConfig'),
+    (lambda: expert_params({}), TypeError, 'expert_params: expected a ModelConfig, got dict'),
+    (lambda: checkpoint_manifest([1]), TypeError, 'checkpoint_manifest: expected a ModelConfig, got list'),
+    (lambda: params_by_group(FULL), TypeError, 'params_by_group: expected TensorSpecs'),
+    (lambda: params_by_group([1, 2]), TypeError, 'params_by_group: expected TensorSpecs'),
+    (lambda: memory_table('full'), TypeError, 'checkpoint_manifest: expected a ModelConfig, got str'),
+    (lambda: compressed_entries_per_token(3), TypeError, 'compressed_entries_per_token: expected a ModelConfig'),
+    (lambda: global_kv_bytes_per_token(FULL, 'compressed'), ValueError, "unknown cache format 'compressed'"),
+    (lambda: global_kv_bytes_per_token(FULL, 'ds_fp4', 'index'), ValueError, "unknown cache format 'index'"),
+    (lambda: swa_bytes_per_sequence(FULL, 'swa'), ValueError, "unknown cache format 'swa'"),
+    (lambda: swa_bytes_per_sequence(None), TypeError, 'swa_bytes_per_sequence: expected a ModelConfig'),
+    (lambda: record_saving(FULL, 'ds_fp4', 'fp8'), ValueError, "unknown cache format 'fp8'"),
+    (lambda: engram_gathers_per_token('x'), TypeError, 'engram_gathers_per_token: expected a ModelConfig'),
+    (lambda: engram_bytes_per_token(FULL, 'yes'), TypeError, "with_scales must be a bool, got 'yes'"),
+    (lambda: TensorSpec('w', (4, -2), 'fp8', 'dense'), ValueError, 'must be a tuple of non-negative ints'),
+    (lambda: TensorSpec('w', [4, 2], 'fp8', 'dense'), ValueError, 'must be a tuple of non-negative ints'),
+    (lambda: TensorSpec('w', (4,), 'fp16', 'dense'), ValueError, "dtype 'fp16'"),
+    (lambda: TensorSpec('w', (4,), 'fp8', 'misc'), ValueError, "group 'misc'"),
+    (lambda: agreement(1.0, '1', 'about 1'), ValueError, "cannot read 'about 1'"),
+    (lambda: accounting_rows('full'), TypeError, 'accounting_rows: expected a ModelConfig, got str'),
+    (lambda: format_rows([('a', 'b')]), ValueError, 'format_rows: every row needs 5 entries'),
+]
+
+@pytest.mark.parametrize('call, exc, words', BAD_INPUTS, ids=[w[:40] for _, _, w in BAD_INPUTS])
+def test_bad_inputs(call, exc, words):
+    fct.test_fail(call, contains=words, exc=exc)
