@@ -937,6 +937,7 @@ def edge_case_vectors(n: int, dim: int, dtype=torch.bfloat16, seed: int = 0) -> 
     x = torch.where(torch.rand(n, dim, generator=g) < 0.15, sub, x)
     x[torch.rand(n, dim, generator=g) < 0.05] = 0.0
     x[torch.rand(n, dim, generator=g) < 0.05] = -0.0
+    if n == 0: return x.to(dtype)
     e4m3 = e4m3_values(torch.arange(1, 127, dtype=torch.uint8))
     rows = [sub[0], torch.tensor([6.0, *E2M1_TIES, *(-t for t in E2M1_TIES), -0.0]).repeat(dim // 16 + 1)[:dim],
             ((e4m3[:-1] + e4m3[1:]) / 2).repeat(dim // 125 + 1)[:dim], torch.full((dim,), 3.0e38)]
