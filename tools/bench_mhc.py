@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Time the hyper-connection seams of 07_mhc: the eager PyTorch reference against the fused Triton kernels, each launched
+op by op and replayed from a CUDA graph, per block (two seams), with kernel launches per block and the byte floor.
+
+    python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--json out.json] [--sweep] [--quick]
+
+--sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps) and prints the best.
+--quick runs the tiny config on two small batches on whatever is there (the Triton interpreter on a CPU), to check the
+script itself; its times mean nothing."""
+import argparse, datetime, json, math, os, platform
+
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument('--config', default='bench', help='ModelConfig preset (full, bench, tiny)')
+ap.add_argument('--tokens', type=int, nargs='+', default=[1, 64, 1024, 8192])
+ap.add_argument('--layers', type=int, default=8, help='blocks in the timed stack')
+ap.add_argument('--json', help='write the rows here')
+ap.add_argument('--sweep', action='store_true')
+ap.add_argument('--quick', action='store_true')
+args = ap.parse_args()
+
+import torch
+if not torch.cuda.is_available():
+    if not args.quick: raise SystemExit('this benchmark needs a GPU (or --quick, which runs the Triton interpreter on a CPU)')
+    os.environ.setdefault('TRITON_INTERPRET', '1')                 # before the kernels are defined
+import triton
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import median_time, use_kernels
+from dsv41_nb.mhc import MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn
+
+def one_seam(cfg, T, device):
+    "A full seam (update, prediction, mix, FP8) on random inputs, as a no-argument function on the fused path"
+    g = torch.Generator().manual_seed(0)
+    n, dim = cfg.hc_mult, cfg.dim
+    layer = random_hc_layer(cfg, 1.0, g, device)
+    x, f = torch.randn(T, n, dim, generator=g).to(device, torch.bfloat16), torch.randn(T, dim, generator=g).to(device, torch.bfloat16)
+    post, pre = (2 * torch.rand(T, n, generator=g)).to(device), torch.rand(T, n, generator=g).to(device)
+    comb = sinkhorn(torch.randn(T, n, n, generator=g), cfg.hc_sinkhorn_iters, cfg.hc_eps).to(device)
+    def run():
+        with use_kernels('triton'): return mhc_seam(x, f, post, comb, pre, layer.attn, layer.attn_norm, cfg, fp8=True)
+    return run
+
+def sweep(cfg, tokens, device, grid):
+    "Median µs of one seam per launch shape; returns {T: [(us, block_t, block_d, warps)]}"
+    default, res = dict(MHC_TUNING), {}
+    for T in tokens:
+        run = one_seam(cfg, T, device)
+        for bt, bd, w in grid:
+            MHC_TUNING.update(block_t=bt, block_d=bd, num_warps=w)
+            res.setdefault(T, []).append((median_time(run) * 1e6, bt, bd, w))
+    MHC_TUNING.update(default)
+    return res
+
+if __name__ == '__main__':
+    cfg = getattr(ModelConfig, 'tiny' if args.quick else args.config)()
+    tokens, layers = ([1, 17] if args.quick else args.tokens), (2 if args.quick else args.layers)
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    machine = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({platform.processor() or platform.machine()}, Triton interpreter)'
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
+          f'config {"tiny" if args.quick else args.config} (dim {cfg.dim}, {cfg.hc_mult} copies), {layers} blocks, tuning {MHC_TUNING}')
+    sweep_rows = None
+    if args.sweep:
+        grid = [(16, 64, 4), (32, 32, 4)] if args.quick else [(bt, bd, w) for bt in (16, 32) for bd in (32, 64, 128) for w in (4, 8)]
+        sweep_rows = sweep(cfg, tokens, device, grid)
+        print('one seam, µs by launch shape (tokens per program / columns per tile / warps):')
+        print(f"{'tokens':>7s}  " + '  '.join(f'{bt}/{bd}/{w}'.rjust(9) for bt, bd, w in grid))
+        for T, r in sweep_rows.items():
+            best = min(r)
+            print(f'{T:7d}  ' + '  '.join(f'{us:9.1f}' for us, *_ in r) + f'   best {best[1]}/{best[2]}/{best[3]}')
+    rows = benchmark_hc_layers(cfg, tokens, layers, device=device)
+    print(format_hc_benchmark(rows))
+    for T in tokens:
+        ref, fused = (next(r for r in rows if r['tokens'] == T and r['path'] == p) for p in ('eager reference', 'fused'))
+        best = lambda r: r['graph_us'] if math.isfinite(r['graph_us']) else r['us']
+        print(f'{T:7d} tokens: fused {ref["us"] / fused["us"]:.1f}x faster launched, {best(ref) / best(fused):.1f}x with graphs; '
+              f'{ref["launches"] / fused["launches"]:.0f}x fewer launches')
+    if args.json:                                                    # NaN (no graph or floor on a CPU) as null
+        clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v
+        rows = [{k: clean(v) for k, v in r.items()} for r in rows]
+        with open(args.json, 'w') as fh:
+            json.dump(dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
+                           config=args.config if not args.quick else 'tiny', layers=layers, tuning=MHC_TUNING, rows=rows,
+                           sweep={str(k): v for k, v in (sweep_rows or {}).items()}), fh, indent=1, default=str)
