@@ -1,0 +1,200 @@
+"""Property tests of the compressor: RoPE/YaRN against independent formulas, and the fused kernel and the PyTorch path
+against the token-by-token reference over random schedules (several requests, random chunks, padding).
+
+Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them); without either they are skipped."""
+import math
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from fastcore import test as fct
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
+from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm, pool_group, Compressor,
+                                 compress_reference, compress_torch)
+
+DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
+TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
+FORMATS = ('ds_fp4', 'fp8_ds_mla', 'window_fp8')
+
+def same_bits(a, b): return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+# ---------------------------------------------------------------- RoPE
+def yarn_numpy(dim, theta, L, factor, beta_fast, beta_slow):
+    "YaRN frequencies in float64, written from the formula"
+    i = np.arange(dim // 2)
+    f = theta ** (-2.0 * i / dim)
+    turns = L * f / (2 * np.pi)                                        # rotations of each pair over the training context
+    lo = max(math.floor(dim * math.log(L / (beta_fast * 2 * math.pi)) / (2 * math.log(theta))), 0)
+    hi = min(math.ceil(dim * math.log(L / (beta_slow * 2 * math.pi)) / (2 * math.log(theta))), dim - 1)
+    ramp = np.clip((i - lo) / max(hi - lo, 1e-3), 0, 1)
+    return f / factor * ramp + f * (1 - ramp), turns
+
+def test_yarn_against_float64_formula():
+    got = rope_inv_freq(64, 160000., 65536, 16, 32, 1).double().numpy()
+    want, turns = yarn_numpy(64, 160000., 65536, 16, 32, 1)
+    np.testing.assert_allclose(got, want, rtol=3e-7)                    # fp32 rounding of each step (a few ulp)
+    assert (got[turns > 32] == rope_inv_freq(64, 160000.).numpy()[turns > 32]).all()   # fast pairs untouched
+    fct.test_fail(lambda: rope_inv_freq(0, 1e4), contains='positive even integer')
+
+@given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.integers(0, 2**31))
+@settings(max_examples=30)
+def test_rope_is_a_rotation(m, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    f = layer_inv_freq(FULL, 2)
+    x = torch.randn(3, 512, generator=g)
+    cos, sin = rope_cos_sin(f, [m] * 3)
+    y = apply_rope(x, cos, sin)
+    z = torch.view_as_complex(x[:, -64:].unflatten(-1, (-1, 2)).contiguous()) * torch.complex(cos, sin)
+    assert ((y[:, -64:] - torch.view_as_real(z).flatten(-2)).abs() <= 2 ** -23 * x[:, -64:].abs().amax(-1, keepdim=True)).all()
+    assert torch.equal(y[:, :-64], x[:, :-64])
+    back = apply_rope(y, cos, sin, inverse=True)
+    assert (back - x).abs().max() <= 4 * 2 ** -23 * x.abs().max()       # two rotations, a few roundings each
+
+def test_cos_sin_do_not_depend_on_the_batch():
+    f = layer_inv_freq(FULL, 2)
+    pos = torch.randint(0, 1 << 20, (257,))
+    c_all, s_all = rope_cos_sin(f, pos)
+    for k in (0, 1, 100, 256):
+        c1, s1 = rope_cos_sin(f, pos[k:k + 1])
+        assert torch.equal(c1[0], c_all[k]) and torch.equal(s1[0], s_all[k])
+
+def test_rms_norm_and_pooling():
+    x = (torch.randn(64, 512) * 7).bfloat16()
+    w = torch.rand(512) + 0.5
+    ref = (w * (x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-20))).bfloat16()
+    assert (rms_norm(x, w, 1e-20).view(torch.int16).int() - ref.view(torch.int16).int()).abs().max() <= 1
+    kv, sc = torch.randn(50, 2, 512), torch.randn(50, 2, 512) * 3
+    assert ((pool_group(kv, sc) - (kv * sc.softmax(1)).sum(1)).abs() <= 2 ** -22 * kv.abs().sum(1)).all()
+
+# ---------------------------------------------------------------- the compressor against its reference
+class Harness:
+    "Requests with random block tables and ring blocks, their tokens projected once, and caches of random bytes"
+    def __init__(self, c, lengths, seed, block_size=16):
+        g = torch.Generator().manual_seed(seed)
+        self.c, self.bs, self.lengths = c, block_size, lengths
+        need = [-(-n // block_size) for n in lengths]
+        ids = (torch.randperm(sum(need) + 3, generator=g) + 1).tolist()
+        self.tables = [ids[sum(need[:q]):sum(need[:q + 1])] for q in range(len(lengths))]
+        self.rings = (torch.randperm(len(lengths) + 2, generator=g) + 1)[:len(lengths)].tolist()
+        self.num_blocks = sum(need) + 5
+        with torch.no_grad():
+            self.proj = [c.project(torch.randn(n, c.wkv.in_features, generator=g).to(DEV)) for n in lengths]
+        self.g = g
+
+    def caches(self):
+        g = torch.Generator().manual_seed(99)
+        cache = torch.randint(0, 256, self.c.new_cache(self.num_blocks, self.bs).shape, dtype=torch.uint8, generator=g).to(DEV)
+        ring = torch.randn(self.num_blocks * self.c.ratio, 2, self.c.head_dim, generator=g).to(DEV) if self.c.ratio > 1 else None
+        return cache, ring
+
+    def step(self, chunks):
+        "chunks: [(request or None for padding, first position, n)] -> the arguments of one emit call"
+        r, D = self.c.ratio, self.c.head_dim
+        kv, sc, pos, rs, cs = [], [], [], [], []
+        for q, s, n in chunks:
+            p = torch.arange(s, s + n); pos.append(p)
+            if q is None:
+                kv.append(torch.randn(n, D, generator=self.g).to(self.proj[0][0].dtype)); sc.append(torch.randn(n, D, generator=self.g))
+                rs.append(torch.full((n,), PAD_SLOT_ID)); cs.append(torch.full((n,), PAD_SLOT_ID)); continue
+            k, s_ = self.proj[q]
+            kv.append(k[s:s + n].cpu()); sc.append(s_[s:s + n].cpu() if s_ is not None else torch.zeros(n, D))
+            rs.append(ring_slot_mapping(self.rings[q], p, r) if r > 1 else torch.full((n,), PAD_SLOT_ID))
+            cs.append(compressed_slot_mapping(self.tables[q], p, self.bs, r))
+        cat = lambda t: torch.cat(t).to(DEV)
+        return cat(kv), (cat(sc) if r > 1 else None), cat(pos), (cat(rs) if r > 1 else None), cat(cs)
+
+    def run(self, fn, schedule):
+        cache, ring = self.caches()
+        lat = [fn(self.c, *self.step(chunks), ring, cache) for chunks in schedule]
+        return cache, ring, lat
+
+@st.composite
+def schedules(draw, max_requests=3, max_len=40, max_chunk=9):
+    "Request lengths and steps: each step advances every unfinished request by a random chunk, padding sometimes between"
+    lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_requests))
+    done, steps = [0] * len(lengths), []
+    while any(d < n for d, n in zip(done, lengths)):
+        step = []
+        for q in draw(st.permutations(range(len(lengths)))):
+            if done[q] >= lengths[q]: continue
+            k = min(draw(st.integers(1, max_chunk)), lengths[q] - done[q])
+            step.append((q, done[q], k)); done[q] += k
+            if draw(st.integers(0, 4)) == 0: step.append((None, 0, draw(st.integers(1, 2))))
+        steps.append(step)
+    return lengths, steps
+
+def kernel_emit(c, *args):
+    with use_kernels('triton'): return c.emit(*args)
+
+def compressor(layer, fmt, seed):
+    c = Compressor(TINY, layer, fmt).to(DEV)
+    c.norm.weight.data = torch.rand(TINY.head_dim, generator=torch.Generator().manual_seed(seed)).to(DEV) + 0.5
+    return c
+
+@given(schedules(), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
+@settings(max_examples=25)
+def test_torch_path_equals_reference(sched, layer, fmt, seed):
+    lengths, steps = sched
+    h = Harness(compressor(layer, fmt, seed), lengths, seed)
+    ca, ra, la = h.run(compress_reference, steps)
+    cb, rb, lb = h.run(compress_torch, steps)
+    assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
+
+@pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
+@given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
+@settings(max_examples=8)
+def test_kernel_equals_reference(sched, layer, fmt, seed):
+    lengths, steps = sched
+    h = Harness(compressor(layer, fmt, seed), lengths, seed)
+    ca, ra, la = h.run(compress_reference, steps)
+    cb, rb, lb = h.run(kernel_emit, steps)
+    assert same_bits(ca, cb), 'cache bytes differ'
+    assert all(same_bits(a, b) for a, b in zip(la, lb)), 'latents differ'
+    r = h.c.ratio
+    for q, n in enumerate(lengths):                                   # the open group each request leaves in its ring
+        if r > 1 and n % r:
+            e = torch.arange(n - n % r, n) % r + h.rings[q] * r
+            assert same_bits(ra[e], rb[e]), 'open group differs'
+
+@pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
+@given(st.integers(1, 30), st.lists(st.integers(1, 9), min_size=1, max_size=12), st.integers(0, 2**31))
+@settings(max_examples=5)
+def test_chunked_equals_one_shot(n, chunk_sizes, seed):
+    "A prompt prefilled in any chunks (and decoded one token at a time after them) stores what one prefill stores"
+    h = Harness(compressor(2, 'ds_fp4', seed), [n], seed)
+    steps, s = [], 0
+    for k in chunk_sizes + [1] * n:
+        if s >= n: break
+        steps.append([(0, s, min(k, n - s))]); s += min(k, n - s)
+    ca, _, la = h.run(kernel_emit, [[(0, 0, n)]])
+    cb, _, lb = h.run(kernel_emit, steps)
+    assert same_bits(ca, cb) and same_bits(la[0], torch.cat(lb))
+
+@pytest.mark.parametrize('layer', [2, 6])
+def test_padding_writes_nothing(layer):
+    for backend in (('torch', 'triton') if HAS_TRITON else ('torch',)):
+        h = Harness(compressor(layer, 'ds_fp4', 0), [4], 0)
+        cache, ring = h.caches()
+        cache0, ring0 = cache.clone(), (ring.clone() if ring is not None else None)
+        with use_kernels(backend): lat = h.c.emit(*h.step([(None, 0, 3), (None, 5, 2)]), ring, cache)
+        assert same_bits(cache, cache0) and (ring is None or same_bits(ring, ring0)) and not lat.any()
+
+def test_bad_inputs():
+    c = Compressor(TINY, 2)
+    kv, sc, pos = torch.randn(4, 64), torch.randn(4, 64), torch.arange(4)
+    rs, cs, ring, cache = torch.tensor([2, 3, 2, 3]), torch.tensor([-1, 0, -1, 1]), c.new_ring(2), c.new_cache(2, 16)
+    for fn, msg in [
+        (lambda: Compressor(TINY, 3), 'not a KV source'),
+        (lambda: Compressor(FULL, 20, 'index_fp8'), 'not head_dim 512'),
+        (lambda: Compressor(FULL, 20, 'no_such_format'), 'unknown cache format'),
+        (lambda: rope_cos_sin(layer_inv_freq(TINY, 2), torch.tensor([[1, 2]])), 'expected 1-D integers'),
+        (lambda: apply_rope(torch.randn(2, 16), torch.zeros(2, 8), torch.zeros(2, 7)), 'differ'),
+        (lambda: c.emit(kv, sc, pos, rs, cs, ring, cache[..., :35]), 'cache: expected a contiguous uint8 tensor'),
+        (lambda: c.emit(kv, sc[:3], pos, rs, cs, ring, cache), 'score: expected (4, 64)'),
+        (lambda: c.emit(kv, sc, pos, rs, torch.tensor([-1, 0, -1, -2]), ring, cache), 'holds -2'),
+        (lambda: c.emit(kv, sc, pos, rs, cs, ring.double(), cache), 'ring: expected'),
+        (lambda: c.emit(kv, sc, pos, rs, cs.to(torch.int16), ring, cache), 'int32/int64'),
+    ]: fct.test_fail(fn, contains=msg)

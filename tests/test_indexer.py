@@ -1,0 +1,183 @@
+"""Property tests of the lightning indexer: the Triton kernels (paged index logits, ragged top-k, block top-k, sparse
+logits) against the PyTorch references on random ragged batches, tie-breaking, the candidate pool's invariants,
+select-all, and chunked prefill against one-shot.
+
+Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them); without either they are skipped."""
+import pytest
+import torch
+import triton
+from hypothesis import example, given, settings, strategies as st
+from fastcore import test as fct
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.formats import store_records, cache_format
+from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, index_logits, index_logits_reference, topk_reference,
+                              ragged_topk, candidate_pool, candidate_pool_reference, pool_mask, sparse_topk,
+                              sparse_topk_reference)
+
+DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
+TINY = ModelConfig.tiny()
+
+def world(ix, contexts, queries, seed, block_size=16):
+    """Keys for requests of `contexts` entries in random pages of a cache of random bytes; `queries` = [(row, position)]
+    (row -1 = padding). Returns (q, w, cache, batch)."""
+    g = torch.Generator().manual_seed(seed)
+    per = block_size // ix.ratio
+    pages = [triton.cdiv(n, per) + 1 for n in contexts]
+    ids = (torch.randperm(sum(pages) + 2, generator=g) + 1).tolist()
+    table = torch.zeros(len(contexts), max(pages), dtype=torch.int32)
+    cache = torch.randint(0, 256, (sum(pages) + 3, per, ix.codec.record_bytes), dtype=torch.uint8, generator=g)
+    for r, n in enumerate(contexts):
+        table[r, :pages[r]] = torch.tensor(ids[sum(pages[:r]):sum(pages[:r + 1])], dtype=torch.int32)
+        e = torch.arange(n)
+        store_records(ix.codec, (torch.randn(n, ix.head_dim, generator=g) * 3).bfloat16(), cache, table[r, e // per].long() * per + e % per)
+    q = qdq_mxfp4(torch.randn(len(queries), ix.n_heads, ix.head_dim, generator=g).bfloat16())
+    w = torch.randn(len(queries), ix.n_heads, generator=g) * 0.3
+    rows = torch.tensor([r for r, _ in queries], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in queries])
+    return q.to(DEV), w.to(DEV), cache.to(DEV), IndexBatch(pos.to(DEV), rows.to(DEV), table.to(DEV), block_size, ix.ratio)
+
+@st.composite
+def batches(draw, max_context=3000, max_requests=3, max_queries=5):
+    "Contexts of 1 .. several thousand entries and queries at positions inside them, padding and empty rows included"
+    contexts = draw(st.lists(st.integers(1, max_context), min_size=1, max_size=max_requests))
+    queries = []
+    for _ in range(draw(st.integers(1, max_queries))):
+        r = draw(st.integers(-1, len(contexts) - 1))
+        queries.append((r, draw(st.integers(0, contexts[r] - 1)) if r >= 0 else draw(st.integers(0, 10))))
+    return contexts, queries
+
+def bound(q, w, cache, batch, codec):
+    "Summation-order bound of the logits: (DH + H + 2) u sum_h |w_h| sum_d |q_hd k_td|"
+    a = index_logits_reference(q.float().abs().bfloat16(), w.abs(), cache, batch, codec)
+    return (q.shape[2] + q.shape[1] + 2) * 2 ** -24 * a.nan_to_num(posinf=0, neginf=0).abs()
+
+@needs_triton
+@given(batches(), st.sampled_from([(6, 'index_mxfp4'), (6, 'index_fp8'), (2, 'index_mxfp4'), (2, 'index_fp8')]), st.integers(0, 2**31))
+@example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1)
+@example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2)
+@settings(max_examples=10)
+def test_logits_kernel_equals_reference(b, layer_fmt, seed):
+    contexts, queries = b
+    ix = Indexer(TINY, *layer_fmt)
+    q, w, cache, batch = world(ix, contexts, queries, seed)                  # at ratio 2 a query sees half its context
+    ref = index_logits_reference(q, w, cache, batch, ix.codec)
+    with use_kernels('triton'): got = index_logits(q, w, cache, batch, ix.codec)
+    fin = torch.isfinite(ref)
+    assert torch.equal(fin, torch.isfinite(got))
+    assert ((got - ref)[fin].abs() <= bound(q, w, cache, batch, ix.codec)[fin] * 1.01).all()
+
+@st.composite
+def score_rows(draw):
+    "Scores with ties, signed zeros, wide magnitudes; ragged lengths including 0 and exactly k"
+    T, L, k = draw(st.integers(1, 6)), draw(st.integers(1, 3000)), draw(st.sampled_from([1, 5, 32, 512]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    kind = draw(st.sampled_from(['gauss', 'few', 'zeros', 'wide']))
+    x = {'gauss': lambda: torch.randn(T, L, generator=g), 'few': lambda: torch.randint(-2, 3, (T, L), generator=g).float(),
+         'zeros': lambda: torch.where(torch.rand(T, L, generator=g) < 0.5, 0.0, -0.0) + torch.randint(0, 2, (T, L), generator=g),
+         'wide': lambda: torch.randn(T, L, generator=g) * torch.exp2(torch.randint(-100, 100, (T, L), generator=g).float())}[kind]()
+    lengths = torch.tensor([draw(st.sampled_from([0, min(k, L), L, draw(st.integers(0, L))])) for _ in range(T)])
+    return x, lengths, k
+
+@needs_triton
+@given(score_rows())
+@settings(max_examples=25)
+def test_topk_kernel_equals_reference(rows):
+    x, lengths, k = rows
+    with use_kernels('triton'): got = ragged_topk(x.to(DEV), lengths.to(DEV), k)
+    assert torch.equal(got.cpu(), topk_reference(x, lengths, k))
+
+@needs_triton
+def test_topk_ties_are_deterministic():
+    x = torch.zeros(3, 2000); x[:, 1000:] = 1.0                               # 1,000 equal maxima
+    with use_kernels('triton'):
+        runs = [ragged_topk(x.to(DEV), torch.tensor([2000, 1500, 900], device=DEV), 512).cpu() for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0][0].tolist() == list(range(1000, 1512)) and runs[0][2].tolist() == list(range(512))
+
+@needs_triton
+@given(batches(max_context=2000), st.sampled_from([(16, 4), (64, 8), (3, 2)]), st.integers(0, 2**31))
+@settings(max_examples=10)
+def test_candidate_pool(b, geometry, seed):
+    contexts, queries = b
+    nblk, cbs = geometry
+    ix = Indexer(TINY, 6)
+    q, w, cache, batch = world(ix, contexts, queries, seed)
+    logits, vis = index_logits_reference(q, w, cache, batch, ix.codec), batch.visible
+    with use_kernels('triton'): got = candidate_pool(logits, vis, nblk, cbs)
+    assert torch.equal(got.cpu(), candidate_pool_reference(logits, vis, nblk, cbs).cpu())
+    for s in range(len(vis)):
+        n = int(vis[s])
+        blocks = [b for b in got[s].tolist() if b >= 0]
+        assert len(blocks) == min(nblk, triton.cdiv(n, cbs)) and blocks == sorted(blocks)
+        if n: assert (n - 1) // cbs in blocks                              # the query's newest block is always in the pool
+
+@needs_triton
+@given(batches(max_context=2000), st.integers(0, 2**31))
+@settings(max_examples=8)
+def test_sparse_logits_select_like_masked_dense(b, seed):
+    contexts, queries = b
+    src, re = Indexer(TINY, 6), Indexer(TINY, 8)
+    q, w, cache, batch = world(src, contexts, queries, seed)
+    vis = batch.visible
+    pool = candidate_pool_reference(index_logits_reference(q, w, cache, batch, src.codec), vis, 16, 4)
+    q2, w2 = qdq_mxfp4(torch.randn_like(q.float()).bfloat16()), torch.randn_like(w)
+    want = sparse_topk_reference(index_logits_reference(q2, w2, cache, batch, re.codec), vis, pool, re.topk, 4)
+    with use_kernels('triton'): got = sparse_topk(q2, w2, cache, batch, re.codec, pool, re.topk, 4)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert pool_mask(pool, max(int(vis.max()), 1), 4).gather(1, got.clamp_min(0).long())[got >= 0].all()
+
+def test_select_all_scores_nothing():
+    "Queries that see at most top-k entries select all of them: the scores are never read (here the keys are NaN)"
+    ix = Indexer(TINY, 6)
+    cache = torch.full((4, 16, ix.codec.record_bytes), 0xFF, dtype=torch.uint8, device=DEV)  # NaN scales
+    batch = IndexBatch(torch.tensor([0, 5, 31], device=DEV), torch.zeros(3, dtype=torch.int32, device=DEV),
+                       torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEV), 16, 1)
+    q, w = torch.zeros(3, ix.n_heads, ix.head_dim, dtype=torch.bfloat16, device=DEV), torch.zeros(3, ix.n_heads, device=DEV)
+    sel, pool = ix.select(q, w, batch, cache)
+    assert sel[:, :6].tolist() == [[0, -1, -1, -1, -1, -1], list(range(6)), list(range(6))] and (sel[2] == torch.arange(32, device=DEV)).all()
+    assert pool[2, :9].tolist() == list(range(8)) + [-1]
+
+def test_bad_inputs():
+    ix = Indexer(TINY, 6)
+    q, w, cache, batch = world(ix, [5], [(0, 3)], 0)
+    for fn, msg in [
+        (lambda: Indexer(TINY, 3), 'not an index source'),
+        (lambda: Indexer(TINY, 6, 'index_fp4'), "expected 'index_mxfp4' or 'index_fp8'"),
+        (lambda: index_logits(q, w[:, :2], cache, batch, ix.codec), 'w (T, heads)'),
+        (lambda: index_logits(q[:0], w[:0], cache, batch, ix.codec), 'batch has 1 queries, q has 0'),
+        (lambda: ragged_topk(torch.randn(2, 4, dtype=torch.float64), torch.tensor([1, 2]), 2), 'float32'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1.0, 2.0]), 2), 'integer lengths'),
+        (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
+        (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
+    ]: fct.test_fail(fn, contains=msg)
+
+@needs_triton
+@given(st.integers(40, 160), st.lists(st.integers(1, 40), min_size=1, max_size=6), st.sampled_from([2, 6]), st.integers(0, 2**31))
+@settings(max_examples=5)
+def test_chunked_prefill_selects_like_one_shot(n, chunks, layer, seed):
+    "Keys stored and queries scored chunk by chunk (then one token at a time) select what one prefill selects"
+    torch.manual_seed(seed)
+    ix = Indexer(TINY, layer).to(DEV)
+    g = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(n, ix.head_dim, generator=g) * 2).bfloat16().to(DEV)       # one key per token, written when it completes
+    q = qdq_mxfp4(torch.randn(n, ix.n_heads, ix.head_dim, generator=g).bfloat16()).to(DEV)
+    w = (torch.randn(n, ix.n_heads, generator=g) * 0.3).to(DEV)
+    table = torch.arange(1, triton.cdiv(n, 16) + 1, dtype=torch.int32, device=DEV)[None]
+    def run(steps):
+        cache = ix.new_key_cache(table.shape[1] + 1, 16, DEV)
+        out = []
+        for s, k in steps:
+            pos = torch.arange(s, s + k, device=DEV)
+            slots = torch.where((pos + 1) % ix.ratio == 0, pos // ix.ratio + 16 // ix.ratio, -1)   # page p + 1 of table
+            store_records(ix.codec, keys[s:s + k], cache, slots)
+            batch = IndexBatch(pos, torch.zeros(k, dtype=torch.int32, device=DEV), table, 16, ix.ratio)
+            with use_kernels('triton'): out.append(ix.select(q[s:s + k], w[s:s + k], batch, cache)[0])
+        return torch.cat(out)
+    steps, s = [], 0
+    for k in chunks + [max(n - 8 - s, 1)] + [1] * 8:                            # random chunks, the rest, 8 decode steps
+        if s >= n: break
+        steps.append((s, min(k, n - s))); s += steps[-1][1]
+    assert torch.equal(run(steps), run([(0, n)]))

@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Time the fused Triton MoE of 08_moe against the reference loop, a loop over BF16 weights, and the floor.
+
+    python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--quick]
+
+One row per batch size, all measured in one run: the median time of `fused_moe_experts`, the floor (the larger of the
+bytes the layer must move over the measured copy bandwidth and its FLOPs over the measured BF16 matmul rate), the
+fraction of the floor reached, and the speed-ups over the reference loop (`moe_experts_reference`, each expert
+dequantised per call) and over the same loop with every expert dequantised to BF16 once. `--sweep` first times a small
+grid of launch shapes per size and prints the best (the shapes `MOE_TUNING` should hold). `--quick` runs the tiny config
+at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check of the script, not a measurement."""
+import os, sys
+if '--quick' in sys.argv and not os.environ.get('TRITON_INTERPRET'):
+    import torch
+    if not torch.cuda.is_available(): os.environ['TRITON_INTERPRET'] = '1'   # before triton is imported
+import argparse, datetime, json, platform
+import torch, triton
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import median_time
+from dsv41_nb.moe import MoEWeights, MOE_TUNING, route, fused_moe_experts, benchmark_moe, format_moe_benchmark
+
+def sweep_shapes(cfg, sizes, device):
+    "Fused-MoE median ms per launch shape of a small grid, per batch size; prints a table and returns the best per size"
+    W, best = MoEWeights.random(cfg, 0, device), {}
+    for T in sizes:
+        x = torch.randn(T, cfg.dim, device=device).to(torch.bfloat16)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        rows_per_expert = T * cfg.n_activated_experts / min(cfg.n_routed_experts, T * cfg.n_activated_experts)
+        bms = [bm for bm in (16, 32, 64, 128) if bm <= 2 * max(16, rows_per_expert)][-2:]
+        results = []
+        for bm in bms:
+            for bn, bk, warps in ((64, 128, 4), (32, 128, 4), (128, 64, 8), (64, 64, 8)):
+                shape = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3)
+                try: ms = median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, shape, check_ids=False)) * 1e3
+                except Exception as e: ms = float('nan'); print(f'  {T} tokens {shape}: failed ({type(e).__name__}: {str(e)[:80]})')
+                results.append((ms, shape))
+        ok = [r for r in results if r[0] == r[0]]
+        best[T] = min(ok, key=lambda r: r[0]) if ok else (float('nan'), None)
+        print(f'{T:6d} tokens: ' + '  '.join(f"{s['block_m']}/{s['block_n']}/{s['block_k']}/{s['num_warps']}w {ms:.3f}" for ms, s in results))
+        print(f'{"":14s}best {best[T][1]} at {best[T][0]:.3f} ms')
+    return best
+
+if __name__ == '__main__':
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--config', default='bench', choices=('bench', 'tiny', 'full'))
+    ap.add_argument('--sizes', type=int, nargs='+', default=[1, 64, 1024, 8192])
+    ap.add_argument('--json', help='write the rows (and the machine) to this file')
+    ap.add_argument('--sweep', action='store_true', help='time a grid of launch shapes per size first')
+    ap.add_argument('--quick', action='store_true', help='tiny config, sizes 1 8 32: checks the script on any machine')
+    args = ap.parse_args()
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if args.quick: args.config, args.sizes = 'tiny', [1, 8, 32]
+    elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
+    cfg = getattr(ModelConfig, args.config)()
+    machine = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({platform.processor() or platform.machine()}), Triton interpreter'
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
+          f'config {args.config}: {cfg.n_routed_experts} experts, top {cfg.n_activated_experts}, dim {cfg.dim}, inter {cfg.moe_inter_dim}')
+    print('launch shapes:', {k: '/'.join(str(v[n]) for n in ('block_m', 'block_n', 'block_k', 'num_warps')) for k, v in MOE_TUNING.items()})
+    best = sweep_shapes(cfg, args.sizes, device) if args.sweep else None
+    rows = benchmark_moe(cfg, args.sizes, device)
+    print(f"copy {rows[0]['copy_TBps'] * 1e3:.0f} GB/s, BF16 matmul {rows[0]['bf16_TFLOPs']:.1f} TFLOP/s (measured)")
+    print(format_moe_benchmark(rows))
+    if args.json:
+        with open(args.json, 'w') as f:
+            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
+                           config=args.config, tuning=MOE_TUNING, sweep_best={str(k): v for k, v in (best or {}).items()},
+                           rows=rows), f, indent=1)
