@@ -411,26 +411,29 @@ def fp8_act_quant(x: torch.Tensor,  # (tokens, dim) activations, dim a multiple 
     return y
 
 # %% ../nbs/08_moe.ipynb #b52b0e95
+# Both tiles are built as 2-D (BN, BK) blocks element by element: each packed byte and each scale is read once per
+# column that uses it (the repeats hit L1). A 3-D tile reshaped into 2-D in front of `tl.dot` is what Triton 3.6's
+# dot-operand pass fails to compile on Hopper, so the tiles never take that shape.
 @triton.jit
 def _mxfp4_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK: tl.constexpr, DOT: tl.constexpr):
     "Rows at byte offsets `w_row` (BN,) of a packed MXFP4 weight, columns k0..k0+BK, dequantised: (BN, BK)"
-    g = tl.arange(0, BK // 32)
-    codes = tl.load(w_ptr + w_row[:, None, None] + (k0 // 2 + g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
-                    mask=n_mask[:, None, None], other=0).to(tl.int32)                         # (BN, BK/32, 16) bytes
-    s = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
-    even, odd = _mxfp4_pair(codes, _pow2(s + 14)[:, :, None])
-    return tl.reshape(tl.join(even.to(DOT), odd.to(DOT)), (w_row.shape[0], BK))                # columns in order
+    kk = k0 + tl.arange(0, BK)                                                                  # (BK,) columns
+    byte = tl.load(w_ptr + w_row[:, None] + (kk // 2)[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
+    nibble = (byte >> ((kk % 2) * 4)[None, :]) & 0xF                                            # (BN, BK) E2M1 codes
+    s = tl.load(s_ptr + s_row[:, None] + (kk // 32)[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
+    v, _ = _mxfp4_pair(nibble, _pow2(s + 14))
+    return v.to(DOT)
 
 @triton.jit
 def _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK: tl.constexpr, DOT: tl.constexpr, HW_CVT: tl.constexpr):
     "Rows at offsets `w_row` of an FP8 weight (one UE8M0 scale per 32 x 32, rows `s_row`), columns k0..k0+BK: (BN, BK)"
-    g = tl.arange(0, BK // 32)
-    codes = tl.load(w_ptr + w_row[:, None, None] + (k0 + g * 32)[None, :, None] + tl.arange(0, 32)[None, None, :],
-                    mask=n_mask[:, None, None], other=0)                                       # (BN, BK/32, 32)
-    s = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
+    kk = k0 + tl.arange(0, BK)
+    codes = tl.load(w_ptr + w_row[:, None] + kk[None, :], mask=n_mask[:, None], other=0)        # (BN, BK)
+    s = tl.load(s_ptr + s_row[:, None] + (kk // 32)[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
     if HW_CVT: v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else: v = _e4m3_value(codes.to(tl.int32))
-    return tl.reshape(v * _pow2(s)[:, :, None], (w_row.shape[0], BK)).to(DOT)
+    return (v * _pow2(s)).to(DOT)
+
 
 # %% ../nbs/08_moe.ipynb #e6fd0e3b
 @triton.jit

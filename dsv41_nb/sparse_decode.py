@@ -32,40 +32,35 @@ def decode_cost(cfg: ModelConfig, n_window: int, n_topk: int, window_codec: Reco
 def _kv_tile(ptr, half_ptr, slot, live, D: tl.constexpr, FP4: tl.constexpr, QDIM: tl.constexpr, BLOCK: tl.constexpr,
              ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, REC: tl.constexpr, E4M3_SCALE: tl.constexpr, HW_CVT: tl.constexpr):
     "(len(slot), D) BF16 vectors decoded from the records at `slot` of a paged cache (zeros where not `live`)"
-    G: tl.constexpr = D // BLOCK
-    BN: tl.constexpr = slot.shape[0]
+    # Built as a 2-D (BN, D) tile element by element (a scale, or an FP4 byte, is read once per column that uses it;
+    # the repeats hit L1): a 3-D tile reshaped in front of `tl.dot` is what Triton 3.6 fails to compile on Hopper.
     ALIGN: tl.constexpr = REC & -REC                                      # the largest power of two dividing a record
-    g = tl.arange(0, G)
+    d = tl.arange(0, D)                                                   # (D,) columns
     base = tl.multiple_of(slot.to(tl.int64) * REC, ALIGN)
-    gm = live[:, None] & (g * BLOCK < QDIM)[None, :]
-    sc = tl.load(ptr + base[:, None] + SCALE_OFF + g[None, :], mask=gm, other=0)                 # (BN, G) scale codes
+    gm = live[:, None] & ((d // BLOCK) * BLOCK < QDIM)[None, :]
+    sc = tl.load(ptr + base[:, None] + SCALE_OFF + (d // BLOCK)[None, :], mask=gm, other=0)      # (BN, D) scale codes
     if FP4:
-        e = tl.arange(0, BLOCK // 2)
-        byte = tl.load(ptr + base[:, None, None] + (g[:, None] * (BLOCK // 2) + e[None, :])[None, :, :],
-                       mask=live[:, None, None], other=0).to(tl.int32)                          # (BN, G, BLOCK/2)
+        byte = tl.load(ptr + base[:, None] + (d // 2)[None, :], mask=live[:, None], other=0).to(tl.int32)
+        nibble = (byte >> ((d % 2) * 4)[None, :]) & 0xF                                         # (BN, D) E2M1 codes
         if E4M3_SCALE:
             if HW_CVT: scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else: scale = _e4m3_value(sc.to(tl.int32))
         else: scale = _ue8m0_value(sc.to(tl.int32))
-        # each nibble moved to the top 4 bits, then (>> 6) & 0x81C00000 leaves sign, exponent and mantissa of an fp32 E2M1 x 2^-126
-        lo = (((byte << 28) >> 6) & -2118123520).to(tl.float32, bitcast=True) * 8.507059173023462e+37     # even elements
-        hi = (((byte << 24) >> 6) & -2118123520).to(tl.float32, bitcast=True) * 8.507059173023462e+37     # odd elements
-        lo, hi = (lo * scale[:, :, None]).to(tl.bfloat16), (hi * scale[:, :, None]).to(tl.bfloat16)
-        return tl.reshape(tl.join(lo, hi), (BN, D))
+        # the nibble moved to the top 4 bits, then (>> 6) & 0x81C00000 leaves sign, exponent and mantissa of an fp32 E2M1 x 2^-126
+        v = (((nibble << 28) >> 6) & -2118123520).to(tl.float32, bitcast=True) * 8.507059173023462e+37
+        return (v * scale).to(tl.bfloat16)
     else:
-        e = tl.arange(0, BLOCK)
-        col = g[:, None] * BLOCK + e[None, :]                                                   # (G, BLOCK)
-        if QDIM % BLOCK == 0: isq = (g < QDIM // BLOCK)[None, :, None]                          # whole blocks: one mask per block
-        else: isq = (col < QDIM)[None, :, :]
-        codes = tl.load(ptr + base[:, None, None] + col[None, :, :], mask=live[:, None, None] & isq, other=0)
+        isq = (d < QDIM)[None, :]
+        codes = tl.load(ptr + base[:, None] + d[None, :], mask=live[:, None] & isq, other=0)
         if HW_CVT: v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else: v = _e4m3_value(codes.to(tl.int32))
-        v = v * _ue8m0_value(tl.where(gm, sc, 127).to(tl.int32))[:, :, None]
+        v = v * _ue8m0_value(tl.where(gm, sc, 127).to(tl.int32))
         if ROPE > 0:                                                                            # the BF16 tail, read as int16
-            hb = tl.load(half_ptr + (base // 2)[:, None, None] + (QDIM // 2 - QDIM) + col[None, :, :],
-                         mask=live[:, None, None] & (isq == 0), other=0)
+            hb = tl.load(half_ptr + (base // 2)[:, None] + (QDIM // 2 - QDIM) + d[None, :],
+                         mask=live[:, None] & (isq == 0), other=0)
             v = tl.where(isq, v, ((hb.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True))
-        return tl.reshape(v.to(tl.bfloat16), (BN, D))
+        return v.to(tl.bfloat16)
+
 
 # %% ../nbs/06_sparse_decode.ipynb #dfbce328
 def _format_meta(codec: RecordCodec, D: int, prefix: str) -> dict:
@@ -356,13 +351,16 @@ def format_decode_benchmark(rows) -> str:
     return '\n'.join([head] + [line(r) for r in rows])
 
 # %% ../nbs/06_sparse_decode.ipynb #c99e186d
-def benchmark_context(cfg: ModelConfig, context: int, bandwidth: float, peak: float, batch: int = 16, device='cuda', rep: int = 20) -> dict:
+def benchmark_context(cfg: ModelConfig, context: int, bandwidth: float, peak: float, batch: int = 16, device='cuda', rep: int = 20,
+                      indexer: bool = True,  # also time the indexer's full scan (04's logits kernel)
+                     ) -> dict:
     "Time per query token per layer at `context`: sparse attention, dense attention over every entry, the indexer's full scan"
     from dsv41_nb.indexer import benchmark_index_logits
     sparse = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, reference=False, device=device, rep=rep)
     dense = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, n_topk=context, reference=False, device=device, rep=rep)
-    scan = benchmark_index_logits(cfg, context, batch, device=device, bandwidth=bandwidth, rep=rep)
-    return dict(context=context, batch=batch, sparse_us=sparse['us'], dense_us=dense['us'], indexer_us=scan['us_per_query'],
+    scan = (benchmark_index_logits(cfg, context, batch, device=device, bandwidth=bandwidth, rep=rep) if indexer
+            else dict(us_per_query=0.0))
+    return dict(context=context, batch=batch, sparse_us=sparse['us'], dense_us=dense['us'], indexer_us=scan['us_per_query'] if indexer else float('nan'),
                 sparse_of_floor=sparse['of_floor'], dense_of_floor=dense['of_floor'],
                 dense_vs_sparse=dense['us'] / (sparse['us'] + scan['us_per_query']))
 

@@ -68,7 +68,7 @@ def ncu_profile(path):
     if ncu is None:
         out['error'] = 'ncu is not on PATH'
     else:
-        cmd = [ncu, '--kernel-name', 'regex:_sparse_decode_kernel', '--launch-skip', '2', '--launch-count', '1', '--csv',
+        cmd = [ncu, '--clock-control', 'none', '--kernel-name', 'regex:_sparse_decode_kernel', '--launch-skip', '2', '--launch-count', '1', '--csv',
                '--page', 'details'] + [a for s in NCU_SECTIONS for a in ('--section', s)] + [sys.executable, __file__, '--ncu-child']
         res = subprocess.run(cmd, capture_output=True, text=True)
         rows = [r for r in csv.reader(io.StringIO(res.stdout)) if len(r) > 5]
