@@ -173,10 +173,11 @@ def _key_tile(cache_ptr, slot, valid, DH: tl.constexpr, FP4: tl.constexpr, REC: 
     "(BLOCK_T, DH) fp32 index keys decoded from their records at `slot` (zeros where not `valid`)"
     rec = cache_ptr + slot[:, None] * REC
     if FP4:                                                               # 64 bytes of E2M1 pairs, 4 UE8M0 scales
-        b = tl.load(rec + tl.arange(0, DH // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        sc = tl.load(rec + DH // 2 + tl.arange(0, DH // 32)[None, :], mask=valid[:, None], other=127).to(tl.int32)
-        v = tl.reshape(tl.join(_e2m1_value(b & 15), _e2m1_value(b >> 4)), (BLOCK_T, DH // 32, 32))
-        return tl.reshape(v * _ue8m0_value(sc)[:, :, None], (BLOCK_T, DH))
+        d = tl.arange(0, DH)                                              # built as a 2-D tile, element by element:
+        b = tl.load(rec + (d // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)    # each byte read twice (L1)
+        sc = tl.load(rec + DH // 2 + (d // 32)[None, :], mask=valid[:, None], other=127).to(tl.int32)
+        v = _e2m1_value((b >> ((d % 2) * 4)[None, :]) & 15)                # even values: low nibbles, odd: high
+        return v * _ue8m0_value(sc)                                       # (no 3-D reshape in front of tl.dot)
     else:                                                                 # 128 E4M3 values, one fp32 scale
         c = tl.load(rec + tl.arange(0, DH)[None, :], mask=valid[:, None], other=0).to(tl.int32)
         sb = tl.load(rec + DH + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0).to(tl.int32)
