@@ -44,7 +44,8 @@ def check_device() -> torch.device:
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
 # %% auto #0
-__all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth']
+__all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth',
+           'machine_name']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -74,3 +75,10 @@ def copy_bandwidth(nbytes: int = 2 * 2**30, # bytes in the source buffer (the co
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
     return 2 * nbytes / median_time(lambda: dst.copy_(src))
+
+# %% ../nbs/00a_dispatch.ipynb #a0d1s9a2
+def machine_name(device='cuda') -> str:
+    "The GPU's name, or the CPU's (and whether Triton runs in its interpreter there)"
+    if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(torch.device(device))
+    import platform
+    return f"CPU ({platform.processor() or platform.machine()}){', Triton interpreter' if triton_interpreting() else ''}"

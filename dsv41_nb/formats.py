@@ -370,6 +370,7 @@ def _ue8m0_value(code):
     v = tl.where(code == 0, 5.877471754111438e-39, _pow2(tl.maximum(code, 1)))
     return tl.where(code == 255, float('nan'), v)
 
+# %% ../nbs/01_formats.ipynb #c4e5a0f5
 @triton.jit
 def _e2m1_code(v):
     "fp32 in [-6, 6] -> 4-bit E2M1 code (int32), round to nearest even"
@@ -413,12 +414,10 @@ def _store_fp8_kernel_v1(
     BLOCK: tl.constexpr,        # values per scale
     BLOCK_P2: tl.constexpr,     # power of two >= BLOCK
     GROUPS: tl.constexpr,       # power of two >= ceil(QDIM / BLOCK)
-    ROPE: tl.constexpr,         # trailing values kept as BF16 (0 = none)
-    ROPE_P2: tl.constexpr,      # power of two >= ROPE
+    ROPE: tl.constexpr, ROPE_P2: tl.constexpr,  # trailing values kept as BF16 (0 = none), a power of two >= ROPE
     SCALE_OFF: tl.constexpr,    # byte offset of the scales
     FP32_SCALE: tl.constexpr,   # one fp32 scale instead of UE8M0 bytes
-    PAD: tl.constexpr,          # zero bytes after the scales
-    PAD_P2: tl.constexpr,       # power of two >= PAD
+    PAD: tl.constexpr, PAD_P2: tl.constexpr,    # zero bytes after the scales, a power of two >= PAD
     EXACT: tl.constexpr,        # GROUPS * BLOCK == QDIM with BLOCK a power of two: no column masks needed
     REC: tl.constexpr,          # record bytes
     ROWS: tl.constexpr,         # vectors per program
@@ -560,6 +559,7 @@ def _store_fp4_kernel_v1(
     tl.store(cache_ptr + slot[:, None] * REC + DIM // 2 + g[None, :], scode.to(tl.uint8),
              mask=live[:, None] & (g < DIM // BLOCK)[None, :])
 
+# %% ../nbs/01_formats.ipynb #c4e5a0f4
 @triton.jit
 def _gather_fp4_kernel_v1(
     cache_ptr, idx_ptr, out_ptr, out_stride, n_rows,

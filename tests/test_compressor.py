@@ -134,23 +134,24 @@ def compressor(layer, fmt, seed):
     c.norm.weight.data = torch.rand(TINY.head_dim, generator=torch.Generator().manual_seed(seed)).to(DEV) + 0.5
     return c
 
+def run_both(sched, layer, fmt, seed, fn):
+    "The same schedule through the token-by-token reference and through `fn`: (harness, reference run, `fn` run)"
+    lengths, steps = sched
+    h = Harness(compressor(layer, fmt, seed), lengths, seed)
+    return h, h.run(compress_reference, steps), h.run(fn, steps)
+
 @given(schedules(), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
 @settings(max_examples=25)
 def test_torch_path_equals_reference(sched, layer, fmt, seed):
-    lengths, steps = sched
-    h = Harness(compressor(layer, fmt, seed), lengths, seed)
-    ca, ra, la = h.run(compress_reference, steps)
-    cb, rb, lb = h.run(compress_torch, steps)
+    h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, compress_torch)
     assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
 
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 @given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
 @settings(max_examples=8)
 def test_kernel_equals_reference(sched, layer, fmt, seed):
-    lengths, steps = sched
-    h = Harness(compressor(layer, fmt, seed), lengths, seed)
-    ca, ra, la = h.run(compress_reference, steps)
-    cb, rb, lb = h.run(kernel_emit, steps)
+    lengths = sched[0]
+    h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, kernel_emit)
     assert same_bits(ca, cb), 'cache bytes differ'
     assert all(same_bits(a, b) for a, b in zip(la, lb)), 'latents differ'
     r = h.c.ratio

@@ -8,10 +8,10 @@ each for a 32K-token prefill of one request and a decode step of 64 requests. Pr
 entry, the floor per entry (bytes moved / copy bandwidth measured in the same run), the fraction of it reached, and the
 PyTorch path's time measured in the same run. `--quick` runs the `tiny` geometry on small sizes, which also works on a
 CPU under TRITON_INTERPRET=1 (the copy bandwidth is then measured on the CPU, so the floor means little)."""
-import argparse, datetime, json, platform
+import argparse, datetime, json
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import copy_bandwidth, kernel_backend
+from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
 from dsv41_nb.compressor import benchmark_compressor, format_compressor_benchmark
 
 if __name__ == '__main__':
@@ -24,7 +24,7 @@ if __name__ == '__main__':
     cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()
     layers = (cfg.kv_source_layers[0], next(l for l in cfg.kv_source_layers if cfg.compress_ratios[l] == 1))
     sizes = (('prefill', 32), ('decode', 4)) if args.quick else (('prefill', 32768), ('decode', 64))
-    machine = torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()
+    machine = machine_name(device)
     print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
           f'config {"tiny" if args.quick else "bench"}')
     bw = copy_bandwidth(nbytes=(1 << 24) if args.quick else (2 << 30), device=device)

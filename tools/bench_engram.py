@@ -14,12 +14,12 @@ Its GEMMs use bf16 weights with half the reduction width of the FP8 weights they
 half the FLOP rate the same time. Lookups are timed as single launches and inside a CUDA graph (device time only);
 steps inside a CUDA graph, falling back to single launches where capture fails.
 --quick runs tiny sizes on whatever device there is (a CPU with TRITON_INTERPRET=1 included) to check the script."""
-import argparse, contextlib, dataclasses, datetime, json, math, platform, sys
+import argparse, contextlib, dataclasses, datetime, json, math, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time, copy_bandwidth
+from dsv41_nb.dispatch import median_time, copy_bandwidth, machine_name
 from dsv41_nb.accounting import expert_touch_fraction
 from dsv41_nb.engram import (EngramTable, NgramHasher, compressed_token_map, synthetic_token_strings, engram_lookup,
                              engram_lookup_torch, engram_gate, engram_update, engram_row_codec)
@@ -200,7 +200,7 @@ def run(table_gib: float = 4.0, batches=(1, 64, 1024), quick: bool = False, grap
     graphs = graphs and CUDA
     cfg = study_config(table_gib, quick)
     rec, cols = engram_row_codec(cfg).record_bytes, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-    machine = torch.cuda.get_device_name() if CUDA else platform.machine() + ' CPU, Triton interpreter'
+    machine = machine_name('cuda' if CUDA else 'cpu')
     gib = cfg.engram_num_embeddings[0] * rec / 2**30
     head = (f"{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}\n"
             f"{len(cfg.engram_layer_ids)} Engram tables of {cfg.engram_num_embeddings[0]:,} rows x {rec} B = {gib:.2f} GiB "

@@ -9,18 +9,16 @@ version 1 by value: its FP4 gathers return +0 for -0 on the GPU) on edge-case in
 against every E4M3 scale for the DS-FP4 record. Then the tables: median time, the floor (bytes moved / measured copy
 bandwidth), achieved GB/s, fraction of the copy bandwidth, the reference's time, for shuffled and sequential slots;
 the version 1 -> version 2 table; with `--sweep` the launch shapes of version 2; with `--sizes` a size sweep."""
-import argparse, datetime, json, platform, sys, time
+import argparse, datetime, json, sys, time
 import torch, triton
 import triton.language as tl
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import use_kernels, median_time, copy_bandwidth, triton_interpreting
+from dsv41_nb.dispatch import use_kernels, median_time, copy_bandwidth, triton_interpreting, machine_name
 from dsv41_nb.formats import (cache_codecs, cache_format, store_records, gather_records, benchmark_store_gather, format_benchmark,
                               before_after, size_sweep, edge_case_vectors, every_value_blocks, KERNEL_TUNING, KERNEL_VERSIONS)
 
 def machine(device) -> str:
-    name = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({platform.processor() or platform.machine()})'
-    interp = ', Triton interpreter' if triton_interpreting() else ''
-    return f'{name}, torch {torch.__version__}, Triton {triton.__version__}{interp}, {datetime.date.today()}'
+    return f'{machine_name(device)}, torch {torch.__version__}, Triton {triton.__version__}, {datetime.date.today()}'
 
 def check_exact(codec, x, device, versions=KERNEL_VERSIONS, seed=0) -> list[str]:
     "Store `x` and gather it back with every version; return the mismatches against the PyTorch reference"

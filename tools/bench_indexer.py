@@ -8,10 +8,10 @@ Default (a GPU): the `bench` geometry (32 heads x 128, MXFP4 keys, 2,048 x 8 can
 context of N tokens is N entries; decode batches of 32 requests; the full scan at 8K, 128K and 512K, sparse vs dense at
 128K and 512K, recall from 16K to 512K on random and clustered keys. `--quick` runs the `tiny` geometry on small
 contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean nothing; it checks that it all runs)."""
-import argparse, datetime, json, platform
+import argparse, datetime, json
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import copy_bandwidth, kernel_backend
+from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
 from dsv41_nb.indexer import benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall
 
 if __name__ == '__main__':
@@ -24,7 +24,7 @@ if __name__ == '__main__':
     cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()
     scan, sparse, recall_at, batch, rep = (((256, 1024), (512, 1024), (64, 128, 256, 512), 4, 10) if args.quick else
                                            ((8192, 131072, 524288), (131072, 524288), (16384, 32768, 65536, 131072, 262144, 524288), 32, 100))
-    machine = torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()
+    machine = machine_name(device)
     print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
           f'config {"tiny" if args.quick else "bench"}')
     bw = copy_bandwidth(nbytes=(1 << 24) if args.quick else (2 << 30), device=device)

@@ -7,7 +7,7 @@ op by op and replayed from a CUDA graph, per block (two seams), with kernel laun
 --sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps) and prints the best.
 --quick runs the tiny config on two small batches on whatever is there (the Triton interpreter on a CPU), to check the
 script itself; its times mean nothing."""
-import argparse, datetime, json, math, os, platform
+import argparse, datetime, json, math, os
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument('--config', default='bench', help='ModelConfig preset (full, bench, tiny)')
@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')                 # before the kernels are defined
 import triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time, use_kernels
+from dsv41_nb.dispatch import median_time, use_kernels, machine_name
 from dsv41_nb.mhc import MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn
 
 def one_seam(cfg, T, device):
@@ -54,7 +54,7 @@ if __name__ == '__main__':
     cfg = getattr(ModelConfig, 'tiny' if args.quick else args.config)()
     tokens, layers = ([1, 17] if args.quick else args.tokens), (2 if args.quick else args.layers)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    machine = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({platform.processor() or platform.machine()}, Triton interpreter)'
+    machine = machine_name(device)
     print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
           f'config {"tiny" if args.quick else args.config} (dim {cfg.dim}, {cfg.hc_mult} copies), {layers} blocks, tuning {MHC_TUNING}')
     sweep_rows = None

@@ -13,10 +13,10 @@ import os, sys
 if '--quick' in sys.argv and not os.environ.get('TRITON_INTERPRET'):
     import torch
     if not torch.cuda.is_available(): os.environ['TRITON_INTERPRET'] = '1'   # before triton is imported
-import argparse, datetime, json, platform
+import argparse, datetime, json
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time
+from dsv41_nb.dispatch import median_time, machine_name
 from dsv41_nb.moe import MoEWeights, MOE_TUNING, route, fused_moe_experts, benchmark_moe, format_moe_benchmark
 
 def sweep_shapes(cfg, sizes, device):
@@ -52,7 +52,7 @@ if __name__ == '__main__':
     if args.quick: args.config, args.sizes = 'tiny', [1, 8, 32]
     elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
     cfg = getattr(ModelConfig, args.config)()
-    machine = torch.cuda.get_device_name() if device == 'cuda' else f'CPU ({platform.processor() or platform.machine()}), Triton interpreter'
+    machine = machine_name(device)
     print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
           f'config {args.config}: {cfg.n_routed_experts} experts, top {cfg.n_activated_experts}, dim {cfg.dim}, inter {cfg.moe_inter_dim}')
     print('launch shapes:', {k: '/'.join(str(v[n]) for n in ('block_m', 'block_n', 'block_k', 'num_warps')) for k, v in MOE_TUNING.items()})

@@ -12,20 +12,16 @@ at 8K, 128K and 512K context with the indexer's full scan beside it (batch 16).
 checked against the reference first. `--ncu PATH` profiles one launch at batch 64 with Nsight Compute and writes a summary
 to PATH (read by 06_sparse_decode's profile cell). `--quick` runs a small geometry on small sizes, which also works on a CPU
 under TRITON_INTERPRET=1 (bandwidth and matmul rate are then the CPU's, so the floor means little)."""
-import argparse, csv, datetime, io, json, os, platform, shutil, subprocess, sys
+import argparse, csv, datetime, io, json, shutil, subprocess, sys
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, median_time
+from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, median_time, machine_name
 from dsv41_nb.formats import cache_format
 from dsv41_nb.sparse_decode import (benchmark_sparse_decode, format_decode_benchmark, benchmark_context, decode_inputs,
                                     check_decode, decode_cost, sparse_decode, profile_summary)
 
 NCU_SECTIONS = ('SpeedOfLight', 'ComputeWorkloadAnalysis', 'MemoryWorkloadAnalysis', 'Occupancy', 'LaunchStats')
-
-
-def machine(device) -> str:
-    return torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()
 
 
 def matmul_rate(n: int, device) -> float:
@@ -107,7 +103,7 @@ if __name__ == '__main__':
         if device != 'cuda': raise SystemExit('--ncu needs a GPU')
         ncu_profile(args.ncu); sys.exit(0)
     cfg = replace(ModelConfig.bench(), window_size=16) if args.quick else ModelConfig.bench()
-    print(f'{machine(device)}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
+    print(f'{machine_name(device)}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
           f'config {"bench, window 16 (quick)" if args.quick else "bench"}')
     bw = copy_bandwidth(nbytes=(1 << 24) if args.quick else (2 << 30), device=device)
     peak = matmul_rate(256 if args.quick else 8192, device)
@@ -125,5 +121,5 @@ if __name__ == '__main__':
     sweep_rows = sweep(cfg, bw, peak, device, args.quick) if args.sweep else []
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(device=machine(device), date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
+            json.dump(dict(device=machine_name(device), date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
                            copy_bandwidth=bw, bf16_matmul=peak, rows=rows, context_rows=ctx_rows, sweep_rows=sweep_rows), f, indent=1)
