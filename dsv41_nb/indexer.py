@@ -17,10 +17,10 @@ from .formats import (FP4Record, FP8Record, cache_format, store_records, quantiz
 from .compressor import Compressor, layer_inv_freq, rope_cos_sin, apply_rope, RMSNorm, new_record_cache
 
 # %% auto #0
-__all__ = ['Indexer', 'qdq_mxfp4', 'IndexBatch', 'index_logits_reference', 'topk_reference', 'candidate_pool_reference',
-           'pool_mask', 'sparse_topk_reference', 'index_logits_torch', 'index_logits', 'ragged_topk', 'candidate_pool',
-           'pool_entries', 'sparse_topk', 'random_key_cache', 'benchmark_index_logits', 'benchmark_sparse_vs_dense',
-           'candidate_recall']
+__all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'IndexBatch', 'index_logits_reference', 'topk_reference',
+           'candidate_pool_reference', 'pool_mask', 'sparse_topk_reference', 'index_logits_torch', 'index_logits',
+           'logits_error_bound', 'ragged_topk', 'candidate_pool', 'pool_entries', 'sparse_topk', 'random_key_cache',
+           'benchmark_index_logits', 'benchmark_sparse_vs_dense', 'candidate_recall']
 
 # %% ../nbs/04_indexer.ipynb #c07588fe
 class Indexer(nn.Module):
@@ -169,20 +169,31 @@ def sparse_topk_reference(logits: torch.Tensor, visible: torch.Tensor, pool: tor
 
 # %% ../nbs/04_indexer.ipynb #2963d802
 @triton.jit
-def _key_tile(cache_ptr, slot, valid, DH: tl.constexpr, FP4: tl.constexpr, REC: tl.constexpr, BLOCK_T: tl.constexpr):
-    "(BLOCK_T, DH) fp32 index keys decoded from their records at `slot` (zeros where not `valid`)"
-    rec = cache_ptr + slot[:, None] * REC
-    if FP4:                                                               # 64 bytes of E2M1 pairs, 4 UE8M0 scales
-        d = tl.arange(0, DH)                                              # built as a 2-D tile, element by element:
-        b = tl.load(rec + (d // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)    # each byte read twice (L1)
-        sc = tl.load(rec + DH // 2 + (d // 32)[None, :], mask=valid[:, None], other=127).to(tl.int32)
-        v = _e2m1_value((b >> ((d % 2) * 4)[None, :]) & 15)                # even values: low nibbles, odd: high
-        return v * _ue8m0_value(sc)                                       # (no 3-D reshape in front of tl.dot)
-    else:                                                                 # 128 E4M3 values, one fp32 scale
-        c = tl.load(rec + tl.arange(0, DH)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        sb = tl.load(rec + DH + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-        scale = tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True)
-        return _e4m3_value(c) * scale[:, None]
+def _record_rows(cache_ptr, slot, zero, REC: tl.constexpr):
+    "(BLOCK_T, 1) record addresses; `zero`, a runtime 0 the compiler cannot see through, keeps it from assuming more alignment"
+    return cache_ptr + tl.multiple_of(slot * REC + zero, REC & -REC if REC & -REC < 16 else 16)[:, None]  # than REC gives
+
+@triton.jit
+def _fp4_key_halves(rec, valid, DH: tl.constexpr):
+    "(even dims, odd dims) of MXFP4 keys, (BLOCK_T, DH/2) fp32 each: one contiguous load of the code bytes, no reshape"
+    j = tl.arange(0, DH // 2)
+    b = tl.load(rec + j[None, :], mask=valid[:, None], other=0).to(tl.int32)                  # byte j: dims 2j (low), 2j+1
+    sc = _ue8m0_value(tl.load(rec + DH // 2 + (j // 16)[None, :], mask=valid[:, None], other=127).to(tl.int32))
+    return _e2m1_value(b & 15) * sc, _e2m1_value(b >> 4) * sc
+
+@triton.jit
+def _fp8_key_tile(rec, valid, DH: tl.constexpr):
+    "((BLOCK_T, DH) E4M3 values, exact in bf16, and (BLOCK_T,) their fp32 scale, which is not)"
+    c = tl.load(rec + tl.arange(0, DH)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    sb = tl.load(rec + DH + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    return _e4m3_value(c), tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True)
+
+@triton.jit
+def _dot_t(a, k, BF16_DOT: tl.constexpr):
+    "a @ k^T in fp32: bf16 operands on the tensor cores (exact here), fp32 in the interpreter"
+    if BF16_DOT: return tl.dot(a, tl.trans(k.to(tl.bfloat16)))
+    return tl.dot(a.to(tl.float32), tl.trans(k))
+
 
 # %% ../nbs/04_indexer.ipynb #40f66b92
 @triton.jit
@@ -198,7 +209,7 @@ def _tile_entries(aux_row, t, L, n_vis, MODE: tl.constexpr, CBS: tl.constexpr):
     return e, valid
 
 # %% ../nbs/04_indexer.ipynb #089b21eb
-@triton.jit
+@triton.jit(do_not_specialize=['zero'])
 def _index_logits_kernel(
     q_ptr,          # (T, H, DH) bf16 index queries
     w_ptr,          # (T, H) fp32 head weights (scales folded in)
@@ -212,28 +223,40 @@ def _index_logits_kernel(
     W,              # block-table width
     skip,           # rows seeing at most this many entries are left unwritten (they select all)
     aux_stride,     # elements between rows of aux
+    zero,           # always 0 (see _record_rows)
     H: tl.constexpr, H_P2: tl.constexpr, DH: tl.constexpr,   # heads (padded to >= 16 for the tensor cores), head dim
     RATIO: tl.constexpr, PER: tl.constexpr,                   # tokens per entry, entries per page
-    FP4: tl.constexpr, REC: tl.constexpr, BLOCK_T: tl.constexpr,
+    FP4: tl.constexpr, REC: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,   # TILES tiles per program
     BF16_DOT: tl.constexpr,   # multiply in bf16 (exact: every operand is a bf16 value); fp32 in the interpreter
     MODE: tl.constexpr,       # 0: every visible entry; 1: and -inf outside the kept blocks; 2: the pool's entries only
     CBS: tl.constexpr,        # candidate block size (modes 1, 2)
 ):
     s = tl.program_id(0)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)               # (BLOCK_T,) output columns
     row = tl.load(row_ptr + s)
     n_vis = tl.where(row >= 0, (tl.load(pos_ptr + s).to(tl.int64) + 1) // RATIO, 0)
     if n_vis > skip:
-        e, valid = _tile_entries(aux_ptr + s * aux_stride, t, L, n_vis, MODE, CBS)
-        page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid, other=0).to(tl.int64)
-        k = _key_tile(cache_ptr, page * PER + e % PER, valid, DH, FP4, REC, BLOCK_T)         # (BLOCK_T, DH)
         h = tl.arange(0, H_P2)
-        q = tl.load(q_ptr + s.to(tl.int64) * H * DH + h[:, None] * DH + tl.arange(0, DH)[None, :], mask=(h < H)[:, None], other=0.0)
+        qrow = q_ptr + s.to(tl.int64) * H * DH + h[:, None] * DH                       # the query, loaded once per program
         w = tl.load(w_ptr + s.to(tl.int64) * H + h, mask=h < H, other=0.0)
-        if BF16_DOT: scores = tl.dot(q, tl.trans(k.to(tl.bfloat16)))    # (H_P2, BLOCK_T) fp32: per-head scores, never stored
-        else: scores = tl.dot(q.to(tl.float32), tl.trans(k))
-        logit = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
-        tl.store(out_ptr + s.to(tl.int64) * L + t, tl.where(valid, logit, -float('inf')), mask=t < L)
+        if FP4:                                                                        # split into even and odd dims,
+            j = tl.arange(0, DH // 2)                                                  # as the nibbles of each byte are
+            q_even = tl.load(qrow + 2 * j[None, :], mask=(h < H)[:, None], other=0.0)
+            q_odd = tl.load(qrow + 2 * j[None, :] + 1, mask=(h < H)[:, None], other=0.0)
+        else: q = tl.load(qrow + tl.arange(0, DH)[None, :], mask=(h < H)[:, None], other=0.0)
+        for i in range(TILES):                                                          # TILES tiles of BLOCK_T entries
+            t = (tl.program_id(1) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)          # (BLOCK_T,) output columns
+            e, valid = _tile_entries(aux_ptr + s * aux_stride, t, L, n_vis, MODE, CBS)
+            page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid, other=0).to(tl.int64)
+            rec = _record_rows(cache_ptr, page * PER + e % PER, zero, REC)
+            if FP4:
+                k_even, k_odd = _fp4_key_halves(rec, valid, DH)
+                scores = _dot_t(q_even, k_even, BF16_DOT) + _dot_t(q_odd, k_odd, BF16_DOT)   # (H_P2, BLOCK_T), never stored
+            else:
+                k, ks = _fp8_key_tile(rec, valid, DH)
+                scores = _dot_t(q, k, BF16_DOT) * ks[None, :]                           # the keys' scale, after the dot
+            logit = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
+            tl.store(out_ptr + s.to(tl.int64) * L + t, tl.where(valid, logit, -float('inf')), mask=t < L)
+
 
 # %% ../nbs/04_indexer.ipynb #a69a53e6
 def _key_format(codec) -> bool:
@@ -263,6 +286,8 @@ def index_logits_torch(q, w, key_cache, batch: IndexBatch, codec, width: int, ke
     return out
 
 # %% ../nbs/04_indexer.ipynb #c6d3bf6b
+LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4)   # entries per tile, tiles per program, warps (compiled)
+
 def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
                  w: torch.Tensor,          # (T, H) fp32 head weights
                  key_cache: torch.Tensor,  # uint8 index-key records of the KV source
@@ -285,13 +310,26 @@ def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
     out = torch.empty(T, width, device=q.device)
     if T == 0 or width == 0: return out
     aux = pool if pool is not None else (keep.to(torch.uint8) if keep is not None else out)
-    block_t = 64 if q.is_cuda else 32
-    _index_logits_kernel[(T, triton.cdiv(width, block_t))](
+    block_t, tiles, warps = (LOGITS_TUNING["block_t"], LOGITS_TUNING["tiles"], LOGITS_TUNING["num_warps"]) if q.is_cuda else (32, 2, 4)
+    _index_logits_kernel[(T, triton.cdiv(width, block_t * tiles))](
         q, w.float().contiguous(), key_cache, batch.block_table, batch.rows, batch.positions, aux, out, width,
-        batch.block_table.shape[1], skip, aux.stride(0), H=q.shape[1], H_P2=max(16, triton.next_power_of_2(q.shape[1])),
-        DH=q.shape[2], RATIO=batch.ratio, PER=batch.per_block, FP4=fp4, REC=codec.record_bytes, BLOCK_T=block_t,
-        BF16_DOT=not triton_interpreting(), MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs, num_warps=4)
+        batch.block_table.shape[1], skip, aux.stride(0), 0, H=q.shape[1], H_P2=max(16, triton.next_power_of_2(q.shape[1])),
+        DH=q.shape[2], RATIO=batch.ratio, PER=batch.per_block, FP4=fp4, REC=codec.record_bytes, BLOCK_T=block_t, TILES=tiles,
+        BF16_DOT=not triton_interpreting(), MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs, num_warps=warps)
     return out
+
+# %% ../nbs/04_indexer.ipynb #5844a3bc
+def logits_error_bound(q, w, key_cache, batch: IndexBatch, codec) -> torch.Tensor:
+    "Per logit: (DH + H + 2) 2^-23 sum_h |w_h| sum_d |q_hd k_td|, how far another summation order may move it"
+    vis, records = batch.visible, key_cache.view(-1, codec.record_bytes)
+    out = torch.zeros(len(vis), int(vis.max()) if len(vis) else 0, device=q.device)
+    for s in range(len(vis)):
+        n = int(vis[s])
+        if n == 0: continue
+        k = codec.unpack(records[batch.slots(int(batch.rows[s]), torch.arange(n))]).abs()        # (n, head_dim)
+        out[s, :n] = (q[s].float().abs() @ k.T * w[s].abs()[:, None]).sum(0)
+    return (q.shape[2] + q.shape[1] + 2) * 2 ** -23 * out
+
 
 # %% ../nbs/04_indexer.ipynb #62736954
 @triton.jit
@@ -305,7 +343,7 @@ def _radix_threshold(row, n, K: tl.constexpr, BLOCK: tl.constexpr):
     "(order key of the K-th largest of row[:n], how many entries equal to it belong in the top K): four 8-bit radix passes"
     offs, prefix, rem = tl.arange(0, BLOCK), 0, K                         # prefix: the threshold's high bits (unsigned order)
     for p in tl.static_range(4):
-        SHIFT: tl.constexpr = 24 - 8 * p
+        SHIFT = 24 - 8 * p
         hist = tl.zeros((256,), tl.int32)
         for t0 in range(0, n, BLOCK):
             t = t0 + offs
