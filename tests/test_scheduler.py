@@ -1,0 +1,208 @@
+"""The scheduler against independent computations: plain greedy generation of the toy model (no scheduler), the slot
+arithmetic of the block pool, the n-gram proposer's one-comparison-at-a-time reference; and one table of bad inputs."""
+import random
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from fastcore.test import test_fail as fails_with
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, CacheCapacityError
+from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, NgramProposer, ToyRunner,
+                                reference_ngram_propose, toy_next_token, toy_next_tokens, toy_generate, run_until_done)
+
+TINY = ModelConfig.tiny()
+V = 32           # the toy model's vocabulary: small, so that prompts share prefixes and n-grams match
+EOS = 0
+
+
+def tiny_cache(blocks=200, **kw):
+    return get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=512, **kw))
+
+
+# ---------------------------------------------------------------- bad input, one table for the module
+def _sched():
+    s = Scheduler(tiny_cache(), SchedulerConfig())
+    s.add_request('x', [1, 2, 3])
+    return s
+
+def _update(sampled, drafts=None):
+    s = _sched()
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled, drafts or {}))
+
+def _applied_twice():
+    s = _sched()
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput({'x': [7]}))
+    s.update_from_output(out, ModelRunnerOutput({'x': [7]}))
+
+BAD = [
+    (lambda: SamplingParams(temperature=-1), ValueError, 'temperature = -1'),
+    (lambda: SamplingParams(top_p=1.5), ValueError, 'top_p = 1.5'),
+    (lambda: SamplingParams(top_k=0), ValueError, 'top_k = 0'),
+    (lambda: SamplingParams(min_p=-0.1), ValueError, 'min_p = -0.1'),
+    (lambda: SamplingParams(max_tokens=0), ValueError, 'max_tokens = 0'),
+    (lambda: SamplingParams(max_tokens=2, min_tokens=3), ValueError, 'min_tokens = 3'),
+    (lambda: SamplingParams(seed='7'), TypeError, "seed = '7'"),
+    (lambda: SamplingParams(ignore_eos=1), TypeError, 'ignore_eos = 1'),
+    (lambda: SamplingParams(stop_token_ids=[1.5]), ValueError, 'stop_token_ids holds 1.5'),
+    (lambda: SamplingParams(stop_token_ids=3), TypeError, 'stop_token_ids = 3'),
+    (lambda: SchedulerConfig(max_num_batched_tokens=0), ValueError, 'max_num_batched_tokens = 0'),
+    (lambda: SchedulerConfig(bounded_replay='yes'), TypeError, "bounded_replay = 'yes'"),
+    (lambda: SchedulerConfig(long_prefill_token_threshold=8, enable_chunked_prefill=False), ValueError,
+     'needs enable_chunked_prefill'),
+    (lambda: Scheduler(tiny_cache(), SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=64)), ValueError,
+     'without chunked prefill'),
+    (lambda: Scheduler(None), TypeError, 'expected a KVCacheManager or KVCacheConfig'),
+    (lambda: _sched().add_request('x', [1]), ValueError, "request id 'x' is already in the scheduler"),
+    (lambda: _sched().add_request('y', [1, 600]), ValueError, 'token id 600 at position 1'),
+    (lambda: _sched().add_request('y', [1], SamplingParams(stop_token_ids=[512])), ValueError, 'stop token id 512'),
+    (lambda: _sched().add_request('y', [1], eos_token_id=-1), ValueError, 'eos_token_id = -1'),
+    (lambda: _sched().add_request('y', [1] * 513), ValueError, 'exceeds max_model_len = 512'),
+    (lambda: Scheduler(tiny_cache(20)).add_request('y', [1] * 400), CacheCapacityError, "request 'y' can never fit"),
+    (lambda: _sched().abort('y'), ValueError, "abort: no unfinished request 'y'"),
+    (lambda: _sched().preempt('x'), ValueError, "preempt: 'x' is not a running request"),
+    (lambda: _update({}), ValueError, "no sampled tokens for request 'x'"),
+    (lambda: _update({'x': []}), ValueError, '0 sampled tokens'),
+    (lambda: _update({'x': [7]}, {'x': [999]}), ValueError, 'token id 999'),
+    (lambda: _applied_twice(), ValueError, 'step 0 is not its oldest step in flight (applied twice, or out of order)'),
+    (lambda: NgramProposer(2, 0), ValueError, 'prompt_lookup_min = 0'),
+    (lambda: ToyRunner(tiny_cache(), 0), ValueError, 'vocab_size = 0'),
+]
+
+@pytest.mark.parametrize('f, exc, msg', BAD, ids=[m for _, _, m in BAD])
+def test_bad_input(f, exc, msg):
+    fails_with(f, contains=msg)
+    with pytest.raises(exc): f()
+
+
+def test_failed_update_changes_nothing():
+    s = _sched()
+    out = s.schedule()
+    before = (s.requests['x'].num_tokens, s.requests['x'].num_computed_tokens, list(s.requests['x'].in_flight))
+    with pytest.raises(ValueError): s.update_from_output(out, ModelRunnerOutput({'x': [1, 2]}))
+    assert (s.requests['x'].num_tokens, s.requests['x'].num_computed_tokens, list(s.requests['x'].in_flight)) == before
+
+
+# ---------------------------------------------------------------- the pieces against their references
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 4), st.integers(0, 3), st.integers(1, 6))
+def test_ngram_matches_reference(tokens, lo, extra, k):
+    assert NgramProposer(k, lo, lo + extra).propose_one(tokens) == reference_ngram_propose(tokens, lo, lo + extra, k)
+
+
+@given(st.lists(st.integers(0, 200), min_size=1, max_size=80), st.integers(1, 300))
+def test_toy_rows_match_reference(hist, vocab):
+    h = np.array(hist)
+    assert toy_next_tokens(h, np.arange(len(h)), vocab).tolist() == [toy_next_token(hist[:q + 1], vocab) for q in range(len(h))]
+
+
+# ---------------------------------------------------------------- every step's plan, checked against the slot arithmetic
+def check_plan(out, s):
+    "Budget, seats, slots and decoder rows of one SchedulerOutput, recomputed from its block tables"
+    cfg, kc = s.config, s.kv.kv_cache_config
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens and len(out.requests) <= cfg.max_num_seqs
+    sm, row = out.slot_mappings, 0
+    groups = {g.manager: g for g in kc.groups}
+    for sr in out.requests:
+        pos = list(range(sr.start, sr.start + sr.num_tokens))
+        assert sm.positions[row:row + len(pos)].tolist() == pos
+        g, w = groups['global'], groups['sliding_window']
+        assert sm.swa[row:row + len(pos)].tolist() == reference_slot_mapping(sr.block_ids[w.group_id], pos, w.block_size)
+        for r in g.ratios:
+            want = reference_slot_mapping(sr.block_ids[g.group_id], pos, g.block_size, r)
+            want = [PAD_SLOT_ID if p < sr.num_cached_tokens else x for p, x in zip(pos, want)]
+            assert sm.compressed[r][row:row + len(pos)].tolist() == want
+        if cfg.long_prefill_token_threshold and sr.num_draft_tokens == 0 and sr.start < sr.request.prefill_len:
+            assert sr.num_tokens <= cfg.long_prefill_token_threshold
+        row += len(pos)
+    dec = [i for i, p in enumerate(sm.positions.tolist()) if p >= _replay_start_of_row(out, i)]
+    assert out.decoder_rows.tolist() == dec
+
+
+def _replay_start_of_row(out, i):
+    for sr in out.requests:
+        if i < sr.num_tokens: return sr.replay_start
+        i -= sr.num_tokens
+
+
+def make_workload(seed, n_req, long=False):
+    r = random.Random(seed)
+    base = [r.randrange(V) for _ in range(r.randrange(16, 80))]
+    work = []
+    for i in range(n_req):
+        tail = [r.randrange(V) for _ in range(r.randrange(1, 90 if long else 40))]
+        prompt = base[:r.randrange(len(base) + 1)] + tail if r.random() < 0.6 else tail
+        mt = r.randrange(1, 50)
+        sp = SamplingParams(temperature=0, max_tokens=mt, min_tokens=r.randrange(0, mt + 1) if r.random() < 0.3 else 0,
+                            ignore_eos=r.random() < 0.3, stop_token_ids=[r.randrange(1, V)] if r.random() < 0.3 else [])
+        work.append((f'r{i}', prompt, sp))
+    return work
+
+
+CONFIGS = st.fixed_dictionaries(dict(
+    budget=st.sampled_from([8, 24, 64, 512]), threshold=st.sampled_from([0, 0, 8, 20]), seqs=st.sampled_from([2, 4, 64]),
+    asyn=st.booleans(), k=st.sampled_from([0, 0, 1, 3]), bounded=st.booleans(), caching=st.sampled_from([True, True, False]),
+    blocks=st.sampled_from([24, 40, 200]), chunked=st.sampled_from([True, True, True, False])))
+
+
+@settings(max_examples=40)
+@given(CONFIGS, st.integers(0, 10 ** 6), st.integers(1, 8))
+def test_outputs_equal_plain_generation(c, seed, n_req):
+    """Any configuration (budget, prefill cap, seats, async, drafts, replay, caching, a pool small enough to preempt, no
+    chunking) gives exactly the tokens and finish reasons of generation without a scheduler, and returns every block"""
+    chunked = c['chunked'] or c['threshold'] > 0
+    cfg = SchedulerConfig(max_num_seqs=c['seqs'], max_num_batched_tokens=c['budget'] if chunked else 512,
+                          long_prefill_token_threshold=c['threshold'], enable_chunked_prefill=chunked,
+                          async_scheduling=c['asyn'], num_speculative_tokens=c['k'], bounded_replay=c['bounded'])
+    s = Scheduler(tiny_cache(c['blocks'], enable_prefix_caching=c['caching']), cfg)
+    work = make_workload(seed, n_req)
+    want = {}
+    for rid, prompt, sp in work:
+        try: s.add_request(rid, prompt, sp, eos_token_id=EOS)
+        except CacheCapacityError: continue
+        want[rid] = toy_generate(prompt, sp, V, EOS, 512)
+    runner = ToyRunner(s.kv.kv_cache_config, V, NgramProposer(c['k'], 1, 3) if c['k'] else None)
+    got = run_until_done(s, runner, max_steps=20_000, on_step=lambda o, r: check_plan(o, s))
+    assert got == want
+    assert s.kv.num_free_blocks == s.kv.block_pool.num_usable_blocks
+    assert not s.running and not s.waiting and not s.requests
+
+
+def test_preemption_keeps_outputs_and_every_request_finishes():
+    "A pool that holds barely one long request at a time: many preemptions, the same answers"
+    work = make_workload(3, 8, long=True)
+    s = Scheduler(tiny_cache(24), SchedulerConfig(max_num_batched_tokens=16, async_scheduling=True, num_speculative_tokens=2))
+    for rid, p, sp in work: s.add_request(rid, p, sp, eos_token_id=EOS)
+    got = run_until_done(s, ToyRunner(s.kv.kv_cache_config, V, NgramProposer(2, 1, 3)))
+    assert got == {rid: toy_generate(p, sp, V, EOS, 512) for rid, p, sp in work}
+    assert s.stats['preemptions'] > 0
+
+
+def test_abort_mid_flight_frees_everything():
+    s = Scheduler(tiny_cache(), SchedulerConfig(async_scheduling=True, num_speculative_tokens=2))
+    runner = ToyRunner(s.kv.kv_cache_config, V, NgramProposer(2, 1, 3))
+    for rid, p, sp in make_workload(5, 4): s.add_request(rid, p, sp, eos_token_id=EOS)
+    o1 = s.schedule(); r1 = runner.execute_model(o1)
+    o2 = s.schedule(); r2 = runner.execute_model(o2)                  # two steps planned, one output applied below
+    s.update_from_output(o1, r1)
+    for rid in list(s.requests): s.abort(rid)
+    assert s.update_from_output(o2, r2) == []                         # the aborted requests' outputs are dropped
+    assert s.kv.num_free_blocks == s.kv.block_pool.num_usable_blocks
+    o3 = s.schedule()
+    assert o3.requests == [] and o3.finished_req_ids == {rid for rid, _, _ in make_workload(5, 4)}
+
+
+def test_bounded_replay_hits_where_hybrid_search_cannot():
+    "A shared system prompt followed by different questions: only the global groups remember it"
+    r = random.Random(0)
+    system = [r.randrange(V) for _ in range(50)]
+    hits = {}
+    for bounded in (False, True):
+        s = Scheduler(tiny_cache(), SchedulerConfig(bounded_replay=bounded))
+        runner = ToyRunner(s.kv.kv_cache_config, V)
+        s.add_request('a', system + [r.randrange(V) for _ in range(30)], SamplingParams(max_tokens=2))
+        run_until_done(s, runner)
+        s.add_request('b', system + [r.randrange(V) for _ in range(30)], SamplingParams(max_tokens=2))
+        out = s.schedule()
+        hits[bounded] = (out.requests[0].num_cached_tokens, out.requests[0].start)
+    assert hits == {False: (0, 0), True: (48, 32)}
