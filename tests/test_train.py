@@ -1,0 +1,210 @@
+"""The training pieces: the corpus and its split, byte windows, the router-bias balancing rule, the dense baseline,
+and `train` itself (it learns, it is deterministic, it leaves the model's dtypes and switches as they were)."""
+import math, subprocess, sys
+from pathlib import Path
+import pytest
+import torch
+import torch.nn as nn
+import fastcore.test as fct
+from hypothesis import given, settings, strategies as st
+from dsv41_nb.moe import route
+from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
+                            module_documents, byte_data, lm_loss,
+                            trained_param_count, DenseBaseline, dense_param_count, lr_at, balance_router_bias,
+                            max_violation, ExpertLoad, evaluate, train)
+
+def _gen(seed): return torch.Generator().manual_seed(seed)
+
+@pytest.fixture(scope='module')
+def docs(tmp_path_factory):
+    return load_corpus(tmp_path_factory.mktemp('cache'))
+
+def _stream_data(n_train=4000, n_val=1000, seed=0):
+    "Token streams of random English-like bytes: independent of the corpus, fast"
+    g = _gen(seed)
+    words = [bytes(torch.randint(97, 123, (int(n),), generator=g).tolist()) for n in torch.randint(1, 7, (40,), generator=g)]
+    pick = lambda n: torch.tensor(list(b' '.join(words[i] for i in torch.randint(0, 40, (n,), generator=g).tolist())),
+                                  dtype=torch.int16)
+    return ByteData(pick(n_train // 4), pick(n_val // 4), 256)
+
+def test_corpus_is_deterministic(docs, tmp_path):
+    "Built twice it is the same list; the cache reads back identical; no skipped module and no document twice"
+    assert corpus_documents() == docs == load_corpus(tmp_path) == load_corpus(tmp_path)   # built, built, cached
+    assert len(list(tmp_path.iterdir())) == 1
+    assert len(set(docs)) == len(docs) and sum(len(d.encode()) for d in docs) > 1_000_000
+    assert not any(d.startswith(f'"""{m}\n') or d.startswith(f'"""{m}.') for d in docs for m in SKIP_MODULES)
+
+def test_split_is_disjoint_and_stable(docs):
+    "Disjoint, covering; a document's side depends on its text and the seed only (not on order or on other documents)"
+    train_docs, val_docs = split_documents(docs)
+    assert set(train_docs).isdisjoint(val_docs) and len(train_docs) + len(val_docs) == len(docs)
+    assert 0.03 < len(val_docs) / len(docs) < 0.07                 # 5% expected; binomial sd ~0.3% at 5,000 documents
+    sub_train, sub_val = split_documents(docs[1::3][::-1])
+    assert set(sub_val) == set(val_docs) & set(docs[1::3]) and set(sub_train) <= set(train_docs)
+    assert set(split_documents(docs, seed=7)[1]) != set(val_docs)
+
+@settings(max_examples=30)
+@given(st.integers(2, 40), st.integers(1, 5), st.integers(0, 2**31))
+def test_windows_shift_targets(seq_len, batch, seed):
+    "Inputs are BOS then the targets shifted right; targets are a contiguous slice of the stream"
+    data = ByteData(torch.randint(0, 256, (200,), generator=_gen(seed), dtype=torch.int16), torch.zeros(50, dtype=torch.int16), 256)
+    x, y = data.batch(batch, seq_len, _gen(seed))
+    assert x.shape == y.shape == (batch, seq_len) and (x[:, 0] == 256).all() and (x[:, 1:] == y[:, :-1]).all()
+    for row in y.tolist():
+        s = data.train.tolist()
+        assert any(s[i:i + seq_len] == row for i in range(len(s) - seq_len + 1))
+
+@settings(max_examples=60)
+@given(st.integers(2, 64), st.integers(0, 2**31), st.floats(1e-4, 0.1))
+def test_bias_rule_moves_against_load(E, seed, gamma):
+    "Each expert's bias moves by exactly γ against the sign of (its load - the mean load), 0 at the mean"
+    counts = torch.randint(0, 50, (E,), generator=_gen(seed))
+    bias = torch.randn(E, generator=_gen(seed + 1))
+    new = balance_router_bias(bias.clone(), counts, gamma)
+    for b0, b1, c in zip(bias.tolist(), new.tolist(), counts.tolist()):
+        mean = sum(counts.tolist()) / E
+        want = b0 - gamma if c > mean else b0 + gamma if c < mean else b0
+        assert abs(b1 - want) < 1e-6
+
+def test_bias_update_balances_a_skewed_router():
+    "Four experts favoured by the inputs' mean direction: the rule brings the max violation down by more than 3x"
+    g, E, D = _gen(3), 16, 32
+    w = torch.randn(E, D, generator=g) / D ** 0.5
+    w[:4] += 0.8
+    bias, vio = torch.zeros(E), []
+    for _ in range(300):
+        _, ids = route(torch.randn(512, D, generator=g) + 0.3, w, bias, 2, 1.5)
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        vio.append(max_violation(counts)); balance_router_bias(bias, counts, 0.01)
+    assert vio[0] > 1.5 and sum(vio[-50:]) / 50 < vio[0] / 3
+
+def test_baseline_param_count():
+    "The closed form counts what the module holds; `matching` lands within 1% of the small model's backbone"
+    m = DenseBaseline(300, 64, 3, 4, 96)
+    assert sum(p.numel() for p in m.parameters()) == dense_param_count(300, 64, 3, 96)
+    b = DenseBaseline.matching(small_config())
+    assert abs(sum(p.numel() for p in b.parameters()) / trained_param_count(small_config()) - 1) < 0.01
+
+def test_overfit_tiny_stream():
+    """48 random bytes, windows of 32: the model memorises them. The only byte it cannot know is the first of a window
+    (17 starts are equally likely), so the loss floor is ln(17) / 32 = 0.09 nats; uniform guessing is ln 512 = 6.24"""
+    s = torch.randint(0, 256, (48,), generator=_gen(0), dtype=torch.int16)
+    m = DenseBaseline(512, 64, 2, 2, 128)
+    hist = train(m, ByteData(s, s, 256), steps=40, lr=1e-2, batch_size=8, seq_len=32, eval_every=40, eval_batches=1,
+                 device='cpu')
+    assert math.log(17) / 32 - 0.01 < hist['val_loss'][-1] < 0.3
+
+def test_train_is_deterministic_and_restores_the_model():
+    "Same seed, same history (CPU); parameters come back in their original dtypes, the quant switch as it was"
+    data, runs = _stream_data(), []
+    for _ in range(2):
+        m = DenseBaseline(512, 32, 1, 2, 64).to(torch.bfloat16)
+        m.quant = True
+        runs.append(train(m, data, steps=4, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, device='cpu'))
+        assert {p.dtype for p in m.parameters()} == {torch.bfloat16} and m.quant is True
+    assert runs[0] == {**runs[1], 'seconds': runs[0]['seconds']}
+    assert len(runs[0]['val_loss']) == 2
+
+class _Routed(nn.Module):
+    "A tiny LM with one MoE router at `layers.0.ffn.gate`, to check that `train` balances it"
+    def __init__(self, E=8, D=32):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(512, D), nn.Linear(D, 512)
+        self.layers = nn.ModuleList([nn.Module()]); self.layers[0].ffn = nn.Module()
+        gate = self.layers[0].ffn.gate = nn.Module()
+        gate.weight = nn.Parameter(torch.randn(E, D) / D ** 0.5); gate.bias = nn.Parameter(torch.zeros(E))
+        gate.forward = lambda x: route(x, gate.weight, gate.bias, 2, 1.5)
+        self.experts = nn.Parameter(torch.randn(E, D, D) / D)
+    def forward(self, ids):
+        h = self.embed(ids).flatten(0, 1)
+        w, idx = self.layers[0].ffn.gate(h)
+        y = h + (w[..., None] * torch.einsum('tkd,tkde->tke', h[:, None].expand(-1, 2, -1), self.experts[idx])).sum(1)
+        return self.head(y).view(*ids.shape, -1)
+
+def test_train_updates_router_bias_not_by_gradient():
+    "The router bias changes by the rule (multiples of γ), is not in the optimizer, and the hooks are removed after"
+    m, data = _Routed(), _stream_data()
+    train(m, data, steps=5, batch_size=2, seq_len=16, eval_every=5, eval_batches=1, gamma=0.01, device='cpu')
+    b = m.layers[0].ffn.gate.bias.detach()
+    assert b.abs().max() > 0 and torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-4)
+    assert not m.layers[0].ffn.gate._forward_hooks
+
+def test_bad_inputs():
+    data, m = _stream_data(), DenseBaseline(512, 32, 1, 2, 64)
+    cases = [
+        (lambda: split_documents(['a', 'b'], 1.5), 'val_fraction = 1.5'),
+        (lambda: split_documents('text'), 'docs must be a list of str'),
+        (lambda: data.windows('test', torch.tensor([0]), 8), "split = 'test'"),
+        (lambda: data.batch(0, 8), 'batch_size'),
+        (lambda: data.batch(2, 10**6), 'longer than the train stream'),
+        (lambda: balance_router_bias(torch.zeros(4), torch.zeros(5)), "counts must have the bias's shape (4,)"),
+        (lambda: balance_router_bias(torch.zeros(4), torch.zeros(4), -1.0), 'gamma = -1.0'),
+        (lambda: DenseBaseline(512, 30, 1, 4, 64), 'dim = 30 must split into 4 heads'),
+        (lambda: DenseBaseline(512, 64, 0, 2, 64), 'n_layers'),
+        (lambda: DenseBaseline.matching(small_config(), 1000), 'cannot hold 12 layers'),
+        (lambda: m(torch.zeros(2, 4)), 'input_ids must be int64'),
+        (lambda: train(m, data, steps=0), 'steps'),
+        (lambda: train(m, data, steps=2, lr=-1.0), 'lr = -1.0'),
+        (lambda: train(m, data, steps=2, seq_len=10**6), 'does not fit the streams'),
+        (lambda: train('model', data, steps=2), 'model must be an nn.Module'),
+        (lambda: train(m, [1, 2, 3], steps=2), 'data must be a ByteData'),
+        (lambda: lr_at(0, 10, 1e-3, -1), 'warmup'),
+        (lambda: max_violation([1, 2]), 'counts must be a non-empty 1-D tensor'),
+        (lambda: evaluate(m, []), 'batches must be a non-empty list'),
+        (lambda: ExpertLoad('model'), 'expected an nn.Module'),
+        (lambda: module_documents('no_such_module_xyz'), "no importable module 'no_such_module_xyz'"),
+        (lambda: byte_data(['a'], ['b'], object()), 'tokenizer must have encode, BOS and EOS'),
+        (lambda: byte_data([], ['b'], None), 'train_docs must be a non-empty list of str'),
+        (lambda: lm_loss(m, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)), 'must match inputs'),
+    ]
+    for f, msg in cases: fct.test_fail(f, contains=msg)
+
+def _tiny_model_and_run(seed=0, S=40):
+    "A tiny Transformer (10_model), and the attention input and DenseRun of its first index-source layer, captured by a hook"
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.model import init_random
+    from dsv41_nb.train import indexer_layers
+    m = init_random(ModelConfig.tiny(), seed)
+    m.quant = False
+    attn = next(iter(indexer_layers(m).values()))
+    seen = {}
+    h = attn.register_forward_hook(lambda mod, args, out: seen.update(args=args))
+    with torch.no_grad(): m(torch.randint(0, 256, (2, S), generator=_gen(seed)))
+    h.remove()
+    return m, attn, seen['args']
+
+def test_attention_mass_matches_a_loop():
+    "Per query and head, softmax over window + visible compressed entries + sink, in float64 loops; summed, normalised"
+    from dsv41_nb.train import attention_mass
+    m, attn, (x, run) = _tiny_model_and_run()
+    got = attention_mass(attn, x, run)                                               # (B, S, L)
+    q, _ = attn.query(x, run)
+    win, comp = attn.window_kv(x, run).double(), run.compressed[attn.info.kv_source].double()
+    B, S, H, _ = q.shape
+    for b, s in [(0, 0), (1, 7), (0, S - 1), (1, S // 2)]:
+        vis = int(run.visible(attn.ratio)[s])
+        mass = torch.zeros(comp.shape[1], dtype=torch.float64)
+        for h in range(H):
+            qs = q[b, s, h].double()
+            wl = [qs @ win[b, j] * attn.scale for j in range(max(0, s - attn.window + 1), s + 1)]
+            cl = [qs @ comp[b, t] * attn.scale for t in range(vis)]
+            z = torch.stack(wl + cl + [attn.attn_sink[h].double()]).exp()
+            mass[:vis] += z[len(wl):len(wl) + vis] / z.sum()
+        want = mass / mass.sum() if vis else mass
+        torch.testing.assert_close(got[b, s].double(), want, rtol=1e-4, atol=1e-6)   # fp32 softmax vs float64
+
+def test_indexer_distillation_trains_only_the_indexer():
+    "The KL's gradient reaches indexer weights and nothing else; a few Adam steps on it lower it"
+    from dsv41_nb.train import IndexerDistillation, lm_loss
+    m, _, _ = _tiny_model_and_run()
+    d, x = IndexerDistillation(m), torch.randint(0, 256, (2, 40), generator=_gen(1))
+    idx = [p for n, p in m.named_parameters() if '.indexer.' in n]
+    for p in idx: p.data = p.data.float()
+    opt, kls = torch.optim.Adam(idx, lr=1e-2), []
+    for _ in range(6):
+        m(x); kl = d.take(); kls.append(kl.item())
+        m.zero_grad(set_to_none=True); kl.backward()
+        assert all((p.grad is not None) == ('.indexer.' in n) for n, p in m.named_parameters())
+        opt.step()
+    d.remove()
+    assert kls[-1] < kls[0] and not d.handles

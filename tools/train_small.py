@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Train the small DeepSeek-V4.1 model of 11_train and ship its checkpoint, with the dense baseline beside it.
+
+The corpus is the Python documentation (11_train); the checkpoint goes out in the public layout, with the loss curves.
+
+    python tools/train_small.py --out checkpoints/small [--steps N | --minutes M] [--baseline] [--json PATH] [--quick]
+
+Both models see the same batches. Without --steps, a few timed steps of each model size the run so that the training
+takes about --minutes (default 4) in all; the measured tokens/s are printed first. Writes `config.json` and the
+safetensors shards (`save_model`) to --out, and `training.json` beside them (also to --json if given): machine, date,
+settings, the corpus, each model's history (train/validation loss per evaluation), final validation loss and perplexity,
+and a few greedy continuations. --quick: a handful of steps on short windows, on the CPU, to check the script."""
+import argparse, datetime, json, math, sys, time
+from pathlib import Path
+import torch
+from dsv41_nb.dispatch import machine_name
+from dsv41_nb.train import (load_corpus, split_documents, byte_data, small_config, trained_param_count, DenseBaseline,
+                            train, evaluate, lm_loss, make_optimizer, IndexerDistillation)
+from dsv41_nb.model import ByteTokenizer, init_random
+from dsv41_nb.checkpoint import save_model
+
+PROMPTS = ('def ', 'The ', 'Return ')
+
+def seconds_per_step(make, data, batch_size, seq_len, device, steps=4):
+    "Median seconds of one training step (forward, backward, AdamW) of a fresh model, after one warm-up step"
+    model = make().to(device).float().train()
+    if hasattr(model, 'quant'): model.quant = False
+    opt, distill, times = make_optimizer(model, 1e-4, 0.0), IndexerDistillation(model), []
+    for i in range(steps + 1):
+        x, y = (t.to(device) for t in data.batch(batch_size, seq_len))
+        if device.type == 'cuda': torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast('cuda', torch.bfloat16, enabled=device.type == 'cuda'): loss = lm_loss(model, x, y)
+        kl = distill.take()
+        (loss if kl is None else loss + kl).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        if device.type == 'cuda': torch.cuda.synchronize()
+        if i: times.append(time.perf_counter() - t0)
+    distill.remove()
+    return sorted(times)[len(times) // 2]
+
+@torch.no_grad()
+def samples(model, tok, device, n):
+    "Greedy continuations of the prompts by the model as it will be served (its quant switch on, if it has one)"
+    model.eval()
+    if hasattr(model, 'quant'): model.quant = True
+    out = {}
+    for p in PROMPTS:
+        x = torch.tensor([tok.encode(p)], device=device)
+        for _ in range(n): x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], 1)   # as `generate_greedy`
+        out[p] = tok.decode(x[0].tolist())
+    return out
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--out', default='checkpoints/small', help='checkpoint directory')
+    ap.add_argument('--steps', type=int, help='optimizer steps (default: sized by --minutes)')
+    ap.add_argument('--minutes', type=float, default=4.0, help='training time for both models together')
+    ap.add_argument('--baseline', action='store_true', help='also train the dense baseline on the same batches')
+    ap.add_argument('--json', help='also write the training record here')
+    ap.add_argument('--batch-size', type=int, default=32)
+    ap.add_argument('--seq-len', type=int, default=256)
+    ap.add_argument('--lr', type=float, default=2e-3)
+    ap.add_argument('--gamma', type=float, default=1e-2, help='router bias update speed')
+    ap.add_argument('--eval-every', type=int, default=50)
+    ap.add_argument('--eval-batches', type=int, default=4, help='validation batches per evaluation')
+    ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--quick', action='store_true', help='6 steps of 2 x 64 tokens on the CPU: checks the script')
+    args = ap.parse_args()
+    device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
+    if args.quick: args.steps, args.batch_size, args.seq_len, args.eval_every = 6, 2, 64, 3
+    elif device.type == 'cpu': sys.exit('training the small model needs a GPU (use --quick to check the script on a CPU)')
+    cfg, t_start = small_config(), time.perf_counter()
+    docs = load_corpus()
+    train_docs, val_docs = split_documents(docs, seed=args.seed)
+    tok = ByteTokenizer(cfg)
+    data = byte_data(train_docs, val_docs, tok)
+    machine = machine_name(device)
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  python {sys.version.split()[0]}')
+    print(f'corpus: {len(docs):,} documents, {len(data.train):,} training and {len(data.val):,} validation tokens')
+    make_moe = lambda: init_random(cfg, args.seed)
+    make_dense = lambda: DenseBaseline.matching(cfg, seed=args.seed)
+    makers = {'moe': make_moe} | ({'dense': make_dense} if args.baseline else {})
+    if args.steps is None:
+        per_step = {k: seconds_per_step(f, data, args.batch_size, args.seq_len, device) for k, f in makers.items()}
+        for k, s in per_step.items():
+            print(f'{k}: {s * 1e3:.0f} ms/step, {args.batch_size * args.seq_len / s:,.0f} tokens/s')
+        args.steps = max(args.eval_every, int(args.minutes * 60 / sum(per_step.values())) // args.eval_every * args.eval_every)
+    tokens = args.steps * args.batch_size * args.seq_len
+    print(f'{args.steps} steps of {args.batch_size} x {args.seq_len} tokens = {tokens / 1e6:.1f}M tokens '
+          f'({tokens / len(data.train):.1f} passes over the training text)')
+    record = dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__,
+                  python=sys.version.split()[0], config='small_config()', steps=args.steps, batch_size=args.batch_size,
+                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma, seed=args.seed, corpus=dict(documents=len(docs),
+                  train_tokens=len(data.train), val_tokens=len(data.val)), models={})
+    final_batches = data.eval_batches(32 if not args.quick else 2, args.batch_size, args.seq_len)
+    for name, make in makers.items():
+        model = make()
+        print(f'--- {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters')
+        hist = train(model, data, args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
+                     eval_every=args.eval_every, eval_batches=args.eval_batches, gamma=args.gamma, seed=args.seed, device=device,
+                     log=print)
+        model.to(device)
+        if hasattr(model, 'quant'): model.quant = False
+        val_loss = evaluate(model, final_batches, device)
+        if hasattr(model, 'quant'): model.quant = True     # as served: FP8/FP4 weights and activations
+        val_served = evaluate(model, final_batches, device) if hasattr(model, 'quant') else val_loss
+        record['models'][name] = dict(params=sum(p.numel() for p in model.parameters()), history=hist,
+                                      val_loss=val_loss, val_ppl=math.exp(val_loss), val_loss_served=val_served,
+                                      seconds=hist['seconds'][-1], samples=samples(model, tok, device, 48))
+        print(f'{name}: validation loss {val_loss:.3f} nats/byte (perplexity {math.exp(val_loss):.2f}), '
+              f'{val_served:.3f} as served; {hist["seconds"][-1]:.0f} s')
+        for p, s in record['models'][name]['samples'].items(): print(f'  {p!r} -> {s!r}')
+        if name == 'moe':
+            save_model(model.cpu(), args.out)
+            size = sum(f.stat().st_size for f in Path(args.out).iterdir())
+            print(f'checkpoint: {args.out} ({size / 2**20:.1f} MiB)')
+    record['total_seconds'] = time.perf_counter() - t_start
+    for path in [Path(args.out) / 'training.json'] + ([Path(args.json)] if args.json else []):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1))
+    print(f'wrote {Path(args.out) / "training.json"}; {record["total_seconds"]:.0f} s in all')
+
+if __name__ == '__main__':
+    main()
