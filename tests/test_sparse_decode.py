@@ -1,20 +1,22 @@
 """The sparse decode kernel against the reference attention of `05_csa2`: every record format in either cache, head counts
-4 to 64, one split or many, ragged lists with -1 entries and empty ones, ratio-1 and ratio-2 indices, batches up to 256;
-record decoding bit for bit against the codecs; the split heuristic's bounds.
+4 to 64, one split or many, ragged lists with -1 entries and empty ones, ratio-1 and ratio-2 indices, batches up to 256 (128 in
+the interpreter), every distinct kernel among the launch shapes the sweep times; record decoding bit for bit against the codecs;
+the launch table and the split heuristic's bounds. On a GPU, also the compiled kernel on every format pair at 16, 64 and 128
+heads and 1 to 256 tokens.
 
 Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them); without either they are skipped."""
 from dataclasses import replace
 import pytest
 import torch
 import triton
-import triton.language as tl
 from hypothesis import given, settings, strategies as st
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
 from dsv41_nb.csa2 import CSA2Attention, CSA2State, make_step, random_block_tables, sparse_attention_reference
-from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, decode_launch, _format_meta, _half_view, _kv_tile)
+from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, check_decode_grid, decode_launch, decode_variants,
+                                    distinct_kernels, launch_name, DECODE_TUNING, _check_launch, _format_meta, _half_view, _tile_probe)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -23,24 +25,14 @@ GPU = DEV.type == 'cuda'
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
 SMALL = replace(FULL, window_size=24)                    # full width (the formats need 512), few records per token
 FORMATS = ('window_fp8', 'fp8_ds_mla', 'ds_fp4')
-
-
-@triton.jit
-def _probe(ptr, half_ptr, slot_ptr, out_ptr, n, D: tl.constexpr, BN: tl.constexpr,
-           P_FP4: tl.constexpr, P_QDIM: tl.constexpr, P_BLOCK: tl.constexpr,
-           P_ROPE: tl.constexpr, P_SCALE_OFF: tl.constexpr, P_REC: tl.constexpr,
-           P_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
-    r = tl.arange(0, BN)
-    slot = tl.load(slot_ptr + r, mask=r < n, other=-1)
-    v = _kv_tile(ptr, half_ptr, slot, slot >= 0, D, P_FP4, P_QDIM, P_BLOCK, P_ROPE, P_SCALE_OFF, P_REC, P_E4M3, HW_CVT)
-    tl.store(out_ptr + r[:, None] * D + tl.arange(0, D)[None, :], v, mask=(r < n)[:, None])
+KERNELS = distinct_kernels(decode_variants())
 
 
 @needs_triton
+@pytest.mark.parametrize('per_block', [True, False], ids=['block-scales', 'value-scales'])
 @pytest.mark.parametrize('cfg', [FULL, TINY], ids=['512', '64'])
 @pytest.mark.parametrize('name', FORMATS + ('index_mxfp4',))
-def test_record_tiles_decode_exactly(cfg, name):
-    from dsv41_nb.dispatch import triton_interpreting
+def test_record_tiles_decode_exactly(cfg, name, per_block):
     codec = cache_format(cfg, name)
     g = torch.Generator(device=DEV).manual_seed(1)
     x = torch.randn(64, codec.dim, device=DEV, generator=g) * torch.rand(64, 1, device=DEV, generator=g) * 20
@@ -48,21 +40,30 @@ def test_record_tiles_decode_exactly(cfg, name):
     cache = codec.pack(x)
     slots = torch.randint(-1, 64, (32,), device=DEV, generator=g).int()
     got = torch.empty(32, codec.dim, dtype=torch.bfloat16, device=DEV)
-    _probe[(1,)](cache, _half_view(cache), slots, got, 32, D=codec.dim, BN=32, **_format_meta(codec, codec.dim, 'P'),
-                 HW_CVT=not triton_interpreting())
+    _tile_probe[(1,)](cache, _half_view(cache), slots, got, 32, D=codec.dim, BN=32, **_format_meta(codec, codec.dim, 'P'),
+                      HW_CVT=not triton_interpreting(), SCALE_TILE=per_block)
     want = torch.where((slots >= 0)[:, None], codec.unpack(cache[slots.clamp_min(0).long()]), 0)
     assert torch.equal(got.float(), want)
 
 
 @needs_triton
-@settings(max_examples=30 if GPU else 20, deadline=None)
+@settings(max_examples=30 if GPU else 10, deadline=None)
 @given(st.sampled_from(FORMATS[:2]), st.sampled_from(FORMATS), st.sampled_from([4, 8, 16, 32, 64]), st.integers(1, 4),
-       st.booleans(), st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from([1, 2]), st.booleans(), st.integers(0, 2**31))
-def test_kernel_against_the_reference(wfmt, cfmt, heads, T, ragged, splits, ratio, with_sink, seed):
+       st.booleans(), st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from([1, 2]), st.booleans(), st.sampled_from(KERNELS),
+       st.integers(0, 2**31))
+def test_kernel_against_the_reference(wfmt, cfmt, heads, T, ragged, splits, ratio, with_sink, launch, seed):
     args = list(decode_inputs(SMALL, T, 200 + seed % 50, 40, wfmt, cfmt, ratio=ratio, heads=heads, ragged=ragged,
                               device=DEV, seed=seed))
     if not with_sink: args[4] = None
-    check_decode(tuple(args), num_splits=splits)
+    check_decode(tuple(args), num_splits=splits, launch=launch)
+
+
+@needs_triton
+@pytest.mark.parametrize('launch', KERNELS, ids=launch_name)
+def test_every_distinct_kernel_one_split_and_several(launch):
+    small = replace(FULL, window_size=16)                       # 40 heads: a partial block of 64, or 32 + 8, or 16 + 16 + 8
+    for splits, (wf, cf) in zip((1, 3), (('fp8_ds_mla', 'ds_fp4'), ('window_fp8', 'fp8_ds_mla'))):
+        check_decode(decode_inputs(small, 2, 100, 24, wf, cf, heads=40, ragged=True, device=DEV, seed=7), num_splits=splits, launch=launch)
 
 
 @needs_triton
@@ -83,12 +84,12 @@ def test_empty_lists_window_only_and_one_record():
 
 
 @needs_triton
-@pytest.mark.parametrize('batch', [1, 16, 64, 256])
+@pytest.mark.parametrize('batch', [1, 16, 64, 256 if GPU else 128])
 def test_batch_sizes(batch):
     if GPU: args = decode_inputs(FULL, batch, 1024, 512, ragged=True, device=DEV, seed=batch)        # 64 heads, 128 + 512 records
     else: args = decode_inputs(replace(FULL, window_size=8), batch, 16, 8, heads=4, ragged=True, swa_block_size=8, block_size=16,
                                device=DEV, seed=batch)
-    check_decode(args, block_n=None if GPU else 16)
+    check_decode(args, launch=None if GPU else dict(block_n=16))
 
 
 @needs_triton
@@ -112,20 +113,44 @@ def test_a_prefill_chunk_through_the_layer():
     for ro, ko in zip(*runs): assert ((ko.float() - ro.float()).abs() <= 2 ** -7 * vmax + 2 ** -6 * ro.float().abs()).all()
 
 
-@given(st.integers(1, 512), st.sampled_from([4, 16, 64, 128]), st.integers(1, 40))
-def test_split_heuristic_stays_in_bounds(T, H, tiles):
-    launch = decode_launch(T, H, tiles, 'cpu')
-    assert launch['SPLITS'] == 1 and launch['BLOCK_H'] in (16, 32, 64) and launch['BLOCK_H'] >= min(H, 16)
-    if GPU:
-        s = decode_launch(T, H, tiles, DEV)['SPLITS']
+@pytest.mark.skipif(not GPU, reason='the compiled kernel needs a GPU')
+def test_compiled_kernel_on_every_format_pair_head_count_and_batch():
+    rows = check_decode_grid(DEV)                   # raises on the first case past the bound
+    assert len(rows) == 2 * 2 * 3 * 4 and all(r['worst'] <= 1 for r in rows)
+
+
+def test_the_tuning_table_is_complete_and_valid():
+    assert list(DECODE_TUNING)[-1] is None and all(isinstance(k, int) for k in list(DECODE_TUNING)[:-1])
+    assert list(DECODE_TUNING)[:-1] == sorted(list(DECODE_TUNING)[:-1])
+    for entry in DECODE_TUNING.values():
+        _check_launch(entry)
+        assert {'block_h', 'block_n', 'num_warps', 'num_stages', 'scale_tile', 'separate'} <= set(entry)
+    assert len({launch_name(v) for v in decode_variants()}) == len(decode_variants())      # every shape has its own name
+
+
+@given(st.integers(1, 512), st.sampled_from([4, 16, 64, 128]), st.integers(0, 200), st.integers(0, 600))
+def test_split_heuristic_stays_in_bounds(T, H, W, K):
+    fixed = next(v for k, v in DECODE_TUNING.items() if k is None or T <= k).get('splits')     # a count the table sets
+    launch = decode_launch(T, H, W, K, 'cpu')
+    assert launch['SPLITS'] == (fixed or 1) and launch['BLOCK_H'] in (16, 32, 64) and launch['BLOCK_H'] >= min(H, 16)
+    if GPU and not fixed:
+        L = decode_launch(T, H, W, K, DEV)
+        tiles = max(1, triton.cdiv(W, L['BLOCK_N']) + triton.cdiv(K, L['BLOCK_N']))
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-        assert 1 <= s <= min(tiles, 16) and (s == 1 or T * triton.cdiv(H, 64) * s <= sms)
+        assert 1 <= L['SPLITS'] <= min(tiles, 16) and (L['SPLITS'] == 1 or T * triton.cdiv(H, L['BLOCK_H']) * L['SPLITS'] <= sms)
 
 
 def test_bad_arguments():
     q, window, compressed, idx, sink, scale = decode_inputs(SMALL, 2, 100, 30, heads=4, device=DEV)
-    cases = [(lambda: sparse_decode(q, window, compressed, idx, sink, scale, num_splits=0), 'num_splits = 0'),
-             (lambda: sparse_decode(q, window, compressed, idx, sink, scale, block_n=-8), 'block_n = -8'),
+    run = lambda **kw: sparse_decode(q, window, compressed, idx, sink, scale, **kw)
+    cases = [(lambda: run(num_splits=0), 'num_splits = 0'),
+             (lambda: run(launch=dict(block_n=-8)), 'block_n = -8'),
+             (lambda: run(launch=dict(block_n=48)), 'block_n = 48 is not a power of two'),
+             (lambda: run(launch=dict(num_warps=3)), 'num_warps = 3 is not a power of two'),
+             (lambda: run(launch=dict(scale_tile='yes')), 'scale_tile must be True or False'),
+             (lambda: run(launch=dict(warps=8)), "unknown keys ['warps']"),
+             (lambda: run(launch=[('block_n', 32)]), 'launch: expected a dict'),
+             (lambda: decode_launch(1, 0, 10, 10, 'cpu'), 'H = 0'),
              (lambda: sparse_decode(q, window, None, idx, sink, scale), 'compressed: expected PagedRecords'),
              (lambda: sparse_decode(q[:, :3], window, compressed, idx, sink, scale), 'sink: expected a (3,) tensor'),
              (lambda: _format_meta(cache_format(FULL, 'index_fp8'), 128, 'W'), 'FP8 records with block scales or FP4 records')]

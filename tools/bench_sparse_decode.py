@@ -4,22 +4,23 @@
     python tools/bench_sparse_decode.py [--json out.json] [--quick] [--sweep] [--ncu PROFILE.json]
 
 Default (a GPU): the `bench` geometry (64 heads, 128 window records of `window_fp8` + 512 selected `ds_fp4` records, one
-decode token per request at 32K context), batches 1, 16, 64, 256: time per query token per layer, the floor (the larger of
-bytes / copy bandwidth and FLOPs / BF16 matmul rate, both measured in the same run, and which one applies), the fraction
-of the floor reached, the PyTorch reference in the same run; then sparse against dense attention (every compressed entry)
-at 8K, 128K and 512K context with the indexer's full scan beside it (batch 16).
-`--sweep` also times the kernel's launch shapes (records per tile, pipeline stages, splits) at batches 1, 64 and 256, each
-checked against the reference first. `--ncu PATH` profiles one launch at batch 64 with Nsight Compute and writes a summary
-to PATH (read by 06_sparse_decode's profile cell). `--quick` runs a small geometry on small sizes, which also works on a CPU
-under TRITON_INTERPRET=1 (bandwidth and matmul rate are then the CPU's, so the floor means little)."""
-import argparse, csv, datetime, io, json, shutil, subprocess, sys
+decode token per request at 32K context), batches 1, 16, 64, 256: time per query token per layer (replayed from a CUDA graph,
+and one eager call), the floor (the larger of bytes / copy bandwidth and FLOPs / BF16 matmul rate, both measured in the same
+run, and which one applies), the fraction of the floor reached, the PyTorch reference in the same run; then sparse against
+dense attention (every compressed entry) at 8K, 128K and 512K context with the indexer's full scan beside it (batch 16).
+`--sweep` then runs tools/sweep_sparse_decode.py, which checks and times every launch shape of the kernel at batches 1, 64
+and 256 (its JSON next to this one's, `_sweep` added to the name). `--ncu PATH` profiles one launch at batch 64 with Nsight
+Compute and writes a summary to PATH (read by 06_sparse_decode's profile cell). `--quick` runs a small geometry on small
+sizes, which also works on a CPU under TRITON_INTERPRET=1 (bandwidth and matmul rate are then the CPU's, so the floor means
+little)."""
+import argparse, csv, datetime, io, json, pathlib, shutil, subprocess, sys
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, median_time, machine_name
 from dsv41_nb.formats import cache_format
 from dsv41_nb.sparse_decode import (benchmark_sparse_decode, format_decode_benchmark, benchmark_context, decode_inputs,
-                                    check_decode, decode_cost, sparse_decode, profile_summary)
+                                    decode_cost, sparse_decode, profile_summary)
 
 NCU_SECTIONS = ('SpeedOfLight', 'ComputeWorkloadAnalysis', 'MemoryWorkloadAnalysis', 'Occupancy', 'LaunchStats')
 
@@ -28,25 +29,6 @@ def matmul_rate(n: int, device) -> float:
     "Dense BF16 matmul FLOP/s of an n x n x n product, measured here"
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     return 2 * n ** 3 / median_time(lambda: a @ a)
-
-
-def sweep(cfg, bw, peak, device, quick):
-    "Each launch shape checked against the reference, then timed at a few batch sizes"
-    shapes = [dict(block_n=bn, num_stages=ns) for bn in (16, 32, 64) for ns in (1, 2, 3)]
-    if quick: shapes = shapes[:2]
-    rows = []
-    for batch in ((1, 2) if quick else (1, 64, 256)):
-        for shape in shapes:
-            for splits in ((None,) if quick else (None, 1, 2, 4)):
-                launch = dict(shape, num_splits=splits) if splits else dict(shape)
-                small = decode_inputs(cfg, 3, 2048 if not quick else 300, 100 if not quick else 16, ragged=True, device=device,
-                                      seed=len(rows))
-                check_decode(small, **launch)                                # a launch shape is only timed if it is right
-                rows.append(benchmark_sparse_decode(cfg, batch, bw, peak, context=2048 if quick else 32768, reference=False,
-                                                    device=device, rep=10 if quick else 100, **launch))
-                print(f"batch {batch:>4} block_n {shape['block_n']:>3} stages {shape['num_stages']} splits {str(splits):>4}: "
-                      f"{rows[-1]['us']:.3f} us/token, {rows[-1]['of_floor']:.0%} of the floor", flush=True)
-    return rows
 
 
 def ncu_child():
@@ -92,7 +74,7 @@ if __name__ == '__main__':
     ap = argparse.ArgumentParser()
     ap.add_argument('--json', help='write the rows here')
     ap.add_argument('--quick', action='store_true', help='small sizes (runs under TRITON_INTERPRET=1)')
-    ap.add_argument('--sweep', action='store_true', help='also time the launch shapes')
+    ap.add_argument('--sweep', action='store_true', help='then check and time every launch shape (tools/sweep_sparse_decode.py)')
     ap.add_argument('--ncu', metavar='PATH', help='profile the kernel at batch 64 with Nsight Compute, summary to PATH')
     ap.add_argument('--ncu-child', action='store_true', help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -118,8 +100,10 @@ if __name__ == '__main__':
         print(f"{'context':>8} {'sparse us':>10} {'indexer us':>11} {'dense us':>9} {'dense / (sparse + indexer)':>27}")
         for r in ctx_rows:
             print(f"{r['context']:>8d} {r['sparse_us']:>10.3f} {r['indexer_us']:>11.3f} {r['dense_us']:>9.2f} {r['dense_vs_sparse']:>26.1f}x")
-    sweep_rows = sweep(cfg, bw, peak, device, args.quick) if args.sweep else []
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(dict(device=machine_name(device), date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
-                           copy_bandwidth=bw, bf16_matmul=peak, rows=rows, context_rows=ctx_rows, sweep_rows=sweep_rows), f, indent=1)
+                           copy_bandwidth=bw, bf16_matmul=peak, rows=rows, context_rows=ctx_rows), f, indent=1)
+    if args.sweep:
+        extra = (['--quick'] if args.quick else []) + (['--json', args.json.replace('.json', '') + '_sweep.json'] if args.json else [])
+        subprocess.run([sys.executable, str(pathlib.Path(__file__).with_name('sweep_sparse_decode.py'))] + extra, check=True)

@@ -23,7 +23,7 @@ def cell_flags(source):
         elif line.strip() and not line.startswith('#'): break
     return flags
 
-def run_notebook(path, flags=()):
+def run_notebook(path, flags=(), save_each=False):
     path = Path(path).resolve()
     nb = read_nb(path)
     skip = SKIPPABLE - set(flags)
@@ -34,6 +34,7 @@ def run_notebook(path, flags=()):
             if cell.cell_type != 'code' or cell_flags(cell.source) & skip: continue
             if 'nbdev_export(' in cell.source: continue
             shell.cell(cell)
+            if save_each: write_nb(nb, path)                  # a run cut short keeps what it computed
             if shell.exc:
                 sys.stderr.write(shell.prettytb(fname=path) + '\n')
                 raise SystemExit(f'{path.name}: cell failed')
@@ -44,6 +45,7 @@ if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('notebooks', nargs='+')
     ap.add_argument('--flags', nargs='*', default=[])
+    ap.add_argument('--save-each', action='store_true', help='write the notebook after every cell')
     args = ap.parse_args()
     for nb in args.notebooks:
-        print(f'{nb}: {run_notebook(nb, args.flags):.1f} s', flush=True)
+        print(f'{nb}: {run_notebook(nb, args.flags, args.save_each):.1f} s', flush=True)
