@@ -1,0 +1,140 @@
+"""The paged model against the reference path and against itself: greedy parity (both attention cores summed in fp64, so
+that the order of their sums cannot matter), chunked prefill against one-shot prefill, bounded replay on and off against
+each other on every encoder and global cache, the window floor against a per-token loop, the engine's entry point against
+the runner, and bad inputs. Everything runs the PyTorch references (`use_kernels('torch')`); the kernels have their own tests.
+
+CPU fp32 GEMMs take another MKL kernel for fewer than four rows and round differently in the last bit, so the exact
+comparisons keep every step (and every decoder sub-batch) at a multiple of four rows."""
+from dataclasses import replace
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from fastcore import test as fct
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import use_kernels
+from dsv41_nb.model import init_random, ByteTokenizer
+from dsv41_nb.csa2 import SparseIndices
+from dsv41_nb.paged import (PagedModel, PagedRunner, PagedLinear, PagedStepModel, fp64_attention, logits_tolerance,
+                            truncate_window, context_blocks, single_request_steps, step_model)
+
+TINY = ModelConfig.tiny()
+
+
+@pytest.fixture(scope='module')
+def models():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                       # tensors this small lose time to threads on a shared machine
+    model = init_random(TINY, seed=0).requires_grad_(False)
+    yield model, PagedModel.from_model(model)
+    torch.set_num_threads(threads)
+
+
+def caches(pm, n):
+    "Every cache tensor after a prefill of n tokens; of a ring only the entry still open (the others are scratch)"
+    out = {(k, l): t.clone() for k in ('window', 'compressed', 'index_keys') for l, t in getattr(pm.state, k).items()}
+    for l, ring in pm.state.rings.items():                       # ring block 1 (local ids), entry p % ratio of the open pair
+        r = pm.cfg.compress_ratios[l]
+        out['ring', l] = ring[r + (n - 1) % r].clone() if n % r else None
+    return out
+
+
+def same(a, b): return (a is None and b is None) or torch.equal(a, b)
+
+
+def test_greedy_parity_with_the_reference(models):
+    "Every paged greedy token is the argmax of the reference's logits over the same prefix (so generate_greedy's token)"
+    model, pm = models
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in (70, 9, 33, 48)]
+    with use_kernels('torch'), fp64_attention(pm):
+        seqs, logits = PagedRunner(pm, 64, bounded_replay=False).generate(prompts, 12)
+        for p, s, lg in zip(prompts, seqs, logits):
+            want = model(torch.tensor([s[:-1]]))[0, len(p) - 1:]                     # (12, vocab), the reference at every step
+            assert want.argmax(-1).tolist() == s[len(p):]
+            assert (want - lg).abs().max().item() <= logits_tolerance(pm)
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.integers(10, 30), st.integers(1, 12), st.integers(0, 2**31))
+def test_chunked_prefill_is_one_shot_prefill(models, n4, chunk4, seed):
+    _, pm = models
+    n, chunk = 4 * n4, 4 * chunk4
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+    blocks = context_blocks(pm.kv_cache_config, n, n)                                  # room for both: the same tables
+    with use_kernels('torch'):
+        one = pm.prefill(ids, n, True, blocks); c_one = caches(pm, n)
+        many = pm.prefill(ids, chunk, True, blocks); c_many = caches(pm, n)
+    assert torch.equal(one, many)
+    for k in c_one: assert same(c_one[k], c_many[k]), k
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.integers(20, 150), st.integers(4, 64), st.integers(0, 2**31))
+def test_bounded_replay_leaves_the_encoder_and_global_caches_alone(models, n, chunk, seed):
+    _, pm = models
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+    blocks = context_blocks(pm.kv_cache_config, n, n)
+    with use_kernels('torch'):
+        pm.prefill(ids, chunk, False, blocks); full = caches(pm, n)
+        pm.prefill(ids, chunk, True, blocks); rep = caches(pm, n)
+    decoder_windows = {('window', l) for l in range(pm.first_decoder, TINY.n_layers)}
+    for k in full:
+        if k not in decoder_windows: assert same(full[k], rep[k]), k
+    if n > TINY.window_size:                                                       # the decoder windows were really replayed
+        assert any(not torch.equal(full[k], rep[k]) for k in decoder_windows)
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=8), st.integers(1, 12))
+def test_truncate_window_against_a_loop(pairs, W):
+    pos = torch.tensor([p for p, _ in pairs])
+    floor = torch.tensor([min(f, p) for p, f in pairs])
+    lens = (pos + 1).clamp(max=W)
+    slots = torch.stack([torch.where(torch.arange(W) < l, torch.arange(W) + 1000 * i, -1) for i, l in enumerate(lens)])
+    z = torch.zeros(len(pos), dtype=torch.int32)
+    idx = SparseIndices(slots.int(), lens.int(), torch.zeros(len(pos), 0, dtype=torch.int32), z, z, torch.zeros(1, 1, dtype=torch.int32), 1)
+    out = truncate_window(idx, pos, floor)
+    for i, (p, f) in enumerate(zip(pos.tolist(), floor.tolist())):
+        first = p + 1 - int(lens[i])                                               # the position of slot column 0
+        want = [int(slots[i, q - first]) for q in range(max(first, f), p + 1)]
+        assert out.window_slots[i, :len(want)].tolist() == want and int(out.window_lens[i]) == len(want)
+        assert (out.window_slots[i, len(want):] == -1).all()
+
+
+def test_the_engine_hook_matches_the_runner(models):
+    "step_model (the engine's entry) with bounded replay gives the runner's tokens: decode steps keep the decoder's floor"
+    engine = pytest.importorskip('dsv41_nb.engine')
+    from dsv41_nb.scheduler import SamplingParams
+    model, pm = models
+    tok = ByteTokenizer(TINY)
+    prompts = ['The quick brown fox jumps over the lazy dog. The end.', 'Paged caches, replayed windows',
+               'def f(x):\n    return 2 * x\n', 'Hello there, world!!']
+    with use_kernels('torch'):
+        want, _ = PagedRunner(pm, 64, bounded_replay=True).generate([tok.encode(p) for p in prompts], 10)
+        eng = engine.LLMEngine(model, tok, engine.EngineArgs(runner='paged', bounded_replay=True, max_num_batched_tokens=24))
+        assert isinstance(eng.runner.model, PagedStepModel)
+        for i, p in enumerate(prompts): eng.add_request(f'r{i}', p, SamplingParams(temperature=0, max_tokens=10))
+        got = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step(): got[o.request_id] = o.outputs[0].token_ids
+    for i, p in enumerate(prompts): assert list(got[f'r{i}']) == want[i][len(tok.encode(p)):], i
+
+
+def test_bad_inputs(models):
+    model, pm = models
+    good = next(single_request_steps(pm, torch.arange(40) + 60, 64, bounded_replay=True))
+    pm.allocate(context_blocks(pm.kv_cache_config, 40, 64))
+    BAD = [
+        (lambda: PagedLinear(torch.zeros(2, 3, 4)), 'expected a 2-D float weight'),
+        (lambda: PagedModel.init_random(TINY, seed=-1), 'seed = -1'),
+        (lambda: pm.allocate({'swa': 8}), 'expected counts for the groups'),
+        (lambda: pm(replace(good, token_ids=good.token_ids[:5])), 'PagedStep.rows: expected'),
+        (lambda: pm(replace(good, rows=good.rows.float())), 'PagedStep.rows'),
+        (lambda: pm(replace(good, logits_rows=torch.tensor([-1]))), 'PagedStep.logits_rows: holds'),
+        (lambda: pm(replace(good, logits_rows=torch.tensor([3]))), 'runs the encoder only'),
+        (lambda: PagedRunner(pm, bounded_replay=True).generate([[]], 2), 'each a non-empty list'),
+        (lambda: PagedStepModel(model), 'expected a PagedModel'),
+        (lambda: step_model(model, 'layout'), 'expected a KVCacheConfig'),
+        (lambda: context_blocks(pm.kv_cache_config, 8, 0), 'chunk = 0'),
+    ]
+    with use_kernels('torch'):
+        for f, msg in BAD: fct.test_fail(f, contains=msg)
