@@ -1,11 +1,14 @@
-"""Expert parallelism, data-parallel steps and the sharded Engram lookup on two gloo processes, against one process.
+"""Expert parallelism, data-parallel steps, the sharded Engram lookup and a whole-model step on two gloo processes,
+against one process.
 
 Every distributed scenario runs in a single spawn of two ranks per module (the `ranks` fixture); each test reads its
 part. The oracles are 08_moe's `moe_reference` (the PyTorch path: the layer's output must be the same bits, since the
 combine repeats the reference loop's fp32 additions in its order), `ep_moe_simulated` (the same exchange with lists in
 one process: the same bits on any kernel path), 09_engram's `engram_lookup`, and brute-force enumeration for the
-traffic formulas. Under TRITON_INTERPRET=1 (as CI runs) the default-path scenario runs the Triton kernels."""
-import itertools, math
+traffic formulas, and for the whole-model step 10_model's `Transformer` forward in one process (with a rank's share
+of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the default-path scenario
+runs the Triton kernels."""
+import copy, itertools, math
 from dataclasses import replace
 import pytest
 import torch
@@ -15,6 +18,7 @@ from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.moe import MoEWeights, moe_reference, route_layer, fp8_qdq
+from dsv41_nb.model import init_random
 from dsv41_nb.engram import (Engram, NgramHasher, head_shards, engram_lookup, compressed_token_map,
                              synthetic_token_strings)
 from dsv41_nb import distributed as dd
@@ -34,17 +38,28 @@ HASHER = NgramHasher(TINY, *compressed_token_map(synthetic_token_strings(TINY.vo
 ENGRAM = Engram.random(TINY, TINY.engram_layer_ids[1], seed=5)
 PLAN = head_shards(TINY, 2)[1]
 ROW_IDS = [HASHER(torch.randint(0, TINY.vocab_size, (n,), generator=_G))[:, 1] for n in (7, 0)]
+MODEL = init_random(TINY, seed=4)
+def _ids(b, n):
+    ids = torch.randint(0, TINY.vocab_size, (b, n), generator=_G)
+    ids[0, n // 2:n // 2 + 2] = TINY.image_token_id                            # an image span: masked routing, Engram
+    return ids
+REQUESTS = [[_ids(1, 9)], [_ids(2, 5), _ids(1, 4)]]                              # rank 0 idle in the second step
 
 SCENARIOS = dict(default=(dd.ep_moe_job, (XS, W, TINY)), torch=(dd.ep_moe_job, (XS, W, TINY, 'torch')),
                  idle=(dd.ep_moe_job, (IDLE, W, TINY, 'torch')), skewed=(dd.ep_moe_job, (XS, TO_RANK1, TINY, 'torch')),
                  steps=(dd.dp_moe_job, (WORK, W, TINY, 'torch')),
                  engram=(dd.engram_shard_job, (ROW_IDS, ENGRAM.table, PLAN)),
-                 exchange=(dd.exchange_job, (EXCHANGE,)))
+                 exchange=(dd.exchange_job, (EXCHANGE,)), model=(dd.dp_model_job, (MODEL, REQUESTS)))
 
 @pytest.fixture(scope='module')
 def ranks():
     "Every scenario on two gloo ranks, spawned once: {name: [rank 0 result, rank 1 result]}"
     return dict(zip(SCENARIOS, dd.run_ranks(list(SCENARIOS.values()), world=2)))
+
+@pytest.fixture(scope='module')
+def one_process():
+    "Each step of REQUESTS through the whole model in this process, with one rank's share of the cores"
+    with dd.rank_threads(2): return [[dd.step_trace(MODEL, ids) for ids in steps] for steps in REQUESTS]
 
 def _same(a, b): torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -99,6 +114,39 @@ def test_sharded_engram_equals_unsharded(ranks):
         assert ranks['engram'][r].shape == (len(ROW_IDS[r]), PLAN[-1][1], TINY.engram_head_dim)
         _same(ranks['engram'][r], engram_lookup(ENGRAM.table, ROW_IDS[r]))
 
+def test_whole_model_step_equals_one_process(ranks, one_process):
+    "Attention data-parallel, MoE expert-parallel, Engram sharded: each step's routing and logits are one process's"
+    got = ranks['model']
+    assert [g['log'] for g in got] == [[1, 'dummy'], [2, 1]]
+    for r in range(2):
+        assert len(got[r]['steps'][0]['routes']) == TINY.n_layers
+        for step, ref in zip(got[r]['steps'], one_process[r]):
+            _same(step['logits'], ref['logits'])
+            for a, b in zip(step['routes'], ref['routes']): _same(a['ids'], b['ids'])
+
+def test_whole_model_counts_and_zero_request_rank(ranks):
+    "Rows sent follow the routing, rows received are what the peer sent; an idle rank sends none but serves its experts"
+    got, per = ranks['model'], TINY.n_routed_experts // 2
+    for s in range(2):
+        for l in range(TINY.n_layers):
+            routes = [got[r]['steps'][s]['routes'][l] for r in range(2)]
+            for r in range(2):
+                want = torch.bincount(routes[r]['ids'].flatten() // per, minlength=2).tolist()
+                assert routes[r]['send_counts'] == want
+                assert routes[r]['recv_counts'] == [routes[q]['send_counts'][r] for q in range(2)]
+    idle = [got[0]['steps'][1]['routes'][l] for l in range(TINY.n_layers)]
+    assert all(i['send_counts'] == [0, 0] and i['ids'].shape == (0, TINY.n_activated_experts) for i in idle)
+    assert sum(sum(i['recv_counts']) for i in idle) > 0
+
+def test_sharded_model_world_of_one(one_process):
+    "One rank holds every expert and the whole table: the sharded forward is the model's own, bit for bit"
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{dd.free_port()}', rank=0, world_size=1)
+    try:
+        with dd.rank_threads(2), use_kernels('torch'):
+            got = dd.step_trace(dd.shard_model_(copy.deepcopy(MODEL)), REQUESTS[0][0])
+    finally: dist.destroy_process_group()
+    _same(got['logits'], one_process[0][0]['logits'])
+
 @settings(max_examples=15, deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 6]), st.lists(st.integers(0, 6), min_size=8, max_size=8),
        st.integers(0, 2**31))
@@ -144,6 +192,8 @@ def test_bad_inputs():
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{dd.free_port()}', rank=0, world_size=1)
     try:
         x, half = XS[0], dd.local_experts(W, 0, 2)
+        sharded, unquantised = dd.shard_model_(copy.deepcopy(MODEL)), copy.copy(MODEL)
+        unquantised.quant = False
         shard = ENGRAM.table.shard(*PLAN[0][2:])
         cases = [
             (lambda: dd.expert_range(8, 0, 3), 'do not split evenly over 3 ranks'),
@@ -172,8 +222,14 @@ def test_bad_inputs():
             (lambda: dd.check_engram_plan('table', PLAN, 0, 2), 'expected an EngramTable'),
             (lambda: dd.ep_traffic(TINY, 3, 1), '8 routed experts do not split evenly over 3 ranks'),
             (lambda: dd.ep_traffic(TINY, 2, -1), 'batch = -1'),
+            (lambda: dd.shard_model_(W), 'expected a Transformer, got MoEWeights'),
+            (lambda: dd.shard_model_(sharded), 'the model is already sharded'),
+            (lambda: dd.shard_model_(unquantised), 'set model.quant = True'),
+            (lambda: dd.dummy_step(MODEL), 'expected a sharded model'),
+            (lambda: dd.rank_threads(-1).__enter__(), 'world = -1'),
         ]
         for f, msg in cases: fails_with(f, contains=msg)
     finally: dist.destroy_process_group()
     fails_with(lambda: dd.ep_moe_forward(x, W, TINY), contains='torch.distributed is not initialised')
     fails_with(lambda: dd.exchange(torch.zeros(1), [1], [1]), contains='torch.distributed is not initialised')
+    fails_with(lambda: dd.shard_model_(copy.deepcopy(MODEL)), contains='torch.distributed is not initialised')
