@@ -1,0 +1,398 @@
+"""DSpark against independent computations: the one-request, slot-by-slot drafter; walking drafts one at a time
+(greedy and rejection sampling with the same uniforms); the output distribution of rejection sampling (chi-square);
+every vector of verify lengths tried by brute force; plain greedy decoding of the target; the scheduler and its toy
+runner driven by the proposer (a state machine); and one table of bad inputs."""
+import functools, itertools, math
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
+from fastcore.test import test_fail as fails_with
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.model import init_random, generate_greedy
+from dsv41_nb.accounting import HARDWARE, decode_floor, active_params_per_token
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, CacheCapacityError
+from dsv41_nb.engine import chi_square_pvalue
+from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ToyRunner, RequestStatus, toy_generate,
+                                run_until_done)
+from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_positions, reference_draft, accept_greedy,
+                             reference_accept_greedy, accept_sampled, reference_accept_sampled,
+                             prefix_survival, expected_accepted, best_verify_length, choose_verify_lengths,
+                             brute_force_verify_lengths, roofline_step_cost, speculative_generate, greedy_training_data,
+                             drafter_anchors, drafter_loss, train_drafter, drafter_state, save_drafter, load_drafter,
+                             set_successor_markov)
+
+TINY = ModelConfig.tiny()
+
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    "Tiny tensors: one thread, no thread-pool overhead (restored afterwards)"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def fp32_target(seed=0):
+    "The tiny model in fp32 without FP8 rounding: batch-invariant enough for token-for-token checks"
+    m = init_random(TINY, seed=seed, max_seq_len=4096).float()
+    m.quant = False
+    return m
+
+
+@pytest.fixture(scope='module')
+def drafter():
+    return Drafter(fp32_target())
+
+
+# ---------------------------------------------------------------- the drafter
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n_ctx=st.lists(st.integers(1, 40), min_size=1, max_size=4))
+def test_batched_draft_matches_one_request_reference(drafter, seed, n_ctx):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(max(n_ctx) + 1, drafter.hidden_dim, generator=g)              # one sequence's drafter input
+    tokens = torch.randint(0, TINY.vocab_size, (max(n_ctx) + 1,), generator=g)
+    last = torch.tensor(n_ctx) - 1
+    with torch.no_grad():
+        dr = drafter.draft(*drafter.windows(drafter.context(hidden), last), tokens[last + 1])
+    for j, n in enumerate(n_ctx):
+        want_tokens, want_logits = reference_draft(drafter, hidden[:n], int(tokens[n]))
+        assert dr.tokens[j].tolist() == want_tokens.tolist()
+        torch.testing.assert_close(dr.logits[j], want_logits)        # fp32 defaults: padding only reorders sums
+
+
+@pytest.mark.parametrize('temperature', [0.0, 0.7])
+def test_teacher_forcing_equals_slot_by_slot(drafter, temperature):
+    g = torch.Generator().manual_seed(11)
+    hidden, tokens = torch.randn(30, drafter.hidden_dim, generator=g), torch.randint(0, 256, (30,), generator=g)
+    w = drafter.windows(drafter.context(hidden), torch.tensor([3, 17, 28]))
+    with torch.no_grad():
+        dr = drafter.draft(*w, tokens[[4, 18, 29]], temperature, g)
+        logits, conf = drafter.teacher_forced(*w, tokens[[4, 18, 29]], dr.tokens)
+    torch.testing.assert_close(logits, dr.logits); torch.testing.assert_close(conf, dr.confidence)   # one GEMM vs five
+
+
+def test_window_is_exactly_window_size(drafter):
+    g = torch.Generator().manual_seed(12)
+    p, W = 40, drafter.window
+    hidden, tok = torch.randn(p + 1, drafter.hidden_dim, generator=g), torch.tensor([7])
+    pos, valid = window_positions(torch.tensor([p]), W)
+    def run(h):
+        with torch.no_grad(): return drafter.trunk(drafter.context(h)[pos], pos, valid, tok)
+    base = run(hidden)
+    outside, inside = hidden.clone(), hidden.clone()
+    outside[p - W] += 1
+    inside[p - W + 1] += 1
+    assert torch.equal(run(outside), base)
+    assert (run(inside) - base).abs().amax(-1).min() > 1e-3   # every slot sees the oldest window position
+
+
+def test_block_is_bidirectional(drafter):
+    "Slot 0's output depends on the block's later positions: the noise id changes every slot"
+    g = torch.Generator().manual_seed(13)
+    hidden = torch.randn(10, drafter.hidden_dim, generator=g)
+    w = drafter.windows(drafter.context(hidden), torch.tensor([8]))
+    with torch.no_grad():
+        base = drafter.trunk(*w, torch.tensor([5]))
+        drafter.noise = 3
+        try: other = drafter.trunk(*w, torch.tensor([5]))
+        finally: drafter.noise = TINY.dspark_noise_token_id
+    assert (base[:, 0] - other[:, 0]).abs().max() > 1e-3      # far above fp32 rounding (~1e-6 through three blocks)
+
+
+# ---------------------------------------------------------------- verification
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 40), k=st.integers(0, 6), vocab=st.integers(1, 5))
+def test_accept_greedy_matches_walk(seed, n, k, vocab):
+    g = torch.Generator().manual_seed(seed)
+    tgt = torch.randint(0, vocab, (n, k + 1), generator=g)
+    drf = torch.randint(0, vocab, (n, k), generator=g)
+    assert accept_greedy(drf, tgt).tolist() == [reference_accept_greedy(a, b) for a, b in zip(drf.tolist(), tgt.tolist())]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 30), k=st.integers(0, 5), vocab=st.integers(2, 9),
+       same=st.booleans())
+def test_accept_sampled_matches_walk(seed, n, k, vocab, same):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(n, k + 1, vocab, generator=g) * 2, -1)
+    q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=g) * 2, -1)  # p == q: empty residual
+    d = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(n, k) if k else torch.zeros(n, 0, dtype=torch.int64)
+    u, v = torch.rand(n, k, generator=g), torch.rand(n, generator=g)
+    a, t = accept_sampled(d, q, p, u=u, v=v)
+    assert list(zip(a.tolist(), t.tolist())) == [reference_accept_sampled(d[i].tolist(), q[i], p[i], u[i].tolist(), float(v[i]))
+                                                 for i in range(n)]
+
+
+@pytest.mark.parametrize('seed,vocab,greedy_drafts', [(0, 8, False), (1, 8, True), (2, 5, False)])
+def test_rejection_sampling_gives_the_target_distribution(seed, vocab, greedy_drafts):
+    "Each emitted position follows the target's row; a fixed seed, p-value > 1e-3 (a correct sampler fails 1 time in 1000)"
+    g = torch.Generator().manual_seed(seed)
+    k, N = 3, 120_000
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, -1)
+    if greedy_drafts: q = torch.nn.functional.one_hot(q.argmax(-1), vocab).float()   # argmax drafts: q is a point mass
+    d = torch.multinomial(q, N, replacement=True, generator=g).T
+    n, last = accept_sampled(d, q.expand(N, -1, -1), p.expand(N, -1, -1), g)
+    out = torch.cat([d, torch.zeros_like(d[:, :1])], 1)
+    out[torch.arange(N), n] = last
+    for j in range(k + 1):
+        reached = n >= j
+        if reached.sum() < 1000: continue                      # too few to test (point-mass drafts are often rejected)
+        assert chi_square_pvalue(torch.bincount(out[reached, j], minlength=vocab), p[j]) > 1e-3, j
+
+
+def test_the_distribution_test_can_fail():
+    "The classic mistake, drawing from p instead of the residual after a rejection, is caught by the same test"
+    g = torch.Generator().manual_seed(3)
+    N, vocab = 120_000, 8
+    p, q = (torch.softmax(torch.randn(1, vocab, generator=g) * 1.5, -1) for _ in range(2))
+    d = torch.multinomial(q[0], N, replacement=True, generator=g)
+    ok = torch.rand(N, generator=g) * q[0, d] < p[0, d]
+    out = torch.where(ok, d, torch.multinomial(p[0], N, replacement=True, generator=g))
+    assert chi_square_pvalue(torch.bincount(out, minlength=vocab), p[0]) < 1e-6
+
+
+# ---------------------------------------------------------------- adaptive verification
+@settings(max_examples=40, deadline=None)
+@given(a=st.lists(st.floats(0, 1), min_size=1, max_size=6))
+def test_expected_accepted_is_the_sum_of_survivals(a):
+    t = torch.tensor(a, dtype=torch.float64)
+    want, s = [0.0], 1.0
+    for x in a: s *= x; want.append(want[-1] + s)
+    assert torch.allclose(expected_accepted(t), torch.tensor(want, dtype=torch.float64))
+    assert (expected_accepted(t).diff() >= 0).all() and (expected_accepted(t) <= torch.arange(len(a) + 1)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 3), b=st.integers(1, 3), slope=st.floats(0, 1),
+       curve=st.floats(0, 0.1), fixed=st.floats(0.1, 2))
+def test_choose_verify_lengths_is_optimal(seed, n, b, slope, curve, fixed):
+    a = torch.rand(n, b, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    cost = lambda T: fixed + slope * T.double() + curve * T.double() ** 2
+    E = expected_accepted(a)
+    value = lambda ks: float((n + sum(E[r, int(k)] for r, k in enumerate(ks))) / cost(torch.tensor(n + int(sum(ks)))))
+    best = max(value(ks) for ks in itertools.product(range(b + 1), repeat=n))
+    assert math.isclose(value(choose_verify_lengths(a, cost)), best, rel_tol=1e-12)
+    assert math.isclose(value(brute_force_verify_lengths(a, cost)), best, rel_tol=1e-12)
+    if n == 1: assert int(choose_verify_lengths(a, cost)[0]) == best_verify_length(a[0], cost(1 + torch.arange(b + 1)))
+
+
+def test_roofline_step_cost_is_the_larger_of_bytes_and_flops():
+    full, hw = ModelConfig.full(), HARDWARE['H200 (measured copy)']
+    cost = roofline_step_cost(full, hw, 790e12, ranks=8, fixed=1e-3)
+    T = torch.tensor([1, 5, 50, 500, 5000])
+    flops = 2 * active_params_per_token(full, 'decode')['total']
+    want = [1e-3 + max(decode_floor(full, hw, int(t) * 8, 8)['seconds'], flops * int(t) / 790e12) for t in T]
+    assert torch.allclose(cost(T), torch.tensor(want, dtype=torch.float64))
+    assert (cost(torch.arange(1, 2000)).diff() >= 0).all()
+
+
+# ---------------------------------------------------------------- the decode loop
+class OracleProposer:
+    "Proposes the target's true greedy continuation, with one slot corrupted at a random place (or none)"
+    def __init__(self, truth: dict, k: int, seed: int):
+        self.truth, self.k, self.rng, self.expected = truth, k, np.random.default_rng(seed), []
+    def propose_with_probs(self, requests, hidden):
+        out = []
+        for r in requests:
+            full = next(t for t in self.truth.values() if t[:len(r)] == list(r))
+            d = list(full[len(r):len(r) + self.k])
+            bad = int(self.rng.integers(0, len(d) + 1))
+            if bad < len(d): d[bad] = (d[bad] + 1) % TINY.vocab_size
+            out.append(d); self.expected.append(bad)
+        return out, [torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.int64), TINY.vocab_size).float() for d in out]
+
+
+def test_loop_accepts_exactly_the_correct_prefix():
+    model = fp32_target(1)
+    prompts = [[256, 5, 6, 7], [256, 40, 41, 42, 43, 44]]
+    want = {i: generate_greedy(model, p, 16) for i, p in enumerate(prompts)}
+    prop, st_ = OracleProposer(want, 4, seed=0), SpecStats()
+    assert speculative_generate(model, prompts, 16, prop, stats=st_) == list(want.values())
+    assert st_.accepted > 0 and st_.accepted <= sum(prop.expected)        # the last step's drafts may be cut by n
+    assert st_.steps < 16
+
+
+@pytest.mark.parametrize('kind', ['fixed 5', 'fixed 2', 'adaptive'])
+def test_greedy_speculation_equals_greedy_decoding(drafter, kind):
+    model = drafter.model
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 9)]
+    want = [generate_greedy(model, p, 10) for p in prompts]
+    prop = {'fixed 5': DSparkProposer(drafter), 'fixed 2': DSparkProposer(drafter, 2),
+            'adaptive': DSparkProposer(drafter, adaptive=True, step_cost=lambda T: 1 + 0.2 * T.double())}[kind]
+    assert speculative_generate(model, prompts, 10, prop) == want
+
+
+def test_sampled_loop_runs_and_counts():
+    d = Drafter(fp32_target(2))
+    g = torch.Generator().manual_seed(5)
+    st_ = SpecStats()
+    out = speculative_generate(d.model, [[256, 1, 2]], 8, DSparkProposer(d, temperature=1.0, generator=g), 1.0, g, st_)
+    assert len(out[0]) == 11 and st_.emitted == 8 and st_.accepted <= st_.drafted
+    assert all(0 <= t < TINY.vocab_size for t in out[0])
+
+
+# ---------------------------------------------------------------- training
+def test_training_moves_only_the_drafter_and_round_trips(tmp_path):
+    d = Drafter(fp32_target(3))
+    seqs, hidden = greedy_training_data(d.model, torch.tensor([[256, 10, 20, 30], [256, 7, 8, 9]]), 12)
+    assert seqs[:, :5].tolist() == [generate_greedy(d.model, s[:4].tolist(), 1) for s in seqs]
+    anchors = drafter_anchors(2, seqs.shape[1], 4, d.block_size)
+    before = {k: v.clone() for k, v in d.model.state_dict().items()}
+    hist = train_drafter(d, hidden, seqs, anchors, steps=8, lr=3e-3, gamma=1e-3)
+    assert hist[-1]['ce'] < hist[0]['ce']
+    after = d.model.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved and all(k.startswith('mtp.') for k in moved)
+    assert any(k.endswith('ffn.gate.bias') for k in moved)              # the drafter's routers were balanced
+    save_drafter(d, tmp_path / 'd.safetensors')
+    other = load_drafter(Drafter(fp32_target(4)), tmp_path / 'd.safetensors')
+    torch.testing.assert_close(drafter_state(other), drafter_state(d), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- with the scheduler: a state machine
+V, MAX_LEN = 24, 512
+
+
+class DSparkSchedulerMachine(RuleBasedStateMachine):
+    "The scheduler, the toy runner and a DSpark proposer whose Markov head encodes the toy rule (t -> t + 1)"
+    @initialize(blocks=st.sampled_from([24, 40, 200]), budget=st.sampled_from([8, 16, 64]), asyn=st.booleans(),
+                k=st.integers(1, 5), adaptive=st.booleans(), slope=st.floats(0.01, 0.5))
+    def setup(self, blocks, budget, asyn, k, adaptive, slope):
+        d = Drafter(init_random(TINY, seed=1, max_seq_len=4096))
+        set_successor_markov(d, V)
+        table = torch.randn(TINY.vocab_size, d.hidden_dim, generator=torch.Generator().manual_seed(6))
+        prop = DSparkProposer(d, k, adaptive, (lambda T: 1 + slope * T.double()) if adaptive else None,
+                              hidden_fn=lambda t: table[t])
+        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN)
+        self.s = Scheduler(get_kv_cache_config(TINY, cc), SchedulerConfig(max_num_batched_tokens=budget,
+                                                                          async_scheduling=asyn, num_speculative_tokens=k))
+        self.runner = ToyRunner(self.s.kv.kv_cache_config, V, prop)
+        self.pending, self.n, self.want, self.got, self.aborted = None, 0, {}, {}, set()
+
+    def _apply(self, out, res):
+        for e in self.s.update_from_output(out, res):
+            toks, _ = self.got.get(e.request_id, ([], None))
+            self.got[e.request_id] = (toks + e.new_token_ids, e.finish_reason)
+
+    def _step(self):
+        out = self.s.schedule()
+        res = self.runner.execute_model(out)
+        if self.s.config.async_scheduling:
+            prev, self.pending = self.pending, (out, res)
+            if prev is not None: self._apply(*prev)
+        else: self._apply(out, res)
+
+    @rule(tokens=st.lists(st.integers(0, V - 1), min_size=1, max_size=40), max_tokens=st.integers(1, 30))
+    def add(self, tokens, max_tokens):
+        self.n += 1
+        rid, sp = f'r{self.n}', SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        try: self.s.add_request(rid, tokens, sp)
+        except CacheCapacityError: return
+        self.want[rid] = toy_generate(tokens, sp, V, None, MAX_LEN)
+
+    @rule(times=st.integers(1, 5))
+    def step(self, times):
+        for _ in range(times): self._step()
+
+    @precondition(lambda self: self.s.requests)
+    @rule(pick=st.integers(0, 10 ** 6))
+    def abort(self, pick):
+        rid = sorted(self.s.requests)[pick % len(self.s.requests)]
+        self.s.abort(rid); self.aborted.add(rid)
+
+    @precondition(lambda self: self.s.running)
+    @rule(pick=st.integers(0, 10 ** 6))
+    def preempt(self, pick):
+        self.s.preempt(self.s.running[pick % len(self.s.running)].request_id)
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        s = self.s
+        running = {r.request_id for r in s.running}
+        assert s.kv.live_requests == running and all(r.status is RequestStatus.RUNNING for r in s.running)
+        held = {b.block_id for rid in running for grp in s.kv.get_blocks(rid).blocks for b in grp if not b.is_null}
+        free = [b.block_id for b in s.kv.block_pool.free_block_queue.get_all_free_blocks()]
+        assert not held & set(free) and len(held) + len(free) == s.kv.block_pool.num_usable_blocks
+
+    def teardown(self):
+        if not hasattr(self, 's'): return
+        for _ in range(3000):
+            if not self.s.has_unfinished_requests() and self.pending is None: break
+            if self.pending is not None and not self.s.has_unfinished_requests():
+                self._apply(*self.pending); self.pending = None
+            else: self._step()
+        assert not self.s.has_unfinished_requests()
+        assert self.s.kv.num_free_blocks == self.s.kv.block_pool.num_usable_blocks        # no block leaked
+        for rid, want in self.want.items():
+            toks, reason = self.got.get(rid, ([], None))
+            if rid in self.aborted and reason in (None, 'abort'): assert toks == want[0][:len(toks)], rid
+            else: assert (toks, reason) == want, rid
+
+
+TestDSparkScheduler = DSparkSchedulerMachine.TestCase
+TestDSparkScheduler.settings = settings(max_examples=10, stateful_step_count=20, deadline=None)
+
+
+def test_toy_proposals_are_accepted():
+    "Not only rejections: with the successor Markov head most drafts pass the toy model"
+    d = Drafter(init_random(TINY, seed=1, max_seq_len=4096))
+    set_successor_markov(d, V)
+    table = torch.randn(TINY.vocab_size, d.hidden_dim, generator=torch.Generator().manual_seed(6))
+    kvc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=60, max_model_len=MAX_LEN))
+    s = Scheduler(kvc, SchedulerConfig(num_speculative_tokens=5))
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    s.add_request('a', [1, 2, 3], sp)
+    got = run_until_done(s, ToyRunner(kvc, V, DSparkProposer(d, hidden_fn=lambda t: table[t])))
+    assert got['a'][0] == toy_generate([1, 2, 3], sp, V)[0]
+    assert s.stats['accepted_tokens'] > s.stats['draft_tokens'] / 2
+
+
+# ---------------------------------------------------------------- bad input, one table for the module
+@functools.lru_cache(1)
+def _drafter(): return Drafter(init_random(TINY, seed=0, max_seq_len=4096))   # read only: built once
+
+BAD = [
+    (lambda: Drafter('model'), TypeError, 'expected a Transformer'),
+    (lambda: _drafter().context(torch.zeros(4, 7)), ValueError, 'expected hidden states (..., S, 192)'),
+    (lambda: _drafter().trunk(torch.zeros(1, 16, 64), *window_positions(torch.tensor([3, 4]), 16),
+                              torch.zeros(2, dtype=torch.int64)), ValueError, 'do not fit'),
+    (lambda: accept_greedy(torch.zeros(2, 3, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64)), ValueError,
+     'expected (N, k) and (N, k + 1)'),
+    (lambda: accept_sampled(torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2, 4), torch.ones(1, 2, 4)), ValueError,
+     'expected (N, k), (N, k, V), (N, k + 1, V)'),
+    (lambda: prefix_survival(torch.tensor([-0.1])), ValueError, 'values in [0, 1]'),
+    (lambda: best_verify_length(torch.ones(3), torch.zeros(4)), ValueError, '(B + 1,) positive'),
+    (lambda: choose_verify_lengths(torch.ones(2, 3), lambda T: T * 0.0), ValueError, 'positive seconds'),
+    (lambda: roofline_step_cost(TINY, HARDWARE['H200'], 1e12, fixed=-1), ValueError, 'fixed = -1'),
+    (lambda: roofline_step_cost(TINY, HARDWARE['H200'], 1e12, ranks=0), ValueError, 'ranks = 0'),
+    (lambda: DSparkProposer(_drafter(), 0), ValueError, 'num_speculative_tokens = 0; expected 1..5'),
+    (lambda: DSparkProposer(_drafter(), True), ValueError, 'num_speculative_tokens = True'),
+    (lambda: DSparkProposer(_drafter(), temperature=-0.5), ValueError, 'temperature = -0.5'),
+    (lambda: DSparkProposer(_drafter()).propose([[1, 2]], [torch.zeros(2, 192)]), ValueError, 'expected (1, 192)'),
+    (lambda: DSparkProposer(_drafter()).propose([[1, 2]], []), ValueError, '0 hidden tensors for 1 requests'),
+    (lambda: DSparkProposer(_drafter()).propose([[-1]]), ValueError, 'token ids must be in 0..511'),
+    (lambda: speculative_generate(_drafter().model, [], 3), ValueError, 'expected non-empty prompts'),
+    (lambda: speculative_generate(_drafter().model, [[1]], 3, temperature=-1), ValueError, 'temperature = -1'),
+    (lambda: greedy_training_data(_drafter().model, torch.tensor([[1, 2]]), 3), ValueError, 'n = 3; expected at least 7'),
+    (lambda: drafter_anchors(1, 8, 4, 5), ValueError, 'hold no full block of 5'),
+    (lambda: train_drafter(_drafter(), None, None, None, 0), ValueError, 'steps = 0'),
+    (lambda: load_drafter(_drafter(), '/nonexistent/d.safetensors'), Exception, 'No such file'),
+]
+
+
+@pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for _, _, m in BAD])
+def test_bad_input(f, exc, msg):
+    fails_with(f, contains=msg)
+    with pytest.raises(exc): f()
+
+
+def test_load_drafter_rejects_another_config(tmp_path):
+    save_drafter(_drafter(), tmp_path / 'd.safetensors')
+    from dataclasses import replace
+    other = Drafter(init_random(replace(TINY, dspark_markov_rank=8), seed=0, max_seq_len=4096))
+    fails_with(lambda: load_drafter(other, tmp_path / 'd.safetensors'), contains='does not fit this model')

@@ -1,0 +1,220 @@
+"""The engine against independent computations: the one-row-at-a-time sampling oracle, chi-square tests of the draws,
+plain greedy generation of the reference model (`generate_greedy`, no scheduler, no cache), the byte tokenizer's
+decode; the pool's free count around rejected and aborted requests; the command line in a subprocess; one table of bad
+inputs."""
+import os, subprocess, sys
+from dataclasses import replace
+from pathlib import Path
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from fastcore.test import test_fail as fails_with
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.model import init_random, generate_greedy, ByteTokenizer
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
+from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, NgramProposer, run_until_done
+from dsv41_nb.engine import (reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, RecomputeModel,
+                             ModelRunner, CUDAGraphModel, padded_batch_size, pad_decode_batch, IncrementalDetokenizer,
+                             EngineArgs, LLMEngine, LLM)
+from dsv41_nb.__main__ import random_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ModelConfig.tiny()
+torch.set_num_threads(1)            # tensors this small gain nothing from threads, and other processes share the cores
+MODEL = init_random(TINY, seed=0)
+TOK = ByteTokenizer(TINY)
+PROMPTS = [TOK.encode('the cat sat'), TOK.encode('a'), TOK.encode('on the mat, the cat sat on the mat'), [256, 7, 7, 7, 7]]
+N_OUT = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
+EXPECTED = [generate_greedy(MODEL, p, N_OUT)[len(p):] for p in PROMPTS]
+EXACT = dict(max_model_len=256, bounded_replay=False, kernels='torch')   # the paged path, comparable with the reference
+
+
+def free_blocks(llm): return llm.llm_engine.scheduler.kv.block_pool.get_num_free_blocks()
+
+
+# ---------------------------------------------------------------- bad input, one table for the module
+_LLM = LLM(MODEL, runner='recompute', max_model_len=64)
+BAD = [
+    (lambda: _LLM.generate('', use_tqdm=False), ValueError, 'prompt 0: the prompt is empty'),
+    (lambda: _LLM.generate({'prompt_token_ids': []}, use_tqdm=False), ValueError, 'the prompt is empty'),
+    (lambda: _LLM.generate(['ok', [1, 512]], use_tqdm=False), ValueError, 'prompt 1: token id 512 at position 1'),
+    (lambda: _LLM.generate([[1.5]], use_tqdm=False), TypeError, 'token id 1.5 at position 0'),
+    (lambda: _LLM.generate([7] * 65, use_tqdm=False), ValueError, 'more than max_model_len = 64'),
+    (lambda: _LLM.generate(['a', 'b', 'c'], [GREEDY] * 2, use_tqdm=False), ValueError, '3 prompts but 2 sampling params'),
+    (lambda: _LLM.generate({'prompt': 3}, use_tqdm=False), TypeError, "'prompt' must be a str, got int"),
+    (lambda: _LLM.generate(None, use_tqdm=False), TypeError, 'expected a str, dict, or list, got NoneType'),
+    (lambda: _LLM.generate('a', SamplingParams(stop_token_ids=[999]), use_tqdm=False), ValueError, 'stop token id 999'),
+    (lambda: _LLM.llm_engine.abort_request('nope'), ValueError, "no unfinished request 'nope'"),
+    (lambda: LLM(MODEL, kernels='cuda'), ValueError, "kernels = 'cuda'"),
+    (lambda: LLM(MODEL, max_model_len=0), ValueError, 'max_model_len = 0; expected at least 1'),
+    (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=1), ValueError, 'not supported'),
+    (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
+    (lambda: LLMEngine(MODEL, args=dict(runner='paged')), TypeError, 'args must be EngineArgs, got dict'),
+    (lambda: LLM('/no/such/checkpoint'), FileNotFoundError, '/no/such/checkpoint'),
+    (lambda: ModelRunner(RecomputeModel(MODEL), 'layout'), TypeError, 'expected a KVCacheConfig'),
+    (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, seed=-1), ValueError, 'seed = -1'),
+    (lambda: sampling_batch([GREEDY], [None] * 3), ValueError, '1 rows but 3 generators'),
+    (lambda: padded_batch_size(-2), ValueError, 'n = -2'),
+    (lambda: CUDAGraphModel(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, 64), ValueError, 'does not support CUDA graphs'),
+]
+
+@pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
+def test_bad_input(f, exc, msg):
+    free = free_blocks(_LLM)
+    fails_with(f, contains=msg)
+    with pytest.raises(exc): f()
+    assert free_blocks(_LLM) == free and not _LLM.llm_engine.has_unfinished_requests()   # nothing leaked
+
+
+# ---------------------------------------------------------------- the sampler
+params_st = st.builds(
+    lambda t, k, p, m, greedy: SamplingParams(temperature=0 if greedy else t, top_k=k, top_p=p, min_p=m),
+    st.floats(0.05, 3), st.one_of(st.just(-1), st.integers(1, 20)), st.one_of(st.just(1.0), st.floats(0.01, 1)),
+    st.one_of(st.just(0.0), st.floats(0, 1)), st.booleans())
+
+@given(st.integers(2, 64), st.lists(params_st, min_size=1, max_size=8), st.integers(0, 2**31 - 1), st.booleans())
+def test_batched_probs_equal_reference(V, params, seed, ties):
+    "Every mask as the oracle defines it; probabilities to float32 accuracy (the sum's V and the logits' 2|x| units of roundoff)"
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (len(params), V), generator=g).float() if ties else torch.randn(len(params), V, generator=g) * 4
+    got = sampling_probs(logits, sampling_batch(params, vocab_size=V))
+    ref = torch.stack([reference_probs(l, p) for l, p in zip(logits, params)])
+    assert not (got[ref == 0] > 0).any() and (got[ref > 1e-30] > 0).all()     # masks; float32 may underflow below 1e-38
+    x = max((l / (p.temperature or 1)).abs().max().item() for l, p in zip(logits, params))      # largest tempered logit
+    torch.testing.assert_close(got.double(), ref, rtol=4 * (V + 2 * x) * 2 ** -24, atol=1e-12)
+
+@pytest.mark.parametrize('sp', [SamplingParams(temperature=0.8), SamplingParams(top_k=3), SamplingParams(top_p=0.6),
+                                SamplingParams(min_p=0.2, temperature=1.5), SamplingParams(top_k=5, top_p=0.9, min_p=0.05)])
+def test_draws_follow_the_distribution(sp):
+    "Chi-square on 8 tokens: plain draws, and draws that verify a fixed draft, both follow the oracle's distribution"
+    n, logits = 40_000, torch.tensor([1.5, 1.0, 0.7, 0.2, 0.0, -0.4, -1.0, -2.0])
+    p = reference_probs(logits, sp)
+    sb = sampling_batch([sp] * n, vocab_size=8)
+    P = sampling_probs(logits.expand(n, -1), sb)
+    _, plain = draw(P, torch.full((n,), -1), sb, torch.Generator().manual_seed(11))
+    acc, tok = draw(P, torch.full((n,), 1), sb, torch.Generator().manual_seed(12))
+    for t in (plain, torch.where(acc, 1, tok)):
+        assert chi_square_pvalue(torch.bincount(t, minlength=8), p) > 1e-3
+    assert chi_square_pvalue(torch.bincount(plain, minlength=8), torch.full((8,), 1 / 8)) < 1e-3    # the test has power
+
+def test_seeded_rows_ignore_their_neighbours():
+    "A seeded row's token and acceptance come from its own generator only"
+    def run(others):
+        sps = [SamplingParams(seed=3, temperature=0.9)] + [SamplingParams(temperature=0.5)] * others
+        gens = [torch.Generator().manual_seed(3)] + [None] * others
+        logits = torch.randn(1 + others, 50, generator=torch.Generator().manual_seed(others)); logits[0] = torch.linspace(-2, 2, 50)
+        sb = sampling_batch(sps, gens, 50)
+        return [x[0].item() for x in draw(sampling_probs(logits, sb), torch.full((1 + others,), 40), sb, torch.Generator())]
+    assert len({tuple(run(k)) for k in (0, 1, 4, 31)}) == 1
+
+@given(st.lists(st.integers(0, 258), max_size=200), st.integers(1, 9))
+def test_incremental_text_equals_decode(ids, chunk):
+    d = IncrementalDetokenizer()
+    pieces = [d.add(ids[i:i + chunk], final=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)] or [d.add([], final=True)]
+    assert ''.join(pieces) == d.text == TOK.decode(ids)
+
+
+# ---------------------------------------------------------------- the engine against plain greedy generation
+def outputs(llm, prompts=PROMPTS, sp=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+@pytest.mark.parametrize('kw', [dict(runner='recompute', num_speculative_tokens=3, max_num_batched_tokens=8),
+                                dict(runner='recompute', async_scheduling=True, max_num_batched_tokens=16),
+                                dict(runner='paged', max_num_batched_tokens=16),
+                                dict(runner='paged', num_speculative_tokens=2, enable_prefix_caching=False)],
+                         ids=['recompute-chunked-ngram', 'recompute-async', 'paged-chunked', 'paged-ngram'])
+def test_greedy_equals_generate_greedy(kw):
+    llm = LLM(MODEL, **{**EXACT, **kw})
+    assert outputs(llm) == EXPECTED
+    assert free_blocks(llm) == llm.llm_engine.kv_cache_config.num_usable_blocks or llm.llm_engine.args.enable_prefix_caching
+
+class WrongDrafts:
+    "A proposer whose drafts the model rarely picks: nearly every step rolls rejected rows back"
+    num_speculative_tokens = 2
+    def propose(self, requests): return [[(r[-1] + 1) % 256] * 2 for r in requests]
+
+@pytest.mark.parametrize('runner', ['recompute', pytest.param('paged', marks=pytest.mark.xfail(
+    reason="the paged path does not yet restore its compressors' ring state after a rejected draft"))])
+def test_rejected_drafts_roll_back(runner):
+    llm = LLM(MODEL, proposer=WrongDrafts(), **{**EXACT, 'runner': runner})
+    assert outputs(llm, PROMPTS[:2]) == EXPECTED[:2]
+    assert llm.llm_engine.scheduler.stats['draft_tokens'] > llm.llm_engine.scheduler.stats['accepted_tokens']
+
+def test_preempted_requests_give_the_same_tokens():
+    "A pool too small for all four requests at once: some are preempted, recompute, and still match"
+    llm = LLM(MODEL, **{**EXACT, 'max_model_len': 64}, num_gpu_blocks=12, enable_prefix_caching=False)
+    assert outputs(llm) == EXPECTED
+    assert llm.llm_engine.scheduler.stats['preemptions'] > 0
+
+def test_seeded_requests_reproducible_whatever_the_batch():
+    sp = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=8)
+    llm = LLM(MODEL, **EXACT)
+    alone = outputs(llm, [PROMPTS[0]], sp)[0]
+    crowd = outputs(llm, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], [SamplingParams(seed=1), sp, SamplingParams()])
+    assert crowd[1] == alone
+
+def test_abort_frees_blocks():
+    llm = LLM(MODEL, **EXACT)
+    eng, free = llm.llm_engine, free_blocks(llm)
+    eng.add_request('a', PROMPTS[2], SamplingParams(max_tokens=40))
+    eng.add_request('b', PROMPTS[0], GREEDY)
+    eng.step(); eng.step()
+    assert free_blocks(llm) < free
+    assert eng.abort_request('a').outputs[0].finish_reason == 'abort'
+    while eng.has_unfinished_requests(): eng.step()
+    assert free_blocks(llm) == free
+
+def test_rejected_prompts_leak_nothing():
+    "A batch whose last prompt is bad: none of it is queued; the pool and the engine are as before"
+    llm = LLM(MODEL, **EXACT)
+    free = free_blocks(llm)
+    for bad in ([7] * 257, [], [1, 2, 600], ''):
+        with pytest.raises(ValueError): llm.generate([PROMPTS[0], PROMPTS[1], bad], GREEDY, use_tqdm=False)
+        assert free_blocks(llm) == free and not llm.llm_engine.has_unfinished_requests()
+
+def test_stream_deltas_add_up_and_closing_aborts():
+    llm = LLM(MODEL, **EXACT)
+    got = {}
+    for o in llm.stream(PROMPTS[:2], GREEDY): got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
+    assert [got[k] for k in sorted(got, key=int)] == EXPECTED[:2]
+    free, s = free_blocks(llm), llm.stream(PROMPTS[0], SamplingParams(max_tokens=50))
+    next(s); s.close()
+    assert free_blocks(llm) == free and not llm.llm_engine.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------- CUDA graph padding (emulated on the CPU)
+class TensorOnly:
+    "Logits from each logits row's token, position, sequence length and first window block: tensors only, as a graph needs"
+    supports_cuda_graphs = True
+    def __init__(self): self.table = torch.randn(TINY.vocab_size, TINY.vocab_size, generator=torch.Generator().manual_seed(0))
+    def forward(self, b):
+        r = b.logits_indices
+        req = torch.searchsorted(b.query_start_loc[1:].long(), r, right=True)
+        return self.table[b.token_ids[r]] + 0.01 * b.positions[r, None] + 0.1 * b.block_tables[1][req, :1] + 0.001 * b.seq_lens[req, None]
+    def release(self, ids): pass
+
+@pytest.mark.parametrize('n', [1, 3, 7, 8, 11])
+def test_padded_replay_equals_eager(n):
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
+    cg = CUDAGraphModel(TensorOnly(), kc, 256, capture_sizes=(2, 8), emulate=True)
+    s, r = Scheduler(kc, SchedulerConfig()), ModelRunner(cg, kc)
+    for i in range(n): s.add_request(f'q{i}', PROMPTS[i % 4][: 1 + i % 5], SamplingParams(max_tokens=4))
+    o = s.schedule(); s.update_from_output(o, r.execute_model(o))                  # the prefill
+    b, _ = r.prepare_inputs(s.schedule())
+    torch.testing.assert_close(cg.forward(b), cg.model.forward(b), rtol=0, atol=0)
+    assert cg.stats['replayed'] == (padded_batch_size(n, (2, 8)) is not None)
+    padded = pad_decode_batch(b, 16, cg.widths)
+    assert (padded.slot_mappings.swa[n:] == -1).all() and (padded.block_tables[0][n:] == 0).all()
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_generate(tmp_path):
+    ck = random_checkpoint(tmp_path)
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck), '--max-tokens', '4',
+                        '--temperature', '0'], capture_output=True, text=True, cwd=ROOT,
+                       env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    want = LLM(ck, kernels='torch').generate('the cat', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert r.stdout == 'the cat' + want.text + '\n'
+    assert f'{len(want.token_ids)} tokens in' in r.stderr and 'tokens/s' in r.stderr

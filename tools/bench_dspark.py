@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""DSpark acceptance and throughput at several concurrencies, speculation off, fixed at 5 drafts, and adaptive.
+
+    python tools/bench_dspark.py [--checkpoint checkpoints/small] [--drafter PATH] [--concurrency 1 8 32 128]
+                                 [--new-tokens 32] [--prompt-len 64] [--paths loop engine] [--json PATH] [--quick]
+
+Two paths, each decoding greedily (ignore EOS) from held-out windows of the training corpus:
+- 'loop': `dsv41_nb.dspark.speculative_generate`, the reference decode loop: one dense forward per step re-runs every
+  live sequence with its drafts (fp32) and hands the drafter its input from that same forward (no KV cache: the step cost
+  grows with the sequence, so drafting looks cheaper than it is);
+- 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16) with `DSparkProposer`; the
+  engine's runner hands the proposer token ids only, so the proposer re-runs the target (one padded dense forward per
+  step) to get the drafter's input, a cost the serving path would not pay.
+Adaptive verification uses a step-cost curve measured here: the target's forward over c sequences with k + 1 new rows,
+k = 0..5. Each row reports tokens/s, tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
+per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
+notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the machine and date; --json writes it.
+--quick: concurrency 1 and 2, 8 new tokens, on the CPU."""
+import argparse, copy, datetime, json, sys, time
+from pathlib import Path
+import numpy as np
+import torch
+from dsv41_nb.dispatch import machine_name
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.model import ByteTokenizer, init_random
+from dsv41_nb.checkpoint import load_model
+from dsv41_nb.accounting import HARDWARE
+from dsv41_nb.train import load_corpus, split_documents, byte_data
+from dsv41_nb.scheduler import SamplingParams
+from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, load_drafter, speculative_generate, expected_accepted,
+                             choose_verify_lengths, roofline_step_cost)
+
+POLICIES = ('off', 'fixed 5', 'adaptive')
+
+
+def sync(device):
+    if device.type == 'cuda': torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def measured_cost(model, c, length, block, device, reps=3):
+    "c(T) from timing the target's forward over c sequences of length + k + 1 rows, k = 0..block; T = c (k + 1)"
+    T, secs = [], []
+    for k in range(block + 1):
+        x = torch.randint(0, 256, (c, length + k + 1), device=device)
+        model(x, return_hidden=True); sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps): model(x, return_hidden=True)
+        sync(device); T.append(c * (k + 1)); secs.append((time.perf_counter() - t0) / reps)
+    cost = lambda t: torch.as_tensor(np.interp(np.asarray(t, dtype=np.float64), T, secs))
+    return cost, dict(tokens=T, seconds=secs)
+
+
+def proposer(drafter, policy, cost):
+    if policy == 'off': return None
+    return DSparkProposer(drafter, 5, adaptive=policy == 'adaptive', step_cost=cost)
+
+
+def run_loop(model, drafter, prompts, n, policy, cost, device):
+    st = SpecStats()
+    prop = proposer(drafter, policy, cost)
+    sync(device); t0 = time.perf_counter()
+    speculative_generate(model, prompts, n, prop, stats=st)
+    sync(device); dt = time.perf_counter() - t0
+    return dict(seconds=dt, tokens_per_s=len(prompts) * n / dt, tokens_per_request_step=st.emitted / max(1, st.request_steps),
+                steps=st.steps, drafted=st.drafted, accepted=st.accepted, mean_k=st.drafted / max(1, st.request_steps),
+                target_s=st.target_s, draft_s=st.draft_s, slot_acceptance=st.slot_acceptance)
+
+
+def run_engine(model, drafter, prompts, n, policy, cost, device):
+    from dsv41_nb.engine import LLM
+    prop = proposer(drafter, policy, cost)
+    llm = LLM(model, proposer=prop, max_model_len=max(map(len, prompts)) + n + 8, max_num_seqs=max(len(prompts), 1))
+    sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    sync(device); t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    sync(device); dt = time.perf_counter() - t0
+    stats, emitted = llm.llm_engine.scheduler.stats, sum(len(o.outputs[0].token_ids) for o in outs)
+    request_steps = emitted - stats['accepted_tokens']                       # each request-step emits one non-draft token
+    return dict(seconds=dt, tokens_per_s=emitted / dt, tokens_per_request_step=emitted / max(1, request_steps),
+                drafted=stats['draft_tokens'], accepted=stats['accepted_tokens'],
+                mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs])
+
+
+def modelled(a, c, policy, cost):
+    "Tokens/s per GPU with c requests per GPU, per-slot acceptance a, on the eight-GPU layout (roofline cost)"
+    a = torch.tensor(a, dtype=torch.float64).nan_to_num(0.0).clamp(0, 1)
+    B = len(a)
+    k = {'off': torch.zeros(c, dtype=torch.int64), 'fixed 5': torch.full((c,), B),
+         'adaptive': choose_verify_lengths(a.expand(c, -1), cost) if B else torch.zeros(c, dtype=torch.int64)}[policy]
+    return float((c + expected_accepted(a)[k].sum()) / cost(torch.tensor(c + int(k.sum()))))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--checkpoint', default='checkpoints/small')
+    ap.add_argument('--drafter', help='drafter weights (default: <checkpoint>/dspark.safetensors if present)')
+    ap.add_argument('--concurrency', type=int, nargs='+', default=[1, 8, 32, 128])
+    ap.add_argument('--new-tokens', type=int, default=32)
+    ap.add_argument('--prompt-len', type=int, default=64)
+    ap.add_argument('--paths', nargs='+', default=['loop', 'engine'], choices=['loop', 'engine'])
+    ap.add_argument('--budget-minutes', type=float, default=6.0, help='skip the remaining rows after this long')
+    ap.add_argument('--json', help='write the results here')
+    ap.add_argument('--quick', action='store_true', help='concurrency 1 and 2, 8 new tokens, on the CPU')
+    args = ap.parse_args()
+    device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
+    if args.quick:
+        torch.set_num_threads(1)
+        args.concurrency, args.new_tokens, args.prompt_len = [1, 2], 8, 16
+    t_start, ckpt = time.perf_counter(), Path(args.checkpoint)
+    if (ckpt / 'config.json').exists(): model, source = load_model(ckpt, device=device), str(ckpt)
+    else: model, source = init_random(ModelConfig.tiny(), seed=0, device=device, max_seq_len=4096), 'tiny (random)'
+    engine_model = model.eval()                                      # BF16 masters, as loaded: the paged path's input
+    model = copy.deepcopy(model).float()                              # fp32 for the reference loop, as the drafter trained
+    engine_model.quant = model.quant = True
+    drafter, engine_drafter = Drafter(model), Drafter(engine_model)
+    dpath = Path(args.drafter) if args.drafter else ckpt / 'dspark.safetensors'
+    trained = dpath.exists()
+    if trained: load_drafter(drafter, dpath); load_drafter(engine_drafter, dpath)
+    machine, date = machine_name(device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
+    print(f'{machine}  {date}  torch {torch.__version__}  target {source}, drafter {dpath if trained else "untrained"}')
+
+    docs = load_corpus()
+    _, val_docs = split_documents(docs, seed=0)
+    data = byte_data(docs[:1], val_docs, ByteTokenizer(model.cfg))
+    starts = torch.randint(0, len(data.val) - args.prompt_len, (max(args.concurrency),), generator=torch.Generator().manual_seed(1))
+    prompts = data.windows('val', starts, args.prompt_len)[0].tolist()
+    node = roofline_step_cost(ModelConfig.full(), HARDWARE['H200 (measured copy)'], 790e12)
+    rows, costs, slots = [], {}, {}
+    run_loop(model, drafter, prompts[:1], 4, 'fixed 5', None, device)                    # warm-up
+    for c in args.concurrency:
+        cost, costs[c] = measured_cost(model, c, args.prompt_len + args.new_tokens // 2, drafter.block_size, device)
+        for path in args.paths:
+            for policy in POLICIES:
+                if time.perf_counter() - t_start > args.budget_minutes * 60:
+                    rows.append(dict(path=path, concurrency=c, policy=policy, skipped='time budget')); continue
+                run, m, d = (run_loop, model, drafter) if path == 'loop' else (run_engine, engine_model, engine_drafter)
+                try: r = run(m, d, prompts[:c], args.new_tokens, policy, cost, device)
+                except Exception as e:                                             # report it and go on
+                    rows.append(dict(path=path, concurrency=c, policy=policy, error=repr(e)[:300]))
+                    print(f'  {path} c={c} {policy}: ERROR {e!r}'[:300], flush=True)
+                    continue
+                if path == 'loop' and policy == 'fixed 5': slots[c] = r['slot_acceptance']
+                r.pop('outputs', None)
+                rows.append(dict(path=path, concurrency=c, policy=policy, **r))
+                print(f"  {path} c={c} {policy}: {r['tokens_per_s']:.1f} tok/s, {r['tokens_per_request_step']:.2f} tokens per "
+                      f"request-step, {r['seconds']:.1f} s", flush=True)
+    a = next(iter(slots.values()), [])
+    for r in rows: r['modelled_tokens_per_s'] = modelled(slots.get(r['concurrency'], a), r['concurrency'], r['policy'], node)
+    print(f"\n{'path':>6} {'conc':>5} {'policy':>9} {'tok/s':>9} {'tok/step':>8} {'mean k':>6} {'s':>7}   modelled tok/s/GPU (8 x H200, full model)")
+    for r in rows:
+        if 'tokens_per_s' not in r: print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9}  {r.get('error', r.get('skipped'))}"); continue
+        print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9} {r['tokens_per_s']:9.1f} {r['tokens_per_request_step']:8.2f} "
+              f"{r['mean_k']:6.2f} {r['seconds']:7.2f}   {r['modelled_tokens_per_s']:9.0f}")
+    print('per-slot acceptance (loop, fixed 5):', {c: [round(v, 3) for v in s] for c, s in slots.items()})
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(machine=machine, date=date, torch=torch.__version__, target=source,
+                                                   drafter=str(dpath) if trained else 'untrained', settings=vars(args),
+                                                   rows=rows, slot_acceptance=slots, step_costs=costs,
+                                                   total_seconds=time.perf_counter() - t_start), indent=1))
+        print(f'results -> {args.json}')
+
+
+if __name__ == '__main__':
+    main()

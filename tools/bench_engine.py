@@ -1,0 +1,177 @@
+#!/usr/bin/env python
+"""The engine (13_engine) on one GPU: throughput and latency against concurrency, the batch-1 decode step against its
+byte floor (with and without CUDA graphs), and the engine against the naive loop that recomputes every sequence each token.
+
+    python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
+                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--json out.json] [--quick]
+
+The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
+GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
+`step_model` hook; `--experts N` scales the routed experts down if memory asks for it. Three measurements:
+
+1. concurrency: for each level c, c random byte prompts at once (`load_test` of the command line): output tokens/s and
+   TTFT / TPOT / end-to-end percentiles; one table row per level.
+2. the decode step at batch 1: the engine's time per output token of one request (scheduler, runner, sampler included)
+   against the floor of that step: the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of
+   01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
+   bandwidth (`copy_bandwidth`). Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper
+   is swapped in and out of the same engine), otherwise the eager step alone and the reason.
+3. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
+   against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit).
+   Goal: the engine at least 5x the naive loop's tokens/s.
+
+Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
+after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
+import argparse, dataclasses, datetime, json, sys, time, traceback
+import torch, triton
+from dsv41_nb.config import ModelConfig, layer_topology
+from dsv41_nb.dispatch import machine_name, copy_bandwidth
+from dsv41_nb.accounting import decode_floor, record_bytes, Hardware, HARDWARE
+from dsv41_nb.model import Transformer, init_random, generate_greedy
+from dsv41_nb.scheduler import SamplingParams
+from dsv41_nb.engine import LLM, CUDAGraphModel
+from dsv41_nb.paged import PagedModel, PagedStepModel
+from dsv41_nb.__main__ import load_test, random_prompts
+
+
+def kv_read_bytes(cfg: ModelConfig, kc, context: int) -> int:
+    "Bytes of cache one decode token reads at `context` tokens: window records, selected compressed records, index keys"
+    cc, total = kc.cache_config, 0
+    win, main, idx = (record_bytes(cfg, f) for f in ('window_fp8', cc.main_kv_format, cc.index_key_format))
+    for info in layer_topology(cfg)[:cfg.n_layers]:
+        total += min(context, cfg.window_size) * win
+        if info.ratio:
+            visible = context // info.ratio
+            total += min(cfg.index_topk, visible) * main + (visible * idx if info.role in ('Full', 'Reindex') else 0)
+    return total
+
+
+def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
+    "An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout"
+    build = lambda kc: PagedStepModel(PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc))
+    return LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
+
+
+def sync(device):
+    if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
+
+
+def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int) -> list:
+    sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
+    load_test(llm, random_prompts(2, prompt_len, seed=seed), sp)                                   # warm-up: compile, fill
+    for c in levels:
+        s = load_test(llm, random_prompts(c, prompt_len, seed=seed + c), sp)
+        rows.append(dict(concurrency=c, **s))
+        print(f"{c:6d} {s['output_tokens_per_s']:12.1f} {1e3 * s['ttft_s'][50]:9.1f} {1e3 * s['ttft_s'][99]:9.1f} "
+              f"{1e3 * s['tpot_s'][50]:9.2f} {1e3 * s['tpot_s'][99]:9.2f} {s['e2e_s'][50]:8.2f}", flush=True)
+    return rows
+
+
+def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens: int, seed: int) -> dict:
+    eng = llm.llm_engine
+    bw = copy_bandwidth(device=device) if torch.device(device).type == 'cuda' else HARDWARE['H200 (measured copy)'].bandwidth
+    hw = Hardware(machine_name(device), HARDWARE['H200'].hbm_bytes, bw, 'copy_bandwidth on this machine')
+    weights = decode_floor(cfg, hw, batch=1, ranks=1)
+    context = prompt_len + max_tokens // 2                                                        # the mean context of the run
+    kv = kv_read_bytes(cfg, eng.kv_cache_config, context)
+    floor = weights['seconds'] + kv / bw
+    inner = eng.runner.model
+    modes = [('eager', inner.model if isinstance(inner, CUDAGraphModel) else inner),
+             ('cuda graphs', inner if isinstance(inner, CUDAGraphModel) else None)]
+    out = dict(context=context, copy_bandwidth=bw, weight_bytes=weights['dense_bytes'] + weights['expert_bytes'], kv_bytes=kv,
+               floor_s=floor, held_weight_bytes=getattr(getattr(inner, 'model', None), 'weight_bytes', lambda: None)(), modes={})
+    sp, prompt = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), random_prompts(1, prompt_len, seed=seed)
+    for mode, m in modes:
+        if m is None:
+            out['modes'][mode] = dict(note=f"{type(inner).__name__} does not support CUDA graphs (supports_cuda_graphs is False)")
+            print(f"  {mode:12s} {out['modes'][mode]['note']}"); continue
+        eng.runner.model = m
+        load_test(llm, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))        # warm-up (captures graphs)
+        s = load_test(llm, prompt, sp)
+        step = s['tpot_s'][50]
+        out['modes'][mode] = dict(step_s=step, times_floor=step / floor, ttft_s=s['ttft_s'][50])
+        print(f"  {mode:12s} {1e3 * step:9.3f} ms per decode step = {step / floor:6.1f}x the floor of {1e6 * floor:8.1f} us "
+              f"({(out['weight_bytes']) / 1e9:.2f} GB weights + {kv / 1e6:.2f} MB KV at {bw / 1e12:.2f} TB/s)")
+    eng.runner.model = inner
+    return out
+
+
+def naive_vs_engine(cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels) -> dict:
+    model = init_random(cfg, seed=seed, device=device)
+    prompts = random_prompts(n, prompt_len, seed=seed)
+    ids = torch.tensor(prompts, device=device)
+    generate_greedy(model, ids[:, :8], 2)                                                         # warm-up
+    sync(device); t0 = time.perf_counter()
+    naive = generate_greedy(model, ids, max_tokens)[:, prompt_len:].tolist()
+    sync(device); naive_s = time.perf_counter() - t0
+    llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    load_test(llm, prompts[:2], sp)                                                               # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    engine_s = time.perf_counter() - t0
+    same = sum(a == b for o, row in zip(outs, naive) for a, b in zip(o.outputs[0].token_ids, row)) / (n * max_tokens)
+    r = dict(requests=n, tokens=n * max_tokens, naive_s=naive_s, engine_s=engine_s, naive_tok_s=n * max_tokens / naive_s,
+             engine_tok_s=n * max_tokens / engine_s, speedup=naive_s / engine_s, same_tokens=same,
+             runner=type(llm.llm_engine.runner.model).__name__)
+    print(f"  naive generate_greedy {r['naive_tok_s']:10.1f} tok/s   engine ({r['runner']}) {r['engine_tok_s']:10.1f} tok/s   "
+          f"speed-up {r['speedup']:5.1f}x   tokens equal to the naive loop's: {same:.1%}")
+    return r
+
+
+def section(res: dict, key: str, path, fn):
+    "Run one section; its result (or its error) goes into `res[key]`, and the JSON is rewritten"
+    try: res[key] = fn()
+    except Exception as e:                                                            # keep what the other sections measure
+        traceback.print_exc(); res[key] = dict(error=f"{type(e).__name__}: {e}")
+    if path: json.dump(res, open(path, 'w'), indent=1, default=str)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--config', default='bench', choices=('bench', 'small', 'tiny'))
+    ap.add_argument('--experts', type=int, help="routed experts (default: the config's)")
+    ap.add_argument('--concurrency', type=int, nargs='+', default=[1, 4, 16, 32, 64, 128, 256])
+    ap.add_argument('--prompt-len', type=int, default=128)
+    ap.add_argument('--max-tokens', type=int, default=32)
+    ap.add_argument('--naive-config', default='small', choices=('small', 'tiny'))
+    ap.add_argument('--naive-requests', type=int, default=32)
+    ap.add_argument('--kernels', choices=('triton', 'torch'), help='force the kernels (default: Triton on the GPU)')
+    ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--json', help='write the results to this file')
+    ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
+    args = ap.parse_args()
+    device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
+    if args.quick:
+        args.config, args.naive_config, args.concurrency, args.prompt_len, args.max_tokens = 'tiny', 'tiny', [1, 4], 16, 4
+        args.naive_requests, args.kernels = 4, args.kernels or 'torch'
+    elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
+    if args.quick: torch.set_num_threads(1)         # tiny tensors: threads only wait for each other on a shared CPU
+    from dsv41_nb.train import small_config
+    configs = dict(bench=ModelConfig.bench, small=small_config, tiny=ModelConfig.tiny)
+    cfg = configs[args.config]()
+    if args.experts: cfg = dataclasses.replace(cfg, n_routed_experts=args.experts)
+    machine, date = machine_name(device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
+    print(f"{machine}  {date}  torch {torch.__version__}  triton {triton.__version__}  config {args.config}: {cfg.n_layers} layers, "
+          f"dim {cfg.dim}, {cfg.n_routed_experts} experts; prompts of {args.prompt_len} tokens, {args.max_tokens} out", flush=True)
+    res = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__, config=args.config,
+               args=vars(args))
+    t0 = time.perf_counter()
+    llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
+                    max_model_len=args.prompt_len + args.max_tokens + 64)
+    res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
+    print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
+    print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8}   (ms, e2e s)")
+    section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed))
+    print('decode step at batch 1:')
+    section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed))
+    del llm
+    if device == 'cuda': torch.cuda.empty_cache()
+    print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
+    section(res, 'naive', args.json, lambda: naive_vs_engine(configs[args.naive_config](), device, args.naive_requests,
+                                                             args.prompt_len, args.max_tokens, args.seed, args.kernels))
+    if args.json: print('wrote', args.json)
+
+
+if __name__ == '__main__':
+    main()
