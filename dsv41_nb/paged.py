@@ -439,15 +439,61 @@ class PagedStepModel:
         if not isinstance(model, PagedModel): raise TypeError(f"PagedStepModel: expected a PagedModel, got {type(model).__name__}")
         self.model, self.device, self.vocab_size = model, model.embed.device, model.cfg.vocab_size
         self.tokens, self.window_start, self.replay_start = {}, {}, {}          # request id -> what later steps need
+        ring = [g for g in model.kv_cache_config.groups if g.manager == 'ring']
+        self.ring_group, self.ring_ratio = (ring[0].group_id, ring[0].block_size) if ring else (None, None)
+        self._journal, self.ring_restores = {}, 0                                # the last speculative step's rings, restores made
         if model.state is None: model.allocate(device=self.device)
     def release(self, request_ids):
         for r in request_ids:
-            for d in (self.tokens, self.window_start, self.replay_start): d.pop(r, None)
+            for d in (self.tokens, self.window_start, self.replay_start, self._journal): d.pop(r, None)
     def __repr__(self): return f"PagedStepModel({len(self.tokens)} requests)"
 
 def step_model(model: Transformer, kv_cache_config: KVCacheConfig) -> PagedStepModel:
     "The paged path of `model` on the layout `kv_cache_config`, its caches allocated on the model's device (the engine's hook)"
     return PagedStepModel(PagedModel.from_model(model, kv_cache_config))
+
+# %% ../nbs/10b_paged.ipynb #c6478398
+@patch
+def _journaling(self: PagedStepModel, blocks: dict) -> contextlib.AbstractContextManager:
+    "Inside the block, the ring layers' compressors record, for the ring blocks `blocks` (request id -> block), the rows they see"
+    R, rings = self.ring_ratio, self.model.state.rings
+    for rid, b in blocks.items():                                 # the ring as it was before the step
+        self._journal[rid] = dict(block=b, snap={l: ring[b * R:(b + 1) * R].clone() for l, ring in rings.items()}, rows={})
+    owner = {b: rid for rid, b in blocks.items()}
+    def journaled(c, emit):
+        def f(kv, score, positions, ring_slots, *args, **kw):                 # (T, D) fp32 latents and scores of this call
+            if ring_slots is not None:
+                for b, rid in owner.items():
+                    m = (ring_slots >= 0) & (ring_slots // R == b)
+                    self._journal[rid]['rows'][c.layer] = (positions[m].long(), kv[m].float(), score[m].float())
+            return emit(kv, score, positions, ring_slots, *args, **kw)
+        return f
+    cs = [l.attn.compressor for l in self.model.layers if l.attn.compressor is not None and l.attn.ratio > 1] if blocks else []
+    @contextlib.contextmanager
+    def ctx():
+        for c in cs: c.emit = journaled(c, c.emit)                                 # an instance attribute, removed on exit
+        try: yield
+        finally:
+            for c in cs: del c.emit
+    return ctx()
+
+# %% ../nbs/10b_paged.ipynb #4c4abf07
+@patch
+def _restore_ring(self: PagedStepModel, rid: str, p: int):
+    "Put request `rid`'s ring back to what a step ending at position p leaves: the open group's rows below p"
+    R, j = self.ring_ratio, self._journal.get(rid)
+    if R is None or p % R == 0: return                                        # no ring, or p starts a group: nothing open
+    if j is None or not j['rows'] or p < min(int(v[0].min()) for v in j['rows'].values()):
+        raise RuntimeError(f"request {rid!r}: rows from position {p} redo rows the model computed, but no speculative "
+                           "step of it is journaled there (only the rows of its last multi-row decode step may be redone)")
+    for l, ring in self.model.state.rings.items():
+        blk = ring[j['block'] * R:(j['block'] + 1) * R]                       # (R, 2, D) a view of its ring block
+        blk.copy_(j['snap'][l])
+        if l not in j['rows']: continue                                      # a layer the step did not reach: as it was
+        pos, kv, score = j['rows'][l]
+        keep = (pos >= p - p % R) & (pos < p)                                # the group's rows the step computed
+        blk[pos[keep] % R, 0], blk[pos[keep] % R, 1] = kv[keep], score[keep]
+    self.ring_restores += 1
 
 # %% ../nbs/10b_paged.ipynb #427101b7
 @patch
@@ -456,7 +502,7 @@ def forward(self: PagedStepModel, batch) -> torch.Tensor:
     qsl, pos, ids, dev = batch.query_start_loc.tolist(), batch.positions, batch.token_ids, batch.token_ids.device
     dec = torch.zeros(len(ids), dtype=torch.bool, device=dev)
     dec[batch.decoder_rows.long()] = True
-    hist, rows, ws, rs = [], [], [], []
+    hist, rows, ws, rs, blocks = [], [], [], [], {}                       # blocks: ring blocks of multi-row decode requests
     for i, rid in enumerate(batch.request_ids):
         a, b = qsl[i], qsl[i + 1]
         p0 = int(pos[a])
@@ -467,17 +513,20 @@ def forward(self: PagedStepModel, batch) -> torch.Tensor:
         toks = self.tokens.get(rid)
         if toks is None or len(toks) < p0: raise RuntimeError(f"request {rid!r}: rows from position {p0}, but "
                                                               f"{len(toks or ())} earlier tokens are known (start it first)")
+        if rid not in batch.new_request_ids and len(toks) > p0: self._restore_ring(rid, p0)   # rows from p0 on were rejected
+        self._journal.pop(rid, None)                                    # only its last step's journal is ever needed
         del toks[p0:]; toks.extend(ids[a:b].tolist())
         hist.append(token_history(torch.tensor(toks, device=dev), pos[a:b], self.model.cfg.engram_max_ngram_size - 1))
         first = dec[a:b].nonzero().flatten()
         if rid not in self.replay_start and len(first): self.replay_start[rid] = int(pos[a + int(first[0])])
         rs.append(self.replay_start.get(rid, int(pos[b - 1]) + 1)); ws.append(self.window_start[rid])
         rows.append(torch.full((b - a,), i, dtype=torch.int32, device=dev))
+        if self.ring_ratio and b - a > 1 and bool(dec[a:b].all()): blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
     t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)
     s = PagedStep(ids, torch.cat(hist), torch.cat(rows), batch.slot_mappings, tuple(batch.block_tables), t(ws), t(rs), batch.logits_indices)
     if not torch.equal(pos >= s.replay_start[s.rows.long()], dec):
         raise ValueError("decoder_rows: each request's decoder rows must be its rows from one position on, the same one every step")
-    return self.model(s)
+    with self._journaling(blocks): return self.model(s)
 
 # %% ../nbs/10b_paged.ipynb #29b60a43
 def _attend_fp64(q, keys, allowed, sink, scale) -> tuple:
