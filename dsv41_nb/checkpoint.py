@@ -17,10 +17,10 @@ from .formats import quantize_fp8, quantize_fp4, dequantize_fp4, e4m3_values, ue
 from .accounting import TensorSpec, checkpoint_manifest, GROUPS
 
 # %% auto #0
-__all__ = ['CONFIG_NAME', 'INDEX_NAME', 'SINGLE_NAME', 'STORAGE_DTYPES', 'MASTER_DTYPES', 'HEADER_DTYPES', 'CheckpointError',
-           'load_config', 'save_config', 'stored_shape', 'master_specs', 'random_state', 'fp8_tile_rows',
-           'quantize_weight', 'dequantize_weight', 'quantize_state', 'dequantize_state', 'shard_plan', 'shard_name',
-           'save_state', 'save_model', 'weight_map', 'check_checkpoint', 'load_state', 'shard_header', 'load_weights',
+__all__ = ['CONFIG_NAME', 'INDEX_NAME', 'SINGLE_NAME', 'STORAGE_DTYPES', 'HEADER_DTYPES', 'CheckpointError', 'load_config',
+           'save_config', 'stored_shape', 'master_specs', 'random_state', 'fp8_tile_rows', 'quantize_weight',
+           'dequantize_weight', 'quantize_state', 'dequantize_state', 'shard_plan', 'shard_name', 'save_state',
+           'save_model', 'weight_map', 'check_checkpoint', 'load_state', 'shard_header', 'load_weights',
            'module_from_state', 'load_model', 'peak_memory_during', 'bytes_by_group']
 
 # %% ../nbs/10a_checkpoint.ipynb #9af9bcdd
@@ -57,9 +57,9 @@ def save_config(cfg: ModelConfig, directory) -> Path:
     return d / CONFIG_NAME
 
 # %% ../nbs/10a_checkpoint.ipynb #1d1e9f54
+from .model import Transformer, master_dtype      # the model of 10_model and the dtypes it holds
 STORAGE_DTYPES = {'fp4': torch.float4_e2m1fn_x2, 'fp8': torch.float8_e4m3fn, 'e8m0': torch.float8_e8m0fnu,
                   'bf16': torch.bfloat16, 'fp32': torch.float32}                  # manifest dtype -> file tensor
-MASTER_DTYPES = {'fp4': torch.bfloat16, 'fp8': torch.bfloat16, 'bf16': torch.bfloat16, 'fp32': torch.float32}
 HEADER_DTYPES = {'fp4': ('F4', 'U8', 'I8'), 'fp8': ('F8_E4M3',), 'e8m0': ('F8_E8M0', 'U8'),
                  'bf16': ('BF16',), 'fp32': ('F32',)}   # safetensors dtypes accepted; we write the first
 
@@ -86,7 +86,7 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict:
         x = torch.randn(s.shape, generator=g)
         if name.endswith('norm.weight') or name.endswith('_weight'): x = 1 + 0.1 * x    # RMSNorm / Engram gains
         elif len(s.shape) == 2: x = x * s.shape[1] ** -0.5                               # (out, in): fan-in
-        out[name] = x.to(MASTER_DTYPES[s.dtype])
+        out[name] = x.to(master_dtype(s.dtype))
     return out
 
 # %% ../nbs/10a_checkpoint.ipynb #9fe61c1b
@@ -207,7 +207,7 @@ def dequantize_state(ckpt: dict, cfg: ModelConfig) -> dict:
         sc = scales.get(k)
         v = ckpt[k] if sc is None else dequantize_weight(_as_storage(ckpt[k], s), _as_storage(ckpt[sc.name], sc),
                                                           fp8_tile_rows(s, sc))
-        out[k] = v.to(MASTER_DTYPES[s.dtype])
+        out[k] = v.to(master_dtype(s.dtype))
     return out
 
 # %% ../nbs/10a_checkpoint.ipynb #992f5986
@@ -366,7 +366,6 @@ def module_from_state(state: dict) -> torch.nn.Module:
 
 def load_model(directory, engram_map=None, device='cpu'):
     "The `Transformer` of a checkpoint directory, built from its config.json on `device`, weights streamed in"
-    from dsv41_nb.model import Transformer                     # notebook 10_model
     cfg = load_config(directory)
     with torch.device(device): model = Transformer(cfg, engram_map=engram_map)
     return load_weights(model, directory, cfg)

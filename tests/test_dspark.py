@@ -26,13 +26,7 @@ from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_position
 TINY = ModelConfig.tiny()
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    "Tiny tensors: one thread, no thread-pool overhead (restored afterwards)"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread')   # conftest: tiny tensors, one thread
 
 
 def fp32_target(seed=0):

@@ -17,13 +17,7 @@ from dsv41_nb.model import (ByteTokenizer, Transformer, init_random, generate_gr
 TINY, BENCH = ModelConfig.tiny(), ModelConfig.bench()
 
 
-@pytest.fixture(scope='module', autouse=True)
-def one_thread():
-    "Tensors this small gain nothing from threads, and other processes share the cores"
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures('one_thread')   # conftest: tiny tensors, one thread
 
 
 @pytest.fixture(scope='module')
