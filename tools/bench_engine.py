@@ -3,7 +3,8 @@
 byte floor (with and without CUDA graphs), and the engine against the naive loop that recomputes every sequence each token.
 
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
-                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--json out.json] [--quick]
+                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode naive]
+                                 [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
@@ -23,6 +24,7 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
 after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
 import argparse, dataclasses, datetime, json, sys, time, traceback
+from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig, layer_topology
 from dsv41_nb.dispatch import machine_name, copy_bandwidth
@@ -127,6 +129,9 @@ def section(res: dict, key: str, path, fn):
     if path: json.dump(res, open(path, 'w'), indent=1, default=str)
 
 
+SECTIONS = ('concurrency', 'decode', 'naive')
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--config', default='bench', choices=('bench', 'small', 'tiny'))
@@ -138,6 +143,8 @@ def main():
     ap.add_argument('--naive-requests', type=int, default=32)
     ap.add_argument('--kernels', choices=('triton', 'torch'), help='force the kernels (default: Triton on the GPU)')
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
+                    help='what to measure; with --json, the sections not run keep what the file already holds')
     ap.add_argument('--json', help='write the results to this file')
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
@@ -156,20 +163,28 @@ def main():
           f"dim {cfg.dim}, {cfg.n_routed_experts} experts; prompts of {args.prompt_len} tokens, {args.max_tokens} out", flush=True)
     res = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__, config=args.config,
                args=vars(args))
-    t0 = time.perf_counter()
-    llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
-                    max_model_len=args.prompt_len + args.max_tokens + 64)
-    res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
-    print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
-    print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8}   (ms, e2e s)")
-    section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed))
-    print('decode step at batch 1:')
-    section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed))
-    del llm
-    if device == 'cuda': torch.cuda.empty_cache()
-    print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
-    section(res, 'naive', args.json, lambda: naive_vs_engine(configs[args.naive_config](), device, args.naive_requests,
-                                                             args.prompt_len, args.max_tokens, args.seed, args.kernels))
+    if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
+        kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
+        res = {**kept, **{f'{k}_{args.sections[0]}': v for k, v in res.items() if k in ('date', 'args')}}
+    if {'concurrency', 'decode'} & set(args.sections):
+        t0 = time.perf_counter()
+        llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
+                        max_model_len=args.prompt_len + args.max_tokens + 64)
+        res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
+        print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
+    if 'concurrency' in args.sections:
+        print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8}   (ms, e2e s)")
+        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed))
+    if 'decode' in args.sections:
+        print('decode step at batch 1:')
+        section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed))
+    if {'concurrency', 'decode'} & set(args.sections):
+        del llm
+        if device == 'cuda': torch.cuda.empty_cache()
+    if 'naive' in args.sections:
+        print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
+        section(res, 'naive', args.json, lambda: naive_vs_engine(configs[args.naive_config](), device, args.naive_requests,
+                                                                 args.prompt_len, args.max_tokens, args.seed, args.kernels))
     if args.json: print('wrote', args.json)
 
 
