@@ -27,7 +27,7 @@ from .checkpoint import load_model
 __all__ = ['CAPTURE_SIZES', 'RUNNERS', 'reference_probs', 'SamplingBatch', 'sampling_batch', 'sampling_probs', 'draw',
            'chi_square_pvalue', 'InputBatch', 'RecomputeModel', 'ModelRunner', 'padded_batch_size', 'pad_decode_batch',
            'CUDAGraphModel', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs',
-           'make_step_model', 'LLMEngine', 'LLM']
+           'make_step_model', 'LLMEngine', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM']
 
 # %% ../nbs/13_engine.ipynb #38d36736
 def reference_probs(logits: torch.Tensor, # (vocab,) one row of logits
@@ -525,6 +525,36 @@ def abort_request(self: LLMEngine, request_id: str) -> RequestOutput:
     t.finish_reason, t.metrics['finished'] = 'abort', time.perf_counter()
     t.detok.add([], final=True)
     return self._output(request_id)
+
+# %% ../nbs/13_engine.ipynb #9298606c
+@torch.no_grad()
+def prefix_gap(model: Transformer, ids: torch.Tensor) -> float:
+    "Largest logit difference between a forward over `ids` (1, L) and the forwards over its prefixes: the cost of a shape change"
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] >= 2):
+        raise ValueError(f"prefix_gap: expected token ids of shape (1, L) with L >= 2, got {getattr(ids, 'shape', ids)!r}")
+    whole = model(ids).float()
+    return max((whole[:, :L] - model(ids[:, :L]).float()).abs().max().item() for L in range(1, ids.shape[1]))
+
+@torch.no_grad()
+def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence[int]) -> list:
+    "Per token of a continuation of `prompt`: how far its logit falls below the reference's best given the same prefix"
+    check_token_ids(list(prompt) + list(tokens), model.cfg.vocab_size)
+    seq, out = [int(t) for t in prompt], []
+    for t in tokens:
+        logits = model(torch.tensor([seq], device=model.embed.weight.device))[0, -1].float()
+        out.append((logits.max() - logits[int(t)]).item()); seq.append(int(t))
+    return out
+
+def assert_greedy_match(model: Transformer, prompts: Sequence, got: Sequence, want: Sequence, margin: float) -> int:
+    "`got` equals `want` (greedy continuations of `prompts`), or differs only at near ties: the requests that differ"
+    if not len(prompts) == len(got) == len(want): raise ValueError(f"assert_greedy_match: {len(prompts)} prompts, {len(got)} and {len(want)} continuations")
+    differ = [(p, g) for p, g, w in zip(prompts, got, want) if list(g) != list(w)]
+    for p, g in differ:
+        worst = max(greedy_shortfall(model, p, g), default=0.0)
+        if worst > margin:
+            raise AssertionError(f"a continuation of a {len(p)}-token prompt picks a token {worst:.3g} below the reference's best "
+                                 f"logit; near ties are allowed up to {margin:.3g}")
+    return len(differ)
 
 # %% ../nbs/13_engine.ipynb #9d3b363a
 class LLM:

@@ -15,7 +15,7 @@ from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, NgramProposer, run_until_done
 from dsv41_nb.engine import (reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, RecomputeModel,
                              ModelRunner, CUDAGraphModel, padded_batch_size, pad_decode_batch, IncrementalDetokenizer,
-                             EngineArgs, LLMEngine, LLM)
+                             EngineArgs, LLMEngine, LLM, prefix_gap, greedy_shortfall, assert_greedy_match)
 from dsv41_nb.__main__ import random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +27,13 @@ PROMPTS = [TOK.encode('the cat sat'), TOK.encode('a'), TOK.encode('on the mat, t
 N_OUT = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
 EXPECTED = [generate_greedy(MODEL, p, N_OUT)[len(p):] for p in PROMPTS]
+MARGIN = prefix_gap(MODEL, torch.tensor([PROMPTS[2] + EXPECTED[2]]))   # how far a shape change moves the logits
+
+
+def match(prompts, got, want=None):
+    "The paged path's greedy tokens are the reference's, up to near ties (GEMM shapes differ; see 13_engine)"
+    assert_greedy_match(MODEL, prompts, got, EXPECTED[:len(prompts)] if want is None else want, MARGIN)
+    return True
 EXACT = dict(max_model_len=256, bounded_replay=False, kernels='torch')   # the paged path, comparable with the reference
 
 
@@ -126,7 +133,8 @@ def outputs(llm, prompts=PROMPTS, sp=GREEDY):
                          ids=['recompute-chunked-ngram', 'recompute-async', 'paged-chunked', 'paged-ngram'])
 def test_greedy_equals_generate_greedy(kw):
     llm = LLM(MODEL, **{**EXACT, **kw})
-    assert outputs(llm) == EXPECTED
+    got = outputs(llm)
+    assert got == EXPECTED if kw['runner'] == 'recompute' else match(PROMPTS, got)     # recompute: the same arithmetic
     assert free_blocks(llm) == llm.llm_engine.kv_cache_config.num_usable_blocks or llm.llm_engine.args.enable_prefix_caching
 
 class WrongDrafts:
@@ -137,7 +145,8 @@ class WrongDrafts:
 @pytest.mark.parametrize('runner', ['recompute', 'paged'])
 def test_rejected_drafts_roll_back(runner):
     llm = LLM(MODEL, proposer=WrongDrafts(), **{**EXACT, 'runner': runner})
-    assert outputs(llm, PROMPTS[:2]) == EXPECTED[:2]
+    got = outputs(llm, PROMPTS[:2])
+    assert got == EXPECTED[:2] if runner == 'recompute' else match(PROMPTS[:2], got)
     assert llm.llm_engine.scheduler.stats['draft_tokens'] > llm.llm_engine.scheduler.stats['accepted_tokens']
 
 LONG = [generate_greedy(MODEL, p, 16) for p in PROMPTS[:2]]       # prompt, then 16 greedy tokens
@@ -157,7 +166,7 @@ class PartlyRightDrafts:
 def test_partly_accepted_drafts_roll_back():
     "The paged path over drafts accepted 0 to 3 at a time: the same tokens as plain greedy decoding"
     llm = LLM(MODEL, proposer=PartlyRightDrafts(), **{**EXACT, 'runner': 'paged'})
-    assert outputs(llm, PROMPTS[:2], replace(GREEDY, max_tokens=16)) == [f[len(p):] for f, p in zip(LONG, PROMPTS)]
+    match(PROMPTS[:2], outputs(llm, PROMPTS[:2], replace(GREEDY, max_tokens=16)), [f[len(p):] for f, p in zip(LONG, PROMPTS)])
     st = llm.llm_engine.scheduler.stats
     assert 0 < st['accepted_tokens'] < st['draft_tokens']
     assert llm.llm_engine.runner.model.ring_restores > 0          # some steps started in the middle of a ring pair
@@ -165,7 +174,7 @@ def test_partly_accepted_drafts_roll_back():
 def test_preempted_requests_give_the_same_tokens():
     "A pool too small for all four requests at once: some are preempted, recompute, and still match"
     llm = LLM(MODEL, **{**EXACT, 'max_model_len': 64}, num_gpu_blocks=12, enable_prefix_caching=False)
-    assert outputs(llm) == EXPECTED
+    match(PROMPTS, outputs(llm))
     assert llm.llm_engine.scheduler.stats['preemptions'] > 0
 
 def test_seeded_requests_reproducible_whatever_the_batch():
@@ -198,7 +207,7 @@ def test_stream_deltas_add_up_and_closing_aborts():
     llm = LLM(MODEL, **EXACT)
     got = {}
     for o in llm.stream(PROMPTS[:2], GREEDY): got.setdefault(o.request_id, []).extend(o.outputs[0].token_ids)
-    assert [got[k] for k in sorted(got, key=int)] == EXPECTED[:2]
+    match(PROMPTS[:2], [got[k] for k in sorted(got, key=int)])
     free, s = free_blocks(llm), llm.stream(PROMPTS[0], SamplingParams(max_tokens=50))
     next(s); s.close()
     assert free_blocks(llm) == free and not llm.llm_engine.has_unfinished_requests()
@@ -239,3 +248,14 @@ def test_cli_generate(tmp_path):
     want = LLM(ck, kernels='torch').generate('the cat', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert r.stdout == 'the cat' + want.text + '\n'
     assert f'{len(want.token_ids)} tokens in' in r.stderr and 'tokens/s' in r.stderr
+
+
+def test_greedy_match_oracle():
+    "The near-tie check accepts the reference's own tokens, refuses a changed token, and names bad calls"
+    assert assert_greedy_match(MODEL, PROMPTS, EXPECTED, EXPECTED, MARGIN) == 0
+    assert all(v == 0 for v in greedy_shortfall(MODEL, PROMPTS[0], EXPECTED[0]))
+    wrong = [e[:1] + [(e[1] + 1) % 256] + e[2:] for e in EXPECTED]
+    with pytest.raises(AssertionError, match='below the reference'): assert_greedy_match(MODEL, PROMPTS, wrong, EXPECTED, MARGIN)
+    with pytest.raises(ValueError, match='4 prompts, 3 and 4'): assert_greedy_match(MODEL, PROMPTS, EXPECTED[:3], EXPECTED, MARGIN)
+    with pytest.raises(ValueError, match=r'shape \(1, L\)'): prefix_gap(MODEL, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match='outside'): greedy_shortfall(MODEL, [1], [999])
