@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
+from hypothesis.stateful import initialize
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, generate_greedy
 from dsv41_nb.accounting import HARDWARE, decode_floor, active_params_per_token
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, CacheCapacityError
 from dsv41_nb.engine import chi_square_pvalue
+from test_scheduler_state_machine import SchedulerMachine, V, MAX_LEN      # the same rules, another proposer
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ToyRunner, RequestStatus, toy_generate,
                                 run_until_done)
 from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_positions, reference_draft, accept_greedy,
@@ -249,83 +250,23 @@ def test_training_moves_only_the_drafter_and_round_trips(tmp_path):
 
 
 # ---------------------------------------------------------------- with the scheduler: a state machine
-V, MAX_LEN = 24, 512
-
-
-class DSparkSchedulerMachine(RuleBasedStateMachine):
-    "The scheduler, the toy runner and a DSpark proposer whose Markov head encodes the toy rule (t -> t + 1)"
+class DSparkSchedulerMachine(SchedulerMachine):
+    """The scheduler state machine (its rules, invariants and drained-end checks) with a DSpark proposer in the toy runner,
+    whose Markov head encodes the toy rule (t -> t + 1), fixed or adaptive verification lengths"""
     @initialize(blocks=st.sampled_from([24, 40, 200]), budget=st.sampled_from([8, 16, 64]), asyn=st.booleans(),
-                k=st.integers(1, 5), adaptive=st.booleans(), slope=st.floats(0.01, 0.5))
-    def setup(self, blocks, budget, asyn, k, adaptive, slope):
+                k=st.integers(1, 5), adaptive=st.booleans(), slope=st.floats(0.01, 0.5), caching=st.booleans())
+    def setup(self, blocks, budget, asyn, k, adaptive, slope, caching):
         d = Drafter(init_random(TINY, seed=1, max_seq_len=4096))
         set_successor_markov(d, V)
         table = torch.randn(TINY.vocab_size, d.hidden_dim, generator=torch.Generator().manual_seed(6))
         prop = DSparkProposer(d, k, adaptive, (lambda T: 1 + slope * T.double()) if adaptive else None,
                               hidden_fn=lambda t: table[t])
-        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN)
+        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN, enable_prefix_caching=caching)
         self.s = Scheduler(get_kv_cache_config(TINY, cc), SchedulerConfig(max_num_batched_tokens=budget,
                                                                           async_scheduling=asyn, num_speculative_tokens=k))
         self.runner = ToyRunner(self.s.kv.kv_cache_config, V, prop)
-        self.pending, self.n, self.want, self.got, self.aborted = None, 0, {}, {}, set()
-
-    def _apply(self, out, res):
-        for e in self.s.update_from_output(out, res):
-            toks, _ = self.got.get(e.request_id, ([], None))
-            self.got[e.request_id] = (toks + e.new_token_ids, e.finish_reason)
-
-    def _step(self):
-        out = self.s.schedule()
-        res = self.runner.execute_model(out)
-        if self.s.config.async_scheduling:
-            prev, self.pending = self.pending, (out, res)
-            if prev is not None: self._apply(*prev)
-        else: self._apply(out, res)
-
-    @rule(tokens=st.lists(st.integers(0, V - 1), min_size=1, max_size=40), max_tokens=st.integers(1, 30))
-    def add(self, tokens, max_tokens):
-        self.n += 1
-        rid, sp = f'r{self.n}', SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        try: self.s.add_request(rid, tokens, sp)
-        except CacheCapacityError: return
-        self.want[rid] = toy_generate(tokens, sp, V, None, MAX_LEN)
-
-    @rule(times=st.integers(1, 5))
-    def step(self, times):
-        for _ in range(times): self._step()
-
-    @precondition(lambda self: self.s.requests)
-    @rule(pick=st.integers(0, 10 ** 6))
-    def abort(self, pick):
-        rid = sorted(self.s.requests)[pick % len(self.s.requests)]
-        self.s.abort(rid); self.aborted.add(rid)
-
-    @precondition(lambda self: self.s.running)
-    @rule(pick=st.integers(0, 10 ** 6))
-    def preempt(self, pick):
-        self.s.preempt(self.s.running[pick % len(self.s.running)].request_id)
-
-    @invariant()
-    def blocks_are_accounted_for(self):
-        s = self.s
-        running = {r.request_id for r in s.running}
-        assert s.kv.live_requests == running and all(r.status is RequestStatus.RUNNING for r in s.running)
-        held = {b.block_id for rid in running for grp in s.kv.get_blocks(rid).blocks for b in grp if not b.is_null}
-        free = [b.block_id for b in s.kv.block_pool.free_block_queue.get_all_free_blocks()]
-        assert not held & set(free) and len(held) + len(free) == s.kv.block_pool.num_usable_blocks
-
-    def teardown(self):
-        if not hasattr(self, 's'): return
-        for _ in range(3000):
-            if not self.s.has_unfinished_requests() and self.pending is None: break
-            if self.pending is not None and not self.s.has_unfinished_requests():
-                self._apply(*self.pending); self.pending = None
-            else: self._step()
-        assert not self.s.has_unfinished_requests()
-        assert self.s.kv.num_free_blocks == self.s.kv.block_pool.num_usable_blocks        # no block leaked
-        for rid, want in self.want.items():
-            toks, reason = self.got.get(rid, ([], None))
-            if rid in self.aborted and reason in (None, 'abort'): assert toks == want[0][:len(toks)], rid
-            else: assert (toks, reason) == want, rid
+        self.pending, self.n, self.prompts = None, 0, []
+        self.want, self.got, self.aborted, self.forced, self.to_force = {}, {}, set(), set(), set()
 
 
 TestDSparkScheduler = DSparkSchedulerMachine.TestCase
