@@ -548,13 +548,16 @@ def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence
 def assert_greedy_match(model: Transformer, prompts: Sequence, got: Sequence, want: Sequence, margin: float) -> int:
     "`got` equals `want` (greedy continuations of `prompts`), or differs only at near ties: the requests that differ"
     if not len(prompts) == len(got) == len(want): raise ValueError(f"assert_greedy_match: {len(prompts)} prompts, {len(got)} and {len(want)} continuations")
-    differ = [(p, g) for p, g, w in zip(prompts, got, want) if list(g) != list(w)]
-    for p, g in differ:
+    differ = 0
+    for p, g, w in zip(prompts, got, want):
+        if list(g) == list(w): continue
+        differ += 1
+        if len(g) != len(w): raise AssertionError(f"a continuation of a {len(p)}-token prompt has {len(g)} tokens, the reference {len(w)}")
         worst = max(greedy_shortfall(model, p, g), default=0.0)
         if worst > margin:
             raise AssertionError(f"a continuation of a {len(p)}-token prompt picks a token {worst:.3g} below the reference's best "
                                  f"logit; near ties are allowed up to {margin:.3g}")
-    return len(differ)
+    return differ
 
 # %% ../nbs/13_engine.ipynb #9d3b363a
 class LLM:

@@ -256,6 +256,8 @@ def test_greedy_match_oracle():
     assert all(v == 0 for v in greedy_shortfall(MODEL, PROMPTS[0], EXPECTED[0]))
     wrong = [e[:1] + [(e[1] + 1) % 256] + e[2:] for e in EXPECTED]
     with pytest.raises(AssertionError, match='below the reference'): assert_greedy_match(MODEL, PROMPTS, wrong, EXPECTED, MARGIN)
+    with pytest.raises(AssertionError, match='has 5 tokens, the reference 6'):
+        assert_greedy_match(MODEL, PROMPTS, [EXPECTED[0][:-1]] + EXPECTED[1:], EXPECTED, MARGIN)
     with pytest.raises(ValueError, match='4 prompts, 3 and 4'): assert_greedy_match(MODEL, PROMPTS, EXPECTED[:3], EXPECTED, MARGIN)
     with pytest.raises(ValueError, match=r'shape \(1, L\)'): prefix_gap(MODEL, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match='outside'): greedy_shortfall(MODEL, [1], [999])
