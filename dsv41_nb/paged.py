@@ -18,7 +18,7 @@ from .compressor import layer_inv_freq
 from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices, gather_keys
 from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
-from .moe import MoEWeights, quantize_weight, fp8_qdq, moe_forward, moe_experts_reference, route_layer
+from .moe import MoEWeights, quantize_weight, fp8_act_quant, moe_forward, moe_experts_reference, route_layer
 from .dispatch import kernel_backend
 from .engram import Engram, EngramTable
 from . import model as reference
@@ -46,7 +46,8 @@ class PagedLinear(nn.Linear):
 
     def extra_repr(self): return f"{self.in_features} -> {self.out_features}, fp8_act={self.fp8_act}, fp32_out={self.fp32_out}"
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(fp8_qdq(x).to(x.dtype) if self.fp8_act else x, self.weight.to(x.dtype))
+        if self.fp8_act: x = fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)   # one launch on a GPU
+        y = F.linear(x, self.weight.to(x.dtype))
         return y.float() if self.fp32_out else y
 
 # %% ../nbs/10b_paged.ipynb #f340ee39
