@@ -212,10 +212,14 @@ def _int_tensor(name, t, shape):
         raise TypeError(f"{name}: expected an int32/int64 tensor of shape {tuple(shape)}, got "
                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
 
-def _check_range(name, t, lo, hi):
-    if t.numel() and (int(t.min()) < lo or int(t.max()) >= hi):
-        bad = int(t.min()) if int(t.min()) < lo else int(t.max())
-        raise IndexError(f"{name}: holds {bad}, outside {lo}..{hi - 1}")
+def _check_ranges(*checks):
+    "Each (name, t, lo, hi): t within lo..hi-1, else an IndexError naming it; one read back to the host for them all"
+    checks = [c for c in checks if c[1].numel()]
+    if not checks or not bool(torch.stack([((t < lo) | (t >= hi)).any() for _, t, lo, hi in checks]).any()): return
+    for name, t, lo, hi in checks:
+        if int(t.min()) < lo or int(t.max()) >= hi:
+            bad = int(t.min()) if int(t.min()) < lo else int(t.max())
+            raise IndexError(f"{name}: holds {bad}, outside {lo}..{hi - 1}")
 
 # %% ../nbs/05_csa2.ipynb #1404af70
 def _check_paged(name, p, D, device):
@@ -246,12 +250,11 @@ def check_attention_inputs(q, window, compressed, idx, sink, scale, check_indice
         raise ValueError(f"sink: expected a ({H},) tensor (one logit per head) or None, got {tuple(getattr(sink, 'shape', ()))}")
     if not isinstance(scale, (int, float)) or not scale > 0: raise ValueError(f"scale: expected a positive number, got {scale!r}")
     if check_indices:
-        _check_range('window_lens', idx.window_lens, 0, W + 1); _check_range('topk_lens', idx.topk_lens, 0, K + 1)
-        _check_range('window_slots', idx.window_slots, -1, window.num_slots)
-        if K:
-            _check_range('rows', idx.rows, 0, idx.block_table.shape[0])
-            _check_range('topk', idx.topk, -1, idx.block_table.shape[1] * idx.per_block)
-            _check_range('block_table', idx.block_table, 0, compressed.num_slots // idx.per_block)
+        checks = [('window_lens', idx.window_lens, 0, W + 1), ('topk_lens', idx.topk_lens, 0, K + 1),
+                  ('window_slots', idx.window_slots, -1, window.num_slots)]
+        if K: checks += [('rows', idx.rows, 0, idx.block_table.shape[0]), ('topk', idx.topk, -1, idx.block_table.shape[1] * idx.per_block),
+                         ('block_table', idx.block_table, 0, compressed.num_slots // idx.per_block)]
+        _check_ranges(*checks)
 
 # %% ../nbs/05_csa2.ipynb #67a946c4
 def gather_keys(window: PagedRecords, compressed: PagedRecords | None, idx: SparseIndices) -> tuple:
