@@ -17,8 +17,8 @@ from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_cod
 
 # %% auto #0
 __all__ = ['rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope', 'rms_norm', 'RMSNorm', 'pool_group', 'Compressor',
-           'new_record_cache', 'compress_reference', 'compress_torch', 'compress_triton', 'benchmark_compressor',
-           'format_compressor_benchmark']
+           'new_record_cache', 'compress_reference', 'compress_torch', 'compress_triton', 'RingJournal',
+           'benchmark_compressor', 'format_compressor_benchmark']
 
 # %% ../nbs/03_compressor.ipynb #71a4b226
 def rope_inv_freq(rope_dim: int,               # rotated dims (even): pairs (0,1), (2,3), ...
@@ -135,6 +135,7 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=torch.float32) if self.ratio > 1 else None
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.register_buffer('inv_freq', layer_inv_freq(cfg, self.ratio), persistent=False)
+        self.journal = None                                              # a `RingJournal` while one records (ratio > 1)
 
     def __repr__(self): return f"Compressor(layer {self.layer}, ratio {self.ratio}, {self.codec.name} records)"
 
@@ -471,6 +472,7 @@ def emit(self: Compressor,
         ) -> torch.Tensor:
     "Store every entry this step completes, keep the open groups in the ring; (T, D) bf16 unrotated latents, zeros where none is emitted"
     self.check_inputs(kv, score, positions, ring_slots, compressed_slots, ring, cache, check_slots)
+    if self.journal is not None and ring_slots is not None: self.journal.record(kv, score, positions, ring_slots)
     tensors = [t for t in (kv, positions, compressed_slots, cache) if t is not None]
     fn = compress_triton if kernel_backend(*tensors) == 'triton' else compress_torch
     return fn(self, kv, score, positions, ring_slots, compressed_slots, ring, cache)
@@ -479,6 +481,38 @@ def emit(self: Compressor,
 def forward(self: Compressor, x, positions, ring_slots, compressed_slots, ring, cache, check_slots=True):
     "`project` then `emit`: (T, dim) hidden states -> (T, D) bf16 unrotated latents"
     return self.emit(*self.project(x), positions, ring_slots, compressed_slots, ring, cache, check_slots)
+
+# %% ../nbs/03_compressor.ipynb #525f33b5
+class RingJournal:
+    "For some ring blocks of one compressor: each block before a step, and the rows the step saw there, to rewind it"
+    def __init__(self, ring: torch.Tensor,  # the compressor's ring (`new_ring`)
+                 ratio: int, blocks):      # the compressor's ratio (> 1); ring block ids
+        if not isinstance(ratio, int) or ratio < 2: raise ValueError(f"RingJournal: ratio = {ratio!r}; a ring needs a ratio >= 2")
+        blocks = sorted({int(b) for b in blocks})
+        if any(not 0 <= b < ring.shape[0] // ratio for b in blocks):
+            raise IndexError(f"RingJournal: blocks {blocks} outside the ring's 0..{ring.shape[0] // ratio - 1}")
+        self.ratio, self.before, self.rows = ratio, {b: ring[b * ratio:(b + 1) * ratio].clone() for b in blocks}, {}
+
+    def record(self, kv, score, positions, ring_slots):
+        "Keep, per journaled block, the (positions, fp32 latents, fp32 scores) of the rows of this `emit` call there"
+        for b in self.before:
+            m = (ring_slots >= 0) & (ring_slots // self.ratio == b)
+            self.rows[b] = (positions[m].long(), kv[m].float(), score[m].float())
+
+    def first_position(self, block: int):
+        "The first position the step computed in `block`, or None"
+        pos = self.rows.get(block, (torch.zeros(0),))[0]
+        return int(pos.min()) if len(pos) else None
+
+    def rewind(self, ring: torch.Tensor, block: int, p: int):
+        "Ring block `block` as a step ending at position p leaves it: as before the step, plus its rows of the group open at p"
+        if block not in self.before: raise KeyError(f"rewind: block {block} was not journaled (blocks {sorted(self.before)})")
+        R, view = self.ratio, ring[block * self.ratio:(block + 1) * self.ratio]
+        view.copy_(self.before[block])
+        if block in self.rows:
+            pos, kv, score = self.rows[block]
+            keep = (pos >= p - p % R) & (pos < p)                                # the open group's rows the step computed
+            view[pos[keep] % R, 0], view[pos[keep] % R, 1] = kv[keep], score[keep]
 
 # %% ../nbs/03_compressor.ipynb #e30d61d6
 def _bench_inputs(c: Compressor, mode: str, tokens: int, device):

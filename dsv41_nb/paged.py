@@ -14,7 +14,7 @@ from .config import ModelConfig, expect_config, check_int, layer_topology
 from .formats import RecordCodec, Field, cache_format
 from .block_pool import PAD_SLOT_ID
 from .kv_cache import KVCacheConfig, KVCacheManager, SlotMappings, WINDOW_FORMAT, get_kv_cache_config
-from .compressor import layer_inv_freq
+from .compressor import layer_inv_freq, RingJournal
 from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices, gather_keys
 from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
@@ -456,27 +456,19 @@ def step_model(model: Transformer, kv_cache_config: KVCacheConfig) -> PagedStepM
 # %% ../nbs/10b_paged.ipynb #c6478398
 @patch
 def _journaling(self: PagedStepModel, blocks: dict) -> contextlib.AbstractContextManager:
-    "Inside the block, the ring layers' compressors record, for the ring blocks `blocks` (request id -> block), the rows they see"
-    R, rings = self.ring_ratio, self.model.state.rings
-    for rid, b in blocks.items():                                 # the ring as it was before the step
-        self._journal[rid] = dict(block=b, snap={l: ring[b * R:(b + 1) * R].clone() for l, ring in rings.items()}, rows={})
-    owner = {b: rid for rid, b in blocks.items()}
-    def journaled(c, emit):
-        def f(kv, score, positions, ring_slots, *args, **kw):                 # (T, D) fp32 latents and scores of this call
-            if ring_slots is not None:
-                for b, rid in owner.items():
-                    m = (ring_slots >= 0) & (ring_slots // R == b)
-                    self._journal[rid]['rows'][c.layer] = (positions[m].long(), kv[m].float(), score[m].float())
-            return emit(kv, score, positions, ring_slots, *args, **kw)
-        return f
-    cs = [l.attn.compressor for l in self.model.layers if l.attn.compressor is not None and l.attn.ratio > 1] if blocks else []
+    "Inside the block, every ring layer's compressor journals the ring blocks `blocks` (request id -> block): `RingJournal`"
+    rings = self.model.state.rings if blocks else {}
+    journals = {l: RingJournal(ring, self.ring_ratio, blocks.values()) for l, ring in rings.items()}
+    for rid, b in blocks.items(): self._journal[rid] = dict(block=b, journals=journals)
+    cs = [l.attn.compressor for l in self.model.layers if l.attn.compressor is not None and l.attn.compressor.layer in journals]
     @contextlib.contextmanager
     def ctx():
-        for c in cs: c.emit = journaled(c, c.emit)                                 # an instance attribute, removed on exit
+        for c in cs: c.journal = journals[c.layer]
         try: yield
         finally:
-            for c in cs: del c.emit
+            for c in cs: c.journal = None
     return ctx()
+
 
 # %% ../nbs/10b_paged.ipynb #4c4abf07
 @patch
@@ -484,17 +476,13 @@ def _restore_ring(self: PagedStepModel, rid: str, p: int):
     "Put request `rid`'s ring back to what a step ending at position p leaves: the open group's rows below p"
     R, j = self.ring_ratio, self._journal.get(rid)
     if R is None or p % R == 0: return                                        # no ring, or p starts a group: nothing open
-    if j is None or not j['rows'] or p < min(int(v[0].min()) for v in j['rows'].values()):
+    firsts = [f for jr in (j or {}).get('journals', {}).values() if (f := jr.first_position(j['block'])) is not None]
+    if not firsts or p < min(firsts):
         raise RuntimeError(f"request {rid!r}: rows from position {p} redo rows the model computed, but no speculative "
                            "step of it is journaled there (only the rows of its last multi-row decode step may be redone)")
-    for l, ring in self.model.state.rings.items():
-        blk = ring[j['block'] * R:(j['block'] + 1) * R]                       # (R, 2, D) a view of its ring block
-        blk.copy_(j['snap'][l])
-        if l not in j['rows']: continue                                      # a layer the step did not reach: as it was
-        pos, kv, score = j['rows'][l]
-        keep = (pos >= p - p % R) & (pos < p)                                # the group's rows the step computed
-        blk[pos[keep] % R, 0], blk[pos[keep] % R, 1] = kv[keep], score[keep]
+    for l, ring in self.model.state.rings.items(): j['journals'][l].rewind(ring, j['block'], p)
     self.ring_restores += 1
+
 
 # %% ../nbs/10b_paged.ipynb #427101b7
 @patch

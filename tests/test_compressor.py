@@ -12,7 +12,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm, pool_group, Compressor,
-                                 compress_reference, compress_torch)
+                                 compress_reference, compress_torch, RingJournal)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -199,3 +199,40 @@ def test_bad_inputs():
         (lambda: c.emit(kv, sc, pos, rs, cs, ring.double(), cache), 'ring: expected'),
         (lambda: c.emit(kv, sc, pos, rs, cs.to(torch.int16), ring, cache), 'int32/int64'),
     ]: fct.test_fail(fn, contains=msg)
+
+
+# ---------------------------------------------------------------- taking rows back
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 6), st.integers(2, 7), st.integers(0, 6), st.sampled_from(['torch', 'triton']))
+def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, backend):
+    "A step of n rows from `start` journaled, then rewound to keep `keep` of them: the ring block a run of only those leaves"
+    if backend == 'triton' and not HAS_TRITON: pytest.skip('no Triton here')
+    keep = min(keep, n - 1)
+    c = Compressor(TINY, 2).to(DEV)
+    kv, sc = (t.detach() for t in c.project(torch.randn(start + n, TINY.dim, device=DEV, generator=None)))
+    def run(ring, cache, a, b, journal=None):
+        pos = torch.arange(a, b, device=DEV)
+        c.journal = journal
+        try:
+            with use_kernels(backend): c.emit(kv[a:b], sc[a:b], pos, 2 + pos % 2, torch.where((pos + 1) % 2 == 0, pos // 2, -1), ring, cache)
+        finally: c.journal = None
+    fresh = lambda: (c.new_ring(2, DEV), torch.zeros(16, c.codec.record_bytes, dtype=torch.uint8, device=DEV))
+    ring, cache = fresh()
+    if start: run(ring, cache, 0, start)
+    j = RingJournal(ring, 2, [1])
+    run(ring, cache, start, start + n, j)
+    p = start + keep + 1                                    # rows start..p-1 kept
+    want, want_cache = fresh(); run(want, want_cache, 0, p)
+    if p % 2:                                               # an open group: the ring must hold its row
+        j.rewind(ring, 1, p)
+        assert same_bits(ring[2:4][0], want[2:4][0])
+    assert j.first_position(1) == start
+
+@pytest.mark.parametrize('f, exc, msg', [
+    (lambda r: RingJournal(r, 1, [0]), ValueError, 'a ring needs a ratio >= 2'),
+    (lambda r: RingJournal(r, 2, [2]), IndexError, 'outside the ring'),
+    (lambda r: RingJournal(r, 2, [1]).rewind(r, 0, 3), KeyError, 'block 0 was not journaled'),
+])
+def test_ring_journal_bad_input(f, exc, msg):
+    ring = Compressor(TINY, 2).new_ring(2)
+    with pytest.raises(exc, match=msg): f(ring)
