@@ -4,7 +4,7 @@
 
 # %% ../nbs/10b_paged.ipynb #ec6b93dc
 from __future__ import annotations
-import contextlib, math
+import contextlib, math, time
 from dataclasses import dataclass, replace
 import torch, triton
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 __all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
            'paged_engram', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'token_history', 'PagedRunner',
            'PagedStepModel', 'step_model', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
-           'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps']
+           'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
 class PagedLinear(nn.Linear):
@@ -615,6 +615,22 @@ def prefill(self: PagedModel, token_ids: torch.Tensor, chunk: int, bounded_repla
     self.allocate(blocks or context_blocks(self.kv_cache_config, len(token_ids), chunk), token_ids.device)
     for s in single_request_steps(self, token_ids, chunk, bounded_replay, blocks): out = self(s)
     return out[0]
+
+# %% ../nbs/10b_paged.ipynb #7cc95fc5
+def replay_agreement(model: PagedModel, prompts: list, max_blocks: int = 1024) -> dict:
+    "Bounded replay against full-stack prefill on `prompts`, two greedy tokens each: agreement, logit differences, margins, times"
+    out, secs = {}, {}
+    for mode in (False, True):
+        t0 = time.perf_counter()
+        out[mode] = PagedRunner(model, max_blocks, bounded_replay=mode).generate(prompts, 2)
+        secs[mode] = time.perf_counter() - t0
+    (s_full, lg_full), (s_rep, lg_rep) = out[False], out[True]
+    first_full, first_rep = torch.stack([l[0] for l in lg_full]), torch.stack([l[0] for l in lg_rep])
+    top2 = first_full.topk(2, -1).values
+    return dict(agree=first_full.argmax(-1) == first_rep.argmax(-1),                      # (n,) same first token
+                both=sum(a[len(q):] == b[len(q):] for a, b, q in zip(s_full, s_rep, prompts)),   # both tokens the same
+                diff=(first_full - first_rep).abs().amax(-1), margin=top2[:, 0] - top2[:, 1],  # (n,) each
+                std=first_full.std().item(), full_s=secs[False], replay_s=secs[True])
 
 # %% ../nbs/10b_paged.ipynb #902dbddd
 WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers', 'attention (FP8 grid as BF16)',

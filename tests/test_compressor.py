@@ -209,7 +209,7 @@ def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, back
     if backend == 'triton' and not HAS_TRITON: pytest.skip('no Triton here')
     keep = min(keep, n - 1)
     c = Compressor(TINY, 2).to(DEV)
-    kv, sc = (t.detach() for t in c.project(torch.randn(start + n, TINY.dim, device=DEV, generator=None)))
+    kv, sc = (t.detach() for t in c.project(torch.randn(start + n, TINY.dim, device=DEV)))
     def run(ring, cache, a, b, journal=None):
         pos = torch.arange(a, b, device=DEV)
         c.journal = journal
