@@ -4,14 +4,14 @@
 
 # %% ../nbs/03_compressor.ipynb #cfa56a5f
 from __future__ import annotations
-import math
+import math, struct
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig
-from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels
+from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, capturing
 from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_code, _e4m3_value, _e2m1_code,
                               _ue8m0_code, _pow2, _bf16_bits)
 
@@ -61,7 +61,7 @@ def rope_cos_sin(inv_freq: torch.Tensor,   # (rope_dim/2,) from `rope_inv_freq`
     pos = torch.as_tensor(positions, device=inv_freq.device)
     if pos.dtype.is_floating_point or pos.ndim != 1:
         raise TypeError(f"positions: expected 1-D integers, got {pos.dtype} of shape {tuple(pos.shape)}")
-    if pos.numel() and int(pos.min()) < 0: raise ValueError(f"positions: holds {int(pos.min())}; expected >= 0")
+    if pos.numel() and not capturing() and int(pos.min()) < 0: raise ValueError(f"positions: holds {int(pos.min())}; expected >= 0")
     return _cos_sin(inv_freq, pos)
 
 def _cos_sin(inv_freq, pos):
@@ -92,7 +92,7 @@ def rms_norm(x: torch.Tensor,       # (..., d)
             ) -> torch.Tensor:
     "weight * x / rms(x), computed in fp32 with the sum of squares in fp64; result in x.dtype"
     xf = x.float()
-    eps32 = float(torch.tensor(eps, dtype=torch.float32))
+    eps32 = struct.unpack('f', struct.pack('f', eps))[0]          # eps rounded to fp32, on the host
     inv = (1 / torch.sqrt(xf.double().square().sum(-1, keepdim=True) / x.shape[-1] + eps32)).float()
     return (weight.float() * (xf * inv)).to(x.dtype)
 
@@ -425,7 +425,7 @@ def _check_slots(name, slots, T, limit):
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.shape != (T,):
         raise TypeError(f"{name}: expected a ({T},) int32/int64 tensor, got {getattr(slots, 'dtype', type(slots))} "
                         f"of shape {tuple(getattr(slots, 'shape', ()))}")
-    if limit is not None and T:
+    if limit is not None and T and not capturing():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= limit: raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, outside 0..{limit - 1} (-1 = none)")
 
@@ -452,7 +452,7 @@ def check_inputs(self: Compressor, kv, score, positions, ring_slots, compressed_
     if r > 1: _check_slots('ring_slots', ring_slots, T, ring.shape[0] if check_slots else None)
     devices = {t.device for t in (kv, score, positions, ring_slots, compressed_slots, ring, cache) if t is not None}
     if len(devices) > 1: raise ValueError(f"arguments on several devices {sorted(map(str, devices))}")
-    if check_slots and T:
+    if check_slots and T and not capturing():
         if int(positions.min()) < 0: raise ValueError(f"positions: holds {int(positions.min())}; expected >= 0")
         bad = ((compressed_slots >= 0) & ((positions + 1) % r != 0)).nonzero().flatten()
         if len(bad): raise ValueError(f"compressed_slots: position {int(positions[bad[0]])} completes no group of {r} "

@@ -13,6 +13,7 @@ from .formats import RecordCodec, FP8Record, cache_format, store_records
 from .block_pool import PAD_SLOT_ID, slot_mapping, compressed_slot_mapping, ring_slot_mapping
 from .compressor import Compressor, RMSNorm, layer_inv_freq, rope_cos_sin, apply_rope
 from .indexer import Indexer, IndexBatch
+from .dispatch import capturing
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',
@@ -171,7 +172,7 @@ def window_indices(step: CSA2Step, window: int) -> tuple:
     pos = (p + 1 - lens)[:, None] + torch.arange(window, device=p.device)              # (T, window)
     live = torch.arange(window, device=p.device) < lens[:, None]
     page = pos // bs
-    if live.any() and int(page[live].max()) >= bt.shape[1]:
+    if live.numel() and not capturing() and int(torch.where(live, page, -1).max()) >= bt.shape[1]:
         raise ValueError(f"window positions up to {int(pos[live].max())} need {int(page[live].max()) + 1} window blocks, "
                          f"the table has {bt.shape[1]}")
     blk = bt[step.rows.clamp_min(0).long()[:, None], torch.where(live, page, 0)]
@@ -214,7 +215,7 @@ def _int_tensor(name, t, shape):
 
 def _check_ranges(*checks):
     "Each (name, t, lo, hi): t within lo..hi-1, else an IndexError naming it; one read back to the host for them all"
-    checks = [c for c in checks if c[1].numel()]
+    checks = [c for c in checks if c[1].numel() and not capturing()]
     if not checks or not bool(torch.stack([((t < lo) | (t >= hi)).any() for _, t, lo, hi in checks]).any()): return
     for name, t, lo, hi in checks:
         if int(t.min()) < lo or int(t.max()) >= hi:

@@ -4,9 +4,10 @@
 
 # %% ../nbs/00a_dispatch.ipynb #1dcfa23e
 from __future__ import annotations
-import os, time, statistics
+import collections, os, time, statistics, traceback
 from contextlib import contextmanager
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 BACKENDS = ('triton', 'torch')
 _forced: str | None = None
@@ -45,7 +46,7 @@ def check_device() -> torch.device:
 
 # %% auto #0
 __all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth',
-           'machine_name']
+           'machine_name', 'capturing', 'as_captured', 'HostReads', 'cuda_graph']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -82,3 +83,59 @@ def machine_name(device='cuda') -> str:
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(torch.device(device))
     import platform
     return f"CPU ({platform.processor() or platform.machine()}){', Triton interpreter' if triton_interpreting() else ''}"
+
+# %% ../nbs/00a_dispatch.ipynb #09ceb690
+_as_captured = False
+
+def capturing() -> bool:
+    "Is this code being captured into a CUDA graph (or run as one would be, inside `as_captured`)? Then it may not read device values"
+    return _as_captured or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+@contextmanager
+def as_captured():
+    "Inside the block, run as a CUDA graph capture does: no read-backs of device values, shapes from the inputs' shapes alone"
+    global _as_captured
+    prev, _as_captured = _as_captured, True
+    try: yield
+    finally: _as_captured = prev
+
+# %% ../nbs/00a_dispatch.ipynb #6d2468fe
+_READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2', 'unique_consecutive', 'equal', 'is_nonzero')
+
+def _caller() -> str:
+    "file:line function of the innermost frame outside torch and this mode"
+    for f in reversed(traceback.extract_stack()[:-3]):
+        if f'{os.sep}torch{os.sep}' not in f.filename: return f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+    return '?'
+
+class HostReads(TorchDispatchMode):
+    "Inside the block, count the operator calls that read tensor values back to the host (a sync on a GPU), by call site"
+    def __init__(self): super().__init__(); self.sites = collections.Counter()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        mask_index = name == 'index' and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1])
+        if name in _READS or mask_index: self.sites[_caller()] += 1
+        return func(*args, **(kwargs or {}))
+    @property
+    def count(self) -> int: return sum(self.sites.values())
+
+# %% ../nbs/00a_dispatch.ipynb #b891bdf9
+def cuda_graph(fn, # the work to capture, no arguments: the tensors it touches stay the graph's buffers
+               warmup: int = 3, # eager calls first, on a side stream (compile kernels, settle the allocator)
+               calls: int = 1, # calls of `fn` recorded back to back in the graph
+               pool=None, # a memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`)
+              ):
+    "Capture `calls` calls of `fn` in one CUDA graph (after `warmup` eager calls); return the graph's replay"
+    if not callable(fn): raise TypeError(f"cuda_graph: fn must be callable, got {type(fn).__name__}")
+    for name, v, lo in (('warmup', warmup, 0), ('calls', calls, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo: raise ValueError(f"cuda_graph: {name} must be an int >= {lo}, got {v!r}")
+    if not torch.cuda.is_available(): raise RuntimeError("cuda_graph: no CUDA device to capture on")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup): fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        for _ in range(calls): fn()
+    return graph.replay

@@ -4,7 +4,7 @@
 
 # %% ../nbs/13_engine.ipynb #9990ccac
 from __future__ import annotations
-import codecs, importlib, itertools, time
+import codecs, dataclasses, importlib, itertools, time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .config import check_int
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
-from .dispatch import BACKENDS, use_kernels
+from .dispatch import BACKENDS, use_kernels, as_captured, cuda_graph
 from .kv_cache import CacheConfig, KVCacheConfig, SlotMappings, get_kv_cache_config, cdiv
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, ModelRunnerOutput,
                                 PLACEHOLDER, Proposer, NgramProposer)
@@ -287,7 +287,8 @@ def pad_decode_batch(batch: InputBatch, # a decode batch: one row per request, e
                       pad(batch.positions, 0), torch.arange(size + 1, dtype=torch.int32, device=ar.device), pad(batch.seq_lens, 1),
                       tuple(pad(t, NULL_BLOCK_ID, w) for t, w in zip(batch.block_tables, widths)),
                       SlotMappings(pad(sm.positions, 0), pad(sm.swa, PAD_SLOT_ID), {r: pad(v, PAD_SLOT_ID) for r, v in sm.compressed.items()},
-                                   None if sm.ring is None else pad(sm.ring, PAD_SLOT_ID)), ar, ar, pad(batch.num_cached_tokens, 0))
+                                   None if sm.ring is None else pad(sm.ring, PAD_SLOT_ID)), ar, ar, pad(batch.num_cached_tokens, 0),
+                      {f'<pad {i}>' for i in range(n, size)})                # each pad a fresh one-token request
 
 # %% ../nbs/13_engine.ipynb #9c184d0d
 class CUDAGraphModel:
@@ -308,25 +309,37 @@ class CUDAGraphModel:
     def __repr__(self): return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
 
 # %% ../nbs/13_engine.ipynb #a103ee85
-def _tensors(b: InputBatch) -> list:
-    "Every tensor of a batch, in a fixed order"
-    sm = b.slot_mappings
-    return [b.token_ids, b.positions, b.query_start_loc, b.seq_lens, *b.block_tables, sm.positions, sm.swa,
-            *(sm.compressed[r] for r in sorted(sm.compressed)), *([sm.ring] if sm.ring is not None else []),
-            b.logits_indices, b.decoder_rows, b.num_cached_tokens]
+def _tensors(x) -> list:
+    "Every tensor inside `x` (a tensor, or a dataclass, tuple, list or dict holding them), in a fixed order"
+    if isinstance(x, torch.Tensor): return [x]
+    if dataclasses.is_dataclass(x): return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
+    if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict): return [t for k in sorted(x, key=str) for t in _tensors(x[k])]
+    return []
+
+@patch
+def _parts(self: CUDAGraphModel) -> tuple:
+    "(prepare, run) of the model: its host part and its device part (a model without them: the batch itself, its forward)"
+    return getattr(self.model, 'prepare', lambda b: b), getattr(self.model, 'run', self.model.forward)
 
 @patch
 def _capture(self: CUDAGraphModel, size: int, batch: InputBatch) -> tuple:
-    "(replay, static batch, static logits) for one padded size, the buffers shaped as `batch`'s"
-    static, device = pad_decode_batch(batch, size, self.widths, n=0), batch.token_ids.device
-    logits = self.model.forward(static)                                    # warm-up: compiles kernels, writes nowhere
-    if self.emulate: return (lambda: logits.copy_(self.model.forward(static))), static, logits
-    torch.cuda.synchronize(device)
-    graph, self.pool = torch.cuda.CUDAGraph(), self.pool or torch.cuda.graph_pool_handle()
-    with torch.cuda.graph(graph, pool=self.pool): logits = self.model.forward(static)
+    "(replay, static inputs, static logits) for one padded size, the buffers shaped as `batch`'s"
+    prepare, run = self._parts()
+    static, out = prepare(pad_decode_batch(batch, size, self.widths, n=0)), {}
+    def step():                                                # warm-up and capture take the same (read-back free) path
+        with as_captured(): out['logits'] = run(static)
+    if self.emulate:                                           # on a CPU: the same buffers, an eager "replay"
+        step(); logits = out['logits']
+        def replay():
+            with as_captured(): logits.copy_(run(static))
+        return replay, static, logits
+    self.pool = self.pool or torch.cuda.graph_pool_handle()
+    replay = cuda_graph(step, warmup=1, pool=self.pool)        # the warm-up compiles the kernels and writes nowhere
     self.stats['captured'] += 1
-    return graph.replay, static, logits
+    return replay, static, out['logits']
 
+# %% ../nbs/13_engine.ipynb #e54d0e61
 @patch
 def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     "Logits of the batch's logits rows: replayed from a graph for a decode batch of a captured size, else eager"
@@ -334,11 +347,17 @@ def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids    # one sampled row each, none new
     size = padded_batch_size(R, self.sizes) if decode else None
     if size is None: self.stats['eager'] += 1; return self.model.forward(batch)
+    prepare, run = self._parts()
+    inputs = prepare(pad_decode_batch(batch, size, self.widths))
+    if not getattr(inputs, 'replayable', True): self.stats['eager'] += 1; return run(inputs)[:R]    # e.g. an image token
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
     replay, static, logits = self.graphs[size]
-    for dst, src in zip(_tensors(static), _tensors(pad_decode_batch(batch, size, self.widths))): dst.copy_(src)
+    src, dst = _tensors(inputs), _tensors(static)
+    if [(t.shape, t.dtype) for t in src] != [(t.shape, t.dtype) for t in dst]:
+        raise RuntimeError(f"CUDAGraphModel: a padded decode batch of {size} does not match the buffers captured for it")
+    for d, s in zip(dst, src): d.copy_(s)
     replay(); self.stats['replayed'] += 1
-    return logits[:len(batch.request_ids)].clone()
+    return logits[:R].clone()
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass

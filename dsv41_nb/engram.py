@@ -14,7 +14,7 @@ import triton.language as tl
 from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, engram_bucket_primes
 from .formats import FP8Record, _e4m3_value, _ue8m0_value, _hw_cvt
-from .dispatch import kernel_backend
+from .dispatch import kernel_backend, capturing
 
 # %% auto #0
 __all__ = ['ENGRAM_TUNING', 'normalize_token', 'compressed_token_map', 'synthetic_token_strings', 'head_offsets',
@@ -366,7 +366,7 @@ def engram_lookup(table: EngramTable,     # the table, or this rank's shard of i
     if table.records.device != ids.device and not (ids.is_cuda and table.pinned):
         raise ValueError(f"engram_lookup: the table is in {table.placement} memory and the ids on {ids.device}; "
                          "put both on one device, or pin the table (`placed('host')`) for the GPU to read it")
-    if check and ids.numel() and int(ids.min()) < 0:
+    if check and ids.numel() and not capturing() and int(ids.min()) < 0:
         raise ValueError(f"engram_lookup: negative row id {int(ids.min())}")
     if kernel_backend(ids) == 'torch': return engram_lookup_torch(table, ids, dtype)
     flat = ids.reshape(-1).contiguous()

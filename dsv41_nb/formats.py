@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels
+from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
 
 # %% auto #0
 __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'SCALE_FORMATS', 'CACHE_FORMATS', 'KERNEL_VERSIONS', 'KERNEL_TUNING',
@@ -44,6 +44,7 @@ def ue8m0_values(codes: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/01_formats.ipynb #10f7086b
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_E2M1_ON: dict = {}   # device -> E2M1_VALUES there (a CUDA graph may not copy from the host)
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     "fp32 -> 4-bit E2M1 codes (uint8, bit 3 = sign), round to nearest even, saturating at +-6"
@@ -54,7 +55,9 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     "4-bit E2M1 codes -> fp32"
-    mag = E2M1_VALUES.to(codes.device)[(codes & 7).long()]
+    table = _E2M1_ON.get(codes.device)
+    if table is None: table = _E2M1_ON[codes.device] = E2M1_VALUES.to(codes.device)   # copied once per device, not per call
+    mag = table[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -309,7 +312,7 @@ def _check_slots(name: str, slots: torch.Tensor, n: int | None, num_slots: int, 
                         f"of shape {tuple(getattr(slots, 'shape', ()))}")
     if n is not None and slots.numel() != n:
         raise ValueError(f"{name}: has {slots.numel()} entries for {n} vectors")
-    if check_range and slots.numel():
+    if check_range and slots.numel() and not capturing():
         lo, hi = slots.min().item(), slots.max().item()
         if lo < -1 or hi >= num_slots:
             raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, outside the cache's slots 0..{num_slots - 1} (-1 = skip)")

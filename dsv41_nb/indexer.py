@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, source_layer
-from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels
+from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
 from .formats import (FP4Record, FP8Record, cache_format, store_records, quantize_fp4, dequantize_fp4,
                               _e2m1_value, _ue8m0_value, _e4m3_value)
 from .compressor import Compressor, layer_inv_freq, rope_cos_sin, apply_rope, RMSNorm, new_record_cache
@@ -305,7 +305,7 @@ def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
         raise ValueError(f"expected q (T, heads, head_dim) bf16 and w (T, heads), got {tuple(q.shape)} {q.dtype} and {tuple(w.shape)}")
     if batch.positions.shape[0] != T: raise ValueError(f"batch has {batch.positions.shape[0]} queries, q has {T}")
     if pool is not None: width = pool.shape[1] * cbs
-    elif width is None: width = int(batch.visible.max()) if T else 0
+    elif width is None: width = 0 if not T else batch.block_table.shape[1] * batch.per_block if capturing() else int(batch.visible.max())
     if kernel_backend(q, key_cache) == 'torch': return index_logits_torch(q, w, key_cache, batch, codec, width, keep, pool, cbs)
     out = torch.empty(T, width, device=q.device)
     if T == 0 or width == 0: return out
@@ -452,7 +452,7 @@ def select(self: Indexer, q, w, batch: IndexBatch, key_cache, pool=None) -> tupl
     def all_of(n, width):                                                  # select-all fill: 0 .. n-1, then -1
         ar = torch.arange(width, device=vis.device)
         return torch.where(ar < n[:, None], ar, -1).int()
-    if len(vis) == 0 or int(vis.max()) <= k:
+    if len(vis) == 0 or (not capturing() and int(vis.max()) <= k):       # (a capture takes the general path)
         return all_of(vis, k), (all_of((vis + cbs - 1) // cbs, self.candidate_blocks) if self.is_candidate_source else None)
     if self.uses_candidates: return sparse_topk(q, w, key_cache, batch, self.codec, pool, k, cbs), None
     logits = index_logits(q, w, key_cache, batch, self.codec, skip=k)

@@ -19,7 +19,7 @@ from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices, gather_keys
 from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, fp8_act_quant, moe_forward, moe_experts_reference, route_layer
-from .dispatch import kernel_backend
+from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
 from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
@@ -27,7 +27,7 @@ from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 # %% auto #0
 __all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
            'paged_engram', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'token_history', 'PagedRunner',
-           'PagedStepModel', 'step_model', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
+           'PagedStepModel', 'step_model', 'PagedInputs', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
            'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
@@ -241,6 +241,7 @@ class PagedStep:
     window_start: torch.Tensor  # (R,) int64 first position whose window records exist (0 unless a replayed prefix hit)
     replay_start: torch.Tensor  # (R,) int64 first position that runs the decoder (0: full-stack)
     logits_rows: torch.Tensor   # (m,) int64 rows whose logits `forward` returns (rows that run the decoder)
+    decode_only: bool = False   # one text row per request, each running the decoder and returning logits: nothing read back
 
 def _tensor(name, t, shape, dtypes):
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or (shape is not None and tuple(t.shape) != tuple(shape)):
@@ -262,6 +263,10 @@ def check(self: PagedModel, s: PagedStep) -> PagedStep:
                                ('history', s.history, (T, n) if self.hasher is not None else None, (torch.int64,))):
         _tensor(name, t, shape, dt)
     if T == 0: raise ValueError("PagedStep: a step needs at least one row")
+    if s.decode_only and (tuple(s.logits_rows.shape) != (T,) or R != T):
+        raise ValueError(f"PagedStep.decode_only: needs one row per request and every row's logits; got {T} rows, {R} requests, "
+                         f"{len(s.logits_rows)} logits rows")
+    if capturing(): return s                                                   # values unread: the host checked them
     for name, v, hi in (('token_ids', s.token_ids, self.cfg.vocab_size), ('rows', s.rows, R), ('logits_rows', s.logits_rows, T),
                         ('positions', s.slots.positions, 2**62)):
         if v.numel() and (int(v.min()) < 0 or int(v.max()) >= hi):
@@ -332,12 +337,11 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     if self.state is None: raise RuntimeError("forward: no caches (call allocate first)")
     cfg, st = self.cfg, self.csa2_step(self.check(s))
     T, r = len(s.token_ids), s.rows.long()
-    mask = s.token_ids != cfg.image_token_id
-    mask = None if bool(mask.all()) else mask
+    mask = None if s.decode_only or bool((s.token_ids != cfg.image_token_id).all()) else s.token_ids != cfg.image_token_id
     x, pre = hc_expand(F.embedding(s.token_ids, self.embed), cfg.hc_mult)          # (T, hc, dim), (T, hc)
     f = post = comb = None
     hashes = self._hashes(s, mask)
-    dec = (st.positions >= s.replay_start[r]).nonzero().flatten()                  # rows that run the decoder
+    dec = torch.arange(T, device=r.device) if s.decode_only else (st.positions >= s.replay_start[r]).nonzero().flatten()
     floor = torch.maximum(s.window_start, s.replay_start).long()[r][dec]
     for l in self.layers:
         if l.layer == self.first_decoder and len(dec) < T:                          # bounded replay
@@ -352,6 +356,7 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
             sa = self._enter(l, x, f, post, comb, pre, hashes, mask)
         x, f, post, comb, pre = self._finish(l, sa, st)
     if len(s.logits_rows) == 0: return torch.zeros(0, cfg.vocab_size, device=x.device)
+    if s.decode_only: return self._logits(x, pre, f, post, comb, s.logits_rows.long())
     where = torch.full((T,), -1, dtype=torch.long, device=dec.device)
     where[dec] = torch.arange(len(dec), device=dec.device)
     lr = where[s.logits_rows.long()]
@@ -359,7 +364,12 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
         i = int(s.logits_rows[lr < 0][0])
         raise ValueError(f"logits_rows: row {i} (position {int(s.slots.positions[i])}) runs the encoder only "
                          f"(its request replays the decoder from {int(s.replay_start[r[i]])})")
-    y = hc_collapse(x[lr], pre[lr], self.norm, cfg, f[lr], post[lr], comb[lr])    # (m, dim)
+    return self._logits(x, pre, f, post, comb, lr)
+
+@patch
+def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
+    "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
+    y = hc_collapse(x[lr], pre[lr], self.norm, self.cfg, f[lr], post[lr], comb[lr])    # (m, dim)
     return F.linear(y.float(), self.head.float())
 
 # %% ../nbs/10b_paged.ipynb #cb1fce91
@@ -435,7 +445,7 @@ def generate(self: PagedRunner, prompts: list, n: int) -> tuple:
 # %% ../nbs/10b_paged.ipynb #482b8bd9
 class PagedStepModel:
     "The engine's step interface over a `PagedModel`: `forward(batch)` -> logits of `batch.logits_indices`, `release(ids)`"
-    supports_cuda_graphs = False
+    supports_cuda_graphs = True                                                  # prepare on the host, run on the device
     def __init__(self, model: PagedModel):
         if not isinstance(model, PagedModel): raise TypeError(f"PagedStepModel: expected a PagedModel, got {type(model).__name__}")
         self.model, self.device, self.vocab_size = model, model.embed.device, model.cfg.vocab_size
@@ -485,37 +495,58 @@ def _restore_ring(self: PagedStepModel, rid: str, p: int):
 
 
 # %% ../nbs/10b_paged.ipynb #427101b7
+@dataclass
+class PagedInputs:
+    "What `PagedStepModel.prepare` hands `run`: the step, and the ring blocks its speculative rows journal"
+    step: PagedStep
+    ring_blocks: dict   # request id -> its ring block, for the requests of a multi-row decode step
+    @property
+    def replayable(self) -> bool: return self.step.decode_only          # a CUDA graph may replay it
+
 @patch
-def forward(self: PagedStepModel, batch) -> torch.Tensor:
-    "Logits (len(batch.logits_indices), vocab) of an engine input batch (rows, positions, tables, slots, decoder rows, ...)"
-    qsl, pos, ids, dev = batch.query_start_loc.tolist(), batch.positions, batch.token_ids, batch.token_ids.device
-    dec = torch.zeros(len(ids), dtype=torch.bool, device=dev)
-    dec[batch.decoder_rows.long()] = True
+def prepare(self: PagedStepModel, batch) -> PagedInputs:
+    "The `PagedStep` of an engine input batch (rows, positions, tables, slots, decoder rows, ...): the host's part of a step"
+    qsl, pos, ids = batch.query_start_loc.tolist(), batch.positions.tolist(), batch.token_ids.tolist()   # read back once each
+    dec, n, dev = [False] * len(ids), self.model.cfg.engram_max_ngram_size - 1, batch.token_ids.device
+    for j in batch.decoder_rows.tolist(): dec[j] = True
+    cached = batch.num_cached_tokens.tolist() if batch.new_request_ids else None
     hist, rows, ws, rs, blocks = [], [], [], [], {}                       # blocks: ring blocks of multi-row decode requests
     for i, rid in enumerate(batch.request_ids):
         a, b = qsl[i], qsl[i + 1]
-        p0 = int(pos[a])
+        p0 = pos[a]
         if rid in batch.new_request_ids:
             self.tokens[rid] = list(batch.prefix_token_ids.get(rid, ()))
-            self.window_start[rid] = p0 if p0 < int(batch.num_cached_tokens[i]) else 0     # a replayed prefix hit starts there
+            self.window_start[rid] = p0 if p0 < cached[i] else 0                 # a replayed prefix hit starts there
             self.replay_start.pop(rid, None)
         toks = self.tokens.get(rid)
         if toks is None or len(toks) < p0: raise RuntimeError(f"request {rid!r}: rows from position {p0}, but "
                                                               f"{len(toks or ())} earlier tokens are known (start it first)")
         if rid not in batch.new_request_ids and len(toks) > p0: self._restore_ring(rid, p0)   # rows from p0 on were rejected
         self._journal.pop(rid, None)                                    # only its last step's journal is ever needed
-        del toks[p0:]; toks.extend(ids[a:b].tolist())
-        hist.append(token_history(torch.tensor(toks, device=dev), pos[a:b], self.model.cfg.engram_max_ngram_size - 1))
-        first = dec[a:b].nonzero().flatten()
-        if rid not in self.replay_start and len(first): self.replay_start[rid] = int(pos[a + int(first[0])])
-        rs.append(self.replay_start.get(rid, int(pos[b - 1]) + 1)); ws.append(self.window_start[rid])
-        rows.append(torch.full((b - a,), i, dtype=torch.int32, device=dev))
-        if self.ring_ratio and b - a > 1 and bool(dec[a:b].all()): blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
-    t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)
-    s = PagedStep(ids, torch.cat(hist), torch.cat(rows), batch.slot_mappings, tuple(batch.block_tables), t(ws), t(rs), batch.logits_indices)
-    if not torch.equal(pos >= s.replay_start[s.rows.long()], dec):
+        del toks[p0:]; toks.extend(ids[a:b])
+        hist += [[toks[q] if q >= 0 else -1 for q in range(p - n, p)] for p in pos[a:b]]   # Engram's n tokens before each row
+        first = next((j for j in range(a, b) if dec[j]), None)
+        if rid not in self.replay_start and first is not None: self.replay_start[rid] = pos[first]
+        rs.append(self.replay_start.get(rid, pos[b - 1] + 1)); ws.append(self.window_start[rid]); rows += [i] * (b - a)
+        if self.ring_ratio and b - a > 1 and all(dec[a:b]): blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
+    if any(dec[j] != (pos[j] >= rs[rows[j]]) for j in range(len(ids))):
         raise ValueError("decoder_rows: each request's decoder rows must be its rows from one position on, the same one every step")
-    with self._journaling(blocks): return self.model(s)
+    decode_only = (qsl == list(range(len(qsl))) and all(dec) and self.model.cfg.image_token_id not in ids
+                   and batch.logits_indices.tolist() == list(range(len(ids))))
+    t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
+    return PagedInputs(PagedStep(batch.token_ids, t(hist).view(len(ids), n), t(rows, torch.int32), batch.slot_mappings,
+                                 tuple(batch.block_tables), t(ws), t(rs), batch.logits_indices, decode_only), blocks)
+
+# %% ../nbs/10b_paged.ipynb #1283081e
+@patch
+def run(self: PagedStepModel, inputs: PagedInputs) -> torch.Tensor:
+    "The device's part of a step: the model on the prepared step (what a CUDA graph captures for a decode step)"
+    with self._journaling(inputs.ring_blocks): return self.model(inputs.step)
+
+@patch
+def forward(self: PagedStepModel, batch) -> torch.Tensor:
+    "Logits (len(batch.logits_indices), vocab) of an engine input batch"
+    return self.run(self.prepare(batch))
 
 # %% ../nbs/10b_paged.ipynb #29b60a43
 def _attend_fp64(q, keys, allowed, sink, scale) -> tuple:

@@ -238,6 +238,21 @@ def test_padded_replay_equals_eager(n):
     assert (padded.slot_mappings.swa[n:] == -1).all() and (padded.block_tables[0][n:] == 0).all()
 
 
+def test_paged_graph_replay_equals_eager():
+    "The paged step model under CUDAGraphModel (emulated: each decode step run as a capture, on the captured buffers)"
+    from dsv41_nb.paged import step_model
+    g, box = torch.Generator().manual_seed(1), {}
+    prompts = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in (80, 5, 40)]
+    def emulated(kc):
+        box['cg'] = CUDAGraphModel(step_model(MODEL, kc), kc, 256, capture_sizes=(1, 2, 4), emulate=True)
+        return box['cg']
+    sp, args = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), dict(max_model_len=256, kernels='torch')
+    eager = [o.outputs[0].token_ids for o in LLM(MODEL, **args).generate(prompts, sp, use_tqdm=False)]
+    replayed = [o.outputs[0].token_ids for o in LLM(MODEL, step_model=emulated, **args).generate(prompts, sp, use_tqdm=False)]
+    assert replayed == eager
+    assert box['cg'].stats == dict(replayed=5, eager=1, captured=0) and sorted(box['cg'].graphs) == [4]
+
+
 # ---------------------------------------------------------------- the command line
 def test_cli_generate(tmp_path):
     ck = random_checkpoint(tmp_path)

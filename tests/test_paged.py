@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import use_kernels
+from dsv41_nb.dispatch import use_kernels, triton_interpreting, HostReads, as_captured
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.csa2 import SparseIndices
 from dsv41_nb.paged import (PagedModel, PagedRunner, PagedLinear, PagedStepModel, fp64_attention, logits_tolerance,
@@ -138,3 +138,25 @@ def test_bad_inputs(models):
     ]
     with use_kernels('torch'):
         for f, msg in BAD: fct.test_fail(f, contains=msg)
+
+
+@pytest.mark.skipif(not triton_interpreting(), reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1)')
+def test_a_captured_decode_step_reads_nothing_back(models):
+    "A decode-only step run as a CUDA graph capture runs it: no value read back to the host, the eager step's logits"
+    engine = pytest.importorskip('dsv41_nb.engine')
+    from dsv41_nb.scheduler import SamplingParams
+    model, _ = models
+    g = torch.Generator().manual_seed(3)
+    llm = engine.LLM(model, max_model_len=256, kernels='triton')
+    eng, sm = llm.llm_engine, llm.llm_engine.runner.model
+    for i, n in enumerate((75, 6)):                # 75 tokens: more entries than the top-k in the ratio-2 layers
+        eng.add_request(str(i), torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist(), SamplingParams(max_tokens=4))
+    eng.step(); eng.step()                                                     # the prefill, a first decode step
+    batch, _ = eng.runner.prepare_inputs(eng.scheduler.schedule())
+    inputs = sm.prepare(batch)
+    assert inputs.step.decode_only and inputs.replayable
+    with use_kernels('triton'):
+        with HostReads() as eager: want = sm.run(inputs)
+        with HostReads() as captured, as_captured(): got = sm.run(inputs)
+    assert eager.count > 0 and captured.count == 0, dict(captured.sites)
+    assert torch.equal(got, want)

@@ -3,12 +3,12 @@
 byte floor (with and without CUDA graphs), and the engine against the naive loop that recomputes every sequence each token.
 
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
-                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode naive]
+                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode profile naive]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
-`step_model` hook; `--experts N` scales the routed experts down if memory asks for it. Three measurements:
+`step_model` hook; `--experts N` scales the routed experts down if memory asks for it. Four measurements:
 
 1. concurrency: for each level c, c random byte prompts at once (`load_test` of the command line): output tokens/s and
    TTFT / TPOT / end-to-end percentiles; one table row per level.
@@ -17,9 +17,11 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
    01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
    bandwidth (`copy_bandwidth`). Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper
    is swapped in and out of the same engine), otherwise the eager step alone and the reason.
-3. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
-   against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit).
-   Goal: the engine at least 5x the naive loop's tokens/s.
+3. profile: the GPU time of one eager decode step of one request, by kernel (`torch.profiler`).
+4. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
+   against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit;
+   the trained small model of 11_train when its checkpoint is in the repository). Goal: the engine at least 5x the naive
+   loop's tokens/s. The engine is warmed up on the same prompts first (kernels compiled, CUDA graphs captured).
 
 Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
 after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
@@ -33,7 +35,8 @@ from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM, CUDAGraphModel
 from dsv41_nb.paged import PagedModel, PagedStepModel
-from dsv41_nb.__main__ import load_test, random_prompts
+from dsv41_nb.__main__ import load_test, load_summary, random_prompts
+from dsv41_nb.checkpoint import load_model
 
 
 def kv_read_bytes(cfg: ModelConfig, kc, context: int) -> int:
@@ -58,14 +61,17 @@ def sync(device):
     if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
 
 
-def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int) -> list:
+def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int, res: dict, path) -> list:
+    "One row per level; each row goes into `res['concurrency']` (and the JSON) as soon as it is measured"
     sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
+    res['concurrency'] = rows
     load_test(llm, random_prompts(2, prompt_len, seed=seed), sp)                                   # warm-up: compile, fill
     for c in levels:
         s = load_test(llm, random_prompts(c, prompt_len, seed=seed + c), sp)
         rows.append(dict(concurrency=c, **s))
         print(f"{c:6d} {s['output_tokens_per_s']:12.1f} {1e3 * s['ttft_s'][50]:9.1f} {1e3 * s['ttft_s'][99]:9.1f} "
               f"{1e3 * s['tpot_s'][50]:9.2f} {1e3 * s['tpot_s'][99]:9.2f} {s['e2e_s'][50]:8.2f}", flush=True)
+        if path: json.dump(res, open(path, 'w'), indent=1, default=str)
     return rows
 
 
@@ -85,7 +91,8 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
     sp, prompt = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), random_prompts(1, prompt_len, seed=seed)
     for mode, m in modes:
         if m is None:
-            out['modes'][mode] = dict(note=f"{type(inner).__name__} does not support CUDA graphs (supports_cuda_graphs is False)")
+            why = 'not on a GPU' if torch.device(device).type != 'cuda' else 'supports_cuda_graphs is False'
+            out['modes'][mode] = dict(note=f"{type(inner).__name__} runs without CUDA graphs ({why})")
             print(f"  {mode:12s} {out['modes'][mode]['note']}"); continue
         eng.runner.model = m
         load_test(llm, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))        # warm-up (captures graphs)
@@ -98,8 +105,36 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
     return out
 
 
-def naive_vs_engine(cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels) -> dict:
-    model = init_random(cfg, seed=seed, device=device)
+TRAINED = Path(__file__).resolve().parent.parent / 'checkpoints' / 'small'
+
+
+def kernel_profile(llm: LLM, prompt_len: int, top: int = 12) -> dict:
+    "GPU time of one eager decode step of one request, by kernel (torch.profiler): where the step's device time goes"
+    from torch.profiler import profile, ProfilerActivity
+    eng, inner = llm.llm_engine, llm.llm_engine.runner.model
+    eng.runner.model = inner.model if isinstance(inner, CUDAGraphModel) else inner                 # eager: one launch per op
+    eng.add_request('profiled', random_prompts(1, prompt_len, seed=1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for _ in range(3): eng.step()                                                               # prefill, two decode steps
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        eng.step(); torch.cuda.synchronize()
+    while eng.has_unfinished_requests(): eng.step()
+    eng.runner.model = inner
+    us, calls = {}, {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name] = us.get(e.name, 0.0) + e.device_time_total; calls[e.name] = calls.get(e.name, 0) + 1
+    total = sum(us.values())
+    rows = [dict(kernel=k[:80], calls=calls[k], us=v) for k, v in sorted(us.items(), key=lambda kv: -kv[1])[:top]]
+    out = dict(kernels=sum(calls.values()), gpu_us=total, top=rows)
+    print(f"  one eager decode step: {out['kernels']} kernels, {total / 1e3:.2f} ms of GPU time")
+    for r in rows: print(f"    {r['us'] / 1e3:8.3f} ms {r['calls']:6d}x  {r['kernel']}")
+    return out
+
+
+def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels) -> dict:
+    trained = cfg_name == 'small' and (TRAINED / 'config.json').is_file()                      # the trained small model
+    model = load_model(TRAINED, device=device) if trained else init_random(cfg, seed=seed, device=device)
     prompts = random_prompts(n, prompt_len, seed=seed)
     ids = torch.tensor(prompts, device=device)
     generate_greedy(model, ids[:, :8], 2)                                                         # warm-up
@@ -108,16 +143,20 @@ def naive_vs_engine(cfg: ModelConfig, device, n: int, prompt_len: int, max_token
     sync(device); naive_s = time.perf_counter() - t0
     llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    load_test(llm, prompts[:2], sp)                                                               # warm-up
+    load_test(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))          # warm-up: compiles, captures
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     engine_s = time.perf_counter() - t0
+    s = load_summary(outs, engine_s)
     same = sum(a == b for o, row in zip(outs, naive) for a, b in zip(o.outputs[0].token_ids, row)) / (n * max_tokens)
-    r = dict(requests=n, tokens=n * max_tokens, naive_s=naive_s, engine_s=engine_s, naive_tok_s=n * max_tokens / naive_s,
-             engine_tok_s=n * max_tokens / engine_s, speedup=naive_s / engine_s, same_tokens=same,
-             runner=type(llm.llm_engine.runner.model).__name__)
+    runner = llm.llm_engine.runner.model
+    r = dict(requests=n, tokens=n * max_tokens, weights='trained small checkpoint' if trained else 'random', naive_s=naive_s,
+             engine_s=engine_s, naive_tok_s=n * max_tokens / naive_s, engine_tok_s=n * max_tokens / engine_s,
+             speedup=naive_s / engine_s, same_tokens=same, engine_ttft_s=s['ttft_s'][50], engine_tpot_s=s['tpot_s'][50],
+             runner=type(runner).__name__, graph_stats=getattr(runner, 'stats', None))
     print(f"  naive generate_greedy {r['naive_tok_s']:10.1f} tok/s   engine ({r['runner']}) {r['engine_tok_s']:10.1f} tok/s   "
-          f"speed-up {r['speedup']:5.1f}x   tokens equal to the naive loop's: {same:.1%}")
+          f"speed-up {r['speedup']:5.1f}x   tokens equal to the naive loop's: {same:.1%} ({r['weights']} weights); "
+          f"engine TTFT {1e3 * r['engine_ttft_s']:.0f} ms, TPOT {1e3 * r['engine_tpot_s']:.1f} ms, graphs {r['graph_stats']}")
     return r
 
 
@@ -129,7 +168,7 @@ def section(res: dict, key: str, path, fn):
     if path: json.dump(res, open(path, 'w'), indent=1, default=str)
 
 
-SECTIONS = ('concurrency', 'decode', 'naive')
+SECTIONS = ('concurrency', 'decode', 'profile', 'naive')
 
 
 def main():
@@ -166,7 +205,7 @@ def main():
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
         kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
         res = {**kept, **{f'{k}_{args.sections[0]}': v for k, v in res.items() if k in ('date', 'args')}}
-    if {'concurrency', 'decode'} & set(args.sections):
+    if {'concurrency', 'decode', 'profile'} & set(args.sections):
         t0 = time.perf_counter()
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
                         max_model_len=args.prompt_len + args.max_tokens + 64)
@@ -174,16 +213,19 @@ def main():
         print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
     if 'concurrency' in args.sections:
         print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8}   (ms, e2e s)")
-        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed))
+        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed, res, args.json))
     if 'decode' in args.sections:
         print('decode step at batch 1:')
         section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed))
-    if {'concurrency', 'decode'} & set(args.sections):
+    if 'profile' in args.sections and device == 'cuda':
+        print('GPU time of one eager decode step, by kernel:')
+        section(res, 'profile', args.json, lambda: kernel_profile(llm, args.prompt_len))
+    if {'concurrency', 'decode', 'profile'} & set(args.sections):
         del llm
         if device == 'cuda': torch.cuda.empty_cache()
     if 'naive' in args.sections:
         print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
-        section(res, 'naive', args.json, lambda: naive_vs_engine(configs[args.naive_config](), device, args.naive_requests,
+        section(res, 'naive', args.json, lambda: naive_vs_engine(args.naive_config, configs[args.naive_config](), device, args.naive_requests,
                                                                  args.prompt_len, args.max_tokens, args.seed, args.kernels))
     if args.json: print('wrote', args.json)
 

@@ -1,0 +1,37 @@
+"""The dispatch helpers: the capture mode, the host-read counter, and the bad inputs of the CUDA-graph helper."""
+import pytest
+import torch
+from fastcore.test import test_fail as fails_with
+from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph
+
+
+def test_as_captured_nests_and_restores():
+    assert not capturing()
+    with as_captured():
+        with as_captured(): assert capturing()
+        assert capturing()
+    assert not capturing()
+
+
+def test_host_reads_sees_reads_and_only_reads():
+    x = torch.arange(8)
+    with HostReads() as none:
+        y = torch.where(x > 3, x, 0).cumsum(0)
+        z = y[torch.tensor([1, 2])] + x.sum()                          # integer indexing reads nothing back
+    assert none.count == 0, dict(none.sites)
+    with HostReads() as reads:
+        int(x.max()); x[x > 3]; x.nonzero(); bool(x.any())
+    assert reads.count >= 4 and all('test_dispatch.py' in s for s in reads.sites), dict(reads.sites)
+
+
+@pytest.mark.parametrize('call, words', [
+    (lambda: cuda_graph(3), 'fn must be callable'),
+    (lambda: cuda_graph(lambda: None, calls=0), 'calls must be an int >= 1'),
+    (lambda: cuda_graph(lambda: None, warmup=-1), 'warmup must be an int >= 0'),
+    (lambda: cuda_graph(lambda: None, warmup=True), 'warmup must be an int >= 0'),
+])
+def test_cuda_graph_bad_inputs(call, words): fails_with(call, contains=words)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message a machine without CUDA gives')
+def test_cuda_graph_needs_a_gpu(): fails_with(lambda: cuda_graph(lambda: None), contains='no CUDA device')
