@@ -84,7 +84,7 @@ def machine_name(device='cuda') -> str:
     import platform
     return f"CPU ({platform.processor() or platform.machine()}){', Triton interpreter' if triton_interpreting() else ''}"
 
-# %% ../nbs/00a_dispatch.ipynb #09ceb690
+# %% ../nbs/00a_dispatch.ipynb #6b343ce8
 _as_captured = False
 
 def capturing() -> bool:
@@ -99,7 +99,7 @@ def as_captured():
     try: yield
     finally: _as_captured = prev
 
-# %% ../nbs/00a_dispatch.ipynb #6d2468fe
+# %% ../nbs/00a_dispatch.ipynb #fdbdac57
 _READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2', 'unique_consecutive', 'equal', 'is_nonzero')
 
 def _caller() -> str:
@@ -119,7 +119,7 @@ class HostReads(TorchDispatchMode):
     @property
     def count(self) -> int: return sum(self.sites.values())
 
-# %% ../nbs/00a_dispatch.ipynb #b891bdf9
+# %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
 def cuda_graph(fn, # the work to capture, no arguments: the tensors it touches stay the graph's buffers
                warmup: int = 3, # eager calls first, on a side stream (compile kernels, settle the allocator)
                calls: int = 1, # calls of `fn` recorded back to back in the graph

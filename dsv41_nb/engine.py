@@ -339,7 +339,7 @@ def _capture(self: CUDAGraphModel, size: int, batch: InputBatch) -> tuple:
     self.stats['captured'] += 1
     return replay, static, out['logits']
 
-# %% ../nbs/13_engine.ipynb #e54d0e61
+# %% ../nbs/13_engine.ipynb #85ca80fd
 @patch
 def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     "Logits of the batch's logits rows: replayed from a graph for a decode batch of a captured size, else eager"

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting
+from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting, cuda_graph
 from .formats import FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2, _hw_cvt
 
 # %% auto #0
@@ -592,17 +592,6 @@ def count_launches(fn: Callable) -> int:
     return sum(1 for e in prof.events() if e.cpu_parent is None and launches(e))
 
 # %% ../nbs/07_mhc.ipynb #30b1f769
-def _cuda_graph(fn: Callable) -> Callable:
-    "Capture `fn` (warmed up on a side stream) in a CUDA graph; return its replay"
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3): fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph): fn()
-    return graph.replay
-
 def hc_layer_floor(cfg: ModelConfig, T: int, fp8: bool = True) -> int:
     "Bytes one block's two seams must move for T tokens: copies, sublayer outputs and inputs, hc_*_fn"
     n, dim = cfg.hc_mult, cfg.dim
@@ -628,7 +617,7 @@ def benchmark_hc_layers(cfg: ModelConfig, tokens=(1, 64, 1024, 8192), n_layers: 
             t = median_time(run)
             t_graph = float('nan')
             if graphs and torch.device(device).type == 'cuda':
-                with use_kernels(path): t_graph = median_time(_cuda_graph(run))
+                with use_kernels(path): t_graph = median_time(cuda_graph(run))
             rows.append(dict(tokens=T, path='eager reference' if path == 'torch' else 'fused',
                              launches=count_launches(run) / n_layers, us=t / n_layers * 1e6,
                              graph_us=t_graph / n_layers * 1e6, floor_us=hc_layer_floor(cfg, T, fp8) / bw * 1e6))

@@ -537,7 +537,7 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
     return PagedInputs(PagedStep(batch.token_ids, t(hist).view(len(ids), n), t(rows, torch.int32), batch.slot_mappings,
                                  tuple(batch.block_tables), t(ws), t(rs), batch.logits_indices, decode_only), blocks)
 
-# %% ../nbs/10b_paged.ipynb #1283081e
+# %% ../nbs/10b_paged.ipynb #4baca0b8
 @patch
 def run(self: PagedStepModel, inputs: PagedInputs) -> torch.Tensor:
     "The device's part of a step: the model on the prepared step (what a CUDA graph captures for a decode step)"

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels
+from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph
 from .formats import RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value, _ue8m0_value
 from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random_block_tables, gather_keys,
                            check_attention_inputs, sparse_attention_reference)
@@ -513,16 +513,12 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
     "Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph (no launch overhead); `fn(0)` by the host clock off the GPU"
     check_int('graph_time', 'calls', calls, 1); check_int('graph_time', 'reps', reps, 1)
     if not torch.cuda.is_available(): return median_time(lambda: fn(0), warmup=1, rep=10)
-    for i in range(calls): fn(i)                                          # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls): fn(i)
-    g.replay()
+    replay = cuda_graph(lambda: [fn(i) for i in range(calls)], warmup=1)  # compiled and warmed up outside the capture
+    replay()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); torch.cuda.synchronize()
+        a.record(); replay(); b.record(); torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
 

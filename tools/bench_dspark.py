@@ -2,7 +2,7 @@
 """DSpark acceptance and throughput at several concurrencies, speculation off, fixed at 5 drafts, and adaptive.
 
     python tools/bench_dspark.py [--checkpoint checkpoints/small] [--drafter PATH] [--concurrency 1 8 32 128]
-                                 [--new-tokens 32] [--prompt-len 64] [--paths loop engine] [--json PATH] [--quick]
+                                 [--new-tokens 32] [--prompt-len 64] [--paths loop engine] [--json PATH [--merge]] [--quick]
 
 Two paths, each decoding greedily (ignore EOS) from held-out windows of the training corpus:
 - 'loop': `dsv41_nb.dspark.speculative_generate`, the reference decode loop: one dense forward per step re-runs every
@@ -15,6 +15,8 @@ Adaptive verification uses a step-cost curve measured here: the target's forward
 k = 0..5. Each row reports tokens/s, tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
 per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
 notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the machine and date; --json writes it.
+--merge keeps the rows of the existing --json file that this run did not measure (another path or concurrency), so a
+table can be completed over several runs; the record lists every run that contributed (settings.runs).
 --quick: concurrency 1 and 2, 8 new tokens, on the CPU."""
 import argparse, copy, datetime, json, sys, time
 from pathlib import Path
@@ -101,6 +103,7 @@ def main():
     ap.add_argument('--paths', nargs='+', default=['loop', 'engine'], choices=['loop', 'engine'])
     ap.add_argument('--budget-minutes', type=float, default=6.0, help='skip the remaining rows after this long')
     ap.add_argument('--json', help='write the results here')
+    ap.add_argument('--merge', action='store_true', help="keep the --json file's rows this run does not re-measure")
     ap.add_argument('--quick', action='store_true', help='concurrency 1 and 2, 8 new tokens, on the CPU')
     args = ap.parse_args()
     device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
@@ -155,11 +158,23 @@ def main():
     print('per-slot acceptance (loop, fixed 5):', {c: [round(v, 3) for v in s] for c, s in slots.items()})
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(dict(machine=machine, date=date, torch=torch.__version__, target=source,
-                                                   drafter=str(dpath) if trained else 'untrained', settings=vars(args),
-                                                   rows=rows, slot_acceptance=slots, step_costs=costs,
-                                                   total_seconds=time.perf_counter() - t_start), indent=1))
+        rec = dict(machine=machine, date=date, torch=torch.__version__, target=source, drafter=str(dpath) if trained else 'untrained',
+                   settings=vars(args), rows=rows, slot_acceptance=slots, step_costs=costs, total_seconds=time.perf_counter() - t_start)
+        if args.merge and Path(args.json).exists(): rec = merge_runs(json.loads(Path(args.json).read_text()), rec)
+        Path(args.json).write_text(json.dumps(rec, indent=1))
         print(f'results -> {args.json}')
+
+
+def merge_runs(old: dict, new: dict) -> dict:
+    "`new` with the rows of `old` it did not re-measure (same path and concurrency), and both runs listed"
+    again = {(r['path'], r['concurrency']) for r in new['rows']}
+    rows = [r for r in old['rows'] if (r['path'], r['concurrency']) not in again] + new['rows']
+    runs = old['settings'].get('runs') or [dict(date=old['date'], settings=old['settings'])]
+    out = dict(new, rows=sorted(rows, key=lambda r: (r['concurrency'], r['path'] != 'loop')),
+               slot_acceptance={**old['slot_acceptance'], **new['slot_acceptance']}, step_costs={**old['step_costs'], **new['step_costs']})
+    out['settings'] = dict(new['settings'], paths=sorted({r['path'] for r in rows}), concurrency=sorted({r['concurrency'] for r in rows}),
+                           runs=runs + [dict(date=new['date'], settings=dict(new['settings']))])
+    return out
 
 
 if __name__ == '__main__':

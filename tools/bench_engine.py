@@ -204,7 +204,7 @@ def main():
                args=vars(args))
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
         kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
-        res = {**kept, **{f'{k}_{args.sections[0]}': v for k, v in res.items() if k in ('date', 'args')}}
+        res = {**kept, **{f'{k}_{sec}': v for sec in args.sections for k, v in res.items() if k in ('date', 'args')}}
     if {'concurrency', 'decode', 'profile'} & set(args.sections):
         t0 = time.perf_counter()
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,

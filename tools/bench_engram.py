@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time, copy_bandwidth, machine_name
+from dsv41_nb.dispatch import median_time, copy_bandwidth, machine_name, cuda_graph
 from dsv41_nb.accounting import expert_touch_fraction
 from dsv41_nb.engram import (EngramTable, NgramHasher, compressed_token_map, synthetic_token_strings, engram_lookup,
                              engram_lookup_torch, engram_gate, engram_update, engram_row_codec)
@@ -54,13 +54,7 @@ def graph_time(fn, reps: int = 20, rep_ms: int = 100):
     "Seconds per call of `fn` replayed `reps` times back to back in one CUDA graph (None where capture fails)"
     if not CUDA: return None
     try:
-        side = torch.cuda.Stream(); side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side): fn()                                   # warm up (compiles) off the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps): fn()
-        return median_time(graph.replay, rep=rep_ms) / reps
+        return median_time(cuda_graph(fn, warmup=1, calls=reps), rep=rep_ms) / reps   # warmed up (compiled) off the capture
     except Exception as e:                                  # report the run without this number rather than stop
         print(f'  (CUDA graph capture failed: {type(e).__name__}: {e})')
         return None
