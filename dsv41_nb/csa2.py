@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, LayerInfo, layer_topology, source_layer, expect_config, check_int, ROLE_COLORS
-from .formats import RecordCodec, FP8Record, cache_format, store_records
+from .formats import RecordCodec, FP8Record, cache_format
+from .records import store_records
 from .block_pool import PAD_SLOT_ID, slot_mapping, compressed_slot_mapping, ring_slot_mapping
 from .compressor import Compressor, RMSNorm, layer_inv_freq, rope_cos_sin, apply_rope
 from .indexer import Indexer, IndexBatch

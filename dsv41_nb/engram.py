@@ -351,7 +351,7 @@ def _engram_gather_kernel(
     tl.store(out, v.to(out_ptr.dtype.element_ty), mask=inb[:, None, None] & gm[None, :, None])
 
 # %% ../nbs/09_engram.ipynb #84e3cd77
-ENGRAM_TUNING = dict(values_per_program=2048, num_warps=4)   # the FP8 gather shape 01_formats' sweep picked
+ENGRAM_TUNING = dict(values_per_program=2048, num_warps=4)   # the FP8 gather shape 01b_records' sweep picked
 
 def engram_lookup(table: EngramTable,     # the table, or this rank's shard of it
                   ids: torch.Tensor,      # (...) int32/int64 global row ids, e.g. (tokens, cols) from `NgramHasher`

@@ -12,8 +12,9 @@ from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, source_layer
 from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
-from .formats import (FP4Record, FP8Record, cache_format, store_records, quantize_fp4, dequantize_fp4,
-                              _e2m1_value, _ue8m0_value, _e4m3_value)
+from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4, _e2m1_value, _ue8m0_value,
+                              _e4m3_value)
+from .records import store_records
 from .compressor import Compressor, layer_inv_freq, rope_cos_sin, apply_rope, RMSNorm, new_record_cache
 
 # %% auto #0
@@ -67,7 +68,7 @@ def new_key_cache(self: Indexer, num_blocks: int, block_size: int, device=None) 
 
 @patch
 def store_keys(self: Indexer, latent, positions, compressed_slots, key_cache, check_slots: bool = True):
-    "Write the keys of the entries this step emits (compressed slot >= 0) into `key_cache` (`01_formats`' store kernel)"
+    "Write the keys of the entries this step emits (compressed slot >= 0) into `key_cache` (`01b_records`' store kernel)"
     store_records(self.codec, self.keys(latent, positions), key_cache, compressed_slots, check_slots)
 
 # %% ../nbs/04_indexer.ipynb #b5254f3f

@@ -9,9 +9,9 @@ from hypothesis import given, strategies as st, settings
 from dsv41_nb.config import ModelConfig
 from fastcore import test as fct           # fct.test_fail: pytest would collect a bare test_fail
 from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
-from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, store_records, gather_records, e4m3_codes, e4m3_values,
-                              e2m1_codes, e2m1_values, quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX, KERNEL_VERSIONS,
-                              edge_case_vectors, every_value_blocks)
+from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, e4m3_codes, e4m3_values, e2m1_codes, e2m1_values,
+                              quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX)
+from dsv41_nb.records import store_records, gather_records, KERNEL_VERSIONS, edge_case_vectors, every_value_blocks
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'

@@ -10,7 +10,8 @@ from hypothesis import example, given, settings, strategies as st
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
-from dsv41_nb.formats import store_records, cache_format
+from dsv41_nb.formats import cache_format
+from dsv41_nb.records import store_records
 from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, index_logits, index_logits_reference, topk_reference,
                               ragged_topk, candidate_pool, candidate_pool_reference, pool_mask, sparse_topk,
                               sparse_topk_reference, logits_error_bound)

@@ -14,8 +14,9 @@ import torch, triton
 import triton.language as tl
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, median_time, copy_bandwidth, triton_interpreting, machine_name
-from dsv41_nb.formats import (cache_codecs, cache_format, store_records, gather_records, benchmark_store_gather, format_benchmark,
-                              before_after, size_sweep, edge_case_vectors, every_value_blocks, KERNEL_TUNING, KERNEL_VERSIONS)
+from dsv41_nb.formats import cache_codecs, cache_format
+from dsv41_nb.records import (store_records, gather_records, benchmark_store_gather, format_benchmark, before_after, size_sweep,
+                              edge_case_vectors, every_value_blocks, KERNEL_TUNING, KERNEL_VERSIONS)
 
 def machine(device) -> str:
     return f'{machine_name(device)}, torch {torch.__version__}, Triton {triton.__version__}, {datetime.date.today()}'

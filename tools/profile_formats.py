@@ -10,7 +10,8 @@ import argparse
 import torch
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
-from dsv41_nb.formats import cache_format, store_records, gather_records, CACHE_FORMATS
+from dsv41_nb.formats import cache_format, CACHE_FORMATS
+from dsv41_nb.records import store_records, gather_records
 
 ap = argparse.ArgumentParser()
 ap.add_argument('--records', type=int, default=1 << 20)
