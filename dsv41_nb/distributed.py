@@ -14,8 +14,8 @@ from torch import nn
 from .config import ModelConfig, check_int
 from .dispatch import use_kernels
 from .formats import FP8Record, _as_bytes, _bytes_as
-from .moe import (MoEWeights, QuantWeight, route_layer, ExpertAlignment, align_by_expert, fp8_act_quant,
-                          expert_gate_up, expert_down, moe_launch_shape)
+from .moe import MoEWeights, QuantWeight, route_layer
+from .fused_moe import ExpertAlignment, align_by_expert, fp8_act_quant, expert_gate_up, expert_down, moe_launch_shape
 from .engram import EngramTable, head_shards, engram_gate, engram_update
 from .mhc import hc_pre, _rms_norm
 from .model import Transformer, DenseEngram

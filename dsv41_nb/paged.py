@@ -18,7 +18,8 @@ from .compressor import layer_inv_freq, RingJournal
 from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices, gather_keys
 from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
-from .moe import MoEWeights, quantize_weight, fp8_act_quant, moe_forward, moe_experts_reference, route_layer
+from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
+from .fused_moe import fp8_act_quant, moe_forward
 from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
 from . import model as reference

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
-from dsv41_nb.moe import (route, quantize_weight, MoEWeights, ExpertAlignment, align_by_expert, align_by_expert_torch,
-                          fp8_act_quant, fp8_qdq, fused_moe_experts, moe_forward, moe_experts_reference, check_fused_moe,
-                          expert_gate_up, expert_down)
+from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_experts_reference
+from dsv41_nb.fused_moe import (ExpertAlignment, align_by_expert, align_by_expert_torch, fp8_act_quant, fused_moe_experts, moe_forward,
+                                check_fused_moe, expert_gate_up, expert_down)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'

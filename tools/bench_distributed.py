@@ -6,7 +6,7 @@
 One row per batch size (tokens per rank), all measured in one run of `world` processes, one GPU each: the dispatch
 all-to-all (FP8 token records with expert id and weight) and the combine all-to-all (BF16 expert outputs) timed alone,
 with the bytes each rank sends to the others and the bandwidth that implies; the expert-parallel layer
-(`ep_moe_forward`); and 08_moe's `moe_forward` on one GPU holding every expert, for the same per-rank batch and for
+(`ep_moe_forward`); and 08b_fused_moe's `moe_forward` on one GPU holding every expert, for the same per-rank batch and for
 all ranks' batches together. Every call starts with all ranks at a barrier; each rank takes the median over the
 repetitions and the table reports the slowest rank. Each size also checks that the layer's output equals the
 one-process simulation (`ep_moe_simulated`) bit for bit, and reports its largest difference from one GPU's layer. `--quick` runs the tiny config at small sizes with gloo on CPU
@@ -20,7 +20,8 @@ import torch, triton
 import torch.distributed as dist
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name
-from dsv41_nb.moe import MoEWeights, moe_forward, route_layer
+from dsv41_nb.moe import MoEWeights, route_layer
+from dsv41_nb.fused_moe import moe_forward
 from dsv41_nb.distributed import (run_ranks, rank_device, local_experts, dispatch_order, pack_dispatch, exchange,
                                   ep_moe_forward, ep_moe_simulated)
 

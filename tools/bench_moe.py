@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Time the fused Triton MoE of 08_moe against the reference loop, a loop over BF16 weights, and the floor.
+"""Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor.
 
     python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--quick]
 
@@ -17,7 +17,8 @@ import argparse, datetime, json
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, machine_name
-from dsv41_nb.moe import MoEWeights, MOE_TUNING, route, fused_moe_experts, benchmark_moe, format_moe_benchmark
+from dsv41_nb.moe import MoEWeights, route
+from dsv41_nb.fused_moe import MOE_TUNING, fused_moe_experts, benchmark_moe, format_moe_benchmark
 
 def sweep_shapes(cfg, sizes, device):
     "Fused-MoE median ms per launch shape of a small grid, per batch size; prints a table and returns the best per size"
