@@ -310,11 +310,12 @@ class CUDAGraphModel:
 
 # %% ../nbs/13_engine.ipynb #a103ee85
 def _tensors(x) -> list:
-    "Every tensor inside `x` (a tensor, or a dataclass, tuple, list or dict holding them), in a fixed order"
+    "Every tensor inside `x` (a tensor, or a dataclass, tuple, list, dict or namespace holding them), in a fixed order"
     if isinstance(x, torch.Tensor): return [x]
     if dataclasses.is_dataclass(x): return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
     if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
     if isinstance(x, dict): return [t for k in sorted(x, key=str) for t in _tensors(x[k])]
+    if isinstance(x, SimpleNamespace): return _tensors(vars(x))
     return []
 
 @patch
@@ -353,8 +354,9 @@ def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
     replay, static, logits = self.graphs[size]
     src, dst = _tensors(inputs), _tensors(static)
-    if [(t.shape, t.dtype) for t in src] != [(t.shape, t.dtype) for t in dst]:
-        raise RuntimeError(f"CUDAGraphModel: a padded decode batch of {size} does not match the buffers captured for it")
+    if not src or [(t.shape, t.dtype) for t in src] != [(t.shape, t.dtype) for t in dst]:
+        raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} hold no tensors, "
+                           "or not the ones captured for that size")
     for d, s in zip(dst, src): d.copy_(s)
     replay(); self.stats['replayed'] += 1
     return logits[:R].clone()

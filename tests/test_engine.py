@@ -3,6 +3,7 @@ plain greedy generation of the reference model (`generate_greedy`, no scheduler,
 decode; the pool's free count around rejected and aborted requests; the command line in a subprocess; one table of bad
 inputs."""
 import os, subprocess, sys
+from types import SimpleNamespace
 from dataclasses import replace
 from pathlib import Path
 import pytest
@@ -236,6 +237,26 @@ def test_padded_replay_equals_eager(n):
     assert cg.stats['replayed'] == (padded_batch_size(n, (2, 8)) is not None)
     padded = pad_decode_batch(b, 16, cg.widths)
     assert (padded.slot_mappings.swa[n:] == -1).all() and (padded.block_tables[0][n:] == 0).all()
+
+
+class Prepared(TensorOnly):
+    "TensorOnly split as a graph-capable step model is: prepare on the host, run on the device; token 7 is not replayable"
+    def prepare(self, b): return SimpleNamespace(batch=b, replayable=7 not in b.token_ids.tolist())
+    def run(self, inputs): return self.forward(inputs.batch)
+
+
+def test_unreplayable_decode_steps_run_eagerly():
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
+    cg = CUDAGraphModel(Prepared(), kc, 256, capture_sizes=(4,), emulate=True)
+    s, r = Scheduler(kc, SchedulerConfig()), ModelRunner(cg, kc)
+    for i in range(3): s.add_request(f'q{i}', PROMPTS[i][:4], SamplingParams(max_tokens=4))
+    o = s.schedule(); s.update_from_output(o, r.execute_model(o))                  # the prefill
+    b, _ = r.prepare_inputs(s.schedule())
+    want = cg.model.forward(b)
+    torch.testing.assert_close(cg.forward(b), want, rtol=0, atol=0)                  # replayed
+    b.token_ids[1] = 7
+    torch.testing.assert_close(cg.forward(b), cg.model.forward(b), rtol=0, atol=0)   # the padded step, run eagerly
+    assert cg.stats == dict(replayed=1, eager=2, captured=0), cg.stats
 
 
 def test_paged_graph_replay_equals_eager():
