@@ -418,9 +418,9 @@ class EngineArgs:
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
     "The model the runner calls: the paged path when `dsv41_nb.paged` provides one (runner 'auto' or 'paged'), else the reference"
     if runner not in RUNNERS: raise ValueError(f"runner = {runner!r}; expected one of {RUNNERS}")
-    step_model = getattr(importlib.import_module('dsv41_nb.paged'), 'step_model', None) if find_spec('dsv41_nb.paged') else None
+    step_model = getattr(importlib.import_module('dsv41_nb.paged_step'), 'step_model', None) if find_spec('dsv41_nb.paged_step') else None
     if runner != 'recompute' and step_model is not None: return step_model(model, kv_cache_config)
-    if runner == 'paged': raise ValueError("runner = 'paged': this installation has no paged path (dsv41_nb.paged.step_model)")
+    if runner == 'paged': raise ValueError("runner = 'paged': this installation has no paged path (dsv41_nb.paged_step.step_model)")
     return RecomputeModel(model)
 
 # %% ../nbs/13_engine.ipynb #98bf1d24

@@ -261,7 +261,7 @@ def test_unreplayable_decode_steps_run_eagerly():
 
 def test_paged_graph_replay_equals_eager():
     "The paged step model under CUDAGraphModel (emulated: each decode step run as a capture, on the captured buffers)"
-    from dsv41_nb.paged import step_model
+    from dsv41_nb.paged_step import step_model
     g, box = torch.Generator().manual_seed(1), {}
     prompts = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in (80, 5, 40)]
     def emulated(kc):

@@ -34,7 +34,8 @@ from dsv41_nb.accounting import decode_floor, record_bytes, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM, CUDAGraphModel
-from dsv41_nb.paged import PagedModel, PagedStepModel
+from dsv41_nb.paged import PagedModel
+from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts
 from dsv41_nb.checkpoint import load_model
 
