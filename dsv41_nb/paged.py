@@ -371,7 +371,14 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
 def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
     "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
     y = hc_collapse(x[lr], pre[lr], self.norm, self.cfg, f[lr], post[lr], comb[lr])    # (m, dim)
-    return F.linear(y.float(), self.head.float())
+    return F.linear(y.float(), self._head_fp32())
+
+@patch
+def _head_fp32(self: PagedModel) -> torch.Tensor:
+    "The head's BF16 values in fp32, converted once per device rather than at every step (the logits are an fp32 product)"
+    h = getattr(self, '_head32', None)
+    if h is None or h.device != self.head.device or h.shape != self.head.shape: h = self._head32 = self.head.float()
+    return h
 
 # %% ../nbs/10b_paged.ipynb #cb1fce91
 def token_history(token_ids: torch.Tensor,  # (L,) int64 a request's tokens so far
