@@ -416,7 +416,7 @@ class EngineArgs:
             raise ValueError("async_scheduling with num_speculative_tokens > 0 is not supported here")
 
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
-    "The model the runner calls: the paged path when `dsv41_nb.paged` provides one (runner 'auto' or 'paged'), else the reference"
+    "The model the runner calls: the paged path when `dsv41_nb.paged_step` provides one (runner 'auto' or 'paged'), else the reference"
     if runner not in RUNNERS: raise ValueError(f"runner = {runner!r}; expected one of {RUNNERS}")
     step_model = getattr(importlib.import_module('dsv41_nb.paged_step'), 'step_model', None) if find_spec('dsv41_nb.paged_step') else None
     if runner != 'recompute' and step_model is not None: return step_model(model, kv_cache_config)

@@ -24,25 +24,22 @@ import triton.language as tl
 from dsv41_nb import fused_moe
 from dsv41_nb.fused_moe import MOE_TUNING, fused_moe_experts, benchmark_moe, format_moe_benchmark, check_fused_moe
 
+_dequantising_gemm = fused_moe._expert_gemm       # the kernels' own tile loop, kept for the FP8 shared expert
+
 @triton.jit
 def _expert_gemm_dot_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr,
                             BK: tl.constexpr, W_FP4: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr):
     "`fused_moe._expert_gemm` with its MXFP4 tiles multiplied by `tl.dot_scaled` (the FP8 shared expert unchanged)"
-    kk = tl.arange(0, BK)
     if W_FP4:
         w_row = expert.to(tl.int64) * N * (K // 2) + n.to(tl.int64) * (K // 2)
         s_row = expert.to(tl.int64) * N * (K // 32) + n.to(tl.int64) * (K // 32)
-        kb, ks = tl.arange(0, BK // 2), tl.arange(0, BK // 32)
+        kk, kb, ks = tl.arange(0, BK), tl.arange(0, BK // 2), tl.arange(0, BK // 32)
         for k0 in range(0, K, BK):
             a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)   # (BM, BK)
             w = tl.load(w_ptr + w_row[None, :] + (k0 // 2 + kb)[:, None], mask=n_mask[None, :], other=0)      # (BK/2, BN)
             sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None], other=127)  # (BN, BK/32)
             acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e2m1', acc)
-    else:
-        w_row, s_row = n.to(tl.int64) * K, (n // 32).to(tl.int64) * (K // 32)
-        for k0 in range(0, K, BK):
-            a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(DOT)
-            acc = tl.dot(a, tl.trans(fused_moe._fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK, DOT, HW_CVT)), acc)
+    else: acc = _dequantising_gemm(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT)
     return acc
 
 
