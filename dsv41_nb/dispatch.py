@@ -46,7 +46,7 @@ def check_device() -> torch.device:
 
 # %% auto #0
 __all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth',
-           'machine_name', 'capturing', 'as_captured', 'HostReads', 'cuda_graph']
+           'machine_name', 'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -139,3 +139,22 @@ def cuda_graph(fn, # the work to capture, no arguments: the tensors it touches s
     with torch.cuda.graph(graph, pool=pool):
         for _ in range(calls): fn()
     return graph.replay
+
+# %% ../nbs/00a_dispatch.ipynb #ee6b1401
+def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
+               calls: int = 16,  # calls captured in one CUDA graph
+               reps: int = 10,   # graph replays timed
+              ) -> float:
+    "Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph (no launch overhead); `fn(0)` by the host clock off the GPU"
+    if not callable(fn): raise TypeError(f"graph_time: fn must be callable, got {type(fn).__name__}")
+    for name, v in (('calls', calls), ('reps', reps)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"graph_time: {name} must be an int >= 1, got {v!r}")
+    if not torch.cuda.is_available(): return median_time(lambda: fn(0), warmup=1, rep=10)
+    replay = cuda_graph(lambda: [fn(i) for i in range(calls)], warmup=1)  # compiled and warmed up outside the capture
+    replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); replay(); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]

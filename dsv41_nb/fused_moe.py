@@ -10,16 +10,16 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth
+from .dispatch import kernel_backend, triton_interpreting, median_time, graph_time, copy_bandwidth
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits
 from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_hidden, expert_output, moe_experts_reference,
                           moe_bytes_flops, _check_routing, _check_x, _shape)
 
 # %% auto #0
-__all__ = ['MOE_TUNING', 'ExpertAlignment', 'align_by_expert_torch', 'align_by_expert', 'fp8_act_quant', 'moe_launch_shape',
-           'expert_gate_up_torch', 'expert_gate_up', 'assert_fp8_close', 'expert_down_torch', 'expert_down',
-           'assert_bf16_close', 'fused_moe_experts', 'moe_forward', 'check_fused_moe', 'bf16_matmul_rate',
-           'benchmark_moe', 'format_moe_benchmark']
+__all__ = ['MOE_TILES', 'MOE_TUNING', 'ExpertAlignment', 'align_by_expert_torch', 'align_by_expert', 'fp8_act_quant',
+           'moe_launch_shape', 'expert_gate_up_torch', 'expert_gate_up', 'assert_fp8_close', 'expert_down_torch',
+           'expert_down', 'assert_bf16_close', 'fused_moe_experts', 'moe_forward', 'check_fused_moe',
+           'bf16_matmul_rate', 'benchmark_moe', 'format_moe_benchmark']
 
 # %% ../nbs/08b_fused_moe.ipynb #5d228fe3
 @dataclass
@@ -203,21 +203,53 @@ def _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK: tl.constexpr, DOT: tl.
 
 # %% ../nbs/08b_fused_moe.ipynb #e6fd0e3b
 @triton.jit
-def _expert_gemm(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
-                 W_FP4: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr):
-    "acc (BM, BN) += A[rows, :K] @ W[expert, n, :K]ᵀ; a_row: (BM,) pointers to the rows of A (BF16)"
+def _weight_rows(expert, n, K: tl.constexpr, N: tl.constexpr, W_FP4: tl.constexpr):
+    "Offsets of the code rows and scale rows of output columns `n` (BN,) of `expert`'s weight"
     if W_FP4:
         w_row = expert.to(tl.int64) * N * (K // 2) + n.to(tl.int64) * (K // 2)        # packed bytes
         s_row = expert.to(tl.int64) * N * (K // 32) + n.to(tl.int64) * (K // 32)
     else:
         w_row = n.to(tl.int64) * K
         s_row = (n // 32).to(tl.int64) * (K // 32)                                    # one scale row per 32 weight rows
+    return w_row, s_row
+
+@triton.jit
+def _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr,
+                      BK: tl.constexpr, W_FP4: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr):
+    "Version 1: acc (BM, BN) += A[rows, :K] @ W[expert, n, :K]ᵀ; a_row: (BM,) pointers to the rows of A (BF16)"
+    w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
     kk = tl.arange(0, BK)
     for k0 in range(0, K, BK):
         a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(DOT)    # (BM, BK)
         if W_FP4: w = _mxfp4_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK, DOT)
         else: w = _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK, DOT, HW_CVT)
         acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+# %% ../nbs/08b_fused_moe.ipynb #c38f5e56
+@triton.jit
+def _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr,
+                 BK: tl.constexpr, W_FP4: tl.constexpr):
+    "Version 2: `_gemm_dequantised` through `tl.dot_scaled` (both weight formats)"
+    w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
+    kk, kw, ks = tl.arange(0, BK), tl.arange(0, BK // 2 if W_FP4 else BK), tl.arange(0, BK // 32)
+    for k0 in range(0, K, BK):
+        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)      # (BM, BK)
+        sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None], other=127)   # (BN, BK/32)
+        if W_FP4:
+            w = tl.load(w_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :], other=0)    # (BK/2, BN)
+            acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e2m1', acc)
+        else:
+            w = tl.load(w_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :], other=0)         # (BK, BN)
+            acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e4m3', acc)
+    return acc
+
+@triton.jit
+def _expert_gemm(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
+                 W_FP4: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr):
+    "acc (BM, BN) += A[rows, :K] @ W[expert, n, :K]ᵀ, by version 2 (SCALED) or version 1"
+    if SCALED: acc = _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4)
+    else: acc = _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT)
     return acc
 
 # %% ../nbs/08b_fused_moe.ipynb #228175c7
@@ -250,14 +282,14 @@ def _gate_up_kernel(
     limit,              # swiglu_limit (CLAMP)
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, W_FP4: tl.constexpr, HAS_WEIGHT: tl.constexpr, IDENTITY: tl.constexpr, CLAMP: tl.constexpr,
-    HW_CVT: tl.constexpr, DOT: tl.constexpr,
+    HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr,
 ):
     expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N, TOPK, BM, BN, GROUP_M,
                                              IDENTITY)
     if expert < 0: return
     n_mask, x_row, acc = n < N, x_ptr + tok.to(tl.int64) * K, tl.zeros((BM, BN), tl.float32)
-    gate = _expert_gemm(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT)
-    up = _expert_gemm(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT)
+    gate = _expert_gemm(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
+    up = _expert_gemm(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
     gate, up = _round_bf16(gate, HW_CVT), _round_bf16(up, HW_CVT)        # the GEMMs' BF16 outputs
     if CLAMP:
         gate = tl.minimum(gate, limit)
@@ -269,7 +301,8 @@ def _gate_up_kernel(
              mask=valid[:, None] & n_mask[None, :])
 
 # %% ../nbs/08b_fused_moe.ipynb #69a48517
-# Launch shapes by average rows per touched expert (<= 16, <= 64, more).
+# Launch shapes by average rows per touched expert (<= 16, <= 64, more); the weight tiles of version 2 by default.
+MOE_TILES = ('scaled', 'dequantised')
 MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   mid=dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   large=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3))
@@ -279,15 +312,25 @@ def moe_launch_shape(n_assign: int, n_experts: int) -> dict:
     rows = n_assign / max(1, min(n_experts, n_assign))
     return dict(MOE_TUNING['decode' if rows <= 16 else 'mid' if rows <= 64 else 'large'])
 
+def _check_shape(shape):
+    "A launch shape: `MOE_TUNING`'s keys, and known weight tiles"
+    keys = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
+    if not isinstance(shape, dict) or not all(k in shape for k in keys):
+        raise ValueError(f"shape: expected a dict with {', '.join(keys)} (as MOE_TUNING's), got {shape!r}")
+    if shape.get('tiles', MOE_TILES[0]) not in MOE_TILES:
+        raise ValueError(f"tiles = {shape['tiles']!r}; expected one of {MOE_TILES}")
+
 def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device) -> tuple[dict, tuple]:
     "Meta-parameters and grid for a GEMM of N output columns over K"
-    bn = shape['block_n']
+    _check_shape(shape)
+    bn, tiles = shape['block_n'], shape.get('tiles', MOE_TILES[0])
     if device.type == 'cuda':
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         while bn > 32 and align.num_blocks * triton.cdiv(N, bn) < 2 * sms: bn //= 2
     interp = triton_interpreting()
     meta = dict(BM=align.block_m, BN=bn, BK=math.gcd(K, shape['block_k']), GROUP_M=8, HW_CVT=not interp,
-                DOT=tl.float32 if interp else tl.bfloat16, num_warps=shape['num_warps'], num_stages=shape['num_stages'])
+                DOT=tl.float32 if interp else tl.bfloat16, num_warps=shape['num_warps'], num_stages=shape['num_stages'],
+                SCALED=tiles == 'scaled')
     return meta, (align.num_blocks * triton.cdiv(N, bn),)
 
 # %% ../nbs/08b_fused_moe.ipynb #a6dd3d2b
@@ -371,7 +414,7 @@ def _down_kernel(
     sorted_ptr, block_expert_ptr, n_assign, num_m,
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, TOPK_ROUTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, GROUP_M: tl.constexpr, W_FP4: tl.constexpr, IDENTITY: tl.constexpr, COMBINE: tl.constexpr,
-    HW_CVT: tl.constexpr, DOT: tl.constexpr,
+    HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr,
 ):
     expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N, TOPK, BM, BN, GROUP_M,
                                              IDENTITY)
@@ -379,7 +422,7 @@ def _down_kernel(
     n_mask = n < N
     m2 = valid[:, None] & n_mask[None, :]
     acc = _expert_gemm(tl.zeros((BM, BN), tl.float32), h_ptr + a.to(tl.int64) * K, valid, w_ptr, ws_ptr, expert, n,
-                       n_mask, K, N, BK, W_FP4, HW_CVT, DOT)
+                       n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
     y = _round_bf16(acc, HW_CVT)                                          # this expert's BF16 output
     if COMBINE:
         total = tl.zeros((BM, BN), tl.float32)
@@ -458,6 +501,7 @@ def fused_moe_experts(x: torch.Tensor,  # (tokens, dim) FFN input
                      ) -> torch.Tensor:
     "The MoE layer given its routing, (tokens, dim) BF16: Triton kernels (GPU, interpreter), else the reference loop"
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts, check_ids)
+    if shape is not None: _check_shape(shape)
     if x.shape[0] == 0: return torch.empty(0, W.dim, dtype=torch.bfloat16, device=x.device)
     if kernel_backend(x, topk_ids, W.w1.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
@@ -513,8 +557,11 @@ def bf16_matmul_rate(n: int = 8192, device='cuda') -> float:
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     return 2 * n ** 3 / median_time(lambda: a @ b)
 
-def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', seed: int = 0) -> list[dict]:
-    "Median times of the fused MoE, the reference loop and a BF16-weight loop, with the floor: one row per batch size"
+def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', seed: int = 0,
+                  tiles: str = MOE_TILES[0],  # the weight tiles: 'scaled' (version 2) or 'dequantised' (version 1)
+                 ) -> list[dict]:
+    "Median times of the fused MoE (replayed from a CUDA graph, and eager), the reference loop and a BF16-weight loop, with the floor: one row per batch size"
+    if tiles not in MOE_TILES: raise ValueError(f"tiles = {tiles!r}; expected one of {MOE_TILES}")
     W = MoEWeights.random(cfg, seed, device)
     dense = {n: torch.stack([getattr(W, n).dequantize(e).to(torch.bfloat16) for e in range(getattr(W, n).shape[0])])
              for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
@@ -527,11 +574,13 @@ def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', se
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
         touched = ti.unique().numel()
         nbytes, flops = moe_bytes_flops(cfg, T, touched)
-        fused = median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False))
+        shape = dict(moe_launch_shape(ti.numel(), W.n_experts), tiles=tiles)
+        call = lambda i=0: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, shape, check_ids=False)
+        fused, eager = graph_time(call, calls=8), median_time(call)
         ref = median_time(lambda: moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit), warmup=1, rep=3)
         loop = median_time(lambda: moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit, dense), warmup=5, rep=20)
         floor = max(nbytes / bw, flops / rate)
-        rows.append(dict(tokens=T, experts_touched=touched, fused_ms=fused * 1e3, ref_ms=ref * 1e3,
+        rows.append(dict(tokens=T, experts_touched=touched, fused_ms=fused * 1e3, eager_ms=eager * 1e3, ref_ms=ref * 1e3,
                          loop_bf16_ms=loop * 1e3, floor_ms=floor * 1e3, of_floor=floor / fused,
                          bound='bytes' if nbytes / bw >= flops / rate else 'FLOPs', vs_ref=ref / fused,
                          vs_loop=loop / fused,
@@ -542,9 +591,9 @@ def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', se
 # %% ../nbs/08b_fused_moe.ipynb #d84f4878
 def format_moe_benchmark(rows) -> str:
     "The benchmark rows as a text table"
-    cols = ('tokens', 'experts', 'fused ms', 'floor ms', 'bound', 'of floor', 'TB/s', 'TFLOP/s', 'ref ms', 'vs ref',
-            'loop ms', 'vs loop')
-    line = lambda r: (f"{r['tokens']:>8d} {r['experts_touched']:>8d} {r['fused_ms']:>8.3f} {r['floor_ms']:>8.3f} "
+    cols = ('tokens', 'experts', 'fused ms', 'eager ms', 'floor ms', 'bound', 'of floor', 'TB/s', 'TFLOP/s', 'ref ms',
+            'vs ref', 'loop ms', 'vs loop')
+    line = lambda r: (f"{r['tokens']:>8d} {r['experts_touched']:>8d} {r['fused_ms']:>8.3f} {r.get('eager_ms', float('nan')):>8.3f} {r['floor_ms']:>8.3f} "
                       f"{r['bound']:>8s} {r['of_floor']:>8.0%} {r['TBps']:>8.2f} {r['TFLOPs']:>8.1f} "
                       f"{r['ref_ms']:>8.2f} {r['vs_ref']:>7.1f}x {r['loop_bf16_ms']:>8.3f} {r['vs_loop']:>7.1f}x")
     return '\n'.join([' '.join(f'{c:>8s}' for c in cols)] + [line(r) for r in rows])

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph
+from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time
 from .formats import RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value, _ue8m0_value
 from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random_block_tables, gather_keys,
                            check_attention_inputs, sparse_attention_reference)
@@ -19,8 +19,8 @@ from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random
 # %% auto #0
 __all__ = ['DECODE_TUNING', 'decode_cost', 'decode_launch', 'sparse_decode', 'random_records', 'decode_inputs',
            'decode_tolerance', 'check_decode', 'decode_variants', 'launch_name', 'decode_kernel_resources',
-           'distinct_kernels', 'check_decode_grid', 'graph_time', 'input_sets', 'benchmark_sparse_decode',
-           'format_decode_benchmark', 'benchmark_context', 'profile_summary']
+           'distinct_kernels', 'check_decode_grid', 'input_sets', 'benchmark_sparse_decode', 'format_decode_benchmark',
+           'benchmark_context', 'profile_summary']
 
 # %% ../nbs/06_sparse_decode.ipynb #e2e0cf18
 def decode_cost(cfg: ModelConfig, n_window: int, n_topk: int, window_codec: RecordCodec, main_codec: RecordCodec | None) -> dict:
@@ -506,22 +506,6 @@ def check_decode_grid(device,                                          # where t
     return rows
 
 # %% ../nbs/06_sparse_decode.ipynb #7fd91ef8
-def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
-               calls: int = 16,  # calls captured in one CUDA graph
-               reps: int = 10,   # graph replays timed
-              ) -> float:
-    "Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph (no launch overhead); `fn(0)` by the host clock off the GPU"
-    check_int('graph_time', 'calls', calls, 1); check_int('graph_time', 'reps', reps, 1)
-    if not torch.cuda.is_available(): return median_time(lambda: fn(0), warmup=1, rep=10)
-    replay = cuda_graph(lambda: [fn(i) for i in range(calls)], warmup=1)  # compiled and warmed up outside the capture
-    replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); replay(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
 def input_sets(cfg: ModelConfig, batch: int, context: int, n_topk: int, window_format: str = 'window_fp8', main_format: str = 'ds_fp4',
                device='cuda', max_sets: int = 8, max_bytes: float = 8e9) -> list:
     "Enough independent decode steps (random valid records) that one pass over them reads at least twice the L2, within `max_bytes`"

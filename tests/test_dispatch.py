@@ -2,7 +2,7 @@
 import pytest
 import torch
 from fastcore.test import test_fail as fails_with
-from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph
+from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph, graph_time
 
 
 def test_as_captured_nests_and_restores():
@@ -29,9 +29,18 @@ def test_host_reads_sees_reads_and_only_reads():
     (lambda: cuda_graph(lambda: None, calls=0), 'calls must be an int >= 1'),
     (lambda: cuda_graph(lambda: None, warmup=-1), 'warmup must be an int >= 0'),
     (lambda: cuda_graph(lambda: None, warmup=True), 'warmup must be an int >= 0'),
+    (lambda: graph_time('f'), 'fn must be callable'),
+    (lambda: graph_time(lambda i: None, calls=-2), 'calls must be an int >= 1'),
+    (lambda: graph_time(lambda i: None, reps=0), 'reps must be an int >= 1'),
 ])
 def test_cuda_graph_bad_inputs(call, words): fails_with(call, contains=words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message a machine without CUDA gives')
 def test_cuda_graph_needs_a_gpu(): fails_with(lambda: cuda_graph(lambda: None), contains='no CUDA device')
+
+
+def test_graph_time_calls_the_first_call_off_the_gpu():
+    seen = []
+    t = graph_time(lambda i: seen.append(i), calls=4, reps=2)
+    assert t > 0 and set(seen) == ({0} if not torch.cuda.is_available() else set(range(4)))

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
 from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_experts_reference
-from dsv41_nb.fused_moe import (ExpertAlignment, align_by_expert, align_by_expert_torch, fp8_act_quant, fused_moe_experts, moe_forward,
+from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, benchmark_moe, ExpertAlignment, align_by_expert, align_by_expert_torch, fp8_act_quant, fused_moe_experts, moe_forward,
                                 check_fused_moe, expert_gate_up, expert_down)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -109,6 +109,21 @@ def test_fused_moe_matches_loop(E, k, D, I, T, mode, scale, seed):
     if mode == 'one': ti = (torch.arange(k) + seed % E).remainder(E).expand(T, k).contiguous().to(DEV)         # all on k experts
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
 
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([32, 96]), st.integers(1, 40), st.integers(0, 2**31))
+def test_tile_versions_agree(E, k, I, T, seed):
+    "Version 1 (dequantised tiles) and version 2 (tl.dot_scaled): each within bounds of the loop, and of each other"
+    k = min(k, E)
+    cfg, W = _layer(E, k, 64, I, seed % 1000)
+    x = (3 * torch.randn(T, 64, generator=_gen(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, k, cfg.route_scale)
+    outs = []
+    for tiles in MOE_TILES:
+        shape = dict(moe_launch_shape(T * k, E), tiles=tiles)
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape)
+        outs.append(fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, shape))
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2 ** -6, atol=0.05)
+
 @pytest.mark.parametrize('T, mode', [(1, 'router'), (40, 'one'), (17, 'few')])
 def test_fused_moe_edge_cases(T, mode):
     "A batch of one; every token on one expert (several blocks of it, seven experts empty); three experts used, five empty"
@@ -159,6 +174,9 @@ def test_bad_inputs():
         (lambda: align_by_expert(ti.float(), 8, 16), 'topk_ids: expected an int32/int64 tensor'),
         (lambda: align_by_expert(ti, 8, 8), 'block_m = 8; expected a power of two >= 16'),
         (lambda: fp8_act_quant(torch.randn(4, 48)), 'dim a multiple of 32'),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10., dict(moe_launch_shape(8, 8), tiles='mxfp4')), "tiles = 'mxfp4'; expected one of ('scaled', 'dequantised')"),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10., {'block_m': 16, 'block_n': 32}), 'shape: expected a dict with block_m, block_n, block_k'),
+        (lambda: benchmark_moe(TINY, (1,), 'cpu', tiles='v3'), "tiles = 'v3'; expected one of"),
         (lambda: quantize_weight(torch.randn(32, 64), 'fp8'), 'expected float weights (experts, out, in)'),
         (lambda: quantize_weight(torch.randn(1, 32, 64), 'e2m1'), "expected one of ('mxfp4', 'fp8')"),
         (lambda: expert_gate_up(fp8_act_quant(x), W.w1, W.w3, 'rows', tw, 10.), 'align: expected an ExpertAlignment'),
