@@ -328,6 +328,7 @@ def _seam_norm(
     y_ptr,                    # (T, D) the mixed input, normalised in place
     q_ptr, qs_ptr,            # (T, D) E4M3 codes, (T, D // 32) UE8M0 codes (FP8)
     norm_eps, inv_max,
+    col0, col_step,           # this program's column tiles: col0, col0 + col_step, ... (multiples of BLOCK_D)
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FP8: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr,
 ):
@@ -335,7 +336,7 @@ def _seam_norm(
     G: tl.constexpr = BLOCK_D // 32
     dd = tl.arange(0, BLOCK_D)
     gg = tl.arange(0, G)
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in range(col0, D, col_step):
         col = d0 + dd
         m2 = tm[:, None] & (col < D)[None, :]
         yp = y_ptr + t64[:, None] * D + col[None, :]
@@ -352,16 +353,18 @@ def _seam_norm(
 # %% ../nbs/07_mhc.ipynb #ca4d3da7
 @triton.jit
 def _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr,
-                 w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max,
+                 w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, coef, col0, col_step,
                  D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr,
                  BF16: tl.constexpr, HW_CVT: tl.constexpr):
-    "Everything after the pass over the columns: the coefficients from their sums, the norm and the FP8 cast"
+    "Everything after the pass over the columns: the coefficients from their sums (if `coef`), the norm and FP8 cast of columns col0, col0 + col_step, ..."
     if PREDICT:
-        _seam_coefficients(acc_c, acc_p, x_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr,
-                           norm_eps, hc_eps, D, HC, ITERS, NPP, BLOCK_T)
+        if coef:
+            _seam_coefficients(acc_c, acc_p, x_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr,
+                               norm_eps, hc_eps, D, HC, ITERS, NPP, BLOCK_T)
     if MIX:
-        _seam_norm(y_ss, t64, tm, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, inv_max, D, BLOCK_T, BLOCK_D, FP8, BF16, HW_CVT)
+        _seam_norm(y_ss, t64, tm, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, inv_max, col0, col_step, D, BLOCK_T, BLOCK_D,
+                   FP8, BF16, HW_CVT)
 
 @triton.jit
 def _update_tile(x_ptr, f_ptr, comb_ptr, post, t64, tm, col, m2,
@@ -435,8 +438,8 @@ def _mhc_seam_kernel(
     if SPLIT == 1:
         tl.debug_barrier()                                        # the y just written is re-read by other threads
         _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr,
-                     y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, D, HC, ITERS, NPP, BLOCK_T, BLOCK_D,
-                     PREDICT, MIX, FP8, BF16, HW_CVT)
+                     y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, True, 0, BLOCK_D, D, HC, ITERS, NPP, BLOCK_T,
+                     BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)
     else:
         ws = ws_ptr + (t64[:, None] * SPLIT + tl.program_id(1)) * (HC * HC + NPP + 2)
         tl.store(ws + tl.arange(0, HC * HC)[None, :], acc_c, mask=tm[:, None])
@@ -453,26 +456,28 @@ def _mhc_finish_kernel(
     SPLIT,            # partial sums per token
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr,
-    BF16: tl.constexpr, HW_CVT: tl.constexpr,
+    BF16: tl.constexpr, HW_CVT: tl.constexpr, SB: tl.constexpr,   # partial sums loaded at once
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm, t64 = t < T, t.to(tl.int64)
-    nc, npp, two = tl.arange(0, HC * HC), tl.arange(0, NPP), tl.arange(0, 2)
+    nc, npp, two, sb = tl.arange(0, HC * HC), tl.arange(0, NPP), tl.arange(0, 2), tl.arange(0, SB)
     acc_c, acc_p = tl.zeros((BLOCK_T, HC * HC), tl.float32), tl.zeros((BLOCK_T, NPP), tl.float32)
     ss = tl.zeros((BLOCK_T, 2), tl.float32)                                             # sums of squares: copies, y
-    for s in range(SPLIT):
-        ws = ws_ptr + (t64[:, None] * SPLIT + s) * (HC * HC + NPP + 2)
-        acc_c += tl.load(ws + nc[None, :], mask=tm[:, None], other=0.0)
-        acc_p += tl.load(ws + HC * HC + npp[None, :], mask=tm[:, None], other=0.0)
-        ss += tl.load(ws + HC * HC + NPP + two[None, :], mask=tm[:, None], other=0.0)
+    for s0 in range(0, SPLIT, SB):                                # SB partial sums per step: (BT, SB, width) tiles
+        ws = ws_ptr + ((t64[:, None] * SPLIT + s0 + sb[None, :]) * (HC * HC + NPP + 2))[:, :, None]
+        m = (tm[:, None] & (s0 + sb < SPLIT)[None, :])[:, :, None]
+        acc_c += tl.sum(tl.load(ws + nc[None, None, :], mask=m, other=0.0), axis=1)
+        acc_p += tl.sum(tl.load(ws + HC * HC + npp[None, None, :], mask=m, other=0.0), axis=1)
+        ss += tl.sum(tl.load(ws + HC * HC + NPP + two[None, None, :], mask=m, other=0.0), axis=1)
     x_ss = tl.sum(tl.where(two[None, :] == 0, ss, 0.0), axis=1)
     y_ss = tl.sum(tl.where(two[None, :] == 1, ss, 0.0), axis=1)
+    c = tl.program_id(1)                                           # column programs share the norm; the first also
     _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr,
-                 y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, D, HC, ITERS, NPP, BLOCK_T, BLOCK_D,
-                 PREDICT, MIX, FP8, BF16, HW_CVT)
+                 y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, c == 0, c * BLOCK_D, tl.num_programs(1) * BLOCK_D,
+                 D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)   # writes the coefficients
 
 # %% ../nbs/07_mhc.ipynb #3f221c29
-MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto')
+MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16)
 
 @functools.lru_cache(None)
 def _sm_count(index) -> int: return torch.cuda.get_device_properties(index).multi_processor_count
@@ -520,8 +525,8 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
             split, triton.cdiv(triton.cdiv(dim, bd), split), HAS_PREV=has_prev, **meta)
     if split > 1 and (predict or mix):
         with _marked('mhc_finish'):
-            _mhc_finish_kernel[(triton.cdiv(T, bt),)](ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars,
-                                                      split, **meta)
+            _mhc_finish_kernel[(triton.cdiv(T, bt), split if mix else 1)](   # the norm spread over `split` programs
+                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, SB=MHC_TUNING['finish_sb'], **meta)
     return out
 
 # %% ../nbs/07_mhc.ipynb #0bab1db3

@@ -118,13 +118,13 @@ def seam_args(cfg, T, dtype, has_prev, predict, mix, fp8, strength, seed):
 @settings(max_examples=40)
 @given(T=st.integers(0, 40), dim=st.sampled_from([32, 64, 96, 160]), n=st.sampled_from([4, 8]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), steps=st.sampled_from([(1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (0, 0, 1), (1, 0, 0)]),
-       fp8=st.booleans(), strength=st.floats(0, 10), block_d=st.sampled_from([32, 64]), split=st.sampled_from([1, 2, 3, 'auto']),
-       seed=st.integers(0, 2**31))
-def test_seam_kernel_matches_reference(T, dim, n, dtype, steps, fp8, strength, block_d, split, seed):
+       fp8=st.booleans(), strength=st.floats(0, 10), block_d=st.sampled_from([32, 64]), split=st.sampled_from([1, 2, 3, 5, 'auto']),
+       finish_sb=st.sampled_from([2, 16]), seed=st.integers(0, 2**31))
+def test_seam_kernel_matches_reference(T, dim, n, dtype, steps, fp8, strength, block_d, split, finish_sb, seed):
     cfg = replace(TINY, dim=dim, hc_mult=n)
     args = seam_args(cfg, T, dtype, *map(bool, steps), fp8, strength, seed)
     old = dict(MHC_TUNING)
-    MHC_TUNING.update(block_d=block_d, split=split)
+    MHC_TUNING.update(block_d=block_d, split=split, finish_sb=finish_sb)
     try:
         with use_kernels('triton'): got = mhc_seam(**args)
     finally: MHC_TUNING.update(old)
