@@ -11,7 +11,9 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 `step_model` hook; `--experts N` scales the routed experts down if memory asks for it. Four measurements:
 
 1. concurrency: for each level c, c random byte prompts at once (`load_test` of the command line): output tokens/s and
-   TTFT / TPOT / end-to-end percentiles; one table row per level.
+   TTFT / TPOT / end-to-end percentiles; one table row per level. Each level is warmed up first with c other prompts
+   of 3 tokens each (Triton compiles a kernel again for new argument specialisations, and the CUDA graph of the
+   level's batch size is captured), so the row times serving, not compiling.
 2. the decode step at batch 1: the engine's time per output token of one request (scheduler, runner, sampler included)
    against the floor of that step: the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of
    01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
@@ -65,9 +67,11 @@ def sync(device):
 def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int, res: dict, path) -> list:
     "One row per level; each row goes into `res['concurrency']` (and the JSON) as soon as it is measured"
     sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
+    warm = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     res['concurrency'] = rows
     load_test(llm, random_prompts(2, prompt_len, seed=seed), sp)                                   # warm-up: compile, fill
     for c in levels:
+        load_test(llm, random_prompts(c, prompt_len, seed=seed + 10**6 + c), warm)                     # this level's shapes
         s = load_test(llm, random_prompts(c, prompt_len, seed=seed + c), sp)
         rows.append(dict(concurrency=c, **s))
         print(f"{c:6d} {s['output_tokens_per_s']:12.1f} {1e3 * s['ttft_s'][50]:9.1f} {1e3 * s['ttft_s'][99]:9.1f} "
