@@ -12,7 +12,8 @@ from .config import ModelConfig, LayerInfo, layer_topology, source_layer, expect
 from .formats import RecordCodec, FP8Record, cache_format
 from .records import store_records
 from .block_pool import PAD_SLOT_ID, slot_mapping, compressed_slot_mapping, ring_slot_mapping
-from .compressor import Compressor, RMSNorm, layer_inv_freq, rope_cos_sin, apply_rope
+from .compressor import Compressor, RMSNorm, layer_inv_freq
+from .rope_norm import rope, norm_layer
 from .indexer import Indexer, IndexBatch
 from .dispatch import capturing
 
@@ -328,15 +329,14 @@ class CSA2Attention(nn.Module):
 @patch
 def query(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> tuple:
     "(q (T, H, D) rotated, qr (T, q_lora_rank)) of hidden states x (T, dim)"
-    qr = self.q_norm(self.wq_a(x))                                                 # (T, q_lora_rank)
+    qr = norm_layer(self.q_norm, self.wq_a(x))                                     # (T, q_lora_rank)
     q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))                 # (T, H, D)
-    cos, sin = rope_cos_sin(self.inv_freq, positions)
-    return apply_rope(q, cos[:, None], sin[:, None]), qr
+    return rope(q, self.inv_freq, positions), qr
 
 @patch
 def window_kv(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     "(T, D) this step's window latents, rotated at their positions (key and value at once)"
-    return apply_rope(self.kv_norm(self.wkv(x)), *rope_cos_sin(self.inv_freq, positions))
+    return rope(norm_layer(self.kv_norm, self.wkv(x)), self.inv_freq, positions)
 
 # %% ../nbs/05_csa2.ipynb #33da5eb5
 @patch
@@ -381,8 +381,7 @@ def _index(self: CSA2Attention, x, qr, step, state, latent, slots, topk):
 @patch
 def project_out(self: CSA2Attention, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     "(T, dim) layer output of the attention output o (T, H, D): inverse RoPE, grouped wo_a, wo_b"
-    cos, sin = rope_cos_sin(self.inv_freq, positions)
-    o = apply_rope(o, cos[:, None], sin[:, None], inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))   # (T, G, H*D/G)
+    o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))          # (T, G, H*D/G)
     wo_a = self.wo_a.weight.unflatten(0, (self.n_groups, -1))                                                 # (G, R, H*D/G)
     return self.wo_b(torch.einsum('tgi,gri->tgr', o, wo_a).flatten(1))                                        # (T, dim)
 

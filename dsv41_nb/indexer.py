@@ -15,7 +15,8 @@ from .dispatch import kernel_backend, triton_interpreting, median_time, copy_ban
 from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4, _e2m1_value, _ue8m0_value,
                               _e4m3_value)
 from .records import store_records
-from .compressor import Compressor, layer_inv_freq, rope_cos_sin, apply_rope, RMSNorm, new_record_cache
+from .compressor import Compressor, layer_inv_freq, RMSNorm, new_record_cache
+from .rope_norm import rope, norm_layer
 
 # %% auto #0
 __all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'IndexBatch', 'index_logits_reference', 'topk_reference',
@@ -58,8 +59,8 @@ class Indexer(nn.Module):
 def keys(self: Indexer, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     "(T, head_dim) bf16 index keys of (T, d) unrotated latents, rotated at each entry's first position p + 1 - ratio"
     if not self.owns_keys: raise ValueError(f"layer {self.layer} reads the index keys of layer {self.kv_source}; it makes none")
-    k = self.k_norm(self.wk(latent.to(torch.bfloat16)))
-    return apply_rope(k, *rope_cos_sin(self.inv_freq, (positions + 1 - self.ratio).clamp_min(0)))
+    k = norm_layer(self.k_norm, self.wk(latent.to(torch.bfloat16)))
+    return rope(k, self.inv_freq, (positions + 1 - self.ratio).clamp_min(0))
 
 @patch
 def new_key_cache(self: Indexer, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
@@ -81,8 +82,7 @@ def qdq_mxfp4(x: torch.Tensor) -> torch.Tensor:
 def queries(self: Indexer, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> tuple:
     "(q, w): (T, heads, head_dim) bf16 index queries (rotated, MXFP4-rounded) and (T, heads) fp32 head weights"
     q = self.wq_b(qr.to(torch.bfloat16)).unflatten(-1, (self.n_heads, self.head_dim))
-    cos, sin = rope_cos_sin(self.inv_freq, positions)
-    q = qdq_mxfp4(apply_rope(q, cos[:, None], sin[:, None]))
+    q = qdq_mxfp4(rope(q, self.inv_freq, positions))
     w = self.weights_proj(x.to(torch.bfloat16)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
     return q, w.float()
 
