@@ -19,7 +19,8 @@ from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
 from .dispatch import BACKENDS, use_kernels, as_captured, cuda_graph
 from .kv_cache import CacheConfig, KVCacheConfig, SlotMappings, get_kv_cache_config, cdiv
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, ModelRunnerOutput,
-                                PLACEHOLDER, Proposer, NgramProposer)
+                                PLACEHOLDER)
+from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw

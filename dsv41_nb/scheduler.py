@@ -13,12 +13,12 @@ import torch
 from fastcore.basics import patch
 from .block_pool import Request, PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids, _is_int
 from .kv_cache import KVCacheManager, KVCacheConfig, KVCacheBlocks, SlotMappings, CacheCapacityError
+from .proposer import Proposer
 
 # %% auto #0
 __all__ = ['FINISH_REASONS', 'PLACEHOLDER', 'SamplingParams', 'RequestStatus', 'SchedulerRequest', 'check_stop', 'toy_next_token',
-           'toy_next_tokens', 'toy_generate', 'reference_ngram_propose', 'Proposer', 'NgramProposer', 'SchedulerConfig',
-           'ScheduledRequest', 'SchedulerOutput', 'ModelRunnerOutput', 'EngineCoreOutput', 'Scheduler', 'ToyRunner',
-           'run_until_done']
+           'toy_next_tokens', 'toy_generate', 'SchedulerConfig', 'ScheduledRequest', 'SchedulerOutput',
+           'ModelRunnerOutput', 'EngineCoreOutput', 'Scheduler', 'ToyRunner', 'run_until_done']
 
 # %% ../nbs/12_scheduler.ipynb #3f999b79
 def _real(v) -> bool:
@@ -149,60 +149,6 @@ def toy_generate(prompt: Sequence[int], # the prompt's token ids
         out.append(t)
         if len(prompt) + len(out) >= max_model_len or len(out) >= sp.max_tokens: return out, 'length'
         if len(out) >= sp.min_tokens and ((t == eos_token_id and not sp.ignore_eos) or t in sp.stop_token_ids): return out, 'stop'
-
-# %% ../nbs/12_scheduler.ipynb #b10d0b41
-def reference_ngram_propose(tokens: Sequence[int], # the context
-                            min_n: int, max_n: int, # n-gram lengths to try
-                            k: int) -> list: # most tokens to propose
-    "Tokens after the earliest earlier occurrence of the longest matching suffix n-gram (a test oracle)"
-    L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        suffix = list(tokens[L - n:])
-        for i in range(L - n):                                  # an occurrence starting at i ends before the last token
-            if list(tokens[i:i + n]) == suffix: return list(tokens[i + n:i + n + k])
-    return []
-
-# %% ../nbs/12_scheduler.ipynb #aa1eef90
-class Proposer(Protocol):
-    "Drafts up to `num_speculative_tokens` next tokens per request from each request's tokens so far"
-    num_speculative_tokens: int
-    def propose(self, requests: Sequence[Sequence[int]]) -> list: ...
-
-class NgramProposer:
-    "vLLM's n-gram (prompt lookup) proposer"
-    def __init__(self, num_speculative_tokens: int, # k: most drafts per request
-                 prompt_lookup_min: int = 2, # shortest n-gram to match
-                 prompt_lookup_max: int = 4, # longest n-gram to match
-                 max_model_len: int | None = None): # never draft past this many tokens
-        for name, v in (('num_speculative_tokens', num_speculative_tokens), ('prompt_lookup_min', prompt_lookup_min)):
-            if not (_is_int(v) and v >= 1): raise ValueError(f"NgramProposer: {name} = {v!r}; expected an integer >= 1")
-        if not (_is_int(prompt_lookup_max) and prompt_lookup_max >= prompt_lookup_min):
-            raise ValueError(f"NgramProposer: prompt_lookup_max = {prompt_lookup_max!r}; "
-                             f"expected an integer >= prompt_lookup_min = {prompt_lookup_min}")
-        self.num_speculative_tokens, self.min_n, self.max_n = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
-        self.max_model_len = max_model_len
-
-# %% ../nbs/12_scheduler.ipynb #10f550c7
-@patch
-def propose_one(self: NgramProposer, tokens: Sequence[int]) -> list: # one request's tokens so far
-    "The drafts for one context"
-    t = np.asarray(tokens, dtype=np.int64)
-    L, k = len(t), self.num_speculative_tokens
-    if self.max_model_len is not None: k = min(k, self.max_model_len - L)
-    if L <= self.min_n or k <= 0: return []
-    ends = np.flatnonzero(t[:L - 1] == t[L - 1])                 # earlier positions that could end a match
-    length, alive = np.zeros(len(ends), dtype=np.int64), np.ones(len(ends), dtype=bool)
-    for j in range(min(self.max_n, L - 1)):                       # grow every match one token backwards
-        alive &= (ends >= j) & (t[np.maximum(ends - j, 0)] == t[L - 1 - j])
-        length += alive
-    if not len(ends) or length.max() < self.min_n: return []
-    start = ends[np.argmax(length == length.max())] + 1          # the earliest of the longest
-    return t[start:start + k].tolist()
-
-@patch
-def propose(self: NgramProposer, requests: Sequence[Sequence[int]]) -> list: # each request's tokens so far
-    "Up to k drafts per request"
-    return [self.propose_one(r) for r in requests]
 
 # %% ../nbs/12_scheduler.ipynb #ae931987
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, generate_greedy, ByteTokenizer
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
-from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, NgramProposer, run_until_done
+from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
+from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, CUDAGraphModel, padded_batch_size, pad_decode_batch, IncrementalDetokenizer,
                              EngineArgs, LLMEngine, LLM, prefix_gap, greedy_shortfall, assert_greedy_match)
