@@ -19,7 +19,7 @@ from .dispatch import capturing
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',
-           'random_block_tables', 'window_indices', 'SparseIndices', 'topk_slots', 'PagedRecords',
+           'random_block_tables', 'window_indices', 'step_window', 'SparseIndices', 'topk_slots', 'PagedRecords',
            'check_attention_inputs', 'gather_keys', 'sparse_attention_reference', 'CSA2Attention']
 
 # %% ../nbs/05_csa2.ipynb #8a20c70f
@@ -179,6 +179,12 @@ def window_indices(step: CSA2Step, window: int) -> tuple:
                          f"the table has {bt.shape[1]}")
     blk = bt[step.rows.clamp_min(0).long()[:, None], torch.where(live, page, 0)]
     return torch.where(live, blk * bs + pos % bs, PAD_SLOT_ID).int(), lens.int()
+
+def step_window(step: CSA2Step, window: int) -> tuple:
+    "`window_indices` of `step`, computed once per step object and window size: every layer of a step reads the same window"
+    memo = step.__dict__.setdefault('_windows', {})              # not a field: `replace` starts a new step afresh
+    if window not in memo: memo[window] = window_indices(step, window)
+    return memo[window]
 
 # %% ../nbs/05_csa2.ipynb #c1ec952b
 @dataclass
@@ -343,7 +349,7 @@ def window_kv(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> 
 def select(self: CSA2Attention, x, qr, step: CSA2Step, state: CSA2State, topk=None) -> tuple:
     "(SparseIndices, the compressed cache read or None): run this layer's role for `step`, publishing what it makes"
     T, l, dev = len(step.positions), self.layer, step.positions.device
-    w_slots, w_lens = window_indices(step, self.window)
+    w_slots, w_lens = step_window(step, self.window)
     if self.ratio == 0:
         if topk is not None: raise ValueError(f"layer {l} attends over its window only; it takes no top-k")
         none = torch.zeros(T, 0, dtype=torch.int32, device=dev)

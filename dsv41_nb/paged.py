@@ -75,7 +75,11 @@ class PagedAttention(CSA2Attention):
     def select(self, x, qr, step, state, topk=None):
         idx, compressed = CSA2Attention.select(self, x, qr, step, state, topk)
         floor = getattr(step, 'window_floor', None)
-        return (idx if floor is None else truncate_window(idx, step.positions, floor)), compressed
+        if floor is None: return idx, compressed
+        memo = step.__dict__.setdefault('_truncated', {})         # the window part is the same in every layer of a step
+        if self.window not in memo:
+            t = truncate_window(idx, step.positions, floor); memo[self.window] = (t.window_slots, t.window_lens)
+        return replace(idx, window_slots=memo[self.window][0], window_lens=memo[self.window][1]), compressed
     def __repr__(self): return 'PagedAttention' + CSA2Attention.__repr__(self)[len('CSA2Attention'):]
 
 # %% ../nbs/10b_paged.ipynb #4c45c577
