@@ -13,13 +13,13 @@ from fastcore.basics import patch
 from .config import ModelConfig, source_layer
 from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
 from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4, _e2m1_value, _ue8m0_value,
-                              _e4m3_value)
+                              _e4m3_value, _e2m1_code, _ue8m0_code, _pow2)
 from .records import store_records
 from .compressor import Compressor, layer_inv_freq, RMSNorm, new_record_cache
 from .rope_norm import rope, norm_layer
 
 # %% auto #0
-__all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'IndexBatch', 'index_logits_reference', 'topk_reference',
+__all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'qdq_mxfp4_fused', 'IndexBatch', 'index_logits_reference', 'topk_reference',
            'candidate_pool_reference', 'pool_mask', 'sparse_topk_reference', 'index_logits_torch', 'index_logits',
            'logits_error_bound', 'ragged_topk', 'candidate_pool', 'pool_entries', 'sparse_topk', 'random_key_cache',
            'benchmark_index_logits', 'benchmark_sparse_vs_dense', 'candidate_recall']
@@ -78,11 +78,38 @@ def qdq_mxfp4(x: torch.Tensor) -> torch.Tensor:
     packed, scales = quantize_fp4(x, 32, 'ue8m0')
     return dequantize_fp4(packed, scales, 32, 'ue8m0').to(x.dtype)
 
+@triton.jit
+def _qdq_mxfp4_kernel(x_ptr, y_ptr, n_groups, ROWS: tl.constexpr):
+    "Groups of 32 rounded through MXFP4 as `quantize_fp4` + `dequantize_fp4` do it (a NaN or infinity poisons its group)"
+    g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    gm = (g < n_groups)[:, None]
+    off = g.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + off, mask=gm, other=0.0).to(tl.float32)
+    fin = (x == x) & (tl.abs(x) != float('inf'))
+    bad = tl.sum((fin == 0).to(tl.int32), axis=1)[:, None] > 0
+    amax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
+    scale = _pow2(tl.minimum(tl.maximum(_ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0), 1), 254))[:, None]
+    v = tl.math.div_rn(tl.where(bad, 0.0, x), scale)                                # exact: a power of two
+    y = tl.where(bad, float('nan'), _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))) * scale)
+    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=gm)                   # exact in BF16: 3 significant bits
+
+def qdq_mxfp4_fused(x: torch.Tensor) -> torch.Tensor:
+    "`qdq_mxfp4` in one Triton launch (GPU, interpreter), else the reference"
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim == 0 or x.shape[-1] % 32:
+        raise ValueError(f"qdq_mxfp4_fused: expected floats (..., d) with d a multiple of 32, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if kernel_backend(x) == 'torch' or x.numel() == 0 or x.requires_grad or x.dtype not in (torch.bfloat16, torch.float32):
+        return qdq_mxfp4(x)
+    xc = x.contiguous()
+    y = torch.empty_like(xc)
+    _qdq_mxfp4_kernel[(triton.cdiv(xc.numel() // 32, 16),)](xc, y, xc.numel() // 32, ROWS=16, num_warps=4)
+    return y
+
 @patch
 def queries(self: Indexer, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> tuple:
     "(q, w): (T, heads, head_dim) bf16 index queries (rotated, MXFP4-rounded) and (T, heads) fp32 head weights"
     q = self.wq_b(qr.to(torch.bfloat16)).unflatten(-1, (self.n_heads, self.head_dim))
-    q = qdq_mxfp4(rope(q, self.inv_freq, positions))
+    q = qdq_mxfp4_fused(rope(q, self.inv_freq, positions))
     w = self.weights_proj(x.to(torch.bfloat16)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
     return q, w.float()
 

@@ -12,7 +12,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.formats import cache_format
 from dsv41_nb.records import store_records
-from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, index_logits, index_logits_reference, topk_reference,
+from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits, index_logits_reference, topk_reference,
                               ragged_topk, candidate_pool, candidate_pool_reference, pool_mask, sparse_topk,
                               sparse_topk_reference, logits_error_bound)
 
@@ -177,3 +177,21 @@ def test_chunked_prefill_selects_like_one_shot(n, chunks, layer, seed):
         if s >= n: break
         steps.append((s, min(k, n - s))); s += steps[-1][1]
     assert torch.equal(run(steps), run([(0, n)]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 40), groups=st.integers(1, 5), log_scale=st.integers(-130, 120), poison=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**31))
+def test_qdq_mxfp4_fused_matches_reference(rows, groups, log_scale, poison, dtype, seed):
+    "The one-launch MXFP4 rounding gives the reference's bits (NaN where a NaN or an infinity poisons a group)"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 32 * groups, generator=g) * 2.0 ** log_scale
+    if poison: x[0, 3], x[-1, -1] = float('nan'), float('inf')
+    x = x.to(DEV, dtype)
+    got, want = qdq_mxfp4_fused(x), qdq_mxfp4(x)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+
+
+def test_qdq_mxfp4_fused_bad_input():
+    for bad in (torch.zeros(2, 30), torch.zeros(2, 32, dtype=torch.int32), 'x'):
+        with pytest.raises(ValueError, match='expected floats'): qdq_mxfp4_fused(bad)
