@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from .dispatch import kernel_backend, capturing
-from .compressor import rope_cos_sin, _cos_sin, apply_rope, rms_norm, RMSNorm, _bf16_round
+from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm, _bf16_round
 
 # %% auto #0
 __all__ = ['rope_torch', 'rope', 'rms_norm_fused', 'norm_layer']
@@ -92,7 +92,7 @@ def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, inver
 
 # %% ../nbs/03a_rope_norm.ipynb #c49cd6ad
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n_rows, eps,  # eps: the fp32 value of the model's eps
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps,  # one program per row; eps: the fp32 value of the model's eps
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
@@ -120,7 +120,7 @@ def rms_norm_fused(x: torch.Tensor,       # (..., d)
     xc, D = x.contiguous(), x.shape[-1]
     y = torch.empty_like(xc)
     eps32 = struct.unpack('f', struct.pack('f', eps))[0]                  # as `rms_norm` rounds it
-    _rms_norm_kernel[(xc.numel() // D,)](xc, weight.contiguous(), y, xc.numel() // D, eps32, D=D,
+    _rms_norm_kernel[(xc.numel() // D,)](xc, weight.contiguous(), y, eps32, D=D,
                                          BLOCK_D=triton.next_power_of_2(D), BF16=x.dtype == torch.bfloat16,
                                          num_warps=8 if D > 2048 else 4, enable_fp_fusion=False)
     return y

@@ -55,3 +55,14 @@ F8 = torch.ones(4)
     (lambda: rms_norm_fused(torch.zeros(2, 8), torch.ones(8), 'small'), "eps = 'small'; expected a float >= 0"),
 ])
 def test_bad_inputs(call, words): fails_with(call, contains=words)
+
+
+@needs_triton
+def test_the_kernels_run_not_the_references(monkeypatch):
+    "On the Triton backend both entry points launch their kernels (a broken dispatch would still pass the equality tests)"
+    import dsv41_nb.rope_norm as rn
+    def boom(*a, **k): raise AssertionError('the reference ran')
+    monkeypatch.setattr(rn, 'rope_torch', boom); monkeypatch.setattr(rn, 'rms_norm', boom)
+    x = torch.randn(2, 3, 64, device=DEV).bfloat16()
+    rope(x, layer_inv_freq(ModelConfig.bench(), 0).to(DEV), torch.tensor([1, 5], device=DEV))
+    rms_norm_fused(x, torch.ones(64, device=DEV), 1e-6)
