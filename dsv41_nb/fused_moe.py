@@ -271,6 +271,20 @@ def _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N: tl.constexpr
 
 # %% ../nbs/08b_fused_moe.ipynb #d7c69784
 @triton.jit
+def _swiglu(gate, up, limit, CLAMP: tl.constexpr, HW_CVT: tl.constexpr):
+    "fp32 sums of the gate and up GEMMs -> silu(gate) * up in fp32, each sum first rounded to BF16 (and clamped)"
+    gate, up = _round_bf16(gate, HW_CVT), _round_bf16(up, HW_CVT)        # the GEMMs' BF16 outputs
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+@triton.jit
+def _fp8_quant_tile(h, R: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
+    "(R, C) fp32 -> rounded to BF16, then FP8-quantised in groups of 32 along C (act_quant), as fp32"
+    return tl.reshape(_fp8_qdq_groups(tl.reshape(_round_bf16(h, HW_CVT), (R, C // 32, 32)), HW_CVT), (R, C))
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,              # (tokens, K) BF16 activations, FP8-quantised
     w1_ptr, w1s_ptr,    # gate codes + scales: MXFP4 (E, N, K/2) + (E, N, K/32), or FP8 (1, N, K) + (1, N/32, K/32)
@@ -290,13 +304,9 @@ def _gate_up_kernel(
     n_mask, x_row, acc = n < N, x_ptr + tok.to(tl.int64) * K, tl.zeros((BM, BN), tl.float32)
     gate = _expert_gemm(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
     up = _expert_gemm(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
-    gate, up = _round_bf16(gate, HW_CVT), _round_bf16(up, HW_CVT)        # the GEMMs' BF16 outputs
-    if CLAMP:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    h = gate / (1.0 + tl.exp(-gate)) * up                                # silu(gate) * up, fp32
+    h = _swiglu(gate, up, limit, CLAMP, HW_CVT)
     if HAS_WEIGHT: h = h * tl.load(weight_ptr + a, mask=valid, other=0.0)[:, None]
-    h = tl.reshape(_fp8_qdq_groups(tl.reshape(_round_bf16(h, HW_CVT), (BM, BN // 32, 32)), HW_CVT), (BM, BN))
+    h = _fp8_quant_tile(h, BM, BN, HW_CVT)
     tl.store(h_ptr + a.to(tl.int64)[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
@@ -498,6 +508,7 @@ def fused_moe_experts(x: torch.Tensor,  # (tokens, dim) FFN input
                       swiglu_limit: float,
                       shape: dict | None = None,  # launch shape (default `moe_launch_shape`)
                       check_ids: bool = True,  # range-check the expert ids (reads them: a device synchronisation)
+                      gate_up=None,  # the gate/up stage: `expert_gate_up` (default) or one called like it
                      ) -> torch.Tensor:
     "The MoE layer given its routing, (tokens, dim) BF16: Triton kernels (GPU, interpreter), else the reference loop"
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts, check_ids)
@@ -505,30 +516,33 @@ def fused_moe_experts(x: torch.Tensor,  # (tokens, dim) FFN input
     if x.shape[0] == 0: return torch.empty(0, W.dim, dtype=torch.bfloat16, device=x.device)
     if kernel_backend(x, topk_ids, W.w1.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
-    return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape)['y']
+    return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up)['y']
 
-def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None) -> dict:
+def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None,
+                  gate_up=None) -> dict:
     "The six launches; every intermediate, by name"
-    T, k = topk_ids.shape
+    T, k, expert_gate_up_ = *topk_ids.shape, gate_up or expert_gate_up
     shape = shape or moe_launch_shape(T * k, W.n_experts)
     s = dict(align=align_by_expert(topk_ids, W.n_experts, shape['block_m']), xq=fp8_act_quant(x),
              shared=ExpertAlignment.identity(T, shape['block_m']))
-    s['h'] = expert_gate_up(s['xq'], W.w1, W.w3, s['align'], topk_weights, swiglu_limit, shape)      # (T*k, inter)
+    s['h'] = expert_gate_up_(s['xq'], W.w1, W.w3, s['align'], topk_weights, swiglu_limit, shape)     # (T*k, inter)
     s['routed'] = expert_down(s['h'], W.w2, s['align'], shape=shape)                               # (T*k, dim)
-    s['hs'] = expert_gate_up(s['xq'], W.shared_w1, W.shared_w3, s['shared'], None, swiglu_limit, shape)   # (T, inter)
+    s['hs'] = expert_gate_up_(s['xq'], W.shared_w1, W.shared_w3, s['shared'], None, swiglu_limit, shape)  # (T, inter)
     s['y'] = expert_down(s['hs'], W.shared_w2, s['shared'], s['routed'], shape)                     # (T, dim)
     return s
 
 # %% ../nbs/08b_fused_moe.ipynb #20fe46ac
-def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None) -> torch.Tensor:
-    "The MoE layer: route, then the fused experts; (tokens, dim) BF16 (arguments as `route_layer`)"
-    return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated), W, cfg.swiglu_limit, check_ids=False)
+def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None) -> torch.Tensor:
+    "The MoE layer: route, then the fused experts; (tokens, dim) BF16 (arguments as `route_layer`; `gate_up` as `fused_moe_experts`)"
+    return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated), W, cfg.swiglu_limit, check_ids=False,
+                             gate_up=gate_up)
 
 # %% ../nbs/08b_fused_moe.ipynb #303f5ac7
-def check_fused_moe(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None) -> dict:
+def check_fused_moe(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None,
+                    stages=None) -> dict:  # the pipeline checked: `_fused_stages` (default) or another with its keys
     "Check the fused MoE against the reference, stage by stage and end to end (AssertionError if not); the errors"
     (T, k), I = topk_ids.shape, W.inter_dim
-    s = _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape)
+    s = (stages or _fused_stages)(x, topk_weights, topk_ids, W, swiglu_limit, shape)
     al, sh, al_ref = s['align'], s['shared'], align_by_expert_torch(topk_ids, W.n_experts, s['align'].block_m)
     assert torch.equal(al.sorted_ids, al_ref.sorted_ids), 'alignment'
     assert torch.equal(al.block_expert, al_ref.block_expert), 'alignment'

@@ -20,6 +20,7 @@ from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward
+from .moe_split import expert_gate_up_split
 from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
 from . import model as reference
@@ -311,8 +312,8 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
 
 @patch
 def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
-    "The fused MoE (`moe_forward`); on the PyTorch path its reference loop, the experts dequantised once to BF16 (exactly)"
-    if kernel_backend(y, l.moe.w1.codes) == 'triton': return moe_forward(y, l.moe, self.cfg)
+    "The fused MoE (`moe_forward`, gate/up split along K for small batches); on the PyTorch path its reference loop, the experts dequantised once to BF16 (exactly)"
+    if kernel_backend(y, l.moe.w1.codes) == 'triton': return moe_forward(y, l.moe, self.cfg, gate_up=expert_gate_up_split)
     if getattr(l, '_dense_moe', None) is None:                  # BF16 weights: the loop's GEMMs are then the reference's own
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16() for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
     return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit, l._dense_moe)
