@@ -41,6 +41,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # (N,) fp32
     min_p: torch.Tensor  # (N,) fp32
     generators: list  # (N,) the request's torch.Generator on seeded random rows; None: the engine's (or greedy)
+    all_greedy: bool = False  # every row greedy: `sampling_probs` skips the sort and the softmaxes (a host-side flag)
 
 def sampling_batch(params: Sequence[SamplingParams], # one per row
                    generators: Sequence | None = None, # one per row: a seeded request's generator, or None
@@ -52,7 +53,7 @@ def sampling_batch(params: Sequence[SamplingParams], # one per row
     return SamplingBatch(col(lambda p: p.greedy, torch.bool), col(lambda p: p.temperature or 1.0, torch.float32),
                          col(lambda p: vocab_size if p.top_k == -1 else min(p.top_k, vocab_size), torch.int64),
                          col(lambda p: p.top_p, torch.float32), col(lambda p: p.min_p, torch.float32),
-                         [None if p.greedy else g for p, g in zip(params, gens)])
+                         [None if p.greedy else g for p, g in zip(params, gens)], all(p.greedy for p in params))
 
 def sampling_probs(logits: torch.Tensor, # (N, vocab) logits of the sampled rows
                    sb: SamplingBatch, # their parameters
@@ -61,6 +62,7 @@ def sampling_probs(logits: torch.Tensor, # (N, vocab) logits of the sampled rows
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.shape[:1] != sb.greedy.shape:
         raise ValueError(f"sampling_probs: expected float logits ({len(sb.greedy)}, vocab), got "
                          f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
+    if sb.all_greedy: return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()   # what every row gets below
     x = logits.float() / sb.temperature[:, None]
     x = x.masked_fill((p := x.softmax(-1)) < sb.min_p[:, None] * p.amax(-1, keepdim=True), -torch.inf)          # min-p
     xs, order = x.sort(dim=-1, descending=True, stable=True)                                      # (N, vocab) ranked
@@ -85,7 +87,7 @@ def draw(probs: torch.Tensor, # (N, vocab) fp32 sampling distributions
     if N and not ((draft >= -1) & (draft < V)).all(): raise ValueError(f"draw: draft ids must be -1 or in 0..{V - 1}")
     expo, u = torch.ones_like(probs), torch.full((N,), 0.5, device=probs.device)   # greedy rows: no noise
     shared = ~sb.greedy & torch.tensor([g is None for g in sb.generators], dtype=torch.bool, device=probs.device)
-    if (n := int(shared.sum())):
+    if not sb.all_greedy and (n := int(shared.sum())):                              # (all greedy: no read-back)
         expo[shared] = torch.empty(n, V, device=probs.device).exponential_(generator=generator)
         u[shared] = torch.rand(n, device=probs.device, generator=generator)
     for i, g in ((i, g) for i, g in enumerate(sb.generators) if g is not None):   # seeded rows, each from its own generator

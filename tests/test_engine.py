@@ -298,3 +298,13 @@ def test_greedy_match_oracle():
     with pytest.raises(ValueError, match='4 prompts, 3 and 4'): assert_greedy_match(MODEL, PROMPTS, EXPECTED[:3], EXPECTED, MARGIN)
     with pytest.raises(ValueError, match=r'shape \(1, L\)'): prefix_gap(MODEL, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match='outside'): greedy_shortfall(MODEL, [1], [999])
+
+@given(st.integers(2, 64), st.integers(1, 8), st.integers(0, 2**31 - 1), st.booleans())
+def test_all_greedy_short_path_equals_the_general_path(V, n, seed, ties):
+    "A batch of greedy rows is flagged on the host, and its short path returns the general path's one-hot rows bit for bit"
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (n, V), generator=g).float() if ties else torch.randn(n, V, generator=g) * 4
+    sb = sampling_batch([SamplingParams(temperature=0)] * n, vocab_size=V)
+    assert sb.all_greedy and not sampling_batch([SamplingParams(temperature=0), SamplingParams()], vocab_size=V).all_greedy
+    fast, slow = sampling_probs(logits, sb), sampling_probs(logits, replace(sb, all_greedy=False))
+    assert torch.equal(fast, slow) and torch.equal(fast.argmax(-1), logits.argmax(-1))

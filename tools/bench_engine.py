@@ -23,7 +23,7 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 4. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
    against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit;
    the trained small model of 11_train when its checkpoint is in the repository). Goal: the engine at least 5x the naive
-   loop's tokens/s. The engine is warmed up on the same prompts first (kernels compiled, CUDA graphs captured).
+   loop's tokens/s. Both are warmed up first on other prompts of the same shape (kernels compiled, CUDA graphs captured, no prefix-cache hits).
 
 Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
 after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
@@ -142,13 +142,14 @@ def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len:
     model = load_model(TRAINED, device=device) if trained else init_random(cfg, seed=seed, device=device)
     prompts = random_prompts(n, prompt_len, seed=seed)
     ids = torch.tensor(prompts, device=device)
-    generate_greedy(model, ids[:, :8], 2)                                                         # warm-up
+    generate_greedy(model, torch.tensor(random_prompts(n, prompt_len, seed=seed + 1), device=device), 2)   # warm-up, same shape
     sync(device); t0 = time.perf_counter()
     naive = generate_greedy(model, ids, max_tokens)[:, prompt_len:].tolist()
     sync(device); naive_s = time.perf_counter() - t0
     llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    load_test(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))          # warm-up: compiles, captures
+    load_test(llm, random_prompts(n, prompt_len, seed=seed + 1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # warm-up on other prompts of the same shape: kernels compiled and graphs captured, and no prefix-cache hits later
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     engine_s = time.perf_counter() - t0
