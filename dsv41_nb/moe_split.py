@@ -105,15 +105,11 @@ def _check_split(split, steps: int):
     if not isinstance(split, int) or isinstance(split, bool) or split < 1 or steps % split:
         raise ValueError(f"split = {split!r}; expected an int >= 1 dividing the {steps} K steps of a tile")
 
-def expert_gate_up_split(xq: torch.Tensor,  # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
-                         w1: QuantWeight, w3: QuantWeight,  # gate and up weights: routed MXFP4, or the shared FP8
-                         align: ExpertAlignment,  # the rows: `align_by_expert`, or `ExpertAlignment.identity`
-                         topk_weights: torch.Tensor | None,  # (tokens, k) routing weights; None: unweighted (shared expert)
-                         swiglu_limit: float,
-                         shape: dict | None = None,  # launch shape (default `moe_launch_shape`)
+def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, align: ExpertAlignment,
+                         topk_weights: torch.Tensor | None, swiglu_limit: float, shape: dict | None = None,
                          split: int | None = None,  # K slices per tile (default `split_count` for this device)
                         ) -> torch.Tensor:
-    "`expert_gate_up` with each tile's K split over `split` programs, then a launch that adds the slices and runs the epilogue"
+    "`expert_gate_up` (same arguments) with each tile's K split over `split` programs, then a launch that adds the slices and runs the epilogue"
     for name, w in (('w1', w1), ('w3', w3)): _check_stage(name, w, xq, align, per_token=True)
     (E, N, K), ident = w1.shape, align.sorted_ids is None
     shape = shape or moe_launch_shape(align.n_assign, E)
