@@ -17,7 +17,8 @@ from fastcore.basics import patch
 from .config import check_int
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
 from .dispatch import BACKENDS, use_kernels, as_captured, cuda_graph
-from .kv_cache import CacheConfig, KVCacheConfig, SlotMappings, get_kv_cache_config, cdiv
+from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
+from .kv_manager import SlotMappings
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, ModelRunnerOutput,
                                 PLACEHOLDER)
 from .proposer import Proposer, NgramProposer

@@ -13,7 +13,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, layer_topology
 from .formats import RecordCodec, Field, cache_format
 from .block_pool import PAD_SLOT_ID
-from .kv_cache import KVCacheConfig, KVCacheManager, SlotMappings, WINDOW_FORMAT, get_kv_cache_config
+from .kv_cache import KVCacheConfig, WINDOW_FORMAT, get_kv_cache_config
+from .kv_manager import KVCacheManager, SlotMappings
 from .compressor import layer_inv_freq
 from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices, gather_keys
 from .sparse_decode import sparse_decode

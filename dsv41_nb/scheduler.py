@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from .block_pool import Request, PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids, _is_int
-from .kv_cache import KVCacheManager, KVCacheConfig, KVCacheBlocks, SlotMappings, CacheCapacityError
+from .kv_cache import KVCacheConfig
+from .kv_manager import KVCacheManager, KVCacheBlocks, SlotMappings, CacheCapacityError
 from .proposer import Proposer
 
 # %% auto #0

@@ -14,7 +14,8 @@ from hypothesis import settings, strategies as st, HealthCheck, Phase
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition, run_state_machine_as_test
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_block_hash
-from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, KVCacheManager, CacheCapacityError, cache_snapshot, cdiv
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, cdiv
+from dsv41_nb.kv_manager import KVCacheManager, CacheCapacityError, cache_snapshot
 
 TINY = ModelConfig.tiny()
 SLOW = bool(os.environ.get('DSV41_SLOW'))

@@ -7,8 +7,8 @@ import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import BlockPool, Request, RequestBlockHasher, BlockStored, AllBlocksCleared, reference_slot_mapping, ring_slot_mapping
-from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheManager, KVCacheCoordinator, CacheCapacityError, cdiv,
-                               cache_snapshot, reference_longest_hit)
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit
+from dsv41_nb.kv_manager import KVCacheManager, CacheCapacityError, cache_snapshot
 
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
 GLOBAL, SWA, RING = 0, 1, 2

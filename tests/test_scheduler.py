@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID
-from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, CacheCapacityError
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
+from dsv41_nb.kv_manager import CacheCapacityError
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
                                 toy_next_token, toy_next_tokens, toy_generate, run_until_done)
 from dsv41_nb.proposer import NgramProposer, reference_ngram_propose

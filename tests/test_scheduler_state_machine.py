@@ -10,7 +10,8 @@ import random
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, CacheCapacityError
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
+from dsv41_nb.kv_manager import CacheCapacityError
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
                                 RequestStatus, toy_generate)
 from dsv41_nb.proposer import NgramProposer
