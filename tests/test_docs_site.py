@@ -91,7 +91,7 @@ def test_every_exported_function_and_class_has_an_entry(site):
 
 def test_search_index_finds_allocate_slots(site):
     recs = json.loads((site / 'search.json').read_text())
-    kv = page_of_module('kv_cache')
+    kv = page_of_module('kv_manager')
     hits = [r for r in recs if any(n.split('.')[-1] == 'allocate_slots' for n in r['n'])]
     assert any(r['u'].startswith(f'{kv}.html#') and r['k'] == 'api' for r in hits), hits
     assert {r['u'].split('#')[0] for r in recs} == {'index.html', *(f'{s}.html' for s in notebook_stems())}
@@ -224,7 +224,7 @@ def check_site(site: Path, shots: Path | None = None) -> list:
                 browser.screenshot(shots / f'{name}.png')
                 if r['images'] and stem != 'index': browser.screenshot(shots / f'{name}_figure.png', scroll_to='.cell-outputs img')
         # the search: the function the box calls, then the box itself (index.html?q=... opens with results)
-        kv = page_of_module('kv_cache')
+        kv = page_of_module('kv_manager')
         browser.open(f'{base}/index.html')
         hits = browser.evaluate("siteSearch('allocate_slots').then(rs => rs.map(r => r.u))")
         assert any(u.startswith(f'{kv}.html') for u in hits[:3]), f'search for allocate_slots: {hits[:5]}'
