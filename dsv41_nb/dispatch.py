@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_dispatch.ipynb #1dcfa23e
 from __future__ import annotations
-import collections, os, time, statistics, traceback
+import collections, functools, os, time, statistics, traceback
 from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -46,7 +46,7 @@ def check_device() -> torch.device:
 
 # %% auto #0
 __all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth',
-           'machine_name', 'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time']
+           'machine_name', 'sm_count', 'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -83,6 +83,18 @@ def machine_name(device='cuda') -> str:
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(torch.device(device))
     import platform
     return f"CPU ({platform.processor() or platform.machine()}){', Triton interpreter' if triton_interpreting() else ''}"
+
+# %% ../nbs/00a_dispatch.ipynb #8ff349da
+@functools.lru_cache(None)
+def _sm_count(index: int) -> int: return torch.cuda.get_device_properties(index).multi_processor_count
+
+def sm_count(device, # a torch.device or its name
+             default: int = 1, # what a device that is not a GPU counts as
+            ) -> int:
+    "Multiprocessors of a CUDA device (asked once per device), `default` for any other: what kernels size their grids by"
+    device = torch.device(device)
+    if device.type != 'cuda': return default
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
 
 # %% ../nbs/00a_dispatch.ipynb #6b343ce8
 _as_captured = False

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, triton_interpreting, median_time, graph_time, copy_bandwidth
+from .dispatch import kernel_backend, triton_interpreting, median_time, graph_time, copy_bandwidth, sm_count
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits
 from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_hidden, expert_output, moe_experts_reference,
                           moe_bytes_flops, _check_routing, _check_x, _shape)
@@ -335,7 +335,7 @@ def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device) -> tupl
     _check_shape(shape)
     bn, tiles = shape['block_n'], shape.get('tiles', MOE_TILES[0])
     if device.type == 'cuda':
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = sm_count(device)
         while bn > 32 and align.num_blocks * triton.cdiv(N, bn) < 2 * sms: bn //= 2
     interp = triton_interpreting()
     meta = dict(BM=align.block_m, BN=bn, BK=math.gcd(K, shape['block_k']), GROUP_M=8, HW_CVT=not interp,

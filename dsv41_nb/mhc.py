@@ -4,14 +4,14 @@
 
 # %% ../nbs/07_mhc.ipynb #3763760d
 from __future__ import annotations
-import contextlib, functools, math
+import contextlib, math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting, cuda_graph
+from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting, cuda_graph, sm_count
 from .formats import FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2, _hw_cvt
 
 # %% auto #0
@@ -479,14 +479,11 @@ def _mhc_finish_kernel(
 # %% ../nbs/07_mhc.ipynb #3f221c29
 MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16)
 
-@functools.lru_cache(None)
-def _sm_count(index) -> int: return torch.cuda.get_device_properties(index).multi_processor_count
-
 def _split(T, dim, device) -> int:
     "Column splits: enough programs to fill the GPU at small T, 1 (a single launch) at large T"
     chunks, s = triton.cdiv(dim, MHC_TUNING['block_d']), MHC_TUNING['split']
     if s == 'auto':
-        s = 1 if device.type != 'cuda' else 2 * _sm_count(device.index or 0) // triton.cdiv(T, MHC_TUNING['block_t'])
+        s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, MHC_TUNING['block_t'])
     return max(1, min(int(s), chunks))
 
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()

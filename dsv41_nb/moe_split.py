@@ -8,8 +8,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend
-from .moe import QuantWeight, _shape
+from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .moe import QuantWeight
 from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu, _fp8_quant_tile, _check_stage,
                                 _check_shape, moe_launch_shape, expert_gate_up)
 
@@ -117,7 +117,7 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
     bn, bk = shape['block_n'], math.gcd(K, shape['block_k'])
     tiles = align.num_blocks * triton.cdiv(N, bn)
     if split is None:
-        sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.device.type == 'cuda' else 16
+        sms = sm_count(xq.device, default=16)
         split = split_count(tiles, K // bk, sms)
     _check_split(split, K // bk)
     if split == 1 or kernel_backend(xq, w1.codes) == 'torch' or align.n_assign == 0:
@@ -133,5 +133,5 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
     wts = h if topk_weights is None else topk_weights.float().contiguous()
     _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](part, h, wts, align.n_assign, float(swiglu_limit), N=N,
                                                                  SPLIT=split, FB=fb, HAS_WEIGHT=topk_weights is not None,
-                                                                 CLAMP=swiglu_limit > 0, HW_CVT=xq.device.type == 'cuda')
+                                                                 CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
     return h

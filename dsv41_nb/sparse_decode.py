@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time
+from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time, sm_count
 from .formats import RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value, _ue8m0_value
 from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random_block_tables, gather_keys,
                            check_attention_inputs, sparse_attention_reference)
@@ -310,7 +310,7 @@ def decode_launch(T: int,                       # query tokens in the launch
     tiles = max(1, triton.cdiv(n_window, entry['block_n']) + triton.cdiv(n_topk, entry['block_n']))
     if num_splits is None: num_splits = entry.get('splits')                        # the table's split count, if it has one
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if torch.device(device).type == 'cuda' else 1
+        sms = sm_count(device)
         num_splits = max(1, min(sms // max(1, T * triton.cdiv(H, block_h)), tiles, 16))
     check_int('sparse_decode', 'num_splits', num_splits, 1)
     return dict(BLOCK_H=block_h, BLOCK_N=entry['block_n'], SPLITS=num_splits, SCALE_TILE=entry['scale_tile'],

@@ -2,7 +2,7 @@
 import pytest
 import torch
 from fastcore.test import test_fail as fails_with
-from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph, graph_time
+from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count
 
 
 def test_as_captured_nests_and_restores():
@@ -44,3 +44,9 @@ def test_graph_time_calls_the_first_call_off_the_gpu():
     seen = []
     t = graph_time(lambda i: seen.append(i), calls=4, reps=2)
     assert t > 0 and set(seen) == ({0} if not torch.cuda.is_available() else set(range(4)))
+
+def test_sm_count():
+    "A GPU's multiprocessor count, asked once; a CPU's is the default it is given; an unknown device name is refused"
+    assert sm_count('cpu') == 1 and sm_count(torch.device('cpu'), default=16) == 16
+    if torch.cuda.is_available(): assert sm_count('cuda') == torch.cuda.get_device_properties(0).multi_processor_count >= 1
+    fails_with(lambda: sm_count('tpu:0'), contains='tpu')
