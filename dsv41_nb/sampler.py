@@ -86,8 +86,8 @@ def draw(probs: torch.Tensor, # (N, vocab) fp32 sampling distributions
     N, V = probs.shape
     if N and not ((draft >= -1) & (draft < V)).all(): raise ValueError(f"draw: draft ids must be -1 or in 0..{V - 1}")
     expo, u = torch.ones_like(probs), torch.full((N,), 0.5, device=probs.device)   # greedy rows: no noise
-    shared = ~sb.greedy & torch.tensor([g is None for g in sb.generators], dtype=torch.bool, device=probs.device)
-    if not sb.all_greedy and (n := int(shared.sum())):                              # (all greedy: no read-back)
+    shared = None if sb.all_greedy else ~sb.greedy & torch.tensor([g is None for g in sb.generators], dtype=torch.bool, device=probs.device)
+    if shared is not None and (n := int(shared.sum())):                             # (all greedy: no mask, no read-back)
         expo[shared] = torch.empty(n, V, device=probs.device).exponential_(generator=generator)
         u[shared] = torch.rand(n, device=probs.device, generator=generator)
     for i, g in ((i, g) for i, g in enumerate(sb.generators) if g is not None):   # seeded rows, each from its own generator
