@@ -362,7 +362,9 @@ def select(self: CSA2Attention, x, qr, step: CSA2Step, state: CSA2State, topk=No
     if self.indexer is not None: topk = self._index(x, qr, step, state, latent, slots, topk)
     elif topk is not None: raise ValueError(f"layer {l} (Reuse) reads the top-k of layer {state.source(l, 'top-k')}; it takes none")
     else: topk = state.read('top-k', l, step)
-    lens = torch.where(step.rows >= 0, topk.shape[1], 0).int()
+    memo = step.__dict__.setdefault('_topk_lens', {})              # the same for every layer of a step with this width
+    if topk.shape[1] not in memo: memo[topk.shape[1]] = torch.where(step.rows >= 0, topk.shape[1], 0).int()
+    lens = memo[topk.shape[1]]
     idx = SparseIndices(w_slots, w_lens, topk.int(), lens, step.rows, step.block_table, step.block_size // self.ratio)
     return idx, PagedRecords(state.compressed[src], self.compressor.codec if self.compressor else state.main_codec)
 
@@ -372,7 +374,9 @@ def _index(self: CSA2Attention, x, qr, step, state, latent, slots, topk):
     "Run (or, with `topk`, stand in for) this layer's indexer; publish its top-k and candidate pool"
     l, keys = self.layer, state.index_keys[state.source(self.layer, 'index keys')]
     if topk is None:
-        batch = IndexBatch(step.positions, step.rows, step.block_table, step.block_size, self.ratio)
+        memo = step.__dict__.setdefault('_index_batches', {})     # every indexer layer of a step sees the same batch
+        if self.ratio not in memo: memo[self.ratio] = IndexBatch(step.positions, step.rows, step.block_table, step.block_size, self.ratio)
+        batch = memo[self.ratio]
         pool = state.read('candidate pool', l, step) if self.info.candidates == 'filtered' else None
         topk, pool = self.indexer(x, qr, batch, keys, latent, slots, pool)
         if self.info.candidates == 'source': state.publish('candidate pool', l, step, pool)

@@ -532,9 +532,9 @@ def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
     return s
 
 # %% ../nbs/08b_fused_moe.ipynb #20fe46ac
-def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None) -> torch.Tensor:
+def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None, router=None) -> torch.Tensor:
     "The MoE layer: route, then the fused experts; (tokens, dim) BF16 (arguments as `route_layer`; `gate_up` as `fused_moe_experts`)"
-    return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated), W, cfg.swiglu_limit, check_ids=False,
+    return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W, cfg.swiglu_limit, check_ids=False,
                              gate_up=gate_up)
 
 # %% ../nbs/08b_fused_moe.ipynb #303f5ac7

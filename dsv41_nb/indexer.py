@@ -4,6 +4,7 @@
 
 # %% ../nbs/04_indexer.ipynb #efb57431
 from __future__ import annotations
+import functools
 from dataclasses import dataclass
 import torch
 import triton
@@ -134,9 +135,9 @@ class IndexBatch:
 
     @property
     def per_block(self) -> int: return self.block_size // self.ratio
-    @property
+    @functools.cached_property
     def visible(self) -> torch.Tensor:
-        "(T,) entries each query may see, (p + 1) // ratio; 0 for padding"
+        "(T,) entries each query may see, (p + 1) // ratio; 0 for padding (computed once per batch)"
         return torch.where(self.rows >= 0, (self.positions + 1) // self.ratio, 0)
     def slots(self, row: int, entries) -> torch.Tensor:
         "Cache slots of entries `entries` of the request in block-table row `row`"

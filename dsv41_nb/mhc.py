@@ -390,7 +390,8 @@ def _project_tile(xn, fn_ptr, d0, D: tl.constexpr, HC: tl.constexpr, NPP: tl.con
     wc = tl.load(fn_ptr + (2 * HC + nc[None, :]).to(tl.int64) * (HC * D) + k[:, None], mask=km[:, None], other=0.0)
     wp = tl.load(fn_ptr + npp[None, :].to(tl.int64) * (HC * D) + k[:, None],
                  mask=km[:, None] & (npp < 2 * HC)[None, :], other=0.0)
-    return tl.dot(xf, wc, input_precision='ieee'), tl.dot(xf, wp, input_precision='ieee')
+    if BLOCK_T >= 16: return tl.dot(xf, wc, input_precision='ieee'), tl.dot(xf, wp, input_precision='ieee')
+    return tl.sum(xf[:, :, None] * wc[None, :, :], axis=1), tl.sum(xf[:, :, None] * wp[None, :, :], axis=1)   # a token or two: FMAs
 
 # %% ../nbs/07_mhc.ipynb #7a78d78e
 @triton.jit
@@ -477,13 +478,18 @@ def _mhc_finish_kernel(
                  D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)   # writes the coefficients
 
 # %% ../nbs/07_mhc.ipynb #3f221c29
-MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16)
+MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2, small_warps=1)
+
+def _block_t(T: int) -> tuple[int, int]:
+    "(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, without `tl.dot`"
+    if T <= MHC_TUNING['small_t']: return triton.next_power_of_2(max(T, 1)), MHC_TUNING['small_warps']
+    return MHC_TUNING['block_t'], MHC_TUNING['num_warps']
 
 def _split(T, dim, device) -> int:
     "Column splits: enough programs to fill the GPU at small T, 1 (a single launch) at large T"
     chunks, s = triton.cdiv(dim, MHC_TUNING['block_d']), MHC_TUNING['split']
     if s == 'auto':
-        s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, MHC_TUNING['block_t'])
+        s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, _block_t(T)[0])
     return max(1, min(int(s), chunks))
 
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()
@@ -507,13 +513,13 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
                   new(T, dim, dtype=u8) if fp8 else None, new(T, dim // 32, dtype=u8) if fp8 else None,
                   *((new(T, n), new(T, n), new(T, n, n)) if predict else (None, None, None)))
     if T == 0: return out
-    bt, bd, split = MHC_TUNING['block_t'], MHC_TUNING['block_d'], _split(T, dim, x.device)
+    (bt, warps), bd, split = _block_t(T), MHC_TUNING['block_d'], _split(T, dim, x.device)
     npp = max(16, triton.next_power_of_2(2 * n))
     ws = new(T, split, n * n + npp + 2) if split > 1 else x
     p = lambda t: _ptr(t.float() if t is not None and t.dtype != torch.float32 else t, x)
     outs = [_ptr(t, x) for t in out[1:]]
     meta = dict(D=dim, HC=n, ITERS=cfg.hc_sinkhorn_iters, NPP=npp, BLOCK_T=bt, BLOCK_D=bd, PREDICT=predict, MIX=mix,
-                FP8=fp8, BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(), num_warps=MHC_TUNING['num_warps'])
+                FP8=fp8, BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(), num_warps=warps)
     scalars = (T, cfg.norm_eps, cfg.hc_eps, 1.0 / FP8_MAX)
     hcw = (p(hc.fn), p(hc.base), p(hc.scale)) if predict else (x, x, x)
     with _marked('mhc_seam'):

@@ -12,8 +12,8 @@ from .config import ModelConfig
 from .formats import quantize_fp8, dequantize_fp8, quantize_fp4, dequantize_fp4, e4m3_values, ue8m0_values
 
 # %% auto #0
-__all__ = ['WEIGHT_FORMATS', 'route', 'QuantWeight', 'quantize_weight', 'MoEWeights', 'fp8_qdq', 'expert_hidden', 'expert_output',
-           'moe_experts_reference', 'route_layer', 'moe_reference', 'moe_bytes_flops']
+__all__ = ['WEIGHT_FORMATS', 'check_route_args', 'route', 'QuantWeight', 'quantize_weight', 'MoEWeights', 'fp8_qdq',
+           'expert_hidden', 'expert_output', 'moe_experts_reference', 'route_layer', 'moe_reference', 'moe_bytes_flops']
 
 # %% ../nbs/08_moe.ipynb #f4519332
 def _shape(t): return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -29,15 +29,8 @@ def _check_vector(v, n: int, name: str):
         raise ValueError(f"{name}: expected a float tensor of shape ({n},), got {_shape(v)}")
 
 # %% ../nbs/08_moe.ipynb #82b15bf9
-def route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
-          gate_weight: torch.Tensor,  # (n_experts, dim) router weight (BF16 in the checkpoint)
-          bias: torch.Tensor,  # (n_experts,) fp32 selection bias: picks experts, never weights them
-          n_activated: int,  # experts per token (6; 3 in the DSpark drafter)
-          route_scale: float,  # the normalised weights are multiplied by this (1.5)
-          bias_image: torch.Tensor | None = None,  # (n_experts,) selection bias of image-span tokens
-          image_mask: torch.Tensor | None = None,  # (tokens,) bool, True inside an image span
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    "Routing weights (tokens, k) fp32 and expert ids (tokens, k) int64: top-k of sqrt(softplus(x Wᵀ)) + bias"
+def check_route_args(x, gate_weight, bias, n_activated, bias_image=None, image_mask=None):
+    "The checks of `route`'s arguments (shared with its kernel form), each failure named"
     if not isinstance(gate_weight, torch.Tensor) or gate_weight.ndim != 2:
         raise ValueError(f"gate_weight: expected shape (n_experts, dim), got {_shape(gate_weight)}")
     E, D = gate_weight.shape
@@ -48,6 +41,17 @@ def route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
     if image_mask is not None and (not isinstance(image_mask, torch.Tensor) or image_mask.dtype != torch.bool
                                    or image_mask.shape != (x.shape[0],)):
         raise ValueError(f"image_mask: expected a bool tensor of shape ({x.shape[0]},), got {_shape(image_mask)}")
+
+def route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
+          gate_weight: torch.Tensor,  # (n_experts, dim) router weight (BF16 in the checkpoint)
+          bias: torch.Tensor,  # (n_experts,) fp32 selection bias: picks experts, never weights them
+          n_activated: int,  # experts per token (6; 3 in the DSpark drafter)
+          route_scale: float,  # the normalised weights are multiplied by this (1.5)
+          bias_image: torch.Tensor | None = None,  # (n_experts,) selection bias of image-span tokens
+          image_mask: torch.Tensor | None = None,  # (tokens,) bool, True inside an image span
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Routing weights (tokens, k) fp32 and expert ids (tokens, k) int64: top-k of sqrt(softplus(x Wᵀ)) + bias"
+    check_route_args(x, gate_weight, bias, n_activated, bias_image, image_mask)
     scores = F.softplus(x.float() @ gate_weight.float().T).sqrt()              # (tokens, n_experts) fp32
     if bias_image is not None and image_mask is not None:
         bias = torch.where(image_mask[:, None], bias_image.float(), bias.float())  # (tokens, n_experts)
@@ -224,6 +228,7 @@ def route_layer(x: torch.Tensor,  # (tokens, dim) FFN input
                 W: MoEWeights, cfg: ModelConfig,
                 token_ids: torch.Tensor | None = None,  # (tokens,) raw ids: image-span tokens take `W.bias_image`
                 n_activated: int | None = None,  # default cfg.n_activated_experts
+                router=None,  # a function called as `route` (default `route`; `fused_route` of 08d is its one-launch kernel)
                ) -> tuple[torch.Tensor, torch.Tensor]:
     "`route` with a layer's weights and config; image-span tokens found by `cfg.image_token_id`"
     mask = None
@@ -232,7 +237,7 @@ def route_layer(x: torch.Tensor,  # (tokens, dim) FFN input
         if not ids_ok or token_ids.shape != (x.shape[0],):
             raise ValueError(f"token_ids: expected an int tensor of shape ({x.shape[0]},), got {_shape(token_ids)}")
         mask = token_ids == cfg.image_token_id
-    return route(x, W.gate, W.bias, n_activated or cfg.n_activated_experts, cfg.route_scale, W.bias_image, mask)
+    return (router or route)(x, W.gate, W.bias, n_activated or cfg.n_activated_experts, cfg.route_scale, W.bias_image, mask)
 
 def moe_reference(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None) -> torch.Tensor:
     "Router and per-expert loop: the public code's MoE layer, (tokens, dim) BF16 (arguments as `route_layer`)"

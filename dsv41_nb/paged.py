@@ -21,7 +21,10 @@ from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward
+from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T
+from .rope_norm import rope
 from .moe_split import expert_gate_up_split
+from .router import fused_route
 from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
 from . import model as reference
@@ -82,6 +85,10 @@ class PagedAttention(CSA2Attention):
         if self.window not in memo:
             t = truncate_window(idx, step.positions, floor); memo[self.window] = (t.window_slots, t.window_lens)
         return replace(idx, window_slots=memo[self.window][0], window_lens=memo[self.window][1]), compressed
+    def project_out(self, o, positions):
+        "(T, dim): as `CSA2Attention.project_out`, its grouped `wo_a` a grouped `FP8Linear`"
+        o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))   # (T, G, H*D/G)
+        return self.wo_b(self.wo_a(o).flatten(1))
     def __repr__(self): return 'PagedAttention' + CSA2Attention.__repr__(self)[len('CSA2Attention'):]
 
 # %% ../nbs/10b_paged.ipynb #4c45c577
@@ -97,8 +104,9 @@ def paged_attention(att: Attention,           # a reference layer's attention (m
     cc, dev = kc.cache_config, att.wq_a.weight.device
     with torch.device('meta'):
         p = PagedAttention(cfg, att.layer, WINDOW_FORMAT, cc.main_kv_format, cc.index_key_format, attend=attend or sparse_decode)
-    fp8 = lambda lin: PagedLinear(lin.grid_weight(), fp8_act=True)
-    p.wq_a, p.wq_b, p.wkv, p.wo_b, p.wo_a = fp8(att.wq_a), fp8(att.wq_b), fp8(att.wkv), fp8(att.wo_b), PagedLinear(att.wo_a.grid_weight())
+    fp8 = lambda lin: FP8Linear.from_master(lin.weight)
+    p.wq_a, p.wq_b, p.wkv, p.wo_b = fp8(att.wq_a), fp8(att.wq_b), fp8(att.wkv), fp8(att.wo_b)
+    p.wo_a = FP8Linear.from_master(att.wo_a.weight, act_quant=False, groups=cfg.o_groups)
     p.q_norm.weight, p.kv_norm.weight, p.attn_sink = _frozen(att.q_norm.weight), _frozen(att.kv_norm.weight), _frozen(att.attn_sink)
     if p.compressor is not None:
         c, d = p.compressor, att.compressor
@@ -313,8 +321,8 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
 
 @patch
 def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
-    "The fused MoE (`moe_forward`, gate/up split along K for small batches); on the PyTorch path its reference loop, the experts dequantised once to BF16 (exactly)"
-    if kernel_backend(y, l.moe.w1.codes) == 'triton': return moe_forward(y, l.moe, self.cfg, gate_up=expert_gate_up_split)
+    "The fused MoE (`moe_forward`, gate/up split along K for small batches, the router in one launch); on the PyTorch path its reference loop, the experts dequantised once to BF16 (exactly)"
+    if kernel_backend(y, l.moe.w1.codes) == 'triton': return moe_forward(y, l.moe, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
     if getattr(l, '_dense_moe', None) is None:                  # BF16 weights: the loop's GEMMs are then the reference's own
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16() for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
     return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit, l._dense_moe)
@@ -377,6 +385,8 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
 def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
     "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
     y = hc_collapse(x[lr], pre[lr], self.norm, self.cfg, f[lr], post[lr], comb[lr])    # (m, dim)
+    if len(lr) <= HEAD_MAX_T and self.head.dtype == torch.bfloat16 and kernel_backend(y, self.head) == 'triton':
+        return head_logits(y.float(), self.head)                                      # reads the BF16 head itself
     return F.linear(y.float(), self._head_fp32())
 
 @patch
@@ -572,7 +582,7 @@ def replay_agreement(model: PagedModel, prompts: list, max_blocks: int = 1024) -
                 std=first_full.std().item(), full_s=secs[False], replay_s=secs[True])
 
 # %% ../nbs/10b_paged.ipynb #902dbddd
-WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers', 'attention (FP8 grid as BF16)',
+WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers', 'attention (FP8, some BF16)',
                 'Engram tables (FP8)', 'Engram projections', 'mHC and norms', 'embedding, head, final norm (BF16)')
 
 @patch

@@ -1,0 +1,96 @@
+"""The FP8 projection kernel: within the summation-order bound of the BF16-grid reference for every shape, slice count and
+group count; the PyTorch path is that reference bit for bit; the launch rule; the module; the bad inputs."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+from fastcore.test import test_fail as fails_with
+from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.moe import QuantWeight, quantize_weight
+from dsv41_nb.model import weight_qdq
+from dsv41_nb.fused_moe import fp8_act_quant
+from dsv41_nb.fp8_linear import (fp8_linear, fp8_linear_torch, fp8_linear_launch, assert_linear_close, FP8Linear,
+                                 FP8_LINEAR_MAX_T, SPLIT_MAX, SPLIT_PROGRAMS)
+
+DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
+                                  reason='the kernels need a GPU or TRITON_INTERPRET=1')
+
+def _weight(G, N, K, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_weight(scale * torch.randn(G, N, K, generator=g) / K ** 0.5, 'fp8')
+    return QuantWeight(w.codes.to(DEV), w.scales.to(DEV), 'fp8')
+
+def _x(T, G, K, seed, scale=3.0):
+    x = (scale * torch.randn(T, G, K, generator=torch.Generator().manual_seed(seed + 1))).to(torch.bfloat16).to(DEV)
+    return x[:, 0] if G == 1 else x
+
+@needs_triton
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(1, 40), G=st.sampled_from([1, 1, 2]), N=st.sampled_from([32, 64, 96]), K=st.sampled_from([32, 64, 160, 256]),
+       act=st.booleans(), split=st.sampled_from([None, 1, 2, 4]), seed=st.integers(0, 2**31), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+def test_kernel_within_the_summation_bound(T, G, N, K, act, split, seed, scale):
+    w, x = _weight(G, N, K, seed), _x(T, G, K, seed, scale)
+    y = fp8_linear(x, w, act, split, max_t=64)
+    assert y.dtype == x.dtype and y.shape == ((T, N) if G == 1 else (T, G, N))
+    assert_linear_close(y, x, w, act)
+
+@needs_triton
+def test_bound_catches_a_wrong_scale():
+    w, x = _weight(1, 64, 128, 3), _x(4, 1, 128, 3)
+    wrong = QuantWeight(w.codes, w.scales.clone(), 'fp8')
+    wrong.scales.view(torch.uint8)[0, 1, 2] += 1                 # one 32 x 32 block twice as large
+    with pytest.raises(AssertionError): assert_linear_close(fp8_linear(x, wrong), x, w)
+
+def test_torch_path_is_the_bf16_grid_bit_for_bit():
+    w, x = _weight(1, 64, 96, 5), _x(7, 1, 96, 5)
+    with use_kernels('torch'):
+        assert torch.equal(fp8_linear(x, w), F.linear(fp8_act_quant(x).to(torch.bfloat16), w.dequantize()[0].bfloat16()))
+    wg, xg = _weight(2, 32, 64, 6), _x(3, 2, 64, 6)
+    with use_kernels('torch'):
+        assert torch.equal(fp8_linear(xg, wg, act_quant=False), torch.einsum('tgi,gri->tgr', xg, wg.dequantize().bfloat16()))
+
+def test_large_batches_and_empty_ones_take_the_reference():
+    w = _weight(1, 32, 64, 7)
+    x = _x(FP8_LINEAR_MAX_T + 1, 1, 64, 7)
+    assert torch.equal(fp8_linear(x, w), fp8_linear_torch(x, w))
+    assert fp8_linear(x[:0], w).shape == (0, 32)
+
+def test_module_takes_the_kernel_for_few_rows_and_its_bf16_values_for_more():
+    lin = FP8Linear.from_master(torch.randn(64, 96, generator=torch.Generator().manual_seed(4)).to(DEV))
+    x = _x(FP8_LINEAR_MAX_T + 3, 1, 96, 4)
+    assert torch.equal(lin(x), fp8_linear_torch(x, lin.weight))           # the cached values: the reference bit for bit
+    d = lin.dense()
+    assert lin.dense() is d and d.dtype == torch.bfloat16 and torch.equal(d.float(), lin.weight.dequantize())
+    assert_linear_close(lin(x[:1]), x[:1], lin.weight)
+    with torch.no_grad(): lin.codes.view(torch.uint8)[0, 0, 0] ^= 1          # a changed weight: the cache is rebuilt
+    assert lin.dense() is not d and torch.equal(lin.dense().float(), lin.weight.dequantize())
+
+def test_from_master_holds_the_model_grid():
+    g = torch.Generator().manual_seed(8)
+    master = torch.randn(128, 96, generator=g).to(torch.bfloat16)
+    lin = FP8Linear.from_master(master)
+    assert torch.equal(lin.weight.dequantize()[0], weight_qdq(master, 'fp8').float())
+    grouped = FP8Linear.from_master(master, act_quant=False, groups=4)
+    assert grouped.weight.shape == (4, 32, 96)
+    assert torch.equal(grouped.weight.dequantize().flatten(0, 1), weight_qdq(master, 'fp8').float())
+    assert sum(p.numel() for p in lin.parameters()) == 128 * 96 + 4 * 3
+
+@pytest.mark.parametrize('T,G,N,K', [(1, 1, 1280, 5120), (1, 1, 512, 5120), (1, 1, 32768, 1280), (1, 8, 1024, 4096), (64, 1, 5120, 8192), (3, 1, 64, 96)])
+def test_launch_rule(T, G, N, K):
+    s = fp8_linear_launch(T, G, N, K, 132)
+    assert K % s['block_k'] == 0 and 1 <= s['split'] <= min(SPLIT_MAX, K // s['block_k'])
+    assert s['steps'] == -(-(K // s['block_k']) // s['split'])            # every K step in some slice, none twice
+    tiles = s['grid'][0] * s['grid'][2]
+    assert s['grid'][1] == s['split'] and s['grid'][2] == -(-T // s['block_m']) * G
+    if s['split'] > 1: assert tiles * s['split'] // 2 < SPLIT_PROGRAMS * 132   # doubled only while the grid was short
+
+def test_bad_inputs_are_named():
+    w, x = _weight(1, 64, 96, 9), _x(2, 1, 96, 9)
+    cases = [(dict(w=w.dequantize()), 'QuantWeight'), (dict(w=QuantWeight(w.codes, w.scales, 'mxfp4')), "'mxfp4'"),
+             (dict(x=x.int()), 'floating-point'), (dict(x=x[:, :64]), 'takes (T, 96)'), (dict(x=[1.0]), 'floating-point'),
+             (dict(act_quant='yes'), 'bool'), (dict(max_t=65), 'max_t = 65'), (dict(max_t=-1), 'max_t = -1')]
+    for kw, msg in cases: fails_with(lambda: fp8_linear(**{**dict(x=x, w=w), **kw}), contains=msg)
+    fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
+    fails_with(lambda: FP8Linear.from_master(torch.randn(96)), contains='expected (out, in)')
+    fails_with(lambda: FP8Linear(w.dequantize()), contains='QuantWeight')
