@@ -80,19 +80,21 @@ def qdq_mxfp4(x: torch.Tensor) -> torch.Tensor:
     return dequantize_fp4(packed, scales, 32, 'ue8m0').to(x.dtype)
 
 @triton.jit
-def _qdq_mxfp4_kernel(x_ptr, y_ptr, n_groups, ROWS: tl.constexpr):
+def _qdq_mxfp4_kernel(x_ptr, y_ptr, n_groups, ROWS: tl.constexpr, BF16_BITS: tl.constexpr):
     "Groups of 32 rounded through MXFP4 as `quantize_fp4` + `dequantize_fp4` do it (a NaN or infinity poisons its group)"
     g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     gm = (g < n_groups)[:, None]
     off = g.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + off, mask=gm, other=0.0).to(tl.float32)
+    if BF16_BITS: x = (tl.load(x_ptr + off, mask=gm, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)   # BF16 bits: exact, subnormals too
+    else: x = tl.load(x_ptr + off, mask=gm, other=0.0).to(tl.float32)
     fin = (x == x) & (tl.abs(x) != float('inf'))
     bad = tl.sum((fin == 0).to(tl.int32), axis=1)[:, None] > 0
     amax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
     scale = _pow2(tl.minimum(tl.maximum(_ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0), 1), 254))[:, None]
     v = tl.math.div_rn(tl.where(bad, 0.0, x), scale)                                # exact: a power of two
     y = tl.where(bad, float('nan'), _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))) * scale)
-    tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=gm)                   # exact in BF16: 3 significant bits
+    if BF16_BITS: tl.store(y_ptr + off, (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=gm)   # exact: 3 significant bits
+    else: tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=gm)                   # exact in BF16: 3 significant bits
 
 def qdq_mxfp4_fused(x: torch.Tensor) -> torch.Tensor:
     "`qdq_mxfp4` in one Triton launch (GPU, interpreter), else the reference"
@@ -103,7 +105,9 @@ def qdq_mxfp4_fused(x: torch.Tensor) -> torch.Tensor:
         return qdq_mxfp4(x)
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    _qdq_mxfp4_kernel[(triton.cdiv(xc.numel() // 32, 16),)](xc, y, xc.numel() // 32, ROWS=16, num_warps=4)
+    bits = xc.dtype == torch.bfloat16                       # read as int16 and widened by a shift: the interpreter's BF16 cast loses subnormals
+    _qdq_mxfp4_kernel[(triton.cdiv(xc.numel() // 32, 16),)](*((xc.view(torch.int16), y.view(torch.int16)) if bits else (xc, y)), xc.numel() // 32, ROWS=16,
+                                                            BF16_BITS=bits, num_warps=4)
     return y
 
 @patch
