@@ -24,6 +24,7 @@ from .fused_moe import fp8_act_quant, moe_forward
 from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T
 from .rope_norm import rope
 from .moe_split import expert_gate_up_split
+from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
@@ -321,8 +322,10 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
 
 @patch
 def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
-    "The fused MoE (`moe_forward`, gate/up split along K for small batches, the router in one launch); on the PyTorch path its reference loop, the experts dequantised once to BF16 (exactly)"
-    if kernel_backend(y, l.moe.w1.codes) == 'triton': return moe_forward(y, l.moe, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
+    "The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K (both with the router in two launches); on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)"
+    if kernel_backend(y, l.moe.w1.codes) == 'triton':
+        if y.shape[0] <= GEMV_MAX_TOKENS: return moe_gemv_forward(y, l.moe, self.cfg, router=fused_route)
+        return moe_forward(y, l.moe, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
     if getattr(l, '_dense_moe', None) is None:                  # BF16 weights: the loop's GEMMs are then the reference's own
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16() for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
     return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit, l._dense_moe)

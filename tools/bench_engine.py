@@ -113,7 +113,7 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
 TRAINED = Path(__file__).resolve().parent.parent / 'checkpoints' / 'small'
 
 
-def kernel_profile(llm: LLM, prompt_len: int, top: int = 12) -> dict:
+def kernel_profile(llm: LLM, prompt_len: int, top: int = 20) -> dict:
     "GPU time of one eager decode step of one request, by kernel (torch.profiler): where the step's device time goes"
     from torch.profiler import profile, ProfilerActivity
     eng, inner = llm.llm_engine, llm.llm_engine.runner.model
