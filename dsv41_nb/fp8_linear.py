@@ -12,11 +12,13 @@ import triton.language as tl
 from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _e4m3_value, _pow2
-from .fused_moe import _fp8_quant_tile, _round_bf16
+from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups
+from .moe_gemv import _fp8_sums
 
 # %% auto #0
-__all__ = ['FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T', 'fp8_linear_torch',
-           'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear', 'head_logits']
+__all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T',
+           'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear',
+           'head_logits']
 
 # %% ../nbs/10d_fp8_linear.ipynb #91e62af6
 def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -50,7 +52,7 @@ def _fp8_linear_kernel(
     part_ptr,                      # (SPLIT, T, G, N) fp32 partial sums (SPLIT > 1)
     T, G,
     K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,   # K steps per slice
-    BM: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, MMA: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_n, split, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp, rows = pid_mg % G, (pid_mg // G) * BM + tl.arange(0, BM)
@@ -58,8 +60,7 @@ def _fp8_linear_kernel(
     w_rows = w_ptr + grp.to(tl.int64) * (N * K) + n.to(tl.int64)[:, None] * K              # (32, 1) row starts
     s_row = s_ptr + grp.to(tl.int64) * ((N // 32) * (K // 32)) + pid_n * (K // 32)          # this program's scale row
     x_row = x_ptr + r64 * stride_xt + grp * stride_xg
-    if MMA: acc = tl.zeros((BM, 32), tl.float32)
-    else: acc3 = tl.zeros((BM, 32, BK), tl.float32)
+    acc = tl.zeros((BM, 32), tl.float32)
     for step in range(split * STEPS, tl.minimum((split + 1) * STEPS, K // BK)):
         k0 = step * BK
         a = tl.load(x_row[:, None] + k0 + kk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)   # (BM, BK)
@@ -67,9 +68,7 @@ def _fp8_linear_kernel(
         sw = _pow2(tl.load(s_row + k0 // 32 + tl.arange(0, BK // 32)).to(tl.int32))                  # (BK/32,) block scales
         a = tl.reshape(tl.reshape(a, (BM, BK // 32, 32)) * sw[None, :, None], (BM, BK))              # exact: powers of two
         codes = tl.load(w_rows + k0 + kk[None, :])                                                    # (32, BK) uint8
-        if MMA: acc = tl.dot(a.to(DOT), tl.trans(_codes_f32(codes, HW_CVT).to(DOT)), acc)
-        else: acc3 += a[:, None, :] * _codes_f32(codes, HW_CVT)[None, :, :]
-    if not MMA: acc = tl.sum(acc3, axis=2)
+        acc = tl.dot(a.to(DOT), tl.trans(_codes_f32(codes, HW_CVT).to(DOT)), acc)
     m2 = rm[:, None] & (n < N)[None, :]
     if SPLIT == 1:
         tl.store(y_ptr + r64[:, None] * stride_yt + grp * stride_yg + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m2)
@@ -89,31 +88,92 @@ def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.conste
         acc += tl.load(part_ptr + (s * T * G + row).to(tl.int64) * N + n, mask=nm, other=0.0)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
 
+# %% ../nbs/10d_fp8_linear.ipynb #879ab90c
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, stride_xt, stride_xg,   # (T, G, K) activations, any float dtype, K contiguous
+    w_ptr, s_ptr,                  # (G, N, K) E4M3 codes, (G, N/32, K/32) UE8M0 codes
+    y_ptr, stride_yt, stride_yg,   # (T, G, N) out (SPLIT == 1)
+    part_ptr,                      # (SPLIT, T, G, N) fp32 partial sums (SPLIT > 1)
+    T, G,
+    K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,   # K steps per slice
+    BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    pid_n, split, pid_tg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    grp, t = pid_tg % G, pid_tg // G                                    # one token and group a program
+    n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    GK: tl.constexpr = BK // 32
+    w_row = grp.to(tl.int64) * N * K + n * K
+    s_row = grp.to(tl.int64) * (N // 32) * (K // 32) + (n // 32) * (K // 32)
+    x_row = x_ptr + t.to(tl.int64) * stride_xt + grp * stride_xg
+    acc = tl.zeros((BN, GK), tl.float32)
+    for step in range(split * STEPS, tl.minimum((split + 1) * STEPS, K // BK)):
+        k0 = tl.multiple_of(step * BK, BK)
+        x = tl.load(x_row + k0 + tl.arange(0, GK)[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32)
+        x = _round_bf16(x, HW_CVT)
+        if ACT: x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, GK, 32)), HW_CVT), (GK, 32))
+        acc += _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, GK, HW_CVT)
+    y = tl.sum(acc, 1)
+    if SPLIT == 1:
+        tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n, y.to(y_ptr.dtype.element_ty))
+    else:
+        tl.store(part_ptr + ((split * T + t).to(tl.int64) * G + grp) * N + n, y)
+
+
 # %% ../nbs/10d_fp8_linear.ipynb #4f194aa4
-FP8_LINEAR_TUNING = {   # tokens, at most -> tile and launch (32 output columns a program)
-    2:  dict(block_m=2, block_k=512, mma=False, num_warps=4, num_stages=1),
-    16: dict(block_m=16, block_k=256, mma=True, num_warps=4, num_stages=2),
-    32: dict(block_m=32, block_k=256, mma=True, num_warps=4, num_stages=4),
-    64: dict(block_m=64, block_k=128, mma=True, num_warps=4, num_stages=3),
+FP8_GEMV_TUNING = {     # tokens (one or two) -> the GEMV's columns a program, K step, warps, programs per multiprocessor
+    1: dict(block_n=16, block_k=1024, num_warps=4, programs=4),
+    2: dict(block_n=16, block_k=512, num_warps=4, programs=4),
+}
+SHORT_K = 2048          # rows this short take 64 columns a program and K steps of 256
+FP8_LINEAR_TUNING = {   # tokens, at most -> the MMA kernel's tile and launch (32 output columns a program)
+    16: dict(block_m=16, block_k=256, num_warps=4, num_stages=2),
+    32: dict(block_m=32, block_k=256, num_warps=4, num_stages=4),
+    64: dict(block_m=64, block_k=128, num_warps=4, num_stages=3),
 }
 FP8_LINEAR_MAX_T = 2    # above: the BF16 values and cuBLAS (the MMA form lost to it on the H200: see the benchmark)
 SPLIT_MAX, SPLIT_PROGRAMS = 16, 4
+
+def _slices(steps: int, tiles: int, programs: int, sms: int, split: int | None) -> int:
+    "K slices: `split` if given, else doubled while the grid holds fewer than `programs` per multiprocessor, up to SPLIT_MAX and the K steps"
+    if split is not None:
+        if not isinstance(split, int) or isinstance(split, bool) or split < 1:
+            raise ValueError(f"fp8_linear: split = {split!r}; expected an int >= 1")
+        return split
+    split = 1
+    while 2 * split <= min(SPLIT_MAX, steps) and tiles * split < programs * sms: split *= 2
+    return split
+
+def fp8_gemv_launch(T: int, G: int, N: int, K: int,     # tokens (1 or 2), groups, output columns, input columns
+                    sms: int,                            # multiprocessors of the device
+                    split: int | None = None,            # K slices (default: fill the GPU)
+                   ) -> dict:
+    "The GEMV's columns a program, K step, slices and grid for a (T, G, K) x (G, N, K) product"
+    entry = dict(FP8_GEMV_TUNING[min(max(T, 1), 2)])
+    if K <= SHORT_K: entry.update(block_n=64, block_k=256)
+    bn, bk = entry['block_n'], entry['block_k']
+    while N % bn: bn //= 2
+    while K % bk: bk //= 2
+    steps, tiles = K // bk, N // bn * G * T
+    if split is None:                                   # double while the doubled grid stays within `programs` per multiprocessor
+        split = 1
+        while 2 * split <= min(SPLIT_MAX, steps) and 2 * split * tiles <= entry['programs'] * sms: split *= 2
+    split = _slices(steps, tiles, entry['programs'], sms, split)
+    return dict(entry, block_n=bn, block_k=bk, split=split, steps=triton.cdiv(steps, split), grid=(N // bn, split, T * G))
 
 def fp8_linear_launch(T: int, G: int, N: int, K: int,   # tokens, groups, output columns, input columns
                       sms: int,                          # multiprocessors of the device
                       split: int | None = None,          # K slices (default: fill the GPU)
                      ) -> dict:
-    "The kernel's tile, slices and grid for a (T, G, K) x (G, N, K) product"
+    "The MMA kernel's tile, slices and grid for a (T, G, K) x (G, N, K) product"
     entry = next((v for k, v in FP8_LINEAR_TUNING.items() if T <= k), FP8_LINEAR_TUNING[max(FP8_LINEAR_TUNING)])
     bm, bk = entry['block_m'], entry['block_k']
-    if not entry['mma']: bm = triton.next_power_of_2(max(T, 1))
     while K % bk: bk //= 2
     steps, tiles = K // bk, triton.cdiv(N, 32) * G * triton.cdiv(max(T, 1), bm)
-    if split is None:
-        split = 1
-        while 2 * split <= min(SPLIT_MAX, steps) and tiles * split < SPLIT_PROGRAMS * sms: split *= 2
+    split = _slices(steps, tiles, SPLIT_PROGRAMS, sms, split)
     return dict(entry, block_m=bm, block_k=bk, split=split, steps=triton.cdiv(steps, split),
                 grid=(triton.cdiv(N, 32), split, triton.cdiv(max(T, 1), bm) * G))
+
 
 # %% ../nbs/10d_fp8_linear.ipynb #54d59e01
 def _check(x, w, act_quant):
@@ -131,11 +191,11 @@ def _check(x, w, act_quant):
 def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped weight
                w: QuantWeight,             # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
                act_quant: bool = True,     # round x to E4M3 with a UE8M0 scale per 32 first
-               split: int | None = None,   # K slices of the kernel (default: `fp8_linear_launch`'s)
-               max_t: int | None = None,   # most rows the kernel takes (default FP8_LINEAR_MAX_T; at most 64)
+               split: int | None = None,   # K slices of the kernel (default: the launch rule's)
+               max_t: int | None = None,   # most rows the kernels take (default FP8_LINEAR_MAX_T; at most 64)
                dense: torch.Tensor | None = None,  # w's BF16 values, for the rows the kernel does not take
               ) -> torch.Tensor:           # (T, N) or (T, G, N), in x's dtype
-    "x times the FP8 weight as stored: the kernel for small batches, the BF16 reference otherwise"
+    "x times the FP8 weight as stored: the GEMV for one or two rows, the MMA kernel up to `max_t`, the BF16 reference otherwise"
     _check(x, w, act_quant)
     if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 64):
         raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..64")
@@ -143,16 +203,23 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
     if (kernel_backend(x, w.codes) == 'torch' or T > (FP8_LINEAR_MAX_T if max_t is None else max_t) or T == 0
             or (not act_quant and x.dtype != torch.bfloat16)):
         return fp8_linear_torch(x, w, act_quant, dense)
-    s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
     xg = _as_groups(x, w)
     if xg.stride(2) != 1: xg = xg.contiguous()
     y = torch.empty(T, G, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
     interp = triton_interpreting()
-    _fp8_linear_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T, G,
-                                  K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'], ACT=act_quant,
-                                  MMA=s['mma'], HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
-                                  num_warps=s['num_warps'], num_stages=s['num_stages'])
+    if T <= FP8_LINEAR_MAX_T:
+        s = fp8_gemv_launch(T, G, N, K, sm_count(x.device), split)
+        part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
+        _fp8_gemv_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T, G,
+                                    K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BN=s['block_n'], BK=s['block_k'],
+                                    ACT=act_quant, HW_CVT=not interp, num_warps=s['num_warps'])
+    else:
+        s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
+        part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
+        _fp8_linear_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T,
+                                      G, K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'],
+                                      ACT=act_quant, HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
+                                      num_warps=s['num_warps'], num_stages=s['num_stages'])
     if s['split'] > 1:
         fb = min(1024, triton.next_power_of_2(N))
         _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, N=N, SPLIT=s['split'], FB=fb)

@@ -9,8 +9,8 @@ from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.moe import QuantWeight, quantize_weight
 from dsv41_nb.model import weight_qdq
 from dsv41_nb.fused_moe import fp8_act_quant
-from dsv41_nb.fp8_linear import (fp8_linear, fp8_linear_torch, fp8_linear_launch, assert_linear_close, FP8Linear,
-                                 FP8_LINEAR_MAX_T, SPLIT_MAX, SPLIT_PROGRAMS)
+from dsv41_nb.fp8_linear import (fp8_linear, fp8_linear_torch, fp8_linear_launch, fp8_gemv_launch, assert_linear_close,
+                                 FP8Linear, FP8_LINEAR_MAX_T, FP8_GEMV_TUNING, SHORT_K, SPLIT_MAX, SPLIT_PROGRAMS)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
@@ -85,11 +85,38 @@ def test_launch_rule(T, G, N, K):
     assert s['grid'][1] == s['split'] and s['grid'][2] == -(-T // s['block_m']) * G
     if s['split'] > 1: assert tiles * s['split'] // 2 < SPLIT_PROGRAMS * 132   # doubled only while the grid was short
 
+@pytest.mark.parametrize('T,G,N,K', [(1, 1, 1280, 5120), (1, 1, 512, 5120), (1, 1, 32768, 1280), (2, 8, 1024, 4096), (2, 1, 5120, 8192),
+                                     (1, 1, 96, 96), (2, 2, 32, 160)])
+def test_gemv_launch_rule(T, G, N, K):
+    s = fp8_gemv_launch(T, G, N, K, 132)
+    want = dict(FP8_GEMV_TUNING[T], **(dict(block_n=64, block_k=256) if K <= SHORT_K else {}))
+    assert s['block_n'] <= want['block_n'] and N % s['block_n'] == 0 and 2 * s['block_n'] > min(want['block_n'], N & -N)
+    assert s['block_k'] <= want['block_k'] and K % s['block_k'] == 0
+    assert 1 <= s['split'] <= min(SPLIT_MAX, K // s['block_k']) and s['steps'] == -(-(K // s['block_k']) // s['split'])
+    assert s['grid'] == (N // s['block_n'], s['split'], T * G)
+    tiles = s['grid'][0] * s['grid'][2]
+    if s['split'] > 1: assert tiles * s['split'] <= s['programs'] * 132                # doubled only while it fit
+
+@needs_triton
+def test_one_or_two_rows_take_the_gemv(monkeypatch):
+    "Up to FP8_LINEAR_MAX_T rows launch the GEMV kernel, more (with max_t) the MMA kernel"
+    import dsv41_nb.fp8_linear as fl
+    launched = []
+    for name in ('_fp8_gemv_kernel', '_fp8_linear_kernel'):
+        k = getattr(fl, name)
+        monkeypatch.setattr(fl, name, type('K', (), {'__getitem__': lambda self, grid, k=k, name=name: launched.append(name) or k[grid]})())
+    w = _weight(1, 64, 96, 11)
+    for T in (1, FP8_LINEAR_MAX_T, FP8_LINEAR_MAX_T + 1):
+        x = _x(T, 1, 96, T)
+        assert_linear_close(fp8_linear(x, w, max_t=64), x, w)
+    assert launched == ['_fp8_gemv_kernel', '_fp8_gemv_kernel', '_fp8_linear_kernel']
+
 def test_bad_inputs_are_named():
     w, x = _weight(1, 64, 96, 9), _x(2, 1, 96, 9)
     cases = [(dict(w=w.dequantize()), 'QuantWeight'), (dict(w=QuantWeight(w.codes, w.scales, 'mxfp4')), "'mxfp4'"),
              (dict(x=x.int()), 'floating-point'), (dict(x=x[:, :64]), 'takes (T, 96)'), (dict(x=[1.0]), 'floating-point'),
-             (dict(act_quant='yes'), 'bool'), (dict(max_t=65), 'max_t = 65'), (dict(max_t=-1), 'max_t = -1')]
+             (dict(act_quant='yes'), 'bool'), (dict(max_t=65), 'max_t = 65'), (dict(max_t=-1), 'max_t = -1'),
+             (dict(split=0), 'split = 0'), (dict(split=2.0), 'split = 2.0')]
     for kw, msg in cases: fails_with(lambda: fp8_linear(**{**dict(x=x, w=w), **kw}), contains=msg)
     fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
     fails_with(lambda: FP8Linear.from_master(torch.randn(96)), contains='expected (out, in)')
