@@ -12,7 +12,7 @@ import triton.language as tl
 from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _e4m3_value, _pow2
-from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups
+from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
 from .moe_gemv import _fp8_sums
 
 # %% auto #0
@@ -200,9 +200,11 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
     if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 64):
         raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..64")
     T, (G, N, K) = x.shape[0], w.shape
-    if (kernel_backend(x, w.codes) == 'torch' or T > (FP8_LINEAR_MAX_T if max_t is None else max_t) or T == 0
-            or (not act_quant and x.dtype != torch.bfloat16)):
+    if kernel_backend(x, w.codes) == 'torch' or T == 0 or (not act_quant and x.dtype != torch.bfloat16):
         return fp8_linear_torch(x, w, act_quant, dense)
+    if T > (FP8_LINEAR_MAX_T if max_t is None else max_t):    # cuBLAS on the BF16 values; x rounded in one launch
+        xq = fp8_act_quant(x.reshape(-1, K)).view(x.shape).to(x.dtype) if act_quant else x
+        return fp8_linear_torch(xq, w, False, dense)
     xg = _as_groups(x, w)
     if xg.stride(2) != 1: xg = xg.contiguous()
     y = torch.empty(T, G, N, dtype=x.dtype, device=x.device)
