@@ -90,15 +90,10 @@ def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.conste
 
 # %% ../nbs/10d_fp8_linear.ipynb #879ab90c
 @triton.jit
-def _fp8_gemv_kernel(
-    x_ptr, stride_xt, stride_xg,   # (T, G, K) activations, any float dtype, K contiguous
-    w_ptr, s_ptr,                  # (G, N, K) E4M3 codes, (G, N/32, K/32) UE8M0 codes
-    y_ptr, stride_yt, stride_yg,   # (T, G, N) out (SPLIT == 1)
-    part_ptr,                      # (SPLIT, T, G, N) fp32 partial sums (SPLIT > 1)
-    T, G,
-    K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,   # K steps per slice
-    BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr,
-):
+def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt, stride_yg, part_ptr, T, G,
+                     K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr):
+    "The arguments of `_fp8_linear_kernel`; BN output columns of one token and group a program"
     pid_n, split, pid_tg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp, t = pid_tg % G, pid_tg // G                                    # one token and group a program
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)

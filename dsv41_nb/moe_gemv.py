@@ -13,7 +13,8 @@ from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value
 from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x, _shape)
 from .fused_moe import (ExpertAlignment, align_by_expert_torch, fp8_act_quant, expert_down_torch, _mxfp4_pair,
-                                _round_bf16, _fp8_qdq_groups, _swiglu, _fp8_quant_tile)
+                                _round_bf16, _fp8_qdq_groups)
+from .moe_split import _swiglu_finish_kernel
 
 # %% auto #0
 __all__ = ['GEMV_TUNING', 'GEMV_MAX_TOKENS', 'gemv_split', 'gemv_gate_up', 'gemv_down', 'moe_gemv_experts', 'moe_gemv_forward',
@@ -112,21 +113,6 @@ def _moe_gemv_kernel(
 
 # %% ../nbs/08e_moe_gemv.ipynb #72df239b
 @triton.jit
-def _gemv_swiglu_kernel(part_ptr, h_ptr, w_ptr, n_assign, R, limit, N: tl.constexpr, SPLIT: tl.constexpr,
-                        FB: tl.constexpr, CLAMP: tl.constexpr, HW_CVT: tl.constexpr):
-    r = tl.program_id(0)
-    n = tl.program_id(1) * FB + tl.arange(0, FB)[None, :]
-    m = n < N
-    gate, up = tl.zeros((1, FB), tl.float32), tl.zeros((1, FB), tl.float32)
-    for s in tl.static_range(SPLIT):                                          # a fixed order: deterministic
-        off = (s * R + r).to(tl.int64) * (2 * N) + n
-        gate += tl.load(part_ptr + off, mask=m, other=0.0)
-        up += tl.load(part_ptr + off + N, mask=m, other=0.0)
-    h = _swiglu(gate, up, limit, CLAMP, HW_CVT)
-    if r < n_assign: h = h * tl.load(w_ptr + r)                             # the shared expert is unweighted
-    tl.store(h_ptr + r.to(tl.int64) * N + n, _fp8_quant_tile(h, 1, FB, HW_CVT).to(h_ptr.dtype.element_ty), mask=m)
-
-@triton.jit
 def _gemv_combine_kernel(part_ptr, y_ptr, n_assign, R, N: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr,
                          FB: tl.constexpr, HW_CVT: tl.constexpr):
     t = tl.program_id(0)
@@ -208,9 +194,9 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
     part, split = _gemv_launch(x.to(torch.bfloat16).contiguous(), topk_ids.contiguous(), W.w1, W.w3, W.shared_w1,
                                W.shared_w3, n_assign, R, True, True, tuning or GEMV_TUNING['gate_up'], split)
     fb = min(256, triton.next_power_of_2(I))
-    _gemv_swiglu_kernel[(R, triton.cdiv(I, fb))](part, h, topk_weights.float().contiguous(), n_assign, R,
-                                                 float(swiglu_limit), N=I, SPLIT=split, FB=fb, CLAMP=swiglu_limit > 0,
-                                                 HW_CVT=not triton_interpreting())
+    _swiglu_finish_kernel[(R, triton.cdiv(I, fb))](part, h, topk_weights.float().contiguous(), R, n_assign,
+                                                   float(swiglu_limit), N=I, SPLIT=split, FB=fb, HAS_WEIGHT=True,
+                                                   CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
     return h
 
 # %% ../nbs/08e_moe_gemv.ipynb #7b8a7a0b

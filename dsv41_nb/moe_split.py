@@ -68,8 +68,8 @@ def _gate_up_partial_kernel(
 def _swiglu_finish_kernel(
     part_ptr,           # (SPLIT, n_assign, 2, N) fp32 partial sums
     h_ptr,              # (n_assign, N) BF16 out, as `_gate_up_kernel`'s
-    weight_ptr,         # (n_assign,) fp32 routing weights (HAS_WEIGHT)
-    n_assign, limit,
+    weight_ptr,         # (n_weighted,) fp32 routing weights (HAS_WEIGHT)
+    n_assign, n_weighted, limit,  # rows; rows below n_weighted take their routing weight (HAS_WEIGHT)
     N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, HAS_WEIGHT: tl.constexpr, CLAMP: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
@@ -82,7 +82,8 @@ def _swiglu_finish_kernel(
         gate += tl.load(part_ptr + off, mask=m, other=0.0)
         up += tl.load(part_ptr + off + N, mask=m, other=0.0)
     h = _swiglu(gate, up, limit, CLAMP, HW_CVT)
-    if HAS_WEIGHT: h = h * tl.load(weight_ptr + a)
+    if HAS_WEIGHT:
+        if a < n_weighted: h = h * tl.load(weight_ptr + a)
     tl.store(h_ptr + a.to(tl.int64) * N + n, _fp8_quant_tile(h, 1, FB, HW_CVT).to(h_ptr.dtype.element_ty), mask=m)
 
 # %% ../nbs/08c_moe_split.ipynb #c486de31
@@ -131,7 +132,7 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
                                             num_warps=shape['num_warps'], num_stages=shape['num_stages'])
     fb = min(256, triton.next_power_of_2(N))
     wts = h if topk_weights is None else topk_weights.float().contiguous()
-    _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](part, h, wts, align.n_assign, float(swiglu_limit), N=N,
+    _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](part, h, wts, align.n_assign, align.n_assign, float(swiglu_limit), N=N,
                                                                  SPLIT=split, FB=fb, HAS_WEIGHT=topk_weights is not None,
                                                                  CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
     return h

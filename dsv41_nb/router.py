@@ -128,13 +128,8 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 # %% ../nbs/08d_router.ipynb #0b376b5c
-def fused_route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
-                gate_weight: torch.Tensor,  # (n_experts, dim) router weight (BF16 in the checkpoint)
-                bias: torch.Tensor,  # (n_experts,) fp32 selection bias: picks experts, never weights them
-                n_activated: int,  # experts per token (6; 3 in the DSpark drafter)
-                route_scale: float,  # the normalised weights are multiplied by this (1.5)
-                bias_image: torch.Tensor | None = None,  # (n_experts,) selection bias of image-span tokens
-                image_mask: torch.Tensor | None = None,  # (tokens,) bool, True inside an image span
+def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_activated: int,  # as `route`'s
+                route_scale: float, bias_image: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
                 one_launch: bool = False,  # True: logits in the kernel too (one launch); False: `route`'s own GEMM, then the kernel
                ) -> tuple[torch.Tensor, torch.Tensor]:
     "`route` in one or two launches: weights (tokens, k) fp32 and ids (tokens, k) int64; with `bias_image` and `image_mask` both given (image spans) it is `route`"
