@@ -3,7 +3,7 @@
 byte floor (with and without CUDA graphs), and the engine against the naive loop that recomputes every sequence each token.
 
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
-                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode profile naive]
+                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode profile graphs naive]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -19,7 +19,9 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
    01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
    bandwidth (`copy_bandwidth`). Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper
    is swapped in and out of the same engine), otherwise the eager step alone and the reason.
-3. profile: the GPU time of one eager decode step of one request, by kernel (`torch.profiler`).
+3. profile: the GPU time of one eager decode step of one request, by kernel (`torch.profiler`); and `graphs`: the
+   kernels of decode steps replayed from CUDA graphs at a few batch sizes (count, GPU busy time, the kernels under
+   3 us, the largest), which is where a replayed step's time goes.
 4. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
    against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit;
    the trained small model of 11_train when its checkpoint is in the repository). Goal: the engine at least 5x the naive
@@ -137,6 +139,39 @@ def kernel_profile(llm: LLM, prompt_len: int, top: int = 20) -> dict:
     return out
 
 
+def graph_profile(llm: LLM, prompt_len: int, batches=(1, 4), steps: int = 4, top: int = 15) -> list:
+    "Kernels of decode steps replayed from CUDA graphs, per step: how many, GPU busy time, those under 3 us, the largest"
+    from torch.profiler import profile, ProfilerActivity
+    eng, rows = llm.llm_engine, []
+    for B in batches:
+        for i, p in enumerate(random_prompts(B, prompt_len, seed=2 + B)):
+            eng.add_request(f'graphs-{B}-{i}', p, SamplingParams(temperature=0, max_tokens=steps + 12, ignore_eos=True))
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)    # (--quick: no GPU, no kernels)
+        for _ in range(8): eng.step()                                  # prefill, then decode steps whose graph is captured
+        sync()
+        acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps): eng.step()
+            sync()
+            wall = (time.perf_counter() - t0) / steps
+        while eng.has_unfinished_requests(): eng.step()
+        us, calls, small_n, small_us = {}, {}, 0, 0.0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                us[e.name] = us.get(e.name, 0.0) + e.device_time_total / steps
+                calls[e.name] = calls.get(e.name, 0) + 1 / steps
+                if e.device_time_total < 3.0: small_n, small_us = small_n + 1 / steps, small_us + e.device_time_total / steps
+        r = dict(batch=B, wall_profiled_s=wall, kernels=round(sum(calls.values())), gpu_us=sum(us.values()),
+                 small_kernels=round(small_n), small_us=small_us,
+                 top=[dict(kernel=k[:80], calls=round(calls[k]), us=v) for k, v in sorted(us.items(), key=lambda kv: -kv[1])[:top]])
+        rows.append(r)
+        print(f"  batch {B}: {r['kernels']} kernels a replayed step, {r['gpu_us'] / 1e3:.2f} ms of GPU time; {r['small_kernels']} "
+              f"under 3 us take {small_us / 1e3:.2f} ms; the largest: " + ', '.join(f"{t['kernel'][:24]} {t['us'] / 1e3:.2f} ms"
+                                                                                   for t in r['top'][:4]), flush=True)
+    return rows
+
+
 def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels) -> dict:
     trained = cfg_name == 'small' and (TRAINED / 'config.json').is_file()                      # the trained small model
     model = load_model(TRAINED, device=device) if trained else init_random(cfg, seed=seed, device=device)
@@ -174,7 +209,7 @@ def section(res: dict, key: str, path, fn):
     if path: json.dump(res, open(path, 'w'), indent=1, default=str)
 
 
-SECTIONS = ('concurrency', 'decode', 'profile', 'naive')
+SECTIONS = ('concurrency', 'decode', 'profile', 'graphs', 'naive')
 
 
 def main():
@@ -211,7 +246,7 @@ def main():
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
         kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
         res = {**kept, **{f'{k}_{sec}': v for sec in args.sections for k, v in res.items() if k in ('date', 'args')}}
-    if {'concurrency', 'decode', 'profile'} & set(args.sections):
+    if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         t0 = time.perf_counter()
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
                         max_model_len=args.prompt_len + args.max_tokens + 64)
@@ -226,7 +261,10 @@ def main():
     if 'profile' in args.sections and device == 'cuda':
         print('GPU time of one eager decode step, by kernel:')
         section(res, 'profile', args.json, lambda: kernel_profile(llm, args.prompt_len))
-    if {'concurrency', 'decode', 'profile'} & set(args.sections):
+    if 'graphs' in args.sections and (device == 'cuda' or args.quick):
+        print('kernels of decode steps replayed from CUDA graphs:')
+        section(res, 'graphs', args.json, lambda: graph_profile(llm, args.prompt_len))
+    if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         del llm
         if device == 'cuda': torch.cuda.empty_cache()
     if 'naive' in args.sections:
