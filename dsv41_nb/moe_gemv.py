@@ -8,7 +8,7 @@ import math, numbers
 import torch
 import triton
 import triton.language as tl
-from .config import ModelConfig
+from .config import ModelConfig, check_int
 from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value
 from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x, _shape)
@@ -132,17 +132,13 @@ GEMV_TUNING = dict(gate_up=dict(block_n=16, block_k=256, num_warps=4, programs=3
                    down=dict(block_n=16, block_k=512, num_warps=4, programs=32))
 GEMV_MAX_TOKENS = 4     # decode steps up to this many tokens take the GEMVs (faster than 08c's path up to 4 in the benchmark below)
 
-def _check_int(fn, name, v, lo=1):
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{fn}: {name} must be an int >= {lo}, got {v!r}")
-
 def gemv_split(steps: int,     # K steps of a row (K / block_k)
                tiles: int,     # programs of one slice: rows x column blocks
                sms: int,       # multiprocessors of the device
                programs: int,  # most programs per multiprocessor
               ) -> int:
     "K slices: the largest divisor of `steps` keeping tiles x slices within programs x sms"
-    for name, v in (('steps', steps), ('tiles', tiles), ('sms', sms), ('programs', programs)): _check_int('gemv_split', name, v)
+    for name, v in (('steps', steps), ('tiles', tiles), ('sms', sms), ('programs', programs)): check_int('gemv_split', name, v, 1)
     return max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or tiles * s <= programs * sms))
 
 # %% ../nbs/08e_moe_gemv.ipynb #198b0321
