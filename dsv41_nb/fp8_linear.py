@@ -11,9 +11,9 @@ import triton
 import triton.language as tl
 from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .moe import QuantWeight, quantize_weight, fp8_qdq
-from .formats import _e4m3_value, _pow2
+from .formats import _pow2
 from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
-from .moe_gemv import _fp8_sums
+from .moe_gemv import _fp8_sums, _codes_f32
 
 # %% auto #0
 __all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T',
@@ -38,12 +38,6 @@ def fp8_linear_torch(x: torch.Tensor,            # (T, K), or (T, G, K) for a gr
     return y[:, 0] if x.ndim == 2 else y
 
 # %% ../nbs/10d_fp8_linear.ipynb #fedc465b
-@triton.jit
-def _codes_f32(codes, HW_CVT: tl.constexpr):
-    "E4M3 codes (uint8) -> their values (fp32)"
-    if HW_CVT: return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else: return _e4m3_value(codes.to(tl.int32))
-
 @triton.jit
 def _fp8_linear_kernel(
     x_ptr, stride_xt, stride_xg,   # (T, G, K) activations, any float dtype, K contiguous

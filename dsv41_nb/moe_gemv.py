@@ -61,13 +61,17 @@ def _fp4_sums(w_ptr, s_ptr, w_row, s_row, k0, ev, od, G: tl.constexpr):
     return part * _pow2(sc + 14)
 
 @triton.jit
+def _codes_f32(codes, HW_CVT: tl.constexpr):
+    "E4M3 codes (uint8) -> their values (fp32)"
+    if HW_CVT: return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else: return _e4m3_value(codes.to(tl.int32))
+
+@triton.jit
 def _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, G: tl.constexpr, HW_CVT: tl.constexpr):
     "(BN, G): each group of 32 of the FP8 rows at `w_row` dotted with the activations x (G, 32), times its block's scale"
     g, j = tl.arange(0, G), tl.arange(0, 32)
     c = tl.load(w_ptr + w_row[:, None, None] + (k0 + g * 32)[None, :, None] + j[None, None, :])
-    if HW_CVT: v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else: v = _e4m3_value(c.to(tl.int32))
-    part = tl.sum(v * x[None, :, :], axis=2)
+    part = tl.sum(_codes_f32(c, HW_CVT) * x[None, :, :], axis=2)
     sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
     return part * _pow2(sc)
 
