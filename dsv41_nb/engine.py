@@ -154,15 +154,23 @@ def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
     "request id -> its new tokens (accepted drafts, then one drawn token); the runner's tokens updated"
     rows = [(self.requests[rid], rid, d) for rid, _, drafts, _ in plan for d in list(drafts) + [-1]]
     self._stop_mask(logits, plan)
-    sb = sampling_batch([s.params for s, _, _ in rows], [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
-    accepted, token = draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device), sb, self.generator)
-    accepted, token, out = accepted.tolist(), token.tolist(), {}
+    if all(d == -1 and s.params.greedy for s, _, d in rows):     # greedy, no drafts: what `draw` gives, in one launch
+        accepted, token = [False] * len(rows), logits.argmax(-1).tolist()
+    else: accepted, token = self._draw(logits, rows)
+    out = {}
     for rid, o, drafts, keep in plan:
         a = 0
         while a < len(drafts) and accepted[o + a]: a += 1
         out[rid] = list(drafts[:a]) + [token[o + a]]
         st = self.requests[rid]; del st.tokens[keep:]; st.tokens.extend(out[rid])
     return out
+
+@patch
+def _draw(self: ModelRunner, logits: torch.Tensor, rows: list) -> tuple:
+    "(accepted, token) lists of the rows: `sampling_probs` and `draw` over the step's sampling batch"
+    sb = sampling_batch([s.params for s, _, _ in rows], [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
+    accepted, token = draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device), sb, self.generator)
+    return accepted.tolist(), token.tolist()
 
 @patch
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:

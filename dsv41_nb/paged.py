@@ -324,8 +324,10 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
 def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
     "The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K (both with the router in two launches); on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)"
     if kernel_backend(y, l.moe.w1.codes) == 'triton':
-        if y.shape[0] <= GEMV_MAX_TOKENS: return moe_gemv_forward(y, l.moe, self.cfg, router=fused_route)
-        return moe_forward(y, l.moe, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
+        if getattr(l, '_moe32', None) is None:                  # the router's fp32 GEMM: its gate widened once, not every step
+            l._moe32 = replace(l.moe, gate=l.moe.gate.float())
+        if y.shape[0] <= GEMV_MAX_TOKENS: return moe_gemv_forward(y, l._moe32, self.cfg, router=fused_route)
+        return moe_forward(y, l._moe32, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
     if getattr(l, '_dense_moe', None) is None:                  # BF16 weights: the loop's GEMMs are then the reference's own
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16() for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
     return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit, l._dense_moe)
