@@ -33,7 +33,7 @@ import argparse, dataclasses, datetime, json, sys, time, traceback
 from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig, layer_topology
-from dsv41_nb.dispatch import machine_name, copy_bandwidth
+from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time
 from dsv41_nb.accounting import decode_floor, record_bytes, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
@@ -109,11 +109,7 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
         print(f"  {mode:12s} {1e3 * step:9.3f} ms per decode step = {step / floor:6.1f}x the floor of {1e6 * floor:8.1f} us "
               f"({(out['weight_bytes']) / 1e9:.2f} GB weights + {kv / 1e6:.2f} MB KV at {bw / 1e12:.2f} TB/s)")
         if mode == 'cuda graphs' and 1 in getattr(m, 'graphs', {}):          # the GPU's part alone: the batch-1 graph replayed
-            replay, times = m.graphs[1][0], []
-            for i in range(25):
-                torch.cuda.synchronize(); t0 = time.perf_counter(); replay(); torch.cuda.synchronize()
-                if i >= 5: times.append(time.perf_counter() - t0)
-            out['modes'][mode]['replay_s'] = rep = sorted(times)[len(times) // 2]
+            out['modes'][mode]['replay_s'] = rep = median_time(m.graphs[1][0], warmup=50, rep=300)
             print(f"  {'':12s} {1e3 * rep:9.3f} ms of it the graph's replay alone; the other {1e3 * (step - rep):.3f} ms the host's "
                   "(scheduling, inputs, sampling) while the GPU waits")
     eng.runner.model = inner
