@@ -28,8 +28,8 @@ from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw
 
 # %% auto #0
 __all__ = ['CAPTURE_SIZES', 'RUNNERS', 'InputBatch', 'RecomputeModel', 'ModelRunner', 'padded_batch_size', 'pad_decode_batch',
-           'CUDAGraphModel', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs',
-           'make_step_model', 'LLMEngine', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM']
+           'CUDAGraphModel', 'StagedInputs', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',
+           'EngineArgs', 'make_step_model', 'LLMEngine', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -128,7 +128,7 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
             plan.append((sr.request_id, len(logits_rows), ids[len(ids) - d:] if d else [], sr.start + n - d))
             logits_rows += range(row + n - d - 1, row + n)
         row += n
-    dev, i32, sm = self.device, torch.int32, so.slot_mappings
+    dev, i32, sm = getattr(self.model, 'input_device', None) or self.device, torch.int32, so.slot_mappings   # (a graph model: the host)
     sm = SlotMappings(sm.positions.to(dev), sm.swa.to(dev), {r: v.to(dev) for r, v in sm.compressed.items()},
                       None if sm.ring is None else sm.ring.to(dev))
     batch = InputBatch([sr.request_id for sr in so.requests], torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -219,6 +219,7 @@ def pad_decode_batch(batch: InputBatch, # a decode batch: one row per request, e
 class CUDAGraphModel:
     "Decode steps of a step model replayed from CUDA graphs, one per padded batch size"
     supports_cuda_graphs = False
+    input_device = torch.device('cpu')     # batches come built on the host: padded and prepared there, sent in one copy
     def __init__(self, model, # a step model with supports_cuda_graphs = True
                  kv_cache_config: KVCacheConfig, # the cache layout (block-table widths, compressed ratios)
                  max_model_len: int, # longest sequence: sets the block-table width
@@ -243,27 +244,82 @@ def _tensors(x) -> list:
     if isinstance(x, SimpleNamespace): return _tensors(vars(x))
     return []
 
+def _map_tensors(x, fn):
+    "`x` rebuilt with fn(t) in place of every tensor t inside it, called in `_tensors`'s order; everything else kept"
+    if isinstance(x, torch.Tensor): return fn(x)
+    if dataclasses.is_dataclass(x): return dataclasses.replace(x, **{f.name: _map_tensors(getattr(x, f.name), fn) for f in dataclasses.fields(x)})
+    if isinstance(x, (tuple, list)): return type(x)(_map_tensors(v, fn) for v in x)
+    if isinstance(x, dict):
+        out = dict.fromkeys(x)                                     # the keys in their order, the tensors in `_tensors`'s
+        for k in sorted(x, key=str): out[k] = _map_tensors(x[k], fn)
+        return out
+    if isinstance(x, SimpleNamespace): return SimpleNamespace(**_map_tensors(vars(x), fn))
+    return x
+
+
+# %% ../nbs/13_engine.ipynb #d9858844
+class StagedInputs:
+    "Device copies of the tensors in a structure, all views into one buffer, filled from host twins in one pinned buffer"
+    def __init__(self, like, # a structure of host tensors (what `prepare` makes): their shapes and dtypes, and first values
+                 device): # where the copies live
+        ts = _tensors(like)
+        if not ts: raise ValueError("StagedInputs: the structure holds no tensors")
+        if any(t.device.type != 'cpu' for t in ts): raise ValueError("StagedInputs: expected host tensors, got "
+                                                                    f"{sorted({str(t.device) for t in ts})}")
+        offs = [0]
+        for t in ts: offs.append(offs[-1] + cdiv(t.numel() * t.element_size(), 16) * 16)     # each view 16-byte aligned
+        dev = torch.device(device)
+        self.host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=dev.type == 'cuda')
+        self.buffer = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
+        view = lambda buf, o, t: buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        self.host_views, it = [view(self.host, o, t) for o, t in zip(offs, ts)], iter(offs)
+        self.inputs = _map_tensors(like, lambda t: view(self.buffer, next(it), t))    # what a graph captures
+        self.sent = torch.cuda.Event() if dev.type == 'cuda' else None
+        self.load(like)
+    def __repr__(self): return f"StagedInputs({len(self.host_views)} tensors, {self.buffer.numel()} bytes on {self.buffer.device})"
+
+@patch
+def load(self: StagedInputs, src) -> None:
+    "Copy the tensors of `src` (structured as the one staged) into the device copies: CPU copies, then one transfer"
+    ts = _tensors(src)
+    if [(t.shape, t.dtype) for t in ts] != [(h.shape, h.dtype) for h in self.host_views]:
+        raise ValueError(f"StagedInputs.load: expected {len(self.host_views)} tensors shaped and typed as the staged ones, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in ts]}")
+    if self.sent is not None: self.sent.synchronize()           # the last transfer has left the host buffer
+    for h, t in zip(self.host_views, ts): h.copy_(t)
+    self.buffer.copy_(self.host, non_blocking=True)
+    if self.sent is not None: self.sent.record()
+
+
+# %% ../nbs/13_engine.ipynb #7b33c85a
 @patch
 def _parts(self: CUDAGraphModel) -> tuple:
     "(prepare, run) of the model: its host part and its device part (a model without them: the batch itself, its forward)"
     return getattr(self.model, 'prepare', lambda b: b), getattr(self.model, 'run', self.model.forward)
 
 @patch
+def _on_device(self: CUDAGraphModel, x):
+    "`x` with its tensors on the model's device (an eager step of host-built inputs)"
+    return x if self.device is None else _map_tensors(x, lambda t: t.to(self.device, non_blocking=True))
+
+@patch
 def _capture(self: CUDAGraphModel, size: int, batch: InputBatch) -> tuple:
-    "(replay, static inputs, static logits) for one padded size, the buffers shaped as `batch`'s"
+    "(replay, staged inputs, static logits) for one padded size, the buffers shaped as `batch`'s"
     prepare, run = self._parts()
-    static, out = prepare(pad_decode_batch(batch, size, self.widths, n=0)), {}
+    staged, out = StagedInputs(prepare(pad_decode_batch(batch, size, self.widths, n=0)), self.device or 'cpu'), {}
+    static = staged.inputs
     def step():                                                # warm-up and capture take the same (read-back free) path
         with as_captured(): out['logits'] = run(static)
     if self.emulate:                                           # on a CPU: the same buffers, an eager "replay"
         step(); logits = out['logits']
         def replay():
             with as_captured(): logits.copy_(run(static))
-        return replay, static, logits
+        return replay, staged, logits
     self.pool = self.pool or torch.cuda.graph_pool_handle()
     replay = cuda_graph(step, warmup=1, pool=self.pool)        # the warm-up compiles the kernels and writes nowhere
     self.stats['captured'] += 1
-    return replay, static, out['logits']
+    return replay, staged, out['logits']
+
 
 # %% ../nbs/13_engine.ipynb #85ca80fd
 @patch
@@ -272,19 +328,18 @@ def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     R, b = len(batch.request_ids), batch
     decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids    # one sampled row each, none new
     size = padded_batch_size(R, self.sizes) if decode else None
-    if size is None: self.stats['eager'] += 1; return self.model.forward(batch)
     prepare, run = self._parts()
+    if size is None: self.stats['eager'] += 1; return run(self._on_device(prepare(batch)))
     inputs = prepare(pad_decode_batch(batch, size, self.widths))
-    if not getattr(inputs, 'replayable', True): self.stats['eager'] += 1; return run(inputs)[:R]    # e.g. an image token
+    if not getattr(inputs, 'replayable', True): self.stats['eager'] += 1; return run(self._on_device(inputs))[:R]   # an image token
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
-    replay, static, logits = self.graphs[size]
-    src, dst = _tensors(inputs), _tensors(static)
-    if not src or [(t.shape, t.dtype) for t in src] != [(t.shape, t.dtype) for t in dst]:
-        raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} hold no tensors, "
-                           "or not the ones captured for that size")
-    for d, s in zip(dst, src): d.copy_(s)
+    replay, staged, logits = self.graphs[size]
+    try: staged.load(inputs)
+    except ValueError as e: raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} are not "
+                                               f"the ones captured for that size ({e})") from None
     replay(); self.stats['replayed'] += 1
     return logits[:R].clone()
+
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass

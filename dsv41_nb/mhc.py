@@ -478,16 +478,20 @@ def _mhc_finish_kernel(
                  D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)   # writes the coefficients
 
 # %% ../nbs/07_mhc.ipynb #3f221c29
-MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2, small_warps=1)
+MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2, small_warps=1, small_block_d=32)
 
 def _block_t(T: int) -> tuple[int, int]:
     "(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, without `tl.dot`"
     if T <= MHC_TUNING['small_t']: return triton.next_power_of_2(max(T, 1)), MHC_TUNING['small_warps']
     return MHC_TUNING['block_t'], MHC_TUNING['num_warps']
 
+def _block_d(T: int) -> int:
+    "Columns per program: `small_block_d` for `small_t` tokens or fewer (more programs for a lone token), else `block_d`"
+    return MHC_TUNING['small_block_d' if T <= MHC_TUNING['small_t'] else 'block_d']
+
 def _split(T, dim, device) -> int:
     "Column splits: enough programs to fill the GPU at small T, 1 (a single launch) at large T"
-    chunks, s = triton.cdiv(dim, MHC_TUNING['block_d']), MHC_TUNING['split']
+    chunks, s = triton.cdiv(dim, _block_d(T)), MHC_TUNING['split']
     if s == 'auto':
         s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, _block_t(T)[0])
     return max(1, min(int(s), chunks))
@@ -513,7 +517,7 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
                   new(T, dim, dtype=u8) if fp8 else None, new(T, dim // 32, dtype=u8) if fp8 else None,
                   *((new(T, n), new(T, n), new(T, n, n)) if predict else (None, None, None)))
     if T == 0: return out
-    (bt, warps), bd, split = _block_t(T), MHC_TUNING['block_d'], _split(T, dim, x.device)
+    (bt, warps), bd, split = _block_t(T), _block_d(T), _split(T, dim, x.device)
     npp = max(16, triton.next_power_of_2(2 * n))
     ws = new(T, split, n * n + npp + 2) if split > 1 else x
     p = lambda t: _ptr(t.float() if t is not None and t.dtype != torch.float32 else t, x)

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Launch shapes of the small-batch kernels chosen where they run: inside the batch-1 decode step's CUDA graph.
+
+    python tools/tune_graph.py [--json images/13_graph_tuning.json] [--quick]
+
+A kernel timed back to back keeps its instructions in the SM's instruction cache; in a decode step it runs once per layer
+between a hundred other kernels and fetches them again. So this script builds the `bench` engine of `tools/bench_engine.py`
+(the paged path with random weights, CUDA graphs), starts one request, and for each candidate launch shape of sparse decode
+(the `DECODE_TUNING` row for up to 8 tokens, 06_sparse_decode) and of the mHC seam (`MHC_TUNING`'s small-batch keys,
+07_mhc) captures the batch-1 graph again and times its replay (`median_time`). Each row also records the compiled sparse
+decode kernel's size, registers and spills. The defaults are timed first and last (the drift between the two is the noise).
+`--quick` runs tiny on the CPU (emulated graphs): a check of the script, not a measurement."""
+import argparse, datetime, json, sys
+from pathlib import Path
+import torch, triton
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import paged_llm
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.scheduler import SamplingParams
+from dsv41_nb.__main__ import random_prompts
+from dsv41_nb.dispatch import median_time, machine_name
+from dsv41_nb import sparse_decode as sd, mhc
+
+SPARSE = [dict(num_warps=4, separate=True), dict(num_warps=4), dict(num_warps=8, separate=True), dict(num_warps=16),
+          dict(block_n=16), dict(block_h=64), dict(block_h=32)]            # overrides of the table's row for up to 8 tokens
+SEAM = [dict(small_block_d=64), dict(small_warps=2), dict(small_warps=4)]    # overrides of MHC_TUNING
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--json', help='write the rows to this file')
+    ap.add_argument('--quick', action='store_true')
+    args = ap.parse_args()
+    device = 'cpu' if args.quick or not torch.cuda.is_available() else 'cuda'
+    if device == 'cpu' and not args.quick: sys.exit('this measurement needs a GPU (use --quick to check the script on a CPU)')
+    cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()
+    llm = paged_llm(cfg, 0, device, max_num_seqs=8, max_model_len=224, **(dict(kernels='torch') if args.quick else {}))
+    eng = llm.llm_engine
+    gm, kernels, old = eng.runner.model, {}, []
+    if args.quick:                                            # no GPU: the same wrapper, emulated
+        from dsv41_nb.engine import CUDAGraphModel
+        gm = eng.runner.model = CUDAGraphModel(gm, eng.kv_cache_config, 224, emulate=True)
+    launch = sd._sparse_decode_triton
+    def recorded(*a, **k):                                    # the compiled kernel of the latest launch
+        r = launch(*a, **k)
+        if r[2] is not None: kernels['sparse'] = r[2]
+        return r
+    sd._sparse_decode_triton = recorded
+    eng.add_request('tuned', random_prompts(1, 128, seed=1)[0], SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True))
+    for _ in range(6): eng.step()                             # the prefill, then decode steps with the batch-1 graph
+
+    def measure(kind, override):
+        old.append(gm.graphs.pop(1, None)); gm.pool = None; kernels.clear()   # a new graph in a pool of its own
+        for _ in range(3): eng.step()
+        t = median_time(gm.graphs[1][0], warmup=30, rep=200) if 1 in gm.graphs else float('nan')
+        k = kernels.get('sparse')
+        res = dict(kind=kind, override=override, replay_ms=1e3 * t)
+        if k is not None and hasattr(k, 'n_regs'):
+            res.update(cubin_kb=len(k.asm['cubin']) / 1024, registers=k.n_regs, spills=k.n_spills)
+        print(f"{kind:8s} {str(override):45s} {res['replay_ms']:8.3f} ms" +
+              (f"  sparse decode: cubin {res['cubin_kb']:.0f} KB, {res['registers']} registers, {res['spills']} spills"
+               if 'cubin_kb' in res else ''), flush=True)
+        return res
+
+    sd_row, seam = dict(sd.DECODE_TUNING[8]), dict(mhc.MHC_TUNING)
+    rows = [measure('default', {})]
+    for v in SPARSE:
+        sd.DECODE_TUNING[8] = dict(sd_row, **v)
+        try: rows.append(measure('sparse', v))
+        finally: sd.DECODE_TUNING[8] = sd_row
+    for v in SEAM:
+        mhc.MHC_TUNING.update(v)
+        try: rows.append(measure('seam', v))
+        finally: mhc.MHC_TUNING.clear(); mhc.MHC_TUNING.update(seam)
+    rows.append(measure('default', {}))
+    out = dict(machine=machine_name(device), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', torch=torch.__version__,
+               triton=triton.__version__, config='tiny' if args.quick else 'bench', sparse_row=sd_row,
+               seam={k: seam[k] for k in ('small_t', 'small_warps', 'small_block_d')}, rows=rows)
+    if args.json: Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == '__main__': main()
