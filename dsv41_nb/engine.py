@@ -27,9 +27,10 @@ from .checkpoint import load_model
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw
 
 # %% auto #0
-__all__ = ['CAPTURE_SIZES', 'RUNNERS', 'InputBatch', 'RecomputeModel', 'ModelRunner', 'padded_batch_size', 'pad_decode_batch',
-           'CUDAGraphModel', 'StagedInputs', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',
-           'EngineArgs', 'make_step_model', 'LLMEngine', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM']
+__all__ = ['CAPTURE_SIZES', 'RUNNERS', 'InputBatch', 'fill_token_ids', 'RecomputeModel', 'ModelRunner', 'StepFuture',
+           'padded_batch_size', 'pad_decode_batch', 'CUDAGraphModel', 'StagedInputs', 'CompletionOutput',
+           'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'prefix_gap',
+           'greedy_shortfall', 'assert_greedy_match', 'LLM']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -47,6 +48,17 @@ class InputBatch:
     num_cached_tokens: torch.Tensor  # (R,) int32 prefix-hit length: rows below it only rebuild window caches
     new_request_ids: set = field(default_factory=set)  # (re)started this step: forget what is kept under their ids
     prefix_token_ids: dict = field(default_factory=dict)  # request id -> ids before its first row, for a (re)start past 0
+    token_fill: list = field(default_factory=list)  # (row, tensor, index): rows whose id is tensor[index], still on the device
+    resolved_token_ids: dict = field(default_factory=dict)  # request id -> {position: id} of rows filled from the device before
+
+def fill_token_ids(token_ids: torch.Tensor, # (T,) the ids of a batch's rows, where the model reads them
+                   fill: list, # (row, tensor, index) per row: its id is tensor[index]
+                  ) -> None:
+    "token_ids[row] = tensor[index] for every entry of `fill`, in place and on the tensors' device: nothing is read back"
+    for src in {id(t): t for _, t, _ in fill}.values():
+        rows, idx = zip(*[(r, i) for r, t, i in fill if t is src])
+        if max(rows) >= len(token_ids) or min(rows) < 0: raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
+        token_ids[torch.tensor(rows, device=token_ids.device)] = src[torch.tensor(idx, device=src.device)].to(token_ids.device)
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
@@ -91,7 +103,7 @@ class ModelRunner:
         self.model, self.kv_cache_config, self.proposer = model, kv_cache_config, proposer
         self.vocab_size, self.device = kv_cache_config.vocab_size, torch.device(device or 'cpu')
         self.generator = torch.Generator(self.device).manual_seed(check_int('ModelRunner', 'seed', seed, 0))
-        self.requests, self.generators, self.kernels = {}, {}, kernels
+        self.requests, self.generators, self.kernels, self.filled_rows = {}, {}, kernels, 0
 
 @patch
 def _start(self: ModelRunner, sr) -> SimpleNamespace:
@@ -100,29 +112,36 @@ def _start(self: ModelRunner, sr) -> SimpleNamespace:
         self.generators[sr.request_id] = torch.Generator(self.device).manual_seed(seed)
     r = sr.request
     self.requests[sr.request_id] = st = SimpleNamespace(tokens=list(r.all_token_ids), params=r.sampling_params,
-                                                        num_prompt_tokens=r.num_prompt_tokens, eos=r.eos_token_id)
+                                                        num_prompt_tokens=r.num_prompt_tokens, eos=r.eos_token_id,
+                                                        pending=None, filled=[])   # (tensor, index) of its newest id, not back yet
     return st
 
 @patch
-def _rows(self: ModelRunner, sr, st: SimpleNamespace) -> list:
-    "The ids of a request's rows: its own tokens where they are known, then the drafts"
+def _rows(self: ModelRunner, sr, st: SimpleNamespace) -> tuple:
+    "(ids of a request's rows: its own tokens where they are known, then the drafts; the row whose id is still on the device)"
     n, d = sr.num_tokens, sr.num_draft_tokens
-    known, drafts = st.tokens[sr.start:sr.start + n - d], list(sr.token_ids[n - d:])
+    known, drafts, late = st.tokens[sr.start:sr.start + n - d], list(sr.token_ids[n - d:]), None
+    if st.pending is not None and n > d and len(st.tokens) == sr.start + n - d - 1:   # its newest id: sampled, not back yet
+        late, known = n - d - 1, known + [0]
     if len(known) != n - d or any(t != PLACEHOLDER and t != k for t, k in zip(sr.token_ids, known)):
         raise RuntimeError(f"request {sr.request_id!r}: rows from position {sr.start} disagree with the runner's {len(st.tokens)} tokens")
     if PLACEHOLDER in drafts: raise RuntimeError(f"request {sr.request_id!r}: draft rows whose drafts this runner never made")
-    return known + drafts
+    return known + drafts, late
 
 # %% ../nbs/13_engine.ipynb #82fbbbed
 @patch
 def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
     "(InputBatch, sample plan: (request id, first logits row, drafts, tokens before the drafts) per sampling request)"
-    ids, new, prefix, plan, logits_rows, row = [], set(), {}, [], [], 0
+    ids, new, prefix, plan, logits_rows, row, fill, resolved = [], set(), {}, [], [], 0, [], {}
     for sr in so.requests:
         st = self._start(sr) if sr.new else self.requests.get(sr.request_id)
         if st is None: raise RuntimeError(f"request {sr.request_id!r} was never started in this runner")
         if sr.new: new.add(sr.request_id); prefix.update({sr.request_id: st.tokens[:sr.start]} if sr.start else {})
-        ids += self._rows(sr, st)
+        if back := {p: st.tokens[p] for p in st.filled if p < len(st.tokens)}:   # ids filled on the device before, now known
+            resolved[sr.request_id], st.filled = back, [p for p in st.filled if p not in back]
+        rows, late = self._rows(sr, st)
+        if late is not None: fill.append((row + late, *st.pending)); st.filled.append(sr.start + late); self.filled_rows += 1
+        ids += rows
         n, d = sr.num_tokens, sr.num_draft_tokens
         if sr.sample:
             plan.append((sr.request_id, len(logits_rows), ids[len(ids) - d:] if d else [], sr.start + n - d))
@@ -136,7 +155,9 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
                        torch.tensor([sr.start + sr.num_tokens for sr in so.requests], dtype=i32, device=dev),
                        tuple(so.block_table(g.group_id).to(dev) for g in self.kv_cache_config.groups), sm,
                        torch.tensor(logits_rows, dtype=torch.int64, device=dev), so.decoder_rows.to(dev),
-                       torch.tensor([sr.num_cached_tokens for sr in so.requests], dtype=i32, device=dev), new, prefix)
+                       torch.tensor([sr.num_cached_tokens for sr in so.requests], dtype=i32, device=dev), new, prefix, fill, resolved)
+    if fill and getattr(self.model, 'input_device', None) is None:        # a model fed on its device: fill the ids here
+        fill_token_ids(batch.token_ids, fill); batch.token_fill = []
     return batch, plan
 
 # %% ../nbs/13_engine.ipynb #73a45e3a
@@ -150,13 +171,19 @@ def _stop_mask(self: ModelRunner, logits: torch.Tensor, plan: list):
         if stop and n > 0: logits[o:o + n, stop] = -torch.inf
 
 @patch
-def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
-    "request id -> its new tokens (accepted drafts, then one drawn token); the runner's tokens updated"
+def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
+    "(accepted, token) of the step's sampling rows, as tensors on the device (accepted None: nothing to verify)"
     rows = [(self.requests[rid], rid, d) for rid, _, drafts, _ in plan for d in list(drafts) + [-1]]
     self._stop_mask(logits, plan)
-    if all(d == -1 and s.params.greedy for s, _, d in rows):     # greedy, no drafts: what `draw` gives, in one launch
-        accepted, token = [False] * len(rows), logits.argmax(-1).tolist()
-    else: accepted, token = self._draw(logits, rows)
+    if all(d == -1 and s.params.greedy for s, _, d in rows): return None, logits.argmax(-1)   # what `draw` gives, in one launch
+    sb = sampling_batch([s.params for s, _, _ in rows], [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
+    return draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device), sb, self.generator)
+
+@patch
+def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
+    "request id -> its new tokens (accepted drafts, then one drawn token); the runner's tokens updated"
+    accepted, token = self._tokens(logits, plan)
+    accepted, token = [False] * len(token) if accepted is None else accepted.tolist(), token.tolist()
     out = {}
     for rid, o, drafts, keep in plan:
         a = 0
@@ -166,28 +193,68 @@ def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
     return out
 
 @patch
-def _draw(self: ModelRunner, logits: torch.Tensor, rows: list) -> tuple:
-    "(accepted, token) lists of the rows: `sampling_probs` and `draw` over the step's sampling batch"
-    sb = sampling_batch([s.params for s, _, _ in rows], [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
-    accepted, token = draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device), sb, self.generator)
-    return accepted.tolist(), token.tolist()
-
-@patch
-def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
-    "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
+def _forget(self: ModelRunner, so: SchedulerOutput):
+    "Drop what the runner keeps of finished and preempted requests"
     if not isinstance(so, SchedulerOutput): raise TypeError(f"execute_model: expected a SchedulerOutput, got {type(so).__name__}")
     gone = so.finished_req_ids | so.preempted_req_ids
     for rid in gone: self.requests.pop(rid, None)
     for rid in so.finished_req_ids: self.generators.pop(rid, None)
     if gone: self.model.release(gone)
-    if not so.requests: return ModelRunnerOutput({}, {})
+
+@patch
+def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
+    "(sample plan, logits) of a step: the batch built and the model run"
     batch, plan = self.prepare_inputs(so)
     with use_kernels(self.kernels) if self.kernels else nullcontext(): logits = self.model.forward(batch)     # (N, vocab)
     if tuple(logits.shape) != (len(batch.logits_indices), self.vocab_size):
         raise RuntimeError(f"model logits of shape {tuple(logits.shape)}; expected ({len(batch.logits_indices)}, {self.vocab_size})")
+    return plan, logits
+
+@patch
+def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
+    "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
+    self._forget(so)
+    if not so.requests: return ModelRunnerOutput({}, {})
+    plan, logits = self._logits(so)
     sampled = {sr.request_id: [] for sr in so.requests} | (self._sample(logits, plan) if plan else {})
     drafts = self.proposer.propose([self.requests[r].tokens for r, *_ in plan]) if self.proposer is not None and plan else []
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
+
+# %% ../nbs/13_engine.ipynb #23b9ac1c
+class StepFuture:
+    "A launched step's `ModelRunnerOutput`, read back when `result()` is first called"
+    def __init__(self, fn): self._fn, self._out = fn, None
+    def result(self) -> ModelRunnerOutput:
+        if self._out is None: self._out, self._fn = self._fn(), None
+        return self._out
+
+@patch
+def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
+    "Launch one step and return without waiting: its sampled ids come back, and join the runner's, on `result()`"
+    if self.proposer is not None: raise ValueError("execute_model_async: a proposer needs each step's tokens before the next step")
+    self._forget(so)
+    empty = {sr.request_id: [] for sr in so.requests}
+    plan, logits = self._logits(so) if so.requests else ([], None)
+    if not plan: return StepFuture(lambda: ModelRunnerOutput(empty, {}))
+    if any(drafts for _, _, drafts, _ in plan): raise RuntimeError("execute_model_async: draft rows in an asynchronous step")
+    _, token = self._tokens(logits, plan)                                 # (rows,) on the device
+    states = {rid: self.requests[rid] for rid, *_ in plan}
+    for rid, o, *_ in plan: states[rid].pending = (token, o)
+    host, done = token, None
+    if token.is_cuda:                                                      # the read-back, queued behind the step
+        host = torch.empty(token.shape, dtype=token.dtype, pin_memory=True).copy_(token, non_blocking=True)
+        done = torch.cuda.Event(); done.record()
+    def result() -> ModelRunnerOutput:
+        if done is not None: done.synchronize()
+        ids, out = host.tolist(), dict(empty)
+        for rid, o, _, keep in plan:
+            out[rid], st = [ids[o]], states[rid]
+            if self.requests.get(rid) is st:                               # not finished, preempted or restarted since
+                del st.tokens[keep:]; st.tokens.append(ids[o])
+                if st.pending is not None and st.pending[0] is token: st.pending = None
+        return ModelRunnerOutput(out, {})
+    return StepFuture(result)
+
 
 # %% ../nbs/13_engine.ipynb #86ef8c0e
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes with a graph each
@@ -213,7 +280,8 @@ def pad_decode_batch(batch: InputBatch, # a decode batch: one row per request, e
                       tuple(pad(t, NULL_BLOCK_ID, w) for t, w in zip(batch.block_tables, widths)),
                       SlotMappings(pad(sm.positions, 0), pad(sm.swa, PAD_SLOT_ID), {r: pad(v, PAD_SLOT_ID) for r, v in sm.compressed.items()},
                                    None if sm.ring is None else pad(sm.ring, PAD_SLOT_ID)), ar, ar, pad(batch.num_cached_tokens, 0),
-                      {f'<pad {i}>' for i in range(n, size)})                # each pad a fresh one-token request
+                      {f'<pad {i}>' for i in range(n, size)}, {}, [f for f in batch.token_fill if f[0] < n],   # each pad a fresh
+                      {r: v for r, v in batch.resolved_token_ids.items() if r in batch.request_ids[:n]})   # one-token request
 
 # %% ../nbs/13_engine.ipynb #9c184d0d
 class CUDAGraphModel:
@@ -298,27 +366,43 @@ def _parts(self: CUDAGraphModel) -> tuple:
     return getattr(self.model, 'prepare', lambda b: b), getattr(self.model, 'run', self.model.forward)
 
 @patch
-def _on_device(self: CUDAGraphModel, x):
-    "`x` with its tensors on the model's device (an eager step of host-built inputs)"
-    return x if self.device is None else _map_tensors(x, lambda t: t.to(self.device, non_blocking=True))
+def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) -> torch.Tensor:
+    "`run` on prepared host inputs moved to the device, the rows of `fill` taken on the device into the copy of `token_ids`"
+    moved = {}
+    def move(t):
+        moved[id(t)] = d = t if self.device is None else t.to(self.device, non_blocking=True)
+        return d
+    inputs = _map_tensors(inputs, move)
+    if fill: fill_token_ids(self._token_view(moved.get(id(token_ids))), fill)
+    return self._parts()[1](inputs)
+
+@patch
+def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
+    if t is None: raise RuntimeError(f"CUDAGraphModel: {type(self.model).__name__}.prepare does not pass the batch's token_ids "
+                                     "through, so rows whose ids are on the device (async execution) cannot be filled")
+    return t
 
 @patch
 def _capture(self: CUDAGraphModel, size: int, batch: InputBatch) -> tuple:
-    "(replay, staged inputs, static logits) for one padded size, the buffers shaped as `batch`'s"
+    "(replay, staged inputs, static logits, the captured token ids or None) for one padded size, the buffers shaped as `batch`'s"
     prepare, run = self._parts()
-    staged, out = StagedInputs(prepare(pad_decode_batch(batch, size, self.widths, n=0)), self.device or 'cpu'), {}
+    padded = pad_decode_batch(batch, size, self.widths, n=0)
+    host = prepare(padded)
+    staged, out = StagedInputs(host, self.device or 'cpu'), {}
     static = staged.inputs
+    at = [i for i, t in enumerate(_tensors(host)) if t is padded.token_ids]       # where `prepare` passed the ids through
+    tokens = _tensors(static)[at[0]] if at else None
     def step():                                                # warm-up and capture take the same (read-back free) path
         with as_captured(): out['logits'] = run(static)
     if self.emulate:                                           # on a CPU: the same buffers, an eager "replay"
         step(); logits = out['logits']
         def replay():
             with as_captured(): logits.copy_(run(static))
-        return replay, staged, logits
+        return replay, staged, logits, tokens
     self.pool = self.pool or torch.cuda.graph_pool_handle()
     replay = cuda_graph(step, warmup=1, pool=self.pool)        # the warm-up compiles the kernels and writes nowhere
     self.stats['captured'] += 1
-    return replay, staged, out['logits']
+    return replay, staged, out['logits'], tokens
 
 
 # %% ../nbs/13_engine.ipynb #85ca80fd
@@ -329,14 +413,17 @@ def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids    # one sampled row each, none new
     size = padded_batch_size(R, self.sizes) if decode else None
     prepare, run = self._parts()
-    if size is None: self.stats['eager'] += 1; return run(self._on_device(prepare(batch)))
-    inputs = prepare(pad_decode_batch(batch, size, self.widths))
-    if not getattr(inputs, 'replayable', True): self.stats['eager'] += 1; return run(self._on_device(inputs))[:R]   # an image token
+    if size is None: self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, batch.token_fill)
+    padded = pad_decode_batch(batch, size, self.widths)
+    inputs = prepare(padded)
+    if not getattr(inputs, 'replayable', True):
+        self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, batch.token_fill)[:R]
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
-    replay, staged, logits = self.graphs[size]
+    replay, staged, logits, tokens = self.graphs[size]
     try: staged.load(inputs)
     except ValueError as e: raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} are not "
                                                f"the ones captured for that size ({e})") from None
+    if batch.token_fill: fill_token_ids(self._token_view(tokens), batch.token_fill)   # after the copy, before the replay
     replay(); self.stats['replayed'] += 1
     return logits[:R].clone()
 
@@ -512,10 +599,10 @@ def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput, delta: 
 def step(self: LLMEngine, delta: bool = False) -> list:
     "One engine step; RequestOutputs of the requests that got tokens (whole, or only what is new with `delta`)"
     so = self.scheduler.schedule()
-    mro = self.runner.execute_model(so)
-    if not self.args.async_scheduling: return self._apply(so, mro, delta)
-    prev, self._pending = self._pending, ((so, mro) if so.requests else None)      # apply the step before this one
-    return self._apply(*prev, delta) if prev is not None else []
+    if not self.args.async_scheduling: return self._apply(so, self.runner.execute_model(so), delta)
+    fut = self.runner.execute_model_async(so)                                 # launched, not waited for
+    prev, self._pending = self._pending, ((so, fut) if so.requests else None)      # apply the step before this one
+    return self._apply(prev[0], prev[1].result(), delta) if prev is not None else []
 
 @patch
 def abort_request(self: LLMEngine, request_id: str) -> RequestOutput:

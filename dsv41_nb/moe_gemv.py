@@ -54,7 +54,8 @@ def _x_groups(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
 def _fp4_sums(w_ptr, s_ptr, w_row, s_row, k0, ev, od, G: tl.constexpr):
     "(BN, G): each group of 32 of the MXFP4 rows at byte offsets `w_row` dotted with the activations, times its scale"
     g, j = tl.arange(0, G), tl.arange(0, 16)
-    byte = tl.load(w_ptr + w_row[:, None, None] + (k0 // 2 + g * 16)[None, :, None] + j[None, None, :]).to(tl.int32)
+    byte = tl.load(w_ptr + w_row[:, None, None] + (k0 // 2 + g * 16)[None, :, None] + j[None, None, :],
+                   eviction_policy='evict_first').to(tl.int32)                     # read once: leave L2 to what is read again
     lo, hi = _mxfp4_pair(byte, 1.0)                                                  # E2M1 / 2^14, fp32
     part = tl.sum(lo * ev[None, :, :] + hi * od[None, :, :], axis=2)
     sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
@@ -70,7 +71,7 @@ def _codes_f32(codes, HW_CVT: tl.constexpr):
 def _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, G: tl.constexpr, HW_CVT: tl.constexpr):
     "(BN, G): each group of 32 of the FP8 rows at `w_row` dotted with the activations x (G, 32), times its block's scale"
     g, j = tl.arange(0, G), tl.arange(0, 32)
-    c = tl.load(w_ptr + w_row[:, None, None] + (k0 + g * 32)[None, :, None] + j[None, None, :])
+    c = tl.load(w_ptr + w_row[:, None, None] + (k0 + g * 32)[None, :, None] + j[None, None, :], eviction_policy='evict_first')
     part = tl.sum(_codes_f32(c, HW_CVT) * x[None, :, :], axis=2)
     sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
     return part * _pow2(sc)

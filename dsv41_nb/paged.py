@@ -257,7 +257,7 @@ class PagedStep:
     window_start: torch.Tensor  # (R,) int64 first position whose window records exist (0 unless a replayed prefix hit)
     replay_start: torch.Tensor  # (R,) int64 first position that runs the decoder (0: full-stack)
     logits_rows: torch.Tensor   # (m,) int64 rows whose logits `forward` returns (rows that run the decoder)
-    decode_only: bool = False   # one text row per request, each running the decoder and returning logits: nothing read back
+    decode_only: bool = False   # one row per request, each running the decoder and returning logits: nothing read back
 
 def _tensor(name, t, shape, dtypes):
     if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or (shape is not None and tuple(t.shape) != tuple(shape)):
@@ -357,7 +357,9 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     if self.state is None: raise RuntimeError("forward: no caches (call allocate first)")
     cfg, st = self.cfg, self.csa2_step(self.check(s))
     T, r = len(s.token_ids), s.rows.long()
-    mask = None if s.decode_only or bool((s.token_ids != cfg.image_token_id).all()) else s.token_ids != cfg.image_token_id
+    text = s.token_ids != cfg.image_token_id                                        # Engram's n-grams skip image tokens
+    mask = text if s.decode_only else None if bool(text.all()) else text            # a decode step: no read-back (its ids may be
+                                                                                    # filled on the device, 13_engine)
     x, pre = hc_expand(F.embedding(s.token_ids, self.embed), cfg.hc_mult)          # (T, hc, dim), (T, hc)
     f = post = comb = None
     hashes = self._hashes(s, mask)

@@ -85,6 +85,10 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
     for j in batch.decoder_rows.tolist(): dec[j] = True
     cached = batch.num_cached_tokens.tolist() if batch.new_request_ids else None
     hist, rows, ws, rs, blocks = [], [], [], [], {}                       # blocks: ring blocks of multi-row decode requests
+    for rid, back in batch.resolved_token_ids.items():                    # ids an earlier step took on the device, now known
+        toks = self.tokens.get(rid, ())
+        for p, tok in back.items():
+            if p < len(toks): toks[p] = tok
     for i, rid in enumerate(batch.request_ids):
         a, b = qsl[i], qsl[i + 1]
         p0 = pos[a]
@@ -105,7 +109,7 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
         if self.ring_ratio and b - a > 1 and all(dec[a:b]): blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
     if any(dec[j] != (pos[j] >= rs[rows[j]]) for j in range(len(ids))):
         raise ValueError("decoder_rows: each request's decoder rows must be its rows from one position on, the same one every step")
-    decode_only = (qsl == list(range(len(qsl))) and all(dec) and self.model.cfg.image_token_id not in ids
+    decode_only = (qsl == list(range(len(qsl))) and all(dec)
                    and batch.logits_indices.tolist() == list(range(len(ids))))
     t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
     return PagedInputs(PagedStep(batch.token_ids, t(hist).view(len(ids), n), t(rows, torch.int32), batch.slot_mappings,

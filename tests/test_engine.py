@@ -17,7 +17,8 @@ from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, Model
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, CUDAGraphModel, padded_batch_size, pad_decode_batch, IncrementalDetokenizer,
-                             EngineArgs, LLMEngine, LLM, prefix_gap, greedy_shortfall, assert_greedy_match)
+                             EngineArgs, LLMEngine, LLM, prefix_gap, greedy_shortfall, assert_greedy_match, StagedInputs,
+                             fill_token_ids)
 from dsv41_nb.__main__ import random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,14 @@ BAD = [
     (lambda: sampling_batch([GREEDY], [None] * 3), ValueError, '1 rows but 3 generators'),
     (lambda: padded_batch_size(-2), ValueError, 'n = -2'),
     (lambda: CUDAGraphModel(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, 64), ValueError, 'does not support CUDA graphs'),
+    (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, proposer=NgramProposer(2)).execute_model_async(None),
+     ValueError, 'a proposer needs each step'),
+    (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config).execute_model_async('so'), TypeError,
+     'expected a SchedulerOutput, got str'),
+    (lambda: fill_token_ids(torch.zeros(3, dtype=torch.long), [(3, torch.arange(4), 0)]), IndexError, "outside the batch's 3"),
+    (lambda: StagedInputs({'a': 1}, 'cpu'), ValueError, 'holds no tensors'),
+    (lambda: StagedInputs(SimpleNamespace(a=torch.zeros(2)), 'cpu').load(SimpleNamespace(a=torch.zeros(3))), ValueError,
+     'shaped and typed as the staged ones'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -273,6 +282,52 @@ def test_paged_graph_replay_equals_eager():
     replayed = [o.outputs[0].token_ids for o in LLM(MODEL, step_model=emulated, **args).generate(prompts, sp, use_tqdm=False)]
     assert replayed == eager
     assert box['cg'].stats == dict(replayed=5, eager=1, captured=0) and sorted(box['cg'].graphs) == [4]
+
+
+# ---------------------------------------------------------------- execution without waiting (async scheduling)
+def _emulated_graphs(box):
+    from dsv41_nb.paged_step import step_model
+    def build(kc):
+        box['cg'] = CUDAGraphModel(step_model(MODEL, kc), kc, 256, capture_sizes=(1, 2, 4), emulate=True)
+        return box['cg']
+    return build
+
+@pytest.mark.parametrize('how', ['recompute', 'paged', 'graphs', 'graphs-seeded', 'graphs-preempted'])
+def test_async_execution_gives_the_synchronous_tokens(how):
+    "The runner not waiting for a step's ids (they reach the next step on the device): the tokens of synchronous execution"
+    g, box = torch.Generator().manual_seed(3), {}
+    prompts = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in (30, 5, 17)]
+    sp = [SamplingParams(temperature=0.9, seed=s, max_tokens=7) for s in (1, 2, 3)] if how == 'graphs-seeded' else \
+         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    kw = dict(EXACT, runner='recompute' if how == 'recompute' else 'paged', max_model_len=256)
+    if how.startswith('graphs'): kw['step_model'] = _emulated_graphs(box)
+    if how == 'graphs-preempted': kw.update(num_gpu_blocks=11, enable_prefix_caching=False)
+    want = outputs(LLM(MODEL, **kw), prompts, sp)                  # synchronous, the same arithmetic (padded batches included)
+    llm = LLM(MODEL, async_scheduling=True, **kw)
+    assert outputs(llm, prompts, sp) == want
+    eng = llm.llm_engine
+    assert eng.runner.filled_rows > 0 and not eng.has_unfinished_requests()
+    assert free_blocks(llm) == eng.kv_cache_config.num_usable_blocks or eng.args.enable_prefix_caching
+    if how.startswith('graphs'): assert box['cg'].stats['replayed'] > 0
+    if how == 'graphs-preempted': assert eng.scheduler.stats['preemptions'] > 0
+
+def test_a_decode_step_masks_image_tokens_on_the_device():
+    "A decode-only paged step reads no value back, yet an image token there still breaks Engram's n-grams (a mask on the device)"
+    from dsv41_nb.paged_step import step_model
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
+    s, m = Scheduler(kc, SchedulerConfig()), step_model(MODEL, kc)
+    r = ModelRunner(m, kc)
+    for i in range(2): s.add_request(f'q{i}', PROMPTS[i][:6], SamplingParams(max_tokens=4))
+    o = s.schedule(); s.update_from_output(o, r.execute_model(o))                  # the prefill
+    batch, _ = r.prepare_inputs(s.schedule())
+    batch.token_ids[1] = TINY.image_token_id
+    inputs = m.prepare(batch)
+    assert inputs.step.decode_only
+    m.model.state = None; m.model.allocate()                                         # (the same caches, unwritten, for both)
+    got = m.model(inputs.step)
+    m.model.state = None; m.model.allocate()
+    want = m.model(replace(inputs.step, decode_only=False))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- the command line

@@ -15,7 +15,7 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
    of 3 tokens each (Triton compiles a kernel again for new argument specialisations, and the CUDA graph of the
    level's batch size is captured), so the row times serving, not compiling.
 2. the decode step at batch 1: the engine's time per output token of one request (scheduler, runner, sampler included)
-   against the floor of that step: the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of
+   against the floor of that step, with the runner waiting for each step's tokens and (async scheduling) not waiting: the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of
    01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
    bandwidth (`copy_bandwidth`). Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper
    is swapped in and out of the same engine), otherwise the eager step alone and the reason.
@@ -91,8 +91,8 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
     kv = kv_read_bytes(cfg, eng.kv_cache_config, context)
     floor = weights['seconds'] + kv / bw
     inner = eng.runner.model
-    modes = [('eager', inner.model if isinstance(inner, CUDAGraphModel) else inner),
-             ('cuda graphs', inner if isinstance(inner, CUDAGraphModel) else None)]
+    graphs = inner if isinstance(inner, CUDAGraphModel) else None
+    modes = [('eager', inner.model if graphs else inner), ('cuda graphs', graphs), ('cuda graphs, async', graphs)]
     out = dict(context=context, copy_bandwidth=bw, weight_bytes=weights['dense_bytes'] + weights['expert_bytes'], kv_bytes=kv,
                floor_s=floor, held_weight_bytes=getattr(getattr(inner, 'model', None), 'weight_bytes', lambda: None)(), modes={})
     sp, prompt = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), random_prompts(1, prompt_len, seed=seed)
@@ -101,7 +101,9 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
             why = 'not on a GPU' if torch.device(device).type != 'cuda' else 'supports_cuda_graphs is False'
             out['modes'][mode] = dict(note=f"{type(inner).__name__} runs without CUDA graphs ({why})")
             print(f"  {mode:12s} {out['modes'][mode]['note']}"); continue
-        eng.runner.model = m
+        eng.runner.model, asyn = m, mode.endswith('async')          # async: the runner does not wait for a step's tokens
+        eng.args = dataclasses.replace(eng.args, async_scheduling=asyn)               # (switched while no request is in flight)
+        eng.scheduler.config = dataclasses.replace(eng.scheduler.config, async_scheduling=asyn)
         load_test(llm, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))        # warm-up (captures graphs)
         s = load_test(llm, prompt, sp)
         step = s['tpot_s'][50]
@@ -112,7 +114,8 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
             out['modes'][mode]['replay_s'] = rep = median_time(m.graphs[1][0], warmup=50, rep=300)
             print(f"  {'':12s} {1e3 * rep:9.3f} ms of it the graph's replay alone; the other {1e3 * (step - rep):.3f} ms the host's "
                   "(scheduling, inputs, sampling) while the GPU waits")
-    eng.runner.model = inner
+    eng.runner.model, eng.args = inner, dataclasses.replace(eng.args, async_scheduling=False)
+    eng.scheduler.config = dataclasses.replace(eng.scheduler.config, async_scheduling=False)
     return out
 
 

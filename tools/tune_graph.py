@@ -6,8 +6,9 @@
 A kernel timed back to back keeps its instructions in the SM's instruction cache; in a decode step it runs once per layer
 between a hundred other kernels and fetches them again. So this script builds the `bench` engine of `tools/bench_engine.py`
 (the paged path with random weights, CUDA graphs), starts one request, and for each candidate launch shape of sparse decode
-(the `DECODE_TUNING` row for up to 8 tokens, 06_sparse_decode) and of the mHC seam (`MHC_TUNING`'s small-batch keys,
-07_mhc) captures the batch-1 graph again and times its replay (`median_time`). Each row also records the compiled sparse
+(the `DECODE_TUNING` row for up to 8 tokens, 06_sparse_decode), the mHC seam (`MHC_TUNING`'s small-batch keys, 07_mhc), the
+MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV (`FP8_GEMV_TUNING` at one token, 10d_fp8_linear) captures the batch-1
+graph again and times its replay (`median_time`). Each row also records the compiled sparse
 decode kernel's size, registers and spills. The defaults are timed first and last (the drift between the two is the noise).
 `--quick` runs tiny on the CPU (emulated graphs): a check of the script, not a measurement."""
 import argparse, datetime, json, sys
@@ -19,16 +20,24 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.__main__ import random_prompts
 from dsv41_nb.dispatch import median_time, machine_name
-from dsv41_nb import sparse_decode as sd, mhc
+from dsv41_nb import sparse_decode as sd, mhc, moe_gemv, fp8_linear
 
-SPARSE = [dict(num_warps=4, separate=True), dict(num_warps=4), dict(num_warps=8, separate=True), dict(num_warps=16),
-          dict(block_n=16), dict(block_h=64), dict(block_h=32)]            # overrides of the table's row for up to 8 tokens
-SEAM = [dict(small_block_d=64), dict(small_warps=2), dict(small_warps=4)]    # overrides of MHC_TUNING
+CANDIDATES = {   # kind -> (the launch table it overrides, in place; the overrides tried)
+    'sparse': (sd.DECODE_TUNING[8], [dict(num_warps=4, separate=True), dict(num_warps=4), dict(num_warps=8, separate=True),
+                                      dict(num_warps=16), dict(block_n=16), dict(block_h=64), dict(block_h=32)]),
+    'seam': (mhc.MHC_TUNING, [dict(small_block_d=64), dict(small_warps=2), dict(small_warps=4)]),
+    'moe_gate_up': (moe_gemv.GEMV_TUNING['gate_up'], [dict(block_n=32), dict(num_warps=8), dict(block_k=512), dict(programs=8),
+                                                      dict(programs=64)]),
+    'moe_down': (moe_gemv.GEMV_TUNING['down'], [dict(block_n=32), dict(block_k=256), dict(num_warps=8), dict(programs=64)]),
+    'fp8_gemv': (fp8_linear.FP8_GEMV_TUNING[1], [dict(block_n=32), dict(block_k=512), dict(num_warps=8), dict(programs=8),
+                                                 dict(programs=2)]),
+}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--json', help='write the rows to this file')
+    ap.add_argument('--kinds', nargs='+', default=list(CANDIDATES), choices=list(CANDIDATES), help='which tables to try')
     ap.add_argument('--quick', action='store_true')
     args = ap.parse_args()
     device = 'cpu' if args.quick or not torch.cuda.is_available() else 'cuda'
@@ -62,20 +71,18 @@ def main():
                if 'cubin_kb' in res else ''), flush=True)
         return res
 
-    sd_row, seam = dict(sd.DECODE_TUNING[8]), dict(mhc.MHC_TUNING)
+    defaults = {k: dict(CANDIDATES[k][0]) for k in args.kinds}
     rows = [measure('default', {})]
-    for v in SPARSE:
-        sd.DECODE_TUNING[8] = dict(sd_row, **v)
-        try: rows.append(measure('sparse', v))
-        finally: sd.DECODE_TUNING[8] = sd_row
-    for v in SEAM:
-        mhc.MHC_TUNING.update(v)
-        try: rows.append(measure('seam', v))
-        finally: mhc.MHC_TUNING.clear(); mhc.MHC_TUNING.update(seam)
+    for kind in args.kinds:
+        table, overrides = CANDIDATES[kind]
+        for v in overrides:
+            table.update(v)
+            try: rows.append(measure(kind, v))
+            except Exception as e: print(f"{kind} {v}: {type(e).__name__}: {str(e)[:200]}", flush=True); break   # the engine may be left mid-step
+            finally: table.clear(); table.update(defaults[kind])
     rows.append(measure('default', {}))
     out = dict(machine=machine_name(device), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', torch=torch.__version__,
-               triton=triton.__version__, config='tiny' if args.quick else 'bench', sparse_row=sd_row,
-               seam={k: seam[k] for k in ('small_t', 'small_warps', 'small_block_d')}, rows=rows)
+               triton=triton.__version__, config='tiny' if args.quick else 'bench', defaults=defaults, rows=rows)
     if args.json: Path(args.json).write_text(json.dumps(out, indent=1))
 
 
