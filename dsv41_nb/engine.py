@@ -58,7 +58,12 @@ def fill_token_ids(token_ids: torch.Tensor, # (T,) the ids of a batch's rows, wh
     for src in {id(t): t for _, t, _ in fill}.values():
         rows, idx = zip(*[(r, i) for r, t, i in fill if t is src])
         if max(rows) >= len(token_ids) or min(rows) < 0: raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
-        token_ids[torch.tensor(rows, device=token_ids.device)] = src[torch.tensor(idx, device=src.device)].to(token_ids.device)
+        token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
+
+def _sent(v: Sequence[int], device) -> torch.Tensor:
+    "An int64 tensor of `v` on `device`; to a GPU from pinned memory, queued: from pageable memory CUDA would first wait for the stream"
+    cuda = torch.device(device).type == 'cuda'
+    return torch.tensor(v, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
