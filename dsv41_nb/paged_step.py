@@ -85,7 +85,7 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
     for j in batch.decoder_rows.tolist(): dec[j] = True
     cached = batch.num_cached_tokens.tolist() if batch.new_request_ids else None
     hist, rows, ws, rs, blocks = [], [], [], [], {}                       # blocks: ring blocks of multi-row decode requests
-    for rid, back in batch.resolved_token_ids.items():                    # ids an earlier step took on the device, now known
+    for rid, back in getattr(batch, 'resolved_token_ids', {}).items():    # ids an earlier step took on the device, now known
         toks = self.tokens.get(rid, ())
         for p, tok in back.items():
             if p < len(toks): toks[p] = tok
