@@ -157,7 +157,8 @@ def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative, kernels=args.kernels)
+        llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative, kernels=args.kernels,
+                  async_scheduling=args.async_scheduling)
         outputs = llm.stream(args.prompt, sp)
     except (TypeError, ValueError, OSError) as e: error(str(e))
     print(args.prompt, end='', flush=True)
@@ -181,7 +182,7 @@ def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_token
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
         llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, num_speculative_tokens=args.speculative,
-                  kernels=args.kernels)
+                  async_scheduling=args.async_scheduling, kernels=args.kernels)
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     except (TypeError, ValueError, OSError) as e: error(str(e))
@@ -214,6 +215,7 @@ def accounting_command(args, error) -> int:
 def _serving_args(p: argparse.ArgumentParser):
     p.add_argument('--checkpoint', help='checkpoint directory (default: the shipped checkpoints/small)')
     p.add_argument('--speculative', type=int, default=0, metavar='K', help='n-gram speculative decoding with K drafts (default: off)')
+    p.add_argument('--async-scheduling', action='store_true', help="plan and launch each step before the last one's tokens are back")
     p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
     p.add_argument('--device', default='cpu', help='where the model runs (default: cpu)')
     p.add_argument('--threads', type=int, default=1, help='CPU threads (default: 1; the small model gains nothing from more)')

@@ -331,10 +331,11 @@ def test_a_decode_step_masks_image_tokens_on_the_device():
 
 
 # ---------------------------------------------------------------- the command line
-def test_cli_generate(tmp_path):
+@pytest.mark.parametrize('extra', [[], ['--async-scheduling']])
+def test_cli_generate(tmp_path, extra):
     ck = random_checkpoint(tmp_path)
     r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck), '--max-tokens', '4',
-                        '--temperature', '0'], capture_output=True, text=True, cwd=ROOT,
+                        '--temperature', '0'] + extra, capture_output=True, text=True, cwd=ROOT,
                        env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''}, timeout=120)
     assert r.returncode == 0, r.stderr
     want = LLM(ck, kernels='torch').generate('the cat', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
