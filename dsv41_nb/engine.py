@@ -414,21 +414,22 @@ def _capture(self: CUDAGraphModel, size: int, batch: InputBatch) -> tuple:
 @patch
 def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
     "Logits of the batch's logits rows: replayed from a graph for a decode batch of a captured size, else eager"
-    R, b = len(batch.request_ids), batch
+    R, b, fill = len(batch.request_ids), batch, batch.token_fill
+    batch = dataclasses.replace(batch, token_fill=[])              # ids to fill on the device: applied there, never staged
     decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids    # one sampled row each, none new
     size = padded_batch_size(R, self.sizes) if decode else None
     prepare, run = self._parts()
-    if size is None: self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, batch.token_fill)
+    if size is None: self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, fill)
     padded = pad_decode_batch(batch, size, self.widths)
     inputs = prepare(padded)
     if not getattr(inputs, 'replayable', True):
-        self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, batch.token_fill)[:R]
+        self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, fill)[:R]
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
     replay, staged, logits, tokens = self.graphs[size]
     try: staged.load(inputs)
     except ValueError as e: raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} are not "
                                                f"the ones captured for that size ({e})") from None
-    if batch.token_fill: fill_token_ids(self._token_view(tokens), batch.token_fill)   # after the copy, before the replay
+    if fill: fill_token_ids(self._token_view(tokens), fill)        # after the copy, before the replay
     replay(); self.stats['replayed'] += 1
     return logits[:R].clone()
 

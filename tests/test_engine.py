@@ -269,6 +269,24 @@ def test_unreplayable_decode_steps_run_eagerly():
     assert cg.stats == dict(replayed=1, eager=2, captured=0), cg.stats
 
 
+class CopiesIds(Prepared):
+    "A step model whose prepare copies the batch's ids: a graph model cannot fill rows of them on the device"
+    def prepare(self, b): return SimpleNamespace(batch=replace(b, token_ids=b.token_ids.clone()), replayable=True)
+
+def test_device_fills_need_the_ids_passed_through():
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
+    s = Scheduler(kc, SchedulerConfig())
+    for i in range(2): s.add_request(f'q{i}', PROMPTS[i][:4], SamplingParams(max_tokens=4))
+    r = ModelRunner(CUDAGraphModel(Prepared(), kc, 256, emulate=True), kc)
+    o = s.schedule(); s.update_from_output(o, r.execute_model(o))                  # the prefill
+    b, _ = r.prepare_inputs(s.schedule())                                          # a decode batch of 2, built on the host
+    b.token_fill = [(1, torch.tensor([5, 9]), 1)]
+    ok = CUDAGraphModel(Prepared(), kc, 256, capture_sizes=(2,), emulate=True)
+    torch.testing.assert_close(ok.forward(b), ok.model.forward(replace(b, token_ids=torch.tensor([b.token_ids[0].item(), 9]))))
+    with pytest.raises(RuntimeError, match='does not pass the batch'):
+        CUDAGraphModel(CopiesIds(), kc, 256, capture_sizes=(2,), emulate=True).forward(b)
+
+
 def test_paged_graph_replay_equals_eager():
     "The paged step model under CUDAGraphModel (emulated: each decode step run as a capture, on the captured buffers)"
     from dsv41_nb.paged_step import step_model
