@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .config import check_int
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
-from .dispatch import BACKENDS, use_kernels, as_captured, cuda_graph
+from .dispatch import BACKENDS, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
 from .kv_manager import SlotMappings
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, ModelRunnerOutput,
@@ -25,12 +25,12 @@ from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw
+from .cuda_graphs import CUDAGraphModel, fill_token_ids
 
 # %% auto #0
-__all__ = ['CAPTURE_SIZES', 'RUNNERS', 'InputBatch', 'fill_token_ids', 'RecomputeModel', 'ModelRunner', 'StepFuture',
-           'padded_batch_size', 'pad_decode_batch', 'CUDAGraphModel', 'StagedInputs', 'CompletionOutput',
-           'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'prefix_gap',
-           'greedy_shortfall', 'assert_greedy_match', 'LLM']
+__all__ = ['RUNNERS', 'InputBatch', 'RecomputeModel', 'ModelRunner', 'StepFuture', 'CompletionOutput', 'RequestOutput',
+           'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'prefix_gap', 'greedy_shortfall',
+           'assert_greedy_match', 'LLM']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -50,20 +50,6 @@ class InputBatch:
     prefix_token_ids: dict = field(default_factory=dict)  # request id -> ids before its first row, for a (re)start past 0
     token_fill: list = field(default_factory=list)  # (row, tensor, index): rows whose id is tensor[index], still on the device
     resolved_token_ids: dict = field(default_factory=dict)  # request id -> {position: id} of rows filled from the device before
-
-def fill_token_ids(token_ids: torch.Tensor, # (T,) the ids of a batch's rows, where the model reads them
-                   fill: list, # (row, tensor, index) per row: its id is tensor[index]
-                  ) -> None:
-    "token_ids[row] = tensor[index] for every entry of `fill`, in place and on the tensors' device: nothing is read back"
-    for src in {id(t): t for _, t, _ in fill}.values():
-        rows, idx = zip(*[(r, i) for r, t, i in fill if t is src])
-        if max(rows) >= len(token_ids) or min(rows) < 0: raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
-        token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
-
-def _sent(v: Sequence[int], device) -> torch.Tensor:
-    "An int64 tensor of `v` on `device`; to a GPU from pinned memory, queued: from pageable memory CUDA would first wait for the stream"
-    cuda = torch.device(device).type == 'cuda'
-    return torch.tensor(v, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
@@ -259,179 +245,6 @@ def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
                 if st.pending is not None and st.pending[0] is token: st.pending = None
         return ModelRunnerOutput(out, {})
     return StepFuture(result)
-
-
-# %% ../nbs/13_engine.ipynb #86ef8c0e
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes with a graph each
-
-def padded_batch_size(n: int, sizes: Sequence[int] = CAPTURE_SIZES) -> int | None:
-    "The smallest capture size >= n; None when n is larger than all of them (that step runs eagerly)"
-    return next((s for s in sorted(sizes) if s >= check_int('padded_batch_size', 'n', n, 1)), None)
-
-def pad_decode_batch(batch: InputBatch, # a decode batch: one row per request, each sampled
-                     size: int, # requests after padding
-                     widths: Sequence[int], # block-table width per cache group
-                     n: int | None = None, # real requests kept (default: all; 0: an all-padding batch of the same structure)
-                    ) -> InputBatch:
-    "`batch` padded to `size` requests of one row each: the pads read the null block and write nowhere"
-    n, sm = len(batch.request_ids) if n is None else n, batch.slot_mappings
-    def pad(t, fill, w=None):                         # (size,) or (size, w): t's first n rows, then `fill`
-        out = t.new_full((size,) if w is None else (size, w), fill)
-        out[(slice(n),) + (slice(t.shape[-1]),) * (t.dim() - 1)] = t[:n]
-        return out
-    ar = torch.arange(size, device=batch.token_ids.device)
-    return InputBatch(batch.request_ids[:n] + [f'<pad {i}>' for i in range(n, size)], pad(batch.token_ids, 0),
-                      pad(batch.positions, 0), torch.arange(size + 1, dtype=torch.int32, device=ar.device), pad(batch.seq_lens, 1),
-                      tuple(pad(t, NULL_BLOCK_ID, w) for t, w in zip(batch.block_tables, widths)),
-                      SlotMappings(pad(sm.positions, 0), pad(sm.swa, PAD_SLOT_ID), {r: pad(v, PAD_SLOT_ID) for r, v in sm.compressed.items()},
-                                   None if sm.ring is None else pad(sm.ring, PAD_SLOT_ID)), ar, ar, pad(batch.num_cached_tokens, 0),
-                      {f'<pad {i}>' for i in range(n, size)}, {}, [f for f in batch.token_fill if f[0] < n],   # each pad a fresh
-                      {r: v for r, v in batch.resolved_token_ids.items() if r in batch.request_ids[:n]})   # one-token request
-
-# %% ../nbs/13_engine.ipynb #9c184d0d
-class CUDAGraphModel:
-    "Decode steps of a step model replayed from CUDA graphs, one per padded batch size"
-    supports_cuda_graphs = False
-    input_device = torch.device('cpu')     # batches come built on the host: padded and prepared there, sent in one copy
-    def __init__(self, model, # a step model with supports_cuda_graphs = True
-                 kv_cache_config: KVCacheConfig, # the cache layout (block-table widths, compressed ratios)
-                 max_model_len: int, # longest sequence: sets the block-table width
-                 capture_sizes: Sequence[int] = CAPTURE_SIZES, # padded batch sizes
-                 emulate: bool = False): # replay eagerly (CPU): pads and copies without a graph
-        if not getattr(model, 'supports_cuda_graphs', False): raise ValueError(f"CUDAGraphModel: {type(model).__name__} does not support CUDA graphs")
-        for s in capture_sizes: check_int('CUDAGraphModel', 'capture size', s, 1)
-        self.model, self.sizes, self.emulate = model, tuple(sorted(set(capture_sizes))), emulate
-        self.device = getattr(model, 'device', None)
-        self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size) for g in kv_cache_config.groups]
-        self.graphs, self.pool, self.stats = {}, None, dict(replayed=0, eager=0, captured=0)
-    def release(self, request_ids): self.model.release(request_ids)
-    def __repr__(self): return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
-
-# %% ../nbs/13_engine.ipynb #a103ee85
-def _tensors(x) -> list:
-    "Every tensor inside `x` (a tensor, or a dataclass, tuple, list, dict or namespace holding them), in a fixed order"
-    if isinstance(x, torch.Tensor): return [x]
-    if dataclasses.is_dataclass(x): return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
-    if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict): return [t for k in sorted(x, key=str) for t in _tensors(x[k])]
-    if isinstance(x, SimpleNamespace): return _tensors(vars(x))
-    return []
-
-def _map_tensors(x, fn):
-    "`x` rebuilt with fn(t) in place of every tensor t inside it, called in `_tensors`'s order; everything else kept"
-    if isinstance(x, torch.Tensor): return fn(x)
-    if dataclasses.is_dataclass(x): return dataclasses.replace(x, **{f.name: _map_tensors(getattr(x, f.name), fn) for f in dataclasses.fields(x)})
-    if isinstance(x, (tuple, list)): return type(x)(_map_tensors(v, fn) for v in x)
-    if isinstance(x, dict):
-        out = dict.fromkeys(x)                                     # the keys in their order, the tensors in `_tensors`'s
-        for k in sorted(x, key=str): out[k] = _map_tensors(x[k], fn)
-        return out
-    if isinstance(x, SimpleNamespace): return SimpleNamespace(**_map_tensors(vars(x), fn))
-    return x
-
-
-# %% ../nbs/13_engine.ipynb #d9858844
-class StagedInputs:
-    "Device copies of the tensors in a structure, all views into one buffer, filled from host twins in one pinned buffer"
-    def __init__(self, like, # a structure of host tensors (what `prepare` makes): their shapes and dtypes, and first values
-                 device): # where the copies live
-        ts = _tensors(like)
-        if not ts: raise ValueError("StagedInputs: the structure holds no tensors")
-        if any(t.device.type != 'cpu' for t in ts): raise ValueError("StagedInputs: expected host tensors, got "
-                                                                    f"{sorted({str(t.device) for t in ts})}")
-        offs = [0]
-        for t in ts: offs.append(offs[-1] + cdiv(t.numel() * t.element_size(), 16) * 16)     # each view 16-byte aligned
-        dev = torch.device(device)
-        self.host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=dev.type == 'cuda')
-        self.buffer = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
-        view = lambda buf, o, t: buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        self.host_views, it = [view(self.host, o, t) for o, t in zip(offs, ts)], iter(offs)
-        self.inputs = _map_tensors(like, lambda t: view(self.buffer, next(it), t))    # what a graph captures
-        self.sent = torch.cuda.Event() if dev.type == 'cuda' else None
-        self.load(like)
-    def __repr__(self): return f"StagedInputs({len(self.host_views)} tensors, {self.buffer.numel()} bytes on {self.buffer.device})"
-
-@patch
-def load(self: StagedInputs, src) -> None:
-    "Copy the tensors of `src` (structured as the one staged) into the device copies: CPU copies, then one transfer"
-    ts = _tensors(src)
-    if [(t.shape, t.dtype) for t in ts] != [(h.shape, h.dtype) for h in self.host_views]:
-        raise ValueError(f"StagedInputs.load: expected {len(self.host_views)} tensors shaped and typed as the staged ones, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in ts]}")
-    if self.sent is not None: self.sent.synchronize()           # the last transfer has left the host buffer
-    for h, t in zip(self.host_views, ts): h.copy_(t)
-    self.buffer.copy_(self.host, non_blocking=True)
-    if self.sent is not None: self.sent.record()
-
-
-# %% ../nbs/13_engine.ipynb #7b33c85a
-@patch
-def _parts(self: CUDAGraphModel) -> tuple:
-    "(prepare, run) of the model: its host part and its device part (a model without them: the batch itself, its forward)"
-    return getattr(self.model, 'prepare', lambda b: b), getattr(self.model, 'run', self.model.forward)
-
-@patch
-def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) -> torch.Tensor:
-    "`run` on prepared host inputs moved to the device, the rows of `fill` taken on the device into the copy of `token_ids`"
-    moved = {}
-    def move(t):
-        moved[id(t)] = d = t if self.device is None else t.to(self.device, non_blocking=True)
-        return d
-    inputs = _map_tensors(inputs, move)
-    if fill: fill_token_ids(self._token_view(moved.get(id(token_ids))), fill)
-    return self._parts()[1](inputs)
-
-@patch
-def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
-    if t is None: raise RuntimeError(f"CUDAGraphModel: {type(self.model).__name__}.prepare does not pass the batch's token_ids "
-                                     "through, so rows whose ids are on the device (async execution) cannot be filled")
-    return t
-
-@patch
-def _capture(self: CUDAGraphModel, size: int, batch: InputBatch) -> tuple:
-    "(replay, staged inputs, static logits, the captured token ids or None) for one padded size, the buffers shaped as `batch`'s"
-    prepare, run = self._parts()
-    padded = pad_decode_batch(batch, size, self.widths, n=0)
-    host = prepare(padded)
-    staged, out = StagedInputs(host, self.device or 'cpu'), {}
-    static = staged.inputs
-    at = [i for i, t in enumerate(_tensors(host)) if t is padded.token_ids]       # where `prepare` passed the ids through
-    tokens = _tensors(static)[at[0]] if at else None
-    def step():                                                # warm-up and capture take the same (read-back free) path
-        with as_captured(): out['logits'] = run(static)
-    if self.emulate:                                           # on a CPU: the same buffers, an eager "replay"
-        step(); logits = out['logits']
-        def replay():
-            with as_captured(): logits.copy_(run(static))
-        return replay, staged, logits, tokens
-    self.pool = self.pool or torch.cuda.graph_pool_handle()
-    replay = cuda_graph(step, warmup=1, pool=self.pool)        # the warm-up compiles the kernels and writes nowhere
-    self.stats['captured'] += 1
-    return replay, staged, out['logits'], tokens
-
-
-# %% ../nbs/13_engine.ipynb #85ca80fd
-@patch
-def forward(self: CUDAGraphModel, batch: InputBatch) -> torch.Tensor:
-    "Logits of the batch's logits rows: replayed from a graph for a decode batch of a captured size, else eager"
-    R, b, fill = len(batch.request_ids), batch, batch.token_fill
-    batch = dataclasses.replace(batch, token_fill=[])              # ids to fill on the device: applied there, never staged
-    decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids    # one sampled row each, none new
-    size = padded_batch_size(R, self.sizes) if decode else None
-    prepare, run = self._parts()
-    if size is None: self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, fill)
-    padded = pad_decode_batch(batch, size, self.widths)
-    inputs = prepare(padded)
-    if not getattr(inputs, 'replayable', True):
-        self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, fill)[:R]
-    if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
-    replay, staged, logits, tokens = self.graphs[size]
-    try: staged.load(inputs)
-    except ValueError as e: raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} are not "
-                                               f"the ones captured for that size ({e})") from None
-    if fill: fill_token_ids(self._token_view(tokens), fill)        # after the copy, before the replay
-    replay(); self.stats['replayed'] += 1
-    return logits[:R].clone()
 
 
 # %% ../nbs/13_engine.ipynb #9315d311

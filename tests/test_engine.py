@@ -16,9 +16,9 @@ from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue
-from dsv41_nb.engine import (RecomputeModel, ModelRunner, CUDAGraphModel, padded_batch_size, pad_decode_batch, IncrementalDetokenizer,
-                             EngineArgs, LLMEngine, LLM, prefix_gap, greedy_shortfall, assert_greedy_match, StagedInputs,
-                             fill_token_ids)
+from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
+                             greedy_shortfall, assert_greedy_match)
+from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.__main__ import random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -37,7 +37,8 @@ from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time
 from dsv41_nb.accounting import decode_floor, record_bytes, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
-from dsv41_nb.engine import LLM, CUDAGraphModel
+from dsv41_nb.engine import LLM
+from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.paged import PagedModel
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts

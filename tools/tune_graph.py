@@ -47,7 +47,7 @@ def main():
     eng = llm.llm_engine
     gm, kernels, old = eng.runner.model, {}, []
     if args.quick:                                            # no GPU: the same wrapper, emulated
-        from dsv41_nb.engine import CUDAGraphModel
+        from dsv41_nb.cuda_graphs import CUDAGraphModel
         gm = eng.runner.model = CUDAGraphModel(gm, eng.kv_cache_config, 224, emulate=True)
     launch = sd._sparse_decode_triton
     def recorded(*a, **k):                                    # the compiled kernel of the latest launch
