@@ -4,7 +4,7 @@ byte floor (with and without CUDA graphs), and the engine against the naive loop
 
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode profile graphs naive]
-                                 [--json out.json] [--quick]
+                                 [--async-scheduling] [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
@@ -92,7 +92,7 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
     kv = kv_read_bytes(cfg, eng.kv_cache_config, context)
     floor = weights['seconds'] + kv / bw
     inner = eng.runner.model
-    graphs = inner if isinstance(inner, CUDAGraphModel) else None
+    graphs, args0, config0 = (inner if isinstance(inner, CUDAGraphModel) else None), eng.args, eng.scheduler.config
     modes = [('eager', inner.model if graphs else inner), ('cuda graphs', graphs), ('cuda graphs, async', graphs)]
     out = dict(context=context, copy_bandwidth=bw, weight_bytes=weights['dense_bytes'] + weights['expert_bytes'], kv_bytes=kv,
                floor_s=floor, held_weight_bytes=getattr(getattr(inner, 'model', None), 'weight_bytes', lambda: None)(), modes={})
@@ -115,8 +115,7 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
             out['modes'][mode]['replay_s'] = rep = median_time(m.graphs[1][0], warmup=50, rep=300)
             print(f"  {'':12s} {1e3 * rep:9.3f} ms of it the graph's replay alone; the other {1e3 * (step - rep):.3f} ms the host's "
                   "(scheduling, inputs, sampling) while the GPU waits")
-    eng.runner.model, eng.args = inner, dataclasses.replace(eng.args, async_scheduling=False)
-    eng.scheduler.config = dataclasses.replace(eng.scheduler.config, async_scheduling=False)
+    eng.runner.model, eng.args, eng.scheduler.config = inner, args0, config0                   # as it was built
     return out
 
 
@@ -180,7 +179,8 @@ def graph_profile(llm: LLM, prompt_len: int, batches=(1, 4), steps: int = 4, top
     return rows
 
 
-def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels) -> dict:
+def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels,
+                    async_scheduling: bool = False) -> dict:
     trained = cfg_name == 'small' and (TRAINED / 'config.json').is_file()                      # the trained small model
     model = load_model(TRAINED, device=device) if trained else init_random(cfg, seed=seed, device=device)
     prompts = random_prompts(n, prompt_len, seed=seed)
@@ -189,7 +189,7 @@ def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len:
     sync(device); t0 = time.perf_counter()
     naive = generate_greedy(model, ids, max_tokens)[:, prompt_len:].tolist()
     sync(device); naive_s = time.perf_counter() - t0
-    llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64)
+    llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64, async_scheduling=async_scheduling)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     load_test(llm, random_prompts(n, prompt_len, seed=seed + 1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     # warm-up on other prompts of the same shape: kernels compiled and graphs captured, and no prefix-cache hits later
@@ -231,6 +231,8 @@ def main():
     ap.add_argument('--naive-requests', type=int, default=32)
     ap.add_argument('--kernels', choices=('triton', 'torch'), help='force the kernels (default: Triton on the GPU)')
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--async-scheduling', action='store_true',
+                    help="the engine's runner does not wait for each step's tokens (concurrency and naive sections)")
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
                     help='what to measure; with --json, the sections not run keep what the file already holds')
     ap.add_argument('--json', help='write the results to this file')
@@ -257,6 +259,7 @@ def main():
     if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         t0 = time.perf_counter()
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
+                        async_scheduling=args.async_scheduling,
                         max_model_len=args.prompt_len + args.max_tokens + 64)
         res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
         print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
@@ -278,7 +281,8 @@ def main():
     if 'naive' in args.sections:
         print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
         section(res, 'naive', args.json, lambda: naive_vs_engine(args.naive_config, configs[args.naive_config](), device, args.naive_requests,
-                                                                 args.prompt_len, args.max_tokens, args.seed, args.kernels))
+                                                                 args.prompt_len, args.max_tokens, args.seed, args.kernels,
+                                                                 args.async_scheduling))
     if args.json: print('wrote', args.json)
 
 
