@@ -159,6 +159,7 @@ def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) ->
 
 @patch
 def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
+    "The device copy of the batch's token ids that device fills go into, or an error naming why there is none"
     if t is None: raise RuntimeError(f"CUDAGraphModel: {type(self.model).__name__}.prepare does not pass the batch's token_ids "
                                      "through, so rows whose ids are on the device (async execution) cannot be filled")
     return t
