@@ -45,8 +45,9 @@ def check_device() -> torch.device:
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
 # %% auto #0
-__all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth',
-           'machine_name', 'sm_count', 'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time']
+__all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
+           'copy_bandwidth', 'machine_name', 'sm_count', 'capturing', 'as_captured', 'HostReads', 'cuda_graph',
+           'graph_time', 'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -170,3 +171,29 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
         a.record(); replay(); b.record(); torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
+
+# %% ../nbs/00a_dispatch.ipynb #4c4e455f
+import triton
+import triton.language as tl
+
+PDL = dict(enabled=True)   # launch the decode path's kernels with programmatic dependent launch where the GPU has it
+
+@functools.lru_cache(None)
+def _capability(index: int) -> tuple: return torch.cuda.get_device_capability(index)
+
+def pdl_launch(device, # the device the kernel runs on: a torch.device or its name
+              ) -> dict:
+    "Launch keywords for a kernel that starts with `pdl_wait(PDL)`: on for compiled kernels on a GPU of compute capability >= 9"
+    if not isinstance(PDL.get('enabled'), bool): raise ValueError(f"PDL['enabled'] = {PDL.get('enabled')!r}; expected a bool")
+    try: device = torch.device(device)
+    except (RuntimeError, TypeError): raise ValueError(f"pdl_launch: {device!r} is not a device") from None
+    if not PDL['enabled'] or device.type != 'cuda' or triton_interpreting() or not torch.cuda.is_available(): return dict(PDL=False)
+    if _capability(torch.cuda.current_device() if device.index is None else device.index)[0] < 9: return dict(PDL=False)
+    return dict(PDL=True, launch_pdl=True)
+
+@triton.jit
+def pdl_wait(ON: tl.constexpr):
+    "A kernel's first step: wait until the previous kernel's writes are visible, then let the next one launch (nothing unless ON)"
+    if ON:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

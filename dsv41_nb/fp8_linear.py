@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
 from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
@@ -72,7 +72,8 @@ def _fp8_linear_kernel(
 
 # %% ../nbs/10d_fp8_linear.ipynb #1f284eef
 @triton.jit
-def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr):
+def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0)                                   # one (token, group) row
     t, grp = row // G, row % G
     n = tl.program_id(1) * FB + tl.arange(0, FB)
@@ -86,8 +87,9 @@ def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.conste
 @triton.jit
 def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt, stride_yg, part_ptr, T, G,
                      K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr):
+                     BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
     "The arguments of `_fp8_linear_kernel`; BN output columns of one token and group a program"
+    pdl_wait(PDL)
     pid_n, split, pid_tg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp, t = pid_tg % G, pid_tg // G                                    # one token and group a program
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
@@ -203,7 +205,7 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
         part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
         _fp8_gemv_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T, G,
                                     K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BN=s['block_n'], BK=s['block_k'],
-                                    ACT=act_quant, HW_CVT=not interp, num_warps=s['num_warps'])
+                                    ACT=act_quant, HW_CVT=not interp, num_warps=s['num_warps'], **pdl_launch(x.device))
     else:
         s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
         part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
@@ -213,7 +215,8 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
                                       num_warps=s['num_warps'], num_stages=s['num_stages'])
     if s['split'] > 1:
         fb = min(1024, triton.next_power_of_2(N))
-        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, N=N, SPLIT=s['split'], FB=fb)
+        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, N=N, SPLIT=s['split'], FB=fb,
+                                                        **pdl_launch(x.device))
     return y[:, 0] if x.ndim == 2 else y
 
 # %% ../nbs/10d_fp8_linear.ipynb #2b20e991
@@ -267,7 +270,8 @@ class FP8Linear(nn.Module):
 
 # %% ../nbs/10d_fp8_linear.ipynb #1c99fd29
 @triton.jit
-def _head_kernel(y_ptr, h_ptr, o_ptr, T, V, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _head_kernel(y_ptr, h_ptr, o_ptr, T, V, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     v = tl.program_id(0) * BN + tl.arange(0, BN)
     rows, kk = tl.arange(0, BM), tl.arange(0, BK)
     vm, rm = v < V, rows < T
@@ -299,5 +303,6 @@ def head_logits(y: torch.Tensor,      # (T, K) fp32 final-norm output
     bk = max(16, 128 // bm)
     if K % bk: return F.linear(y, head.float())
     out = torch.empty(T, V, dtype=torch.float32, device=y.device)
-    _head_kernel[(triton.cdiv(V, 64),)](y.contiguous(), head.contiguous(), out, T, V, K=K, BM=bm, BN=64, BK=bk, num_warps=4)
+    _head_kernel[(triton.cdiv(V, 64),)](y.contiguous(), head.contiguous(), out, T, V, K=K, BM=bm, BN=64, BK=bk, num_warps=4,
+                                        **pdl_launch(y.device))
     return out

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting, cuda_graph, sm_count
+from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting, cuda_graph, sm_count,
+                               pdl_launch, pdl_wait)
 from .formats import FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2, _hw_cvt
 
 # %% auto #0
@@ -411,7 +412,9 @@ def _mhc_seam_kernel(
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, PREDICT: tl.constexpr,
     MIX: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr,
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm, t64, h, dd = t < T, t.to(tl.int64), tl.arange(0, HC), tl.arange(0, BLOCK_D)
     if HAS_PREV: post = tl.load(post_ptr + t64[:, None] * HC + h[None, :], mask=tm[:, None], other=0.0)
@@ -458,7 +461,9 @@ def _mhc_finish_kernel(
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr,
     BF16: tl.constexpr, HW_CVT: tl.constexpr, SB: tl.constexpr,   # partial sums loaded at once
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm, t64 = t < T, t.to(tl.int64)
     nc, npp, two, sb = tl.arange(0, HC * HC), tl.arange(0, NPP), tl.arange(0, 2), tl.arange(0, SB)
@@ -529,11 +534,12 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
     with _marked('mhc_seam'):
         _mhc_seam_kernel[(triton.cdiv(T, bt), split)](
             x, _ptr(f, x), p(post), p(comb), p(pre), out.x, *hcw, _ptr(norm_weight, x), *outs, ws, *scalars,
-            split, triton.cdiv(triton.cdiv(dim, bd), split), HAS_PREV=has_prev, **meta)
+            split, triton.cdiv(triton.cdiv(dim, bd), split), HAS_PREV=has_prev, **meta, **pdl_launch(x.device))
     if split > 1 and (predict or mix):
         with _marked('mhc_finish'):
             _mhc_finish_kernel[(triton.cdiv(T, bt), split if mix else 1)](   # the norm spread over `split` programs
-                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, SB=MHC_TUNING['finish_sb'], **meta)
+                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, SB=MHC_TUNING['finish_sb'], **meta,
+                **pdl_launch(x.device))
     return out
 
 # %% ../nbs/07_mhc.ipynb #0bab1db3

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value
 from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x, _shape)
 from .fused_moe import (ExpertAlignment, align_by_expert_torch, fp8_act_quant, expert_down_torch, _mxfp4_pair,
@@ -87,7 +87,9 @@ def _moe_gemv_kernel(
     n_assign, R,        # routed assignments; rows = n_assign + tokens (the shared expert's rows last)
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     PAIR: tl.constexpr, PER_TOKEN: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr,
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     r, s = tl.program_id(0), tl.program_id(2)
     n = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     G: tl.constexpr = BK // 32
@@ -119,7 +121,8 @@ def _moe_gemv_kernel(
 # %% ../nbs/08e_moe_gemv.ipynb #72df239b
 @triton.jit
 def _gemv_combine_kernel(part_ptr, y_ptr, n_assign, R, N: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr,
-                         FB: tl.constexpr, HW_CVT: tl.constexpr):
+                         FB: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * FB + tl.arange(0, FB)
     m = n < N
@@ -168,7 +171,7 @@ def _gemv_launch(x, ids, ra, rb, sa, sb, n_assign: int, R: int, per_token: bool,
     _moe_gemv_kernel[(R, N // tuning['block_n'], split)](
         x, ids, ra.codes, ra.scales, rb.codes, rb.scales, sa.codes, sa.scales, sb.codes, sb.scales, part, n_assign, R,
         K=K, N=N, TOPK=ids.shape[1], BN=tuning['block_n'], BK=bk, SPLIT=split, PAIR=pair, PER_TOKEN=per_token,
-        QUANT=quant, HW_CVT=not triton_interpreting(), num_warps=tuning['num_warps'])
+        QUANT=quant, HW_CVT=not triton_interpreting(), num_warps=tuning['num_warps'], **pdl_launch(x.device))
     return part, split
 
 # %% ../nbs/08e_moe_gemv.ipynb #fab8543c
@@ -197,7 +200,8 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
     fb = min(256, triton.next_power_of_2(I))
     _swiglu_finish_kernel[(R, triton.cdiv(I, fb))](part, h, topk_weights.float().contiguous(), R, n_assign,
                                                    float(swiglu_limit), N=I, SPLIT=split, FB=fb, HAS_WEIGHT=True,
-                                                   CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
+                                                   CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting(),
+                                                   **pdl_launch(x.device))
     return h
 
 # %% ../nbs/08e_moe_gemv.ipynb #7b8a7a0b
@@ -220,7 +224,7 @@ def gemv_down(h: torch.Tensor,              # (tokens·(k+1), inter) BF16: `gemv
                                False, False, tuning or GEMV_TUNING['down'], split)
     fb = min(256, triton.next_power_of_2(W.dim))
     _gemv_combine_kernel[(T, triton.cdiv(W.dim, fb))](part, y, T * k, T * (k + 1), N=W.dim, SPLIT=split, TOPK=k, FB=fb,
-                                                      HW_CVT=not triton_interpreting())
+                                                      HW_CVT=not triton_interpreting(), **pdl_launch(h.device))
     return y
 
 # %% ../nbs/08e_moe_gemv.ipynb #b599f0e0

@@ -8,7 +8,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
 from .moe import QuantWeight
 from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu, _fp8_quant_tile, _check_stage,
                                 _check_shape, moe_launch_shape, expert_gate_up)
@@ -72,7 +72,9 @@ def _swiglu_finish_kernel(
     n_assign, n_weighted, limit,  # rows; rows below n_weighted take their routing weight (HAS_WEIGHT)
     N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, HAS_WEIGHT: tl.constexpr, CLAMP: tl.constexpr,
     HW_CVT: tl.constexpr,
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     a = tl.program_id(0)
     n = tl.program_id(1) * FB + tl.arange(0, FB)[None, :]                  # (1, FB)
     m = n < N

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
+from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing,
+                               pdl_launch, pdl_wait)
 from .formats import (FP8_MAX, FP4_MAX, RecordCodec, FP8Record, FP4Record, e4m3_values, _require_int, _hw_cvt, _e4m3_code,
                               _e4m3_value, _ue8m0_code, _pow2, _ue8m0_value, _e2m1_code, _e2m1_value, _bf16_bits, _zero_tail)
 
@@ -281,7 +282,9 @@ def _store_fp8_kernel_v2(
     REC: tl.constexpr, ROWS: tl.constexpr,
     X_BITS: tl.constexpr,       # BF16 input, read as int16 bits
     HW_CVT: tl.constexpr,
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     if X_BITS: x_ptr = x_ptr.to(tl.pointer_type(tl.int16))
     half_ptr, word_ptr = cache_ptr.to(tl.pointer_type(tl.int16)), cache_ptr.to(tl.pointer_type(tl.int32))   # RoPE, fp32 scale
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -363,7 +366,9 @@ def _store_fp4_kernel_v2(
     EXACT_DIV: tl.constexpr,    # divide by the E4M3 scale with div_rn (any input); else reciprocal + one correction (BF16)
     X_BITS: tl.constexpr,       # BF16 input, read as int32 pairs of bits
     HW_CVT: tl.constexpr,
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     HALF: tl.constexpr = BLOCK // 2
     if NIBS == 8: word_ptr = cache_ptr.to(tl.pointer_type(tl.int32))
     else: word_ptr = cache_ptr
@@ -491,7 +496,7 @@ def _store_launch(codec, x, cache, slots, version):
         meta = _fp8_meta(codec, version)
         pad = codec.record_bytes - codec.fields[-1].start if codec.fields[-1].name == 'pad' else 0
         extra = (dict(EXACT=meta['GROUPS'] * codec.block == codec.qdim and meta['BLOCK_P2'] == codec.block) if version == 1
-                 else dict(X_BITS=bits))
+                 else dict(X_BITS=bits, **pdl_launch(x.device)))
         kernel = _store_fp8_kernel_v1 if version == 1 else _store_fp8_kernel_v2
         kernel[(triton.cdiv(n, meta['ROWS']),)](x, x.stride(0), slots, cache, n, 1.0 / FP8_MAX, PAD=pad,
                                                 PAD_P2=triton.next_power_of_2(max(pad, 1)), **extra, **meta)
@@ -503,7 +508,7 @@ def _store_launch(codec, x, cache, slots, version):
         else:
             pairs = bits and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0                 # BF16 read as int32 pairs
             _store_fp4_kernel_v2[grid](x, x.stride(0), slots, cache, n, 1.0 / FP4_MAX, NIBS=_fp4_nibs(codec), EXACT_DIV=not pairs,
-                                       X_BITS=pairs, HW_CVT=_hw_cvt(), enable_fp_fusion=False, **meta)
+                                       X_BITS=pairs, HW_CVT=_hw_cvt(), enable_fp_fusion=False, **meta, **pdl_launch(x.device))
 
 def _gather_launch(codec, cache, indices, out, version):
     m, bits = indices.numel(), version == 2 and out.dtype == torch.bfloat16

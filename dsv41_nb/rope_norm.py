@@ -8,7 +8,7 @@ import struct
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, capturing
+from .dispatch import kernel_backend, capturing, pdl_launch, pdl_wait
 from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm, _bf16_round
 
 # %% auto #0
@@ -34,7 +34,9 @@ def _rope_kernel(
     n_rows, group,       # rows; rows per token
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     ROWS: tl.constexpr, INVERSE: tl.constexpr, BF16: tl.constexpr,   # BF16: round the rotated values to BF16 first
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rm, r64 = r < n_rows, r.to(tl.int64)
     HEAD: tl.constexpr = D - 2 * HALF
@@ -87,13 +89,14 @@ def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, inver
                                           HALF=half, HALF_P2=triton.next_power_of_2(half),
                                           HEAD_BLOCK=min(256, triton.next_power_of_2(max(1, D - 2 * half))), ROWS=8,
                                           INVERSE=bool(inverse), BF16=x.dtype == torch.bfloat16, num_warps=4,
-                                          enable_fp_fusion=False)
+                                          enable_fp_fusion=False, **pdl_launch(x.device))
     return y
 
 # %% ../nbs/03a_rope_norm.ipynb #c49cd6ad
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps,  # one program per row; eps: the fp32 value of the model's eps
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
     m = c < D
@@ -122,7 +125,7 @@ def rms_norm_fused(x: torch.Tensor,       # (..., d)
     eps32 = struct.unpack('f', struct.pack('f', eps))[0]                  # as `rms_norm` rounds it
     _rms_norm_kernel[(xc.numel() // D,)](xc, weight.contiguous(), y, eps32, D=D,
                                          BLOCK_D=triton.next_power_of_2(D), BF16=x.dtype == torch.bfloat16,
-                                         num_warps=8 if D > 2048 else 4, enable_fp_fusion=False)
+                                         num_warps=8 if D > 2048 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
     return y
 
 def norm_layer(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from .dispatch import kernel_backend, triton_interpreting
+from .dispatch import kernel_backend, triton_interpreting, pdl_launch, pdl_wait
 from .moe import route, check_route_args, _shape
 
 # %% auto #0
@@ -98,8 +98,9 @@ def _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E: tl.constex
 
 @triton.jit
 def _select_kernel(logit_ptr, bias_ptr, w_ptr, ids_ptr, T, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr):
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
     "The second launch of the two-launch router: the selection over (T, E) fp32 logits computed by the GEMM"
+    pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     logit = tl.load(logit_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=(t < T)[:, None] & (e < E)[None, :], other=0.0)
@@ -146,7 +147,7 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, 
         logits = (x.float() @ gate_weight.float().T).contiguous()
         bt, be = max(1, 128 // triton.next_power_of_2(E)), triton.next_power_of_2(E)
         _select_kernel[(triton.cdiv(T, bt),)](logits, bias.float().contiguous(), w, ids, T, float(route_scale), BLOCK_T=bt,
-                                              BLOCK_E=be, num_warps=1, enable_reflect_ftz=False, **meta)
+                                              BLOCK_E=be, num_warps=1, enable_reflect_ftz=False, **meta, **pdl_launch(x.device))
         return w, ids
     x, gate_weight = _operand(x), _operand(gate_weight)
     bt, be, bk = _route_blocks(T, E, D)

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time, sm_count
+from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time, sm_count,
+                               pdl_launch, pdl_wait)
 from .formats import RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value, _ue8m0_value
 from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random_block_tables, gather_keys,
                            check_attention_inputs, sparse_attention_reference)
@@ -238,7 +239,9 @@ def _sparse_decode_kernel(
     C_FP4: tl.constexpr, C_QDIM: tl.constexpr, C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
     C_REC: tl.constexpr, C_E4M3: tl.constexpr,      # the compressed records' format
     HW_CVT: tl.constexpr, F32_DOT: tl.constexpr,    # GPU conversion instructions; fp32 dot operands (interpreter)
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
+    pdl_wait(PDL)
     # the calls written out twice: Triton 3.6 neither unpacks a tuple into a call nor tells apart twins passed as arguments
     if SEPARATE:
         _window_call(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr, k_len_ptr, scale_log2, po_ptr,
@@ -258,7 +261,8 @@ def _sparse_decode_kernel(
 # %% ../nbs/06_sparse_decode.ipynb #7f755515
 @triton.jit
 def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, splits,
-                    D: tl.constexpr, SPLITS_P2: tl.constexpr):
+                    D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, col = tl.arange(0, SPLITS_P2), tl.arange(0, D)
     part = (t * splits + s) * H + h
@@ -345,14 +349,15 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch) -> tu
                 out, out.stride(0), out.stride(1), lse, po, pl, H, S, D=D, BLOCK_H=BH, BLOCK_N=launch['BLOCK_N'], ONE_SPLIT=S == 1,
                 SCALE_TILE=launch['SCALE_TILE'], SEPARATE=launch['SEPARATE'], **_format_meta(window.codec, D, 'W'),
                 **_format_meta(comp.codec, D, 'C'), HW_CVT=not triton_interpreting(), F32_DOT=triton_interpreting(),
-                num_warps=launch['num_warps'], num_stages=launch['num_stages'], **regs)
+                num_warps=launch['num_warps'], num_stages=launch['num_stages'], **regs, **pdl_launch(q.device))
             break
         except OutOfResources:
             if launch['BLOCK_N'] > 16: launch = dict(launch, BLOCK_N=launch['BLOCK_N'] // 2)
             elif launch['num_stages'] > 1: launch = dict(launch, num_stages=1)
             else: raise
     if S > 1:
-        _combine_kernel[(T, H)](po, pl, sk, out, out.stride(0), out.stride(1), lse, H, S, D=D, SPLITS_P2=triton.next_power_of_2(S))
+        _combine_kernel[(T, H)](po, pl, sk, out, out.stride(0), out.stride(1), lse, H, S, D=D, SPLITS_P2=triton.next_power_of_2(S),
+                                **pdl_launch(q.device))
     return out, lse, kernel
 
 # %% ../nbs/06_sparse_decode.ipynb #cb8e53d2
