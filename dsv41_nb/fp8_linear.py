@@ -13,12 +13,15 @@ from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch,
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
 from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
+from .compressor import _bf16_round
+from .rope_norm import rms_norm_fused, rope, _check_rope
+import struct
 from .moe_gemv import _fp8_sums, _codes_f32
 
 # %% auto #0
 __all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T',
            'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear',
-           'head_logits']
+           'fp8_linear_norm', 'head_logits']
 
 # %% ../nbs/10d_fp8_linear.ipynb #91e62af6
 def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -199,6 +202,16 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
     xg = _as_groups(x, w)
     if xg.stride(2) != 1: xg = xg.contiguous()
     y = torch.empty(T, G, N, dtype=x.dtype, device=x.device)
+    part, slices = _launch(xg, w, act_quant, split, y)
+    if slices > 1:
+        fb = min(1024, triton.next_power_of_2(N))
+        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, N=N, SPLIT=slices, FB=fb,
+                                                        **pdl_launch(x.device))
+    return y[:, 0] if x.ndim == 2 else y
+
+def _launch(xg, w, act_quant: bool, split, y):
+    "The kernel for xg's T rows (the GEMV up to FP8_LINEAR_MAX_T, else the MMA kernel): y written (one slice), or (slices, T, G, N) fp32 sums"
+    T, (G, N, K), x = xg.shape[0], w.shape, xg
     interp = triton_interpreting()
     if T <= FP8_LINEAR_MAX_T:
         s = fp8_gemv_launch(T, G, N, K, sm_count(x.device), split)
@@ -213,11 +226,7 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
                                       G, K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'],
                                       ACT=act_quant, HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
                                       num_warps=s['num_warps'], num_stages=s['num_stages'])
-    if s['split'] > 1:
-        fb = min(1024, triton.next_power_of_2(N))
-        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, N=N, SPLIT=s['split'], FB=fb,
-                                                        **pdl_launch(x.device))
-    return y[:, 0] if x.ndim == 2 else y
+    return part, s['split']
 
 # %% ../nbs/10d_fp8_linear.ipynb #2b20e991
 def assert_linear_close(got: torch.Tensor, x: torch.Tensor, w: QuantWeight, act_quant: bool = True):
@@ -267,6 +276,67 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = isinstance(x, torch.Tensor) and x.ndim >= 1 and 0 < x.shape[0] <= FP8_LINEAR_MAX_T
         return fp8_linear(x, self.weight, self.act_quant, dense=None if small else self.dense())
+
+# %% ../nbs/10d_fp8_linear.ipynb #c1017a94
+@triton.jit
+def _sum_norm_rope_kernel(src_ptr, w_ptr, y_ptr, inv_ptr, pos_ptr, eps, T,
+                          N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+                          ROPE: tl.constexpr, PDL: tl.constexpr = False):
+    "One token a program: the GEMV's slices summed (or its BF16 output read), RMSNorm, then RoPE on the last 2·HALF columns"
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_N)
+    m = c < N
+    if SPLIT == 1: x = tl.load(src_ptr + t * N + c, mask=m, other=0.0).to(tl.float32)         # the GEMV wrote BF16
+    else:
+        acc = tl.zeros((BLOCK_N,), tl.float32)
+        for s in tl.static_range(SPLIT): acc += tl.load(src_ptr + (s * T + t) * N + c, mask=m, other=0.0)
+        x = acc.to(tl.bfloat16).to(tl.float32)                                                   # as the slices' sum stores it
+    xd = x.to(tl.float64)
+    inv = (1.0 / tl.sqrt(tl.sum(xd * xd, axis=0) / N + eps)).to(tl.float32)
+    y = _bf16_round(tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) * (x * inv))
+    if ROPE:
+        a, b = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))                                       # the interleaved pairs
+        p = tl.arange(0, BLOCK_N // 2) - (N // 2 - HALF)                                          # frequency index; < 0: not rotated
+        rot = (p >= 0) & (p < HALF)
+        ang = (tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + p, mask=rot, other=0.0)).to(tl.float64)
+        cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
+        ya, yb = _bf16_round(a * cos - b * sin), _bf16_round(a * sin + b * cos)
+        y = tl.reshape(tl.join(tl.where(rot, ya, a), tl.where(rot, yb, b)), (BLOCK_N,))
+    tl.store(y_ptr + t * N + c, y.to(y_ptr.dtype.element_ty), mask=m)
+
+def fp8_linear_norm(x: torch.Tensor,           # (T, K) BF16
+                    w: QuantWeight,            # 'fp8', one group: (1, N, K)
+                    norm_weight: torch.Tensor, # (N,) the RMSNorm's weight
+                    eps: float,                # and its eps
+                    act_quant: bool = True,    # as `fp8_linear`'s
+                    inv_freq: torch.Tensor | None = None,   # (rope_dim/2,) fp32: rotate the last rope_dim columns (`rope`)
+                    positions: torch.Tensor | None = None,  # (T,) integer positions, with inv_freq
+                    split: int | None = None,  # K slices of the GEMV (default: the launch rule's)
+                   ) -> torch.Tensor:          # (T, N) BF16
+    "`rms_norm_fused(fp8_linear(x, w))`, then `rope` at `positions` if `inv_freq` is given: two launches for one or two rows"
+    _check(x, w, act_quant)
+    G, N, K = w.shape
+    if G != 1 or x.ndim != 2: raise ValueError(f"fp8_linear_norm: takes an ungrouped weight and x (T, K); got {G} groups, x {tuple(x.shape)}")
+    if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (N,):
+        raise ValueError(f"fp8_linear_norm: norm_weight must have shape ({N},), got {tuple(getattr(norm_weight, 'shape', ()))}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0: raise ValueError(f"fp8_linear_norm: eps = {eps!r}; expected a float >= 0")
+    if (inv_freq is None) != (positions is None): raise ValueError("fp8_linear_norm: inv_freq and positions come together")
+    rotate = inv_freq is not None
+    if rotate: positions = _check_rope(x, inv_freq, positions)
+    T = x.shape[0]
+    if (kernel_backend(x, w.codes, norm_weight) == 'torch' or not 0 < T <= FP8_LINEAR_MAX_T or x.dtype != torch.bfloat16
+            or (rotate and (inv_freq.dtype != torch.float32 or N % 2))):
+        y = rms_norm_fused(fp8_linear(x, w, act_quant, split), norm_weight, eps)
+        return rope(y, inv_freq, positions) if rotate else y
+    y = torch.empty(T, 1, N, dtype=x.dtype, device=x.device)
+    part, slices = _launch(x.contiguous()[:, None], w, act_quant, split, y)
+    eps32 = struct.unpack('f', struct.pack('f', eps))[0]                  # as `rms_norm` rounds it
+    _sum_norm_rope_kernel[(T,)](part if slices > 1 else y, norm_weight.contiguous(), y, inv_freq if rotate else y,
+                                positions.contiguous() if rotate else y, eps32, T, N=N, SPLIT=slices,
+                                BLOCK_N=triton.next_power_of_2(N), HALF=inv_freq.numel() if rotate else 0, ROPE=rotate,
+                                num_warps=8 if N > 2048 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
+    return y[:, 0]
 
 # %% ../nbs/10d_fp8_linear.ipynb #1c99fd29
 @triton.jit

@@ -483,7 +483,8 @@ def _mhc_finish_kernel(
                  D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)   # writes the coefficients
 
 # %% ../nbs/07_mhc.ipynb #3f221c29
-MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2, small_warps=1, small_block_d=32)
+MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2, small_warps=1, small_block_d=32,
+                  small_finish_sb=256)
 
 def _block_t(T: int) -> tuple[int, int]:
     "(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, without `tl.dot`"
@@ -500,6 +501,10 @@ def _split(T, dim, device) -> int:
     if s == 'auto':
         s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, _block_t(T)[0])
     return max(1, min(int(s), chunks))
+
+def _finish_sb(T: int, split: int) -> int:
+    "Partial sums the finish kernel loads at once: `small_finish_sb` (all of them, in one go) for `small_t` tokens or fewer"
+    return min(MHC_TUNING['small_finish_sb' if T <= MHC_TUNING['small_t'] else 'finish_sb'], triton.next_power_of_2(split))
 
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()
 
@@ -538,7 +543,7 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
     if split > 1 and (predict or mix):
         with _marked('mhc_finish'):
             _mhc_finish_kernel[(triton.cdiv(T, bt), split if mix else 1)](   # the norm spread over `split` programs
-                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, SB=MHC_TUNING['finish_sb'], **meta,
+                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, SB=_finish_sb(T, split), **meta,
                 **pdl_launch(x.device))
     return out
 

@@ -5,6 +5,7 @@
 # %% ../nbs/10b_paged.ipynb #ec6b93dc
 from __future__ import annotations
 import contextlib, math, time
+from functools import partial
 from dataclasses import dataclass, replace
 import torch, triton
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward
-from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T
+from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T, fp8_linear_norm
 from .rope_norm import rope
 from .moe_split import expert_gate_up_split
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
@@ -86,6 +87,15 @@ class PagedAttention(CSA2Attention):
         if self.window not in memo:
             t = truncate_window(idx, step.positions, floor); memo[self.window] = (t.window_slots, t.window_lens)
         return replace(idx, window_slots=memo[self.window][0], window_lens=memo[self.window][1]), compressed
+    def query(self, x, positions):
+        "As `CSA2Attention.query`, with `wq_a` and `q_norm` in two launches (`fp8_linear_norm`)"
+        if not isinstance(self.wq_a, FP8Linear): return CSA2Attention.query(self, x, positions)
+        qr = fp8_linear_norm(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps, self.wq_a.act_quant)
+        return rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.inv_freq, positions), qr
+    def window_kv(self, x, positions):
+        "As `CSA2Attention.window_kv`, with `wkv`, `kv_norm` and the rotation in two launches (`fp8_linear_norm`)"
+        if not isinstance(self.wkv, FP8Linear): return CSA2Attention.window_kv(self, x, positions)
+        return fp8_linear_norm(x, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps, self.wkv.act_quant, self.inv_freq, positions)
     def project_out(self, o, positions):
         "(T, dim): as `CSA2Attention.project_out`, its grouped `wo_a` a grouped `FP8Linear`"
         o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))   # (T, G, H*D/G)
@@ -326,7 +336,7 @@ def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
     if kernel_backend(y, l.moe.w1.codes) == 'triton':
         if getattr(l, '_moe32', None) is None:                  # the router's fp32 GEMM: its gate widened once, not every step
             l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-        if y.shape[0] <= GEMV_MAX_TOKENS: return moe_gemv_forward(y, l._moe32, self.cfg, router=fused_route)
+        if y.shape[0] <= GEMV_MAX_TOKENS: return moe_gemv_forward(y, l._moe32, self.cfg, router=partial(fused_route, split_k=True))
         return moe_forward(y, l._moe32, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
     if getattr(l, '_dense_moe', None) is None:                  # BF16 weights: the loop's GEMMs are then the reference's own
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16() for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}

@@ -14,7 +14,7 @@ from .dispatch import kernel_backend, triton_interpreting, pdl_launch, pdl_wait
 from .moe import route, check_route_args, _shape
 
 # %% auto #0
-__all__ = ['TILE_ELEMS', 'softplus_errors', 'fused_route', 'route_ptx', 'check_fused_route']
+__all__ = ['TILE_ELEMS', 'ROUTE_SLICE', 'softplus_errors', 'fused_route', 'route_ptx', 'check_fused_route']
 
 # %% ../nbs/08d_router.ipynb #7efe98e2
 @triton.jit
@@ -98,16 +98,39 @@ def _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E: tl.constex
 
 @triton.jit
 def _select_kernel(logit_ptr, bias_ptr, w_ptr, ids_ptr, T, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr = False):
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   SPLIT: tl.constexpr = 1,   # (SPLIT, T, E) partial logits, added in order (`_route_logits_kernel`)
+                   PDL: tl.constexpr = False):
     "The second launch of the two-launch router: the selection over (T, E) fp32 logits computed by the GEMM"
     pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
-    logit = tl.load(logit_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=(t < T)[:, None] & (e < E)[None, :], other=0.0)
+    at, m = t.to(tl.int64)[:, None] * E + e[None, :], (t < T)[:, None] & (e < E)[None, :]
+    logit = tl.load(logit_ptr + at, mask=m, other=0.0)
+    for s in tl.static_range(1, SPLIT): logit += tl.load(logit_ptr + s * T * E + at, mask=m, other=0.0)
     _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E, TOPK, BLOCK_T, BLOCK_E, BLOCK_A, LIBDEVICE)
 
 # %% ../nbs/08d_router.ipynb #92869f94
 TILE_ELEMS = 16384  # fp32 products a program holds per K step: BLOCK_T x BLOCK_E x BLOCK_K
+ROUTE_SLICE = 128   # columns of x and the gate a program of `_route_logits_kernel` takes (`fused_route(split_k=True)`)
+
+@triton.jit
+def _route_logits_kernel(x_ptr, gate_ptr, part_ptr, T, x_stride, g_stride,   # (T, D) x; (E, D) gate; (SPLIT, T, E) fp32 out
+                         E: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr = False):
+    "Program (token block, K slice): the slice's share of every expert's logit, fp32 products and sums as `_route_kernel`'s"
+    pdl_wait(PDL)
+    t, s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), tl.program_id(1)
+    e, kk = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
+    t_ok, e_ok = t < T, e < E
+    x_row, g_row = x_ptr + t.to(tl.int64) * x_stride, gate_ptr + e.to(tl.int64) * g_stride
+    logit = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for k0 in range(s * SLICE, s * SLICE + SLICE, BLOCK_K):
+        k_ok = (k0 + kk) < D
+        xv = tl.load(x_row[:, None] + k0 + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        gv = tl.load(g_row[:, None] + k0 + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        logit += tl.sum(xv[:, None, :] * gv[None, :, :], axis=2)
+    tl.store(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
 
 def _route_blocks(T: int, E: int, D: int) -> tuple[int, int, int]:
     "BLOCK_T (tokens per program), BLOCK_E (experts, padded to a power of two), BLOCK_K (columns per step)"
@@ -132,10 +155,12 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
 def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_activated: int,  # as `route`'s
                 route_scale: float, bias_image: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
                 one_launch: bool = False,  # True: logits in the kernel too (one launch); False: `route`'s own GEMM, then the kernel
+                split_k: bool = False,     # with two launches: the logits by `_route_logits_kernel` over K slices instead of the GEMM
                ) -> tuple[torch.Tensor, torch.Tensor]:
     "`route` in one or two launches: weights (tokens, k) fp32 and ids (tokens, k) int64; with `bias_image` and `image_mask` both given (image spans) it is `route`"
     _check_route_args(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask)
     if not isinstance(one_launch, bool): raise TypeError(f"one_launch must be a bool, got {one_launch!r}")
+    if not isinstance(split_k, bool): raise TypeError(f"split_k must be a bool, got {split_k!r}")
     if (bias_image is not None and image_mask is not None) or kernel_backend(x, gate_weight, bias) == 'torch':
         return route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask)
     (E, D), T, n_activated = gate_weight.shape, x.shape[0], int(n_activated)
@@ -144,10 +169,17 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, 
     if T == 0: return w, ids
     meta = dict(E=E, TOPK=n_activated, BLOCK_A=triton.next_power_of_2(n_activated), LIBDEVICE=not triton_interpreting())
     if not one_launch:                                  # the logits bit for bit as `route` computes them, then one launch
-        logits = (x.float() @ gate_weight.float().T).contiguous()
         bt, be = max(1, 128 // triton.next_power_of_2(E)), triton.next_power_of_2(E)
+        if split_k:                                     # or in slices of ROUTE_SLICE columns, a program each, added in order
+            xo, go, split = _operand(x), _operand(gate_weight), triton.cdiv(D, ROUTE_SLICE)
+            logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+            _route_logits_kernel[(triton.cdiv(T, bt), split)](xo, go, logits, T, xo.stride(0), go.stride(0), E=E, D=D, BLOCK_T=bt,
+                                                               BLOCK_E=be, BLOCK_K=min(ROUTE_SLICE, max(16, TILE_ELEMS // (bt * be))),
+                                                               SLICE=ROUTE_SLICE, num_warps=4, **pdl_launch(x.device))
+        else: logits, split = (x.float() @ gate_weight.float().T).contiguous(), 1
         _select_kernel[(triton.cdiv(T, bt),)](logits, bias.float().contiguous(), w, ids, T, float(route_scale), BLOCK_T=bt,
-                                              BLOCK_E=be, num_warps=1, enable_reflect_ftz=False, **meta, **pdl_launch(x.device))
+                                              BLOCK_E=be, SPLIT=split, num_warps=1, enable_reflect_ftz=False, **meta,
+                                              **pdl_launch(x.device))
         return w, ids
     x, gate_weight = _operand(x), _operand(gate_weight)
     bt, be, bk = _route_blocks(T, E, D)
@@ -186,12 +218,13 @@ def check_fused_route(x, gate_weight, bias, n_activated, route_scale, bias_image
                       guard: float = 1e-4,  # biased scores closer than this are a near tie: either order is right
                       rtol: float = 1e-6,  # relative tolerance of the weights
                       one_launch: bool = False,  # which form of `fused_route` to check
+                      split_k: bool = False,
                      ) -> dict:
     "Assert `fused_route` agrees with `route` (equal ids but at near ties, weights within `rtol`); return the margins"
     for name, v in (('guard', guard), ('rtol', rtol)):
         if not isinstance(v, numbers.Real) or isinstance(v, bool) or not v >= 0:
             raise ValueError(f"check_fused_route: {name} must be a real number >= 0, got {v!r}")
-    w, ids = fused_route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask, one_launch)
+    w, ids = fused_route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask, one_launch, split_k)
     rw, rids = route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask)
     (T, k), E = rids.shape, gate_weight.shape[0]
     assert w.shape == ids.shape == (T, k) and w.dtype == torch.float32 and ids.dtype == torch.int64, (w.shape, w.dtype, ids.dtype)

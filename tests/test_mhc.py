@@ -124,7 +124,7 @@ def test_seam_kernel_matches_reference(T, dim, n, dtype, steps, fp8, strength, b
     cfg = replace(TINY, dim=dim, hc_mult=n)
     args = seam_args(cfg, T, dtype, *map(bool, steps), fp8, strength, seed)
     old = dict(MHC_TUNING)
-    MHC_TUNING.update(block_d=block_d, split=split, finish_sb=finish_sb)
+    MHC_TUNING.update(block_d=block_d, split=split, finish_sb=finish_sb, small_finish_sb=finish_sb)
     try:
         with use_kernels('triton'): got = mhc_seam(**args)
     finally: MHC_TUNING.update(old)
