@@ -397,7 +397,8 @@ def project_out(self: CSA2Attention, o: torch.Tensor, positions: torch.Tensor) -
 
 # %% ../nbs/05_csa2.ipynb #7b426917
 @patch
-def attention(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=None) -> tuple:
+def attention(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=None,
+              **attend_kw) -> tuple:  # passed on to the attention core (`10b_paged`: `out_rope`)
     "(o (T, H, D) bf16, lse (T, H)): this layer's attention for `step`, caches updated, selections published"
     if x.ndim != 2 or x.shape[0] != len(step.positions):
         raise ValueError(f"x: expected ({len(step.positions)}, dim) hidden states for the step's tokens, got {tuple(x.shape)}")
@@ -405,7 +406,7 @@ def attention(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=Non
     window = PagedRecords(state.window[self.layer], self.window_codec)
     store_records(self.window_codec, self.window_kv(x, step.positions), window.cache, step.swa_slots)
     idx, compressed = self.select(x, qr, step, state, topk)
-    return self.attend(q, window, compressed, idx, self.attn_sink, self.scale)
+    return self.attend(q, window, compressed, idx, self.attn_sink, self.scale, **attend_kw)
 
 @patch
 def forward(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=None) -> torch.Tensor:

@@ -14,14 +14,15 @@ from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
 from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
 from .compressor import _bf16_round
-from .rope_norm import rms_norm_fused, rope, _check_rope
+from .rope_norm import rms_norm_fused, rope, _check_rope, _rotate_pairs
 import struct
+from .config import check_int
 from .moe_gemv import _fp8_sums, _codes_f32
 
 # %% auto #0
 __all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T',
            'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear',
-           'fp8_linear_norm', 'head_logits']
+           'fp8_linear_norm', 'fp8_linear_rope', 'head_logits']
 
 # %% ../nbs/10d_fp8_linear.ipynb #91e62af6
 def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -75,7 +76,17 @@ def _fp8_linear_kernel(
 
 # %% ../nbs/10d_fp8_linear.ipynb #1f284eef
 @triton.jit
-def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, PDL: tl.constexpr = False):
+def _rope_tile(y, n0, t, inv_ptr, pos_ptr, W: tl.constexpr, ROPE_D: tl.constexpr, HALF: tl.constexpr, HW: tl.constexpr):
+    "W fp32 outputs of token t at columns n0, n0 + 1, ... (n0 even) rounded to BF16 as stored, then rotated as `rope` rotates heads of ROPE_D"
+    a, b = tl.split(tl.reshape(y.to(tl.bfloat16).to(tl.float32), (W // 2, 2)))
+    a, b = _rotate_pairs(a, b, n0 + 2 * tl.arange(0, W // 2), tl.load(pos_ptr + t).to(tl.float32), inv_ptr, ROPE_D, HALF, False, HW)
+    return tl.reshape(tl.join(a, b), (W,))
+
+@triton.jit
+def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, inv_ptr, pos_ptr, N: tl.constexpr, SPLIT: tl.constexpr,
+                       FB: tl.constexpr, ROPE_D: tl.constexpr = 0, HALF: tl.constexpr = 0, HW: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
+    "The slices added in order into a zero, rounded once; with ROPE_D, rows of heads of ROPE_D columns rotated (`_rope_tile`)"
     pdl_wait(PDL)
     row = tl.program_id(0)                                   # one (token, group) row
     t, grp = row // G, row % G
@@ -84,13 +95,16 @@ def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, N: tl.conste
     acc = tl.zeros((FB,), tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + (s * T * G + row).to(tl.int64) * N + n, mask=nm, other=0.0)
+    if ROPE_D > 0: acc = _rope_tile(acc, tl.program_id(1) * FB, t, inv_ptr, pos_ptr, FB, ROPE_D, HALF, HW)
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
 
 # %% ../nbs/10d_fp8_linear.ipynb #879ab90c
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt, stride_yg, part_ptr, T, G,
+def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt, stride_yg, part_ptr, T, G, inv_ptr, pos_ptr,
                      K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
-                     BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
+                     BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr,
+                     ROPE_D: tl.constexpr = 0, HALF: tl.constexpr = 0,   # > 0: rotate the output as `fp8_linear_rope`
+                     PDL: tl.constexpr = False):
     "The arguments of `_fp8_linear_kernel`; BN output columns of one token and group a program"
     pdl_wait(PDL)
     pid_n, split, pid_tg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -109,6 +123,7 @@ def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt
         acc += _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, GK, HW_CVT)
     y = tl.sum(acc, 1)
     if SPLIT == 1:
+        if ROPE_D > 0: y = _rope_tile(y, pid_n * BN, t, inv_ptr, pos_ptr, BN, ROPE_D, HALF, HW_CVT)
         tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n, y.to(y_ptr.dtype.element_ty))
     else:
         tl.store(part_ptr + ((split * T + t).to(tl.int64) * G + grp) * N + n, y)
@@ -205,20 +220,22 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped 
     part, slices = _launch(xg, w, act_quant, split, y)
     if slices > 1:
         fb = min(1024, triton.next_power_of_2(N))
-        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, N=N, SPLIT=slices, FB=fb,
+        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, y, y, N=N, SPLIT=slices, FB=fb,
                                                         **pdl_launch(x.device))
     return y[:, 0] if x.ndim == 2 else y
 
-def _launch(xg, w, act_quant: bool, split, y):
+def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None):
     "The kernel for xg's T rows (the GEMV up to FP8_LINEAR_MAX_T, else the MMA kernel): y written (one slice), or (slices, T, G, N) fp32 sums"
     T, (G, N, K), x = xg.shape[0], w.shape, xg
     interp = triton_interpreting()
     if T <= FP8_LINEAR_MAX_T:
         s = fp8_gemv_launch(T, G, N, K, sm_count(x.device), split)
         part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
+        r = rope or dict(inv_ptr=y, pos_ptr=y)                          # the rotation's arguments (`fp8_linear_rope`)
         _fp8_gemv_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T, G,
-                                    K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BN=s['block_n'], BK=s['block_k'],
-                                    ACT=act_quant, HW_CVT=not interp, num_warps=s['num_warps'], **pdl_launch(x.device))
+                                    r['inv_ptr'], r['pos_ptr'], K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BN=s['block_n'],
+                                    BK=s['block_k'], ACT=act_quant, HW_CVT=not interp, ROPE_D=r.get('ROPE_D', 0),
+                                    HALF=r.get('HALF', 0), num_warps=s['num_warps'], **pdl_launch(x.device))
     else:
         s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
         part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
@@ -336,6 +353,38 @@ def fp8_linear_norm(x: torch.Tensor,           # (T, K) BF16
                                 positions.contiguous() if rotate else y, eps32, T, N=N, SPLIT=slices,
                                 BLOCK_N=triton.next_power_of_2(N), HALF=inv_freq.numel() if rotate else 0, ROPE=rotate,
                                 num_warps=8 if N > 2048 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
+    return y[:, 0]
+
+def fp8_linear_rope(x: torch.Tensor,          # (T, K) BF16
+                    w: QuantWeight,           # 'fp8', one group: (1, N, K), N a multiple of head_dim
+                    inv_freq: torch.Tensor,   # (rope_dim/2,) fp32 frequencies
+                    positions: torch.Tensor,  # (T,) integer positions
+                    head_dim: int,            # columns a head: each head's last rope_dim are rotated
+                    act_quant: bool = True, split: int | None = None,   # as `fp8_linear`'s
+                   ) -> torch.Tensor:         # (T, N) BF16
+    "`rope` of `fp8_linear(x, w)`'s heads at `positions`: the rotation in the GEMV's epilogue (or its slices' sum) for one or two rows"
+    _check(x, w, act_quant)
+    G, N, K = w.shape
+    check_int('fp8_linear_rope', 'head_dim', head_dim, 2)
+    if G != 1 or x.ndim != 2 or N % head_dim or head_dim % 2:
+        raise ValueError(f"fp8_linear_rope: takes an ungrouped weight, x (T, K) and an even head_dim dividing N = {N}; got "
+                         f"{G} groups, x {tuple(x.shape)}, head_dim {head_dim}")
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.ndim != 1 or head_dim < 2 * inv_freq.numel():
+        raise ValueError(f"fp8_linear_rope: inv_freq must be 1-D with at most head_dim / 2 = {head_dim // 2} frequencies, got "
+                         f"{tuple(getattr(inv_freq, 'shape', ()))}")
+    positions = _check_rope(x, inv_freq, positions)
+    T = x.shape[0]
+    if (kernel_backend(x, w.codes) == 'torch' or not 0 < T <= FP8_LINEAR_MAX_T or x.dtype != torch.bfloat16
+            or inv_freq.dtype != torch.float32):
+        return rope(fp8_linear(x, w, act_quant, split).unflatten(-1, (-1, head_dim)), inv_freq, positions).flatten(1)
+    y = torch.empty(T, 1, N, dtype=x.dtype, device=x.device)
+    r = dict(inv_ptr=inv_freq.contiguous(), pos_ptr=positions.contiguous(), ROPE_D=head_dim, HALF=inv_freq.numel())
+    part, slices = _launch(x.contiguous()[:, None], w, act_quant, split, y, r)
+    if slices > 1:
+        fb = min(1024, triton.next_power_of_2(N))
+        _slices_sum_kernel[(T, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, 1, r['inv_ptr'], r['pos_ptr'], N=N,
+                                                    SPLIT=slices, FB=fb, ROPE_D=head_dim, HALF=inv_freq.numel(),
+                                                    HW=not triton_interpreting(), **pdl_launch(x.device))
     return y[:, 0]
 
 # %% ../nbs/10d_fp8_linear.ipynb #1c99fd29

@@ -22,7 +22,7 @@ from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward
-from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T, fp8_linear_norm
+from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T, fp8_linear_norm, fp8_linear_rope, FP8_LINEAR_MAX_T
 from .rope_norm import rope
 from .moe_split import expert_gate_up_split
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
@@ -87,15 +87,24 @@ class PagedAttention(CSA2Attention):
         if self.window not in memo:
             t = truncate_window(idx, step.positions, floor); memo[self.window] = (t.window_slots, t.window_lens)
         return replace(idx, window_slots=memo[self.window][0], window_lens=memo[self.window][1]), compressed
+    def _fused(self, x, *lins) -> bool:
+        "Decode-sized: the projections' fused forms (`fp8_linear_norm`, `fp8_linear_rope`) take x"
+        return 0 < x.shape[0] <= FP8_LINEAR_MAX_T and all(isinstance(l, FP8Linear) for l in lins)
     def query(self, x, positions):
-        "As `CSA2Attention.query`, with `wq_a` and `q_norm` in two launches (`fp8_linear_norm`)"
-        if not isinstance(self.wq_a, FP8Linear): return CSA2Attention.query(self, x, positions)
+        "As `CSA2Attention.query`; at decode `wq_a` with `q_norm`, and `wq_b` with the rotation, in two launches each"
+        if not self._fused(x, self.wq_a, self.wq_b): return CSA2Attention.query(self, x, positions)
         qr = fp8_linear_norm(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps, self.wq_a.act_quant)
-        return rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), self.inv_freq, positions), qr
+        q = fp8_linear_rope(qr, self.wq_b.weight, self.inv_freq, positions, self.head_dim, self.wq_b.act_quant)
+        return q.unflatten(-1, (self.n_heads, self.head_dim)), qr
     def window_kv(self, x, positions):
-        "As `CSA2Attention.window_kv`, with `wkv`, `kv_norm` and the rotation in two launches (`fp8_linear_norm`)"
-        if not isinstance(self.wkv, FP8Linear): return CSA2Attention.window_kv(self, x, positions)
+        "As `CSA2Attention.window_kv`; at decode `wkv`, `kv_norm` and the rotation in two launches (`fp8_linear_norm`)"
+        if not self._fused(x, self.wkv): return CSA2Attention.window_kv(self, x, positions)
         return fp8_linear_norm(x, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps, self.wkv.act_quant, self.inv_freq, positions)
+    def forward(self, x, step, state, topk=None):
+        "As `CSA2Attention.forward`; at decode the output's inverse rotation happens in `sparse_decode`'s last launch"
+        if self.attend is not sparse_decode or not self._fused(x, self.wo_a): return CSA2Attention.forward(self, x, step, state, topk)
+        o = self.attention(x, step, state, topk, out_rope=(self.inv_freq, step.positions))[0]
+        return self.wo_b(self.wo_a(o.flatten(1).unflatten(1, (self.n_groups, -1))).flatten(1))
     def project_out(self, o, positions):
         "(T, dim): as `CSA2Attention.project_out`, its grouped `wo_a` a grouped `FP8Linear`"
         o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))   # (T, G, H*D/G)

@@ -92,6 +92,25 @@ def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, inver
                                           enable_fp_fusion=False, **pdl_launch(x.device))
     return y
 
+# %% ../nbs/03a_rope_norm.ipynb #a0b6a97a
+@triton.jit
+def _mul_rn(a, b, HW: tl.constexpr):
+    "a * b in fp32 rounded on its own: never contracted with what follows into an FMA (inline PTX on a GPU; the interpreter does not fuse)"
+    if HW: return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+    else: return a * b
+
+@triton.jit
+def _rotate_pairs(a, b, col, pos, inv_ptr, HEAD_D: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr, HW: tl.constexpr):
+    "Pairs (a, b) of BF16 values at even columns `col` of rows of HEAD_D: those among the last 2·HALF rotated at `pos` as `rope` does"
+    cc = col % HEAD_D
+    rot = cc >= HEAD_D - 2 * HALF
+    ang = (pos * tl.load(inv_ptr + (cc - (HEAD_D - 2 * HALF)) // 2, mask=rot, other=0.0)).to(tl.float64)
+    cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
+    if INVERSE: sin = -sin
+    ya = _bf16_round(_mul_rn(a, cos, HW) - _mul_rn(b, sin, HW))
+    yb = _bf16_round(_mul_rn(a, sin, HW) + _mul_rn(b, cos, HW))
+    return tl.where(rot, ya, a), tl.where(rot, yb, b)
+
 # %% ../nbs/03a_rope_norm.ipynb #c49cd6ad
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps,  # one program per row; eps: the fp32 value of the model's eps

@@ -14,6 +14,7 @@ from .config import ModelConfig, check_int
 from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time, sm_count,
                                pdl_launch, pdl_wait)
 from .formats import RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value, _ue8m0_value
+from .rope_norm import rope, _check_rope, _rotate_pairs
 from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random_block_tables, gather_keys,
                            check_attention_inputs, sparse_attention_reference)
 
@@ -260,8 +261,10 @@ def _sparse_decode_kernel(
 
 # %% ../nbs/06_sparse_decode.ipynb #7f755515
 @triton.jit
-def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, splits,
-                    D: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
+def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, splits, inv_ptr, pos_ptr,
+                    D: tl.constexpr, SPLITS_P2: tl.constexpr,
+                    HALF: tl.constexpr = 0, HW: tl.constexpr = False,   # HALF > 0: the output rotated back (`out_rope`)
+                    PDL: tl.constexpr = False):
     pdl_wait(PDL)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, col = tl.arange(0, SPLITS_P2), tl.arange(0, D)
@@ -273,7 +276,12 @@ def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse
     w = tl.exp2(lse2 - m_use)
     den = tl.sum(w, 0) + tl.exp2(sink - m_use)
     o = tl.sum(tl.load(po_ptr + part[:, None] * D + col[None, :], mask=(s < splits)[:, None], other=0.0) * w[:, None], 0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + col, (o / tl.where(den > 0, den, 1.0)).to(tl.bfloat16))
+    ob = (o / tl.where(den > 0, den, 1.0)).to(tl.bfloat16)
+    if HALF > 0:                                                                       # rope(out, inverse=True) of the stored values
+        a, b = tl.split(tl.reshape(ob.to(tl.float32), (D // 2, 2)))
+        a, b = _rotate_pairs(a, b, 2 * tl.arange(0, D // 2), tl.load(pos_ptr + t).to(tl.float32), inv_ptr, D, HALF, True, HW)
+        ob = tl.reshape(tl.join(a, b), (D,)).to(tl.bfloat16)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + col, ob)
     tl.store(lse_ptr + t * H + h, tl.where(den > 0, m_use + tl.log2(tl.where(den > 0, den, 1.0)), -float('inf')) * 0.6931471805599453)
 
 # %% ../nbs/06_sparse_decode.ipynb #77f381c1
@@ -327,7 +335,7 @@ def _as_i32(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
     if width == 0: return torch.full((t.shape[0], 1), -1, dtype=torch.int32, device=t.device)
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
-def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch) -> tuple:
+def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_rope=None) -> tuple:
     "(out, lse, compiled kernel or None): the kernel, and the combine step when the records are split"
     T, H, D = q.shape
     W, K = idx.window_slots.shape[1], idx.topk.shape[1]
@@ -356,8 +364,11 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch) -> tu
             elif launch['num_stages'] > 1: launch = dict(launch, num_stages=1)
             else: raise
     if S > 1:
-        _combine_kernel[(T, H)](po, pl, sk, out, out.stride(0), out.stride(1), lse, H, S, D=D, SPLITS_P2=triton.next_power_of_2(S),
-                                **pdl_launch(q.device))
+        inv, pos = out_rope or (out, out)
+        _combine_kernel[(T, H)](po, pl, sk, out, out.stride(0), out.stride(1), lse, H, S, inv, pos, D=D,
+                                SPLITS_P2=triton.next_power_of_2(S), HALF=inv.numel() if out_rope else 0,
+                                HW=not triton_interpreting(), **pdl_launch(q.device))
+    elif out_rope: out = rope(out, *out_rope, inverse=True)
     return out, lse, kernel
 
 # %% ../nbs/06_sparse_decode.ipynb #cb8e53d2
@@ -370,18 +381,23 @@ def sparse_decode(q: torch.Tensor,                  # (T, H, D) bf16 queries (Ro
                   num_splits: int | None = None,    # splits per token (default: enough programs to fill the GPU)
                   launch: dict | None = None,       # launch shape over DECODE_TUNING's (block_h, block_n, num_warps, ...)
                   check_indices: bool = True,       # range-check the indices (a device sync)
+                  out_rope: tuple | None = None,    # (inv_freq, positions): out rotated back, `rope(out, ..., inverse=True)`
                  ) -> tuple:
     "(out (T, H, D) bf16, lse (T, H) fp32): `sparse_attention_reference`, by a split-K Triton kernel that decodes records on the fly"
     check_attention_inputs(q, window, compressed, idx, sink, scale, check_indices)
+    if out_rope is not None:
+        if not isinstance(out_rope, tuple) or len(out_rope) != 2: raise TypeError(f"out_rope: expected (inv_freq, positions), got {out_rope!r}")
+        out_rope = (out_rope[0], _check_rope(q, *out_rope))
     if num_splits is not None: check_int('sparse_decode', 'num_splits', num_splits, 1)
     if launch is not None: _check_launch(launch)
     if kernel_backend(q, window.cache, idx.window_slots) == 'torch':
-        return sparse_attention_reference(q, window, compressed, idx, sink, scale, check_indices=False)
+        out, lse = sparse_attention_reference(q, window, compressed, idx, sink, scale, check_indices=False)
+        return (rope(out, *out_rope, inverse=True) if out_rope else out), lse
     if q.dtype != torch.bfloat16 or q.stride(-1) != 1: raise TypeError(f"q: the kernel takes bf16 queries with unit last stride, got {q.dtype}")
     if q.shape[-1] & (q.shape[-1] - 1) or q.shape[-1] < 16: raise ValueError(f"q: head_dim {q.shape[-1]} must be a power of two >= 16")
     T, H, _ = q.shape
     L = decode_launch(T, H, idx.window_slots.shape[1], idx.topk.shape[1], q.device, num_splits, launch)
-    return _sparse_decode_triton(q, window, compressed, idx, sink, scale, L)[:2]
+    return _sparse_decode_triton(q, window, compressed, idx, sink, scale, L, out_rope)[:2]
 
 # %% ../nbs/06_sparse_decode.ipynb #704da2bd
 def random_records(codec: RecordCodec, shape: tuple, device=None, generator=None) -> torch.Tensor:

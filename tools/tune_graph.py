@@ -24,7 +24,8 @@ from dsv41_nb import sparse_decode as sd, mhc, moe_gemv, fp8_linear
 
 CANDIDATES = {   # kind -> (the launch table it overrides, in place; the overrides tried)
     'sparse': (sd.DECODE_TUNING[8], [dict(num_warps=4, separate=True), dict(num_warps=4), dict(num_warps=8, separate=True),
-                                      dict(num_warps=16), dict(block_n=16), dict(block_h=64), dict(block_h=32)]),
+                                      dict(num_warps=16), dict(block_n=16), dict(block_h=64), dict(block_h=32), dict(splits=4),
+                                      dict(splits=8), dict(splits=20)]),
     'seam': (mhc.MHC_TUNING, [dict(small_block_d=64), dict(small_warps=2), dict(small_finish_sb=16), dict(small_finish_sb=64),
                               dict(split=64), dict(split=32)]),
     'moe_gate_up': (moe_gemv.GEMV_TUNING['gate_up'], [dict(block_k=1024), dict(block_k=1024, block_n=32), dict(block_k=1024, programs=64),
