@@ -2,7 +2,7 @@
 import pytest
 import torch
 from fastcore.test import test_fail as fails_with
-from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count
+from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL
 
 
 def test_as_captured_nests_and_restores():
@@ -50,3 +50,22 @@ def test_sm_count():
     assert sm_count('cpu') == 1 and sm_count(torch.device('cpu'), default=16) == 16
     if torch.cuda.is_available(): assert sm_count('cuda') == torch.cuda.get_device_properties(0).multi_processor_count >= 1
     fails_with(lambda: sm_count('tpu:0'), contains='tpu')
+
+
+@pytest.mark.parametrize('call, words', [
+    (lambda: pdl_launch('gpu0'), "'gpu0' is not a device"),
+    (lambda: pdl_launch(2.5), '2.5 is not a device'),
+])
+def test_pdl_launch_bad_inputs(call, words): fails_with(call, contains=words)
+
+
+def test_pdl_launch_is_off_where_there_is_nothing_to_overlap(monkeypatch):
+    "The CPU (interpreter or not) and a switched-off PDL get PDL=False and no launch option; a non-bool switch is refused"
+    assert pdl_launch('cpu') == dict(PDL=False)
+    monkeypatch.setitem(PDL, 'enabled', False)
+    assert pdl_launch('cuda') == dict(PDL=False)
+    monkeypatch.setitem(PDL, 'enabled', 1)
+    fails_with(lambda: pdl_launch('cpu'), contains="PDL['enabled'] = 1; expected a bool")
+    monkeypatch.setitem(PDL, 'enabled', True)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9: assert pdl_launch('cuda') == dict(PDL=False)
+    else: assert pdl_launch('cuda') == dict(PDL=True, launch_pdl=True)

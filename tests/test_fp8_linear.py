@@ -10,7 +10,9 @@ from dsv41_nb.moe import QuantWeight, quantize_weight
 from dsv41_nb.model import weight_qdq
 from dsv41_nb.fused_moe import fp8_act_quant
 from dsv41_nb.fp8_linear import (fp8_linear, fp8_linear_torch, fp8_linear_launch, fp8_gemv_launch, assert_linear_close,
-                                 FP8Linear, FP8_LINEAR_MAX_T, FP8_GEMV_TUNING, SHORT_K, SPLIT_MAX, SPLIT_PROGRAMS)
+                                 FP8Linear, FP8_LINEAR_MAX_T, FP8_GEMV_TUNING, SHORT_K, SPLIT_MAX, SPLIT_PROGRAMS,
+                                 fp8_linear_norm, fp8_linear_rope)
+from dsv41_nb.rope_norm import rms_norm_fused, rope
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
@@ -121,3 +123,33 @@ def test_bad_inputs_are_named():
     fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
     fails_with(lambda: FP8Linear.from_master(torch.randn(96)), contains='expected (out, in)')
     fails_with(lambda: FP8Linear(w.dequantize()), contains='QuantWeight')
+
+
+@needs_triton
+@pytest.mark.parametrize('T', [1, 2, 3])
+@pytest.mark.parametrize('split', [None, 3])
+def test_fused_norm_and_rope_are_the_separate_launches_bit_for_bit(T, split):
+    "fp8_linear_norm = rms_norm_fused(fp8_linear), then rope; fp8_linear_rope = rope of fp8_linear's heads (3 rows: the functions)"
+    w, nw = _weight(1, 128, 192, 21), (1 + torch.randn(128, generator=torch.Generator().manual_seed(3)) / 4).to(DEV)
+    x, pos = _x(T, 1, 192, 22), torch.tensor([5, 300, 4000][:T], device=DEV)
+    inv = (1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)).float().to(DEV)
+    want = rms_norm_fused(fp8_linear(x, w, split=split), nw, 1e-6)
+    assert torch.equal(fp8_linear_norm(x, w, nw, 1e-6, split=split), want)
+    assert torch.equal(fp8_linear_norm(x, w, nw, 1e-6, inv_freq=inv, positions=pos, split=split), rope(want, inv, pos))
+    heads = rope(fp8_linear(x, w, split=split).unflatten(-1, (-1, 64)), inv, pos).flatten(1)
+    assert torch.equal(fp8_linear_rope(x, w, inv, pos, 64, split=split), heads)
+
+
+def test_fused_forms_bad_inputs_are_named():
+    w, x, nw = _weight(1, 64, 96, 9), _x(2, 1, 96, 9), torch.ones(64, device=DEV)
+    inv, pos = torch.ones(4, device=DEV), torch.tensor([1, 2], device=DEV)
+    cases = [(lambda: fp8_linear_norm(x, w, nw[:10], 1e-6), 'norm_weight must have shape (64,)'),
+             (lambda: fp8_linear_norm(x, w, nw, -1.0), 'eps = -1.0'),
+             (lambda: fp8_linear_norm(x, w, nw, 1e-6, inv_freq=inv), 'inv_freq and positions come together'),
+             (lambda: fp8_linear_norm(_x(2, 2, 64, 9), _weight(2, 64, 64, 9), nw, 1e-6), 'takes an ungrouped weight'),
+             (lambda: fp8_linear_norm(x, w, nw, 1e-6, inv_freq=inv, positions=pos[:1]), 'positions must be integers of shape (2,)'),
+             (lambda: fp8_linear_rope(x, w, inv, pos, 48), 'an even head_dim dividing N = 64'),
+             (lambda: fp8_linear_rope(x, w, inv, pos, 0), 'head_dim = 0'),
+             (lambda: fp8_linear_rope(x, w, torch.ones(20, device=DEV), pos, 32), 'at most head_dim / 2 = 16 frequencies'),
+             (lambda: fp8_linear_rope(x.int(), w, inv, pos, 32), 'floating-point')]
+    for f, msg in cases: fails_with(f, contains=msg)

@@ -44,6 +44,15 @@ def test_kernel_agrees_with_route(T, E, D, k, scale, fp32, seed, one):
     assert r['tokens'] == T
 
 @needs_triton
+@settings(max_examples=12, deadline=None)
+@given(T=st.integers(0, 5), E=st.sampled_from([8, 48, 64]), D=st.sampled_from([64, 200, 1000]), k=st.integers(1, 8),
+       scale=st.sampled_from([0.05, 1.0, 30.0]), seed=st.integers(0, 2**31))
+def test_split_k_logits_pass_the_oracle(T, E, D, k, scale, seed):
+    "The logits in K slices of ROUTE_SLICE columns (another order of sums): ids equal but at near ties, weights within the slack"
+    r = check_fused_route(*_inputs(T, E, D, scale, seed), min(k, E), 1.5, split_k=True)
+    assert r['tokens'] == T
+
+@needs_triton
 @pytest.mark.parametrize('T,E,k', [(1, 64, 6), (17, 48, 6), (64, 64, 1)])
 def test_bench_width(T, E, k):
     r = check_fused_route(*_inputs(T, E, 5120, 3.0, T + E + k), k, 1.5)
@@ -128,6 +137,7 @@ def test_bad_inputs_are_named():
         fails_with(lambda: fused_route(**{**base, 'route_scale': v}), contains=f'route_scale = {v!r}; expected a finite real number')
     fails_with(lambda: check_fused_route(x, gate, bias, 6, 1.5, rtol=-1e-6), contains='rtol must be a real number >= 0')
     fails_with(lambda: fused_route(**base, one_launch=1), contains='one_launch must be a bool')
+    fails_with(lambda: fused_route(**base, split_k='yes'), contains="split_k must be a bool, got 'yes'")
     fails_with(lambda: softplus_errors(torch.zeros(2, 2)), contains='expected a 1-d fp32 tensor')
     fails_with(lambda: route_ptx(1, 8, 64, 0), contains='k must be an int >= 1')
     fails_with(lambda: route_ptx(1, 8, 64, 9), contains='k = 9 > E = 8')

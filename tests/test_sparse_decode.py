@@ -14,6 +14,7 @@ from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
+from dsv41_nb.rope_norm import rope
 from dsv41_nb.csa2 import CSA2Attention, CSA2State, make_step, random_block_tables, sparse_attention_reference
 from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, check_decode_grid, decode_launch, decode_variants,
                                     distinct_kernels, launch_name, DECODE_TUNING, _check_launch, _format_meta, _half_view, _tile_probe)
@@ -153,6 +154,19 @@ def test_bad_arguments():
              (lambda: decode_launch(1, 0, 10, 10, 'cpu'), 'H = 0'),
              (lambda: sparse_decode(q, window, None, idx, sink, scale), 'compressed: expected PagedRecords'),
              (lambda: sparse_decode(q[:, :3], window, compressed, idx, sink, scale), 'sink: expected a (3,) tensor'),
-             (lambda: _format_meta(cache_format(FULL, 'index_fp8'), 128, 'W'), 'FP8 records with block scales or FP4 records')]
+             (lambda: _format_meta(cache_format(FULL, 'index_fp8'), 128, 'W'), 'FP8 records with block scales or FP4 records'),
+             (lambda: run(out_rope=torch.ones(4)), 'out_rope: expected (inv_freq, positions)'),
+             (lambda: run(out_rope=(torch.ones(4, device=DEV), torch.tensor([1], device=DEV))), 'positions must be integers of shape (2,)')]
     if HAS_TRITON: cases.append((lambda: sparse_decode(q.half(), window, compressed, idx, sink, scale), 'the kernel takes bf16 queries'))
     for f, msg in cases: fct.test_fail(f, contains=msg)
+
+
+@needs_triton
+@pytest.mark.parametrize('splits', [1, 3])
+def test_out_rope_is_the_inverse_rotation_of_the_output(splits):
+    "out_rope: the output rotated back in the combining launch (or, with one split, by `rope`), bit for bit; lse unchanged"
+    q, window, compressed, idx, sink, scale = decode_inputs(SMALL, 2, 100, 30, heads=4, device=DEV)
+    inv, pos = (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)).float().to(DEV), torch.tensor([99, 99], device=DEV)
+    o, lse = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=splits)
+    o_r, lse_r = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=splits, out_rope=(inv, pos))
+    assert torch.equal(o_r, rope(o, inv, pos, inverse=True)) and torch.equal(lse_r, lse)
