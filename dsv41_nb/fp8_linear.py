@@ -322,6 +322,7 @@ def _sum_norm_rope_kernel(src_ptr, w_ptr, y_ptr, inv_ptr, pos_ptr, eps, T,
         y = tl.reshape(tl.join(tl.where(rot, ya, a), tl.where(rot, yb, b)), (BLOCK_N,))
     tl.store(y_ptr + t * N + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
+# %% ../nbs/10d_fp8_linear.ipynb #e42f51e6
 def fp8_linear_norm(x: torch.Tensor,           # (T, K) BF16
                     w: QuantWeight,            # 'fp8', one group: (1, N, K)
                     norm_weight: torch.Tensor, # (N,) the RMSNorm's weight
@@ -355,6 +356,7 @@ def fp8_linear_norm(x: torch.Tensor,           # (T, K) BF16
                                 num_warps=8 if N > 2048 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
     return y[:, 0]
 
+# %% ../nbs/10d_fp8_linear.ipynb #eab2a04c
 def fp8_linear_rope(x: torch.Tensor,          # (T, K) BF16
                     w: QuantWeight,           # 'fp8', one group: (1, N, K), N a multiple of head_dim
                     inv_freq: torch.Tensor,   # (rope_dim/2,) fp32 frequencies

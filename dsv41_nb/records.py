@@ -354,6 +354,34 @@ def _gather_fp8_kernel_v2(
         if OUT_BITS: tl.store(orow, hb, mask=rm)
         else: tl.store(orow, ((hb.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty), mask=rm)
 
+# %% ../nbs/01b_records.ipynb #52f92bd2
+@triton.jit
+def _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE: tl.constexpr, EXACT_DIV: tl.constexpr,
+                          HW_CVT: tl.constexpr):
+    "(scale codes, even and odd values divided by their scale) of (ROWS, GROUPS) groups from their amax; a poisoned group's code marks it"
+    if E4M3_SCALE:
+        amax = tl.maximum(amax, 6.0 * 0.001953125)
+        if EXACT_DIV: t = tl.minimum(tl.math.div_rn(amax, 6.0), 448.0)
+        else: t = tl.minimum(amax * inv_max, 448.0)                                         # same E4M3 code for BF16 inputs
+        if HW_CVT:
+            s8 = t.to(tl.float8e4nv)
+            scode, scale = s8.to(tl.uint8, bitcast=True).to(tl.int32), s8.to(tl.float32)[:, :, None]
+        else:
+            scode = _e4m3_code(t)
+            scale = _e4m3_value(scode)[:, :, None]
+        if EXACT_DIV: qe, qo = tl.math.div_rn(xe, scale), tl.math.div_rn(xo, scale)
+        else:
+            r = 1.0 / scale                                                                 # approximate reciprocal
+            qe, qo = xe * r, xo * r
+            qe, qo = tl.fma(tl.fma(-qe, scale, xe), r, qe), tl.fma(tl.fma(-qo, scale, xo), r, qo)   # one correction
+        scode = tl.where(bad, 0x7F, scode)
+    else:
+        scode = _ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), inv_max)
+        inv = _pow2(254 - scode)[:, :, None]                                                # exact: a power of two
+        qe, qo = xe * inv, xo * inv
+        scode = tl.where(bad, 255, scode)
+    return scode, qe, qo
+
 # %% ../nbs/01b_records.ipynb #c4e5a018
 @triton.jit
 def _store_fp4_kernel_v2(
@@ -389,27 +417,7 @@ def _store_fp4_kernel_v2(
     mo = tl.max(xo.to(tl.uint32, bitcast=True) << 1, axis=2)
     m = tl.maximum(me, mo)
     amax, bad = (m >> 1).to(tl.float32, bitcast=True), m >= 0xFF000000                     # (ROWS, GROUPS); NaN/Inf: poisoned
-    if E4M3_SCALE:
-        amax = tl.maximum(amax, 6.0 * 0.001953125)
-        if EXACT_DIV: t = tl.minimum(tl.math.div_rn(amax, 6.0), 448.0)
-        else: t = tl.minimum(amax * inv_max, 448.0)                                         # same E4M3 code for BF16 inputs
-        if HW_CVT:
-            s8 = t.to(tl.float8e4nv)
-            scode, scale = s8.to(tl.uint8, bitcast=True).to(tl.int32), s8.to(tl.float32)[:, :, None]
-        else:
-            scode = _e4m3_code(t)
-            scale = _e4m3_value(scode)[:, :, None]
-        if EXACT_DIV: qe, qo = tl.math.div_rn(xe, scale), tl.math.div_rn(xo, scale)
-        else:
-            r = 1.0 / scale                                                                 # approximate reciprocal
-            qe, qo = xe * r, xo * r
-            qe, qo = tl.fma(tl.fma(-qe, scale, xe), r, qe), tl.fma(tl.fma(-qo, scale, xo), r, qo)   # one correction
-        scode = tl.where(bad, 0x7F, scode)
-    else:
-        scode = _ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), inv_max)
-        inv = _pow2(254 - scode)[:, :, None]                                                # exact: a power of two
-        qe, qo = xe * inv, xo * inv
-        scode = tl.where(bad, 255, scode)
+    scode, qe, qo = _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE, EXACT_DIV, HW_CVT)
     byte = _e2m1_code_bits(qe, xe) | (_e2m1_code_bits(qo, xo) << 4)                        # (ROWS, GROUPS, HALF)
     words = tl.where(bad[:, :, None], 0, _pack(byte, 8, NIBS // 2))                        # (ROWS, GROUPS, BLOCK // NIBS)
     w = g[:, None] * (BLOCK // NIBS) + tl.arange(0, BLOCK // NIBS)[None, :]
