@@ -24,7 +24,7 @@ from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOut
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model
-from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw
+from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
 from .cuda_graphs import CUDAGraphModel, fill_token_ids
 
 # %% auto #0
@@ -166,7 +166,7 @@ def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
     "(accepted, token) of the step's sampling rows, as tensors on the device (accepted None: nothing to verify)"
     rows = [(self.requests[rid], rid, d) for rid, _, drafts, _ in plan for d in list(drafts) + [-1]]
     self._stop_mask(logits, plan)
-    if all(d == -1 and s.params.greedy for s, _, d in rows): return None, logits.argmax(-1)   # what `draw` gives, in one launch
+    if all(d == -1 and s.params.greedy for s, _, d in rows): return None, argmax_rows(logits)  # what `draw` gives, in two launches
     sb = sampling_batch([s.params for s, _, _ in rows], [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
     return draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device), sb, self.generator)
 

@@ -392,19 +392,38 @@ def _radix_threshold(row, n, K: tl.constexpr, BLOCK: tl.constexpr):
 
 # %% ../nbs/04_indexer.ipynb #27884ca5
 @triton.jit
+def _pool_prefix(pool, P, visible, CBS: tl.constexpr, P_P2: tl.constexpr):
+    "`pool_entries` of one row: every pool block full except the newest, which holds what is visible of it"
+    p = tl.arange(0, P_P2)
+    blocks = tl.sum((tl.load(pool + p, mask=p < P, other=-1) >= 0).to(tl.int32), 0)
+    fill = visible - tl.maximum(visible - 1, 0) // CBS * CBS
+    return tl.where(blocks > 0, (blocks - 1) * CBS + fill, 0)
+
+@triton.jit
+def _pool_entry(pool, t, live, CBS: tl.constexpr):
+    "Positions t of a sparse row as the entries they stand for (CBS > 0: through the pool's blocks), else t itself"
+    if CBS > 0: return tl.load(pool + t // CBS, mask=live, other=0) * CBS + t % CBS
+    else: return t
+
+@triton.jit
 def _topk_kernel(
     x_ptr,          # (T, L) fp32 scores
     len_ptr,        # (T,) entries of each row to consider (a prefix of the row)
     out_ptr,        # (T, K) int32 selected entries, ascending, -1 pads
     L,              # row stride of x
+    pool_ptr, P,    # (T, P) int32 candidate pools (CBS > 0): len_ptr then holds visible entries, and entries map through the pool
     K: tl.constexpr, K_P2: tl.constexpr, BLOCK: tl.constexpr,
+    CBS: tl.constexpr = 0, P_P2: tl.constexpr = 1,   # pool block size (0: a plain row), next power of two >= P
 ):
     s = tl.program_id(0)
-    n = tl.minimum(tl.load(len_ptr + s).to(tl.int32), L)
+    pool = pool_ptr + s.to(tl.int64) * P
+    if CBS > 0: n = _pool_prefix(pool, P, tl.load(len_ptr + s).to(tl.int32), CBS, P_P2)
+    else: n = tl.load(len_ptr + s).to(tl.int32)
+    n = tl.minimum(n, L)
     row, out, j = x_ptr + s.to(tl.int64) * L, out_ptr + s.to(tl.int64) * K, tl.arange(0, K_P2)
     take = tl.minimum(n, K)
     tl.store(out + j, tl.full((K_P2,), -1, tl.int32), mask=(j >= take) & (j < K))
-    if n <= K: tl.store(out + j, j, mask=j < take)                        # select all
+    if n <= K: tl.store(out + j, _pool_entry(pool, j, j < take, CBS), mask=j < take)    # select all
     else:
         thr, rem = _radix_threshold(row, n, K, BLOCK)
         taken, ties = 0, 0
@@ -413,14 +432,16 @@ def _topk_kernel(
             kk = _order_key(tl.load(row + t, mask=t < n, other=0.0))
             eq = (kk == thr) & (t < n)
             sel = ((kk > thr) & (t < n)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rem))
-            tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, t, mask=sel)
+            tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, _pool_entry(pool, t, sel, CBS), mask=sel)
             taken += tl.sum(sel.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
 
 # %% ../nbs/04_indexer.ipynb #2da30542
 def ragged_topk(x: torch.Tensor,        # (T, L) fp32 scores
-                lengths: torch.Tensor,  # (T,) entries of each row to consider (a prefix)
+                lengths: torch.Tensor,  # (T,) entries of each row to consider (a prefix); with `pool`: visible entries
                 k: int,                 # entries to keep per row
+                pool: torch.Tensor | None = None,  # (T, P) int32 candidate pools: x is a sparse row over them
+                block_size: int = 0,    # the pool's block size (with `pool`)
                ) -> torch.Tensor:
     "(T, k) int32: each row's top min(k, length) among its first `length` entries, ascending, ties to the lower index, -1 pads"
     if x.ndim != 2 or x.dtype != torch.float32:
@@ -428,11 +449,27 @@ def ragged_topk(x: torch.Tensor,        # (T, L) fp32 scores
     if lengths.shape != (x.shape[0],) or lengths.dtype.is_floating_point:
         raise ValueError(f"ragged_topk: expected ({x.shape[0]},) integer lengths")
     if not isinstance(k, int) or k <= 0: raise ValueError(f"ragged_topk: k = {k!r}; expected a positive integer")
-    if kernel_backend(x, lengths) == 'torch': return topk_reference(x, lengths, k)
+    if pool is not None: _check_pool(pool, x.shape[0], block_size)
+    if kernel_backend(x, lengths) == 'torch':
+        if pool is None: return topk_reference(x, lengths, k)
+        sel = topk_reference(x, pool_entries(pool, lengths, block_size), k)          # positions of the sparse row
+        blk = pool.gather(1, (sel.clamp_min(0) // block_size).long())
+        return torch.where(sel >= 0, blk * block_size + sel % block_size, -1).int()   # as entries
     out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
-    if x.shape[0]: _topk_kernel[(x.shape[0],)](x.contiguous(), lengths, out, x.shape[1], K=k, K_P2=triton.next_power_of_2(k),
-                                               BLOCK=4096 if x.is_cuda else 256, num_warps=8)
+    P = 0 if pool is None else pool.shape[1]
+    if x.shape[0]: _topk_kernel[(x.shape[0],)](x.contiguous(), lengths, out, x.shape[1], out if pool is None else pool, P,
+                                               K=k, K_P2=triton.next_power_of_2(k), BLOCK=4096 if x.is_cuda else 256,
+                                               CBS=0 if pool is None else block_size, P_P2=triton.next_power_of_2(max(P, 1)),
+                                               num_warps=8)
     return out
+
+def _check_pool(pool, T: int, block_size):
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.ndim != 2 or pool.shape[0] != T or not pool.is_contiguous():
+        raise ValueError(f"ragged_topk: pool: expected contiguous ({T}, blocks) int32, got "
+                         f"{getattr(pool, 'dtype', type(pool).__name__)} {tuple(getattr(pool, 'shape', ()))}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"ragged_topk: block_size = {block_size!r}; expected an int >= 1 with a pool")
+
 
 # %% ../nbs/04_indexer.ipynb #8f9cfeaf
 @triton.jit
@@ -471,9 +508,7 @@ def pool_entries(pool: torch.Tensor, visible: torch.Tensor, block_size: int) -> 
 def sparse_topk(q, w, key_cache, batch: IndexBatch, codec, pool: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
     "(T, k) int32 entries: each query's top-k scored over its candidate pool only (sparse logits), ascending, -1 pads"
     logits = index_logits(q, w, key_cache, batch, codec, skip=k, pool=pool, cbs=block_size)      # (T, pool * block_size)
-    sel = ragged_topk(logits, pool_entries(pool, batch.visible, block_size), k)
-    blk = pool.gather(1, (sel.clamp_min(0) // block_size).long())
-    return torch.where(sel >= 0, blk * block_size + sel % block_size, -1).int()
+    return ragged_topk(logits, batch.visible, k, pool=pool, block_size=block_size)    # the pool's prefix and entries in the kernel
 
 # %% ../nbs/04_indexer.ipynb #f1685ffa
 @patch

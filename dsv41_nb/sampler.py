@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from .scheduler import SamplingParams
 
 # %% auto #0
-__all__ = ['reference_probs', 'SamplingBatch', 'sampling_batch', 'sampling_probs', 'draw', 'chi_square_pvalue']
+__all__ = ['ARGMAX_CHUNK', 'reference_probs', 'SamplingBatch', 'sampling_batch', 'sampling_probs', 'argmax_rows', 'draw',
+           'chi_square_pvalue']
 
 # %% ../nbs/12b_sampler.ipynb #38d36736
 def reference_probs(logits: torch.Tensor, # (vocab,) one row of logits
@@ -72,6 +73,28 @@ def sampling_probs(logits: torch.Tensor, # (N, vocab) logits of the sampled rows
     xs = xs.masked_fill((above >= sb.top_p[:, None]) & (sb.top_p < 1)[:, None], -torch.inf)    # top-p
     probs = torch.empty_like(x).scatter_(1, order, xs.softmax(-1))
     return torch.where(sb.greedy[:, None], F.one_hot(logits.argmax(-1), x.shape[-1]).float(), probs)
+
+# %% ../nbs/12b_sampler.ipynb #f2767e09
+ARGMAX_CHUNK = 1024   # logits per chunk of `argmax_rows`'s first pass
+
+def argmax_rows(logits: torch.Tensor,  # (N, vocab) float logits
+                chunk: int | None = None,  # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
+               ) -> torch.Tensor:          # (N,) int64: each row's first maximum, as `logits.argmax(-1)`
+    "Each row's argmax in two passes over chunks of the row (on a GPU), else in one"
+    if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or not logits.is_floating_point():
+        raise ValueError(f"argmax_rows: expected float logits (N, vocab), got {getattr(logits, 'dtype', type(logits).__name__)} "
+                         f"{tuple(getattr(logits, 'shape', ()))}")
+    if chunk is None: chunk = ARGMAX_CHUNK if logits.is_cuda else 0
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        raise ValueError(f"argmax_rows: chunk = {chunk!r}; expected an int >= 0")
+    N, V = logits.shape
+    if chunk == 0 or V <= chunk or N == 0: return logits.argmax(-1)
+    G = -(-V // chunk)
+    x = F.pad(logits, (0, G * chunk - V), value=-torch.inf) if G * chunk != V else logits
+    best, at = x.view(N, G, chunk).max(-1)                                          # first maximum of each chunk
+    g = best.argmax(-1, keepdim=True)                                               # first chunk holding the row's maximum
+    return (g * chunk + at.gather(1, g))[:, 0]
+
 
 # %% ../nbs/12b_sampler.ipynb #cafd12fa
 def draw(probs: torch.Tensor, # (N, vocab) fp32 sampling distributions

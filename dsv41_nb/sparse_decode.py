@@ -286,7 +286,8 @@ def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse
 
 # %% ../nbs/06_sparse_decode.ipynb #77f381c1
 DECODE_TUNING = {   # tokens per launch, at most -> launch shape of a 64-head program (None: any larger batch)
-    8:    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=False),   # chosen in a step's graph
+    1:    dict(block_h=16, block_n=16, num_warps=8, num_stages=2, scale_tile=True, separate=False, splits=32),  # chosen in a
+    8:    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=False),   # step's graph
     128:  dict(block_h=64, block_n=64, num_warps=8, num_stages=1, scale_tile=True, separate=True),
     None: dict(block_h=64, block_n=64, num_warps=8, num_stages=1, scale_tile=True, separate=True),
 }

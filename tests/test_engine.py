@@ -15,7 +15,7 @@ from dsv41_nb.model import init_random, generate_greedy, ByteTokenizer
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
 from dsv41_nb.proposer import NgramProposer
-from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue
+from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
                              greedy_shortfall, assert_greedy_match)
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
@@ -65,6 +65,8 @@ BAD = [
     (lambda: ModelRunner(RecomputeModel(MODEL), 'layout'), TypeError, 'expected a KVCacheConfig'),
     (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, seed=-1), ValueError, 'seed = -1'),
     (lambda: sampling_batch([GREEDY], [None] * 3), ValueError, '1 rows but 3 generators'),
+    (lambda: argmax_rows(torch.zeros(2, 5, dtype=torch.long)), ValueError, 'argmax_rows: expected float logits'),
+    (lambda: argmax_rows(torch.zeros(2, 5), chunk=True), ValueError, 'argmax_rows: chunk = True'),
     (lambda: padded_batch_size(-2), ValueError, 'n = -2'),
     (lambda: CUDAGraphModel(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, 64), ValueError, 'does not support CUDA graphs'),
     (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, proposer=NgramProposer(2)).execute_model_async(None),
@@ -86,6 +88,14 @@ def test_bad_input(f, exc, msg):
 
 
 # ---------------------------------------------------------------- the sampler
+@given(st.integers(1, 4), st.integers(1, 300), st.sampled_from([0, 1, 7, 64, 299, None]), st.integers(0, 2**31 - 1), st.booleans())
+def test_argmax_rows_equals_argmax(N, V, chunk, seed, ties):
+    "The two-pass argmax gives argmax's index, first maximum on ties, whatever the chunk (None: the device's default)"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (N, V), generator=g).float() if ties else torch.randn(N, V, generator=g)
+    x[0, torch.randint(0, V, (1,), generator=g)] = -torch.inf
+    assert torch.equal(argmax_rows(x, chunk), x.argmax(-1))
+
 params_st = st.builds(
     lambda t, k, p, m, greedy: SamplingParams(temperature=0 if greedy else t, top_k=k, top_p=p, min_p=m),
     st.floats(0.05, 3), st.one_of(st.just(-1), st.integers(1, 20)), st.one_of(st.just(1.0), st.floats(0.01, 1)),

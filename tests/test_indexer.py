@@ -125,6 +125,21 @@ def test_sparse_logits_select_like_masked_dense(b, seed):
     assert torch.equal(got.cpu(), want.cpu())
     assert pool_mask(pool, max(int(vis.max()), 1), 4).gather(1, got.clamp_min(0).long())[got >= 0].all()
 
+@needs_triton
+@given(batches(max_context=2000), st.sampled_from([(16, 4, 8), (64, 8, 40), (3, 2, 16)]), st.integers(0, 2**31))
+@settings(max_examples=10)
+def test_pool_topk_kernel_equals_torch_path(b, geometry, seed):
+    "ragged_topk over a sparse row with its pool: the kernel's prefix and entries against the PyTorch path (pool_entries, gather)"
+    contexts, queries = b
+    nblk, cbs, k = geometry
+    q, w, cache, batch = world(Indexer(TINY, 6), contexts, queries, seed)
+    vis, g = batch.visible, torch.Generator().manual_seed(seed)
+    pool = candidate_pool_reference(index_logits_reference(q, w, cache, batch, Indexer(TINY, 6).codec), vis, nblk, cbs)
+    x = torch.randn(len(vis), nblk * cbs, generator=g).to(DEV)
+    with use_kernels('torch'): want = ragged_topk(x, vis, k, pool=pool, block_size=cbs)
+    with use_kernels('triton'): got = ragged_topk(x, vis, k, pool=pool, block_size=cbs)
+    assert torch.equal(got.cpu(), want.cpu())
+
 def test_select_all_scores_nothing():
     "Queries that see at most top-k entries select all of them: the scores are never read (here the keys are NaN)"
     ix = Indexer(TINY, 6)
@@ -146,6 +161,9 @@ def test_bad_inputs():
         (lambda: index_logits(q[:0], w[:0], cache, batch, ix.codec), 'batch has 1 queries, q has 0'),
         (lambda: ragged_topk(torch.randn(2, 4, dtype=torch.float64), torch.tensor([1, 2]), 2), 'float32'),
         (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1.0, 2.0]), 2), 'integer lengths'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(2, 2, dtype=torch.int64), block_size=2), 'int32'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(3, 2, dtype=torch.int32), block_size=2), '(2, blocks)'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(2, 2, dtype=torch.int32)), 'block_size = 0'),
         (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
     ]: fct.test_fail(fn, contains=msg)

@@ -21,7 +21,7 @@ from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name, medi
 from dsv41_nb.formats import cache_format
 from dsv41_nb import sparse_decode as sd
 
-TUNED_BATCH = {8: 1, 128: 64, None: 256}      # DECODE_TUNING class -> the batch whose winner fills it
+TUNED_BATCH = {1: 1, 8: 1, 128: 64, None: 256}      # DECODE_TUNING class -> the batch whose winner fills it
 
 
 def check_shape(i: int, launch: dict, quick: bool) -> dict:

@@ -6,7 +6,7 @@
 A kernel timed back to back keeps its instructions in the SM's instruction cache; in a decode step it runs once per layer
 between a hundred other kernels and fetches them again. So this script builds the `bench` engine of `tools/bench_engine.py`
 (the paged path with random weights, CUDA graphs), starts one request, and for each candidate launch shape of sparse decode
-(the `DECODE_TUNING` row for up to 8 tokens, 06_sparse_decode), the mHC seam (`MHC_TUNING`'s small-batch keys, 07_mhc), the
+(the `DECODE_TUNING` row for one token, 06_sparse_decode), the mHC seam (`MHC_TUNING`'s small-batch keys, 07_mhc), the
 MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV (`FP8_GEMV_TUNING` at one token, 10d_fp8_linear) captures the batch-1
 graph again and times its replay (`median_time`). Each row also records the compiled sparse
 decode kernel's size, registers and spills. The defaults are timed first and last (the drift between the two is the noise).
@@ -23,9 +23,8 @@ from dsv41_nb.dispatch import median_time, machine_name
 from dsv41_nb import sparse_decode as sd, mhc, moe_gemv, fp8_linear
 
 CANDIDATES = {   # kind -> (the launch table it overrides, in place; the overrides tried)
-    'sparse': (sd.DECODE_TUNING[8], [dict(num_warps=4, separate=True), dict(num_warps=4), dict(num_warps=8, separate=True),
-                                      dict(num_warps=16), dict(block_n=16), dict(block_h=64), dict(block_h=32), dict(splits=4),
-                                      dict(splits=8), dict(splits=20)]),
+    'sparse': (sd.DECODE_TUNING[1], [dict(splits=None), dict(splits=24), dict(splits=40), dict(block_n=32), dict(block_n=32, splits=None),
+                                      dict(num_warps=4), dict(num_warps=16), dict(block_h=32), dict(num_stages=1)]),
     'seam': (mhc.MHC_TUNING, [dict(small_block_d=64), dict(small_warps=2), dict(small_finish_sb=16), dict(small_finish_sb=64),
                               dict(split=64), dict(split=32)]),
     'moe_gate_up': (moe_gemv.GEMV_TUNING['gate_up'], [dict(block_k=1024), dict(block_k=1024, block_n=32), dict(block_k=1024, programs=64),
