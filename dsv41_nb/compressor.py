@@ -289,14 +289,15 @@ def _normalise(x, w_ptr, col, cm, D: tl.constexpr, eps):
     return _bf16_round(tl.load(w_ptr + col, mask=cm, other=0.0).to(tl.float32) * (x * inv))
 
 @triton.jit
-def _rotate_tail(z, cos_ptr, sin_ptr, i, g, D: tl.constexpr, ROPE: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
-    "Even and odd halves (GROUPS, BLOCK/2) of z with the pairs of its last ROPE dims rotated, each rounded to BF16"
+def _rotate_tail(z, inv_ptr, at, g, D: tl.constexpr, ROPE: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    "Even and odd halves (GROUPS, BLOCK/2) of z with the pairs of its last ROPE dims rotated at position `at`, each rounded to BF16"
     HALF: tl.constexpr = BLOCK // 2
     ze, zo = tl.split(tl.reshape(z, (GROUPS, HALF, 2)))
     rp = g[:, None] * HALF + tl.arange(0, HALF)[None, :] - (D - ROPE) // 2      # (GROUPS, HALF) index among the rotated pairs
     rm = (rp >= 0) & (rp < ROPE // 2)
-    c = tl.load(cos_ptr + i * (ROPE // 2) + rp, mask=rm, other=1.0)
-    s = tl.load(sin_ptr + i * (ROPE // 2) + rp, mask=rm, other=0.0)
+    ang = (at.to(tl.float32) * tl.load(inv_ptr + rp, mask=rm, other=0.0)).to(tl.float64)   # `rope_cos_sin`: the fp32 angle,
+    c = tl.where(rm, tl.cos(ang).to(tl.float32), 1.0)                           # its cosine and sine in fp64
+    s = tl.where(rm, tl.sin(ang).to(tl.float32), 0.0)
     return tl.where(rm, _bf16_round(ze * c - zo * s), ze), tl.where(rm, _bf16_round(ze * s + zo * c), zo)
 
 # %% ../nbs/03_compressor.ipynb #94d0c0a0
@@ -357,7 +358,7 @@ def _compress_kernel(
     cache_ptr,         # uint8 compressed cache, REC bytes per slot
     latent_ptr,        # (T, D) bf16 out: unrotated latents of emitting tokens, zeros elsewhere
     w_ptr,             # (D,) norm weight
-    cos_ptr, sin_ptr,  # (T, ROPE/2) fp32 rotation of each token's entry (at its group's first position)
+    inv_ptr,           # (ROPE/2,) fp32 inverse frequencies: each entry is rotated at its group's first position
     n_tokens, eps,     # T, and the norm's epsilon (fp32)
     SAVE: tl.constexpr,  # False: emit every completed group; True: save the open groups into the ring
     RATIO: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
@@ -385,7 +386,7 @@ def _compress_kernel(
                                  D, RATIO, GROUPS, BLOCK)
             z = _normalise(_bf16_round(x), w_ptr, col, cm, D, eps)        # the pooled latent in BF16, normalised
             tl.store(latent_ptr + i * D + col, z.to(tl.bfloat16), mask=cm)
-            ye, yo = _rotate_tail(z, cos_ptr, sin_ptr, i, g, D, ROPE, GROUPS, BLOCK)
+            ye, yo = _rotate_tail(z, inv_ptr, tl.maximum(pos + 1 - RATIO, 0), g, D, ROPE, GROUPS, BLOCK)
             rec = cache_ptr + cs * REC
             if FP4: _store_fp4_record(ye, yo, rec, g, D, BLOCK, E4M3_SCALE)
             else: _store_fp8_record(tl.reshape(tl.join(ye, yo), (GROUPS, BLOCK)), rec, g, col, D, BLOCK, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
@@ -409,12 +410,11 @@ def compress_triton(c: Compressor, kv, score, positions, ring_slots, compressed_
     T, D, r = len(positions), c.head_dim, c.ratio
     latent = torch.empty(T, D, dtype=torch.bfloat16, device=kv.device)
     if T == 0: return latent
-    cos, sin = _cos_sin(c.inv_freq, (positions + 1 - r).clamp_min(0))
     meta = _record_meta(c.codec)
     groups = triton.next_power_of_2(triton.cdiv(D, meta['BLOCK']))
     rs, sc, rg = (ring_slots, score, ring) if r > 1 else (positions, kv, kv)     # ratio 1 never reads these
     for save in ((False, True) if r > 1 else (False,)):
-        _compress_kernel[(T,)](kv, sc, positions, rs, compressed_slots, rg, cache, latent, c.norm.weight, cos, sin, T,
+        _compress_kernel[(T,)](kv, sc, positions, rs, compressed_slots, rg, cache, latent, c.norm.weight, c.inv_freq, T,
                                float(c.norm.eps), SAVE=save, RATIO=r, D=D, ROPE=c.rope_dim, GROUPS=groups, **meta,
                                num_warps=4, enable_fp_fusion=False)
     return latent

@@ -6,6 +6,8 @@
 from __future__ import annotations
 from dataclasses import dataclass
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, LayerInfo, layer_topology, source_layer, expect_config, check_int, ROLE_COLORS
@@ -15,7 +17,7 @@ from .block_pool import PAD_SLOT_ID, slot_mapping, compressed_slot_mapping, ring
 from .compressor import Compressor, RMSNorm, layer_inv_freq
 from .rope_norm import rope, norm_layer
 from .indexer import Indexer, IndexBatch
-from .dispatch import capturing
+from .dispatch import capturing, kernel_backend
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',
@@ -166,25 +168,58 @@ def random_block_tables(n_requests: int, blocks_per_request: int, num_blocks: in
     return ids.view(n_requests, blocks_per_request).int().to(device)
 
 # %% ../nbs/05_csa2.ipynb #9ec4473b
-def window_indices(step: CSA2Step, window: int) -> tuple:
+def window_indices(step: CSA2Step, window: int,
+                   floor: torch.Tensor | None = None,  # (T,) first position each token may read (None: any)
+                  ) -> tuple:
     "(slots (T, window) int32, lens (T,) int32): each token's window positions, oldest first, as window-cache slots"
     check_int('window_indices', 'window', window, 1)
     p, bs, bt = step.positions.long(), step.swa_block_size, step.swa_block_table.long()
+    if floor is not None and (not isinstance(floor, torch.Tensor) or floor.shape != p.shape or floor.dtype.is_floating_point):
+        raise ValueError(f"window_indices: floor: expected ({len(p)},) integers, got {getattr(floor, 'dtype', type(floor).__name__)} "
+                         f"{tuple(getattr(floor, 'shape', ()))}")
+    if len(p) and not capturing() and int(torch.where(step.rows >= 0, p, -1).max()) // bs >= bt.shape[1]:
+        hi = int(torch.where(step.rows >= 0, p, -1).max())
+        raise ValueError(f"window positions up to {hi} need {hi // bs + 1} window blocks, the table has {bt.shape[1]}")
+    if kernel_backend(step.positions, step.swa_block_table) == 'triton': return _window_indices_triton(step, window, floor)
     lens = torch.where(step.rows >= 0, (p + 1).clamp(max=window), 0)                   # (T,)
+    if floor is not None: lens = torch.minimum(lens, (p - floor.long() + 1).clamp_min(0))   # the oldest cut below the floor
     pos = (p + 1 - lens)[:, None] + torch.arange(window, device=p.device)              # (T, window)
     live = torch.arange(window, device=p.device) < lens[:, None]
-    page = pos // bs
-    if live.numel() and not capturing() and int(torch.where(live, page, -1).max()) >= bt.shape[1]:
-        raise ValueError(f"window positions up to {int(pos[live].max())} need {int(page[live].max()) + 1} window blocks, "
-                         f"the table has {bt.shape[1]}")
-    blk = bt[step.rows.clamp_min(0).long()[:, None], torch.where(live, page, 0)]
+    blk = bt[step.rows.clamp_min(0).long()[:, None], torch.where(live, pos // bs, 0)]
     return torch.where(live, blk * bs + pos % bs, PAD_SLOT_ID).int(), lens.int()
 
 def step_window(step: CSA2Step, window: int) -> tuple:
     "`window_indices` of `step`, computed once per step object and window size: every layer of a step reads the same window"
     memo = step.__dict__.setdefault('_windows', {})              # not a field: `replace` starts a new step afresh
-    if window not in memo: memo[window] = window_indices(step, window)
+    if window not in memo: memo[window] = window_indices(step, window, getattr(step, 'window_floor', None))   # a floor if the step has one
     return memo[window]
+
+
+# %% ../nbs/05_csa2.ipynb #c05c4ca7
+@triton.jit
+def _window_slots_kernel(pos_ptr, rows_ptr, floor_ptr, bt_ptr, stride_bt, slots_ptr, lens_ptr, window, bs,
+                         W_P2: tl.constexpr, FLOOR: tl.constexpr, PAD: tl.constexpr):
+    "One token: its window's length (cut at its floor if FLOOR) and the cache slots of those positions, oldest first"
+    t = tl.program_id(0)
+    p, row = tl.load(pos_ptr + t).to(tl.int64), tl.load(rows_ptr + t).to(tl.int64)
+    n = tl.where(row >= 0, tl.minimum(p + 1, window), 0)
+    if FLOOR: n = tl.minimum(n, tl.maximum(p - tl.load(floor_ptr + t).to(tl.int64) + 1, 0))
+    j = tl.arange(0, W_P2)
+    pos, live = p + 1 - n + j, j < n
+    blk = tl.load(bt_ptr + tl.maximum(row, 0) * stride_bt + pos // bs, mask=live, other=0).to(tl.int64)
+    tl.store(slots_ptr + t.to(tl.int64) * window + j, tl.where(live, blk * bs + pos % bs, PAD).to(tl.int32), mask=j < window)
+    tl.store(lens_ptr + t, n.to(tl.int32))
+
+def _window_indices_triton(step: CSA2Step, window: int, floor) -> tuple:
+    "`window_indices` as one launch (arguments already checked)"
+    T, dev = len(step.positions), step.positions.device
+    slots, lens = torch.empty(T, window, dtype=torch.int32, device=dev), torch.empty(T, dtype=torch.int32, device=dev)
+    bt = step.swa_block_table
+    if T: _window_slots_kernel[(T,)](step.positions, step.rows, step.positions if floor is None else floor, bt, bt.stride(0), slots,
+                                     lens, window, step.swa_block_size, W_P2=triton.next_power_of_2(window), FLOOR=floor is not None,
+                                     PAD=PAD_SLOT_ID)
+    return slots, lens
+
 
 # %% ../nbs/05_csa2.ipynb #c1ec952b
 @dataclass

@@ -74,19 +74,11 @@ def truncate_window(idx: SparseIndices,        # what each token reads (`CSA2Att
 
 @dataclass
 class PagedCSA2Step(CSA2Step):
-    "A `CSA2Step` that also says where each token's window starts"
+    "A `CSA2Step` that also says where each token's window starts (`step_window` cuts the window there, as `truncate_window` does)"
     window_floor: torch.Tensor | None = None   # (T,) first position whose window record each token may read (None: any)
 
 class PagedAttention(CSA2Attention):
-    "`CSA2Attention` whose window reads stop at each token's window floor (`PagedCSA2Step.window_floor`)"
-    def select(self, x, qr, step, state, topk=None):
-        idx, compressed = CSA2Attention.select(self, x, qr, step, state, topk)
-        floor = getattr(step, 'window_floor', None)
-        if floor is None: return idx, compressed
-        memo = step.__dict__.setdefault('_truncated', {})         # the window part is the same in every layer of a step
-        if self.window not in memo:
-            t = truncate_window(idx, step.positions, floor); memo[self.window] = (t.window_slots, t.window_lens)
-        return replace(idx, window_slots=memo[self.window][0], window_lens=memo[self.window][1]), compressed
+    "`CSA2Attention` with its projections' fused forms at decode (its window floors come with the step: `step_window` reads them)"
     def _fused(self, x, *lins) -> bool:
         "Decode-sized: the projections' fused forms (`fp8_linear_norm`, `fp8_linear_rope`) take x"
         return 0 < x.shape[0] <= FP8_LINEAR_MAX_T and all(isinstance(l, FP8Linear) for l in lins)

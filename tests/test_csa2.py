@@ -191,6 +191,8 @@ def test_bad_inputs_name_the_problem():
         (lambda: sparse_attention_reference(q, window, compressed, replace(idx, topk_lens=idx.topk_lens[:1]), None, 0.1), 'topk_lens: expected'),
         (lambda: sparse_attention_reference(q, PagedRecords(window.cache[..., :-1].contiguous(), window.codec), compressed, idx, None, 0.1), 'window: expected a contiguous uint8 cache'),
         (lambda: window_indices(step, 0), 'window = 0'),
+        (lambda: window_indices(step, 4, torch.zeros(len(step.positions) + 1, dtype=torch.long)), 'window_indices: floor: expected'),
+        (lambda: window_indices(step, 4, torch.zeros(len(step.positions))), 'window_indices: floor: expected'),
         (lambda: make_step(TINY, [(0, -1)], step.swa_block_table, step.block_table, 4, 16), 'tokens = -1'),
         (lambda: layers[2].attention(torch.randn(4, TINY.dim).bfloat16(), step, state), 'x: expected (5, dim)'),
         (lambda: layers[2].select(torch.randn(5, TINY.dim).bfloat16(), None, step, state, topk=torch.zeros(4, 2)), 'topk: expected (5, k) int32'),

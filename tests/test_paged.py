@@ -85,6 +85,24 @@ def test_bounded_replay_leaves_the_encoder_and_global_caches_alone(models, n, ch
         assert any(not torch.equal(full[k], rep[k]) for k in decoder_windows)
 
 
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(-5, 70), st.booleans()), min_size=1, max_size=6), st.integers(1, 12),
+       st.integers(0, 2**31))
+@settings(max_examples=15, deadline=None)
+def test_window_with_a_floor_is_the_truncated_window(toks, W, seed):
+    "window_indices with floors (the kernel under TRITON_INTERPRET=1 or on a GPU, else the tensor path) == truncate_window of the full window"
+    from dsv41_nb.csa2 import CSA2Step, window_indices, random_block_tables
+    from dsv41_nb.dispatch import use_kernels
+    pos = torch.tensor([p for p, _, _ in toks]); floor = torch.tensor([f for _, f, _ in toks])
+    rows = torch.tensor([i if live else -1 for i, (_, _, live) in enumerate(toks)], dtype=torch.int32)
+    bt = random_block_tables(len(toks), 16, 16 * len(toks) + 1, torch.Generator().manual_seed(seed))
+    step = CSA2Step(pos, rows, bt, bt, 4, 16, torch.zeros(0), {}, None)
+    with use_kernels('torch'):
+        s0, l0 = window_indices(step, W)
+        z = torch.zeros(len(pos), dtype=torch.int32)
+        want = truncate_window(SparseIndices(s0, l0, torch.zeros(len(pos), 0, dtype=torch.int32), z, rows, bt, 16), pos, floor)
+    got = window_indices(step, W, floor)
+    assert torch.equal(got[0], want.window_slots) and torch.equal(got[1], want.window_lens)
+
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), min_size=1, max_size=8), st.integers(1, 12))
 def test_truncate_window_against_a_loop(pairs, W):
     pos = torch.tensor([p for p, _ in pairs])
