@@ -214,7 +214,7 @@ def _window_indices_triton(step: CSA2Step, window: int, floor) -> tuple:
     "`window_indices` as one launch (arguments already checked)"
     T, dev = len(step.positions), step.positions.device
     slots, lens = torch.empty(T, window, dtype=torch.int32, device=dev), torch.empty(T, dtype=torch.int32, device=dev)
-    bt = step.swa_block_table
+    bt = step.swa_block_table if step.swa_block_table.stride(-1) == 1 else step.swa_block_table.contiguous()
     if T: _window_slots_kernel[(T,)](step.positions, step.rows, step.positions if floor is None else floor, bt, bt.stride(0), slots,
                                      lens, window, step.swa_block_size, W_P2=triton.next_power_of_2(window), FLOOR=floor is not None,
                                      PAD=PAD_SLOT_ID)

@@ -457,15 +457,15 @@ def ragged_topk(x: torch.Tensor,        # (T, L) fp32 scores
         return torch.where(sel >= 0, blk * block_size + sel % block_size, -1).int()   # as entries
     out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
     P = 0 if pool is None else pool.shape[1]
-    if x.shape[0]: _topk_kernel[(x.shape[0],)](x.contiguous(), lengths, out, x.shape[1], out if pool is None else pool, P,
+    if x.shape[0]: _topk_kernel[(x.shape[0],)](x.contiguous(), lengths, out, x.shape[1], out if pool is None else pool.contiguous(), P,
                                                K=k, K_P2=triton.next_power_of_2(k), BLOCK=4096 if x.is_cuda else 256,
                                                CBS=0 if pool is None else block_size, P_P2=triton.next_power_of_2(max(P, 1)),
                                                num_warps=8)
     return out
 
 def _check_pool(pool, T: int, block_size):
-    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.ndim != 2 or pool.shape[0] != T or not pool.is_contiguous():
-        raise ValueError(f"ragged_topk: pool: expected contiguous ({T}, blocks) int32, got "
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.ndim != 2 or pool.shape[0] != T:
+        raise ValueError(f"ragged_topk: pool: expected ({T}, blocks) int32, got "
                          f"{getattr(pool, 'dtype', type(pool).__name__)} {tuple(getattr(pool, 'shape', ()))}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"ragged_topk: block_size = {block_size!r}; expected an int >= 1 with a pool")

@@ -21,7 +21,8 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
    is swapped in and out of the same engine), otherwise the eager step alone and the reason.
 3. profile: the GPU time of one eager decode step of one request, by kernel (`torch.profiler`); and `graphs`: the
    kernels of decode steps replayed from CUDA graphs at a few batch sizes (count, GPU busy time, the kernels under
-   3 us, the largest), which is where a replayed step's time goes.
+   3 us, the largest), which is where a replayed step's time goes. Both are taken with programmatic dependent launch
+   switched off (and the graphs captured again), so that each kernel's time is its own, not its wait for the one before.
 4. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
    against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit;
    the trained small model of 11_train when its checkpoint is in the repository). Goal: the engine at least 5x the naive
@@ -30,10 +31,11 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
 after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
 import argparse, dataclasses, datetime, json, sys, time, traceback
+from contextlib import contextmanager
 from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig, layer_topology
-from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time
+from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL
 from dsv41_nb.accounting import decode_floor, record_bytes, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
@@ -120,6 +122,18 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
 
 
 TRAINED = Path(__file__).resolve().parent.parent / 'checkpoints' / 'small'
+
+
+@contextmanager
+def pdl_off(llm: LLM):
+    """Kernels launched without programmatic dependent launch, graphs captured afresh: under PDL a profiler counts each kernel's wait
+    for the one before it as its own time, so a per-kernel table is taken without it (the step itself is timed with it)"""
+    model = llm.llm_engine.runner.model
+    drop = lambda: (model.graphs.clear(), setattr(model, 'pool', None)) if isinstance(model, CUDAGraphModel) else None
+    old = PDL['enabled']
+    PDL['enabled'] = False; drop()
+    try: yield
+    finally: PDL['enabled'] = old; drop()
 
 
 def kernel_profile(llm: LLM, prompt_len: int, top: int = 20) -> dict:
@@ -209,11 +223,12 @@ def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len:
     return r
 
 
-def section(res: dict, key: str, path, fn):
-    "Run one section; its result (or its error) goes into `res[key]`, and the JSON is rewritten"
+def section(res: dict, key: str, path, fn, stamp: dict | None = None):
+    "Run one section; its result (or its error) goes into `res[key]`, with `stamp` (its date and arguments), and the JSON is rewritten"
     try: res[key] = fn()
     except Exception as e:                                                            # keep what the other sections measure
         traceback.print_exc(); res[key] = dict(error=f"{type(e).__name__}: {e}")
+    res.update(stamp or {})                                                           # stamped once it has a result
     if path: json.dump(res, open(path, 'w'), indent=1, default=str)
 
 
@@ -255,7 +270,9 @@ def main():
                args=vars(args))
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
         kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
-        res = {**kept, **{f'{k}_{sec}': v for sec in args.sections for k, v in res.items() if k in ('date', 'args')}}
+        stamps = {sec: {f'{k}_{sec}': v for k, v in res.items() if k in ('date', 'args')} for sec in args.sections}
+        res = dict(kept)
+    else: stamps = {}
     if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         t0 = time.perf_counter()
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
@@ -265,16 +282,16 @@ def main():
         print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
     if 'concurrency' in args.sections:
         print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8}   (ms, e2e s)")
-        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed, res, args.json))
+        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed, res, args.json), stamps.get('concurrency'))
     if 'decode' in args.sections:
         print('decode step at batch 1:')
-        section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed))
+        section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed), stamps.get('decode'))
     if 'profile' in args.sections and device == 'cuda':
         print('GPU time of one eager decode step, by kernel:')
-        section(res, 'profile', args.json, lambda: kernel_profile(llm, args.prompt_len))
+        with pdl_off(llm): section(res, 'profile', args.json, lambda: kernel_profile(llm, args.prompt_len), stamps.get('profile'))
     if 'graphs' in args.sections and (device == 'cuda' or args.quick):
         print('kernels of decode steps replayed from CUDA graphs:')
-        section(res, 'graphs', args.json, lambda: graph_profile(llm, args.prompt_len))
+        with pdl_off(llm): section(res, 'graphs', args.json, lambda: graph_profile(llm, args.prompt_len), stamps.get('graphs'))
     if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         del llm
         if device == 'cuda': torch.cuda.empty_cache()
@@ -282,7 +299,7 @@ def main():
         print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
         section(res, 'naive', args.json, lambda: naive_vs_engine(args.naive_config, configs[args.naive_config](), device, args.naive_requests,
                                                                  args.prompt_len, args.max_tokens, args.seed, args.kernels,
-                                                                 args.async_scheduling))
+                                                                 args.async_scheduling), stamps.get('naive'))
     if args.json: print('wrote', args.json)
 
 
