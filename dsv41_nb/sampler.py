@@ -4,6 +4,7 @@
 
 # %% ../nbs/12b_sampler.ipynb #443b3068
 from __future__ import annotations
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 import torch
@@ -77,6 +78,11 @@ def sampling_probs(logits: torch.Tensor, # (N, vocab) logits of the sampled rows
 # %% ../nbs/12b_sampler.ipynb #f2767e09
 ARGMAX_CHUNK = 1024   # logits per chunk of `argmax_rows`'s first pass (or the first size above it that divides the row)
 
+@functools.lru_cache(maxsize=None)
+def _argmax_chunk(V: int, least: int) -> int:
+    "The first chunk size from `least` up to twice it that divides V (no padding copy), else `least`: found once per vocabulary"
+    return next((c for c in range(least, 2 * least) if V % c == 0), least)
+
 def argmax_rows(logits: torch.Tensor,  # (N, vocab) float logits
                 chunk: int | None = None,  # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
                ) -> torch.Tensor:          # (N,) int64: each row's first maximum, as `logits.argmax(-1)`
@@ -84,8 +90,7 @@ def argmax_rows(logits: torch.Tensor,  # (N, vocab) float logits
     if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or not logits.is_floating_point():
         raise ValueError(f"argmax_rows: expected float logits (N, vocab), got {getattr(logits, 'dtype', type(logits).__name__)} "
                          f"{tuple(getattr(logits, 'shape', ()))}")
-    if chunk is None:                                                               # no padding copy if a chunk divides the row
-        chunk = next((c for c in range(ARGMAX_CHUNK, 2 * ARGMAX_CHUNK) if logits.shape[-1] % c == 0), ARGMAX_CHUNK) if logits.is_cuda else 0
+    if chunk is None: chunk = _argmax_chunk(logits.shape[-1], ARGMAX_CHUNK) if logits.is_cuda else 0
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
         raise ValueError(f"argmax_rows: chunk = {chunk!r}; expected an int >= 0")
     N, V = logits.shape

@@ -96,6 +96,11 @@ def test_argmax_rows_equals_argmax(N, V, chunk, seed, ties):
     x[0, torch.randint(0, V, (1,), generator=g)] = -torch.inf
     assert torch.equal(argmax_rows(x, chunk), x.argmax(-1))
 
+def test_argmax_chunk_divides_the_row_when_it_can():
+    from dsv41_nb.sampler import _argmax_chunk
+    assert _argmax_chunk(129280, 1024) == 1280 and _argmax_chunk(4096, 1024) == 1024 and _argmax_chunk(1031, 1024) == 1031
+    assert _argmax_chunk(4099, 1024) == 1024                                          # a prime: no divisor in [1024, 2048), pad instead
+
 params_st = st.builds(
     lambda t, k, p, m, greedy: SamplingParams(temperature=0 if greedy else t, top_k=k, top_p=p, min_p=m),
     st.floats(0.05, 3), st.one_of(st.just(-1), st.integers(1, 20)), st.one_of(st.just(1.0), st.floats(0.01, 1)),
