@@ -177,8 +177,8 @@ def window_indices(step: CSA2Step, window: int,
     if floor is not None and (not isinstance(floor, torch.Tensor) or floor.shape != p.shape or floor.dtype.is_floating_point):
         raise ValueError(f"window_indices: floor: expected ({len(p)},) integers, got {getattr(floor, 'dtype', type(floor).__name__)} "
                          f"{tuple(getattr(floor, 'shape', ()))}")
-    if len(p) and not capturing() and int(torch.where(step.rows >= 0, p, -1).max()) // bs >= bt.shape[1]:
-        hi = int(torch.where(step.rows >= 0, p, -1).max())
+    hi = int(torch.where(step.rows >= 0, p, -1).max()) if len(p) and not capturing() else -1   # the newest position read (a sync)
+    if hi // bs >= bt.shape[1]:
         raise ValueError(f"window positions up to {hi} need {hi // bs + 1} window blocks, the table has {bt.shape[1]}")
     if kernel_backend(step.positions, step.swa_block_table) == 'triton': return _window_indices_triton(step, window, floor)
     lens = torch.where(step.rows >= 0, (p + 1).clamp(max=window), 0)                   # (T,)
