@@ -286,8 +286,7 @@ def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse
 
 # %% ../nbs/06_sparse_decode.ipynb #77f381c1
 DECODE_TUNING = {   # tokens per launch, at most -> launch shape of a 64-head program (None: any larger batch)
-    1:    dict(block_h=16, block_n=16, num_warps=8, num_stages=2, scale_tile=True, separate=False, splits=32),  # chosen in a
-    8:    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=False),   # step's graph
+    8:    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=False),   # chosen in a step's graph
     128:  dict(block_h=64, block_n=64, num_warps=8, num_stages=1, scale_tile=True, separate=True),
     None: dict(block_h=64, block_n=64, num_warps=8, num_stages=1, scale_tile=True, separate=True),
 }
@@ -398,6 +397,9 @@ def sparse_decode(q: torch.Tensor,                  # (T, H, D) bf16 queries (Ro
     if q.shape[-1] & (q.shape[-1] - 1) or q.shape[-1] < 16: raise ValueError(f"q: head_dim {q.shape[-1]} must be a power of two >= 16")
     T, H, _ = q.shape
     L = decode_launch(T, H, idx.window_slots.shape[1], idx.topk.shape[1], q.device, num_splits, launch)
+    if L['BLOCK_H'] == L['BLOCK_N'] == 16 and any(isinstance(c.codec, FP4Record) for c in (window, compressed) if c is not None):
+        raise ValueError("launch: tiles of 16 records with 16 heads a program compile (Triton 3.6, H200) into a kernel that "
+                         "decodes FP4 records wrongly; use block_n >= 32")
     return _sparse_decode_triton(q, window, compressed, idx, sink, scale, L, out_rope)[:2]
 
 # %% ../nbs/06_sparse_decode.ipynb #704da2bd

@@ -88,8 +88,8 @@ def test_empty_lists_window_only_and_one_record():
 @pytest.mark.parametrize('batch', [1, 16, 64, 256 if GPU else 128])
 def test_batch_sizes(batch):
     if GPU: args = decode_inputs(FULL, batch, 1024, 512, ragged=True, device=DEV, seed=batch)        # 64 heads, 128 + 512 records
-    else: args = decode_inputs(replace(FULL, window_size=8), batch, 16, 8, heads=4, ragged=True, swa_block_size=8, block_size=16,
-                               device=DEV, seed=batch)
+    else: args = decode_inputs(replace(FULL, window_size=8), batch, 16, 8, 'window_fp8', 'fp8_ds_mla', heads=4, ragged=True,
+                               swa_block_size=8, block_size=16, device=DEV, seed=batch)   # FP8: 16-record tiles at 16 heads
     check_decode(args, launch=None if GPU else dict(block_n=16))
 
 
@@ -157,7 +157,8 @@ def test_bad_arguments():
              (lambda: _format_meta(cache_format(FULL, 'index_fp8'), 128, 'W'), 'FP8 records with block scales or FP4 records'),
              (lambda: run(out_rope=torch.ones(4)), 'out_rope: expected (inv_freq, positions)'),
              (lambda: run(out_rope=(torch.ones(4, device=DEV), torch.tensor([1], device=DEV))), 'positions must be integers of shape (2,)')]
-    if HAS_TRITON: cases.append((lambda: sparse_decode(q.half(), window, compressed, idx, sink, scale), 'the kernel takes bf16 queries'))
+    if HAS_TRITON: cases += [(lambda: sparse_decode(q.half(), window, compressed, idx, sink, scale), 'the kernel takes bf16 queries'),
+                             (lambda: run(launch=dict(block_n=16)), 'decodes FP4 records wrongly')]   # a shape that compiles wrong
     for f, msg in cases: fct.test_fail(f, contains=msg)
 
 
