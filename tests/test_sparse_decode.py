@@ -56,6 +56,8 @@ def test_kernel_against_the_reference(wfmt, cfmt, heads, T, ragged, splits, rati
     args = list(decode_inputs(SMALL, T, 200 + seed % 50, 40, wfmt, cfmt, ratio=ratio, heads=heads, ragged=ragged,
                               device=DEV, seed=seed))
     if not with_sink: args[4] = None
+    if cfmt == 'ds_fp4' and launch['block_n'] == 16 and min(launch['block_h'], max(16, triton.next_power_of_2(heads))) == 16:
+        launch = dict(launch, block_n=32)                                   # a shape sparse_decode refuses (test_bad_arguments)
     check_decode(tuple(args), num_splits=splits, launch=launch)
 
 
