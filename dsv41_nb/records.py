@@ -14,8 +14,8 @@ from .formats import (FP8_MAX, FP4_MAX, RecordCodec, FP8Record, FP4Record, e4m3_
 
 # %% auto #0
 __all__ = ['KERNEL_VERSIONS', 'KERNEL_TUNING', 'OUT_DTYPES', 'E2M1_TIES', 'store_records_torch', 'gather_records_torch',
-           'store_records', 'gather_records', 'edge_case_vectors', 'every_value_blocks', 'benchmark_store_gather',
-           'format_benchmark', 'before_after', 'size_sweep']
+           'kernel_version', 'store_records', 'gather_records', 'edge_case_vectors', 'every_value_blocks',
+           'benchmark_store_gather', 'format_benchmark', 'before_after', 'size_sweep']
 
 # %% ../nbs/01b_records.ipynb #9d5ddf16
 def _check_cache(codec: RecordCodec, cache: torch.Tensor) -> int:
@@ -498,6 +498,10 @@ def _v2_handles(codec: RecordCodec) -> bool:
     tail_ok = not codec.rope_dim or (codec.record_bytes % 2 == 0 and codec.qdim % 2 == 0)
     return tail_ok and (not codec.fp32_scale or (codec.record_bytes % 4 == 0 and codec.scale_offset % 4 == 0))
 
+def kernel_version(codec: RecordCodec, version: int = 2) -> int:
+    "The kernel version that runs for `codec` when `version` is asked for: 2 falls back to 1 on unaligned fields"
+    return version if _v2_handles(codec) else 1
+
 def _store_launch(codec, x, cache, slots, version):
     n, bits = x.shape[0], version == 2 and x.dtype == torch.bfloat16
     if isinstance(codec, FP8Record):
@@ -561,7 +565,7 @@ def store_records(codec: RecordCodec,         # the record format
     if kernel_backend(x, cache, slot_mapping) == 'torch': return store_records_torch(codec, x, cache, slot_mapping)
     if x.shape[0] == 0: return
     if x.stride(-1) != 1: x = x.contiguous()
-    _store_launch(codec, x, cache, slot_mapping, version if _v2_handles(codec) else 1)
+    _store_launch(codec, x, cache, slot_mapping, kernel_version(codec, version))
 
 def gather_records(codec: RecordCodec,        # the record format
                    cache: torch.Tensor,       # uint8 paged cache
@@ -581,7 +585,7 @@ def gather_records(codec: RecordCodec,        # the record format
         got = gather_records_torch(codec, cache, indices, dtype)
         return got if out is None else out.copy_(got)
     out = torch.empty(m, codec.dim, dtype=dtype, device=cache.device) if out is None else out
-    if m: _gather_launch(codec, cache, indices, out, version if _v2_handles(codec) else 1)
+    if m: _gather_launch(codec, cache, indices, out, kernel_version(codec, version))
     return out
 
 # %% ../nbs/01b_records.ipynb #c4e5a040

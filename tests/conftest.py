@@ -1,11 +1,5 @@
-import os
 import pytest, torch
-from hypothesis import settings, HealthCheck
-
-# Default runs are sized for CI (2 cores, ~20 minutes for everything); DSV41_SLOW=1 runs the long versions.
-settings.register_profile('ci', deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile('slow', deadline=None, max_examples=1000, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile('slow' if os.environ.get('DSV41_SLOW') else 'ci')
+import budget                      # noqa: F401  (registers and loads the hypothesis profile of this run)
 
 
 @pytest.fixture(scope='module')

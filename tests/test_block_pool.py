@@ -5,6 +5,7 @@ import pytest
 import torch
 import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request, RequestBlockHasher, ImageSpan,
                                  BlockStored, BlockRemoved, check_token_ids, hash_block_tokens, reference_block_hash,
@@ -31,7 +32,7 @@ def test_hash_chain_matches_independent_serialisation():
     assert len(req.block_hashes) == 200 // 32
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(0, 2 ** 32 - 1), max_size=40), st.lists(st.one_of(st.text(max_size=8), st.binary(max_size=8),
                                                                               st.integers(-2 ** 63, 2 ** 63 - 1)), max_size=3))
 def test_hash_block_tokens_matches_reference(tokens, extra):
@@ -139,7 +140,7 @@ def test_stored_events_split_into_runs():
 
 
 # ---------------------------------------------------------------- slot arithmetic
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.data())
 def test_slot_mappings_match_definition(data):
     bs = data.draw(st.sampled_from([4, 16, 32, 128]))

@@ -11,6 +11,7 @@ import os
 from collections import Counter
 import pytest
 from hypothesis import settings, strategies as st, HealthCheck, Phase
+from budget import examples
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition, run_state_machine_as_test
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_block_hash
@@ -233,13 +234,13 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 def test_block_pool_state_machine():
     OPS.clear()
-    examples, steps = (2000, 100) if SLOW else (180, 100)
+    n_examples, steps = (2000, 100) if SLOW else (examples(180), 100)
     run_state_machine_as_test(KVCacheMachine, settings=settings(
-        max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
+        max_examples=n_examples, stateful_step_count=steps, deadline=None, database=None,
         phases=[Phase.generate] if os.environ.get('DSV41_NO_SHRINK') else list(Phase),   # mutation runs: report, don't shrink
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     ops = sum(v for k, v in OPS.items() if not k.startswith('(') and k != 'checks')
     print(dict(OPS), 'operations:', ops)
-    assert ops >= (100_000 if SLOW else 10_000), f'only {ops} operations ran'
+    assert ops >= (100_000 if SLOW else min(10_000, examples(10_000))), f'only {ops} operations ran'
     for k in ('add', 'share_prefix', 'resume_waiting', 'step', 'step_all', 'finish', 'preempt', 'double_free', 'reset', '(prefix hits)', '(no room)'):
         assert OPS[k] > 0, f'rule {k} never ran'

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
@@ -40,7 +41,7 @@ def test_yarn_against_float64_formula():
     fct.test_fail(lambda: rope_inv_freq(0, 1e4), contains='positive even integer')
 
 @given(st.integers(0, 1 << 20), st.integers(0, 1 << 20), st.integers(0, 2**31))
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 def test_rope_is_a_rotation(m, n, seed):
     g = torch.Generator().manual_seed(seed)
     f = layer_inv_freq(FULL, 2)
@@ -141,14 +142,14 @@ def run_both(sched, layer, fmt, seed, fn):
     return h, h.run(compress_reference, steps), h.run(fn, steps)
 
 @given(schedules(), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 def test_torch_path_equals_reference(sched, layer, fmt, seed):
     h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, compress_torch)
     assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
 
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 @given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 def test_kernel_equals_reference(sched, layer, fmt, seed):
     lengths = sched[0]
     h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, kernel_emit)
@@ -162,7 +163,7 @@ def test_kernel_equals_reference(sched, layer, fmt, seed):
 
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 @given(st.integers(1, 30), st.lists(st.integers(1, 9), min_size=1, max_size=12), st.integers(0, 2**31))
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 def test_chunked_equals_one_shot(n, chunk_sizes, seed):
     "A prompt prefilled in any chunks (and decoded one token at a time after them) stores what one prefill stores"
     h = Harness(compressor(2, 'ds_fp4', seed), [n], seed)
@@ -202,7 +203,7 @@ def test_bad_inputs():
 
 
 # ---------------------------------------------------------------- taking rows back
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(st.integers(0, 6), st.integers(2, 7), st.integers(0, 6), st.sampled_from(['torch', 'triton']))
 def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, backend):
     "A step of n rows from `start` journaled, then rewound to keep `keep` of them: the ring block a run of only those leaves"

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
@@ -147,7 +148,7 @@ def test_sharded_model_world_of_one(one_process):
     finally: dist.destroy_process_group()
     _same(got['logits'], one_process[0][0]['logits'])
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 6]), st.lists(st.integers(0, 6), min_size=8, max_size=8),
        st.integers(0, 2**31))
 def test_simulated_exchange_equals_reference(world, k, sizes, seed):
@@ -159,7 +160,7 @@ def test_simulated_exchange_equals_reference(world, k, sizes, seed):
         for got, x in zip(sim['outs'], xs): _same(got, moe_reference(x, W, cfg))
     assert sim['counts'].sum().item() == k * sum(sizes[:world])
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.integers(0, 20), st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**31))
 def test_dispatch_order_and_records(T, world, seed):
     "Sorted by owner, stable within an owner, counted per owner; records carry FP8 rows, local ids and weights"

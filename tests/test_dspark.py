@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from hypothesis.stateful import initialize
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
@@ -44,7 +45,7 @@ def drafter():
 
 
 # ---------------------------------------------------------------- the drafter
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n_ctx=st.lists(st.integers(1, 40), min_size=1, max_size=4))
 def test_batched_draft_matches_one_request_reference(drafter, seed, n_ctx):
     g = torch.Generator().manual_seed(seed)
@@ -99,7 +100,7 @@ def test_block_is_bidirectional(drafter):
 
 
 # ---------------------------------------------------------------- verification
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 40), k=st.integers(0, 6), vocab=st.integers(1, 5))
 def test_accept_greedy_matches_walk(seed, n, k, vocab):
     g = torch.Generator().manual_seed(seed)
@@ -108,7 +109,7 @@ def test_accept_greedy_matches_walk(seed, n, k, vocab):
     assert accept_greedy(drf, tgt).tolist() == [reference_accept_greedy(a, b) for a, b in zip(drf.tolist(), tgt.tolist())]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 30), k=st.integers(0, 5), vocab=st.integers(2, 9),
        same=st.booleans())
 def test_accept_sampled_matches_walk(seed, n, k, vocab, same):
@@ -152,7 +153,7 @@ def test_the_distribution_test_can_fail():
 
 
 # ---------------------------------------------------------------- adaptive verification
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(a=st.lists(st.floats(0, 1), min_size=1, max_size=6))
 def test_expected_accepted_is_the_sum_of_survivals(a):
     t = torch.tensor(a, dtype=torch.float64)
@@ -162,7 +163,7 @@ def test_expected_accepted_is_the_sum_of_survivals(a):
     assert (expected_accepted(t).diff() >= 0).all() and (expected_accepted(t) <= torch.arange(len(a) + 1)).all()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 3), b=st.integers(1, 3), slope=st.floats(0, 1),
        curve=st.floats(0, 0.1), fixed=st.floats(0.1, 2))
 def test_choose_verify_lengths_is_optimal(seed, n, b, slope, curve, fixed):
@@ -271,7 +272,7 @@ class DSparkSchedulerMachine(SchedulerMachine):
 
 
 TestDSparkScheduler = DSparkSchedulerMachine.TestCase
-TestDSparkScheduler.settings = settings(max_examples=10, stateful_step_count=20, deadline=None)
+TestDSparkScheduler.settings = settings(max_examples=examples(10), stateful_step_count=20, deadline=None)
 
 
 def test_toy_proposals_are_accepted():

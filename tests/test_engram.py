@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig, engram_bucket_primes
 from dsv41_nb.dispatch import kernel_backend, use_kernels
@@ -70,7 +71,7 @@ def engram_configs(draw):
                                engram_vocab_size=draw(st.integers(50, 5000)), engram_layer_ids=layers,
                                engram_num_embeddings=())
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(engram_configs(), st.integers(0, 2**31 - 1), st.integers(1, 12))
 def test_hashing_equals_python_reference_and_stays_in_range(cfg, seed, L):
     texts = synthetic_token_strings(cfg.vocab_size, cfg.engram_compressed_vocab_size, seed=seed % 7)
@@ -88,7 +89,7 @@ def test_hashing_equals_python_reference_and_stays_in_range(cfg, seed, L):
     assert ((got >= h.offsets) & (got < h.offsets + primes)).all()
     assert (got < torch.tensor(cfg.engram_num_embeddings)[:, None]).all()
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(st.integers(0, 2**31 - 1), st.integers(2, 30))
 def test_chunked_hashing_equals_one_pass(seed, split):
     g = torch.Generator().manual_seed(seed)
@@ -116,7 +117,7 @@ def test_gate_finite_for_zero_and_extreme_vectors():
         assert torch.isfinite(g).all() and ((g > 0) & (g < 1)).all()
 
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(st.sampled_from([32, 64, 96, 256]), st.integers(1, 400), st.integers(0, 70), st.integers(0, 2**31 - 1),
        st.sampled_from([torch.bfloat16, torch.float32]), st.booleans())
 def test_gather_kernel_equals_reference(hd, rows, n_ids, seed, dtype, shard):

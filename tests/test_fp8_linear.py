@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.moe import QuantWeight, quantize_weight
@@ -28,7 +29,7 @@ def _x(T, G, K, seed, scale=3.0):
     return x[:, 0] if G == 1 else x
 
 @needs_triton
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(T=st.integers(1, 40), G=st.sampled_from([1, 1, 2]), N=st.sampled_from([32, 64, 96]), K=st.sampled_from([32, 64, 160, 256]),
        act=st.booleans(), split=st.sampled_from([None, 1, 2, 4]), seed=st.integers(0, 2**31), scale=st.sampled_from([1e-3, 1.0, 50.0]))
 def test_kernel_within_the_summation_bound(T, G, N, K, act, split, seed, scale):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import triton
 from hypothesis import example, given, settings, strategies as st
+from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
@@ -54,7 +55,7 @@ def batches(draw, max_context=3000, max_requests=3, max_queries=5):
 @given(batches(), st.sampled_from([(6, 'index_mxfp4'), (6, 'index_fp8'), (2, 'index_mxfp4'), (2, 'index_fp8')]), st.integers(0, 2**31))
 @example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1)
 @example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2)
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 def test_logits_kernel_equals_reference(b, layer_fmt, seed):
     contexts, queries = b
     ix = Indexer(TINY, *layer_fmt)
@@ -79,7 +80,7 @@ def score_rows(draw):
 
 @needs_triton
 @given(score_rows())
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 def test_topk_kernel_equals_reference(rows):
     x, lengths, k = rows
     with use_kernels('triton'): got = ragged_topk(x.to(DEV), lengths.to(DEV), k)
@@ -95,7 +96,7 @@ def test_topk_ties_are_deterministic():
 
 @needs_triton
 @given(batches(max_context=2000), st.sampled_from([(16, 4), (64, 8), (3, 2)]), st.integers(0, 2**31))
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 def test_candidate_pool(b, geometry, seed):
     contexts, queries = b
     nblk, cbs = geometry
@@ -112,7 +113,7 @@ def test_candidate_pool(b, geometry, seed):
 
 @needs_triton
 @given(batches(max_context=2000), st.integers(0, 2**31))
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 def test_sparse_logits_select_like_masked_dense(b, seed):
     contexts, queries = b
     src, re = Indexer(TINY, 6), Indexer(TINY, 8)
@@ -127,7 +128,7 @@ def test_sparse_logits_select_like_masked_dense(b, seed):
 
 @needs_triton
 @given(batches(max_context=2000), st.sampled_from([(16, 4, 8), (64, 8, 40), (3, 2, 16)]), st.integers(0, 2**31))
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 def test_pool_topk_kernel_equals_torch_path(b, geometry, seed):
     "ragged_topk over a sparse row with its pool: the kernel's prefix and entries against the PyTorch path (pool_entries, gather)"
     contexts, queries = b
@@ -170,7 +171,7 @@ def test_bad_inputs():
 
 @needs_triton
 @given(st.integers(40, 160), st.lists(st.integers(1, 40), min_size=1, max_size=6), st.sampled_from([2, 6]), st.integers(0, 2**31))
-@settings(max_examples=5)
+@settings(max_examples=examples(5))
 def test_chunked_prefill_selects_like_one_shot(n, chunks, layer, seed):
     "Keys stored and queries scored chunk by chunk (then one token at a time) select what one prefill selects"
     torch.manual_seed(seed)
@@ -197,7 +198,7 @@ def test_chunked_prefill_selects_like_one_shot(n, chunks, layer, seed):
     assert torch.equal(run(steps), run([(0, n)]))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(rows=st.integers(1, 40), groups=st.integers(1, 5), log_scale=st.integers(-130, 120), poison=st.booleans(),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**31))
 @example(rows=1, groups=1, log_scale=-124, poison=False, dtype=torch.bfloat16, seed=0)   # BF16 subnormals in and out

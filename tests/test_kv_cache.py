@@ -5,6 +5,7 @@ import pytest
 import torch
 import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import BlockPool, Request, RequestBlockHasher, BlockStored, AllBlocksCleared, reference_slot_mapping, ring_slot_mapping
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit
@@ -272,7 +273,7 @@ def test_ring_state_is_never_cached():
 
 
 def test_coordinator_agrees_with_brute_force():
-    @settings(max_examples=150, deadline=None)
+    @settings(max_examples=examples(150), deadline=None)
     @given(st.data())
     def check(data):
         sizes = data.draw(st.sampled_from([(4, 16), (4, 8), (8, 8), (2, 16)]))

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.accounting import checkpoint_manifest
@@ -178,7 +179,7 @@ def as_mask(idx, L):
     return m.scatter(1, torch.where(idx >= 0, idx.long(), L), True)[:, :L]
 
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(ratio=st.sampled_from([1, 2]), S=st.integers(1, 120), k=st.integers(1, 24), levels=st.integers(1, 5),
        blocks=st.integers(1, 8), bs=st.sampled_from([2, 4]), seed=st.integers(0, 2 ** 16))
 def test_selection_masks_match_the_indexer_references(ratio, S, k, levels, blocks, bs, seed):

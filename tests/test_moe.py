@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
 from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_experts_reference
@@ -19,7 +20,7 @@ TINY = ModelConfig.tiny()
 
 def _gen(seed): return torch.Generator().manual_seed(seed)
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(st.integers(1, 12), st.integers(2, 24), st.integers(1, 6), st.integers(8, 48), st.integers(0, 2**31))
 def test_route_matches_brute_force(T, E, k, D, seed):
     "Top-k of the biased scores (image rows with the image bias), weights from the unbiased scores, normalised, scaled"
@@ -38,7 +39,7 @@ def test_route_matches_brute_force(T, E, k, D, seed):
     want = s.gather(1, ids) / (s.gather(1, ids).sum(-1, keepdim=True) if k > 1 else 1) * 1.5
     torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-6)               # fp32 scores: ~1e-7 relative
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(st.sampled_from(['mxfp4', 'fp8']), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31))
 def test_quantize_weight_roundtrip(fmt, e, o, i, seed):
     "Each element within half a step of its block's grid: MXFP4 max(s/4, |w|/4), FP8 max(|w|/16, s/1024), s the block scale"
@@ -71,7 +72,7 @@ def _check_alignment(al: ExpertAlignment, ids: torch.Tensor, E: int, bm: int):
         assert (rows.diff() > 0).all()                                                 # token order within an expert
         assert (be == e).sum() == -(-counts[e] // bm)                                  # whole blocks, no empty ones
 
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(st.integers(0, 40), st.integers(1, 4), st.integers(1, 12), st.sampled_from([16, 32]), st.integers(0, 2**31))
 def test_align_by_expert(T, k, E, bm, seed):
     "Both versions: a padded, stable grouping by expert (duplicate experts per token allowed); Triton equals PyTorch"
@@ -82,7 +83,7 @@ def test_align_by_expert(T, k, E, bm, seed):
     assert torch.equal(got.sorted_ids.cpu(), ref.sorted_ids) and torch.equal(got.block_expert.cpu(), ref.block_expert)
 
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(st.integers(1, 9), st.sampled_from([32, 96, 160]), st.floats(-30, 30), st.integers(0, 2**31))
 def test_act_quant_bit_exact(T, D, log_mag, seed):
     "The activation-quantisation kernel equals the public act_quant (fp8_qdq) bit for bit, zeros and wide ranges included"
@@ -95,7 +96,7 @@ def _layer(E, k, D, I, seed):
     cfg = replace(TINY, n_routed_experts=E, n_activated_experts=k, dim=D, moe_inter_dim=I)
     return cfg, MoEWeights.random(cfg, seed, DEV)
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(st.sampled_from([1, 3, 8]), st.integers(1, 3), st.sampled_from([32, 96]), st.sampled_from([32, 64, 96]),
        st.integers(1, 33), st.sampled_from(['router', 'random', 'one']), st.sampled_from([0.5, 4.0]), st.integers(0, 2**31))
 def test_fused_moe_matches_loop(E, k, D, I, T, mode, scale, seed):
@@ -109,7 +110,7 @@ def test_fused_moe_matches_loop(E, k, D, I, T, mode, scale, seed):
     if mode == 'one': ti = (torch.arange(k) + seed % E).remainder(E).expand(T, k).contiguous().to(DEV)         # all on k experts
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([32, 96]), st.integers(1, 40), st.integers(0, 2**31))
 def test_tile_versions_agree(E, k, I, T, seed):
     "Version 1 (dequantised tiles) and version 2 (tl.dot_scaled): each within bounds of the loop, and of each other"

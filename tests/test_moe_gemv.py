@@ -5,6 +5,7 @@ from functools import partial
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
@@ -41,7 +42,7 @@ def test_stages_equal_their_twins(T):
     assert torch.equal(gemv_down(h, ti, W_T), want)
 
 @needs_triton
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(T=st.integers(1, 3), split=st.sampled_from([1, 2]), scale=st.sampled_from([0.01, 3.0, 100.0]), seed=st.integers(0, 2**31))
 def test_layer_passes_the_oracle_with_slices(T, split, scale, seed):
     x, tw, ti = _inputs(WIDE, W_W, T, seed, scale)

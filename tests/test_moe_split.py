@@ -5,6 +5,7 @@ from functools import partial
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
@@ -27,7 +28,7 @@ def _inputs(T, seed, scale=3.0):
     return x, tw, ti, fp8_act_quant(x)
 
 @needs_triton
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(T=st.integers(1, 12), split=st.sampled_from([1, 2, 4, 8]), shared=st.booleans(), seed=st.integers(0, 2**31))
 def test_split_agrees_with_version_2_and_the_twin(T, split, shared, seed):
     x, tw, ti, xq = _inputs(T, seed, scale=float(torch.rand(1, generator=torch.Generator().manual_seed(seed)) * 100 + 0.01))

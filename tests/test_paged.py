@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting, HostReads, as_captured
@@ -20,6 +21,18 @@ from dsv41_nb.paged_step import PagedStepModel, step_model
 
 TINY = ModelConfig.tiny()
 
+
+def rows_are_batch_invariant() -> bool:
+    """Whether this CPU's BF16 GEMMs give a row the same bits alone as in a batch. The parity tests need it: the model's
+    rounding to FP8, its top-k and its routing turn a one-ulp difference into different logits (some CPUs' BF16 units
+    accumulate in another order for other batch sizes)"""
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((37, 128, 96), (70, 256, 512)):
+        x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+        if not torch.equal(torch.nn.functional.linear(x, w)[5:6], torch.nn.functional.linear(x[5:6], w)): return False
+    return True
+
+exact_cpu = pytest.mark.skipif(not rows_are_batch_invariant(), reason="this CPU's BF16 GEMMs depend on the batch size")
 
 @pytest.fixture(scope='module')
 def models():
@@ -42,6 +55,7 @@ def caches(pm, n):
 def same(a, b): return (a is None and b is None) or torch.equal(a, b)
 
 
+@exact_cpu
 def test_greedy_parity_with_the_reference(models):
     "Every paged greedy token is the argmax of the reference's logits over the same prefix (so generate_greedy's token)"
     model, pm = models
@@ -55,7 +69,8 @@ def test_greedy_parity_with_the_reference(models):
             assert (want - lg).abs().max().item() <= logits_tolerance(pm)
 
 
-@settings(max_examples=3, deadline=None)
+@exact_cpu
+@settings(max_examples=examples(3), deadline=None)
 @given(st.integers(10, 30), st.integers(1, 12), st.integers(0, 2**31))
 def test_chunked_prefill_is_one_shot_prefill(models, n4, chunk4, seed):
     _, pm = models
@@ -69,7 +84,7 @@ def test_chunked_prefill_is_one_shot_prefill(models, n4, chunk4, seed):
     for k in c_one: assert same(c_one[k], c_many[k]), k
 
 
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(st.integers(20, 150), st.integers(4, 64), st.integers(0, 2**31))
 def test_bounded_replay_leaves_the_encoder_and_global_caches_alone(models, n, chunk, seed):
     _, pm = models
@@ -87,7 +102,7 @@ def test_bounded_replay_leaves_the_encoder_and_global_caches_alone(models, n, ch
 
 @given(st.lists(st.tuples(st.integers(0, 60), st.integers(-5, 70), st.booleans()), min_size=1, max_size=6), st.integers(1, 12),
        st.integers(0, 2**31))
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 def test_window_with_a_floor_is_the_truncated_window(toks, W, seed):
     "window_indices with floors (the kernel under TRITON_INTERPRET=1 or on a GPU, else the tensor path) == truncate_window of the full window"
     from dsv41_nb.csa2 import CSA2Step, window_indices, random_block_tables

@@ -2,6 +2,7 @@
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
@@ -13,7 +14,7 @@ needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 
                                   reason='the kernels need a GPU or TRITON_INTERPRET=1')
 
 @needs_triton
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(T=st.integers(1, 9), heads=st.sampled_from([(), (1,), (3,), (2, 2)]), d_rope=st.sampled_from([(64, 64), (80, 64), (512, 64), (130, 32)]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), inverse=st.booleans(), ratio=st.sampled_from([0, 4]),
        seed=st.integers(0, 2**31))
@@ -28,7 +29,7 @@ def test_rope_matches_reference_bit_for_bit(T, heads, d_rope, dtype, inverse, ra
     assert torch.equal(rope(x, f, pos, inverse), rope_torch(x, f, pos, inverse))
 
 @needs_triton
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(rows=st.sampled_from([(1,), (5,), (2, 3)]), d=st.sampled_from([32, 96, 512, 1280]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
 def test_rms_norm_matches_reference_bit_for_bit(rows, d, dtype, scale, seed):

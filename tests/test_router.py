@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.moe import route
@@ -34,7 +35,7 @@ class _NoLaunch:
     def __getitem__(self, grid): raise AssertionError('the router kernel was launched')
 
 @needs_triton
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(T=st.integers(0, 20), E=st.sampled_from([8, 48, 64, 100]), D=st.sampled_from([64, 200, 1000]), k=st.integers(1, 8),
        scale=st.sampled_from([0.05, 1.0, 30.0]), fp32=st.booleans(), seed=st.integers(0, 2**31), one=st.booleans())
 @example(T=1, E=8, D=200, k=4, scale=30.0, fp32=False, seed=1, one=True)  # chosen logits far below zero: 1.8e-6, within the slack
@@ -44,7 +45,7 @@ def test_kernel_agrees_with_route(T, E, D, k, scale, fp32, seed, one):
     assert r['tokens'] == T
 
 @needs_triton
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(T=st.integers(0, 5), E=st.sampled_from([8, 48, 64]), D=st.sampled_from([64, 200, 1000]), k=st.integers(1, 8),
        scale=st.sampled_from([0.05, 1.0, 30.0]), seed=st.integers(0, 2**31))
 def test_split_k_logits_pass_the_oracle(T, E, D, k, scale, seed):

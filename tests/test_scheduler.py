@@ -4,6 +4,7 @@ import random
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID
@@ -147,7 +148,7 @@ CONFIGS = st.fixed_dictionaries(dict(
     blocks=st.sampled_from([24, 40, 200]), chunked=st.sampled_from([True, True, True, False])))
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(CONFIGS, st.integers(0, 10 ** 6), st.integers(1, 8))
 def test_outputs_equal_plain_generation(c, seed, n_req):
     """Any configuration (budget, prefill cap, seats, async, drafts, replay, caching, a pool small enough to preempt, no

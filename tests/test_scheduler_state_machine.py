@@ -8,6 +8,7 @@ the pool is whole again, and every output is what plain generation gives (a pref
 prefix plus EOS for forced finishes)."""
 import random
 from hypothesis import settings, strategies as st
+from budget import examples
 from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
@@ -124,4 +125,4 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestScheduler = SchedulerMachine.TestCase
-TestScheduler.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+TestScheduler.settings = settings(max_examples=examples(50), stateful_step_count=30, deadline=None)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
@@ -48,7 +49,7 @@ def test_record_tiles_decode_exactly(cfg, name, per_block):
 
 
 @needs_triton
-@settings(max_examples=30 if GPU else 10, deadline=None)
+@settings(max_examples=examples(30 if GPU else 10), deadline=None)
 @given(st.sampled_from(FORMATS[:2]), st.sampled_from(FORMATS), st.sampled_from([4, 8, 16, 32, 64]), st.integers(1, 4),
        st.booleans(), st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from([1, 2]), st.booleans(), st.sampled_from(KERNELS),
        st.integers(0, 2**31))

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
+from budget import examples
 from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
                             module_documents, byte_data, lm_loss,
@@ -43,7 +44,7 @@ def test_split_is_disjoint_and_stable(docs):
     assert set(sub_val) == set(val_docs) & set(docs[1::3]) and set(sub_train) <= set(train_docs)
     assert set(split_documents(docs, seed=7)[1]) != set(val_docs)
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(st.integers(2, 40), st.integers(1, 5), st.integers(0, 2**31))
 def test_windows_shift_targets(seq_len, batch, seed):
     "Inputs are BOS then the targets shifted right; targets are a contiguous slice of the stream"
@@ -54,7 +55,7 @@ def test_windows_shift_targets(seq_len, batch, seed):
         s = data.train.tolist()
         assert any(s[i:i + seq_len] == row for i in range(len(s) - seq_len + 1))
 
-@settings(max_examples=60)
+@settings(max_examples=examples(60))
 @given(st.integers(2, 64), st.integers(0, 2**31), st.floats(1e-4, 0.1))
 def test_bias_rule_moves_against_load(E, seed, gamma):
     "Each expert's bias moves by exactly γ against the sign of (its load - the mean load), 0 at the mean"

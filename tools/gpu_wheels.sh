@@ -13,7 +13,9 @@ for p in nbdev==2.4.14 fastcore==1.12.47 execnb==0.1.18 fastgit==0.1.4 ghapi==1.
          ipython==9.18.1 ipython_pygments_lexers==1.1.1 traitlets==5.16.1 jedi==0.20.1 parso==0.8.7 \
          matplotlib-inline==0.2.2 pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 \
          stack-data==0.6.3 executing==2.3.0 asttokens==3.0.2 pure_eval==0.2.4 astunparse==1.6.3 \
-         watchdog==7.1.0 safetensors==0.8.0 tqdm "$@"; do
+         watchdog==7.1.0 safetensors==0.8.0 tqdm \
+         nbformat==5.10.4 fastjsonschema==2.21.2 jsonschema==4.25.1 jsonschema-specifications==2025.9.1 \
+         referencing==0.36.2 rpds-py==0.27.1 jupyter_core==5.8.1 platformdirs==4.4.0 "$@"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "$p" 2>&1 | { grep -v '^WARNING: Location' || true; }

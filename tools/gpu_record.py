@@ -1,0 +1,55 @@
+"""The GPU test tier's record: pytest's JUnit XML summed per test file, with the commit, machine, date and wall time.
+
+    python tools/gpu_record.py JUNIT_XML --out records/gpu_tier.json [--commit SHA] [--wall-s S] [--setup-s S]
+
+Prints one line per file (passed / failed / skipped / seconds) and the failures' names, and writes the JSON."""
+import argparse, json, os, subprocess, time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+
+def summarise(path) -> tuple[dict, list]:
+    "({file: {passed, failed, skipped, seconds}}, [failed test ids]) from a JUnit XML report"
+    files, failed = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0)), []
+    for case in ET.parse(path).getroot().iter('testcase'):
+        f = case.get('file') or case.get('classname', '').replace('.', '/') + '.py'
+        row = files[Path(f).name]
+        row['seconds'] += float(case.get('time') or 0)
+        if case.find('failure') is not None or case.find('error') is not None:
+            row['failed'] += 1; failed.append(f"{case.get('classname')}::{case.get('name')}")
+        elif case.find('skipped') is not None: row['skipped'] += 1
+        else: row['passed'] += 1
+    return dict(sorted(files.items())), failed
+
+
+def machine() -> str:
+    try:
+        import torch, triton
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'
+        return f"{gpu}, torch {torch.__version__}, Triton {triton.__version__}"
+    except Exception as e: return f'unknown ({e})'
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('junit'); ap.add_argument('--out', required=True)
+    ap.add_argument('--commit', default=os.environ.get('DSV41_COMMIT'))
+    ap.add_argument('--wall-s', type=float, default=None); ap.add_argument('--setup-s', type=float, default=None)
+    a = ap.parse_args()
+    commit = a.commit or subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip() or None
+    files, failed = summarise(a.junit)
+    tot = {k: sum(r[k] for r in files.values()) for k in ('passed', 'failed', 'skipped')}
+    rec = dict(commit=commit, machine=machine(), date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+               examples_scale=float(os.environ.get('DSV41_EXAMPLES', 1)), wall_s=a.wall_s, setup_s=a.setup_s,
+               **tot, failures=failed, files=files)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    json.dump(rec, open(a.out, 'w'), indent=1)
+    for name, r in files.items():
+        print(f"{name:38} {r['passed']:4d} passed {r['failed']:3d} failed {r['skipped']:3d} skipped {r['seconds']:7.1f} s")
+    print(f"GPU tier at {commit}: {tot['passed']} passed, {tot['failed']} failed, {tot['skipped']} skipped"
+          + (f" in {a.wall_s:.0f} s" if a.wall_s else '') + f" ({rec['machine']})")
+    for f in failed: print('FAILED', f)
+
+
+if __name__ == '__main__': main()
