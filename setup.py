@@ -1,5 +1,7 @@
 from configparser import ConfigParser
-import setuptools, shlex
+import setuptools, shlex, shutil
+from pathlib import Path
+from setuptools.command.build_py import build_py
 
 # note: all settings are in settings.ini; edit there, not here
 config = ConfigParser(delimiters=['='])
@@ -21,7 +23,16 @@ min_python = cfg['min_python']
 lic = licenses.get(cfg['license'].lower(), cfg['license'])
 dev_requirements = (cfg.get('dev_requirements') or '').split()
 
+class build_py_with_checkpoint(build_py):
+    "Copy the trained small checkpoint (checkpoints/small) into the package, so that a wheel serves it from any folder"
+    def run(self):
+        super().run()
+        src = Path('checkpoints') / 'small'
+        if (src / 'config.json').is_file():
+            shutil.copytree(src, Path(self.build_lib) / cfg['lib_name'] / 'checkpoints' / 'small', dirs_exist_ok=True)
+
 setuptools.setup(
+    cmdclass = {'build_py': build_py_with_checkpoint},
     name = cfg['lib_name'],
     license_expression = lic,
     classifiers = [

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'shipped_checkpoint',
            'random_checkpoint', 'served_checkpoint', 'percentiles', 'load_summary', 'random_prompts', 'load_test',
-           'format_load', 'generate_command', 'bench_command', 'program_name', 'accounting_command', 'build_parser',
-           'main']
+           'format_load', 'serving_problem', 'write_problem', 'generate_command', 'bench_command', 'program_name',
+           'accounting_command', 'build_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from .config import ModelConfig, expect_config, topology_table, role_counts, TOPOLOGY_COLUMNS, HALVES, check_int
 from .accounting import accounting_rows, format_rows, ROW_HEADER, SOURCES
-from .dispatch import machine_name
+from .dispatch import machine_name, triton_interpreting
 from .model import init_random
 from .engine import LLM, SamplingParams, RequestOutput
 
@@ -147,11 +147,36 @@ def format_load(s: dict) -> str:
     return (f"{s['requests']} requests, {s['output_tokens']} tokens in {s['seconds']:.2f} s: {s['output_tokens_per_s']:.1f} tokens/s; "
             f"TTFT p50/p90/p99 {ms(s['ttft_s'])} ms, TPOT {ms(s['tpot_s'])} ms, end to end {ms(s['e2e_s'])} ms")
 
+# %% ../nbs/99_cli.ipynb #46d97109
+def serving_problem(device: str, # --device
+                    kernels: str | None = None, # --kernels: 'triton', 'torch' or None
+                   ) -> str | None:
+    "Why the model cannot run on `device` with `kernels` (None if it can)"
+    try: dev = torch.device(device)
+    except (RuntimeError, TypeError): dev = None
+    if dev is None or dev.type not in ('cpu', 'cuda'): return f"--device {device!r}: expected cpu, cuda or cuda:N"
+    if dev.type == 'cuda' and (dev.index or 0) >= (n := torch.cuda.device_count()):
+        have = 'no CUDA device is' if n == 0 else f"only {n} CUDA device{'s are' if n > 1 else ' is'}"
+        build = ' (this torch is built without CUDA)' if torch.version.cuda is None else ''
+        return f"--device {device}: {have} visible to torch here{build}"
+    if kernels == 'triton' and dev.type == 'cpu' and not triton_interpreting():
+        return "--kernels triton on the CPU needs TRITON_INTERPRET=1 (a compiled kernel cannot read CPU memory)"
+    return None
+
+def write_problem(path) -> str | None:
+    "Why `path` cannot be written (None if it can): tried now, and a file the try creates is removed"
+    p = Path(path); existed = p.exists()
+    try: open(p, 'a').close()
+    except OSError as e: return f"cannot write {path}: {e.strerror}"
+    if not existed: p.unlink()
+    return None
+
 # %% ../nbs/99_cli.ipynb #31f4b501
 def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top_k, seed, checkpoint, speculative, device
-                     error) -> int: # called with a message on bad input (argparse's `error`: exits with status 2)
+                     error) -> int: # called with a message on bad input (the subcommand parser's `error`: exits with 2)
     "Stream a completion of `args.prompt` to standard output; its speed to standard error"
     if not args.prompt: error("the prompt is empty")
+    if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)
     try:
@@ -159,6 +184,7 @@ def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative, kernels=args.kernels,
                   async_scheduling=args.async_scheduling)
+        llm.llm_engine.process_prompt(args.prompt)        # checked alone: its errors say "the prompt", not "prompt 0"
         outputs = llm.stream(args.prompt, sp)
     except (TypeError, ValueError, OSError) as e: error(str(e))
     print(args.prompt, end='', flush=True)
@@ -177,6 +203,8 @@ def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top
 def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_tokens, max_num_seqs, speculative, seed, device, json
                   error) -> int: # called with a message on bad input
     "A load test of the engine; one line of throughput and latency (and a JSON file with `--json`)"
+    if args.json and (why := write_problem(args.json)): error(f"--json: {why}")
+    if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)
     try:
@@ -184,6 +212,8 @@ def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_token
         llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, num_speculative_tokens=args.speculative,
                   async_scheduling=args.async_scheduling, kernels=args.kernels)
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
+        if args.prompt_len > (m := llm.llm_engine.max_model_len):
+            raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows (max_model_len {m:,})")
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     except (TypeError, ValueError, OSError) as e: error(str(e))
     load_test(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))     # warm-up
@@ -193,8 +223,9 @@ def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_token
     print(f"{machine}, torch {torch.__version__}, {date}; {ckpt.name}, {runner}, at most {args.max_num_seqs} running")
     print(format_load(s))
     if args.json:
+        kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}      # the arguments, not the callables
         Path(args.json).write_text(json.dumps(dict(machine=machine, date=date, torch=torch.__version__, checkpoint=str(ckpt),
-                                                   runner=runner, args={k: v for k, v in vars(args).items() if k != 'func'}, **s), indent=1))
+                                                   runner=runner, args=kept, **s), indent=1))
     return 0
 
 # %% ../nbs/99_cli.ipynb #41de7728
@@ -232,18 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument('--temperature', type=float, default=0.7, help='0 = greedy (default: 0.7)')
     g.add_argument('--top-p', type=float, default=0.95, help='nucleus sampling (default: 0.95)')
     g.add_argument('--top-k', type=int, default=-1, help='keep the k most likely tokens (default: -1, all)')
-    _serving_args(g); g.set_defaults(func=generate_command)
+    _serving_args(g); g.set_defaults(func=generate_command, error=g.error)
     b = sub.add_parser('bench', help='a load test: many prompts at once; throughput and latency percentiles')
     b.add_argument('--num-prompts', type=int, default=8, help='requests (default: 8)')
     b.add_argument('--prompt-len', type=int, default=16, help='tokens per prompt (default: 16)')
     b.add_argument('--max-tokens', type=int, default=16, help='tokens per request (default: 16)')
     b.add_argument('--max-num-seqs', type=int, default=256, help='most requests running at once (default: 256)')
     b.add_argument('--json', help='also write the results to this file')
-    _serving_args(b); b.set_defaults(func=bench_command)
+    _serving_args(b); b.set_defaults(func=bench_command, error=b.error)
     a = sub.add_parser('accounting', help='the accounting of one config and the layer map of another (the default)')
     a.add_argument('--config', default='full', help="config to account for: full, bench, tiny, or a config.json path (default: full)")
     a.add_argument('--layers', default='tiny', help="config whose layer map to print (default: tiny)")
-    a.set_defaults(func=accounting_command)
+    a.set_defaults(func=accounting_command, error=a.error)
     return p
 
 # %% ../nbs/99_cli.ipynb #00dc1e39
@@ -255,7 +286,7 @@ def main(argv: list | None = None, # command-line arguments (default `sys.argv[1
     p = build_parser()
     args = p.parse_args(argv)
     try:
-        code = args.func(args, p.error)
+        code = args.func(args, args.error)                  # the subcommand's parser: its usage line
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -155,10 +155,14 @@ def _check_state(state, cfg: ModelConfig, what: str) -> dict:
     return specs
 
 # %% ../nbs/10a_checkpoint.ipynb #5f2c670a
+def _finite(t: torch.Tensor) -> bool:
+    "No NaN and no infinity among `t`'s values (one-byte float types widened first: not every op takes them)"
+    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
+
 def _quantize_entry(name: str, t: torch.Tensor, spec: TensorSpec, scale: TensorSpec | None) -> dict:
     "The file tensors of one master tensor: itself in its storage dtype, or a quantised weight and its `.scale`"
+    if not _finite(t): raise CheckpointError(f"{name} holds NaN or infinite values; it cannot be saved")
     if scale is None: return {name: t.detach().to(STORAGE_DTYPES[spec.dtype]).contiguous()}
-    if not torch.isfinite(t).all(): raise CheckpointError(f"{name} holds NaN or infinite values; it cannot be quantised")
     q, s = quantize_weight(t.detach(), spec.dtype, fp8_tile_rows(spec, scale))
     return {name: q, scale.name: s}
 
@@ -208,6 +212,7 @@ def dequantize_state(ckpt: dict, cfg: ModelConfig) -> dict:
         v = ckpt[k] if sc is None else dequantize_weight(_as_storage(ckpt[k], s), _as_storage(ckpt[sc.name], sc),
                                                           fp8_tile_rows(s, sc))
         out[k] = v.to(master_dtype(s.dtype))
+        if not _finite(out[k]): raise CheckpointError(f"dequantize_state: {k} holds NaN or infinite values")
     return out
 
 # %% ../nbs/10a_checkpoint.ipynb #992f5986
@@ -317,12 +322,16 @@ def _row_chunks(rows: int, row_values: int, chunk_bytes: int, align: int = 32) -
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 @torch.no_grad()
-def _fill(dest: torch.Tensor, read, read_scale, spec: TensorSpec, scale: TensorSpec | None, chunk_bytes: int):
+def _fill(dest: torch.Tensor, read, read_scale, spec: TensorSpec, scale: TensorSpec | None, chunk_bytes: int,
+          where: str = ''): # the shard, for messages
     "Dequantise one file tensor into `dest`, a slab of rows at a time; read(r0, r1) gives stored rows"
     tile = fp8_tile_rows(spec, scale) if scale is not None and spec.dtype == 'fp8' else 1
     for r0, r1 in _row_chunks(spec.shape[0], math.prod(spec.shape[1:]), chunk_bytes):
         part = read(r0, r1).to(dest.device)                                  # (rows, stored width)
         if scale is not None: part = dequantize_weight(part, read_scale(r0 // tile, -(-r1 // tile)).to(dest.device), tile)
+        part = part.to(dest.dtype)
+        if not _finite(part):                                                 # a NaN code or scale, an overflow
+            raise CheckpointError(f"{where}: {spec.name} holds NaN or infinite values (rows {r0} to {r1 - 1}, as loaded)")
         dest[r0:r1].copy_(part)
         del part                                                              # before the next slab is read
 
@@ -348,7 +357,7 @@ def load_weights(target,                          # an nn.Module, or a dict of t
                 return lambda r0, r1: _read_rows(fh, head[name], spec, r0, r1)
             for k in (k for k in specs if wm[k] == file):
                 sc = scales.get(k)
-                _fill(dest[k], reader(k, specs[k]), sc and reader(sc.name, sc), specs[k], sc, chunk_bytes)
+                _fill(dest[k], reader(k, specs[k]), sc and reader(sc.name, sc), specs[k], sc, chunk_bytes, str(d / file))
     return target
 
 # %% ../nbs/10a_checkpoint.ipynb #d01135af

@@ -46,8 +46,8 @@ def check_device() -> torch.device:
 
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'machine_name', 'sm_count', 'capturing', 'as_captured', 'HostReads', 'cuda_graph',
-           'graph_time', 'pdl_launch', 'pdl_wait']
+           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_cell_note', 'skip_gpu_cells', 'save_figure', 'capturing',
+           'as_captured', 'HostReads', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -96,6 +96,42 @@ def sm_count(device, # a torch.device or its name
     device = torch.device(device)
     if device.type != 'cuda': return default
     return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+# %% ../nbs/00a_dispatch.ipynb #4b6f4795
+import os, re
+_GPU_CELL = re.compile(r'\s*#\s*\|\s*gpu\b')
+
+def gpu_cell_note(lines: list) -> list:
+    "A `#| gpu` cell's lines as a one-line note when there is no GPU (an IPython input transformer); other cells unchanged"
+    first = next((l for l in lines if l.strip()), '')
+    if not _GPU_CELL.match(first) or torch.cuda.is_available(): return lines
+    code = next((l.strip() for l in lines[lines.index(first) + 1:] if l.strip() and not l.strip().startswith('#|')), '')
+    note = f"Skipped without a GPU: this cell runs on one ({code[:70]}...); its saved output is from one NVIDIA H200."
+    return [f"print({note!r})\n"]
+
+# %% ../nbs/00a_dispatch.ipynb #ded134ae
+def skip_gpu_cells() -> bool:
+    "In IPython without a GPU, run every `#| gpu` cell as a note (`gpu_cell_note`); True if installed"
+    try: from IPython import get_ipython
+    except ImportError: return False
+    ip = get_ipython()
+    if ip is None or not hasattr(ip, 'input_transformers_cleanup'): return False
+    if gpu_cell_note not in ip.input_transformers_cleanup: ip.input_transformers_cleanup.append(gpu_cell_note)
+    return True
+
+skip_gpu_cells();
+
+# %% ../nbs/00a_dispatch.ipynb #45053db6
+def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png)
+                fig=None, # the figure (default: matplotlib's current one)
+                **kw): # savefig's options (dpi, bbox_inches)
+    "Save `fig` to `path` when DSV41_SAVE_FIGURES is set; True if it was written"
+    if not os.environ.get('DSV41_SAVE_FIGURES'): return False
+    if fig is None:
+        import matplotlib.pyplot as plt
+        fig = plt.gcf()
+    fig.savefig(path, **kw)
+    return True
 
 # %% ../nbs/00a_dispatch.ipynb #6b343ce8
 _as_captured = False

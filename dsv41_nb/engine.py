@@ -344,6 +344,9 @@ class LLMEngine:
 def _cache_layout(self: LLMEngine) -> KVCacheConfig:
     "The paged layout: the model's block sizes, the pool and max_model_len the args ask for"
     a, cfg = self.args, self.model.cfg
+    if a.max_model_len and a.max_model_len > self.model.max_seq_len:
+        raise ValueError(f"max_model_len = {a.max_model_len:,} is more than the model allows "
+                         f"(max_seq_len = {self.model.max_seq_len:,})")
     n = min(a.max_model_len or CacheConfig.for_model(cfg).max_model_len, self.model.max_seq_len)
     return get_kv_cache_config(cfg, CacheConfig.for_model(cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
                                                           enable_prefix_caching=a.enable_prefix_caching))
@@ -371,7 +374,10 @@ def process_prompt(self: LLMEngine, prompt) -> tuple:
         prompt = next(iter(prompt.values()))
     if isinstance(prompt, str):
         if not prompt: raise ValueError("the prompt is empty")
-        text, ids = prompt, self.tokenizer.encode(prompt)
+        try: text, ids = prompt, self.tokenizer.encode(prompt)
+        except UnicodeEncodeError as e:          # lone surrogates: undecodable bytes from a command line, say
+            raise ValueError(f"the prompt is not valid text: {prompt[e.start:e.end]!r} at character {e.start} "
+                             f"cannot be encoded as UTF-8 ({e.reason})") from None
     else:
         check_token_ids(prompt, self.tokenizer.vocab_size)
         text, ids = None, [int(t) for t in prompt]
@@ -492,7 +498,8 @@ def _add_requests(self: LLM, prompts, sampling_params) -> list:
     if len(params) != len(prompts): raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     for i, (p, sp) in enumerate(zip(prompts, params)):
         try: eng.process_prompt(p)
-        except (TypeError, ValueError) as e: raise type(e)(f"prompt {i}: {e}") from None
+        except TypeError as e: raise TypeError(f"prompt {i}: {e}") from None
+        except ValueError as e: raise ValueError(f"prompt {i}: {e}") from None    # a subclass's constructor may differ
         if sp is not None and not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling params {i}: expected a SamplingParams, got {type(sp).__name__}")
     rids = []

@@ -216,8 +216,9 @@ def slot_mappings(self: KVCacheManager, scheduled: Sequence[tuple]) -> SlotMappi
     comp = {r: [] for m in self.managers if m.spec.manager == 'global' for r in m.spec.ratios}
     for rid, start, n in scheduled:
         if rid not in self._live: raise ValueError(f"slot_mappings: request {rid!r} holds no KV blocks")
-        if not (isinstance(start, int) and isinstance(n, int) and start >= 0 and n >= 0):
+        if not (_at_least(start, 0) and _at_least(n, 0)):                  # NumPy integers too; not bools or floats
             raise ValueError(f"slot_mappings: request {rid!r} scheduled at position {start!r} for {n!r} tokens; expected integers >= 0")
+        start, n = int(start), int(n)
         if n == 0: continue
         pos.append(list(range(start, start + n)) if n <= 16 else np.arange(start, start + n))
         for m in self.managers:

@@ -554,7 +554,9 @@ def store_records(codec: RecordCodec,         # the record format
                   x: torch.Tensor,            # (n, dim) vectors, any float dtype
                   cache: torch.Tensor,        # uint8 paged cache, (num_blocks, block_size, record_bytes) or (num_slots, record_bytes)
                   slot_mapping: torch.Tensor, # (n,) int32/int64 slot of each vector, -1 = skip
-                  check_slots: bool = True,   # range-check the slots (reads them back to the host: a device sync)
+                  # range-check the slots (reads them back to the host: a device sync). False skips it, for speed
+                  # inside CUDA graphs: a Triton kernel then writes a slot out of range outside the cache (undefined)
+                  check_slots: bool = True,
                   version: int = 2,           # kernel version (1 = the first, kept for comparison)
                  ) -> None:
     "Quantise `x` with `codec` and write row i into slot `slot_mapping[i]` of the paged `cache`"

@@ -2,6 +2,11 @@ import pytest, torch
 import budget                      # noqa: F401  (registers and loads the hypothesis profile of this run)
 
 
+def pytest_configure(config):
+    config.addinivalue_line('markers', "cpu_exact: bit-level parity of two PyTorch paths on this CPU (the GPU tier "
+                                       "deselects them: they test the host's CPU, not the compiled kernels)")
+
+
 @pytest.fixture(scope='module')
 def one_thread():
     "Tensors this small gain nothing from threads, and other processes share the cores (restored afterwards)"

@@ -225,6 +225,28 @@ def test_errors(tmp_path, tiny_state):
     ]
     for f, msg in bad_inputs: fct.test_fail(f, contains=msg)
 
+@pytest.mark.parametrize('name,value,named', [
+    ('norm.weight', float('nan'), 'norm.weight'),                                   # BF16
+    ('layers.0.hc_attn_base', float('-inf'), 'layers.0.hc_attn_base'),            # FP32
+    ('layers.4.attn.wo_b.weight', 0x7F, 'layers.4.attn.wo_b.weight'),            # an E4M3 NaN code
+    ('layers.4.attn.wo_b.scale', 0xFF, 'layers.4.attn.wo_b.weight'),             # the UE8M0 NaN
+    ('layers.4.attn.wo_b.scale', 0xFE, 'layers.4.attn.wo_b.weight'),             # 2^127: the values overflow
+    ('layers.2.ffn.experts.0.w1.scale', 0xFF, 'layers.2.ffn.experts.0.w1.weight')])   # an FP4 weight's scale
+def test_non_finite_values_are_refused(tmp_path, tiny_state, name, value, named):
+    "A NaN or infinity in a stored value or scale is refused on load, by name (else greedy decoding prints token 0)"
+    d = save_state(tiny_state, TINY, tmp_path / 'ck', shard_bytes=200_000)
+    p = d / weight_map(d)[name]; t = load_file(p)
+    x = t[name].clone(); (x.view(torch.uint8) if x.element_size() == 1 else x).view(-1)[0] = value
+    t[name] = x; save_file(t, p)
+    fct.test_fail(lambda: load_weights({k: torch.zeros_like(v) for k, v in tiny_state.items()}, d),
+                  contains=f'{named} holds NaN or infinite values', exc=CheckpointError)
+    fct.test_fail(lambda: load_model(d), contains=f'{p}: {named} holds NaN')
+    fct.test_fail(lambda: dequantize_state(load_state(d), TINY), contains=f'{named} holds NaN')
+
+def test_non_finite_master_weights_are_not_saved(tmp_path, tiny_state):
+    bad = {**tiny_state, 'norm.weight': torch.full_like(tiny_state['norm.weight'], float('nan'))}
+    fct.test_fail(lambda: save_state(bad, TINY, tmp_path), contains='norm.weight holds NaN or infinite values')
+
 def test_streaming_memory(tmp_path):
     "Loading holds a slab, not a second copy: the peak above the filled model stays under a quarter of it"
     if not Path('/proc/self/clear_refs').exists(): pytest.skip('peak memory is read from /proc (Linux)')

@@ -54,10 +54,13 @@ BAD = [
     (lambda: _LLM.generate(['a', 'b', 'c'], [GREEDY] * 2, use_tqdm=False), ValueError, '3 prompts but 2 sampling params'),
     (lambda: _LLM.generate({'prompt': 3}, use_tqdm=False), TypeError, "'prompt' must be a str, got int"),
     (lambda: _LLM.generate(None, use_tqdm=False), TypeError, 'expected a str, dict, or list, got NoneType'),
+    (lambda: _LLM.generate('\udcff', use_tqdm=False), ValueError, "prompt 0: the prompt is not valid text: '\\udcff' at"),
+    (lambda: _LLM.generate(['a', 'b\udcff'], use_tqdm=False), ValueError, 'prompt 1: the prompt is not valid text'),
     (lambda: _LLM.generate('a', SamplingParams(stop_token_ids=[999]), use_tqdm=False), ValueError, 'stop token id 999'),
     (lambda: _LLM.llm_engine.abort_request('nope'), ValueError, "no unfinished request 'nope'"),
     (lambda: LLM(MODEL, kernels='cuda'), ValueError, "kernels = 'cuda'"),
     (lambda: LLM(MODEL, max_model_len=0), ValueError, 'max_model_len = 0; expected at least 1'),
+    (lambda: LLM(MODEL, max_model_len=10**9), ValueError, 'max_model_len = 1,000,000,000 is more than the model allows'),
     (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=1), ValueError, 'not supported'),
     (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
     (lambda: LLMEngine(MODEL, args=dict(runner='paged')), TypeError, 'args must be EngineArgs, got dict'),
@@ -374,6 +377,33 @@ def test_cli_generate(tmp_path, extra):
     want = LLM(ck, kernels='torch').generate('the cat', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert r.stdout == 'the cat' + want.text + '\n'
     assert f'{len(want.token_ids)} tokens in' in r.stderr and 'tokens/s' in r.stderr
+
+
+@pytest.fixture(scope='module')
+def cli_checkpoint(tmp_path_factory): return random_checkpoint(tmp_path_factory.mktemp('cli'))
+
+CLI_BAD = [
+    (['generate', b'\xff\xfe'], "the prompt is not valid text: '\\udcff\\udcfe' at character 0"),   # bytes not UTF-8
+    (['generate', 'x', '--kernels', 'triton'], '--kernels triton on the CPU needs TRITON_INTERPRET=1'),
+    (['generate', 'x', '--device', 'cuda'], '--device cuda: no CUDA device is visible to torch here'),
+    (['generate', 'x', '--threads', '0'], '--threads: threads = 0; expected at least 1'),
+    (['generate', 'x', '--temperature', '-1'], 'temperature = -1.0'),
+    (['bench', '--prompt-len', '100000'], '--prompt-len 100,000 is longer than the model allows'),
+    (['bench', '--json', '{tmp}/no/x.json', '--checkpoint', '/no/such/dir'], '--json: cannot write'),  # before loading
+]
+
+@pytest.mark.parametrize('argv,msg', CLI_BAD, ids=[m for _, m in CLI_BAD])
+def test_cli_bad_input(tmp_path, cli_checkpoint, argv, msg):
+    "One line of error under the subcommand's usage, exit status 2, nothing on standard output, no trace"
+    argv = [a.replace('{tmp}', str(tmp_path)) if isinstance(a, str) else a for a in argv]
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', *argv[:1], '--checkpoint', str(cli_checkpoint), *argv[1:]],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''})
+    command = argv[0]
+    assert (r.returncode, r.stdout) == (2, ''), r.stderr
+    assert r.stderr.startswith(f'usage: python -m dsv41_nb {command} '), r.stderr     # the subcommand's usage line
+    assert r.stderr.splitlines()[-1].startswith(f'python -m dsv41_nb {command}: error: '), r.stderr
+    assert msg in r.stderr.splitlines()[-1] and 'Traceback' not in r.stderr and 'prompt 0' not in r.stderr, r.stderr
 
 
 def test_greedy_match_oracle():

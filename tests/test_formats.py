@@ -225,3 +225,9 @@ def test_gather_out_is_checked_and_honoured(backend):
         fct.test_fail(lambda: gather_records(codec, cache, idx, torch.bfloat16, out=out), contains='expected torch.bfloat16')
         fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(codec.dim, 5, device=DEV).t()), contains='must be contiguous')
         if DEV.type == "cuda": fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(5, codec.dim)), contains='is on cpu')
+
+def test_unchecked_slots_are_documented():
+    "check_slots=False skips the range check (CUDA graphs); its documentation says what an out-of-range slot then does"
+    from fastcore.docments import docments
+    doc = docments(store_records)['check_slots']
+    assert 'range-check' in doc and 'CUDA graphs' in doc and 'outside the cache (undefined)' in doc, doc

@@ -1,6 +1,7 @@
 """Exact cases for dsv41_nb.kv_cache, in the manner of vLLM's prefix-caching tests, plus the worked numbers of
 "The Life of a DeepSeek V4.1 Flash KV Cache in vLLM" and bad input"""
 import random
+import numpy as np
 import pytest
 import torch
 import fastcore.test as fct
@@ -312,6 +313,8 @@ def test_batch_slot_mappings_against_reference():
     assert sm.ring.tolist() == exp_ring
     bt = kv.block_table([r.request_id for r in reqs], SWA)
     assert bt.shape == (3, 16) and bt.dtype == torch.int32 and bt[1, 2:].eq(0).all()
+    as_numpy = [(rid, np.int64(a), np.int32(n)) for rid, a, n in sched]   # a scheduler keeping positions in arrays
+    assert kv.slot_mappings(as_numpy).swa.tolist() == exp_swa
 
 
 def test_slot_mapping_refuses_released_blocks():
@@ -424,6 +427,8 @@ def test_bad_input():
             (lambda: kv.block_table(['nope'], 0), ValueError, "request 'nope' holds no KV blocks"),
             (lambda: kv.slot_mappings([('nope', 0, 1)]), ValueError, "slot_mappings: request 'nope' holds no KV blocks"),
             (lambda: kv.slot_mappings([('ok', -1, 2)]), ValueError, 'scheduled at position -1 for 2 tokens'),
+            (lambda: kv.slot_mappings([('ok', True, 2)]), ValueError, 'scheduled at position True for 2 tokens'),
+            (lambda: kv.slot_mappings([('ok', 0, 2.0)]), ValueError, 'for 2.0 tokens; expected integers >= 0'),
             (lambda: kv.slot_mappings([('ok', 0, 41)]), ValueError, 'need 11 blocks but the table has 10')]:
         fct.test_fail(f, exc=exc, contains=msg)
     assert cache_snapshot(kv) == before

@@ -1,5 +1,5 @@
 "The package as a user meets it: imports without a GPU, its docstring and version, the `dsv41` command"
-import configparser, importlib.metadata, os, subprocess, sys
+import configparser, importlib.metadata, os, subprocess, sys, tempfile
 import pytest
 from pathlib import Path
 
@@ -84,3 +84,21 @@ def test_console_script_names_itself():
     assert r.returncode == 0 and r.stdout.startswith('usage: dsv41 '), r.stdout
     r = cli('--help')
     assert r.returncode == 0 and r.stdout.startswith('usage: python -m dsv41_nb '), r.stdout
+
+def test_wheel_carries_the_trained_checkpoint(tmp_path):
+    "A wheel built from the checkout, installed elsewhere, serves the trained small checkpoint from any folder"
+    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', str(ROOT), '--no-deps', '-q', '-w', str(tmp_path / 'whl')],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    wheel = next((tmp_path / 'whl').glob('dsv41_nb-*.whl'))
+    site = tmp_path / 'site'
+    r = subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', str(site), str(wheel)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | dict(PYTHONPATH=str(site))   # as a user runs it
+    code = "import dsv41_nb.__main__ as m; print(m.shipped_checkpoint())"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
+    assert r.stdout.strip() == str(site / 'dsv41_nb' / 'checkpoints' / 'small'), r.stdout + r.stderr
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'Return the', '--max-tokens', '4'],
+                       capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env, timeout=600)
+    assert r.returncode == 0 and 'no trained checkpoint' not in r.stderr, r.stderr[-2000:]

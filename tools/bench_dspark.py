@@ -159,7 +159,7 @@ def main():
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         rec = dict(machine=machine, date=date, torch=torch.__version__, target=source, drafter=str(dpath) if trained else 'untrained',
-                   settings=vars(args), rows=rows, slot_acceptance=slots, step_costs=costs, total_seconds=time.perf_counter() - t_start)
+                   settings=dict(vars(args), json=args.json and Path(args.json).name), rows=rows, slot_acceptance=slots, step_costs=costs, total_seconds=time.perf_counter() - t_start)
         if args.merge and Path(args.json).exists(): rec = merge_runs(json.loads(Path(args.json).read_text()), rec)
         Path(args.json).write_text(json.dumps(rec, indent=1))
         print(f'results -> {args.json}')

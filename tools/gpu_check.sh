@@ -21,7 +21,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 DSV41_SAVE_FIGURES=1
 unset TRITON_INTERPRET
 status=0
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -5,7 +5,8 @@
 
 Cells marked `#| gpu` / `#| slow` are skipped unless their flag is given, as in `nbdev_test`; a
 skipped cell keeps the outputs it already had (so a CPU re-run does not erase H200 numbers).
-Stops at the first exception. Run `nbdev_clean` afterwards."""
+Stops at the first exception. Run `nbdev_clean` afterwards. The notebooks' figures are saved to images/ too
+(DSV41_SAVE_FIGURES=1, unless it is set to something else)."""
 import argparse, os, re, sys, time
 from pathlib import Path
 from execnb.nbio import read_nb, write_nb
@@ -13,6 +14,7 @@ from execnb.shell import CaptureShell
 from fastcore.xtras import working_directory
 
 SKIPPABLE = {'gpu', 'slow'}
+os.environ.setdefault('DSV41_SAVE_FIGURES', '1')   # refreshing a notebook's outputs refreshes its figures
 
 def cell_flags(source):
     "The `#| word` directives at the top of a cell"
