@@ -125,13 +125,12 @@ skip_gpu_cells();
 def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png)
                 fig=None, # the figure (default: matplotlib's current one)
                 **kw): # savefig's options (dpi, bbox_inches)
-    "Save `fig` to `path` when DSV41_SAVE_FIGURES is set; True if it was written"
-    if not os.environ.get('DSV41_SAVE_FIGURES'): return False
+    "Save `fig` to `path` when DSV41_SAVE_FIGURES is set (a plot's last line: it returns nothing to show)"
+    if not os.environ.get('DSV41_SAVE_FIGURES'): return
     if fig is None:
         import matplotlib.pyplot as plt
         fig = plt.gcf()
     fig.savefig(path, **kw)
-    return True
 
 # %% ../nbs/00a_dispatch.ipynb #6b343ce8
 _as_captured = False
