@@ -254,9 +254,10 @@ def _serving_args(p: argparse.ArgumentParser):
 
 # %% ../nbs/99_cli.ipynb #b7d760e2
 def build_parser() -> argparse.ArgumentParser:
-    "The parser: subcommands generate, bench and accounting"
+    "The parser: subcommands generate, bench, serve, bench serve and accounting"
+    from dsv41_nb.server import add_serve_arguments, serve, add_bench_serve_arguments, bench_serve
     p = argparse.ArgumentParser(prog=program_name(), description='DeepSeek-V4.1-Flash, notebook by notebook')
-    sub = p.add_subparsers(dest='command', metavar='{generate,bench,accounting}')
+    sub = p.add_subparsers(dest='command', metavar='{generate,bench,serve,accounting}')
     g = sub.add_parser('generate', help='continue a prompt with the small trained model (CPU)')
     g.add_argument('prompt', help='the text to continue')
     g.add_argument('--max-tokens', type=int, default=64, help='most tokens to generate (default: 64)')
@@ -271,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument('--max-num-seqs', type=int, default=256, help='most requests running at once (default: 256)')
     b.add_argument('--json', help='also write the results to this file')
     _serving_args(b); b.set_defaults(func=bench_command, error=b.error)
+    s = sub.add_parser('serve', help='an OpenAI-compatible HTTP server on the engine (Ctrl-C stops it)')
+    add_serve_arguments(s); s.set_defaults(func=serve, error=s.error)
+    bs = sub.add_parser('bench-serve', prog=f'{program_name()} bench serve',     # `bench serve`, as vLLM spells it
+                        help='(also spelt `bench serve`) a load test of a running OpenAI-compatible server')
+    add_bench_serve_arguments(bs); bs.set_defaults(func=bench_serve, error=bs.error)
     a = sub.add_parser('accounting', help='the accounting of one config and the layer map of another (the default)')
     a.add_argument('--config', default='full', help="config to account for: full, bench, tiny, or a config.json path (default: full)")
     a.add_argument('--layers', default='tiny', help="config whose layer map to print (default: tiny)")
@@ -283,6 +289,7 @@ def main(argv: list | None = None, # command-line arguments (default `sys.argv[1
     "The command line: run a subcommand (`accounting` when none is named)"
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith('-') and argv[0] not in ('-h', '--help')): argv = ['accounting', *argv]
+    if argv[:2] == ['bench', 'serve']: argv = ['bench-serve', *argv[2:]]   # a load test of a running server
     p = build_parser()
     args = p.parse_args(argv)
     try:
