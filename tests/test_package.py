@@ -1,5 +1,5 @@
 "The package as a user meets it: imports without a GPU, its docstring and version, the `dsv41` command"
-import configparser, importlib.metadata, os, subprocess, sys, tempfile
+import configparser, importlib.metadata, os, shutil, subprocess, sys, tempfile
 import pytest
 from pathlib import Path
 
@@ -87,7 +87,10 @@ def test_console_script_names_itself():
 
 def test_wheel_carries_the_trained_checkpoint(tmp_path):
     "A wheel built from the checkout, installed elsewhere, serves the trained small checkpoint from any folder"
-    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', str(ROOT), '--no-deps', '-q', '-w', str(tmp_path / 'whl')],
+    src = tmp_path / 'src'                       # a copy: building in the checkout would leave build/ there
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns('.git', '.venv*', 'build', '*.egg-info', '_docs', 'images',
+                                                             'nbs', 'tests', '.whl', '__pycache__'))
+    r = subprocess.run([sys.executable, '-m', 'pip', 'wheel', str(src), '--no-deps', '-q', '-w', str(tmp_path / 'whl')],
                        capture_output=True, text=True)
     if r.returncode and ('No matching distribution' in r.stderr or 'Could not find a version' in r.stderr):
         pytest.skip('the build backend (setuptools) cannot be installed here: no package index')
