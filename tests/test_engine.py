@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.model import init_random, generate_greedy, ByteTokenizer
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
@@ -347,6 +348,7 @@ def test_async_execution_gives_the_synchronous_tokens(how):
     if how.startswith('graphs'): assert box['cg'].stats['replayed'] > 0
     if how == 'graphs-preempted': assert eng.scheduler.stats['preemptions'] > 0
 
+@use_kernels('torch')    # the mask is the model's, not a kernel's (the kernels are checked on their own)
 def test_a_decode_step_masks_image_tokens_on_the_device():
     "A decode-only paged step reads no value back, yet an image token there still breaks Engram's n-grams (a mask on the device)"
     from dsv41_nb.paged_step import step_model
