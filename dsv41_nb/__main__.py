@@ -223,7 +223,7 @@ def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_token
     print(f"{machine}, torch {torch.__version__}, {date}; {ckpt.name}, {runner}, at most {args.max_num_seqs} running")
     print(format_load(s))
     if args.json:
-        kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}      # the arguments, not the callables
+        kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}   # not the callables
         Path(args.json).write_text(json.dumps(dict(machine=machine, date=date, torch=torch.__version__, checkpoint=str(ckpt),
                                                    runner=runner, args=kept, **s), indent=1))
     return 0

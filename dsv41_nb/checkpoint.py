@@ -331,7 +331,8 @@ def _fill(dest: torch.Tensor, read, read_scale, spec: TensorSpec, scale: TensorS
         if scale is not None: part = dequantize_weight(part, read_scale(r0 // tile, -(-r1 // tile)).to(dest.device), tile)
         part = part.to(dest.dtype)
         if not _finite(part):                                                 # a NaN code or scale, an overflow
-            raise CheckpointError(f"{where}: {spec.name} holds NaN or infinite values (rows {r0} to {r1 - 1}, as loaded)")
+            raise CheckpointError(f"{where}: {spec.name} holds NaN or infinite values "
+                                  f"(rows {r0} to {r1 - 1}, as loaded)")
         dest[r0:r1].copy_(part)
         del part                                                              # before the next slab is read
 
@@ -357,7 +358,8 @@ def load_weights(target,                          # an nn.Module, or a dict of t
                 return lambda r0, r1: _read_rows(fh, head[name], spec, r0, r1)
             for k in (k for k in specs if wm[k] == file):
                 sc = scales.get(k)
-                _fill(dest[k], reader(k, specs[k]), sc and reader(sc.name, sc), specs[k], sc, chunk_bytes, str(d / file))
+                _fill(dest[k], reader(k, specs[k]), sc and reader(sc.name, sc), specs[k], sc, chunk_bytes,
+                      str(d / file))
     return target
 
 # %% ../nbs/10a_checkpoint.ipynb #d01135af

@@ -102,11 +102,13 @@ import os, re
 _GPU_CELL = re.compile(r'\s*#\s*\|\s*gpu\b')
 
 def gpu_cell_note(lines: list) -> list:
-    "A `#| gpu` cell's lines as a one-line note when there is no GPU (an IPython input transformer); other cells unchanged"
+    "A `#| gpu` cell as a one-line note when there is no GPU (an input transformer); other cells unchanged"
     first = next((l for l in lines if l.strip()), '')
     if not _GPU_CELL.match(first) or torch.cuda.is_available(): return lines
-    code = next((l.strip() for l in lines[lines.index(first) + 1:] if l.strip() and not l.strip().startswith('#|')), '')
-    note = f"Skipped without a GPU: this cell runs on one ({code[:70]}...); its saved output is from one NVIDIA H200."
+    rest = [l.strip() for l in lines[lines.index(first) + 1:]]
+    code = next((l for l in rest if l and not l.startswith('#|')), '')
+    note = (f"Skipped without a GPU: this cell runs on one ({code[:70]}...); "
+            "its saved output is from one NVIDIA H200.")
     return [f"print({note!r})\n"]
 
 # %% ../nbs/00a_dispatch.ipynb #ded134ae
@@ -116,7 +118,8 @@ def skip_gpu_cells() -> bool:
     except ImportError: return False
     ip = get_ipython()
     if ip is None or not hasattr(ip, 'input_transformers_cleanup'): return False
-    if gpu_cell_note not in ip.input_transformers_cleanup: ip.input_transformers_cleanup.append(gpu_cell_note)
+    cleanup = ip.input_transformers_cleanup
+    if gpu_cell_note not in cleanup: cleanup.append(gpu_cell_note)
     return True
 
 skip_gpu_cells();

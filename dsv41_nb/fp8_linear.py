@@ -197,7 +197,7 @@ def _check(x, w, act_quant):
     if x.device != w.codes.device: raise ValueError(f"fp8_linear: x is on {x.device}, the weight on {w.codes.device}")
     if not isinstance(act_quant, bool): raise TypeError(f"fp8_linear: act_quant must be a bool, got {act_quant!r}")
 
-def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped weight; |x| <= 2^118 (the GEMV's range)
+def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K); |x| <= 2^118 (the GEMV's range)
                w: QuantWeight,             # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
                act_quant: bool = True,     # round x to E4M3 with a UE8M0 scale per 32 first
                split: int | None = None,   # K slices of the kernel (default: the launch rule's)

@@ -14,7 +14,7 @@ def summarise(path) -> tuple[dict, list]:
     files, failed = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0)), []
     for case in ET.parse(path).getroot().iter('testcase'):
         f = case.get('file') or case.get('classname', '').replace('.', '/') + '.py'
-        row = files[Path(f).name]
+        row = files[Path(f).name if Path(f).stem else '(skipped at collection)']
         row['seconds'] += float(case.get('time') or 0)
         if case.find('failure') is not None or case.find('error') is not None:
             row['failed'] += 1; failed.append(f"{case.get('classname')}::{case.get('name')}")
