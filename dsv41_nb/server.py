@@ -520,7 +520,7 @@ async def _pieces(self: OpenAIServer, s: RequestStream, stops: list) -> AsyncIte
             text, hit = sc.feed(c.text)
             if hit: self.front.abort(s.request_id, 'stop'); yield text, 'stop', n; return
             if c.finish_reason: yield text + sc.flush(), c.finish_reason, n; return
-            if text: yield text, None, n
+            if text or c.token_ids: yield text, None, n      # tokens without text too
 
 # %% ../nbs/16_server.ipynb #a0670c33
 @patch
