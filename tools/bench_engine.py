@@ -30,7 +30,7 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 
 Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
 after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
-import argparse, dataclasses, datetime, json, sys, time, traceback
+import argparse, dataclasses, datetime, json, os, subprocess, sys, time, traceback
 from contextlib import contextmanager
 from pathlib import Path
 import torch, triton
@@ -63,6 +63,12 @@ def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     "An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout"
     build = lambda kc: PagedStepModel(PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc))
     return LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
+
+
+def git_commit() -> str | None:
+    "The checkout's commit (short), or None outside a git checkout; DSV41_COMMIT overrides it"
+    r = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return r.stdout.strip() or None
 
 
 def sync(device):
@@ -267,7 +273,7 @@ def main():
     print(f"{machine}  {date}  torch {torch.__version__}  triton {triton.__version__}  config {args.config}: {cfg.n_layers} layers, "
           f"dim {cfg.dim}, {cfg.n_routed_experts} experts; prompts of {args.prompt_len} tokens, {args.max_tokens} out", flush=True)
     res = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__, config=args.config,
-               args=vars(args))
+               commit=os.environ.get('DSV41_COMMIT') or git_commit(), args=vars(args))
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
         kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
         stamps = {sec: {f'{k}_{sec}': v for k, v in res.items() if k in ('date', 'args')} for sec in args.sections}

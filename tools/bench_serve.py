@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx, torch, triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import paged_llm                                   # noqa: E402  (the engine bench_engine measures)
+from bench_engine import paged_llm, git_commit                       # noqa: E402  (the engine bench_engine measures)
 from dsv41_nb.config import ModelConfig                              # noqa: E402
 from dsv41_nb.dispatch import machine_name                           # noqa: E402
 from dsv41_nb.scheduler import SamplingParams                        # noqa: E402
@@ -149,19 +149,13 @@ def main():
         print(f"{r['concurrency']:5d} {r['engine_tok_s']:13.1f} {r['server_tok_s']:13.1f} {r['server_share']:6.2f} "
               f"{1e3 * r['engine_tpot_s']:9.2f} {1e3 * r['server_tpot_s']:9.2f} {1e3 * r['overhead_per_token_s']:10.2f}")
     res = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__,
-               config='tiny' if args.quick else 'bench', commit=os.environ.get('DSV41_COMMIT') or commit(),
+               config='tiny' if args.quick else 'bench', commit=os.environ.get('DSV41_COMMIT') or git_commit(),
                args={k: v for k, v in vars(args).items() if k not in ('role', 'offline_out')},
                build_s=info['build_s'], runner=info['runner'], rows=rows, offline=info['offline'], server=served)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
         print('wrote', args.json)
-
-
-def commit() -> str | None:
-    r = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
-                       cwd=Path(__file__).resolve().parent)
-    return r.stdout.strip() or None
 
 
 if __name__ == '__main__':

@@ -9,12 +9,19 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def test_file(case) -> str:
+    "A test case's file name: `file` if the report has it, else the test_ module in `classname` (tests.test_x.TestY)"
+    if f := case.get('file'): return Path(f).name
+    parts = case.get('classname', '').split('.')
+    mods = [i for i, p in enumerate(parts) if p.startswith('test_')]
+    return f"{parts[mods[-1]]}.py" if mods else '(skipped at collection)'
+
+
 def summarise(path) -> tuple[dict, list]:
     "({file: {passed, failed, skipped, seconds}}, [failed test ids]) from a JUnit XML report"
     files, failed = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0)), []
     for case in ET.parse(path).getroot().iter('testcase'):
-        f = case.get('file') or case.get('classname', '').replace('.', '/') + '.py'
-        row = files[Path(f).name if Path(f).stem else '(skipped at collection)']
+        row = files[test_file(case)]
         row['seconds'] += float(case.get('time') or 0)
         if case.find('failure') is not None or case.find('error') is not None:
             row['failed'] += 1; failed.append(f"{case.get('classname')}::{case.get('name')}")

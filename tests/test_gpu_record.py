@@ -1,0 +1,24 @@
+"""tools/gpu_record.py: the GPU tier's record sums pytest's JUnit XML per test file."""
+import importlib.util, sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location('gpu_record', ROOT / 'tools' / 'gpu_record.py')
+gpu_record = importlib.util.module_from_spec(spec); spec.loader.exec_module(gpu_record)
+
+XML = """<testsuites><testsuite>
+<testcase classname="tests.test_engine" name="test_a" time="1.5"/>
+<testcase classname="tests.test_engine" name="test_b" time="0.5"><failure message="x"/></testcase>
+<testcase classname="tests.test_dspark.TestDSparkScheduler" name="test_c" time="2"/>
+<testcase classname="tests.test_dspark" name="test_d" time="1"><skipped/></testcase>
+<testcase classname="" name="tests.test_server" time="0"><skipped/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_cases_are_summed_per_file(tmp_path):
+    (tmp_path / 'j.xml').write_text(XML)
+    files, failed = gpu_record.summarise(tmp_path / 'j.xml')
+    assert files == {'(skipped at collection)': dict(passed=0, failed=0, skipped=1, seconds=0.0),
+                     'test_dspark.py': dict(passed=1, failed=0, skipped=1, seconds=3.0),
+                     'test_engine.py': dict(passed=1, failed=1, skipped=0, seconds=2.0)}
+    assert failed == ['tests.test_engine::test_b']
