@@ -4,10 +4,9 @@
 
 # %% ../nbs/13_engine.ipynb #9990ccac
 from __future__ import annotations
-import codecs, dataclasses, importlib, itertools, time
+import codecs, dataclasses, itertools, time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator, Sequence
@@ -24,6 +23,7 @@ from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOut
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model
+from .paged_step import step_model as paged_step_model
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
 from .cuda_graphs import CUDAGraphModel, fill_token_ids
 
@@ -302,12 +302,10 @@ class EngineArgs:
             raise ValueError("async_scheduling with num_speculative_tokens > 0 is not supported here")
 
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
-    "The model the runner calls: the paged path when `dsv41_nb.paged_step` provides one (runner 'auto' or 'paged'), else the reference"
+    "The model the runner calls: the paged path (runner 'auto' or 'paged'), or the reference that recomputes"
     if runner not in RUNNERS: raise ValueError(f"runner = {runner!r}; expected one of {RUNNERS}")
-    step_model = getattr(importlib.import_module('dsv41_nb.paged_step'), 'step_model', None) if find_spec('dsv41_nb.paged_step') else None
-    if runner != 'recompute' and step_model is not None: return step_model(model, kv_cache_config)
-    if runner == 'paged': raise ValueError("runner = 'paged': this installation has no paged path (dsv41_nb.paged_step.step_model)")
-    return RecomputeModel(model)
+    if runner == 'recompute': return RecomputeModel(model)
+    return paged_step_model(model, kv_cache_config)
 
 # %% ../nbs/13_engine.ipynb #98bf1d24
 class _Tracked:

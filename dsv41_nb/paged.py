@@ -370,7 +370,7 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     T, r = len(s.token_ids), s.rows.long()
     text = s.token_ids != cfg.image_token_id                                        # Engram's n-grams skip image tokens
     mask = text if s.decode_only else None if bool(text.all()) else text            # a decode step: no read-back (its ids may be
-                                                                                    # filled on the device, 13a_cuda_graphs)
+                                                                                    # filled on the device, 12c_cuda_graphs)
     x, pre = hc_expand(F.embedding(s.token_ids, self.embed), cfg.hc_mult)          # (T, hc, dim), (T, hc)
     f = post = comb = None
     hashes = self._hashes(s, mask)

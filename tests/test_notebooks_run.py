@@ -7,7 +7,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOW = bool(os.environ.get('DSV41_SLOW'))
-QUICK = ['00a_dispatch', '03a_rope_norm', '10d_fp8_linear']        # each has `#| gpu` cells and runs in seconds
+QUICK = ['00a_dispatch', '03a_rope_norm', '09a_fp8_linear']        # each has `#| gpu` cells and runs in seconds
 NOTEBOOKS = sorted(p.stem for p in (ROOT / 'nbs').glob('*.ipynb')) if SLOW else QUICK
 pytest.importorskip('nbconvert', reason='running notebooks needs nbconvert (jupyterlab brings it)')
 

@@ -7,7 +7,7 @@ A kernel timed back to back keeps its instructions in the SM's instruction cache
 between a hundred other kernels and fetches them again. So this script builds the `bench` engine of `tools/bench_engine.py`
 (the paged path with random weights, CUDA graphs), starts one request, and for each candidate launch shape of sparse decode
 (the `DECODE_TUNING` row that one token uses, 06_sparse_decode), the mHC seam (`MHC_TUNING`'s small-batch keys, 07_mhc), the
-MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV (`FP8_GEMV_TUNING` at one token, 10d_fp8_linear) captures the batch-1
+MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV (`FP8_GEMV_TUNING` at one token, 09a_fp8_linear) captures the batch-1
 graph again and times its replay (`median_time`). Each row also records the compiled sparse
 decode kernel's size, registers and spills. A sparse-decode candidate is first checked against the reference at one token
 (64 heads, both main-KV formats, `check_decode`) and only timed if it passes: a shape can compile into a wrong kernel.
