@@ -22,6 +22,7 @@ from .config import check_int
 from .engine import LLM, RequestOutput, CompletionOutput
 from .kv_manager import CacheCapacityError
 from .scheduler import SamplingParams
+from .serving import percentiles, served_checkpoint, serving_problem
 log = logging.getLogger(__name__)
 
 # %% auto #0
@@ -776,7 +777,6 @@ async def bench_request(client: httpx.AsyncClient, endpoint: str, model: str, pr
 
 # %% ../nbs/16_server.ipynb #9ac67e98
 def _stats(xs: list) -> dict:
-    from dsv41_nb.__main__ import percentiles          # here: the command line imports this module
     mean = sum(xs) / len(xs) if xs else math.nan
     return dict(mean=mean, **{f'p{q}': v for q, v in percentiles(xs).items()})
 
@@ -860,7 +860,6 @@ def _exit(msg): sys.exit(f"error: {msg}")
 
 def _engine(args, error) -> tuple:
     "(LLM, checkpoint) of `serve`'s flags"
-    from dsv41_nb.__main__ import served_checkpoint, serving_problem  # __main__ imports this
     if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)

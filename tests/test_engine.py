@@ -20,7 +20,7 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
                              greedy_shortfall, assert_greedy_match)
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
-from dsv41_nb.__main__ import random_checkpoint
+from dsv41_nb.serving import random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig.tiny()
