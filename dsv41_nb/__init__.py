@@ -6,4 +6,5 @@
 __all__ = []
 
 # %% ../nbs/index.ipynb #a41e0c02
+# nbdev_export keeps this equal to settings.ini's version (put_version_in_init)
 __version__ = "0.0.1"

@@ -11,22 +11,25 @@ __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', '
 import argparse, datetime, json, os, sys, textwrap, time
 from pathlib import Path
 import torch
-from .config import ModelConfig, expect_config, topology_table, role_counts, TOPOLOGY_COLUMNS, HALVES, check_int
+from .config import (ModelConfig, expect_config, topology_table, role_counts,
+                             TOPOLOGY_COLUMNS, HALVES, check_int)
 from .accounting import accounting_rows, format_rows, ROW_HEADER, SOURCES
 from .dispatch import machine_name, triton_interpreting
 from .model import init_random
 from .engine import LLM, SamplingParams, RequestOutput
-from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint, serving_problem,
-                              percentiles)
+from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
+                              serving_problem, percentiles)
 
 # %% ../nbs/99_cli.ipynb #c871927b
 PRESETS = {'full': ModelConfig.full, 'bench': ModelConfig.bench, 'tiny': ModelConfig.tiny}
 
-def load_config(name_or_path: str, # a preset name ('full', 'bench', 'tiny') or the path of a config.json
-               ) -> ModelConfig:
+def load_config(
+    name_or_path: str, # a preset name ('full', 'bench', 'tiny') or the path of a config.json
+    ) -> ModelConfig:
     "The preset or config file `name_or_path` names"
     if not isinstance(name_or_path, (str, Path)):
-        raise TypeError(f"config must be a preset name or a path, got {type(name_or_path).__name__}")
+        raise TypeError(f"config must be a preset name or a path, "
+                        f"got {type(name_or_path).__name__}")
     if name_or_path in PRESETS: return PRESETS[name_or_path]()
     if not Path(name_or_path).is_file():
         raise ValueError(f"no preset or config file named {str(name_or_path)!r}; "
@@ -41,11 +44,15 @@ def layer_map_legend(c: ModelConfig, # the config whose layer map is printed
                     ) -> str:
     "What each column of `topology_table(c)` means (`TOPOLOGY_COLUMNS`), and the sizes behind them in `c`"
     expect_config(c, 'layer_map_legend')
-    def fill(label, text): return textwrap.fill(text, width, initial_indent=f'  {label:12s}', subsequent_indent=' ' * 14)
-    sizes = (f"window {c.window_size} tokens; candidate pool: the top {c.candidate_topk_blocks:,} blocks of "
-             f"{c.candidate_block_size} entries; yarn: theta {c.compress_rope_theta:,.0f} with YaRN x{c.rope_factor:g} "
+    def fill(label, text):
+        return textwrap.fill(text, width, initial_indent=f'  {label:12s}',
+                             subsequent_indent=' ' * 14)
+    sizes = (f"window {c.window_size} tokens; candidate pool: the top "
+             f"{c.candidate_topk_blocks:,} blocks of {c.candidate_block_size} entries; "
+             f"yarn: theta {c.compress_rope_theta:,.0f} with YaRN x{c.rope_factor:g} "
              f"over {c.original_seq_len:,} tokens; base: theta {c.rope_theta:,.0f}")
-    return '\n'.join([fill(col, text) for col, text in TOPOLOGY_COLUMNS.items()] + ['', fill('sizes', sizes)])
+    return '\n'.join([fill(col, text) for col, text in TOPOLOGY_COLUMNS.items()]
+                     + ['', fill('sizes', sizes)])
 
 # %% ../nbs/99_cli.ipynb #02ff284a
 def accounting_summary(rows: list, # rows of `accounting_rows`, laid out as `ROW_HEADER`
@@ -55,12 +62,15 @@ def accounting_summary(rows: list, # rows of `accounting_rows`, laid out as `ROW
         raise ValueError(f"accounting_summary: rows must be laid out as {ROW_HEADER}")
     rows = [dict(zip(ROW_HEADER, r)) for r in rows]
     checked = [r for r in rows if r['check']]
-    kinds = {k: [r for r in checked if r['check'].split(':')[0] == k] for k in ('same', 'rounding', 'differs')}
+    kinds = {k: [r for r in checked if r['check'].split(':')[0] == k]
+             for k in ('same', 'rounding', 'differs')}
     out = []
     if checked:
-        out.append(f"checked against the sources: {len(kinds['same'])} same, {len(kinds['rounding'])} equal after "
-                   f"rounding, {len(kinds['differs'])} differ (01a_accounting explains each):")
-        out += [f"  {r['quantity']}: computed {r['computed']}, {r['source']} says {r['source says']}"
+        out.append(f"checked against the sources: {len(kinds['same'])} same, "
+                   f"{len(kinds['rounding'])} equal after rounding, "
+                   f"{len(kinds['differs'])} differ (01a_accounting explains each):")
+        out += [f"  {r['quantity']}: computed {r['computed']}, "
+                f"{r['source']} says {r['source says']}"
                 for r in kinds['differs']]
     named = [k for k in SOURCES if any(k in r['source'] for r in rows)]
     out += ['sources:'] + [f"  {k:17s}{SOURCES[k]}" for k in named]
@@ -81,7 +91,8 @@ def report(cfg: ModelConfig, # config to account for
     print(f'\n== layer map: {layers_name} ==')
     print(topology_table(layers))
     for half in HALVES:
-        print(f'{half:8s}', ', '.join(f'{k} {v}' for k, v in role_counts(layers, half).items() if v))
+        counts = role_counts(layers, half)
+        print(f'{half:8s}', ', '.join(f'{k} {v}' for k, v in counts.items() if v))
     print('columns:')
     print(layer_map_legend(layers))
 
@@ -91,9 +102,11 @@ def load_summary(outputs: list, # finished RequestOutputs of one run
     "Throughput and latency percentiles of one load test"
     n_tok, m = [len(o.outputs[0].token_ids) for o in outputs], [o.metrics for o in outputs]
     ttft = [x['first_token'] - x['arrival'] for x in m if 'first_token' in x]
-    tpot = [(x['finished'] - x['first_token']) / (k - 1) for x, k in zip(m, n_tok) if k > 1 and 'first_token' in x]
-    return dict(requests=len(outputs), output_tokens=sum(n_tok), seconds=seconds, requests_per_s=len(outputs) / seconds,
-                output_tokens_per_s=sum(n_tok) / seconds, ttft_s=percentiles(ttft), tpot_s=percentiles(tpot),
+    tpot = [(x['finished'] - x['first_token']) / (k - 1)
+            for x, k in zip(m, n_tok) if k > 1 and 'first_token' in x]
+    return dict(requests=len(outputs), output_tokens=sum(n_tok), seconds=seconds,
+                requests_per_s=len(outputs) / seconds, output_tokens_per_s=sum(n_tok) / seconds,
+                ttft_s=percentiles(ttft), tpot_s=percentiles(tpot),
                 e2e_s=percentiles([x['finished'] - x['arrival'] for x in m]))
 
 # %% ../nbs/99_cli.ipynb #78f066ef
@@ -112,8 +125,10 @@ def load_test(llm: LLM, prompts: list, sampling_params: SamplingParams) -> dict:
 def format_load(s: dict) -> str:
     "One line of a load test's numbers"
     ms = lambda d: '/'.join(f"{1e3 * v:.0f}" for v in d.values())
-    return (f"{s['requests']} requests, {s['output_tokens']} tokens in {s['seconds']:.2f} s: {s['output_tokens_per_s']:.1f} tokens/s; "
-            f"TTFT p50/p90/p99 {ms(s['ttft_s'])} ms, TPOT {ms(s['tpot_s'])} ms, end to end {ms(s['e2e_s'])} ms")
+    return (f"{s['requests']} requests, {s['output_tokens']} tokens in {s['seconds']:.2f} s: "
+            f"{s['output_tokens_per_s']:.1f} tokens/s; "
+            f"TTFT p50/p90/p99 {ms(s['ttft_s'])} ms, TPOT {ms(s['tpot_s'])} ms, "
+            f"end to end {ms(s['e2e_s'])} ms")
 
 # %% ../nbs/99_cli.ipynb #46d97109
 def write_problem(path) -> str | None:
@@ -125,8 +140,11 @@ def write_problem(path) -> str | None:
     return None
 
 # %% ../nbs/99_cli.ipynb #31f4b501
-def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top_k, seed, checkpoint, speculative, device
-                     error) -> int: # called with a message on bad input (the subcommand parser's `error`: exits with 2)
+def generate_command(
+    # parsed: prompt, max_tokens, temperature, top_p, top_k, seed, checkpoint, speculative, device
+    args,
+    # called with a message on bad input (the subcommand parser's `error`: exits with 2)
+    error) -> int:
     "Stream a completion of `args.prompt` to standard output; its speed to standard error"
     if not args.prompt: error("the prompt is empty")
     if why := serving_problem(args.device, args.kernels): error(why)
@@ -134,10 +152,12 @@ def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top
     if note: print(note, file=sys.stderr)
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
-        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative, kernels=args.kernels,
-                  async_scheduling=args.async_scheduling)
-        llm.llm_engine.process_prompt(args.prompt)        # checked alone: its errors say "the prompt", not "prompt 0"
+        sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+        llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative,
+                  kernels=args.kernels, async_scheduling=args.async_scheduling)
+        # checked alone: its errors say "the prompt", not "prompt 0"
+        llm.llm_engine.process_prompt(args.prompt)
         outputs = llm.stream(args.prompt, sp)
     except (TypeError, ValueError, OSError) as e: error(str(e))
     print(args.prompt, end='', flush=True)
@@ -148,13 +168,17 @@ def generate_command(args, # parsed: prompt, max_tokens, temperature, top_p, top
     m = o.metrics
     first, rest = m['first_token'] - m['arrival'], m['finished'] - m['first_token']
     rate = f", then {(n - 1) / rest:.1f} tokens/s" if n > 1 and rest > 0 else ''
-    print(f"{n} tokens in {m['finished'] - m['arrival']:.2f} s: the first after {first:.2f} s{rate} "
-          f"({type(llm.llm_engine.runner.model).__name__} on {machine_name(args.device)}; {ckpt})", file=sys.stderr)
+    print(f"{n} tokens in {m['finished'] - m['arrival']:.2f} s: "
+          f"the first after {first:.2f} s{rate} "
+          f"({type(llm.llm_engine.runner.model).__name__} on {machine_name(args.device)}; {ckpt})",
+          file=sys.stderr)
     return 0
 
 # %% ../nbs/99_cli.ipynb #c4bacdad
-def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_tokens, max_num_seqs, speculative, seed, device, json
-                  error) -> int: # called with a message on bad input
+def bench_command(
+    # parsed: checkpoint, num_prompts, prompt_len, max_tokens, max_num_seqs, speculative, seed, device, json
+    args,
+    error) -> int: # called with a message on bad input
     "A load test of the engine; one line of throughput and latency (and a JSON file with `--json`)"
     if args.json and (why := write_problem(args.json)): error(f"--json: {why}")
     if why := serving_problem(args.device, args.kernels): error(why)
@@ -162,28 +186,35 @@ def bench_command(args, # parsed: checkpoint, num_prompts, prompt_len, max_token
     if note: print(note, file=sys.stderr)
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
-        llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, num_speculative_tokens=args.speculative,
+        llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs,
+                  num_speculative_tokens=args.speculative,
                   async_scheduling=args.async_scheduling, kernels=args.kernels)
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         if args.prompt_len > (m := llm.llm_engine.max_model_len):
-            raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows (max_model_len {m:,})")
+            raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows "
+                             f"(max_model_len {m:,})")
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     except (TypeError, ValueError, OSError) as e: error(str(e))
-    load_test(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))     # warm-up
+    # warm-up
+    load_test(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     s = load_test(llm, prompts, sp)
     machine, date = machine_name(args.device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
     runner = type(llm.llm_engine.runner.model).__name__
-    print(f"{machine}, torch {torch.__version__}, {date}; {ckpt.name}, {runner}, at most {args.max_num_seqs} running")
+    print(f"{machine}, torch {torch.__version__}, {date}; {ckpt.name}, {runner}, "
+          f"at most {args.max_num_seqs} running")
     print(format_load(s))
     if args.json:
-        kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}   # not the callables
-        Path(args.json).write_text(json.dumps(dict(machine=machine, date=date, torch=torch.__version__, checkpoint=str(ckpt),
-                                                   runner=runner, args=kept, **s), indent=1))
+        # not the callables
+        kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}
+        rec = dict(machine=machine, date=date, torch=torch.__version__, checkpoint=str(ckpt),
+                   runner=runner, args=kept, **s)
+        Path(args.json).write_text(json.dumps(rec, indent=1))
     return 0
 
 # %% ../nbs/99_cli.ipynb #41de7728
-def program_name(argv0: str | None = None, # the path the program was started as (default `sys.argv[0]`)
-                ) -> str:
+def program_name(
+    argv0: str | None = None, # the path the program was started as (default `sys.argv[0]`)
+    ) -> str:
     "How to call this program in a usage line: `dsv41` for the console script, else `python -m dsv41_nb`"
     name = Path(sys.argv[0] if argv0 is None else argv0).name
     return name if name.startswith('dsv41') and not name.endswith('.py') else 'python -m dsv41_nb'
@@ -197,42 +228,59 @@ def accounting_command(args, error) -> int:
     return 0
 
 def _serving_args(p: argparse.ArgumentParser):
-    p.add_argument('--checkpoint', help='checkpoint directory (default: the shipped checkpoints/small)')
-    p.add_argument('--speculative', type=int, default=0, metavar='K', help='n-gram speculative decoding with K drafts (default: off)')
-    p.add_argument('--async-scheduling', action='store_true', help="plan and launch each step before the last one's tokens are back")
+    p.add_argument('--checkpoint',
+                   help='checkpoint directory (default: the shipped checkpoints/small)')
+    p.add_argument('--speculative', type=int, default=0, metavar='K',
+                   help='n-gram speculative decoding with K drafts (default: off)')
+    p.add_argument('--async-scheduling', action='store_true',
+                   help="plan and launch each step before the last one's tokens are back")
     p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
     p.add_argument('--device', default='cpu', help='where the model runs (default: cpu)')
-    p.add_argument('--threads', type=int, default=1, help='CPU threads (default: 1; the small model gains nothing from more)')
-    p.add_argument('--kernels', choices=('triton', 'torch'), help='force the Triton kernels or their PyTorch references')
+    p.add_argument('--threads', type=int, default=1,
+                   help='CPU threads (default: 1; the small model gains nothing from more)')
+    p.add_argument('--kernels', choices=('triton', 'torch'),
+                   help='force the Triton kernels or their PyTorch references')
 
 # %% ../nbs/99_cli.ipynb #b7d760e2
 def build_parser() -> argparse.ArgumentParser:
     "The parser: subcommands generate, bench, serve, bench serve and accounting"
     from dsv41_nb.server import add_serve_arguments, serve, add_bench_serve_arguments, bench_serve
-    p = argparse.ArgumentParser(prog=program_name(), description='DeepSeek-V4.1-Flash, notebook by notebook')
+    p = argparse.ArgumentParser(prog=program_name(),
+                                description='DeepSeek-V4.1-Flash, notebook by notebook')
     sub = p.add_subparsers(dest='command', metavar='{generate,bench,serve,accounting}')
     g = sub.add_parser('generate', help='continue a prompt with the small trained model (CPU)')
     g.add_argument('prompt', help='the text to continue')
-    g.add_argument('--max-tokens', type=int, default=64, help='most tokens to generate (default: 64)')
+    g.add_argument('--max-tokens', type=int, default=64,
+                   help='most tokens to generate (default: 64)')
     g.add_argument('--temperature', type=float, default=0.7, help='0 = greedy (default: 0.7)')
     g.add_argument('--top-p', type=float, default=0.95, help='nucleus sampling (default: 0.95)')
-    g.add_argument('--top-k', type=int, default=-1, help='keep the k most likely tokens (default: -1, all)')
+    g.add_argument('--top-k', type=int, default=-1,
+                   help='keep the k most likely tokens (default: -1, all)')
     _serving_args(g); g.set_defaults(func=generate_command, error=g.error)
-    b = sub.add_parser('bench', help='a load test: many prompts at once; throughput and latency percentiles')
+    b = sub.add_parser('bench',
+                       help='a load test: many prompts at once; throughput and latency percentiles')
     b.add_argument('--num-prompts', type=int, default=8, help='requests (default: 8)')
     b.add_argument('--prompt-len', type=int, default=16, help='tokens per prompt (default: 16)')
     b.add_argument('--max-tokens', type=int, default=16, help='tokens per request (default: 16)')
-    b.add_argument('--max-num-seqs', type=int, default=256, help='most requests running at once (default: 256)')
+    b.add_argument('--max-num-seqs', type=int, default=256,
+                   help='most requests running at once (default: 256)')
     b.add_argument('--json', help='also write the results to this file')
     _serving_args(b); b.set_defaults(func=bench_command, error=b.error)
-    s = sub.add_parser('serve', help='an OpenAI-compatible HTTP server on the engine (Ctrl-C stops it)')
+    s = sub.add_parser('serve',
+                       help='an OpenAI-compatible HTTP server on the engine (Ctrl-C stops it)')
     add_serve_arguments(s); s.set_defaults(func=serve, error=s.error)
-    bs = sub.add_parser('bench-serve', prog=f'{program_name()} bench serve',     # `bench serve`, as vLLM spells it
-                        help='(also spelt `bench serve`) a load test of a running OpenAI-compatible server')
+    # `bench serve`, as vLLM spells it
+    bs = sub.add_parser('bench-serve', prog=f'{program_name()} bench serve',
+                        help='(also spelt `bench serve`) a load test of a running '
+                             'OpenAI-compatible server')
     add_bench_serve_arguments(bs); bs.set_defaults(func=bench_serve, error=bs.error)
-    a = sub.add_parser('accounting', help='the accounting of one config and the layer map of another (the default)')
-    a.add_argument('--config', default='full', help="config to account for: full, bench, tiny, or a config.json path (default: full)")
-    a.add_argument('--layers', default='tiny', help="config whose layer map to print (default: tiny)")
+    a = sub.add_parser('accounting', help='the accounting of one config and the layer map '
+                                          'of another (the default)')
+    a.add_argument('--config', default='full',
+                   help="config to account for: full, bench, tiny, "
+                        "or a config.json path (default: full)")
+    a.add_argument('--layers', default='tiny',
+                   help="config whose layer map to print (default: tiny)")
     a.set_defaults(func=accounting_command, error=a.error)
     return p
 
@@ -241,12 +289,15 @@ def main(argv: list | None = None, # command-line arguments (default `sys.argv[1
         ) -> int:
     "The command line: run a subcommand (`accounting` when none is named)"
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or (argv[0].startswith('-') and argv[0] not in ('-h', '--help')): argv = ['accounting', *argv]
-    if argv[:2] == ['bench', 'serve']: argv = ['bench-serve', *argv[2:]]   # a load test of a running server
+    flags_only = not argv or (argv[0].startswith('-') and argv[0] not in ('-h', '--help'))
+    if flags_only: argv = ['accounting', *argv]
+    # a load test of a running server
+    if argv[:2] == ['bench', 'serve']: argv = ['bench-serve', *argv[2:]]
     p = build_parser()
     args = p.parse_args(argv)
     try:
-        code = args.func(args, args.error)                  # the subcommand's parser: its usage line
+        # the subcommand's parser: its usage line
+        code = args.func(args, args.error)
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

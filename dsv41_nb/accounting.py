@@ -41,7 +41,8 @@ def compressed_entries_per_token(c: ModelConfig) -> float:
 
 # %% ../nbs/01a_accounting.ipynb #cfe6e1ef
 def global_kv_bytes_per_token(c: ModelConfig, main: str, index: str | None = None) -> float:
-    "Bytes of compressed main KV (format `main`) and index keys (format `index`, if given) one token adds"
+    ("Bytes of compressed main KV (format `main`) and index keys (format `index`, if given) "
+     "one token adds")
     per_entry = record_bytes(c, main) + (record_bytes(c, index) if index is not None else 0)
     return compressed_entries_per_token(c) * per_entry
 
@@ -52,8 +53,8 @@ def swa_bytes_per_sequence(c: ModelConfig, window: str = 'window_fp8') -> int:
 
 # %% ../nbs/01a_accounting.ipynb #1bb26be6
 DTYPE_BYTES = {'fp4': 0.5, 'fp8': 1, 'e8m0': 1, 'bf16': 2, 'fp32': 4}
-GROUPS = ('attention', 'routed_experts', 'shared_expert', 'dense', 'embedding', 'engram', 'hc', 'norm',
-          'router', 'dspark', 'dspark_experts', 'scales')
+GROUPS = ('attention', 'routed_experts', 'shared_expert', 'dense', 'embedding', 'engram', 'hc',
+          'norm', 'router', 'dspark', 'dspark_experts', 'scales')
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -64,14 +65,16 @@ class TensorSpec:
     group: str  # one of GROUPS
 
     def __post_init__(self):
-        if not isinstance(self.shape, tuple) or not all(isinstance(n, int) and n >= 0 for n in self.shape):
+        if (not isinstance(self.shape, tuple)
+                or not all(isinstance(n, int) and n >= 0 for n in self.shape)):
             raise ValueError(f"TensorSpec {self.name}: shape {self.shape!r} must be a tuple of "
                              f"non-negative ints")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"TensorSpec {self.name}: dtype {self.dtype!r}; expected one of "
                              f"{tuple(DTYPE_BYTES)}")
         if self.group not in GROUPS:
-            raise ValueError(f"TensorSpec {self.name}: group {self.group!r}; expected one of {GROUPS}")
+            raise ValueError(f"TensorSpec {self.name}: group {self.group!r}; "
+                             f"expected one of {GROUPS}")
 
     @property
     def numel(self): return math.prod(self.shape)
@@ -82,7 +85,8 @@ class TensorSpec:
 def _linear(name, out_f, in_f, dtype, group, fp4_block=32, fp8_block=32):
     "A linear weight and, when quantised, its UE8M0 `.scale`"
     w = TensorSpec(f'{name}.weight', (out_f, in_f), dtype, group)
-    if dtype == 'fp4': return [w, TensorSpec(f'{name}.scale', (out_f, in_f // fp4_block), 'e8m0', 'scales')]
+    if dtype == 'fp4':
+        return [w, TensorSpec(f'{name}.scale', (out_f, in_f // fp4_block), 'e8m0', 'scales')]
     if dtype == 'fp8':
         blocks = (math.ceil(out_f / fp8_block), math.ceil(in_f / fp8_block))
         return [w, TensorSpec(f'{name}.scale', blocks, 'e8m0', 'scales')]
@@ -94,7 +98,8 @@ def _norm(name, n, group='norm'): return [TensorSpec(f'{name}.weight', (n,), 'bf
 def _attention_tensors(c: ModelConfig, l: int, a: str):
     "Attention tensors of layer `l` under prefix `a` (compressor and indexer by role)"
     lin, d = c.dtype, c.dim
-    t = _linear(f'{a}.wq_a', c.q_lora_rank, d, lin, 'attention') + _norm(f'{a}.q_norm', c.q_lora_rank)
+    t = (_linear(f'{a}.wq_a', c.q_lora_rank, d, lin, 'attention')
+         + _norm(f'{a}.q_norm', c.q_lora_rank))
     t += _linear(f'{a}.wq_b', c.n_heads * c.head_dim, c.q_lora_rank, lin, 'attention')
     t += _linear(f'{a}.wkv', c.head_dim, d, lin, 'attention') + _norm(f'{a}.kv_norm', c.head_dim)
     group_in = c.n_heads * c.head_dim // c.o_groups                 # one group's slice of the heads
@@ -133,7 +138,8 @@ def _moe_tensors(c: ModelConfig, l: int, f: str, n_experts: int):
 
 # %% ../nbs/01a_accounting.ipynb #17437289
 def _block_tensors(c: ModelConfig, l: int, p: str, n_experts: int):
-    "mHC mixing, norms, attention and MoE tensors of one block (backbone or drafter) under prefix `p`"
+    ("mHC mixing, norms, attention and MoE tensors of one block (backbone or drafter) "
+     "under prefix `p`")
     d, hc, mix = c.dim, c.hc_mult, (2 + c.hc_mult) * c.hc_mult
     t = []
     for sub in ('attn', 'ffn'):
@@ -150,12 +156,14 @@ def _engram_tensors(c: ModelConfig, l: int, p: str):
     cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads   # rows gathered per token
     t = [TensorSpec(f'{p}.engram.embed.weight', (rows, c.engram_head_dim), 'fp8', 'engram'),
          TensorSpec(f'{p}.engram.embed.scale', (rows, c.engram_head_dim // 32), 'e8m0', 'scales')]
-    t += _linear(f'{p}.engram.wkv', c.dim * (c.hc_mult + 1), cols * c.engram_head_dim, c.dtype, 'dense')
+    t += _linear(f'{p}.engram.wkv', c.dim * (c.hc_mult + 1), cols * c.engram_head_dim, c.dtype,
+                 'dense')
     return t + [TensorSpec(f'{p}.engram.q_weight', (c.hc_mult, c.dim), 'bf16', 'norm'),
                 TensorSpec(f'{p}.engram.k_weight', (c.hc_mult, c.dim), 'bf16', 'norm')]
 
 def _drafter_tensors(c: ModelConfig, k: int):
-    "DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): a block with its own experts, plus the heads"
+    ("DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): "
+     "a block with its own experts, plus the heads")
     l, p = c.n_layers + k, f'mtp.{k}'
     keep = lambda s: s if s.group in ('scales', 'dspark_experts') else replace(s, group='dspark')
     t = [keep(s) for s in _block_tensors(c, l, p, c.dspark_n_routed_experts)]
@@ -168,7 +176,8 @@ def _drafter_tensors(c: ModelConfig, k: int):
         markov = (c.vocab_size, c.dspark_markov_rank)
         t += [TensorSpec(f'{p}.markov_head.embed.weight', markov, 'bf16', 'dspark'),
               TensorSpec(f'{p}.markov_head.head.weight', markov, 'bf16', 'dspark'),
-              TensorSpec(f'{p}.confidence_head.proj.weight', (1, c.dim + markov[1]), 'bf16', 'dspark')]
+              TensorSpec(f'{p}.confidence_head.proj.weight', (1, c.dim + markov[1]), 'bf16',
+                         'dspark')]
     return t
 
 # %% ../nbs/01a_accounting.ipynb #9ea2f0c0
@@ -178,8 +187,9 @@ def checkpoint_manifest(c: ModelConfig) -> tuple[TensorSpec, ...]:
 
 @lru_cache(maxsize=8)
 def _manifest(c):
-    t = [TensorSpec('embed.weight', (c.vocab_size, c.dim), 'bf16', 'embedding'),
-         TensorSpec('head.weight', (c.vocab_size, c.dim), 'bf16', 'embedding')] + _norm('norm', c.dim)
+    t = ([TensorSpec('embed.weight', (c.vocab_size, c.dim), 'bf16', 'embedding'),
+          TensorSpec('head.weight', (c.vocab_size, c.dim), 'bf16', 'embedding')]
+         + _norm('norm', c.dim))
     for l in range(c.n_layers):
         if l in c.engram_layer_ids: t += _engram_tensors(c, l, f'layers.{l}')
         t += _block_tensors(c, l, f'layers.{l}', c.n_routed_experts)
@@ -189,8 +199,8 @@ def _manifest(c):
 def params_by_group(manifest) -> dict:
     "Parameter count per group (scale tensors are not parameters)"
     if isinstance(manifest, ModelConfig) or not all(isinstance(s, TensorSpec) for s in manifest):
-        raise TypeError("params_by_group: expected TensorSpecs (from checkpoint_manifest), not a config "
-                        "or other objects")
+        raise TypeError("params_by_group: expected TensorSpecs (from checkpoint_manifest), "
+                        "not a config or other objects")
     out = {}
     for s in manifest:
         if s.group != 'scales': out[s.group] = out.get(s.group, 0) + s.numel
@@ -205,7 +215,8 @@ def expert_params(c: ModelConfig) -> int:
     return 3 * c.dim * c.moe_inter_dim
 
 def active_params_per_token(c: ModelConfig, phase: str = 'decode') -> dict:
-    "Parameters one token touches: decode runs every layer and the LM head; prefill (CED) the encoder half"
+    ("Parameters one token touches: decode runs every layer and the LM head; "
+     "prefill (CED) the encoder half")
     expect_config(c, 'active_params_per_token')
     if phase not in PHASES:
         raise ValueError(f"active_params_per_token: phase = {phase!r}; expected one of {PHASES}")
@@ -217,14 +228,16 @@ def _active_params(c, phase):
     layers = c.n_layers if phase == 'decode' else c.n_layers // 2
     def layer_of(name): return int(name.split('.')[1]) if name.startswith('layers.') else None
     kinds = ('attention', 'router', 'hc', 'norm', 'dense')
-    read = lambda s: (s.group in kinds and '.engram.embed' not in s.name   # Engram rows are gathered
+    read = lambda s: (s.group in kinds
+                      and '.engram.embed' not in s.name   # Engram rows are gathered
                       and layer_of(s.name) is not None and layer_of(s.name) < layers)
     dense = sum(s.numel for s in checkpoint_manifest(c) if read(s))
     head = c.vocab_size * c.dim   # the embedding is a row gather, the LM head a full matrix
     routed = c.n_activated_experts * layers * expert_params(c)
     shared = layers * expert_params(c)
     total = routed + shared + dense + head
-    return tuple(dict(routed=routed, shared=shared, attention_and_dense=dense + head, total=total).items())
+    return tuple(dict(routed=routed, shared=shared, attention_and_dense=dense + head,
+                      total=total).items())
 
 # %% ../nbs/01a_accounting.ipynb #7c9f4c80
 GiB = 2 ** 30
@@ -235,9 +248,11 @@ MEMORY_ROWS = {  # the model card's rows, as predicates on a TensorSpec
     'Engram scales': lambda s: s.group == 'scales' and '.engram.embed' in s.name,
     'attention + norms + routers + mHC': lambda s: s.group in ('attention', 'norm', 'router', 'hc'),
     'embedding + LM head': lambda s: s.group == 'embedding',
-    'shared experts + dense + DSpark dense': lambda s: s.group in ('shared_expert', 'dense', 'dspark'),
+    'shared experts + dense + DSpark dense':
+        lambda s: s.group in ('shared_expert', 'dense', 'dspark'),
     'expert scales': lambda s: s.group == 'scales' and '.experts.' in s.name,
-    'other scales': lambda s: s.group == 'scales' and not ('.experts.' in s.name or 'engram.embed' in s.name),
+    'other scales':
+        lambda s: s.group == 'scales' and not ('.experts.' in s.name or 'engram.embed' in s.name),
 }
 
 def memory_table(c: ModelConfig) -> dict:
@@ -276,10 +291,13 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name}: {k} = {v!r}; expected a positive number")
 
 HARDWARE = {
-    'B300': Hardware('NVIDIA B300', 288e9, 8e12, 'the serving briefing: 288 GB of HBM at 8 TB/s per GPU'),
-    'H200': Hardware('NVIDIA H200', 141e9, 4.8e12, "NVIDIA's H200 datasheet: 141 GB of HBM3e at 4.8 TB/s"),
+    'B300': Hardware('NVIDIA B300', 288e9, 8e12,
+                     'the serving briefing: 288 GB of HBM at 8 TB/s per GPU'),
+    'H200': Hardware('NVIDIA H200', 141e9, 4.8e12,
+                     "NVIDIA's H200 datasheet: 141 GB of HBM3e at 4.8 TB/s"),
     'H200 (measured copy)': Hardware('NVIDIA H200, measured copy', 141e9, 4.3e12,
-                                     'device-to-device copy timed by `copy_bandwidth` on one NVIDIA H200, '
+                                     'device-to-device copy timed by `copy_bandwidth` '
+                                     'on one NVIDIA H200, '
                                      'torch 2.11, Triton 3.6, 2026-11-29'),
 }
 
@@ -287,16 +305,19 @@ HARDWARE = {
 def expert_touch_fraction(batch,  # tokens per step: an int, or an array of ints
                           n_activated: int = 6,  # experts each token visits
                           n_experts: int = 384):  # routed experts per layer
-    "Expected fraction of experts a batch touches, routing each token independently: 1 - (1 - k/n)^B"
+    ("Expected fraction of experts a batch touches, routing each token independently: "
+     "1 - (1 - k/n)^B")
     check_int('expert_touch_fraction', 'n_experts', n_experts, 1)
     check_int('expert_touch_fraction', 'n_activated', n_activated, 1)
     if n_activated > n_experts:
-        raise ValueError(f"expert_touch_fraction: n_activated = {n_activated} > n_experts = {n_experts}")
+        raise ValueError(f"expert_touch_fraction: n_activated = {n_activated} "
+                         f"> n_experts = {n_experts}")
     b = np.asarray(batch)
     if b.dtype.kind not in 'iu':
         raise TypeError(f"expert_touch_fraction: batch must be a token count (int), got {batch!r}")
     if (b < 0).any():
-        raise ValueError(f"expert_touch_fraction: batch = {batch}; a token count cannot be negative")
+        raise ValueError(f"expert_touch_fraction: batch = {batch}; "
+                         f"a token count cannot be negative")
     return 1 - (1 - n_activated / n_experts) ** batch
 
 # %% ../nbs/01a_accounting.ipynb #658ac661
@@ -304,25 +325,31 @@ def decode_floor(c: ModelConfig,
                  hw: Hardware,  # the accelerator: its bandwidth sets the floor
                  batch: int = 1,  # tokens per decode step
                  ranks: int = 8,  # GPUs: attention data-parallel (replicated), experts split evenly
-                 dense_bytes_per_param: float = 1 + 1 / 32,  # FP8 + a UE8M0 per 32, as the briefing counts
+                 # FP8 + a UE8M0 per 32, as the briefing counts
+                 dense_bytes_per_param: float = 1 + 1 / 32,
                 ) -> dict:
     "Seconds per decode step one rank needs to read its weights (DP attention + EP experts)"
     if not isinstance(hw, Hardware):
         raise TypeError(f"decode_floor: hw must be a Hardware (see HARDWARE), got {hw!r}")
     check_int('decode_floor', 'batch', batch, 0); check_int('decode_floor', 'ranks', ranks, 1)
     if not dense_bytes_per_param > 0:
-        raise ValueError(f"decode_floor: dense_bytes_per_param = {dense_bytes_per_param}; expected > 0")
+        raise ValueError(f"decode_floor: dense_bytes_per_param = {dense_bytes_per_param}; "
+                         f"expected > 0")
     act = active_params_per_token(c, 'decode')
-    dense = (act['attention_and_dense'] + act['shared']) * dense_bytes_per_param   # replicated on each rank
-    expert_bytes = expert_params(c) * (0.5 + 1 / 32)                              # MXFP4 + one UE8M0 per 32
+    # replicated on each rank
+    dense = (act['attention_and_dense'] + act['shared']) * dense_bytes_per_param
+    # MXFP4 + one UE8M0 per 32
+    expert_bytes = expert_params(c) * (0.5 + 1 / 32)
     experts_per_rank = c.n_routed_experts * c.n_layers * expert_bytes / ranks
-    touched = experts_per_rank * expert_touch_fraction(batch, c.n_activated_experts, c.n_routed_experts)
+    touched = experts_per_rank * expert_touch_fraction(batch, c.n_activated_experts,
+                                                       c.n_routed_experts)
     return dict(dense_bytes=dense, expert_bytes=touched, seconds=(dense + touched) / hw.bandwidth,
                 dense_seconds=dense / hw.bandwidth, expert_seconds=touched / hw.bandwidth)
 
 # %% ../nbs/01a_accounting.ipynb #4f482052
 def _quoted_range(quoted: str) -> tuple:
-    "(low, high, unit of the last digit) of a figure as a source prints it: '1,530', '~12', '63%', '4-5'"
+    ("(low, high, unit of the last digit) of a figure as a source prints it: "
+     "'1,530', '~12', '63%', '4-5'")
     pct, text = quoted.endswith('%'), quoted.lstrip('~').rstrip('%').replace(',', '')
     m = re.fullmatch(r'(-?\d+(?:\.\d*)?)(?:-(\d+(?:\.\d*)?))?', text)   # a number, or a range 'a-b'
     if not m: raise ValueError(f"agreement: cannot read {quoted!r} as a number or a range a-b")
@@ -333,7 +360,8 @@ def agreement(computed: float, shown: str, quoted: str) -> str:
     "How a computed figure (printed as `shown`) compares with a source's `quoted` one"
     if not quoted: return ''
     lo, hi, unit = _quoted_range(quoted)
-    if lo < hi: return 'same' if lo <= computed <= hi else 'differs: see notebook'   # a range: no slack
+    # a range: no slack
+    if lo < hi: return 'same' if lo <= computed <= hi else 'differs: see notebook'
     if shown == quoted.lstrip('~'): return 'same'
     return 'rounding' if abs(computed - lo) <= unit else 'differs: see notebook'
 
@@ -342,10 +370,12 @@ ROW_HEADER = ('quantity', 'computed', 'source says', 'source', 'check')
 _WORST = ('differs: see notebook', 'rounding', 'same')
 
 def _row(quantity, values, fmt, quoted, source, compare=True):
-    "A table row: `values` (one or a tuple) printed with `fmt`; `quoted` as the source prints it ('a / b')"
+    ("A table row: `values` (one or a tuple) printed with `fmt`; "
+     "`quoted` as the source prints it ('a / b')")
     values = values if isinstance(values, tuple) else (values,)
     shown = [fmt.format(v) for v in values]
-    checks = [agreement(v, s, q) for v, s, q in zip(values, shown, quoted.split(' / '))] if quoted else []
+    checks = ([agreement(v, s, q) for v, s, q in zip(values, shown, quoted.split(' / '))]
+              if quoted else [])
     check = next((k for k in _WORST if k in checks), '') if compare else ''
     return (quantity, ' / '.join(shown), quoted, source, check)
 
@@ -356,19 +386,23 @@ def _cache_rows(c: ModelConfig) -> list[tuple]:
     "(quantity, computed, format, source's figure, source) for cache bytes"
     ds = global_kv_bytes_per_token(c, 'ds_fp4', 'index_mxfp4')
     vl = global_kv_bytes_per_token(c, 'fp8_ds_mla')
-    widths = tuple(record_bytes(c, n) for n in ('window_fp8', 'fp8_ds_mla', 'ds_fp4', 'index_mxfp4'))
+    widths = tuple(record_bytes(c, n)
+                   for n in ('window_fp8', 'fp8_ds_mla', 'ds_fp4', 'index_mxfp4'))
     mb = lambda tokens: (ds * tokens / 1e6, vl * tokens / 1e6)
     return [
-        ('window_fp8 / fp8_ds_mla / ds_fp4 / index_mxfp4 record (B)', widths, '{}', '528 / 584 / 288 / 68',
-         'inference path; KV cache life'),
-        ('NVFP4 (ds_fp4) KV smaller than FP8 (window_fp8)', record_saving(c, 'ds_fp4', 'window_fp8'),
-         '{:.0%}', '45%', 'throughput news'),
+        ('window_fp8 / fp8_ds_mla / ds_fp4 / index_mxfp4 record (B)', widths, '{}',
+         '528 / 584 / 288 / 68', 'inference path; KV cache life'),
+        ('NVFP4 (ds_fp4) KV smaller than FP8 (window_fp8)',
+         record_saving(c, 'ds_fp4', 'window_fp8'), '{:.0%}', '45%', 'throughput news'),
         ('compressed entries per token', compressed_entries_per_token(c), '{:g}', '2.5', _BRIEFING),
         ('global KV per token, DeepSeek layout (B)', ds, '{:,.0f}', '890', _BRIEFING),
         ('main KV per token, vLLM fp8_ds_mla (B)', vl, '{:,.0f}', '1,460', _BRIEFING),
-        ('KV per 128K-token sequence, DeepSeek / vLLM (MB)', mb(2**17), '{:,.0f}', '117 / 191', _BRIEFING),
-        ('KV per 1M-token sequence, DeepSeek / vLLM (MB)', mb(2**20), '{:,.0f}', '933 / 1,530', _BRIEFING),
-        ('window caches per sequence, any length (MB)', swa_bytes_per_sequence(c) / 1e6, '{:.2f}', '', ''),
+        ('KV per 128K-token sequence, DeepSeek / vLLM (MB)', mb(2**17), '{:,.0f}', '117 / 191',
+         _BRIEFING),
+        ('KV per 1M-token sequence, DeepSeek / vLLM (MB)', mb(2**20), '{:,.0f}', '933 / 1,530',
+         _BRIEFING),
+        ('window caches per sequence, any length (MB)', swa_bytes_per_sequence(c) / 1e6, '{:.2f}',
+         '', ''),
     ]
 
 # %% ../nbs/01a_accounting.ipynb #b57d0ddb
@@ -380,10 +414,10 @@ def _parameter_rows(c: ModelConfig) -> list[tuple]:
     backbone = sum(v for k, v in g.items() if k not in ('engram', 'dspark', 'dspark_experts')) / 1e9
     return [
         ('parameters per expert (M)', expert_params(c) / 1e6, '{:.1f}', '35.4', _BRIEFING),
-        ('routed experts: backbone / with DSpark (B)', (routed, routed + drafter), '{:.1f}', '544 / 557.2',
-         _BRIEFING),
-        ('backbone / Engram parameters (B)', (backbone, g.get('engram', 0) / 1e9), '{:.1f}', '552 / 196.6',
-         _CARD),
+        ('routed experts: backbone / with DSpark (B)', (routed, routed + drafter), '{:.1f}',
+         '544 / 557.2', _BRIEFING),
+        ('backbone / Engram parameters (B)', (backbone, g.get('engram', 0) / 1e9), '{:.1f}',
+         '552 / 196.6', _CARD),
         ('active per decode token: routed / shared (B)', (act['routed'] / 1e9, act['shared'] / 1e9),
          '{:.2f}', '8.5 / 1.4', _BRIEFING),
         ('attention and dense weights per decode token (B)', act['attention_and_dense'] / 1e9,
@@ -394,11 +428,13 @@ def _parameter_rows(c: ModelConfig) -> list[tuple]:
 
 # %% ../nbs/01a_accounting.ipynb #2558837e
 def _checkpoint_and_floor_rows(c: ModelConfig) -> list[tuple]:
-    "(quantity, computed, format, source's figure, source) for the checkpoint, Engram and decode floors"
+    ("(quantity, computed, format, source's figure, source) "
+     "for the checkpoint, Engram and decode floors")
     mem = memory_table(c)
     ms = lambda hw, batch: decode_floor(c, HARDWARE[hw], batch)['seconds'] * 1e3
     dense_gb = decode_floor(c, HARDWARE['B300'])['dense_bytes'] / 1e9
-    touch = tuple(expert_touch_fraction(b, c.n_activated_experts, c.n_routed_experts) for b in (64, 256))
+    touch = tuple(expert_touch_fraction(b, c.n_activated_experts, c.n_routed_experts)
+                  for b in (64, 256))
     engram = (engram_gathers_per_token(c), engram_bytes_per_token(c, False) / 1024)
     return [
         ('experts (routed + DSpark) / Engram tables (GiB)', (mem['routed + DSpark experts'],
@@ -407,8 +443,8 @@ def _checkpoint_and_floor_rows(c: ModelConfig) -> list[tuple]:
         ('checkpoint size (GiB)', mem['total'], '{:.1f}', '476', _CARD),
         ('Engram: rows per module / KiB per token', engram, '{:g}', '24 / ~12', _BRIEFING),
         ('dense weights read per decode step per rank (GB)', dense_gb, '{:.1f}', '7.6', _BRIEFING),
-        ('decode floor, B300 DP8: batch 1 / all experts (ms)', (ms('B300', 1), ms('B300', 4096)), '{:.2f}',
-         '~1 / 4-5', _BRIEFING),
+        ('decode floor, B300 DP8: batch 1 / all experts (ms)', (ms('B300', 1), ms('B300', 4096)),
+         '{:.2f}', '~1 / 4-5', _BRIEFING),
         ('decode floor, H200 DP8: batch 1 / all experts (ms)', (ms('H200', 1), ms('H200', 4096)),
          '{:.2f}', '', 'H200 datasheet (bandwidth)'),
         ('experts touched at B = 64 / 256', touch, '{:.0%}', '63% / 98%', _BRIEFING),
@@ -416,8 +452,10 @@ def _checkpoint_and_floor_rows(c: ModelConfig) -> list[tuple]:
 
 # %% ../nbs/01a_accounting.ipynb #22a78502
 def accounting_rows(c: ModelConfig) -> list[tuple]:
-    "(quantity, computed, source says, source, check) for the headline figures of `c` (see `ROW_HEADER`)"
-    compare = expect_config(c, 'accounting_rows') == ModelConfig.full()   # the sources describe the release
+    ("(quantity, computed, source says, source, check) for the headline figures of `c` "
+     "(see `ROW_HEADER`)")
+    # the sources describe the release
+    compare = expect_config(c, 'accounting_rows') == ModelConfig.full()
     figures = _cache_rows(c) + _parameter_rows(c) + _checkpoint_and_floor_rows(c)
     return [_row(*r, compare=compare) for r in figures]
 

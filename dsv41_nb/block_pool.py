@@ -24,19 +24,27 @@ __all__ = ['PAD_SLOT_ID', 'NULL_BLOCK_ID', 'NONE_HASH', 'TOKEN_ID_LIMIT', 'KVCac
 
 # %% ../nbs/02a_block_pool.ipynb #61bf7f3b
 class KVCacheBlock:
-    "One page of the pool: its id, how many block tables hold it, and its prefix identity if registered"
-    __slots__ = ('block_id', 'ref_cnt', 'block_hash', 'prev_free_block', 'next_free_block', 'is_null')
+    ("One page of the pool: its id, how many block tables hold it, "
+     "and its prefix identity if registered")
+    __slots__ = ('block_id', 'ref_cnt', 'block_hash', 'prev_free_block', 'next_free_block',
+                 'is_null')
     def __init__(self, block_id: int): # the page this block names
         self.block_id, self.ref_cnt, self.block_hash, self.is_null = block_id, 0, None, False
-        self.prev_free_block = self.next_free_block = None   # links of the free queue (None: not in it)
+        # links of the free queue (None: not in it)
+        self.prev_free_block = self.next_free_block = None
     def __repr__(self):
-        h = '' if self.block_hash is None else f', hash={self.block_hash[0].hex()[:8]}/g{self.block_hash[1]}'
-        return f"KVCacheBlock({self.block_id}{', null' if self.is_null else ''}, ref={self.ref_cnt}{h})"
+        h = ('' if self.block_hash is None
+             else f', hash={self.block_hash[0].hex()[:8]}/g{self.block_hash[1]}')
+        return (f"KVCacheBlock({self.block_id}{', null' if self.is_null else ''}, "
+                f"ref={self.ref_cnt}{h})")
 
 # %% ../nbs/02a_block_pool.ipynb #c353c332
 class FreeKVCacheBlockQueue:
-    "Free blocks in eviction order (head = next to be reused), a doubly linked list with O(1) operations"
-    def __init__(self, blocks: Sequence[KVCacheBlock]): # the blocks, all free, in their initial order
+    ("Free blocks in eviction order (head = next to be reused), "
+     "a doubly linked list with O(1) operations")
+    def __init__(self,
+                 blocks: Sequence[KVCacheBlock], # the blocks, all free, in their initial order
+                ):
         self.num_free_blocks = len(blocks)
         self.fake_head, self.fake_tail = KVCacheBlock(-1), KVCacheBlock(-1)
         prev = self.fake_head
@@ -65,7 +73,8 @@ def remove(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block now in t
 @patch
 def append(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
     "Put `block` at the tail: evicted last"
-    if block.prev_free_block is not None: raise ValueError(f"block {block.block_id} is already in the free queue")
+    if block.prev_free_block is not None:
+        raise ValueError(f"block {block.block_id} is already in the free queue")
     last = self.fake_tail.prev_free_block
     last.next_free_block, block.prev_free_block = block, last
     block.next_free_block, self.fake_tail.prev_free_block = self.fake_tail, block
@@ -74,7 +83,8 @@ def append(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in t
 @patch
 def prepend(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
     "Put `block` at the head: reused first"
-    if block.prev_free_block is not None: raise ValueError(f"block {block.block_id} is already in the free queue")
+    if block.prev_free_block is not None:
+        raise ValueError(f"block {block.block_id} is already in the free queue")
     first = self.fake_head.next_free_block
     self.fake_head.next_free_block, block.prev_free_block = block, self.fake_head
     block.next_free_block, first.prev_free_block = first, block
@@ -91,8 +101,10 @@ def popleft(self: FreeKVCacheBlockQueue) -> KVCacheBlock:
 @patch
 def popleft_n(self: FreeKVCacheBlockQueue, n: int) -> list: # how many blocks, 0 <= n <= len(self)
     "Take the first `n` blocks, head first"
-    if not (_is_int(n) and n >= 0): raise ValueError(f"popleft_n: n = {n!r}; expected an integer >= 0")
-    if n > self.num_free_blocks: raise ValueError(f"asked for {n} free blocks; the free queue holds {self.num_free_blocks}")
+    if not (_is_int(n) and n >= 0):
+        raise ValueError(f"popleft_n: n = {n!r}; expected an integer >= 0")
+    if n > self.num_free_blocks:
+        raise ValueError(f"asked for {n} free blocks; the free queue holds {self.num_free_blocks}")
     out, b = [], self.fake_head.next_free_block
     for _ in range(n):
         out.append(b); nxt = b.next_free_block
@@ -108,30 +120,36 @@ class BlockPool:
                  enable_caching: bool = True, # register and look up prefix hashes
                  enable_kv_cache_events: bool = False): # queue events for take_events()
         if not (_is_int(num_blocks) and num_blocks >= 2):
-            raise ValueError(f"num_blocks = {num_blocks!r}; the pool needs the null block plus at least one more")
+            raise ValueError(f"num_blocks = {num_blocks!r}; "
+                             f"the pool needs the null block plus at least one more")
         self.num_blocks, self.enable_caching = int(num_blocks), enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict = {}   # (hash, group id) -> block, or {block_id: block} when several share it
+        # (hash, group id) -> block, or {block_id: block} when several share it
+        self.cached_block_hash_to_block: dict = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        self.enable_kv_cache_events, self.kv_event_queue, self._subscribers = enable_kv_cache_events, [], []
+        self.enable_kv_cache_events, self.kv_event_queue, self._subscribers = (
+            enable_kv_cache_events, [], [])
 
     def get_num_free_blocks(self) -> int: return self.free_block_queue.num_free_blocks
     @property
     def num_usable_blocks(self) -> int: return self.num_blocks - 1
     @property
-    def num_used_blocks(self) -> int: return self.num_usable_blocks - self.free_block_queue.num_free_blocks
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.free_block_queue.num_free_blocks
     def get_usage(self) -> float: return self.num_used_blocks / self.num_usable_blocks
 
 # %% ../nbs/02a_block_pool.ipynb #3d23ff6b
 @patch
 def get_new_blocks(self: BlockPool, num_blocks: int) -> list: # how many blocks, >= 0
-    "Take `num_blocks` blocks from the head of the free queue, dropping any cached identity they had"
+    ("Take `num_blocks` blocks from the head of the free queue, "
+     "dropping any cached identity they had")
     if not (_is_int(num_blocks) and num_blocks >= 0):
         raise ValueError(f"get_new_blocks: num_blocks = {num_blocks!r}; expected an integer >= 0")
     if num_blocks > self.free_block_queue.num_free_blocks:
-        raise ValueError(f"cannot get {num_blocks} free blocks from the pool: only {self.free_block_queue.num_free_blocks} are free")
+        raise ValueError(f"cannot get {num_blocks} free blocks from the pool: "
+                         f"only {self.free_block_queue.num_free_blocks} are free")
     out = self.free_block_queue.popleft_n(num_blocks)
     for b in out:
         assert b.ref_cnt == 0, f"block {b.block_id} was in the free queue with ref_cnt {b.ref_cnt}"
@@ -141,11 +159,15 @@ def get_new_blocks(self: BlockPool, num_blocks: int) -> list: # how many blocks,
 
 # %% ../nbs/02a_block_pool.ipynb #c59bab7f
 @patch
-def free_blocks(self: BlockPool, ordered_blocks: Iterable[KVCacheBlock]): # a request's blocks, tail first
-    "Drop one reference from each block, in the order given; blocks reaching 0 rejoin the free queue"
+def free_blocks(self: BlockPool,
+                ordered_blocks: Iterable[KVCacheBlock], # a request's blocks, tail first
+               ):
+    ("Drop one reference from each block, in the order given; "
+     "blocks reaching 0 rejoin the free queue")
     blocks = [b for b in ordered_blocks if not b.is_null]
     for b in blocks:
-        if b.ref_cnt <= 0: raise ValueError(f"block {b.block_id} freed with ref_cnt {b.ref_cnt}: freed twice")
+        if b.ref_cnt <= 0:
+            raise ValueError(f"block {b.block_id} freed with ref_cnt {b.ref_cnt}: freed twice")
     q = self.free_block_queue
     for b in blocks:
         b.ref_cnt -= 1
@@ -155,7 +177,9 @@ def free_blocks(self: BlockPool, ordered_blocks: Iterable[KVCacheBlock]): # a re
 
 # %% ../nbs/02a_block_pool.ipynb #14c9dc3b
 @patch
-def touch(self: BlockPool, blocks: Iterable[KVCacheBlock]): # prefix-hit blocks (the null block is skipped)
+def touch(self: BlockPool,
+          blocks: Iterable[KVCacheBlock], # prefix-hit blocks (the null block is skipped)
+         ):
     "Claim prefix-hit blocks: ref_cnt + 1, out of the free queue if they were free"
     q = self.free_block_queue
     for b in blocks:
@@ -164,8 +188,13 @@ def touch(self: BlockPool, blocks: Iterable[KVCacheBlock]): # prefix-hit blocks 
         b.ref_cnt += 1
 
 # %% ../nbs/02a_block_pool.ipynb #ebf49484
-def reference_slot_mapping(block_ids: Sequence[int], positions: Sequence[int], block_size: int, ratio: int = 1) -> list:
-    "Per-token slots, one at a time (ratio 1: one record per token; ratio r: states, -1 where no state completes) (a test oracle)"
+def reference_slot_mapping(block_ids: Sequence[int], # a block table
+                           positions: Sequence[int], # positions being written
+                           block_size: int, # tokens per block
+                           ratio: int = 1, # tokens per record
+                          ) -> list:
+    ("Per-token slots, one at a time (ratio 1: one record per token; "
+     "ratio r: states, -1 where no state completes) (a test oracle)")
     out = []
     for p in positions:
         if (p + 1) % ratio: out.append(-1); continue
@@ -179,9 +208,11 @@ NULL_BLOCK_ID = 0  # the null block's id
 
 def _check_geometry(fn, block_size, ratio=1):
     for name, v in (('block_size', block_size), ('ratio', ratio)):
-        if not _positive_int(v): raise ValueError(f"{fn}: {name} = {v!r}; expected a positive integer")
+        if not _positive_int(v):
+            raise ValueError(f"{fn}: {name} = {v!r}; expected a positive integer")
     if block_size % ratio:
-        raise ValueError(f"{fn}: block_size {block_size} is not a multiple of ratio {ratio}: a block must hold whole states")
+        raise ValueError(f"{fn}: block_size {block_size} is not a multiple of ratio {ratio}: "
+                         f"a block must hold whole states")
 
 def _index_tensor(fn, name, x, lowest=0) -> torch.Tensor:
     t = torch.as_tensor(x if isinstance(x, (torch.Tensor, np.ndarray)) else list(x))
@@ -189,16 +220,19 @@ def _index_tensor(fn, name, x, lowest=0) -> torch.Tensor:
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{fn}: {name} must be integers, got {t.dtype}")
     if t.dim() != 1: raise ValueError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}")
-    if int(t.min()) < lowest: raise ValueError(f"{fn}: {name} contains {int(t.min())}; expected values >= {lowest}")
+    if int(t.min()) < lowest:
+        raise ValueError(f"{fn}: {name} contains {int(t.min())}; expected values >= {lowest}")
     return t.long()
 
 def _check_table(bt, idx, what):
     if len(idx) == 0: return
     hi = int(idx.max())
-    if hi >= len(bt): raise ValueError(f"{what} needs table entry {hi} but the block table has {len(bt)} entries")
+    if hi >= len(bt):
+        raise ValueError(f"{what} needs table entry {hi} but the block table has {len(bt)} entries")
     if (bt[idx] == NULL_BLOCK_ID).any():
         j = int(idx[bt[idx] == NULL_BLOCK_ID][0])
-        raise ValueError(f"{what}: table entry {j} is the null block (released behind the window, or never allocated)")
+        raise ValueError(f"{what}: table entry {j} is the null block "
+                         f"(released behind the window, or never allocated)")
 
 # %% ../nbs/02a_block_pool.ipynb #3b7a2a55
 def slot_mapping(block_ids, # (blocks,) a block table
@@ -206,15 +240,18 @@ def slot_mapping(block_ids, # (blocks,) a block table
                  block_size: int) -> torch.Tensor:
     "Token-granular write slots: block_ids[p // block_size] * block_size + p % block_size"
     _check_geometry('slot_mapping', block_size)
-    bt, pos = _index_tensor('slot_mapping', 'block_ids', block_ids), _index_tensor('slot_mapping', 'positions', positions)
+    bt, pos = (_index_tensor('slot_mapping', 'block_ids', block_ids),
+               _index_tensor('slot_mapping', 'positions', positions))
     idx = pos // block_size
     _check_table(bt, idx, 'slot_mapping')
     return bt[idx] * block_size + pos % block_size    # (tokens,)
 
 def compressed_state_slots(block_ids, # (blocks,) a block table
-                           state_indices, # (n,) compressed-state indices (top-k selections); -1 = none
+                           # (n,) compressed-state indices (top-k selections); -1 = none
+                           state_indices,
                            block_size: int, ratio: int) -> torch.Tensor:
-    "Slots of compressed states: state i at block_ids[i // (bs/r)] * (bs/r) + i % (bs/r); -1 stays -1"
+    ("Slots of compressed states: state i at block_ids[i // (bs/r)] * (bs/r) + i % (bs/r); "
+     "-1 stays -1")
     _check_geometry('compressed_state_slots', block_size, ratio)
     per = block_size // ratio
     bt = _index_tensor('compressed_state_slots', 'block_ids', block_ids)
@@ -222,13 +259,16 @@ def compressed_state_slots(block_ids, # (blocks,) a block table
     valid = st >= 0
     idx = torch.where(valid, st, 0) // per
     _check_table(bt, idx[valid], 'compressed_state_slots')
-    return torch.where(valid, bt[idx] * per + st % per, PAD_SLOT_ID) if len(bt) else torch.full_like(st, PAD_SLOT_ID)   # (n,)
+    # (n,)
+    return (torch.where(valid, bt[idx] * per + st % per, PAD_SLOT_ID) if len(bt)
+            else torch.full_like(st, PAD_SLOT_ID))
 
 # %% ../nbs/02a_block_pool.ipynb #fb371e43
 def compressed_slot_mapping(block_ids, # (blocks,) a block table
                             positions, # (tokens,) positions being computed, >= 0
                             block_size: int, ratio: int) -> torch.Tensor:
-    "Per-token write slots of a ratio-r compressed cache: the slot of state p // r where (p+1) % r == 0, else PAD_SLOT_ID"
+    ("Per-token write slots of a ratio-r compressed cache: "
+     "the slot of state p // r where (p+1) % r == 0, else PAD_SLOT_ID")
     _check_geometry('compressed_slot_mapping', block_size, ratio)
     pos = _index_tensor('compressed_slot_mapping', 'positions', positions)
     state = torch.where((pos + 1) % ratio == 0, pos // ratio, -1)
@@ -238,62 +278,84 @@ def ring_slot_mapping(ring_block_id: int, # the request's one ring block
                       positions, # (tokens,) positions being computed, >= 0
                       ratio: int) -> torch.Tensor:
     "Per-token ring entries: ring_block_id * ratio + p % ratio"
-    if not _positive_int(ratio): raise ValueError(f"ring_slot_mapping: ratio = {ratio!r}; expected a positive integer")
+    if not _positive_int(ratio):
+        raise ValueError(f"ring_slot_mapping: ratio = {ratio!r}; expected a positive integer")
     if not _positive_int(ring_block_id):
-        raise ValueError(f"ring_slot_mapping: ring_block_id = {ring_block_id!r}; the request has no ring block")
-    return ring_block_id * ratio + _index_tensor('ring_slot_mapping', 'positions', positions) % ratio   # (tokens,)
+        raise ValueError(f"ring_slot_mapping: ring_block_id = {ring_block_id!r}; "
+                         f"the request has no ring block")
+    # (tokens,)
+    return (ring_block_id * ratio
+            + _index_tensor('ring_slot_mapping', 'positions', positions) % ratio)
 
 # %% ../nbs/02a_block_pool.ipynb #805e98cc
 NONE_HASH = hashlib.sha256(b'dsv41-nb: the empty prefix').digest()  # parent of every first block
 TOKEN_ID_LIMIT = 1 << 32  # ids are serialised as uint32
 
 def check_token_ids(token_ids, # a sequence, numpy array or 1-D tensor of integer ids
-                    vocab_size: int | None = None, # ids must be < this (None: < 2**32, the serialisation's limit)
+                    # ids must be < this (None: < 2**32, the serialisation's limit)
+                    vocab_size: int | None = None,
                     first_position: int = 0): # position of the first id, for the message
-    "Raise TypeError for ids that are not integers, ValueError naming the first id outside 0..vocab_size-1 and its position"
+    ("Raise TypeError for ids that are not integers, "
+     "ValueError naming the first id outside 0..vocab_size-1 and its position")
     limit = TOKEN_ID_LIMIT if vocab_size is None else vocab_size
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+        if (token_ids.dtype.is_floating_point or token_ids.dtype.is_complex
+                or token_ids.dtype == torch.bool):
             raise TypeError(f"token ids have dtype {token_ids.dtype}; expected an integer dtype")
         token_ids = token_ids.detach().cpu().numpy()
     if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, '__len__'):
         raise TypeError(f"token ids must be a sequence of integers, got {type(token_ids).__name__}")
-    if getattr(token_ids, 'ndim', 1) != 1: raise ValueError(f"token ids must be 1-D, got shape {tuple(token_ids.shape)}")
+    if getattr(token_ids, 'ndim', 1) != 1:
+        raise ValueError(f"token ids must be 1-D, got shape {tuple(token_ids.shape)}")
     if not (isinstance(token_ids, np.ndarray) and token_ids.dtype.kind in 'iu'):
         for i, t in enumerate(token_ids):
             if not isinstance(t, (int, np.integer)) or isinstance(t, (bool, np.bool_)):
-                raise TypeError(f"token id {t!r} at position {first_position + i} has type {type(t).__name__}; expected an integer")
+                raise TypeError(f"token id {t!r} at position {first_position + i} "
+                                f"has type {type(t).__name__}; expected an integer")
     a = np.asarray(token_ids) if len(token_ids) else np.zeros(0, dtype=np.int64)
     if a.dtype.kind in 'iu': bad = np.flatnonzero((a < 0) | (a >= limit))
-    else: bad = [i for i, t in enumerate(token_ids) if not 0 <= t < limit]        # ids beyond int64: Python ints
+    else:  # ids beyond int64: Python ints
+        bad = [i for i, t in enumerate(token_ids) if not 0 <= t < limit]
     if len(bad):
-        i = int(bad[0]); what = f"expected 0 <= id < vocab_size = {vocab_size}" if vocab_size is not None else "expected 0 <= id < 2**32"
-        raise ValueError(f"token id {int(token_ids[i])} at position {first_position + i} is outside the vocabulary: {what}")
+        i = int(bad[0])
+        what = (f"expected 0 <= id < vocab_size = {vocab_size}" if vocab_size is not None
+                else "expected 0 <= id < 2**32")
+        raise ValueError(f"token id {int(token_ids[i])} at position {first_position + i} "
+                         f"is outside the vocabulary: {what}")
 
 # %% ../nbs/02a_block_pool.ipynb #438ba09b
-def pack_extra_keys(extra_keys: Sequence = ()) -> bytes: # image hashes, cache salt: str, bytes or int each
+def pack_extra_keys(extra_keys: Sequence = (), # image hashes, cache salt: str, bytes or int each
+                   ) -> bytes:
     "Deterministic bytes for a block's extra keys"
     if isinstance(extra_keys, (str, bytes, bytearray)) or not hasattr(extra_keys, '__iter__'):
-        raise TypeError(f"extra keys must be a sequence of keys, got {type(extra_keys).__name__} {extra_keys!r}")
+        raise TypeError(f"extra keys must be a sequence of keys, "
+                        f"got {type(extra_keys).__name__} {extra_keys!r}")
     out = []
     for k in extra_keys:
         if isinstance(k, str): b = k.encode(); out.append(b's' + struct.pack('<I', len(b)) + b)
-        elif isinstance(k, (bytes, bytearray)): out.append(b'b' + struct.pack('<I', len(k)) + bytes(k))
+        elif isinstance(k, (bytes, bytearray)):
+            out.append(b'b' + struct.pack('<I', len(k)) + bytes(k))
         elif isinstance(k, int) and not isinstance(k, bool): out.append(b'i' + struct.pack('<q', k))
-        else: raise TypeError(f"extra key {k!r} has type {type(k).__name__}; expected str, bytes or int")
+        else:
+            raise TypeError(f"extra key {k!r} has type {type(k).__name__}; "
+                            f"expected str, bytes or int")
     return b''.join(out)
 
-def hash_block_tokens(parent_block_hash: bytes | None, # the previous block's hash; None for the first block
-                      token_ids: Sequence[int], # the block's token ids
-                      extra_keys: Sequence = (), # image hashes / cache salt that also decide the block's content
-                      vocab_size: int | None = None # if given, ids are checked against it (else against 2**32)
-                     ) -> bytes:
+def hash_block_tokens(
+    parent_block_hash: bytes | None, # the previous block's hash; None for the first block
+    token_ids: Sequence[int], # the block's token ids
+    extra_keys: Sequence = (), # image hashes / cache salt that also decide the block's content
+    vocab_size: int | None = None # if given, ids are checked against it (else against 2**32)
+) -> bytes:
     "SHA-256 of (parent, token ids, extra keys): the block's prefix identity"
-    if parent_block_hash is not None and not (isinstance(parent_block_hash, bytes) and len(parent_block_hash) == 32):
-        raise TypeError(f"parent_block_hash must be None or a 32-byte hash, got {parent_block_hash!r:.60}")
+    if (parent_block_hash is not None
+            and not (isinstance(parent_block_hash, bytes) and len(parent_block_hash) == 32)):
+        raise TypeError(f"parent_block_hash must be None or a 32-byte hash, "
+                        f"got {parent_block_hash!r:.60}")
     check_token_ids(token_ids, vocab_size)
     h = hashlib.sha256(parent_block_hash or NONE_HASH)
-    h.update(struct.pack('<I', len(token_ids))); h.update(np.asarray(token_ids, dtype='<u4').tobytes())
+    h.update(struct.pack('<I', len(token_ids)))
+    h.update(np.asarray(token_ids, dtype='<u4').tobytes())
     h.update(pack_extra_keys(extra_keys))
     return h.digest()
 
@@ -320,8 +382,10 @@ class ImageSpan:
     mm_hash: str  # content hash of the image (also the encoder-cache key)
     def __post_init__(self):
         if not (_is_int(self.offset) and self.offset >= 0 and _positive_int(self.length)):
-            raise ValueError(f"ImageSpan(offset={self.offset!r}, length={self.length!r}); expected offset >= 0 and length >= 1")
-        if not isinstance(self.mm_hash, str): raise TypeError(f"ImageSpan.mm_hash must be a str, got {type(self.mm_hash).__name__}")
+            raise ValueError(f"ImageSpan(offset={self.offset!r}, length={self.length!r}); "
+                             f"expected offset >= 0 and length >= 1")
+        if not isinstance(self.mm_hash, str):
+            raise TypeError(f"ImageSpan.mm_hash must be a str, got {type(self.mm_hash).__name__}")
 
 # %% ../nbs/02a_block_pool.ipynb #c961e7b7
 _U32, _BIG_ENDIAN = struct.Struct('<I'), sys.byteorder == 'big'
@@ -331,19 +395,32 @@ class Request:
     "What the KV cache needs to know about one request (the scheduler's request extends it)"
     def __init__(self, request_id: str, # unique among live requests
                  prompt_token_ids: Sequence[int], # the prompt, at least one token
-                 block_hasher: RequestBlockHasher | None = None, # computes `block_hashes` as tokens arrive; None: no prefix caching
-                 *, cache_salt: str | None = None, # folded into the first block's hash: prefixes are shared only within a salt
-                 mm_features: Sequence[ImageSpan] = (), # image spans whose hashes enter the overlapping blocks' hashes
-                 max_tokens: int = 0, # output budget: admission checks that prompt + max_tokens can ever fit
-                 skip_prefix_cache: bool = False): # never look this request up (e.g. prompt logprobs wanted)
-        if not isinstance(request_id, str) or not request_id: raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+                 # computes `block_hashes` as tokens arrive; None: no prefix caching
+                 block_hasher: RequestBlockHasher | None = None,
+                 *,
+                 # folded into the first block's hash: prefixes are shared only within a salt
+                 cache_salt: str | None = None,
+                 # image spans whose hashes enter the overlapping blocks' hashes
+                 mm_features: Sequence[ImageSpan] = (),
+                 # output budget: admission checks that prompt + max_tokens can ever fit
+                 max_tokens: int = 0,
+                 # never look this request up (e.g. prompt logprobs wanted)
+                 skip_prefix_cache: bool = False):
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, '__len__'):
-            raise TypeError(f"request {request_id!r}: prompt_token_ids must be a sequence of token ids, got {type(prompt_token_ids).__name__}")
-        if len(prompt_token_ids) == 0: raise ValueError(f"request {request_id!r}: the prompt is empty; a request needs at least one token")
+            raise TypeError(f"request {request_id!r}: "
+                            f"prompt_token_ids must be a sequence of token ids, "
+                            f"got {type(prompt_token_ids).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; "
+                             f"a request needs at least one token")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        if not (_is_int(max_tokens) and max_tokens >= 0): raise ValueError(f"max_tokens = {max_tokens!r}; expected an integer >= 0")
-        if not all(isinstance(f, ImageSpan) for f in mm_features): raise TypeError("mm_features must be ImageSpans")
+        if not (_is_int(max_tokens) and max_tokens >= 0):
+            raise ValueError(f"max_tokens = {max_tokens!r}; expected an integer >= 0")
+        if not all(isinstance(f, ImageSpan) for f in mm_features):
+            raise TypeError("mm_features must be ImageSpans")
         self.request_id, self.cache_salt, self.max_tokens = request_id, cache_salt, max_tokens
         self.mm_features = tuple(sorted(mm_features, key=lambda f: f.offset))
         self.skip_prefix_cache, self.block_hasher = skip_prefix_cache, block_hasher
@@ -356,10 +433,12 @@ class Request:
     def num_tokens(self) -> int: return len(self._all_token_ids)
     @property
     def num_output_tokens(self) -> int: return self.num_tokens - self.num_prompt_tokens
+    # read-only by convention: append through append_output_token_ids
     @property
-    def all_token_ids(self) -> list: return self._all_token_ids   # read-only by convention: append through append_output_token_ids
+    def all_token_ids(self) -> list: return self._all_token_ids
     def __repr__(self):
-        return f"Request({self.request_id!r}, {self.num_tokens} tokens, {self.num_computed_tokens} computed, {len(self.block_hashes)} hashes)"
+        return (f"Request({self.request_id!r}, {self.num_tokens} tokens, "
+                f"{self.num_computed_tokens} computed, {len(self.block_hashes)} hashes)")
 
 # %% ../nbs/02a_block_pool.ipynb #eb2bab77
 @patch
@@ -368,8 +447,11 @@ def _append(self: Request, token_ids):
     vocab = hasher.vocab_size if hasher is not None else None
     try: ids = array('I', token_ids)
     except (OverflowError, TypeError) as e:
-        check_token_ids(token_ids, vocab, first); raise ValueError(f"token ids do not fit uint32: {e}")
-    if len(ids) and vocab is not None and (max(ids) if len(ids) <= 16 else int(np.frombuffer(ids, dtype=np.uint32).max())) >= vocab:
+        check_token_ids(token_ids, vocab, first)
+        raise ValueError(f"token ids do not fit uint32: {e}")
+    if (len(ids) and vocab is not None
+            and (max(ids) if len(ids) <= 16
+                 else int(np.frombuffer(ids, dtype=np.uint32).max())) >= vocab):
         check_token_ids(ids.tolist(), vocab, first)
     self._all_token_ids.extend(token_ids if isinstance(token_ids, list) else ids.tolist())
     if _BIG_ENDIAN: ids.byteswap()
@@ -379,15 +461,20 @@ def _append(self: Request, token_ids):
 @patch
 def append_output_token_ids(self: Request, token_ids): # one sampled id, or a sequence of them
     "Append sampled token(s); hashes of blocks they complete are computed now"
-    if not isinstance(token_ids, (int, np.integer)) or isinstance(token_ids, bool): return self._append(token_ids)
-    hasher = self.block_hasher                                        # one token (decode): the short way
+    if not isinstance(token_ids, (int, np.integer)) or isinstance(token_ids, bool):
+        return self._append(token_ids)
+    hasher = self.block_hasher  # one token (decode): the short way
     if not 0 <= token_ids < (hasher.vocab_size if hasher is not None else TOKEN_ID_LIMIT):
-        check_token_ids([token_ids], hasher.vocab_size if hasher is not None else None, self.num_tokens)
+        check_token_ids([token_ids], hasher.vocab_size if hasher is not None else None,
+                        self.num_tokens)
     self._all_token_ids.append(int(token_ids)); self._token_bytes += _U32.pack(token_ids)
-    if hasher is not None and len(self._all_token_ids) % hasher.hash_block_size == 0: self.block_hashes.extend(hasher(self))
+    if hasher is not None and len(self._all_token_ids) % hasher.hash_block_size == 0:
+        self.block_hashes.extend(hasher(self))
 
 @patch
-def block_extra_keys(self: Request, start: int, end: int) -> tuple: # the block covers tokens [start, end)
+def block_extra_keys(self: Request,
+                     start: int, end: int, # the block covers tokens [start, end)
+                    ) -> tuple:
     "Extra hash keys of a block: overlapping image hashes, then the salt on the first block"
     keys = [f.mm_hash for f in self.mm_features if f.offset < end and f.offset + f.length > start]
     if start == 0 and self.cache_salt is not None: keys.append(self.cache_salt)
@@ -395,11 +482,13 @@ def block_extra_keys(self: Request, start: int, end: int) -> tuple: # the block 
 
 # %% ../nbs/02a_block_pool.ipynb #324a9ed6
 class RequestBlockHasher:
-    "Appends the chained hashes of newly full `hash_block_size`-token blocks to a request (vLLM's request block hasher)"
+    ("Appends the chained hashes of newly full `hash_block_size`-token blocks to a request "
+     "(vLLM's request block hasher)")
     def __init__(self, hash_block_size: int, # tokens per hashed block
                  vocab_size: int): # token ids are checked against this
         for name, v in (('hash_block_size', hash_block_size), ('vocab_size', vocab_size)):
-            if not (_positive_int(v) and v <= (TOKEN_ID_LIMIT if name == 'vocab_size' else 1 << 20)):
+            if not (_positive_int(v)
+                    and v <= (TOKEN_ID_LIMIT if name == 'vocab_size' else 1 << 20)):
                 raise ValueError(f"RequestBlockHasher: {name} = {v!r}; expected a positive integer")
         self.hash_block_size, self.vocab_size = hash_block_size, vocab_size
         self._header = struct.pack('<I', hash_block_size)
@@ -426,7 +515,8 @@ class RequestBlockHasher:
 class BlockStored:
     "Blocks registered for reuse: consecutive blocks of one group"
     block_hashes: tuple  # the blocks' hashes, in prefix order
-    parent_block_hash: bytes | None  # hash of the block before the first one (None: the prefix starts at token 0)
+    # hash of the block before the first one (None: the prefix starts at token 0)
+    parent_block_hash: bytes | None
     token_ids: tuple  # the tokens the blocks cover
     block_size: int  # tokens per block
     group_id: int  # which cache group
@@ -466,19 +556,24 @@ def take_events(self: BlockPool) -> list:
 @patch
 def cache_full_blocks(self: BlockPool, request: Request, # owner of the hashes and tokens
                       blocks: list, # the request's block table in this group
-                      block_indices: Iterable[int], # which table entries to register (full blocks only)
+                      # which table entries to register (full blocks only)
+                      block_indices: Iterable[int],
                       block_size: int, # tokens per block in this group
-                      hash_stride: int, # block_size // hash_block_size: block i uses hash (i+1)*stride - 1
+                      # block_size // hash_block_size: block i uses hash (i+1)*stride - 1
+                      hash_stride: int,
                       group_id: int): # the group the blocks belong to
     "Register full blocks under the request's chained hashes"
     hashes, cmap = request.block_hashes, self.cached_block_hash_to_block
-    if not _positive_int(hash_stride): raise ValueError(f"hash_stride = {hash_stride!r}; expected a positive integer")
+    if not _positive_int(hash_stride):
+        raise ValueError(f"hash_stride = {hash_stride!r}; expected a positive integer")
     stored = [] if self._events_on() else None
     for i in block_indices:
         b = blocks[i]
-        if b.is_null or b.block_hash is not None: continue          # a prefix-hit block is registered already
+        # a prefix-hit block is registered already
+        if b.is_null or b.block_hash is not None: continue
         if (i + 1) * hash_stride > len(hashes):
-            raise ValueError(f"block {i} needs hash {(i + 1) * hash_stride - 1} but request {request.request_id!r} has {len(hashes)}")
+            raise ValueError(f"block {i} needs hash {(i + 1) * hash_stride - 1} "
+                             f"but request {request.request_id!r} has {len(hashes)}")
         key = (hashes[(i + 1) * hash_stride - 1], group_id)
         b.block_hash = key
         cur = cmap.get(key)
@@ -492,12 +587,13 @@ def cache_full_blocks(self: BlockPool, request: Request, # owner of the hashes a
 def _emit_stored(self: BlockPool, request, idx, block_size, stride, group_id):
     hashes, toks = request.block_hashes, request.all_token_ids
     start = 0
-    for k in range(1, len(idx) + 1):                                  # one event per run of consecutive blocks
+    for k in range(1, len(idx) + 1):  # one event per run of consecutive blocks
         if k < len(idx) and idx[k] == idx[k - 1] + 1: continue
         run, start = idx[start:k], k
         self._emit(BlockStored(tuple(hashes[(i + 1) * stride - 1] for i in run),
                                hashes[run[0] * stride - 1] if run[0] else None,
-                               tuple(toks[run[0] * block_size:(run[-1] + 1) * block_size]), block_size, group_id))
+                               tuple(toks[run[0] * block_size:(run[-1] + 1) * block_size]),
+                               block_size, group_id))
 
 # %% ../nbs/02a_block_pool.ipynb #0653e6d5
 @patch
@@ -539,6 +635,9 @@ def reset_prefix_cache(self: BlockPool) -> bool:
 
 # %% ../nbs/02a_block_pool.ipynb #0f7c841f
 def pool_snapshot(pool: BlockPool) -> tuple:
-    "Everything a pool operation could change: per-block (ref_cnt, hash), the free-queue order, the cached map by block ids"
-    return ([(b.ref_cnt, b.block_hash) for b in pool.blocks], [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
-            {k: (v.block_id if type(v) is KVCacheBlock else sorted(v)) for k, v in pool.cached_block_hash_to_block.items()})
+    ("Everything a pool operation could change: per-block (ref_cnt, hash), the free-queue order, "
+     "the cached map by block ids")
+    return ([(b.ref_cnt, b.block_hash) for b in pool.blocks],
+            [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+            {k: (v.block_id if type(v) is KVCacheBlock else sorted(v))
+             for k, v in pool.cached_block_hash_to_block.items()})

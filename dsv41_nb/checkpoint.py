@@ -24,28 +24,36 @@ __all__ = ['CONFIG_NAME', 'INDEX_NAME', 'SINGLE_NAME', 'STORAGE_DTYPES', 'HEADER
            'module_from_state', 'load_model', 'peak_memory_during', 'bytes_by_group']
 
 # %% ../nbs/10a_checkpoint.ipynb #9af9bcdd
-CONFIG_NAME, INDEX_NAME, SINGLE_NAME = 'config.json', 'model.safetensors.index.json', 'model.safetensors'
+CONFIG_NAME, INDEX_NAME, SINGLE_NAME = ('config.json', 'model.safetensors.index.json',
+                                        'model.safetensors')
 
 class CheckpointError(ValueError):
-    "A checkpoint file, directory or state that does not match its config; the message names the file or tensor"
+    ("A checkpoint file, directory or state that does not match its config; "
+     "the message names the file or tensor")
 
 def _listing(names, k: int = 4) -> str:
     "'a, b, c, d and 7 more (11)': the first few of a list of names, and how many there are"
     names = list(names)
-    return ', '.join(names[:k]) + (f" and {len(names) - k} more ({len(names)})" if len(names) > k else '')
+    more = f" and {len(names) - k} more ({len(names)})" if len(names) > k else ''
+    return ', '.join(names[:k]) + more
 
 def load_config(path_or_dir) -> ModelConfig:
-    "The `ModelConfig` of a `config.json`, or of the checkpoint directory holding one; every public field required"
+    ("The `ModelConfig` of a `config.json`, or of the checkpoint directory holding one; "
+     "every public field required")
     if not isinstance(path_or_dir, (str, Path)):
-        raise TypeError(f"load_config: expected a path to config.json or its directory, got {type(path_or_dir).__name__}")
+        raise TypeError(f"load_config: expected a path to config.json or its directory, "
+                        f"got {type(path_or_dir).__name__}")
     p = Path(path_or_dir) / CONFIG_NAME if Path(path_or_dir).is_dir() else Path(path_or_dir)
     if not p.is_file(): raise FileNotFoundError(f"no {CONFIG_NAME} at {p}")
     try: d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e: raise CheckpointError(f"{p}: not valid JSON ({e})") from e
-    if not isinstance(d, dict): raise CheckpointError(f"{p}: expected a JSON object, got {type(d).__name__}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{p}: expected a JSON object, got {type(d).__name__}")
     known = [f.name for f in fields(ModelConfig)]
     unknown, missing = sorted(set(d) - set(known)), [k for k in known if k not in d]
-    problems = [f"{what} fields {_listing(names)}" for what, names in (('unknown', unknown), ('missing', missing)) if names]
+    problems = [f"{what} fields {_listing(names)}"
+                for what, names in (('unknown', unknown), ('missing', missing)) if names]
     if problems: raise CheckpointError(f"{p}: " + '; '.join(problems))
     try: return ModelConfig.from_dict(d)
     except ConfigError as e: raise CheckpointError(f"{p}: {e}") from e
@@ -57,11 +65,14 @@ def save_config(cfg: ModelConfig, directory) -> Path:
     return d / CONFIG_NAME
 
 # %% ../nbs/10a_checkpoint.ipynb #1d1e9f54
-from .model import Transformer, master_dtype      # the model of 10_model and the dtypes it holds
-STORAGE_DTYPES = {'fp4': torch.float4_e2m1fn_x2, 'fp8': torch.float8_e4m3fn, 'e8m0': torch.float8_e8m0fnu,
-                  'bf16': torch.bfloat16, 'fp32': torch.float32}                  # manifest dtype -> file tensor
+# the model of 10_model and the dtypes it holds
+from .model import Transformer, master_dtype
+# manifest dtype -> file tensor
+STORAGE_DTYPES = {'fp4': torch.float4_e2m1fn_x2, 'fp8': torch.float8_e4m3fn,
+                  'e8m0': torch.float8_e8m0fnu, 'bf16': torch.bfloat16, 'fp32': torch.float32}
+# safetensors dtypes accepted; we write the first
 HEADER_DTYPES = {'fp4': ('F4', 'U8', 'I8'), 'fp8': ('F8_E4M3',), 'e8m0': ('F8_E8M0', 'U8'),
-                 'bf16': ('BF16',), 'fp32': ('F32',)}   # safetensors dtypes accepted; we write the first
+                 'bf16': ('BF16',), 'fp32': ('F32',)}
 
 def stored_shape(spec: TensorSpec) -> tuple:
     "Shape of the torch tensor in the file: FP4 packs two values per byte along the last (K) dimension"
@@ -71,21 +82,25 @@ def stored_shape(spec: TensorSpec) -> tuple:
 def _specs(cfg: ModelConfig) -> tuple[dict, dict]:
     "({name: spec} of every file tensor, {weight name: spec of its `.scale`})"
     man = checkpoint_manifest(cfg)
-    return {s.name: s for s in man}, {s.name[:-len('scale')] + 'weight': s for s in man if s.dtype == 'e8m0'}
+    return ({s.name: s for s in man},
+            {s.name[:-len('scale')] + 'weight': s for s in man if s.dtype == 'e8m0'})
 
 def master_specs(cfg: ModelConfig) -> dict:
     "{name: spec} of the model's state dict: the manifest without the `.scale` entries"
-    return {k: s for k, s in _specs(expect_config(cfg, 'master_specs'))[0].items() if s.dtype != 'e8m0'}
+    specs = _specs(expect_config(cfg, 'master_specs'))[0]
+    return {k: s for k, s in specs.items() if s.dtype != 'e8m0'}
 
 # %% ../nbs/10a_checkpoint.ipynb #e61b60b8
 def random_state(cfg: ModelConfig, seed: int = 0) -> dict:
-    "Master weights for `cfg` from a seeded generator (bf16; fp32 for mHC, sinks and router biases), fan-in scaled"
+    ("Master weights for `cfg` from a seeded generator "
+     "(bf16; fp32 for mHC, sinks and router biases), fan-in scaled")
     check_int('random_state', 'seed', seed, 0)
     g, out = torch.Generator().manual_seed(seed), {}
     for name, s in master_specs(cfg).items():
         x = torch.randn(s.shape, generator=g)
-        if name.endswith('norm.weight') or name.endswith('_weight'): x = 1 + 0.1 * x    # RMSNorm / Engram gains
-        elif len(s.shape) == 2: x = x * s.shape[1] ** -0.5                               # (out, in): fan-in
+        gain = name.endswith('norm.weight') or name.endswith('_weight')  # RMSNorm / Engram gains
+        if gain: x = 1 + 0.1 * x
+        elif len(s.shape) == 2: x = x * s.shape[1] ** -0.5               # (out, in): fan-in
         out[name] = x.to(master_dtype(s.dtype))
     return out
 
@@ -106,19 +121,21 @@ def _untiles(t: torch.Tensor, tile: int, R: int, C: int) -> torch.Tensor:
 # %% ../nbs/10a_checkpoint.ipynb #144db555
 def quantize_weight(w: torch.Tensor,  # (out, in) master weight
                     kind: str,        # 'fp8' (E4M3) or 'fp4' (E2M1, two per byte)
-                    tile: int = 32,   # fp8 only: rows one scale covers (32, or 1 for the Engram tables)
+                    # fp8 only: rows one scale covers (32, or 1 for the Engram tables)
+                    tile: int = 32,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     "(weight, scale) as stored: E4M3 + UE8M0 per tile x 32, or packed E2M1 + UE8M0 per 32 along K"
     if not isinstance(w, torch.Tensor) or w.ndim != 2 or not w.is_floating_point():
         raise TypeError(f"quantize_weight: expected a 2-D floating-point tensor, got "
                         f"{getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}")
     if kind == 'fp4':
-        packed, scale = quantize_fp4(w, 32, 'ue8m0')                     # (out, in/2), (out, in/32) uint8
+        packed, scale = quantize_fp4(w, 32, 'ue8m0')  # (out, in/2), (out, in/32) uint8
         return packed.view(STORAGE_DTYPES['fp4']), scale.view(STORAGE_DTYPES['e8m0'])
     if kind != 'fp8': raise ValueError(f"quantize_weight: kind {kind!r}; expected 'fp8' or 'fp4'")
     if tile not in (1, 32): raise ValueError(f"quantize_weight: tile {tile!r}; expected 32 or 1")
-    codes, scale = quantize_fp8(_tiles(w, tile), block=tile * 32)       # (R/tile, C/32, tile*32), (.., 1)
-    codes = _untiles(codes, tile, *w.shape).contiguous()                 # (out, in)
+    # (R/tile, C/32, tile*32), (.., 1)
+    codes, scale = quantize_fp8(_tiles(w, tile), block=tile * 32)
+    codes = _untiles(codes, tile, *w.shape).contiguous()  # (out, in)
     return codes.view(STORAGE_DTYPES['fp8']), scale.squeeze(-1).view(STORAGE_DTYPES['e8m0'])
 
 # %% ../nbs/10a_checkpoint.ipynb #45a7aa50
@@ -127,31 +144,38 @@ def dequantize_weight(q: torch.Tensor,  # stored weight: float8_e4m3fn (out, in)
                       tile: int = 32,   # fp8 only: rows one scale covers
                      ) -> torch.Tensor:
     "fp32 values of a stored (weight, scale) pair; the kind follows the weight's dtype"
-    if q.dtype == STORAGE_DTYPES['fp4']: return dequantize_fp4(q.view(torch.uint8), s.view(torch.uint8), 32, 'ue8m0')
+    if q.dtype == STORAGE_DTYPES['fp4']:
+        return dequantize_fp4(q.view(torch.uint8), s.view(torch.uint8), 32, 'ue8m0')
     if q.dtype != STORAGE_DTYPES['fp8']:
-        raise TypeError(f"dequantize_weight: weight dtype {q.dtype}; expected float8_e4m3fn or float4_e2m1fn_x2")
+        raise TypeError(f"dequantize_weight: weight dtype {q.dtype}; "
+                        "expected float8_e4m3fn or float4_e2m1fn_x2")
     (R, C), v = q.shape, e4m3_values(q.view(torch.uint8))                 # (out, in) fp32
     scale = ue8m0_values(s.view(torch.uint8)).repeat_interleave(tile, 0)[:R]   # (out, ceil(in/32))
     if C % 32: return v * scale.repeat_interleave(32, 1)[:, :C]
-    return v.unflatten(1, (-1, 32)).mul_(scale[..., None]).flatten(1)   # in place: no second full-size tensor
+    # in place: no second full-size tensor
+    return v.unflatten(1, (-1, 32)).mul_(scale[..., None]).flatten(1)
 
 # %% ../nbs/10a_checkpoint.ipynb #42303d37
 def _problems(what: str, missing: list, extra: list, note: str = '') -> CheckpointError:
     "One error listing missing and unexpected tensor names"
-    parts = [f"{k} tensors {_listing(v)}" for k, v in (('missing', missing), ('unexpected', extra)) if v]
+    parts = [f"{k} tensors {_listing(v)}"
+             for k, v in (('missing', missing), ('unexpected', extra)) if v]
     return CheckpointError(f"{what}: " + '; '.join(parts) + note)
 
 def _check_state(state, cfg: ModelConfig, what: str) -> dict:
     "Names and shapes of master weights against the manifest; returns {name: spec}"
-    if not isinstance(state, dict): raise TypeError(f"{what}: expected a dict of tensors, got {type(state).__name__}")
+    if not isinstance(state, dict):
+        raise TypeError(f"{what}: expected a dict of tensors, got {type(state).__name__}")
     specs = master_specs(cfg)
     missing, extra = [k for k in specs if k not in state], [k for k in state if k not in specs]
     if missing or extra: raise _problems(what, missing, extra)
     for k, s in specs.items():
         t = state[k]
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise CheckpointError(f"{what}: {k} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-        if tuple(t.shape) != s.shape: raise CheckpointError(f"{what}: {k} has shape {tuple(t.shape)}, expected {s.shape}")
+            raise CheckpointError(f"{what}: {k} must be a floating-point tensor, "
+                                  f"got {getattr(t, 'dtype', type(t).__name__)}")
+        if tuple(t.shape) != s.shape:
+            raise CheckpointError(f"{what}: {k} has shape {tuple(t.shape)}, expected {s.shape}")
     return specs
 
 # %% ../nbs/10a_checkpoint.ipynb #5f2c670a
@@ -160,26 +184,31 @@ def _finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
 
 def _quantize_entry(name: str, t: torch.Tensor, spec: TensorSpec, scale: TensorSpec | None) -> dict:
-    "The file tensors of one master tensor: itself in its storage dtype, or a quantised weight and its `.scale`"
-    if not _finite(t): raise CheckpointError(f"{name} holds NaN or infinite values; it cannot be saved")
+    ("The file tensors of one master tensor: itself in its storage dtype, "
+     "or a quantised weight and its `.scale`")
+    if not _finite(t):
+        raise CheckpointError(f"{name} holds NaN or infinite values; it cannot be saved")
     if scale is None: return {name: t.detach().to(STORAGE_DTYPES[spec.dtype]).contiguous()}
     q, s = quantize_weight(t.detach(), spec.dtype, fp8_tile_rows(spec, scale))
     return {name: q, scale.name: s}
 
 def quantize_state(state: dict, cfg: ModelConfig) -> dict:
-    "Master weights -> the checkpoint's tensors (FP8/FP4 weights with UE8M0 `.scale`s, BF16, FP32), manifest order"
+    ("Master weights -> the checkpoint's tensors "
+     "(FP8/FP4 weights with UE8M0 `.scale`s, BF16, FP32), manifest order")
     specs, scales = _check_state(state, cfg, 'quantize_state'), _specs(cfg)[1]
     out = {}
     for k, s in specs.items(): out |= _quantize_entry(k, state[k], s, scales.get(k))
     return out
 
 # %% ../nbs/10a_checkpoint.ipynb #5b9a4525
-_HEADER_NAMES = {torch.float4_e2m1fn_x2: 'F4', torch.float8_e4m3fn: 'F8_E4M3', torch.float8_e8m0fnu: 'F8_E8M0',
-                 torch.bfloat16: 'BF16', torch.float32: 'F32', torch.uint8: 'U8', torch.int8: 'I8'}
+_HEADER_NAMES = {torch.float4_e2m1fn_x2: 'F4', torch.float8_e4m3fn: 'F8_E4M3',
+                 torch.float8_e8m0fnu: 'F8_E8M0', torch.bfloat16: 'BF16', torch.float32: 'F32',
+                 torch.uint8: 'U8', torch.int8: 'I8'}
 
 def _header_entry(t) -> tuple:
     "(safetensors dtype, shape as the header writes it: logical for F4) of a tensor"
-    if not isinstance(t, torch.Tensor): raise TypeError(f"expected a tensor, got {type(t).__name__}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
     shape = tuple(t.shape)
     if t.dtype == torch.float4_e2m1fn_x2: shape = shape[:-1] + (2 * shape[-1],)
     return _HEADER_NAMES.get(t.dtype, str(t.dtype)), shape
@@ -188,36 +217,46 @@ def _check_file_tensors(found: dict, cfg: ModelConfig, where: str, files: dict |
     "`found` = {name: (safetensors dtype, header shape)} against the manifest: names, then dtypes and shapes"
     specs = _specs(cfg)[0]
     missing, extra = [k for k in specs if k not in found], [k for k in found if k not in specs]
-    if missing or extra: raise _problems(where, missing, extra, f" (config.json: {cfg.n_layers} layers, "
-                                         f"{cfg.n_routed_experts} experts, dim {cfg.dim})")
+    if missing or extra:
+        raise _problems(where, missing, extra, f" (config.json: {cfg.n_layers} layers, "
+                                               f"{cfg.n_routed_experts} experts, dim {cfg.dim})")
     for k, (dt, shape) in found.items():
         s, at = specs[k], f"{where}/{files[k]}" if files else where
         if dt not in HEADER_DTYPES[s.dtype]:
-            raise CheckpointError(f"{at}: {k} is {dt}, expected {HEADER_DTYPES[s.dtype][0]} ({s.dtype})")
-        want = stored_shape(s) if dt in ('U8', 'I8') else s.shape      # raw bytes hold FP4's packed shape
-        if tuple(shape) != want: raise CheckpointError(f"{at}: {k} has shape {tuple(shape)}, expected {want} from the config")
+            raise CheckpointError(f"{at}: {k} is {dt}, "
+                                  f"expected {HEADER_DTYPES[s.dtype][0]} ({s.dtype})")
+        # raw bytes hold FP4's packed shape
+        want = stored_shape(s) if dt in ('U8', 'I8') else s.shape
+        if tuple(shape) != want:
+            raise CheckpointError(f"{at}: {k} has shape {tuple(shape)}, "
+                                  f"expected {want} from the config")
 
 # %% ../nbs/10a_checkpoint.ipynb #3207ecf4
 def _as_storage(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     "Raw bytes (U8/I8) viewed as the dtype the manifest names; other tensors unchanged"
-    return t.view(torch.uint8).view(STORAGE_DTYPES[spec.dtype]) if t.dtype in (torch.uint8, torch.int8) else t
+    raw = t.dtype in (torch.uint8, torch.int8)
+    return t.view(torch.uint8).view(STORAGE_DTYPES[spec.dtype]) if raw else t
 
 def dequantize_state(ckpt: dict, cfg: ModelConfig) -> dict:
     "Checkpoint tensors -> master weights (bf16, fp32 where the checkpoint holds fp32); exact"
-    if not isinstance(ckpt, dict): raise TypeError(f"dequantize_state: expected a dict of tensors, got {type(ckpt).__name__}")
+    if not isinstance(ckpt, dict):
+        raise TypeError(f"dequantize_state: expected a dict of tensors, got {type(ckpt).__name__}")
     _check_file_tensors({k: _header_entry(v) for k, v in ckpt.items()}, cfg, 'dequantize_state')
     out, scales = {}, _specs(cfg)[1]
     for k, s in master_specs(cfg).items():
         sc = scales.get(k)
-        v = ckpt[k] if sc is None else dequantize_weight(_as_storage(ckpt[k], s), _as_storage(ckpt[sc.name], sc),
+        v = ckpt[k] if sc is None else dequantize_weight(_as_storage(ckpt[k], s),
+                                                          _as_storage(ckpt[sc.name], sc),
                                                           fp8_tile_rows(s, sc))
         out[k] = v.to(master_dtype(s.dtype))
-        if not _finite(out[k]): raise CheckpointError(f"dequantize_state: {k} holds NaN or infinite values")
+        if not _finite(out[k]):
+            raise CheckpointError(f"dequantize_state: {k} holds NaN or infinite values")
     return out
 
 # %% ../nbs/10a_checkpoint.ipynb #992f5986
 def shard_plan(cfg: ModelConfig, shard_bytes: int) -> list[list[str]]:
-    "Master names per shard in manifest order; a weight and its `.scale` share a shard, a shard closes at `shard_bytes`"
+    ("Master names per shard in manifest order; a weight and its `.scale` share a shard, "
+     "a shard closes at `shard_bytes`")
     check_int('shard_plan', 'shard_bytes', shard_bytes, 1)
     scales, shards, size = _specs(expect_config(cfg, 'shard_plan'))[1], [[]], 0
     for k, s in master_specs(cfg).items():
@@ -226,13 +265,14 @@ def shard_plan(cfg: ModelConfig, shard_bytes: int) -> list[list[str]]:
         shards[-1].append(k); size += n
     return shards
 
-def shard_name(i: int, n: int) -> str: return f'model-{i + 1:05d}-of-{n:05d}.safetensors'   # shard i (from 0) of n
+def shard_name(i: int, n: int) -> str:  # shard i (from 0) of n
+    return f'model-{i + 1:05d}-of-{n:05d}.safetensors'
 
 # %% ../nbs/10a_checkpoint.ipynb #c8da67c9
-def save_state(state: dict,                 # master weights, named and shaped as `master_specs(cfg)`
+def save_state(state: dict, # master weights, named and shaped as `master_specs(cfg)`
                cfg: ModelConfig,
-               directory,                   # created if missing
-               shard_bytes: int = 4 << 30,  # a shard closes before it would pass this many bytes
+               directory, # created if missing
+               shard_bytes: int = 4 << 30, # a shard closes before it would pass this many bytes
               ) -> Path:
     "Write config.json, the safetensors shards and their index, quantising one shard at a time"
     specs, scales = _check_state(state, cfg, 'save_state'), _specs(cfg)[1]
@@ -240,25 +280,35 @@ def save_state(state: dict,                 # master weights, named and shaped a
     weight_map, total = {}, 0
     for i, names in enumerate(plan):
         tensors = {}
-        for k in names: tensors |= {n: t.cpu() for n, t in _quantize_entry(k, state[k], specs[k], scales.get(k)).items()}
+        for k in names:
+            entry = _quantize_entry(k, state[k], specs[k], scales.get(k))
+            tensors |= {n: t.cpu() for n, t in entry.items()}
         save_file(tensors, d / shard_name(i, len(plan)), metadata={'format': 'pt'})
         weight_map |= dict.fromkeys(tensors, shard_name(i, len(plan)))
         total += sum(t.nbytes for t in tensors.values())
-    (d / INDEX_NAME).write_text(json.dumps({'metadata': {'total_size': total}, 'weight_map': weight_map}, indent=2))
+    index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
+    (d / INDEX_NAME).write_text(json.dumps(index, indent=2))
     return d
 
-def save_model(model: torch.nn.Module, directory, shard_bytes: int = 4 << 30, cfg: ModelConfig | None = None) -> Path:
+def save_model(model: torch.nn.Module,
+               directory, # created if missing
+               shard_bytes: int = 4 << 30, # as `save_state`'s
+               cfg: ModelConfig | None = None, # default: `model.cfg`
+              ) -> Path:
     "`save_state` of a model's state dict; the config is `model.cfg` unless given"
-    if not isinstance(model, torch.nn.Module): raise TypeError(f"save_model: expected an nn.Module, got {type(model).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"save_model: expected an nn.Module, got {type(model).__name__}")
     cfg = cfg if cfg is not None else getattr(model, 'cfg', None)
-    if not isinstance(cfg, ModelConfig): raise TypeError("save_model: the model has no ModelConfig `cfg`; pass cfg=")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError("save_model: the model has no ModelConfig `cfg`; pass cfg=")
     return save_state(model.state_dict(), cfg, directory, shard_bytes)
 
 # %% ../nbs/10a_checkpoint.ipynb #2e91882a
 def _open(path: Path):
     "safe_open, with a truncated or corrupt file reported by its name"
     try: return safe_open(str(path), framework='pt')
-    except Exception as e: raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
 def weight_map(directory) -> dict:
     "{tensor name: shard file} from the index, or from a single `model.safetensors`"
@@ -266,9 +316,12 @@ def weight_map(directory) -> dict:
     if (d / INDEX_NAME).is_file():
         try: wm = dict(json.loads((d / INDEX_NAME).read_text())['weight_map'])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{d / INDEX_NAME}: not a safetensors index with a weight_map ({e!r})") from e
+            raise CheckpointError(f"{d / INDEX_NAME}: not a safetensors index with a weight_map "
+                                  f"({e!r})") from e
         absent = sorted({f for f in wm.values() if not (d / f).is_file()})
-        if absent: raise CheckpointError(f"{d / INDEX_NAME} names shard files that do not exist: {_listing(absent)}")
+        if absent:
+            raise CheckpointError(f"{d / INDEX_NAME} names shard files that do not exist: "
+                                  f"{_listing(absent)}")
         return wm
     if (d / SINGLE_NAME).is_file():
         with _open(d / SINGLE_NAME) as f: return dict.fromkeys(f.keys(), SINGLE_NAME)
@@ -284,13 +337,17 @@ def check_checkpoint(directory, cfg: ModelConfig | None = None) -> dict:
         with _open(d / file) as f:
             listed, held = [k for k, v in wm.items() if v == file], set(f.keys())
             absent = [k for k in listed if k not in held]
-            if absent: raise CheckpointError(f"{d / INDEX_NAME} places {_listing(absent)} in {file}, which does not hold them")
-            found |= {k: (sl.get_dtype(), tuple(sl.get_shape())) for k in listed for sl in (f.get_slice(k),)}
+            if absent:
+                raise CheckpointError(f"{d / INDEX_NAME} places {_listing(absent)} in {file}, "
+                                      "which does not hold them")
+            found |= {k: (sl.get_dtype(), tuple(sl.get_shape()))
+                      for k in listed for sl in (f.get_slice(k),)}
     _check_file_tensors(found, cfg, str(d), wm)
     return wm
 
 def load_state(directory, cfg: ModelConfig | None = None) -> dict:
-    "Every checkpoint tensor as stored (FP8, FP4, UE8M0, BF16, FP32), in manifest order, after `check_checkpoint`"
+    ("Every checkpoint tensor as stored (FP8, FP4, UE8M0, BF16, FP32), in manifest order, "
+     "after `check_checkpoint`")
     cfg = cfg if cfg is not None else load_config(directory)
     wm, specs, out = check_checkpoint(directory, cfg), _specs(cfg)[0], {}
     for file in sorted(set(wm.values())):
@@ -310,56 +367,69 @@ def shard_header(path) -> dict:
 def _read_rows(fh, entry: tuple, spec: TensorSpec, r0: int, r1: int) -> torch.Tensor:
     "Rows r0:r1 of a file tensor by plain reads (no memory map), as the manifest's storage dtype"
     _, shape, (first, end) = entry
-    row = (end - first) // shape[0]                                      # bytes per row (FP4: packed pairs)
+    row = (end - first) // shape[0]  # bytes per row (FP4: packed pairs)
     buf = bytearray((r1 - r0) * row)
     fh.seek(first + r0 * row)
-    if fh.readinto(buf) != len(buf): raise CheckpointError(f"{fh.name}: the file ends inside {spec.name}")
-    return torch.frombuffer(buf, dtype=torch.uint8).view(STORAGE_DTYPES[spec.dtype]).view(r1 - r0, *stored_shape(spec)[1:])
+    if fh.readinto(buf) != len(buf):
+        raise CheckpointError(f"{fh.name}: the file ends inside {spec.name}")
+    t = torch.frombuffer(buf, dtype=torch.uint8).view(STORAGE_DTYPES[spec.dtype])
+    return t.view(r1 - r0, *stored_shape(spec)[1:])
 
 def _row_chunks(rows: int, row_values: int, chunk_bytes: int, align: int = 32) -> list:
-    "Row ranges of about `chunk_bytes` of fp32 values each, starting on multiples of `align` rows (a scale tile)"
+    ("Row ranges of about `chunk_bytes` of fp32 values each, "
+     "starting on multiples of `align` rows (a scale tile)")
     step = max(align, chunk_bytes // max(1, 4 * row_values) // align * align)
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
 @torch.no_grad()
-def _fill(dest: torch.Tensor, read, read_scale, spec: TensorSpec, scale: TensorSpec | None, chunk_bytes: int,
+def _fill(dest: torch.Tensor, # the tensor to fill
+          read, # read(r0, r1): stored rows r0:r1
+          read_scale, # the same for its `.scale`, by scale rows
+          spec: TensorSpec,
+          scale: TensorSpec | None,
+          chunk_bytes: int, # fp32 bytes dequantised at once
           where: str = ''): # the shard, for messages
     "Dequantise one file tensor into `dest`, a slab of rows at a time; read(r0, r1) gives stored rows"
     tile = fp8_tile_rows(spec, scale) if scale is not None and spec.dtype == 'fp8' else 1
     for r0, r1 in _row_chunks(spec.shape[0], math.prod(spec.shape[1:]), chunk_bytes):
         part = read(r0, r1).to(dest.device)                                  # (rows, stored width)
-        if scale is not None: part = dequantize_weight(part, read_scale(r0 // tile, -(-r1 // tile)).to(dest.device), tile)
+        if scale is not None:
+            s = read_scale(r0 // tile, -(-r1 // tile)).to(dest.device)
+            part = dequantize_weight(part, s, tile)
         part = part.to(dest.dtype)
-        if not _finite(part):                                                 # a NaN code or scale, an overflow
+        if not _finite(part):  # a NaN code or scale, an overflow
             raise CheckpointError(f"{where}: {spec.name} holds NaN or infinite values "
                                   f"(rows {r0} to {r1 - 1}, as loaded)")
         dest[r0:r1].copy_(part)
-        del part                                                              # before the next slab is read
+        del part  # before the next slab is read
 
 # %% ../nbs/10a_checkpoint.ipynb #178ca700
-def load_weights(target,                          # an nn.Module, or a dict of tensors named as `master_specs(cfg)`
-                 directory,                       # a checkpoint directory: config.json, shards, index
-                 cfg: ModelConfig | None = None,  # defaults to the directory's config.json
-                 chunk_bytes: int = 8 << 20,      # fp32 bytes dequantised at once
+def load_weights(target, # an nn.Module, or a dict of tensors named as `master_specs(cfg)`
+                 directory, # a checkpoint directory: config.json, shards, index
+                 cfg: ModelConfig | None = None, # defaults to the directory's config.json
+                 chunk_bytes: int = 8 << 20, # fp32 bytes dequantised at once
                 ):
-    "Stream a checkpoint into `target`'s tensors in place, tensor by tensor and shard by shard; returns `target`"
+    ("Stream a checkpoint into `target`'s tensors in place, tensor by tensor and shard by shard; "
+     "returns `target`")
     cfg = cfg if cfg is not None else load_config(directory)
     check_int('load_weights', 'chunk_bytes', chunk_bytes, 1)
-    wm, d = check_checkpoint(directory, cfg), Path(directory)               # the files against their config first
+    # the files against their config first
+    wm, d = check_checkpoint(directory, cfg), Path(directory)
     dest = target.state_dict() if isinstance(target, torch.nn.Module) else target
     specs, scales = _check_state(dest, cfg, 'load_weights target'), _specs(cfg)[1]
     for file in sorted(set(wm.values())):
         with ExitStack() as stack:
-            shards = {}                                      # this shard, and any other a `.scale` lives in
+            shards = {}  # this shard, and any other a `.scale` lives in
             def reader(name, spec):
                 if wm[name] not in shards:
-                    shards[wm[name]] = stack.enter_context(open(d / wm[name], 'rb')), shard_header(d / wm[name])
+                    shards[wm[name]] = (stack.enter_context(open(d / wm[name], 'rb')),
+                                        shard_header(d / wm[name]))
                 fh, head = shards[wm[name]]
                 return lambda r0, r1: _read_rows(fh, head[name], spec, r0, r1)
             for k in (k for k in specs if wm[k] == file):
                 sc = scales.get(k)
-                _fill(dest[k], reader(k, specs[k]), sc and reader(sc.name, sc), specs[k], sc, chunk_bytes,
-                      str(d / file))
+                _fill(dest[k], reader(k, specs[k]), sc and reader(sc.name, sc), specs[k], sc,
+                      chunk_bytes, str(d / file))
     return target
 
 # %% ../nbs/10a_checkpoint.ipynb #d01135af
@@ -383,17 +453,22 @@ def load_model(directory, engram_map=None, device='cpu'):
 
 # %% ../nbs/10a_checkpoint.ipynb #78c71f87
 def peak_memory_during(fn) -> tuple:
-    "(fn(), peak resident bytes above the start while it ran) on Linux (None elsewhere); sets glibc's mmap threshold"
+    ("(fn(), peak resident bytes above the start while it ran) on Linux (None elsewhere); "
+     "sets glibc's mmap threshold")
     def status(key):
-        with open('/proc/self/status') as f: return int(re.search(rf'{key}:\s+(\d+) kB', f.read())[1]) * 1024
+        with open('/proc/self/status') as f:
+            return int(re.search(rf'{key}:\s+(\d+) kB', f.read())[1]) * 1024
     gc.collect()
     try:
         libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 20)              # M_MMAP_THRESHOLD: a buffer of 1 MiB or more is unmapped when freed
-        libc.malloc_trim(0)                    # and freed heap pages go back now: the start is what is live
+        # M_MMAP_THRESHOLD: a buffer of 1 MiB or more is unmapped when freed
+        libc.mallopt(-3, 1 << 20)
+        # and freed heap pages go back now: the start is what is live
+        libc.malloc_trim(0)
     except (OSError, AttributeError): pass
     try:
-        with open('/proc/self/clear_refs', 'w') as f: f.write('5')    # reset the peak (VmHWM) to the current size
+        # reset the peak (VmHWM) to the current size
+        with open('/proc/self/clear_refs', 'w') as f: f.write('5')
     except OSError: return fn(), None
     start = status('VmRSS')
     return fn(), status('VmHWM') - start
@@ -404,5 +479,6 @@ def bytes_by_group(directory, cfg: ModelConfig | None = None) -> dict:
     cfg, d = cfg if cfg is not None else load_config(directory), Path(directory)
     specs, out = _specs(cfg)[0], dict.fromkeys(GROUPS, 0)
     for file in sorted(set(weight_map(d).values())):
-        for k, (_, _, (first, end)) in shard_header(d / file).items(): out[specs[k].group] += end - first
+        for k, (_, _, (first, end)) in shard_header(d / file).items():
+            out[specs[k].group] += end - first
     return out

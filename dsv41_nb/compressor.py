@@ -12,8 +12,8 @@ from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig
 from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, capturing
-from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_code, _e4m3_value, _e2m1_code,
-                              _ue8m0_code, _pow2, _bf16_bits)
+from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_code,
+                              _e4m3_value, _e2m1_code, _ue8m0_code, _pow2, _bf16_bits)
 
 # %% auto #0
 __all__ = ['rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope', 'rms_norm', 'RMSNorm', 'pool_group', 'Compressor',
@@ -21,36 +21,44 @@ __all__ = ['rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope', 'rms
            'benchmark_compressor', 'format_compressor_benchmark']
 
 # %% ../nbs/03_compressor.ipynb #71a4b226
-def rope_inv_freq(rope_dim: int,               # rotated dims (even): pairs (0,1), (2,3), ...
-                  theta: float,                # RoPE base
-                  original_seq_len: int = 0,   # YaRN: the training context (0 = no YaRN)
-                  factor: float = 1.0,         # YaRN: how far the context is stretched
-                  beta_fast: float = 32,       # YaRN: pairs turning more often than this over the training context keep their frequency
-                  beta_slow: float = 1,        # YaRN: pairs turning less often than this are divided by `factor`
-                 ) -> torch.Tensor:
+def rope_inv_freq(
+    rope_dim: int,             # rotated dims (even): pairs (0,1), (2,3), ...
+    theta: float,              # RoPE base
+    original_seq_len: int = 0, # YaRN: the training context (0 = no YaRN)
+    factor: float = 1.0,       # YaRN: how far the context is stretched
+    # YaRN: pairs turning more often than this over the training context keep their frequency
+    beta_fast: float = 32,
+    beta_slow: float = 1,      # YaRN: pairs turning less often than this are divided by `factor`
+) -> torch.Tensor:
     "(rope_dim/2,) fp32 angular frequency of each pair, YaRN-corrected when `original_seq_len` > 0"
     if not isinstance(rope_dim, int) or rope_dim <= 0 or rope_dim % 2:
         raise ValueError(f"rope_dim = {rope_dim!r}; expected a positive even integer")
     if theta <= 1: raise ValueError(f"theta = {theta}; expected a RoPE base > 1")
     if original_seq_len < 0 or factor <= 0:
-        raise ValueError(f"original_seq_len = {original_seq_len}, factor = {factor}; expected >= 0 and > 0")
+        raise ValueError(f"original_seq_len = {original_seq_len}, factor = {factor}; "
+                         "expected >= 0 and > 0")
     freqs = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
     if original_seq_len > 0:
-        def pair_turning(rotations):     # the (fractional) pair index whose wavelength fits `rotations` times in the context
-            return rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        # the (fractional) pair index whose wavelength fits `rotations` times in the context
+        def pair_turning(rotations):
+            return (rope_dim * math.log(original_seq_len / (rotations * 2 * math.pi))
+                    / (2 * math.log(theta)))
         low = max(math.floor(pair_turning(beta_fast)), 0)
         high = min(math.ceil(pair_turning(beta_slow)), rope_dim - 1)
-        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
-        keep = 1 - ramp                  # 1: keep the frequency (fast pairs), 0: divide it by `factor` (slow pairs)
+        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low)
+                / max(high - low, 1e-3)).clamp(0, 1)
+        # 1: keep the frequency (fast pairs), 0: divide it by `factor` (slow pairs)
+        keep = 1 - ramp
         freqs = freqs / factor * (1 - keep) + freqs * keep
     return freqs
 
 # %% ../nbs/03_compressor.ipynb #d28b3aaa
 def layer_inv_freq(cfg: ModelConfig, compress_ratio: int) -> torch.Tensor:
-    "A layer's RoPE frequencies: `compress_rope_theta` with YaRN if it compresses (ratio > 0), else `rope_theta` plain"
+    ("A layer's RoPE frequencies: `compress_rope_theta` with YaRN if it compresses (ratio > 0), "
+     "else `rope_theta` plain")
     if compress_ratio > 0:
-        return rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len, cfg.rope_factor,
-                             cfg.beta_fast, cfg.beta_slow)
+        return rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.original_seq_len,
+                             cfg.rope_factor, cfg.beta_fast, cfg.beta_slow)
     return rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
 
 # %% ../nbs/03_compressor.ipynb #f024dac5
@@ -60,13 +68,16 @@ def rope_cos_sin(inv_freq: torch.Tensor,   # (rope_dim/2,) from `rope_inv_freq`
     "(cos, sin), each (n, rope_dim/2) fp32, of the angles position x frequency computed in fp32"
     pos = torch.as_tensor(positions, device=inv_freq.device)
     if pos.dtype.is_floating_point or pos.ndim != 1:
-        raise TypeError(f"positions: expected 1-D integers, got {pos.dtype} of shape {tuple(pos.shape)}")
-    if pos.numel() and not capturing() and int(pos.min()) < 0: raise ValueError(f"positions: holds {int(pos.min())}; expected >= 0")
+        raise TypeError(f"positions: expected 1-D integers, "
+                        f"got {pos.dtype} of shape {tuple(pos.shape)}")
+    if pos.numel() and not capturing() and int(pos.min()) < 0:
+        raise ValueError(f"positions: holds {int(pos.min())}; expected >= 0")
     return _cos_sin(inv_freq, pos)
 
 def _cos_sin(inv_freq, pos):
     "`rope_cos_sin` without the checks (they read the positions back: a device sync)"
-    angles = (pos.float()[:, None] * inv_freq[None, :]).double()  # (n, rope_dim/2), the fp32 angle held exactly
+    # (n, rope_dim/2), the fp32 angle held exactly
+    angles = (pos.float()[:, None] * inv_freq[None, :]).double()
     return torch.cos(angles).float(), torch.sin(angles).float()
 
 # %% ../nbs/03_compressor.ipynb #176cd0d3
@@ -75,20 +86,25 @@ def apply_rope(x: torch.Tensor,       # (..., d): the last 2 * cos.shape[-1] dim
                sin: torch.Tensor,     # same shape as cos
                inverse: bool = False, # rotate by minus the angle (undo a rotation)
               ) -> torch.Tensor:
-    "Rotate the interleaved pairs (x[2i], x[2i+1]) of x's last rope_dim dims; one fp32 rounding per operation, result in x.dtype"
+    ("Rotate the interleaved pairs (x[2i], x[2i+1]) of x's last rope_dim dims; "
+     "one fp32 rounding per operation, result in x.dtype")
     half = cos.shape[-1]
-    if cos.shape != sin.shape: raise ValueError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
-    if x.shape[-1] < 2 * half: raise ValueError(f"apply_rope: x has {x.shape[-1]} dims, fewer than the {2 * half} to rotate")
+    if cos.shape != sin.shape:
+        raise ValueError(f"apply_rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ")
+    if x.shape[-1] < 2 * half:
+        raise ValueError(f"apply_rope: x has {x.shape[-1]} dims, "
+                         f"fewer than the {2 * half} to rotate")
     head, tail = x[..., :x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:].float()
-    a, b = tail[..., 0::2], tail[..., 1::2]                       # (..., rope_dim/2) pair components
+    a, b = tail[..., 0::2], tail[..., 1::2]          # (..., rope_dim/2) pair components
     s = -sin if inverse else sin
     y = torch.stack([a * cos - b * s, a * s + b * cos], dim=-1).flatten(-2)
     return torch.cat([head, y.to(x.dtype)], dim=-1)
 
 # %% ../nbs/03_compressor.ipynb #e7161e50
-def rms_norm(x: torch.Tensor,       # (..., d)
-             weight: torch.Tensor,  # (d,) per-channel gain
-             eps: float,            # added to the mean square (as fp32, which is what the public code adds)
+def rms_norm(x: torch.Tensor,      # (..., d)
+             weight: torch.Tensor, # (d,) per-channel gain
+             # added to the mean square (as fp32, which is what the public code adds)
+             eps: float,
             ) -> torch.Tensor:
     "weight * x / rms(x), computed in fp32 with the sum of squares in fp64; result in x.dtype"
     xf = x.float()
@@ -112,39 +128,48 @@ def pool_group(kv: torch.Tensor,     # (..., r, d) fp32 latents of a group's tok
     e = torch.exp(s - s.amax(-2, keepdim=True))                   # (..., r, d) fp64
     den = e[..., 0, :]
     for k in range(1, e.shape[-2]): den = den + e[..., k, :]      # summed in token order
-    w = (e / den.unsqueeze(-2)).float()                           # softmax weights, rounded once to fp32
+    w = (e / den.unsqueeze(-2)).float()                      # softmax weights, rounded once to fp32
     out = kv[..., 0, :] * w[..., 0, :]
     for k in range(1, kv.shape[-2]): out = out + kv[..., k, :] * w[..., k, :]
     return out
 
 # %% ../nbs/03_compressor.ipynb #a9fbb265
 class Compressor(nn.Module):
-    "A KV-source layer's compressor: token latents -> one normalised latent per `ratio` tokens, rotated, quantised, stored"
-    def __init__(self, cfg: ModelConfig,             # model geometry
-                 layer: int,                          # a KV-source layer of `cfg`
-                 main_kv_format: str = 'ds_fp4'):     # the compressed cache's record format (a `cache_format` name)
+    ("A KV-source layer's compressor: token latents -> one normalised latent per `ratio` tokens, "
+     "rotated, quantised, stored")
+    def __init__(self, cfg: ModelConfig,   # model geometry
+                 layer: int,                # a KV-source layer of `cfg`
+                 # the compressed cache's record format (a `cache_format` name)
+                 main_kv_format: str = 'ds_fp4'):
         super().__init__()
         if layer not in cfg.kv_source_layers:
-            raise ValueError(f"layer {layer} is not a KV source; the KV sources are {cfg.kv_source_layers}")
+            raise ValueError(f"layer {layer} is not a KV source; "
+                             f"the KV sources are {cfg.kv_source_layers}")
         self.layer, self.ratio, self.head_dim = layer, cfg.compress_ratios[layer], cfg.head_dim
         self.rope_dim, self.codec = cfg.rope_head_dim, cache_format(cfg, main_kv_format)
         if self.codec.dim != cfg.head_dim:
-            raise ValueError(f"format {main_kv_format!r} holds {self.codec.dim}-wide vectors, not head_dim {cfg.head_dim}")
-        dtype = torch.float32 if self.ratio > 1 else torch.bfloat16     # pooling runs in fp32; ratio 1 stays in bf16
+            raise ValueError(f"format {main_kv_format!r} holds {self.codec.dim}-wide vectors, "
+                             f"not head_dim {cfg.head_dim}")
+        # pooling runs in fp32; ratio 1 stays in bf16
+        dtype = torch.float32 if self.ratio > 1 else torch.bfloat16
         self.wkv = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=dtype)
-        self.wgate = nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=torch.float32) if self.ratio > 1 else None
+        self.wgate = (nn.Linear(cfg.dim, cfg.head_dim, bias=False, dtype=torch.float32)
+                      if self.ratio > 1 else None)
         self.norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.register_buffer('inv_freq', layer_inv_freq(cfg, self.ratio), persistent=False)
-        self.journal = None                                              # a `RingJournal` while one records (ratio > 1)
+        self.journal = None                  # a `RingJournal` while one records (ratio > 1)
 
-    def __repr__(self): return f"Compressor(layer {self.layer}, ratio {self.ratio}, {self.codec.name} records)"
+    def __repr__(self):
+        return f"Compressor(layer {self.layer}, ratio {self.ratio}, {self.codec.name} records)"
 
 # %% ../nbs/03_compressor.ipynb #ea9d8ed5
 @patch
 def project(self: Compressor, x: torch.Tensor) -> tuple:
-    "(tokens, dim) hidden states -> (kv, score): fp32 latents and gate scores at ratio > 1; bf16 latents and None at ratio 1"
+    ("(tokens, dim) hidden states -> (kv, score): fp32 latents and gate scores at ratio > 1; "
+     "bf16 latents and None at ratio 1")
     if x.ndim != 2 or x.shape[-1] != self.wkv.in_features:
-        raise ValueError(f"project: expected hidden states (tokens, {self.wkv.in_features}), got {tuple(x.shape)}")
+        raise ValueError(f"project: expected hidden states (tokens, {self.wkv.in_features}), "
+                         f"got {tuple(x.shape)}")
     if self.ratio == 1: return self.wkv(x.to(torch.bfloat16)), None
     xf = x.float()
     return self.wkv(xf), self.wgate(xf)                                 # (tokens, head_dim) each
@@ -152,85 +177,105 @@ def project(self: Compressor, x: torch.Tensor) -> tuple:
 # %% ../nbs/03_compressor.ipynb #0cc70631
 @patch
 def new_ring(self: Compressor, num_blocks: int, device=None) -> torch.Tensor:
-    "A ring cache for `num_blocks` blocks of the compressor group: (num_blocks * ratio, 2, head_dim) fp32, scores at -inf"
-    if self.ratio == 1: raise ValueError(f"layer {self.layer} has compress_ratio 1: it keeps no ring")
-    if not isinstance(num_blocks, int) or num_blocks <= 0: raise ValueError(f"num_blocks = {num_blocks!r}; expected a positive integer")
+    ("A ring cache for `num_blocks` blocks of the compressor group: "
+     "(num_blocks * ratio, 2, head_dim) fp32, scores at -inf")
+    if self.ratio == 1:
+        raise ValueError(f"layer {self.layer} has compress_ratio 1: it keeps no ring")
+    if not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks = {num_blocks!r}; expected a positive integer")
     ring = torch.zeros(num_blocks * self.ratio, 2, self.head_dim, device=device)
     ring[:, 1] = -torch.inf
     return ring
 
-def new_record_cache(codec: RecordCodec, num_blocks: int, block_size: int, ratio: int, device=None) -> torch.Tensor:
-    "A paged cache of `codec` records, one per compressed entry: (num_blocks, block_size // ratio, record_bytes) uint8"
-    if not isinstance(num_blocks, int) or num_blocks <= 0: raise ValueError(f"num_blocks = {num_blocks!r}; expected a positive integer")
+def new_record_cache(codec: RecordCodec, num_blocks: int, block_size: int, ratio: int,
+                     device=None) -> torch.Tensor:
+    ("A paged cache of `codec` records, one per compressed entry: "
+     "(num_blocks, block_size // ratio, record_bytes) uint8")
+    if not isinstance(num_blocks, int) or num_blocks <= 0:
+        raise ValueError(f"num_blocks = {num_blocks!r}; expected a positive integer")
     if not isinstance(block_size, int) or block_size <= 0 or block_size % ratio:
-        raise ValueError(f"block_size = {block_size!r}; expected a positive multiple of the ratio {ratio}")
-    return torch.zeros(num_blocks, block_size // ratio, codec.record_bytes, dtype=torch.uint8, device=device)
+        raise ValueError(f"block_size = {block_size!r}; "
+                         f"expected a positive multiple of the ratio {ratio}")
+    return torch.zeros(num_blocks, block_size // ratio, codec.record_bytes, dtype=torch.uint8,
+                       device=device)
 
 @patch
 def new_cache(self: Compressor, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
-    "This layer's compressed cache for `num_blocks` blocks of `block_size` tokens (see `new_record_cache`)"
+    ("This layer's compressed cache for `num_blocks` blocks of `block_size` tokens "
+     "(see `new_record_cache`)")
     return new_record_cache(self.codec, num_blocks, block_size, self.ratio, device)
 
 # %% ../nbs/03_compressor.ipynb #d34c41ff
-def compress_reference(c: Compressor,                  # the layer (ratio, norm, RoPE table, record codec)
-                       kv: torch.Tensor,               # (T, D) this step's latents (fp32 at ratio > 1, bf16 at ratio 1)
-                       score: torch.Tensor | None,     # (T, D) fp32 gate scores (ratio > 1)
-                       positions: torch.Tensor,        # (T,) token positions
-                       ring_slots: torch.Tensor | None,  # (T,) ring entries (ratio > 1), -1 = padding
-                       compressed_slots: torch.Tensor, # (T,) compressed-cache slots, -1 = store nothing
-                       ring: torch.Tensor | None,      # (ring entries, 2, D) fp32
-                       cache: torch.Tensor,            # uint8 compressed cache
-                      ) -> torch.Tensor:
-    "Token by token: save the token in the ring; a token completing its group pools, normalises, rotates, quantises and stores"
+def compress_reference(
+    c: Compressor,                   # the layer (ratio, norm, RoPE table, record codec)
+    # (T, D) this step's latents (fp32 at ratio > 1, bf16 at ratio 1)
+    kv: torch.Tensor,
+    score: torch.Tensor | None,      # (T, D) fp32 gate scores (ratio > 1)
+    positions: torch.Tensor,         # (T,) token positions
+    ring_slots: torch.Tensor | None, # (T,) ring entries (ratio > 1), -1 = padding
+    compressed_slots: torch.Tensor,  # (T,) compressed-cache slots, -1 = store nothing
+    ring: torch.Tensor | None,       # (ring entries, 2, D) fp32
+    cache: torch.Tensor,             # uint8 compressed cache
+) -> torch.Tensor:
+    ("Token by token: save the token in the ring; "
+     "a token completing its group pools, normalises, rotates, quantises and stores")
     r, records = c.ratio, cache.view(-1, c.codec.record_bytes)
     latent = torch.zeros(len(positions), c.head_dim, dtype=torch.bfloat16, device=kv.device)
     for i, p in enumerate(positions.tolist()):
         if r == 1: pooled = kv[i].float()
         else:
             e = int(ring_slots[i])
-            if e < 0: continue                                          # padding: no ring entry, no state
+            if e < 0: continue                       # padding: no ring entry, no state
             ring[e, 0], ring[e, 1] = kv[i], score[i]
-            if (p + 1) % r: continue                                    # the group is still open
-            group = ring[e - r + 1:e + 1]                               # (r, 2, D): the group's entries, oldest first
+            if (p + 1) % r: continue                 # the group is still open
+            group = ring[e - r + 1:e + 1]            # (r, 2, D): the group's entries, oldest first
             pooled = pool_group(group[:, 0], group[:, 1])
         slot = int(compressed_slots[i])
         if slot < 0: continue
-        z = c.norm(pooled.to(torch.bfloat16))                           # (D,) bf16: the unrotated latent
+        z = c.norm(pooled.to(torch.bfloat16))            # (D,) bf16: the unrotated latent
         latent[i] = z
-        cos, sin = rope_cos_sin(c.inv_freq, [p + 1 - r])                # the entry sits at its group's first token
+        cos, sin = rope_cos_sin(c.inv_freq, [p + 1 - r]) # the entry sits at its group's first token
         records[slot] = c.codec.pack(apply_rope(z[None], cos, sin))[0]
     return latent
 
 # %% ../nbs/03_compressor.ipynb #4834f263
 def _same_request(positions, ring_slots, ratio, offset):
-    "For each token, the row of its request's token `offset` positions later (int, or one per token) if this step holds it, else -1"
+    ("For each token, the row of its request's token `offset` positions later "
+     "(int, or one per token) if this step holds it, else -1")
     i = torch.arange(len(positions), device=positions.device)
     j = i + offset
     jj = j.clamp(0, max(len(positions) - 1, 0))
     same = (j >= 0) & (j < len(positions)) & (positions[jj] == positions + offset)
-    if ratio > 1: same &= (ring_slots[jj] >= 0) & (ring_slots[jj] // ratio == ring_slots // ratio)   # one ring block = one request
+    if ratio > 1:
+        # one ring block = one request
+        same &= (ring_slots[jj] >= 0) & (ring_slots[jj] // ratio == ring_slots // ratio)
     return torch.where(same, jj, -1)
 
 # %% ../nbs/03_compressor.ipynb #b135673b
-def compress_torch(c: Compressor, kv, score, positions, ring_slots, compressed_slots, ring, cache) -> torch.Tensor:
-    "`compress_reference` for a whole step at once (same arguments, same result): the PyTorch path of `Compressor.emit`"
+def compress_torch(c: Compressor, kv, score, positions, ring_slots, compressed_slots, ring,
+                   cache) -> torch.Tensor:
+    ("`compress_reference` for a whole step at once (same arguments, same result): "
+     "the PyTorch path of `Compressor.emit`")
     r, records = c.ratio, cache.view(-1, c.codec.record_bytes)
     emit = (compressed_slots >= 0) & ((positions + 1) % r == 0)
     if r > 1: emit &= ring_slots >= 0
     idx = emit.nonzero().flatten()                                      # (n,) emitting tokens
     if r == 1: pooled = kv[idx].float()
     else:
-        src = torch.stack([_same_request(positions, ring_slots, r, k - r + 1) for k in range(r)], 1)[idx]   # (n, r)
-        entry = (ring_slots[idx] - r + 1)[:, None] + torch.arange(r, device=kv.device)                      # (n, r)
+        src = torch.stack([_same_request(positions, ring_slots, r, k - r + 1)
+                           for k in range(r)], 1)[idx]                                 # (n, r)
+        entry = (ring_slots[idx] - r + 1)[:, None] + torch.arange(r, device=kv.device)  # (n, r)
         here = src[..., None] >= 0
-        kvg = torch.where(here, kv[src.clamp_min(0)], ring[entry, 0])                                       # (n, r, D)
+        kvg = torch.where(here, kv[src.clamp_min(0)], ring[entry, 0])                  # (n, r, D)
         pooled = pool_group(kvg, torch.where(here, score[src.clamp_min(0)], ring[entry, 1]))
     latent = torch.zeros(len(positions), c.head_dim, dtype=torch.bfloat16, device=kv.device)
     z = c.norm(pooled.to(torch.bfloat16))                               # (n, D)
     latent[idx] = z
-    records[compressed_slots[idx]] = c.codec.pack(apply_rope(z, *rope_cos_sin(c.inv_freq, positions[idx] + 1 - r)))
-    if r > 1:                                                           # keep each request's open group for the next step
-        open_ = (ring_slots >= 0) & (_same_request(positions, ring_slots, r, r - 1 - positions % r) < 0)
+    cos, sin = rope_cos_sin(c.inv_freq, positions[idx] + 1 - r)
+    records[compressed_slots[idx]] = c.codec.pack(apply_rope(z, cos, sin))
+    if r > 1:                                 # keep each request's open group for the next step
+        open_ = ((ring_slots >= 0)
+                 & (_same_request(positions, ring_slots, r, r - 1 - positions % r) < 0))
         ring[ring_slots[open_], 0], ring[ring_slots[open_], 1] = kv[open_], score[open_]
     return latent
 
@@ -244,18 +289,21 @@ def _bf16_round(v):
 
 @triton.jit
 def _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, offset, n_tokens, RATIO: tl.constexpr):
-    "Row of the token `offset` positions after token i in the same request, or -1 when this step does not hold it"
+    ("Row of the token `offset` positions after token i in the same request, "
+     "or -1 when this step does not hold it")
     j = i + offset
     jj = tl.minimum(tl.maximum(j, 0), n_tokens - 1)
     same = (j >= 0) & (j < n_tokens) & (tl.load(pos_ptr + jj).to(tl.int64) == pos + offset)
     if RATIO > 1:
         rj = tl.load(rslot_ptr + jj).to(tl.int64)
-        same = same & (rj >= 0) & (rj // RATIO == rs // RATIO)         # one ring block = one request
+        same = same & (rj >= 0) & (rj // RATIO == rs // RATIO)  # one ring block = one request
     return tl.where(same, jj, -1)
 
 @triton.jit
-def _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, n_tokens, D: tl.constexpr, RATIO: tl.constexpr):
-    "Pointers to the latent and gate-score rows of entry k of token i's group: this step's row if the step holds it, else the ring's"
+def _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, n_tokens,
+                 D: tl.constexpr, RATIO: tl.constexpr):
+    ("Pointers to the latent and gate-score rows of entry k of token i's group: "
+     "this step's row if the step holds it, else the ring's")
     j = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, k - RATIO + 1, n_tokens, RATIO)
     entry = ring_ptr + (rs - RATIO + 1 + k) * 2 * D
     return tl.where(j >= 0, kv_ptr + j * D, entry), tl.where(j >= 0, score_ptr + j * D, entry + D)
@@ -264,18 +312,22 @@ def _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
 @triton.jit
 def _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, n_tokens, col, cm,
                D: tl.constexpr, RATIO: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
-    "Token i's group pooled by the per-channel softmax of its gate scores (fp64 weights rounded to fp32), as `pool_group`"
+    ("Token i's group pooled by the per-channel softmax of its gate scores "
+     "(fp64 weights rounded to fp32), as `pool_group`")
     m = tl.full((GROUPS, BLOCK), -float('inf'), tl.float64)
     for k in tl.static_range(RATIO):
-        kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, n_tokens, D, RATIO)
+        kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
+                              n_tokens, D, RATIO)
         m = tl.maximum(m, tl.load(sp + col, mask=cm, other=0.0).to(tl.float64))
     den = tl.zeros((GROUPS, BLOCK), tl.float64)
     for k in tl.static_range(RATIO):
-        kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, n_tokens, D, RATIO)
+        kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
+                              n_tokens, D, RATIO)
         den += tl.exp(tl.load(sp + col, mask=cm, other=0.0).to(tl.float64) - m)
     x = tl.zeros((GROUPS, BLOCK), tl.float32)
     for k in tl.static_range(RATIO):
-        kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, n_tokens, D, RATIO)
+        kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
+                              n_tokens, D, RATIO)
         w = (tl.exp(tl.load(sp + col, mask=cm, other=0.0).to(tl.float64) - m) / den).to(tl.float32)
         x += tl.load(kp + col, mask=cm, other=0.0) * w
     return x
@@ -283,57 +335,71 @@ def _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, n_to
 # %% ../nbs/03_compressor.ipynb #8a3496c7
 @triton.jit
 def _normalise(x, w_ptr, col, cm, D: tl.constexpr, eps):
-    "weight * x / rms(x) as `rms_norm` computes it (fp64 sum of squares, fp32 scale), rounded to BF16"
+    ("weight * x / rms(x) as `rms_norm` computes it (fp64 sum of squares, fp32 scale), "
+     "rounded to BF16")
     xd = x.to(tl.float64)
     inv = (1.0 / tl.sqrt(tl.sum(tl.sum(xd * xd, axis=1), axis=0) / D + eps)).to(tl.float32)
     return _bf16_round(tl.load(w_ptr + col, mask=cm, other=0.0).to(tl.float32) * (x * inv))
 
 @triton.jit
-def _rotate_tail(z, inv_ptr, at, g, D: tl.constexpr, ROPE: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
-    "Even and odd halves (GROUPS, BLOCK/2) of z with the pairs of its last ROPE dims rotated at position `at`, each rounded to BF16"
+def _rotate_tail(z, inv_ptr, at, g, D: tl.constexpr, ROPE: tl.constexpr, GROUPS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    ("Even and odd halves (GROUPS, BLOCK/2) of z with the pairs of its last ROPE dims rotated "
+     "at position `at`, each rounded to BF16")
     HALF: tl.constexpr = BLOCK // 2
     ze, zo = tl.split(tl.reshape(z, (GROUPS, HALF, 2)))
-    rp = g[:, None] * HALF + tl.arange(0, HALF)[None, :] - (D - ROPE) // 2      # (GROUPS, HALF) index among the rotated pairs
+    # (GROUPS, HALF) index among the rotated pairs
+    rp = g[:, None] * HALF + tl.arange(0, HALF)[None, :] - (D - ROPE) // 2
     rm = (rp >= 0) & (rp < ROPE // 2)
-    ang = (at.to(tl.float32) * tl.load(inv_ptr + rp, mask=rm, other=0.0)).to(tl.float64)   # `rope_cos_sin`: the fp32 angle,
-    c = tl.where(rm, tl.cos(ang).to(tl.float32), 1.0)                           # its cosine and sine in fp64
+    # `rope_cos_sin`: the fp32 angle, its cosine and sine in fp64
+    ang = (at.to(tl.float32) * tl.load(inv_ptr + rp, mask=rm, other=0.0)).to(tl.float64)
+    c = tl.where(rm, tl.cos(ang).to(tl.float32), 1.0)
     s = tl.where(rm, tl.sin(ang).to(tl.float32), 0.0)
-    return tl.where(rm, _bf16_round(ze * c - zo * s), ze), tl.where(rm, _bf16_round(ze * s + zo * c), zo)
+    return (tl.where(rm, _bf16_round(ze * c - zo * s), ze),
+            tl.where(rm, _bf16_round(ze * s + zo * c), zo))
 
 # %% ../nbs/03_compressor.ipynb #94d0c0a0
 @triton.jit
-def _store_fp4_record(ye, yo, rec, g, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr):
-    "Quantise one vector held as even/odd halves (GROUPS, BLOCK/2) to E2M1 with one scale per block, and write its record"
+def _store_fp4_record(ye, yo, rec, g, D: tl.constexpr, BLOCK: tl.constexpr,
+                      E4M3_SCALE: tl.constexpr):
+    ("Quantise one vector held as even/odd halves (GROUPS, BLOCK/2) to E2M1 "
+     "with one scale per block, and write its record")
     fe = (ye == ye) & (tl.abs(ye) != float('inf'))
     fo = (yo == yo) & (tl.abs(yo) != float('inf'))
-    bad = tl.sum((fe == 0).to(tl.int32) + (fo == 0).to(tl.int32), axis=1) > 0      # (GROUPS,) a NaN or Inf poisons its block
-    amax = tl.maximum(tl.max(tl.where(fe, tl.abs(ye), 0.0), axis=1), tl.max(tl.where(fo, tl.abs(yo), 0.0), axis=1))
+    # (GROUPS,) a NaN or Inf poisons its block
+    bad = tl.sum((fe == 0).to(tl.int32) + (fo == 0).to(tl.int32), axis=1) > 0
+    amax = tl.maximum(tl.max(tl.where(fe, tl.abs(ye), 0.0), axis=1),
+                      tl.max(tl.where(fo, tl.abs(yo), 0.0), axis=1))
     amax = tl.where(bad, 1.0, amax)
     ye, yo = tl.where(fe, ye, 0.0), tl.where(fo, yo, 0.0)
-    if E4M3_SCALE:                                                                    # DS-FP4: scale = e4m3(amax / 6)
-        scode = _e4m3_code(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0), 448.0))
+    if E4M3_SCALE:                                        # DS-FP4: scale = e4m3(amax / 6)
+        scode = _e4m3_code(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0),
+                                      448.0))
         scale = _e4m3_value(scode)[:, None]
         ve, vo = tl.math.div_rn(ye, scale), tl.math.div_rn(yo, scale)
         scode = tl.where(bad, 0x7F, scode)
-    else:                                                                             # MXFP4: a power of two, exact reciprocal
+    else:                                                 # MXFP4: a power of two, exact reciprocal
         scode = _ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0)
         inv = _pow2(254 - scode)[:, None]
         ve, vo = ye * inv, yo * inv
         scode = tl.where(bad, 255, scode)
-    byte = _e2m1_code(tl.minimum(tl.maximum(ve, -6.0), 6.0)) | (_e2m1_code(tl.minimum(tl.maximum(vo, -6.0), 6.0)) << 4)
+    byte = (_e2m1_code(tl.minimum(tl.maximum(ve, -6.0), 6.0))
+            | (_e2m1_code(tl.minimum(tl.maximum(vo, -6.0), 6.0)) << 4))
     live = g < D // BLOCK
-    pair = g[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]             # byte index of each pair
+    pair = g[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # byte index of each pair
     tl.store(rec + pair, tl.where(bad[:, None], 0, byte).to(tl.uint8), mask=live[:, None])
     tl.store(rec + D // 2 + g, scode.to(tl.uint8), mask=live)
 
 # %% ../nbs/03_compressor.ipynb #f2d6550d
 @triton.jit
-def _store_fp8_record(y, rec, g, col, D: tl.constexpr, BLOCK: tl.constexpr, QDIM: tl.constexpr, SCALE_OFF: tl.constexpr,
-                      PAD: tl.constexpr, PAD_P2: tl.constexpr, REC: tl.constexpr):
-    "Quantise one vector (GROUPS, BLOCK): E4M3 with a UE8M0 scale per block over the first QDIM values, BF16 after, zero padding"
+def _store_fp8_record(y, rec, g, col, D: tl.constexpr, BLOCK: tl.constexpr, QDIM: tl.constexpr,
+                      SCALE_OFF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr,
+                      REC: tl.constexpr):
+    ("Quantise one vector (GROUPS, BLOCK): E4M3 with a UE8M0 scale per block "
+     "over the first QDIM values, BF16 after, zero padding")
     qm = col < QDIM
     fin = (y == y) & (tl.abs(y) != float('inf'))
-    bad = tl.sum((qm & (fin == 0)).to(tl.int32), axis=1) > 0                         # (GROUPS,)
+    bad = tl.sum((qm & (fin == 0)).to(tl.int32), axis=1) > 0         # (GROUPS,)
     amax = tl.maximum(tl.max(tl.where(qm & fin, tl.abs(y), 0.0), axis=1), 1e-4)
     exp = tl.where(bad, 127, _ue8m0_code(amax, 1.0 / 448.0))
     q = tl.minimum(tl.maximum(tl.where(fin, y, 0.0) * _pow2(254 - exp)[:, None], -448.0), 448.0)
@@ -350,7 +416,8 @@ def _store_fp8_record(y, rec, g, col, D: tl.constexpr, BLOCK: tl.constexpr, QDIM
 # %% ../nbs/03_compressor.ipynb #09a5e5e2
 @triton.jit
 def _compress_kernel(
-    kv_ptr, score_ptr, # (T, D) this step's latents (fp32 at ratio > 1, bf16 at ratio 1) and fp32 gate scores
+    # (T, D) this step's latents (fp32 at ratio > 1, bf16 at ratio 1) and fp32 gate scores
+    kv_ptr, score_ptr,
     pos_ptr,           # (T,) token positions
     rslot_ptr,         # (T,) ring entries (ratio > 1), -1 = padding
     cslot_ptr,         # (T,) compressed-cache slots, -1 = store nothing
@@ -358,38 +425,47 @@ def _compress_kernel(
     cache_ptr,         # uint8 compressed cache, REC bytes per slot
     latent_ptr,        # (T, D) bf16 out: unrotated latents of emitting tokens, zeros elsewhere
     w_ptr,             # (D,) norm weight
-    inv_ptr,           # (ROPE/2,) fp32 inverse frequencies: each entry is rotated at its group's first position
+    # (ROPE/2,) fp32 inverse frequencies: each entry is rotated at its group's first position
+    inv_ptr,
     n_tokens, eps,     # T, and the norm's epsilon (fp32)
-    SAVE: tl.constexpr,  # False: emit every completed group; True: save the open groups into the ring
+    # False: emit every completed group; True: save the open groups into the ring
+    SAVE: tl.constexpr,
     RATIO: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
-    BLOCK: tl.constexpr, GROUPS: tl.constexpr,   # the record's scale block, and a power of two >= D / BLOCK
+    # the record's scale block, and a power of two >= D / BLOCK
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr,
     FP4: tl.constexpr, E4M3_SCALE: tl.constexpr, QDIM: tl.constexpr, SCALE_OFF: tl.constexpr,
-    PAD: tl.constexpr, PAD_P2: tl.constexpr, REC: tl.constexpr,   # the record layout (see `_record_meta`)
+    # the record layout (see `_record_meta`)
+    PAD: tl.constexpr, PAD_P2: tl.constexpr, REC: tl.constexpr,
 ):
     i = tl.program_id(0)
     pos = tl.load(pos_ptr + i).to(tl.int64)
     rs = pos * 0
     if RATIO > 1: rs = tl.load(rslot_ptr + i).to(tl.int64)
     g = tl.arange(0, GROUPS)
-    col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]                # (GROUPS, BLOCK) channel of each lane
+    col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK) channel of each lane
     cm = col < D
-    if SAVE:                                                               # launch 2: the ring keeps each open group
-        closes = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, RATIO - 1 - pos % RATIO, n_tokens, RATIO)
+    if SAVE:                                        # launch 2: the ring keeps each open group
+        closes = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, RATIO - 1 - pos % RATIO,
+                                   n_tokens, RATIO)
         if (rs >= 0) & (closes < 0):
             tl.store(ring_ptr + rs * 2 * D + col, tl.load(kv_ptr + i * D + col, mask=cm), mask=cm)
-            tl.store(ring_ptr + rs * 2 * D + D + col, tl.load(score_ptr + i * D + col, mask=cm), mask=cm)
-    else:                                                                  # launch 1: emit
+            tl.store(ring_ptr + rs * 2 * D + D + col, tl.load(score_ptr + i * D + col, mask=cm),
+                     mask=cm)
+    else:                                           # launch 1: emit
         cs = tl.load(cslot_ptr + i).to(tl.int64)
         if (cs >= 0) & ((pos + 1) % RATIO == 0) & (rs >= 0):
             if RATIO == 1: x = tl.load(kv_ptr + i * D + col, mask=cm, other=0.0).to(tl.float32)
-            else: x = _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, n_tokens, col, cm,
-                                 D, RATIO, GROUPS, BLOCK)
-            z = _normalise(_bf16_round(x), w_ptr, col, cm, D, eps)        # the pooled latent in BF16, normalised
+            else: x = _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs,
+                                 n_tokens, col, cm, D, RATIO, GROUPS, BLOCK)
+            # the pooled latent in BF16, normalised
+            z = _normalise(_bf16_round(x), w_ptr, col, cm, D, eps)
             tl.store(latent_ptr + i * D + col, z.to(tl.bfloat16), mask=cm)
-            ye, yo = _rotate_tail(z, inv_ptr, tl.maximum(pos + 1 - RATIO, 0), g, D, ROPE, GROUPS, BLOCK)
+            ye, yo = _rotate_tail(z, inv_ptr, tl.maximum(pos + 1 - RATIO, 0), g,
+                                  D, ROPE, GROUPS, BLOCK)
             rec = cache_ptr + cs * REC
             if FP4: _store_fp4_record(ye, yo, rec, g, D, BLOCK, E4M3_SCALE)
-            else: _store_fp8_record(tl.reshape(tl.join(ye, yo), (GROUPS, BLOCK)), rec, g, col, D, BLOCK, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
+            else: _store_fp8_record(tl.reshape(tl.join(ye, yo), (GROUPS, BLOCK)), rec, g, col,
+                                    D, BLOCK, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
         else:
             tl.store(latent_ptr + i * D + col, tl.zeros((GROUPS, BLOCK), tl.bfloat16), mask=cm)
 
@@ -397,104 +473,140 @@ def _compress_kernel(
 def _record_meta(codec: RecordCodec) -> dict:
     "The kernel's compile-time description of a record format"
     if isinstance(codec, FP4Record):
-        return dict(BLOCK=codec.block, FP4=True, E4M3_SCALE=codec.scale_format == 'e4m3', QDIM=codec.dim,
-                    SCALE_OFF=codec.scale_offset, PAD=0, PAD_P2=1, REC=codec.record_bytes)
+        return dict(BLOCK=codec.block, FP4=True, E4M3_SCALE=codec.scale_format == 'e4m3',
+                    QDIM=codec.dim, SCALE_OFF=codec.scale_offset, PAD=0, PAD_P2=1,
+                    REC=codec.record_bytes)
     if isinstance(codec, FP8Record) and not codec.fp32_scale:
         pad = codec.record_bytes - codec.scale_offset - codec.n_scales
-        return dict(BLOCK=codec.block, FP4=False, E4M3_SCALE=False, QDIM=codec.qdim, SCALE_OFF=codec.scale_offset,
-                    PAD=pad, PAD_P2=triton.next_power_of_2(max(pad, 1)), REC=codec.record_bytes)
-    raise ValueError(f"the compressor kernel stores FP4 records or FP8 records with UE8M0 scales, not {codec!r}")
+        return dict(BLOCK=codec.block, FP4=False, E4M3_SCALE=False, QDIM=codec.qdim,
+                    SCALE_OFF=codec.scale_offset, PAD=pad,
+                    PAD_P2=triton.next_power_of_2(max(pad, 1)), REC=codec.record_bytes)
+    raise ValueError(f"the compressor kernel stores FP4 records or FP8 records with UE8M0 scales, "
+                     f"not {codec!r}")
 
-def compress_triton(c: Compressor, kv, score, positions, ring_slots, compressed_slots, ring, cache) -> torch.Tensor:
-    "The fused kernel (same arguments and result as `compress_reference`): launched once to emit, once more to save open groups"
+def compress_triton(c: Compressor, kv, score, positions, ring_slots, compressed_slots, ring,
+                    cache) -> torch.Tensor:
+    ("The fused kernel (same arguments and result as `compress_reference`): "
+     "launched once to emit, once more to save open groups")
     T, D, r = len(positions), c.head_dim, c.ratio
     latent = torch.empty(T, D, dtype=torch.bfloat16, device=kv.device)
     if T == 0: return latent
     meta = _record_meta(c.codec)
     groups = triton.next_power_of_2(triton.cdiv(D, meta['BLOCK']))
-    rs, sc, rg = (ring_slots, score, ring) if r > 1 else (positions, kv, kv)     # ratio 1 never reads these
+    # ratio 1 never reads these
+    rs, sc, rg = (ring_slots, score, ring) if r > 1 else (positions, kv, kv)
     for save in ((False, True) if r > 1 else (False,)):
-        _compress_kernel[(T,)](kv, sc, positions, rs, compressed_slots, rg, cache, latent, c.norm.weight, c.inv_freq, T,
-                               float(c.norm.eps), SAVE=save, RATIO=r, D=D, ROPE=c.rope_dim, GROUPS=groups, **meta,
+        _compress_kernel[(T,)](kv, sc, positions, rs, compressed_slots, rg, cache, latent,
+                               c.norm.weight, c.inv_freq, T, float(c.norm.eps), SAVE=save,
+                               RATIO=r, D=D, ROPE=c.rope_dim, GROUPS=groups, **meta,
                                num_warps=4, enable_fp_fusion=False)
     return latent
 
 # %% ../nbs/03_compressor.ipynb #96d701be
 def _check_slots(name, slots, T, limit):
     "A (T,) integer slot mapping, its values in -1 .. limit-1 (checked when `limit` is given)"
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.shape != (T,):
-        raise TypeError(f"{name}: expected a ({T},) int32/int64 tensor, got {getattr(slots, 'dtype', type(slots))} "
+    if (not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64)
+            or slots.shape != (T,)):
+        raise TypeError(f"{name}: expected a ({T},) int32/int64 tensor, "
+                        f"got {getattr(slots, 'dtype', type(slots))} "
                         f"of shape {tuple(getattr(slots, 'shape', ()))}")
     if limit is not None and T and not capturing():
         lo, hi = int(slots.min()), int(slots.max())
-        if lo < -1 or hi >= limit: raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, outside 0..{limit - 1} (-1 = none)")
+        if lo < -1 or hi >= limit:
+            raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, "
+                             f"outside 0..{limit - 1} (-1 = none)")
 
-def _describe(t): return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+def _describe(t):
+    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 @patch
-def check_inputs(self: Compressor, kv, score, positions, ring_slots, compressed_slots, ring, cache, check_slots=True):
+def check_inputs(self: Compressor, kv, score, positions, ring_slots, compressed_slots, ring, cache,
+                 check_slots=True):
     "Raise a clear error for any malformed argument of `emit`"
     D, r, rec = self.head_dim, self.ratio, self.codec.record_bytes
     want = torch.float32 if r > 1 else torch.bfloat16
     if not isinstance(kv, torch.Tensor) or kv.ndim != 2 or kv.shape[1] != D or kv.dtype != want:
         raise ValueError(f"kv: expected (tokens, {D}) {want}, got {_describe(kv)}")
     T = kv.shape[0]
-    if r == 1 and score is not None: raise ValueError(f"score: expected None at ratio 1, got {_describe(score)}")
-    if r > 1 and (not isinstance(score, torch.Tensor) or score.shape != kv.shape or score.dtype != torch.float32):
+    if r == 1 and score is not None:
+        raise ValueError(f"score: expected None at ratio 1, got {_describe(score)}")
+    if r > 1 and (not isinstance(score, torch.Tensor) or score.shape != kv.shape
+                  or score.dtype != torch.float32):
         raise ValueError(f"score: expected ({T}, {D}) torch.float32, got {_describe(score)}")
-    if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.shape[-1] != rec or not cache.is_contiguous():
-        raise ValueError(f"cache: expected a contiguous uint8 tensor (..., {rec}), got {_describe(cache)}")
-    ring_ok = isinstance(ring, torch.Tensor) and ring.dtype == torch.float32 and ring.ndim == 3 and ring.shape[1:] == (2, D)
+    if (not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8 or cache.shape[-1] != rec
+            or not cache.is_contiguous()):
+        raise ValueError(f"cache: expected a contiguous uint8 tensor (..., {rec}), "
+                         f"got {_describe(cache)}")
+    ring_ok = (isinstance(ring, torch.Tensor) and ring.dtype == torch.float32 and ring.ndim == 3
+               and ring.shape[1:] == (2, D))
     if r > 1 and not (ring_ok and ring.shape[0] % r == 0 and ring.is_contiguous()):
-        raise ValueError(f"ring: expected a contiguous (blocks * {r}, 2, {D}) float32 tensor, got {_describe(ring)}")
+        raise ValueError(f"ring: expected a contiguous (blocks * {r}, 2, {D}) float32 tensor, "
+                         f"got {_describe(ring)}")
     _check_slots('positions', positions, T, None)
-    _check_slots('compressed_slots', compressed_slots, T, cache.numel() // rec if check_slots else None)
+    _check_slots('compressed_slots', compressed_slots, T,
+                 cache.numel() // rec if check_slots else None)
     if r > 1: _check_slots('ring_slots', ring_slots, T, ring.shape[0] if check_slots else None)
-    devices = {t.device for t in (kv, score, positions, ring_slots, compressed_slots, ring, cache) if t is not None}
-    if len(devices) > 1: raise ValueError(f"arguments on several devices {sorted(map(str, devices))}")
+    devices = {t.device for t in (kv, score, positions, ring_slots, compressed_slots, ring, cache)
+               if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"arguments on several devices {sorted(map(str, devices))}")
     if check_slots and T and not capturing():
-        if int(positions.min()) < 0: raise ValueError(f"positions: holds {int(positions.min())}; expected >= 0")
+        if int(positions.min()) < 0:
+            raise ValueError(f"positions: holds {int(positions.min())}; expected >= 0")
         bad = ((compressed_slots >= 0) & ((positions + 1) % r != 0)).nonzero().flatten()
-        if len(bad): raise ValueError(f"compressed_slots: position {int(positions[bad[0]])} completes no group of {r} "
-                                      f"but has slot {int(compressed_slots[bad[0]])}")
+        if len(bad):
+            raise ValueError(f"compressed_slots: position {int(positions[bad[0]])} "
+                             f"completes no group of {r} "
+                             f"but has slot {int(compressed_slots[bad[0]])}")
 
 # %% ../nbs/03_compressor.ipynb #79c51a7d
 @patch
-def emit(self: Compressor,
-         kv: torch.Tensor,                    # (T, D) latents from `project`
-         score: torch.Tensor | None,          # (T, D) gate scores from `project` (None at ratio 1)
-         positions: torch.Tensor,             # (T,) token positions
-         ring_slots: torch.Tensor | None,     # (T,) ring entries from `ring_slot_mapping`, -1 = padding (ratio > 1)
-         compressed_slots: torch.Tensor,      # (T,) from `compressed_slot_mapping`, -1 = store nothing
-         ring: torch.Tensor | None,           # this layer's ring (`new_ring`; ratio > 1)
-         cache: torch.Tensor,                 # this layer's compressed cache (`new_cache`)
-         check_slots: bool = True,            # range-check the slot mappings (reads them back: a device sync)
-        ) -> torch.Tensor:
-    "Store every entry this step completes, keep the open groups in the ring; (T, D) bf16 unrotated latents, zeros where none is emitted"
+def emit(
+    self: Compressor,
+    kv: torch.Tensor,               # (T, D) latents from `project`
+    score: torch.Tensor | None,     # (T, D) gate scores from `project` (None at ratio 1)
+    positions: torch.Tensor,        # (T,) token positions
+    # (T,) ring entries from `ring_slot_mapping`, -1 = padding (ratio > 1)
+    ring_slots: torch.Tensor | None,
+    compressed_slots: torch.Tensor, # (T,) from `compressed_slot_mapping`, -1 = store nothing
+    ring: torch.Tensor | None,      # this layer's ring (`new_ring`; ratio > 1)
+    cache: torch.Tensor,            # this layer's compressed cache (`new_cache`)
+    check_slots: bool = True,       # range-check the slot mappings (reads them back: a device sync)
+) -> torch.Tensor:
+    ("Store every entry this step completes, keep the open groups in the ring; "
+     "(T, D) bf16 unrotated latents, zeros where none is emitted")
     self.check_inputs(kv, score, positions, ring_slots, compressed_slots, ring, cache, check_slots)
-    if self.journal is not None and ring_slots is not None: self.journal.record(kv, score, positions, ring_slots)
+    if self.journal is not None and ring_slots is not None:
+        self.journal.record(kv, score, positions, ring_slots)
     tensors = [t for t in (kv, positions, compressed_slots, cache) if t is not None]
     fn = compress_triton if kernel_backend(*tensors) == 'triton' else compress_torch
     return fn(self, kv, score, positions, ring_slots, compressed_slots, ring, cache)
 
 @patch
-def forward(self: Compressor, x, positions, ring_slots, compressed_slots, ring, cache, check_slots=True):
+def forward(self: Compressor, x, positions, ring_slots, compressed_slots, ring, cache,
+            check_slots=True):
     "`project` then `emit`: (T, dim) hidden states -> (T, D) bf16 unrotated latents"
-    return self.emit(*self.project(x), positions, ring_slots, compressed_slots, ring, cache, check_slots)
+    return self.emit(*self.project(x), positions, ring_slots, compressed_slots, ring, cache,
+                     check_slots)
 
 # %% ../nbs/03_compressor.ipynb #525f33b5
 class RingJournal:
-    "For some ring blocks of one compressor: each block before a step, and the rows the step saw there, to rewind it"
+    ("For some ring blocks of one compressor: each block before a step, "
+     "and the rows the step saw there, to rewind it")
     def __init__(self, ring: torch.Tensor,  # the compressor's ring (`new_ring`)
                  ratio: int, blocks):      # the compressor's ratio (> 1); ring block ids
-        if not isinstance(ratio, int) or ratio < 2: raise ValueError(f"RingJournal: ratio = {ratio!r}; a ring needs a ratio >= 2")
+        if not isinstance(ratio, int) or ratio < 2:
+            raise ValueError(f"RingJournal: ratio = {ratio!r}; a ring needs a ratio >= 2")
         blocks = sorted({int(b) for b in blocks})
         if any(not 0 <= b < ring.shape[0] // ratio for b in blocks):
-            raise IndexError(f"RingJournal: blocks {blocks} outside the ring's 0..{ring.shape[0] // ratio - 1}")
-        self.ratio, self.before, self.rows = ratio, {b: ring[b * ratio:(b + 1) * ratio].clone() for b in blocks}, {}
+            raise IndexError(f"RingJournal: blocks {blocks} "
+                             f"outside the ring's 0..{ring.shape[0] // ratio - 1}")
+        self.ratio, self.rows = ratio, {}
+        self.before = {b: ring[b * ratio:(b + 1) * ratio].clone() for b in blocks}
 
     def record(self, kv, score, positions, ring_slots):
-        "Keep, per journaled block, the (positions, fp32 latents, fp32 scores) of the rows of this `emit` call there"
+        ("Keep, per journaled block, the (positions, fp32 latents, fp32 scores) "
+         "of the rows of this `emit` call there")
         for b in self.before:
             m = (ring_slots >= 0) & (ring_slots // self.ratio == b)
             self.rows[b] = (positions[m].long(), kv[m].float(), score[m].float())
@@ -505,18 +617,22 @@ class RingJournal:
         return int(pos.min()) if len(pos) else None
 
     def rewind(self, ring: torch.Tensor, block: int, p: int):
-        "Ring block `block` as a step ending at position p leaves it: as before the step, plus its rows of the group open at p"
-        if block not in self.before: raise KeyError(f"rewind: block {block} was not journaled (blocks {sorted(self.before)})")
+        ("Ring block `block` as a step ending at position p leaves it: "
+         "as before the step, plus its rows of the group open at p")
+        if block not in self.before:
+            raise KeyError(f"rewind: block {block} was not journaled "
+                           f"(blocks {sorted(self.before)})")
         R, view = self.ratio, ring[block * self.ratio:(block + 1) * self.ratio]
         view.copy_(self.before[block])
         if block in self.rows:
             pos, kv, score = self.rows[block]
-            keep = (pos >= p - p % R) & (pos < p)                                # the open group's rows the step computed
+            keep = (pos >= p - p % R) & (pos < p)      # the open group's rows the step computed
             view[pos[keep] % R, 0], view[pos[keep] % R, 1] = kv[keep], score[keep]
 
 # %% ../nbs/03_compressor.ipynb #e30d61d6
 def _bench_inputs(c: Compressor, mode: str, tokens: int, device):
-    "Slot mappings of a prefill (one request, positions 0..tokens-1) or a decode step (`tokens` requests, one token each)"
+    ("Slot mappings of a prefill (one request, positions 0..tokens-1) "
+     "or a decode step (`tokens` requests, one token each)")
     r = c.ratio
     if mode == 'prefill':
         pos = torch.arange(tokens, device=device)
@@ -535,29 +651,36 @@ def _bench_inputs(c: Compressor, mode: str, tokens: int, device):
     return kv, score, pos, ring_slots, cslots, ring, cache
 
 # %% ../nbs/03_compressor.ipynb #eddbf652
-def benchmark_compressor(cfg: ModelConfig, layer: int, mode: str, tokens: int, fmt: str = 'ds_fp4', device='cuda',
-                         bandwidth: float | None = None, rep: int = 100) -> dict:
-    "Time `emit` (kernel and PyTorch path) for a prefill of `tokens` tokens or a decode step of `tokens` requests; floor from bytes moved"
+def benchmark_compressor(cfg: ModelConfig, layer: int, mode: str, tokens: int, fmt: str = 'ds_fp4',
+                         device='cuda', bandwidth: float | None = None, rep: int = 100) -> dict:
+    ("Time `emit` (kernel and PyTorch path) for a prefill of `tokens` tokens "
+     "or a decode step of `tokens` requests; floor from bytes moved")
     c = Compressor(cfg, layer, fmt).to(device)
     args = _bench_inputs(c, mode, tokens, device)
     kv, score, pos, rs, cs, ring, cache = args
     n_emit = int((cs >= 0).sum())
     D, r = c.head_dim, c.ratio
-    moved = (kv.numel() * kv.element_size() + (score.numel() * 4 if score is not None else 0) + tokens * D * 2
-             + n_emit * c.codec.record_bytes + tokens * 8 * 3 + tokens * c.rope_dim * 4)
-    if mode == 'decode' and r > 1: moved += tokens * 2 * D * 4                 # each token reads or saves one ring entry
+    moved = (kv.numel() * kv.element_size() + (score.numel() * 4 if score is not None else 0)
+             + tokens * D * 2 + n_emit * c.codec.record_bytes + tokens * 8 * 3
+             + tokens * c.rope_dim * 4)
+    # each token reads or saves one ring entry
+    if mode == 'decode' and r > 1: moved += tokens * 2 * D * 4
     bw = bandwidth or copy_bandwidth(device=device)
     with use_kernels('triton'): t = median_time(lambda: c.emit(*args, check_slots=False), rep=rep)
-    with use_kernels('torch'): t_ref = median_time(lambda: c.emit(*args, check_slots=False), warmup=3, rep=max(rep // 10, 1))
-    return dict(layer=layer, ratio=r, mode=mode, tokens=tokens, emitted=n_emit, format=c.codec.name, us=t * 1e6,
-                ns_per_entry=t / n_emit * 1e9, floor_ns_per_entry=moved / bw / n_emit * 1e9, of_floor=moved / bw / t,
+    with use_kernels('torch'):
+        t_ref = median_time(lambda: c.emit(*args, check_slots=False), warmup=3,
+                            rep=max(rep // 10, 1))
+    return dict(layer=layer, ratio=r, mode=mode, tokens=tokens, emitted=n_emit, format=c.codec.name,
+                us=t * 1e6, ns_per_entry=t / n_emit * 1e9,
+                floor_ns_per_entry=moved / bw / n_emit * 1e9, of_floor=moved / bw / t,
                 ref_us=t_ref * 1e6, speedup=t_ref / t)
 
 def format_compressor_benchmark(rows) -> str:
     "The rows of `benchmark_compressor` as a text table"
-    cols = [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('step', 'mode', '8s'), ('tokens', 'tokens', '7d'),
-            ('entries', 'emitted', '7d'), ('time us', 'us', '9.1f'), ('ns/entry', 'ns_per_entry', '9.2f'),
-            ('floor ns', 'floor_ns_per_entry', '8.2f'), ('of floor', 'of_floor', '8.0%'), ('torch us', 'ref_us', '9.1f'),
+    cols = [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('step', 'mode', '8s'),
+            ('tokens', 'tokens', '7d'), ('entries', 'emitted', '7d'), ('time us', 'us', '9.1f'),
+            ('ns/entry', 'ns_per_entry', '9.2f'), ('floor ns', 'floor_ns_per_entry', '8.2f'),
+            ('of floor', 'of_floor', '8.0%'), ('torch us', 'ref_us', '9.1f'),
             ('speed-up', 'speedup', '8.1f')]
     width = lambda f: int(f.split('.')[0].rstrip('dsf%'))
     head = ' '.join(f"{h:>{width(f)}s}" for h, _, f in cols)

@@ -21,11 +21,13 @@ class _TrunkFields:
     vocab_size: int = 129280  # token ids 0..vocab_size-1
     dim: int = 5120  # hidden size of the residual stream (one of the `hc_mult` copies)
     moe_inter_dim: int = 2304  # intermediate size of each routed and shared expert
-    n_layers: int = 40  # backbone layers: the first half is the causal encoder, the second the decoder
+    # backbone layers: the first half is the causal encoder, the second the decoder
+    n_layers: int = 40
     n_mtp_layers: int = 3  # DSpark drafter blocks after the backbone (checkpoint names `mtp.{k}`)
     dspark_block_size: int = 5  # draft positions produced by one drafter pass
     dspark_noise_token_id: int = 128799  # token filling the not-yet-drafted positions of a block
-    dspark_target_layer_ids: tuple = (37, 38, 39)  # backbone layers whose *input* streams feed the drafter
+    # backbone layers whose *input* streams feed the drafter
+    dspark_target_layer_ids: tuple = (37, 38, 39)
     dspark_markov_rank: int = 256  # rank of the Markov head's token embedding
     dspark_n_routed_experts: int = 128  # routed experts in each drafter block
     dspark_n_activated_experts: int = 3  # experts each token visits in a drafter block
@@ -35,7 +37,8 @@ class _TrunkFields:
     n_activated_experts: int = 6  # routed experts each token visits
     score_func: str = 'sqrtsoftplus'  # router score: sqrt(softplus(x W^T))
     route_scale: float = 1.5  # routing weights are normalised, then multiplied by this
-    swiglu_limit: float = 10.0  # clamp on the expert's gate (above) and up (both sides) projections
+    # clamp on the expert's gate (above) and up (both sides) projections
+    swiglu_limit: float = 10.0
 
 # %% ../nbs/00_config.ipynb #0a9b347d
 @dataclass(frozen=True)
@@ -70,15 +73,18 @@ class ModelConfig(_AttentionFields):
     hc_sinkhorn_iters: int = 20  # Sinkhorn iterations making `comb` doubly stochastic
     hc_eps: float = 1e-06  # mHC epsilon
     engram_layer_ids: tuple = (1, 14)  # layers with an Engram module in front of them
-    engram_vocab_size: int = 16000000  # where the prime search for each hash head's bucket count starts
+    # where the prime search for each hash head's bucket count starts
+    engram_vocab_size: int = 16000000
     engram_num_embeddings: tuple = (384006168, 384016682)  # rows of each Engram table; () = derive
     engram_max_ngram_size: int = 4  # n-grams of order 2..max are hashed
     engram_pad_id: int = 2  # token that fills n-gram slots before the sequence start
-    engram_compressed_vocab_size: int = 99092  # size of the normalised-token id space the hashes run over
+    # size of the normalised-token id space the hashes run over
+    engram_compressed_vocab_size: int = 99092
     dtype: str = 'fp8'  # storage of the non-expert linears
     expert_dtype: str | None = 'fp4'  # storage of the routed experts
     compress_rope_theta: float = 160000  # RoPE base of compressed (ratio > 0) layers
-    compress_ratios: tuple = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)  # per layer, drafters too: 0, 1 or 2
+    # per layer, drafters too: 0, 1 or 2
+    compress_ratios: tuple = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
     vision_n_layers: int = 32  # ViT depth (the vision tower is outside this project)
     vision_dim: int = 1024
     vision_n_heads: int = 16
@@ -137,13 +143,15 @@ def validate(c: ModelConfig):
     for rule in _RULES.values(): rule(c)
 
 # %% ../nbs/00_config.ipynb #2f963c6a
+# annotation -> accepted types, what the message asks for
 _TYPES = {'int': ((int,), 'an int'), 'float': ((int, float), 'a number'), 'str': ((str,), 'a str'),
-          'tuple': ((tuple,), 'a tuple')}   # annotation -> accepted types, what the message asks for
+          'tuple': ((tuple,), 'a tuple')}
 
 @_rule
 def _check_types(c):
     for f in fields(c):
-        v, kind = getattr(c, f.name), f.type  # annotations are strings ('int', 'float | None', ...)
+        # annotations are strings ('int', 'float | None', ...)
+        v, kind = getattr(c, f.name), f.type
         if kind.endswith(' | None'):
             if v is None: continue
             kind = kind[:-len(' | None')]
@@ -176,18 +184,21 @@ def _check_sizes(c):
     for name in _NON_NEGATIVE:
         _require(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; it must not be negative")
     _require(c.candidate_source_layer >= -1,
-             f"candidate_source_layer = {c.candidate_source_layer}; expected a layer id, or -1 for none")
+             f"candidate_source_layer = {c.candidate_source_layer}; "
+             f"expected a layer id, or -1 for none")
     _require(c.vision_max_wh_ratio is None or c.vision_max_wh_ratio > 0,
              f"vision_max_wh_ratio = {c.vision_max_wh_ratio}; expected None or > 0")
     _require(c.n_layers % 2 == 0,
-             f"n_layers = {c.n_layers} cannot split into a causal encoder and a decoder of equal depth")
+             f"n_layers = {c.n_layers} cannot split into a causal encoder and a decoder "
+             f"of equal depth")
 
 # %% ../nbs/00_config.ipynb #de822d49
 @_rule
 def _check_blocks(c):
     for name in ('dim', 'head_dim', 'q_lora_rank', 'o_lora_rank', 'moe_inter_dim', 'index_head_dim'):
         _require(getattr(c, name) % 32 == 0,
-                 f"{name} = {getattr(c, name)} is not a multiple of 32, the FP8/FP4 quantisation block")
+                 f"{name} = {getattr(c, name)} is not a multiple of 32, "
+                 f"the FP8/FP4 quantisation block")
     _require(c.rope_head_dim % 2 == 0 and c.rope_head_dim <= min(c.head_dim, c.index_head_dim),
              f"rope_head_dim = {c.rope_head_dim}; expected an even number <= head_dim ({c.head_dim}) "
              f"and index_head_dim ({c.index_head_dim})")
@@ -198,7 +209,8 @@ def _check_blocks(c):
 @_rule
 def _check_choices(c):
     _require(c.n_activated_experts <= c.n_routed_experts,
-             f"n_activated_experts = {c.n_activated_experts} > n_routed_experts = {c.n_routed_experts}")
+             f"n_activated_experts = {c.n_activated_experts} > "
+             f"n_routed_experts = {c.n_routed_experts}")
     _require(c.n_shared_experts == 1,
              f"n_shared_experts = {c.n_shared_experts}; V4.1 has exactly one shared expert")
     _require(c.score_func in ('sqrtsoftplus', 'sigmoid', 'softmax'),
@@ -215,7 +227,8 @@ def source_layer(sources, layer: int) -> int | None:
     "The latest source layer at or below `layer` (vLLM's consumer binding), None if there is none"
     check_int('source_layer', 'layer', layer)
     if not isinstance(sources, (tuple, list)) or any(type(s) is not int for s in sources):
-        raise TypeError(f"source_layer: sources must be a tuple or list of layer ids, got {sources!r}")
+        raise TypeError(f"source_layer: sources must be a tuple or list of layer ids, "
+                        f"got {sources!r}")
     below = [s for s in sources if s <= layer]
     return max(below) if below else None
 
@@ -223,10 +236,12 @@ def source_layer(sources, layer: int) -> int | None:
 @_rule
 def _check_sources(c):
     n_total = c.n_layers + c.n_mtp_layers
-    _require(len(c.compress_ratios) == n_total, f"compress_ratios has {len(c.compress_ratios)} entries; "
-                                                f"expected n_layers + n_mtp_layers = {n_total}")
+    _require(len(c.compress_ratios) == n_total,
+             f"compress_ratios has {len(c.compress_ratios)} entries; "
+             f"expected n_layers + n_mtp_layers = {n_total}")
     for i, r in enumerate(c.compress_ratios):
-        _require(r in (0, 1, 2), f"compress_ratios[{i}] = {r}; V4.1 uses only 0 (window only), 1 and 2")
+        _require(r in (0, 1, 2),
+                 f"compress_ratios[{i}] = {r}; V4.1 uses only 0 (window only), 1 and 2")
     for name in ('kv_source_layers', 'index_source_layers'):
         s = getattr(c, name)
         _require(list(s) == sorted(set(s)), f"{name} = {s} must be strictly increasing")
@@ -236,8 +251,9 @@ def _check_sources(c):
             _require(c.compress_ratios[l] > 0,
                      f"{name} contains layer {l}, whose compress_ratio is 0: a source must compress")
     for l in range(c.n_layers, n_total):
-        _require(c.compress_ratios[l] == 0, f"drafter layer {l} has compress_ratio {c.compress_ratios[l]}; "
-                                            "DSpark blocks attend over their window only")
+        _require(c.compress_ratios[l] == 0,
+                 f"drafter layer {l} has compress_ratio {c.compress_ratios[l]}; "
+                 "DSpark blocks attend over their window only")
 
 # %% ../nbs/00_config.ipynb #c9742e02
 @_rule
@@ -246,16 +262,19 @@ def _check_bindings(c):
         r = c.compress_ratios[l]
         if r == 0: continue
         kv, ix = source_layer(c.kv_source_layers, l), source_layer(c.index_source_layers, l)
-        _require(kv is not None, f"layer {l} (compress_ratio {r}) has no KV source at or below it; "
-                                 f"kv_source_layers = {c.kv_source_layers}")
-        _require(ix is not None, f"layer {l} (compress_ratio {r}) has no index source at or below it; "
-                                 f"index_source_layers = {c.index_source_layers}")
+        _require(kv is not None,
+                 f"layer {l} (compress_ratio {r}) has no KV source at or below it; "
+                 f"kv_source_layers = {c.kv_source_layers}")
+        _require(ix is not None,
+                 f"layer {l} (compress_ratio {r}) has no index source at or below it; "
+                 f"index_source_layers = {c.index_source_layers}")
         _require(c.compress_ratios[kv] == r,
                  f"layer {l} has compress_ratio {r} but its KV source, layer {kv}, "
-                                             f"has compress_ratio {c.compress_ratios[kv]}")
-        _require(ix >= kv, f"layer {l} reads KV source {kv} but index source {ix}, whose top-k points into "
-                           "another layer's cache; an index source must sit at or above its consumer's "
-                           "KV source")
+                 f"has compress_ratio {c.compress_ratios[kv]}")
+        _require(ix >= kv,
+                 f"layer {l} reads KV source {kv} but index source {ix}, whose top-k points into "
+                 "another layer's cache; an index source must sit at or above its consumer's "
+                 "KV source")
 
 # %% ../nbs/00_config.ipynb #cd9c7a9a
 @_rule
@@ -265,14 +284,16 @@ def _check_candidates(c):
     _require(cs in c.index_source_layers,
              f"candidate_source_layer = {cs} is not an index source {c.index_source_layers}")
     pool = c.candidate_topk_blocks * c.candidate_block_size
-    _require(c.index_topk <= pool, f"index_topk = {c.index_topk} exceeds the candidate pool of "
-                                   f"{c.candidate_topk_blocks} blocks x {c.candidate_block_size} = "
-                                   f"{pool} entries")
+    _require(c.index_topk <= pool,
+             f"index_topk = {c.index_topk} exceeds the candidate pool of "
+             f"{c.candidate_topk_blocks} blocks x {c.candidate_block_size} = "
+             f"{pool} entries")
     for l in c.index_source_layers:
         if l > cs:
             _require(source_layer(c.kv_source_layers, l) == source_layer(c.kv_source_layers, cs),
                      f"index source {l} filters by layer {cs}'s candidate pool but reads KV source "
-                     f"{source_layer(c.kv_source_layers, l)}, not {source_layer(c.kv_source_layers, cs)}")
+                     f"{source_layer(c.kv_source_layers, l)}, "
+                     f"not {source_layer(c.kv_source_layers, cs)}")
 
 # %% ../nbs/00_config.ipynb #00a3875b
 def is_prime(n: int) -> bool:
@@ -317,8 +338,9 @@ def engram_table_rows(c: ModelConfig) -> tuple:
 # %% ../nbs/00_config.ipynb #028ba0b8
 @_rule
 def _check_engram_and_drafter(c):
-    _require(len(c.engram_num_embeddings) == len(c.engram_layer_ids), f"engram_num_embeddings has "
-             f"{len(c.engram_num_embeddings)} entries for {len(c.engram_layer_ids)} engram_layer_ids")
+    _require(len(c.engram_num_embeddings) == len(c.engram_layer_ids),
+             f"engram_num_embeddings has {len(c.engram_num_embeddings)} entries "
+             f"for {len(c.engram_layer_ids)} engram_layer_ids")
     _require(list(c.engram_layer_ids) == sorted(set(c.engram_layer_ids)),
              f"engram_layer_ids = {c.engram_layer_ids} must be strictly increasing")
     for l in c.engram_layer_ids:
@@ -328,7 +350,8 @@ def _check_engram_and_drafter(c):
         _require(c.engram_max_ngram_size >= 2,
                  f"engram_max_ngram_size = {c.engram_max_ngram_size}; n-grams start at order 2")
         _require(c.engram_head_dim % 32 == 0,
-                 f"engram_head_dim = {c.engram_head_dim} is not a multiple of 32, the FP8 scale block")
+                 f"engram_head_dim = {c.engram_head_dim} is not a multiple of 32, "
+                 f"the FP8 scale block")
         for l, rows, need in zip(c.engram_layer_ids, c.engram_num_embeddings, engram_table_rows(c)):
             _require(rows >= need, f"engram_num_embeddings for layer {l} is {rows}, "
                                    f"fewer than the {need} hash buckets its primes address")
@@ -382,7 +405,8 @@ def from_dict(cls: ModelConfig, d: dict):
         raise ConfigError(f"expected a dict of config.json keys, got {type(d).__name__}")
     unknown = sorted(set(d) - {f.name for f in fields(cls)})
     if unknown:
-        raise ConfigError(f"unknown config keys {unknown}; ModelConfig takes the public config.json keys")
+        raise ConfigError(f"unknown config keys {unknown}; "
+                          f"ModelConfig takes the public config.json keys")
     return cls(**d)
 
 # %% ../nbs/00_config.ipynb #0c7715c8
@@ -424,7 +448,8 @@ def layer_topology(c: ModelConfig) -> list[LayerInfo]:
         ix = source_layer(c.index_source_layers, l) if r else None
         role = 'SWA' if r == 0 else 'Full' if l == kv else 'Reindex' if l == ix else 'Reuse'
         cand = ('source' if l == c.candidate_source_layer else
-                'filtered' if role in ('Full', 'Reindex') and 0 <= c.candidate_source_layer < l else '')
+                'filtered' if role in ('Full', 'Reindex') and 0 <= c.candidate_source_layer < l
+                else '')
         out.append(LayerInfo(l, half, r, role, kv, ix, cand, l in c.engram_layer_ids,
                              l in c.dspark_target_layer_ids, 'yarn' if r else 'base'))
     return out
@@ -448,7 +473,8 @@ TOPOLOGY_COLUMNS = {
     'ratio': 'compress_ratio: tokens per compressed KV entry (0 = sliding window only)',
     'role': 'CSA2 role: SWA (window only), Full (KV source), Reindex (own indexer), Reuse',
     'kv_src': 'the layer whose compressed KV this layer reads (latest KV source at or below it)',
-    'idx_src': 'the layer whose top-k selection this layer uses (latest index source at or below it)',
+    'idx_src': 'the layer whose top-k selection this layer uses '
+               '(latest index source at or below it)',
     'candidates': "'source' publishes the candidate pool, 'filtered' scores only inside it",
     'engram': 'an Engram module runs in front of this layer',
     'dspark_tap': "this layer's input stream feeds the DSpark drafter",
@@ -495,11 +521,12 @@ def plot_layer_map(c: ModelConfig, title: str = '', ax=None):
     for x, label in ((0, 'encoder'), (c.n_layers // 2, 'decoder'), (c.n_layers, 'drafter')):
         ax.axvline(x - 0.04, color='k', lw=0.8); ax.text(x + 0.1, -0.6, label, fontsize=8)
     ax.set_xlim(-0.5, len(topo) + 0.5); ax.set_ylim(-0.8, 1.6); ax.set_yticks([])
-    ax.set_xticks(range(0, len(topo), 2 if len(topo) > 20 else 1)); ax.tick_params(axis='x', labelsize=7)
+    ax.set_xticks(range(0, len(topo), 2 if len(topo) > 20 else 1))
+    ax.tick_params(axis='x', labelsize=7)
     marks = [Line2D([], [], ls='', marker=m, color=col, label=lab) for m, col, lab in
              (('o', 'purple', 'Engram'), ('v', 'black', 'DSpark tap'), ('*', 'red', 'candidate source'))]
-    ax.legend(handles=[Patch(color=v, label=k) for k, v in ROLE_COLORS.items()] + marks, loc='upper left',
-              bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.legend(handles=[Patch(color=v, label=k) for k, v in ROLE_COLORS.items()] + marks,
+              loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(title, fontsize=9)
     for s in ('top', 'right', 'left'): ax.spines[s].set_visible(False)
     return ax

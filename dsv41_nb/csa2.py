@@ -10,10 +10,12 @@ import triton
 import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
-from .config import ModelConfig, LayerInfo, layer_topology, source_layer, expect_config, check_int, ROLE_COLORS
+from .config import (ModelConfig, LayerInfo, layer_topology, source_layer, expect_config,
+                             check_int, ROLE_COLORS)
 from .formats import RecordCodec, FP8Record, cache_format
 from .records import store_records
-from .block_pool import PAD_SLOT_ID, slot_mapping, compressed_slot_mapping, ring_slot_mapping
+from .block_pool import (PAD_SLOT_ID, slot_mapping, compressed_slot_mapping,
+                                 ring_slot_mapping)
 from .compressor import Compressor, RMSNorm, layer_inv_freq
 from .rope_norm import rope, norm_layer
 from .indexer import Indexer, IndexBatch
@@ -28,7 +30,8 @@ __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2
 CSA2_ROLES = ('SWA', 'Full', 'Reindex', 'Reuse')
 
 def layer_writes(info: LayerInfo) -> tuple:
-    "What a layer writes for itself or others: its window always; compressed KV, index keys, top-k, the candidate pool by role"
+    ("What a layer writes for itself or others: its window always; "
+     "compressed KV, index keys, top-k, the candidate pool by role")
     w = ['window']
     if info.role == 'Full': w += ['compressed KV', 'index keys']
     if info.role in ('Full', 'Reindex'): w.append('top-k')
@@ -50,7 +53,8 @@ def role_table(cfg: ModelConfig) -> str:
     rows = ['layer  ratio  role     writes                                        reads']
     for i in layer_topology(expect_config(cfg, 'role_table'))[:cfg.n_layers]:
         reads = ', '.join(f'{k} of {s}' for k, s in layer_reads(i, cfg).items()) or '-'
-        rows.append(f"{i.layer:5d}  {i.ratio:5d}  {i.role:7s}  {', '.join(layer_writes(i)):44s}  {reads}")
+        writes = ', '.join(layer_writes(i))
+        rows.append(f"{i.layer:5d}  {i.ratio:5d}  {i.role:7s}  {writes:44s}  {reads}")
     return '\n'.join(rows)
 
 # %% ../nbs/05_csa2.ipynb #77e38d0d
@@ -62,19 +66,27 @@ def plot_csa2_roles(cfg: ModelConfig, ax=None):
     if ax is None: _, ax = plt.subplots(figsize=(max(8, 0.36 * len(topo)), 4.2))
     for i in topo:
         ax.add_patch(plt.Rectangle((i.layer - 0.42, -0.4), 0.84, 0.8, color=ROLE_COLORS[i.role]))
-        ax.text(i.layer, 0, str(i.ratio), ha='center', va='center', fontsize=6, color='black' if i.role == 'SWA' else 'white')
+        ax.text(i.layer, 0, str(i.ratio), ha='center', va='center', fontsize=6,
+                color='black' if i.role == 'SWA' else 'white')
         for kind, src in layer_reads(i, cfg).items():
             if kind == 'candidate pool' or src == i.layer: continue
-            up = kind == 'compressed KV'                       # KV arcs above the boxes, top-k / index-key arcs below
+            # KV arcs above the boxes, top-k / index-key arcs below
+            up = kind == 'compressed KV'
             color = ROLE_COLORS['Full' if up else 'Reindex' if kind == 'index keys' else 'Reuse']
             y = 0.42 if up else -0.42
-            ax.annotate('', xy=(src, y), xytext=(i.layer, y), arrowprops=dict(arrowstyle='->', lw=0.7, color=color, alpha=0.85,
-                        connectionstyle=f"arc3,rad={0.45 if up else -0.45}", shrinkA=1, shrinkB=1))
+            ax.annotate('', xy=(src, y), xytext=(i.layer, y),
+                        arrowprops=dict(arrowstyle='->', lw=0.7, color=color, alpha=0.85,
+                                        connectionstyle=f"arc3,rad={0.45 if up else -0.45}",
+                                        shrinkA=1, shrinkB=1))
     ax.axvline(cfg.n_layers // 2 - 0.5, color='k', lw=0.6, ls=':')
     span = max([i.layer - s for i in topo for s in layer_reads(i, cfg).values()] + [1])
-    ax.set_xlim(-1, len(topo)); ax.set_ylim(-0.22 * span - 0.8, 0.3 * span + 1.5); ax.set_yticks([]); ax.set_xticks(range(0, len(topo), 2))
-    ax.tick_params(axis='x', labelsize=7); ax.set_xlabel('layer (encoder | decoder); the number in a box is its compress ratio', fontsize=8)
-    ax.legend(handles=[Patch(color=ROLE_COLORS[r], label=r) for r in CSA2_ROLES], fontsize=7, frameon=False, loc='upper left', ncol=4)
+    ax.set_xlim(-1, len(topo)); ax.set_ylim(-0.22 * span - 0.8, 0.3 * span + 1.5)
+    ax.set_yticks([]); ax.set_xticks(range(0, len(topo), 2))
+    ax.tick_params(axis='x', labelsize=7)
+    ax.set_xlabel('layer (encoder | decoder); the number in a box is its compress ratio',
+                  fontsize=8)
+    ax.legend(handles=[Patch(color=ROLE_COLORS[r], label=r) for r in CSA2_ROLES], fontsize=7,
+              frameon=False, loc='upper left', ncol=4)
     for s in ('top', 'right', 'left'): ax.spines[s].set_visible(False)
     return ax
 
@@ -83,22 +95,28 @@ class CSA2State:
     "One model's attention caches and per-step selections, each keyed by the layer that writes it"
     def __init__(self, cfg: ModelConfig):
         self.cfg, self.topo = expect_config(cfg, 'CSA2State'), layer_topology(cfg)
-        self.window, self.compressed, self.rings, self.index_keys = {}, {}, {}, {}   # layer -> paged cache
-        self.published = {}                                                         # (kind, layer) -> (step, tensor)
+        # layer -> paged cache
+        self.window, self.compressed, self.rings, self.index_keys = {}, {}, {}, {}
+        self.published = {}                         # (kind, layer) -> (step, tensor)
 
     def __repr__(self):
-        return (f"CSA2State(window caches of {sorted(self.window)}, compressed KV of {sorted(self.compressed)}, "
+        return (f"CSA2State(window caches of {sorted(self.window)}, "
+                f"compressed KV of {sorted(self.compressed)}, "
                 f"index keys of {sorted(self.index_keys)})")
 
 # %% ../nbs/05_csa2.ipynb #0c2d17e3
 @patch
 def source(self: CSA2State, layer: int, kind: str) -> int:
-    "The layer whose `kind` ('compressed KV', 'index keys', 'top-k', 'candidate pool') `layer` uses: itself if it writes it"
-    info = self.topo[check_int('CSA2State.source', 'layer', layer, 0)] if layer < self.cfg.n_layers else None
-    if info is None: raise ValueError(f"layer {layer} is not a backbone layer (0..{self.cfg.n_layers - 1})")
+    ("The layer whose `kind` ('compressed KV', 'index keys', 'top-k', 'candidate pool') "
+     "`layer` uses: itself if it writes it")
+    info = (self.topo[check_int('CSA2State.source', 'layer', layer, 0)]
+            if layer < self.cfg.n_layers else None)
+    if info is None:
+        raise ValueError(f"layer {layer} is not a backbone layer (0..{self.cfg.n_layers - 1})")
     if kind in layer_writes(info): return layer
     reads = layer_reads(info, self.cfg)
-    if kind not in reads: raise ValueError(f"layer {layer} ({info.role}) neither writes nor reads {kind!r}")
+    if kind not in reads:
+        raise ValueError(f"layer {layer} ({info.role}) neither writes nor reads {kind!r}")
     return reads[kind]
 
 # %% ../nbs/05_csa2.ipynb #b7aa3f17
@@ -106,7 +124,8 @@ def source(self: CSA2State, layer: int, kind: str) -> int:
 def publish(self: CSA2State, kind: str, layer: int, step, value: torch.Tensor):
     "Layer `layer` made `value` (its top-k or candidate pool) in forward step `step`"
     src = self.source(layer, kind)
-    if src != layer: raise ValueError(f"layer {layer} reads {kind!r} from layer {src}; it cannot publish one")
+    if src != layer:
+        raise ValueError(f"layer {layer} reads {kind!r} from layer {src}; it cannot publish one")
     self.published[kind, layer] = (step, value)
 
 @patch
@@ -114,8 +133,9 @@ def read(self: CSA2State, kind: str, layer: int, step) -> torch.Tensor:
     "The `kind` that `layer`'s source published in this same step"
     src = self.source(layer, kind)
     made, value = self.published.get((kind, src), (None, None))
-    if made is not step: raise RuntimeError(f"layer {layer} needs the {kind} of layer {src} from this step, but layer {src} "
-                                            f"has not published one in it (run the layers in order)")
+    if made is not step:
+        raise RuntimeError(f"layer {layer} needs the {kind} of layer {src} from this step, "
+                           f"but layer {src} has not published one in it (run the layers in order)")
     return value
 
 # %% ../nbs/05_csa2.ipynb #8a69f650
@@ -123,30 +143,37 @@ def read(self: CSA2State, kind: str, layer: int, step) -> torch.Tensor:
 class CSA2Step:
     "One forward step's tokens and cache addresses (the part of vLLM's attention metadata CSA2 reads)"
     positions: torch.Tensor        # (T,) int64 token positions
-    rows: torch.Tensor             # (T,) int32 block-table row of each token's request, -1 = padding
+    # (T,) int32 block-table row of each token's request, -1 = padding
+    rows: torch.Tensor
     swa_block_table: torch.Tensor  # (R, Bw) int32 sliding-window group block ids
-    block_table: torch.Tensor      # (R, Bg) int32 global group block ids (compressed KV and index keys)
+    # (R, Bg) int32 global group block ids (compressed KV and index keys)
+    block_table: torch.Tensor
     swa_block_size: int            # tokens per window block
     block_size: int                # tokens per global block
     swa_slots: torch.Tensor        # (T,) window-cache write slots, -1 = write nothing
-    compressed_slots: dict         # ratio -> (T,) compressed-entry write slots, -1 where no entry completes
-    ring_slots: torch.Tensor | None  # (T,) ratio-2 compressor ring entries (None without ratio-2 sources)
+    # ratio -> (T,) compressed-entry write slots, -1 where no entry completes
+    compressed_slots: dict
+    # (T,) ratio-2 compressor ring entries (None without ratio-2 sources)
+    ring_slots: torch.Tensor | None
 
 # %% ../nbs/05_csa2.ipynb #ef1156e1
-def make_step(cfg: ModelConfig,                 # model geometry (which compress ratios have sources)
-              requests,                         # [(first position, tokens)], one per block-table row
-              swa_block_table: torch.Tensor,    # (R, Bw) int32
-              block_table: torch.Tensor,        # (R, Bg) int32
-              swa_block_size: int, block_size: int,
-              ring_blocks=None,                 # ring block id of each request (default: row + 1)
+def make_step(cfg: ModelConfig,               # model geometry (which compress ratios have sources)
+              requests,                       # [(first position, tokens)], one per block-table row
+              swa_block_table: torch.Tensor,  # (R, Bw) int32
+              block_table: torch.Tensor,      # (R, Bg) int32
+              swa_block_size: int,            # tokens per window block
+              block_size: int,                # tokens per global block
+              ring_blocks=None,               # ring block id of each request (default: row + 1)
              ) -> CSA2Step:
     "The step that runs `requests` (requests with 0 tokens are skipped)"
     R = len(requests)
     if swa_block_table.shape[0] != R or block_table.shape[0] != R:
-        raise ValueError(f"{R} requests but block tables with {swa_block_table.shape[0]} and {block_table.shape[0]} rows")
+        raise ValueError(f"{R} requests but block tables with {swa_block_table.shape[0]} "
+                         f"and {block_table.shape[0]} rows")
     ring_blocks = list(range(1, R + 1)) if ring_blocks is None else list(ring_blocks)
     ratios = sorted({cfg.compress_ratios[s] for s in cfg.kv_source_layers})
-    swa_bt, bt = swa_block_table.cpu(), block_table.cpu()                      # slot arithmetic on the host, results moved once
+    # slot arithmetic on the host, results moved once
+    swa_bt, bt = swa_block_table.cpu(), block_table.cpu()
     pos, rows, swa, comp, ring = [], [], [], {r: [] for r in ratios}, []
     for r, (start, n) in enumerate(requests):
         if check_int('make_step', 'tokens', n, 0) == 0: continue
@@ -155,50 +182,73 @@ def make_step(cfg: ModelConfig,                 # model geometry (which compress
         swa.append(slot_mapping(swa_bt[r], p, swa_block_size))
         for q in ratios: comp[q].append(compressed_slot_mapping(bt[r], p, block_size, q))
         if 2 in ratios: ring.append(ring_slot_mapping(ring_blocks[r], p, 2))
-    cat = lambda xs, dt=torch.long: (torch.cat(xs) if xs else torch.zeros(0, dtype=dt)).to(block_table.device)
-    return CSA2Step(cat(pos), cat(rows, torch.int32), swa_block_table, block_table, swa_block_size, block_size, cat(swa),
-                    {q: cat(v) for q, v in comp.items()}, cat(ring) if 2 in ratios else None)
+    def cat(xs, dt=torch.long):
+        return (torch.cat(xs) if xs else torch.zeros(0, dtype=dt)).to(block_table.device)
+    return CSA2Step(cat(pos), cat(rows, torch.int32), swa_block_table, block_table, swa_block_size,
+                    block_size, cat(swa), {q: cat(v) for q, v in comp.items()},
+                    cat(ring) if 2 in ratios else None)
 
 # %% ../nbs/05_csa2.ipynb #c87f23a9
-def random_block_tables(n_requests: int, blocks_per_request: int, num_blocks: int, generator=None, device=None) -> torch.Tensor:
+def random_block_tables(n_requests: int,          # rows of the table
+                        blocks_per_request: int,  # columns of the table
+                        num_blocks: int,          # blocks in the pool, block 0 the null block
+                        generator=None,           # the random generator (drawn on its device)
+                        device=None,              # device of the table
+                       ) -> torch.Tensor:
     "(n_requests, blocks_per_request) int32 distinct block ids drawn from 1..num_blocks-1 (block 0 is the null block)"
     need = n_requests * blocks_per_request
-    if need > num_blocks - 1: raise ValueError(f"{n_requests} x {blocks_per_request} blocks do not fit in {num_blocks - 1} usable blocks")
-    ids = torch.randperm(num_blocks - 1, generator=generator, device=generator.device if generator is not None else device)[:need] + 1
+    if need > num_blocks - 1:
+        raise ValueError(f"{n_requests} x {blocks_per_request} blocks do not fit in "
+                         f"{num_blocks - 1} usable blocks")
+    draw_on = generator.device if generator is not None else device
+    ids = torch.randperm(num_blocks - 1, generator=generator, device=draw_on)[:need] + 1
     return ids.view(n_requests, blocks_per_request).int().to(device)
 
 # %% ../nbs/05_csa2.ipynb #9ec4473b
-def window_indices(step: CSA2Step, window: int,
-                   floor: torch.Tensor | None = None,  # (T,) first position each token may read (None: any)
+def window_indices(step: CSA2Step,  # the step's tokens and window block table
+                   window: int,     # the window: positions each token reads, its own included
+                   # (T,) first position each token may read (None: any)
+                   floor: torch.Tensor | None = None,
                   ) -> tuple:
     "(slots (T, window) int32, lens (T,) int32): each token's window positions, oldest first, as window-cache slots"
     check_int('window_indices', 'window', window, 1)
     p, bs, bt = step.positions.long(), step.swa_block_size, step.swa_block_table.long()
-    if floor is not None and (not isinstance(floor, torch.Tensor) or floor.shape != p.shape or floor.dtype.is_floating_point):
-        raise ValueError(f"window_indices: floor: expected ({len(p)},) integers, got {getattr(floor, 'dtype', type(floor).__name__)} "
+    if floor is not None and (not isinstance(floor, torch.Tensor) or floor.shape != p.shape
+                              or floor.dtype.is_floating_point):
+        raise ValueError(f"window_indices: floor: expected ({len(p)},) integers, "
+                         f"got {getattr(floor, 'dtype', type(floor).__name__)} "
                          f"{tuple(getattr(floor, 'shape', ()))}")
-    hi = int(torch.where(step.rows >= 0, p, -1).max()) if len(p) and not capturing() else -1   # the newest position read (a sync)
+    # the newest position read (a sync)
+    hi = int(torch.where(step.rows >= 0, p, -1).max()) if len(p) and not capturing() else -1
     if hi // bs >= bt.shape[1]:
-        raise ValueError(f"window positions up to {hi} need {hi // bs + 1} window blocks, the table has {bt.shape[1]}")
-    if kernel_backend(step.positions, step.swa_block_table) == 'triton': return _window_indices_triton(step, window, floor)
-    lens = torch.where(step.rows >= 0, (p + 1).clamp(max=window), 0)                   # (T,)
-    if floor is not None: lens = torch.minimum(lens, (p - floor.long() + 1).clamp_min(0))   # the oldest cut below the floor
-    pos = (p + 1 - lens)[:, None] + torch.arange(window, device=p.device)              # (T, window)
+        raise ValueError(f"window positions up to {hi} need {hi // bs + 1} window blocks, "
+                         f"the table has {bt.shape[1]}")
+    if kernel_backend(step.positions, step.swa_block_table) == 'triton':
+        return _window_indices_triton(step, window, floor)
+    lens = torch.where(step.rows >= 0, (p + 1).clamp(max=window), 0)           # (T,)
+    if floor is not None:                                       # the oldest cut below the floor
+        lens = torch.minimum(lens, (p - floor.long() + 1).clamp_min(0))
+    pos = (p + 1 - lens)[:, None] + torch.arange(window, device=p.device)      # (T, window)
     live = torch.arange(window, device=p.device) < lens[:, None]
     blk = bt[step.rows.clamp_min(0).long()[:, None], torch.where(live, pos // bs, 0)]
     return torch.where(live, blk * bs + pos % bs, PAD_SLOT_ID).int(), lens.int()
 
+# %% ../nbs/05_csa2.ipynb #bfb6cc36
 def step_window(step: CSA2Step, window: int) -> tuple:
-    "`window_indices` of `step`, computed once per step object and window size: every layer of a step reads the same window"
-    memo = step.__dict__.setdefault('_windows', {})              # not a field: `replace` starts a new step afresh
-    if window not in memo: memo[window] = window_indices(step, window, getattr(step, 'window_floor', None))   # a floor if the step has one
+    ("`window_indices` of `step`, computed once per step object and window size: "
+     "every layer of a step reads the same window")
+    # not a field: `replace` starts a new step afresh
+    memo = step.__dict__.setdefault('_windows', {})
+    if window not in memo:
+        # a floor if the step has one
+        memo[window] = window_indices(step, window, getattr(step, 'window_floor', None))
     return memo[window]
 
 
 # %% ../nbs/05_csa2.ipynb #c05c4ca7
 @triton.jit
-def _window_slots_kernel(pos_ptr, rows_ptr, floor_ptr, bt_ptr, stride_bt, slots_ptr, lens_ptr, window, bs,
-                         W_P2: tl.constexpr, FLOOR: tl.constexpr, PAD: tl.constexpr):
+def _window_slots_kernel(pos_ptr, rows_ptr, floor_ptr, bt_ptr, stride_bt, slots_ptr, lens_ptr,
+                         window, bs, W_P2: tl.constexpr, FLOOR: tl.constexpr, PAD: tl.constexpr):
     "One token: its window's length (cut at its floor if FLOOR) and the cache slots of those positions, oldest first"
     t = tl.program_id(0)
     p, row = tl.load(pos_ptr + t).to(tl.int64), tl.load(rows_ptr + t).to(tl.int64)
@@ -206,18 +256,26 @@ def _window_slots_kernel(pos_ptr, rows_ptr, floor_ptr, bt_ptr, stride_bt, slots_
     if FLOOR: n = tl.minimum(n, tl.maximum(p - tl.load(floor_ptr + t).to(tl.int64) + 1, 0))
     j = tl.arange(0, W_P2)
     pos, live = p + 1 - n + j, j < n
-    blk = tl.load(bt_ptr + tl.maximum(row, 0) * stride_bt + pos // bs, mask=live, other=0).to(tl.int64)
-    tl.store(slots_ptr + t.to(tl.int64) * window + j, tl.where(live, blk * bs + pos % bs, PAD).to(tl.int32), mask=j < window)
+    blk = tl.load(bt_ptr + tl.maximum(row, 0) * stride_bt + pos // bs, mask=live,
+                  other=0).to(tl.int64)
+    tl.store(slots_ptr + t.to(tl.int64) * window + j,
+             tl.where(live, blk * bs + pos % bs, PAD).to(tl.int32), mask=j < window)
     tl.store(lens_ptr + t, n.to(tl.int32))
 
+# %% ../nbs/05_csa2.ipynb #dd6a3870
 def _window_indices_triton(step: CSA2Step, window: int, floor) -> tuple:
     "`window_indices` as one launch (arguments already checked)"
     T, dev = len(step.positions), step.positions.device
-    slots, lens = torch.empty(T, window, dtype=torch.int32, device=dev), torch.empty(T, dtype=torch.int32, device=dev)
-    bt = step.swa_block_table if step.swa_block_table.stride(-1) == 1 else step.swa_block_table.contiguous()
-    if T: _window_slots_kernel[(T,)](step.positions, step.rows, step.positions if floor is None else floor, bt, bt.stride(0), slots,
-                                     lens, window, step.swa_block_size, W_P2=triton.next_power_of_2(window), FLOOR=floor is not None,
-                                     PAD=PAD_SLOT_ID)
+    slots, lens = (torch.empty(T, window, dtype=torch.int32, device=dev),
+                   torch.empty(T, dtype=torch.int32, device=dev))
+    bt = (step.swa_block_table if step.swa_block_table.stride(-1) == 1
+          else step.swa_block_table.contiguous())
+    if T:
+        _window_slots_kernel[(T,)](step.positions, step.rows,
+                                   step.positions if floor is None else floor, bt, bt.stride(0),
+                                   slots, lens, window, step.swa_block_size,
+                                   W_P2=triton.next_power_of_2(window), FLOOR=floor is not None,
+                                   PAD=PAD_SLOT_ID)
     return slots, lens
 
 
@@ -233,6 +291,7 @@ class SparseIndices:
     block_table: torch.Tensor   # (R, B) int32 global group block ids
     per_block: int              # compressed states per block: block_size // compress_ratio
 
+# %% ../nbs/05_csa2.ipynb #e149098c
 def topk_slots(idx: SparseIndices) -> torch.Tensor:
     "(T, K) int64 compressed-cache slots of the selected states: block_table[row, i // per] * per + i % per, -1 kept"
     i, per = idx.topk.long(), idx.per_block
@@ -243,8 +302,8 @@ def topk_slots(idx: SparseIndices) -> torch.Tensor:
 @dataclass(frozen=True)
 class PagedRecords:
     "A paged byte cache and the format of its records"
-    cache: torch.Tensor   # uint8 (num_blocks, block_size, record_bytes) or (num_slots, record_bytes)
-    codec: RecordCodec    # the record format (`cache_format`)
+    cache: torch.Tensor  # uint8 (num_blocks, block_size, record_bytes) or (num_slots, record_bytes)
+    codec: RecordCodec   # the record format (`cache_format`)
 
     @property
     def num_slots(self) -> int: return self.cache.numel() // self.codec.record_bytes
@@ -252,14 +311,18 @@ class PagedRecords:
 
 # %% ../nbs/05_csa2.ipynb #733564d1
 def _int_tensor(name, t, shape):
-    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != tuple(shape):
+    if (not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64)
+        or tuple(t.shape) != tuple(shape)):
         raise TypeError(f"{name}: expected an int32/int64 tensor of shape {tuple(shape)}, got "
-                        f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+                        f"{getattr(t, 'dtype', type(t).__name__)} "
+                        f"{tuple(getattr(t, 'shape', ()))}")
 
 def _check_ranges(*checks):
     "Each (name, t, lo, hi): t within lo..hi-1, else an IndexError naming it; one read back to the host for them all"
     checks = [c for c in checks if c[1].numel() and not capturing()]
-    if not checks or not bool(torch.stack([((t < lo) | (t >= hi)).any() for _, t, lo, hi in checks]).any()): return
+    if not checks: return
+    out_of_range = torch.stack([((t < lo) | (t >= hi)).any() for _, t, lo, hi in checks])
+    if not bool(out_of_range.any()): return
     for name, t, lo, hi in checks:
         if int(t.min()) < lo or int(t.max()) >= hi:
             bad = int(t.min()) if int(t.min()) < lo else int(t.max())
@@ -267,11 +330,15 @@ def _check_ranges(*checks):
 
 # %% ../nbs/05_csa2.ipynb #1404af70
 def _check_paged(name, p, D, device):
-    if not isinstance(p, PagedRecords): raise TypeError(f"{name}: expected PagedRecords, got {type(p).__name__}")
+    if not isinstance(p, PagedRecords):
+        raise TypeError(f"{name}: expected PagedRecords, got {type(p).__name__}")
     c, rec = p.cache, p.codec.record_bytes
     if c.dtype != torch.uint8 or c.ndim < 2 or c.shape[-1] != rec or not c.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous uint8 cache (..., {rec}) of {p.codec.name} records, got {c.dtype} {tuple(c.shape)}")
-    if p.codec.dim != D: raise ValueError(f"{name}: {p.codec.name} records hold {p.codec.dim} values, the queries {D}")
+        raise ValueError(f"{name}: expected a contiguous uint8 cache (..., {rec}) "
+                         f"of {p.codec.name} records, got {c.dtype} {tuple(c.shape)}")
+    if p.codec.dim != D:
+        raise ValueError(f"{name}: {p.codec.name} records hold {p.codec.dim} values, "
+                         f"the queries {D}")
     if c.device != device: raise ValueError(f"{name}: cache on {c.device}, queries on {device}")
 
 # %% ../nbs/05_csa2.ipynb #ec3220f2
@@ -279,24 +346,32 @@ def check_attention_inputs(q, window, compressed, idx, sink, scale, check_indice
     "Raise a clear error for anything `sparse_attention_reference` or the sparse decode kernel cannot take"
     if not isinstance(q, torch.Tensor) or q.ndim != 3 or not q.is_floating_point():
         raise TypeError(f"q: expected a (tokens, heads, head_dim) float tensor, "
-                        f"got {getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+                        f"got {getattr(q, 'dtype', type(q).__name__)} "
+                        f"{tuple(getattr(q, 'shape', ()))}")
     T, H, D = q.shape
-    if not isinstance(idx, SparseIndices): raise TypeError(f"idx: expected SparseIndices, got {type(idx).__name__}")
+    if not isinstance(idx, SparseIndices):
+        raise TypeError(f"idx: expected SparseIndices, got {type(idx).__name__}")
     _check_paged('window', window, D, q.device)
     W, K = idx.window_slots.shape[-1], idx.topk.shape[-1]
-    for name, t, shape in (('window_slots', idx.window_slots, (T, W)), ('window_lens', idx.window_lens, (T,)), ('topk', idx.topk, (T, K)),
-                           ('topk_lens', idx.topk_lens, (T,)), ('rows', idx.rows, (T,))): _int_tensor(name, t, shape)
+    for name, t, shape in (('window_slots', idx.window_slots, (T, W)),
+                           ('window_lens', idx.window_lens, (T,)), ('topk', idx.topk, (T, K)),
+                           ('topk_lens', idx.topk_lens, (T,)), ('rows', idx.rows, (T,))):
+        _int_tensor(name, t, shape)
     if idx.block_table.dtype not in (torch.int32, torch.int64) or idx.block_table.ndim != 2:
         raise TypeError("block_table: expected a 2-D int32 tensor")
     check_int('SparseIndices', 'per_block', idx.per_block, 1)
     if K: _check_paged('compressed', compressed, D, q.device)
     if sink is not None and (not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (H,)):
-        raise ValueError(f"sink: expected a ({H},) tensor (one logit per head) or None, got {tuple(getattr(sink, 'shape', ()))}")
-    if not isinstance(scale, (int, float)) or not scale > 0: raise ValueError(f"scale: expected a positive number, got {scale!r}")
+        raise ValueError(f"sink: expected a ({H},) tensor (one logit per head) or None, "
+                         f"got {tuple(getattr(sink, 'shape', ()))}")
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale: expected a positive number, got {scale!r}")
     if check_indices:
-        checks = [('window_lens', idx.window_lens, 0, W + 1), ('topk_lens', idx.topk_lens, 0, K + 1),
+        checks = [('window_lens', idx.window_lens, 0, W + 1),
+                  ('topk_lens', idx.topk_lens, 0, K + 1),
                   ('window_slots', idx.window_slots, -1, window.num_slots)]
-        if K: checks += [('rows', idx.rows, 0, idx.block_table.shape[0]), ('topk', idx.topk, -1, idx.block_table.shape[1] * idx.per_block),
+        if K: checks += [('rows', idx.rows, 0, idx.block_table.shape[0]),
+                         ('topk', idx.topk, -1, idx.block_table.shape[1] * idx.per_block),
                          ('block_table', idx.block_table, 0, compressed.num_slots // idx.per_block)]
         _check_ranges(*checks)
 
@@ -306,72 +381,92 @@ def gather_keys(window: PagedRecords, compressed: PagedRecords | None, idx: Spar
     W, K = idx.window_slots.shape[1], idx.topk.shape[1]
     ar = lambda n: torch.arange(n, device=idx.rows.device)
     w_live = (ar(W) < idx.window_lens[:, None]) & (idx.window_slots >= 0)
-    keys = [window.codec.unpack(window.records()[idx.window_slots.clamp_min(0).long()])]      # (T, W, D)
+    # (T, W, D)
+    keys = [window.codec.unpack(window.records()[idx.window_slots.clamp_min(0).long()])]
     live = [w_live]
     if K:
         slots = topk_slots(idx)
         live.append((ar(K) < idx.topk_lens[:, None]) & (slots >= 0))
-        keys.append(compressed.codec.unpack(compressed.records()[slots.clamp_min(0)]))       # (T, K, D)
+        keys.append(compressed.codec.unpack(compressed.records()[slots.clamp_min(0)]))  # (T, K, D)
     live = torch.cat(live, 1)
     return torch.where(live[..., None], torch.cat(keys, 1), 0.0), live
 
 # %% ../nbs/05_csa2.ipynb #4d293af9
-def sparse_attention_reference(q: torch.Tensor,               # (T, H, D) queries (RoPE'd)
-                               window: PagedRecords,         # the layer's window cache
-                               compressed: PagedRecords | None,  # its KV source's compressed cache (None: window only)
-                               idx: SparseIndices,           # what each token reads
-                               sink: torch.Tensor | None,    # (H,) per-head sink logits (None: no sink)
-                               scale: float,                 # softmax scale, head_dim ** -0.5
-                               check_indices: bool = True,   # range-check the indices (a device sync)
-                              ) -> tuple:
-    "(out (T, H, D) bf16, lse (T, H) fp32): softmax attention with a sink over each token's window and top-k records, in fp32"
+def sparse_attention_reference(
+    q: torch.Tensor,                  # (T, H, D) queries (RoPE'd)
+    window: PagedRecords,             # the layer's window cache
+    compressed: PagedRecords | None,  # its KV source's compressed cache (None: window only)
+    idx: SparseIndices,               # what each token reads
+    sink: torch.Tensor | None,        # (H,) per-head sink logits (None: no sink)
+    scale: float,                     # softmax scale, head_dim ** -0.5
+    check_indices: bool = True,       # range-check the indices (a device sync)
+) -> tuple:
+    ("(out (T, H, D) bf16, lse (T, H) fp32): softmax attention with a sink "
+     "over each token's window and top-k records, in fp32")
     check_attention_inputs(q, window, compressed, idx, sink, scale, check_indices)
-    keys, live = gather_keys(window, compressed, idx)                                         # (T, N, D), (T, N)
-    s = torch.einsum('thd,tnd->thn', q.float(), keys) * scale                                  # (T, H, N)
+    keys, live = gather_keys(window, compressed, idx)           # (T, N, D), (T, N)
+    s = torch.einsum('thd,tnd->thn', q.float(), keys) * scale   # (T, H, N)
     s = s.masked_fill(~live[:, None, :], -torch.inf)
-    sink_col = (sink.float() if sink is not None else torch.full((q.shape[1],), -torch.inf, device=q.device))
-    lse = torch.logsumexp(torch.cat([s, sink_col.expand(q.shape[0], -1)[..., None]], -1), -1)  # (T, H)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)                                          # nothing at all: lse = -inf, p = 0
+    sink_col = (sink.float() if sink is not None
+                else torch.full((q.shape[1],), -torch.inf, device=q.device))
+    # (T, H)
+    lse = torch.logsumexp(torch.cat([s, sink_col.expand(q.shape[0], -1)[..., None]], -1), -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)           # nothing at all: lse = -inf, p = 0
     return torch.einsum('thn,tnd->thd', p, keys).to(torch.bfloat16), lse
 
 # %% ../nbs/05_csa2.ipynb #f6fa3db6
 class CSA2Attention(nn.Module):
-    "One backbone layer's attention: own query and window KV, its role's compressor / indexer, sparse attention, grouped output"
-    def __init__(self, cfg: ModelConfig, layer: int,       # model geometry, the backbone layer
-                 window_format: str = 'window_fp8',         # window records: 'window_fp8' (528 B) or 'fp8_ds_mla' (584 B)
-                 main_kv_format: str = 'ds_fp4',            # compressed KV records (Full layers)
-                 index_key_format: str = 'index_mxfp4',     # index-key records (Full and Reindex layers)
-                 dtype=torch.bfloat16, attend=None):        # weight dtype; the attention core (default: the reference)
+    ("One backbone layer's attention: own query and window KV, its role's compressor / indexer, "
+     "sparse attention, grouped output")
+    def __init__(
+        self,
+        cfg: ModelConfig,                       # model geometry
+        layer: int,                             # the backbone layer
+        # window records: 'window_fp8' (528 B) or 'fp8_ds_mla' (584 B)
+        window_format: str = 'window_fp8',
+        main_kv_format: str = 'ds_fp4',         # compressed KV records (Full layers)
+        index_key_format: str = 'index_mxfp4',  # index-key records (Full and Reindex layers)
+        dtype=torch.bfloat16,                   # weight dtype
+        attend=None,                            # the attention core (default: the reference)
+    ):
         super().__init__()
         expect_config(cfg, 'CSA2Attention')
         if not isinstance(layer, int) or not 0 <= layer < cfg.n_layers:
             raise ValueError(f"layer {layer!r} is not a backbone layer 0..{cfg.n_layers - 1}")
         self.info = layer_topology(cfg)[layer]
-        self.layer, self.role, self.ratio, self.window = layer, self.info.role, self.info.ratio, cfg.window_size
+        self.layer, self.role, self.ratio, self.window = (layer, self.info.role, self.info.ratio,
+                                                          cfg.window_size)
         H, D, G, R = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank
         self.n_heads, self.head_dim, self.n_groups, self.scale = H, D, G, D ** -0.5
         self.window_codec = cache_format(cfg, window_format)
         if self.window_codec.dim != D:
-            raise ValueError(f"window format {window_format!r} holds {self.window_codec.dim} values, not head_dim {D}")
-        self.wq_a, self.q_norm = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=dtype), RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            raise ValueError(f"window format {window_format!r} holds {self.window_codec.dim} "
+                             f"values, not head_dim {D}")
+        self.wq_a, self.q_norm = (nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False, dtype=dtype),
+                                  RMSNorm(cfg.q_lora_rank, cfg.norm_eps))
         self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False, dtype=dtype)
-        self.wkv, self.kv_norm = nn.Linear(cfg.dim, D, bias=False, dtype=dtype), RMSNorm(D, cfg.norm_eps)
-        self.wo_a = nn.Linear(H * D // G, G * R, bias=False, dtype=dtype)      # weight (G*R, H*D/G): one block per group
+        self.wkv, self.kv_norm = (nn.Linear(cfg.dim, D, bias=False, dtype=dtype),
+                                  RMSNorm(D, cfg.norm_eps))
+        # weight (G*R, H*D/G): one block per group
+        self.wo_a = nn.Linear(H * D // G, G * R, bias=False, dtype=dtype)
         self.wo_b = nn.Linear(G * R, cfg.dim, bias=False, dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor = Compressor(cfg, layer, main_kv_format) if self.role == 'Full' else None
-        self.indexer = Indexer(cfg, layer, index_key_format) if self.role in ('Full', 'Reindex') else None
+        self.indexer = (Indexer(cfg, layer, index_key_format) if self.role in ('Full', 'Reindex')
+                        else None)
         self.register_buffer('inv_freq', layer_inv_freq(cfg, self.ratio), persistent=False)
         self.attend = attend or sparse_attention_reference
 
-    def __repr__(self): return f"CSA2Attention(layer {self.layer}, {self.role}, ratio {self.ratio}, {self.n_heads} heads)"
+    def __repr__(self):
+        return (f"CSA2Attention(layer {self.layer}, {self.role}, ratio {self.ratio}, "
+                f"{self.n_heads} heads)")
 
 # %% ../nbs/05_csa2.ipynb #bc6b1f6c
 @patch
 def query(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> tuple:
     "(q (T, H, D) rotated, qr (T, q_lora_rank)) of hidden states x (T, dim)"
-    qr = norm_layer(self.q_norm, self.wq_a(x))                                     # (T, q_lora_rank)
-    q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))                 # (T, H, D)
+    qr = norm_layer(self.q_norm, self.wq_a(x))                          # (T, q_lora_rank)
+    q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))      # (T, H, D)
     return rope(q, self.inv_freq, positions), qr
 
 @patch
@@ -386,22 +481,30 @@ def select(self: CSA2Attention, x, qr, step: CSA2Step, state: CSA2State, topk=No
     T, l, dev = len(step.positions), self.layer, step.positions.device
     w_slots, w_lens = step_window(step, self.window)
     if self.ratio == 0:
-        if topk is not None: raise ValueError(f"layer {l} attends over its window only; it takes no top-k")
+        if topk is not None:
+            raise ValueError(f"layer {l} attends over its window only; it takes no top-k")
         none = torch.zeros(T, 0, dtype=torch.int32, device=dev)
-        return SparseIndices(w_slots, w_lens, none, torch.zeros_like(w_lens), step.rows, step.block_table, step.block_size), None
+        return (SparseIndices(w_slots, w_lens, none, torch.zeros_like(w_lens), step.rows,
+                              step.block_table, step.block_size), None)
     src, slots = state.source(l, 'compressed KV'), step.compressed_slots[self.ratio]
     latent = None
     if self.role == 'Full':
-        latent = self.compressor(x, step.positions, step.ring_slots if self.ratio > 1 else None, slots,
-                                 state.rings.get(l), state.compressed[l])
+        latent = self.compressor(x, step.positions, step.ring_slots if self.ratio > 1 else None,
+                                 slots, state.rings.get(l), state.compressed[l])
     if self.indexer is not None: topk = self._index(x, qr, step, state, latent, slots, topk)
-    elif topk is not None: raise ValueError(f"layer {l} (Reuse) reads the top-k of layer {state.source(l, 'top-k')}; it takes none")
+    elif topk is not None:
+        raise ValueError(f"layer {l} (Reuse) reads the top-k of layer {state.source(l, 'top-k')}; "
+                         "it takes none")
     else: topk = state.read('top-k', l, step)
-    memo = step.__dict__.setdefault('_topk_lens', {})              # the same for every layer of a step with this width
-    if topk.shape[1] not in memo: memo[topk.shape[1]] = torch.where(step.rows >= 0, topk.shape[1], 0).int()
+    # the same for every layer of a step with this width
+    memo = step.__dict__.setdefault('_topk_lens', {})
+    if topk.shape[1] not in memo:
+        memo[topk.shape[1]] = torch.where(step.rows >= 0, topk.shape[1], 0).int()
     lens = memo[topk.shape[1]]
-    idx = SparseIndices(w_slots, w_lens, topk.int(), lens, step.rows, step.block_table, step.block_size // self.ratio)
-    return idx, PagedRecords(state.compressed[src], self.compressor.codec if self.compressor else state.main_codec)
+    idx = SparseIndices(w_slots, w_lens, topk.int(), lens, step.rows, step.block_table,
+                        step.block_size // self.ratio)
+    return idx, PagedRecords(state.compressed[src],
+                             self.compressor.codec if self.compressor else state.main_codec)
 
 # %% ../nbs/05_csa2.ipynb #ed66eb36
 @patch
@@ -409,15 +512,20 @@ def _index(self: CSA2Attention, x, qr, step, state, latent, slots, topk):
     "Run (or, with `topk`, stand in for) this layer's indexer; publish its top-k and candidate pool"
     l, keys = self.layer, state.index_keys[state.source(self.layer, 'index keys')]
     if topk is None:
-        memo = step.__dict__.setdefault('_index_batches', {})     # every indexer layer of a step sees the same batch
-        if self.ratio not in memo: memo[self.ratio] = IndexBatch(step.positions, step.rows, step.block_table, step.block_size, self.ratio)
+        # every indexer layer of a step sees the same batch
+        memo = step.__dict__.setdefault('_index_batches', {})
+        if self.ratio not in memo:
+            memo[self.ratio] = IndexBatch(step.positions, step.rows, step.block_table,
+                                          step.block_size, self.ratio)
         batch = memo[self.ratio]
         pool = state.read('candidate pool', l, step) if self.info.candidates == 'filtered' else None
         topk, pool = self.indexer(x, qr, batch, keys, latent, slots, pool)
         if self.info.candidates == 'source': state.publish('candidate pool', l, step, pool)
     else:
-        if topk.ndim != 2 or topk.shape[0] != len(step.positions) or topk.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"topk: expected ({len(step.positions)}, k) int32 compressed-state indices, got {topk.dtype} {tuple(topk.shape)}")
+        if (topk.ndim != 2 or topk.shape[0] != len(step.positions)
+            or topk.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"topk: expected ({len(step.positions)}, k) int32 compressed-state "
+                             f"indices, got {topk.dtype} {tuple(topk.shape)}")
         if self.role == 'Full': self.indexer.store_keys(latent, step.positions, slots, keys)
     state.publish('top-k', l, step, topk)
     return topk
@@ -426,9 +534,10 @@ def _index(self: CSA2Attention, x, qr, step, state, latent, slots, topk):
 @patch
 def project_out(self: CSA2Attention, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     "(T, dim) layer output of the attention output o (T, H, D): inverse RoPE, grouped wo_a, wo_b"
-    o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))          # (T, G, H*D/G)
-    wo_a = self.wo_a.weight.unflatten(0, (self.n_groups, -1))                                                 # (G, R, H*D/G)
-    return self.wo_b(torch.einsum('tgi,gri->tgr', o, wo_a).flatten(1))                                        # (T, dim)
+    # (T, G, H*D/G)
+    o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))
+    wo_a = self.wo_a.weight.unflatten(0, (self.n_groups, -1))              # (G, R, H*D/G)
+    return self.wo_b(torch.einsum('tgi,gri->tgr', o, wo_a).flatten(1))     # (T, dim)
 
 # %% ../nbs/05_csa2.ipynb #7b426917
 @patch
@@ -436,13 +545,16 @@ def attention(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=Non
               **attend_kw) -> tuple:  # passed on to the attention core (`10b_paged`: `out_rope`)
     "(o (T, H, D) bf16, lse (T, H)): this layer's attention for `step`, caches updated, selections published"
     if x.ndim != 2 or x.shape[0] != len(step.positions):
-        raise ValueError(f"x: expected ({len(step.positions)}, dim) hidden states for the step's tokens, got {tuple(x.shape)}")
+        raise ValueError(f"x: expected ({len(step.positions)}, dim) "
+                         f"hidden states for the step's tokens, got {tuple(x.shape)}")
     q, qr = self.query(x, step.positions)
     window = PagedRecords(state.window[self.layer], self.window_codec)
-    store_records(self.window_codec, self.window_kv(x, step.positions), window.cache, step.swa_slots)
+    store_records(self.window_codec, self.window_kv(x, step.positions), window.cache,
+                  step.swa_slots)
     idx, compressed = self.select(x, qr, step, state, topk)
     return self.attend(q, window, compressed, idx, self.attn_sink, self.scale, **attend_kw)
 
+# %% ../nbs/05_csa2.ipynb #585b15e1
 @patch
 def forward(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=None) -> torch.Tensor:
     "(T, dim): attention of hidden states x (T, dim) for `step`, through the output projection"
@@ -450,10 +562,17 @@ def forward(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=None)
 
 # %% ../nbs/05_csa2.ipynb #8efa8f02
 @patch
-def allocate(self: CSA2State, layers, num_blocks: int, swa_block_size: int, block_size: int, device=None) -> CSA2State:
+def allocate(self: CSA2State,
+             layers,               # the CSA2Attention modules to hold caches for
+             num_blocks: int,      # blocks per cache, block 0 the null block
+             swa_block_size: int,  # tokens per window block
+             block_size: int,      # tokens per global block
+             device=None,
+            ) -> CSA2State:
     "Empty caches for `layers` (CSA2Attention modules): `num_blocks` blocks per cache, block 0 the null block"
     for m in layers:
-        self.window[m.layer] = torch.zeros(num_blocks, swa_block_size, m.window_codec.record_bytes, dtype=torch.uint8, device=device)
+        self.window[m.layer] = torch.zeros(num_blocks, swa_block_size, m.window_codec.record_bytes,
+                                           dtype=torch.uint8, device=device)
         if m.role != 'Full': continue
         self.compressed[m.layer] = m.compressor.new_cache(num_blocks, block_size, device)
         self.index_keys[m.layer] = m.indexer.new_key_cache(num_blocks, block_size, device)

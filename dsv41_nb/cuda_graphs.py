@@ -23,68 +23,88 @@ __all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'pad_decode_batch', 'CUDAGraphM
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes with a graph each
 
 def padded_batch_size(n: int, sizes: Sequence[int] = CAPTURE_SIZES) -> int | None:
-    "The smallest capture size >= n; None when n is larger than all of them (that step runs eagerly)"
-    return next((s for s in sorted(sizes) if s >= check_int('padded_batch_size', 'n', n, 1)), None)
+    ("The smallest capture size >= n; "
+     "None when n is larger than all of them (that step runs eagerly)")
+    return next((s for s in sorted(sizes) if s >= check_int('padded_batch_size', 'n', n, 1)),
+                None)
 
 def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per request, each sampled
                      size: int, # requests after padding
                      widths: Sequence[int], # block-table width per cache group
-                     n: int | None = None, # real requests kept (default: all; 0: an all-padding batch of the same structure)
+                     # real requests kept (default: all; 0: an all-padding batch of the same structure)
+                     n: int | None = None,
                     ):
-    "`batch` padded to `size` requests of one row each: the pads read the null block and write nowhere"
+    ("`batch` padded to `size` requests of one row each: "
+     "the pads read the null block and write nowhere")
     n, sm = len(batch.request_ids) if n is None else n, batch.slot_mappings
-    def pad(t, fill, w=None):                         # (size,) or (size, w): t's first n rows, then `fill`
+    # (size,) or (size, w): t's first n rows, then `fill`
+    def pad(t, fill, w=None):
         out = t.new_full((size,) if w is None else (size, w), fill)
         out[(slice(n),) + (slice(t.shape[-1]),) * (t.dim() - 1)] = t[:n]
         return out
     ar = torch.arange(size, device=batch.token_ids.device)
     return dataclasses.replace(
-        batch, request_ids=batch.request_ids[:n] + [f'<pad {i}>' for i in range(n, size)], token_ids=pad(batch.token_ids, 0),
-        positions=pad(batch.positions, 0), query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=ar.device),
-        seq_lens=pad(batch.seq_lens, 1), block_tables=tuple(pad(t, NULL_BLOCK_ID, w) for t, w in zip(batch.block_tables, widths)),
-        slot_mappings=SlotMappings(pad(sm.positions, 0), pad(sm.swa, PAD_SLOT_ID), {r: pad(v, PAD_SLOT_ID) for r, v in sm.compressed.items()},
+        batch, request_ids=batch.request_ids[:n] + [f'<pad {i}>' for i in range(n, size)],
+        token_ids=pad(batch.token_ids, 0), positions=pad(batch.positions, 0),
+        query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=ar.device),
+        seq_lens=pad(batch.seq_lens, 1),
+        block_tables=tuple(pad(t, NULL_BLOCK_ID, w) for t, w in zip(batch.block_tables, widths)),
+        slot_mappings=SlotMappings(pad(sm.positions, 0), pad(sm.swa, PAD_SLOT_ID),
+                                   {r: pad(v, PAD_SLOT_ID) for r, v in sm.compressed.items()},
                                    None if sm.ring is None else pad(sm.ring, PAD_SLOT_ID)),
         logits_indices=ar, decoder_rows=ar, num_cached_tokens=pad(batch.num_cached_tokens, 0),
-        new_request_ids={f'<pad {i}>' for i in range(n, size)}, prefix_token_ids={},      # each pad a fresh one-token request
+        # each pad a fresh one-token request
+        new_request_ids={f'<pad {i}>' for i in range(n, size)}, prefix_token_ids={},
         token_fill=[f for f in batch.token_fill if f[0] < n],
-        resolved_token_ids={r: v for r, v in batch.resolved_token_ids.items() if r in batch.request_ids[:n]})
+        resolved_token_ids={r: v for r, v in batch.resolved_token_ids.items()
+                            if r in batch.request_ids[:n]})
 
 # %% ../nbs/12c_cuda_graphs.ipynb #9c184d0d
 class CUDAGraphModel:
     "Decode steps of a step model replayed from CUDA graphs, one per padded batch size"
     supports_cuda_graphs = False
-    input_device = torch.device('cpu')     # batches come built on the host: padded and prepared there, sent in one copy
+    # batches come built on the host: padded and prepared there, sent in one copy
+    input_device = torch.device('cpu')
     def __init__(self, model, # a step model with supports_cuda_graphs = True
                  kv_cache_config: KVCacheConfig, # the cache layout (block-table widths, compressed ratios)
                  max_model_len: int, # longest sequence: sets the block-table width
                  capture_sizes: Sequence[int] = CAPTURE_SIZES, # padded batch sizes
                  emulate: bool = False): # replay eagerly (CPU): pads and copies without a graph
-        if not getattr(model, 'supports_cuda_graphs', False): raise ValueError(f"CUDAGraphModel: {type(model).__name__} does not support CUDA graphs")
+        if not getattr(model, 'supports_cuda_graphs', False):
+            raise ValueError(f"CUDAGraphModel: {type(model).__name__} does not support CUDA graphs")
         for s in capture_sizes: check_int('CUDAGraphModel', 'capture size', s, 1)
         self.model, self.sizes, self.emulate = model, tuple(sorted(set(capture_sizes))), emulate
         self.device = getattr(model, 'device', None)
-        self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size) for g in kv_cache_config.groups]
+        self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size)
+                       for g in kv_cache_config.groups]
         self.graphs, self.pool, self.stats = {}, None, dict(replayed=0, eager=0, captured=0)
     def release(self, request_ids): self.model.release(request_ids)
-    def __repr__(self): return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
+    def __repr__(self):
+        return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
 
 # %% ../nbs/12c_cuda_graphs.ipynb #a103ee85
 def _tensors(x) -> list:
-    "Every tensor inside `x` (a tensor, or a dataclass, tuple, list, dict or namespace holding them), in a fixed order"
+    ("Every tensor inside `x` "
+     "(a tensor, or a dataclass, tuple, list, dict or namespace holding them), in a fixed order")
     if isinstance(x, torch.Tensor): return [x]
-    if dataclasses.is_dataclass(x): return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
+    if dataclasses.is_dataclass(x):
+        return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
     if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
     if isinstance(x, dict): return [t for k in sorted(x, key=str) for t in _tensors(x[k])]
     if isinstance(x, SimpleNamespace): return _tensors(vars(x))
     return []
 
 def _map_tensors(x, fn):
-    "`x` rebuilt with fn(t) in place of every tensor t inside it, called in `_tensors`'s order; everything else kept"
+    ("`x` rebuilt with fn(t) in place of every tensor t inside it, called in `_tensors`'s order; "
+     "everything else kept")
     if isinstance(x, torch.Tensor): return fn(x)
-    if dataclasses.is_dataclass(x): return dataclasses.replace(x, **{f.name: _map_tensors(getattr(x, f.name), fn) for f in dataclasses.fields(x)})
+    if dataclasses.is_dataclass(x):
+        return dataclasses.replace(x, **{f.name: _map_tensors(getattr(x, f.name), fn)
+                                         for f in dataclasses.fields(x)})
     if isinstance(x, (tuple, list)): return type(x)(_map_tensors(v, fn) for v in x)
     if isinstance(x, dict):
-        out = dict.fromkeys(x)                                     # the keys in their order, the tensors in `_tensors`'s
+        # the keys in their order, the tensors in `_tensors`'s
+        out = dict.fromkeys(x)
         for k in sorted(x, key=str): out[k] = _map_tensors(x[k], fn)
         return out
     if isinstance(x, SimpleNamespace): return SimpleNamespace(**_map_tensors(vars(x), fn))
@@ -93,62 +113,80 @@ def _map_tensors(x, fn):
 
 # %% ../nbs/12c_cuda_graphs.ipynb #d9858844
 class StagedInputs:
-    "Device copies of the tensors in a structure, all views into one buffer, filled from host twins in one pinned buffer"
-    def __init__(self, like, # a structure of host tensors (what `prepare` makes): their shapes and dtypes, and first values
+    ("Device copies of the tensors in a structure, all views into one buffer, "
+     "filled from host twins in one pinned buffer")
+    def __init__(self,
+                 # a structure of host tensors (what `prepare` makes): their shapes and dtypes, and first values
+                 like,
                  device): # where the copies live
         ts = _tensors(like)
         if not ts: raise ValueError("StagedInputs: the structure holds no tensors")
-        if any(t.device.type != 'cpu' for t in ts): raise ValueError("StagedInputs: expected host tensors, got "
-                                                                    f"{sorted({str(t.device) for t in ts})}")
+        if any(t.device.type != 'cpu' for t in ts):
+            raise ValueError("StagedInputs: expected host tensors, got "
+                             f"{sorted({str(t.device) for t in ts})}")
         offs = [0]
-        for t in ts: offs.append(offs[-1] + cdiv(t.numel() * t.element_size(), 16) * 16)     # each view 16-byte aligned
+        # each view 16-byte aligned
+        for t in ts: offs.append(offs[-1] + cdiv(t.numel() * t.element_size(), 16) * 16)
         dev = torch.device(device)
         self.host = torch.empty(offs[-1], dtype=torch.uint8, pin_memory=dev.type == 'cuda')
         self.buffer = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
         view = lambda buf, o, t: buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         self.host_views, it = [view(self.host, o, t) for o, t in zip(offs, ts)], iter(offs)
-        self.inputs = _map_tensors(like, lambda t: view(self.buffer, next(it), t))    # what a graph captures
+        # what a graph captures
+        self.inputs = _map_tensors(like, lambda t: view(self.buffer, next(it), t))
         self.sent = torch.cuda.Event() if dev.type == 'cuda' else None
         self.load(like)
-    def __repr__(self): return f"StagedInputs({len(self.host_views)} tensors, {self.buffer.numel()} bytes on {self.buffer.device})"
+    def __repr__(self):
+        return (f"StagedInputs({len(self.host_views)} tensors, "
+                f"{self.buffer.numel()} bytes on {self.buffer.device})")
 
 @patch
 def load(self: StagedInputs, src) -> None:
-    "Copy the tensors of `src` (structured as the one staged) into the device copies: CPU copies, then one transfer"
+    ("Copy the tensors of `src` (structured as the one staged) into the device copies: "
+     "CPU copies, then one transfer")
     ts = _tensors(src)
     if [(t.shape, t.dtype) for t in ts] != [(h.shape, h.dtype) for h in self.host_views]:
-        raise ValueError(f"StagedInputs.load: expected {len(self.host_views)} tensors shaped and typed as the staged ones, got "
+        raise ValueError(f"StagedInputs.load: expected {len(self.host_views)} tensors "
+                         "shaped and typed as the staged ones, got "
                          f"{[(tuple(t.shape), t.dtype) for t in ts]}")
-    if self.sent is not None: self.sent.synchronize()           # the last transfer has left the host buffer
+    # the last transfer has left the host buffer
+    if self.sent is not None: self.sent.synchronize()
     for h, t in zip(self.host_views, ts): h.copy_(t)
     self.buffer.copy_(self.host, non_blocking=True)
     if self.sent is not None: self.sent.record()
 
 
 # %% ../nbs/12c_cuda_graphs.ipynb #74aaf283
-def fill_token_ids(token_ids: torch.Tensor, # (T,) the ids of a batch's rows, where the model reads them
-                   fill: list, # (row, tensor, index) per row: its id is tensor[index]
-                  ) -> None:
-    "token_ids[row] = tensor[index] for every entry of `fill`, in place and on the tensors' device: nothing is read back"
+def fill_token_ids(
+    token_ids: torch.Tensor, # (T,) the ids of a batch's rows, where the model reads them
+    fill: list, # (row, tensor, index) per row: its id is tensor[index]
+) -> None:
+    ("token_ids[row] = tensor[index] for every entry of `fill`, "
+     "in place and on the tensors' device: nothing is read back")
     for src in {id(t): t for _, t, _ in fill}.values():
         rows, idx = zip(*[(r, i) for r, t, i in fill if t is src])
-        if max(rows) >= len(token_ids) or min(rows) < 0: raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
+        if max(rows) >= len(token_ids) or min(rows) < 0:
+            raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
         token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
 
 def _sent(v: Sequence[int], device) -> torch.Tensor:
-    "An int64 tensor of `v` on `device`; to a GPU from pinned memory, queued: from pageable memory CUDA would first wait for the stream"
+    ("An int64 tensor of `v` on `device`; to a GPU from pinned memory, queued: "
+     "from pageable memory CUDA would first wait for the stream")
     cuda = torch.device(device).type == 'cuda'
     return torch.tensor(v, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
 
 # %% ../nbs/12c_cuda_graphs.ipynb #7b33c85a
 @patch
 def _parts(self: CUDAGraphModel) -> tuple:
-    "(prepare, run) of the model: its host part and its device part (a model without them: the batch itself, its forward)"
-    return getattr(self.model, 'prepare', lambda b: b), getattr(self.model, 'run', self.model.forward)
+    ("(prepare, run) of the model: its host part and its device part "
+     "(a model without them: the batch itself, its forward)")
+    return (getattr(self.model, 'prepare', lambda b: b),
+            getattr(self.model, 'run', self.model.forward))
 
 @patch
 def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) -> torch.Tensor:
-    "`run` on prepared host inputs moved to the device, the rows of `fill` taken on the device into the copy of `token_ids`"
+    ("`run` on prepared host inputs moved to the device, "
+     "the rows of `fill` taken on the device into the copy of `token_ids`")
     moved = {}
     def move(t):
         moved[id(t)] = d = t if self.device is None else t.to(self.device, non_blocking=True)
@@ -159,30 +197,38 @@ def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) ->
 
 @patch
 def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
-    "The device copy of the batch's token ids that device fills go into, or an error naming why there is none"
-    if t is None: raise RuntimeError(f"CUDAGraphModel: {type(self.model).__name__}.prepare does not pass the batch's token_ids "
-                                     "through, so rows whose ids are on the device (async execution) cannot be filled")
+    ("The device copy of the batch's token ids that device fills go into, "
+     "or an error naming why there is none")
+    if t is None:
+        raise RuntimeError(f"CUDAGraphModel: {type(self.model).__name__}.prepare does not pass "
+                           "the batch's token_ids through, so rows whose ids are on the device "
+                           "(async execution) cannot be filled")
     return t
 
 @patch
 def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
-    "(replay, staged inputs, static logits, the captured token ids or None) for one padded size, the buffers shaped as `batch`'s"
+    ("(replay, staged inputs, static logits, the captured token ids or None) for one padded size, "
+     "the buffers shaped as `batch`'s")
     prepare, run = self._parts()
     padded = pad_decode_batch(batch, size, self.widths, n=0)
     host = prepare(padded)
     staged, out = StagedInputs(host, self.device or 'cpu'), {}
     static = staged.inputs
-    at = [i for i, t in enumerate(_tensors(host)) if t is padded.token_ids]       # where `prepare` passed the ids through
+    # where `prepare` passed the ids through
+    at = [i for i, t in enumerate(_tensors(host)) if t is padded.token_ids]
     tokens = _tensors(static)[at[0]] if at else None
-    def step():                                                # warm-up and capture take the same (read-back free) path
+    # warm-up and capture take the same (read-back free) path
+    def step():
         with as_captured(): out['logits'] = run(static)
-    if self.emulate:                                           # on a CPU: the same buffers, an eager "replay"
+    # on a CPU: the same buffers, an eager "replay"
+    if self.emulate:
         step(); logits = out['logits']
         def replay():
             with as_captured(): logits.copy_(run(static))
         return replay, staged, logits, tokens
     self.pool = self.pool or torch.cuda.graph_pool_handle()
-    replay = cuda_graph(step, warmup=1, pool=self.pool)        # the warm-up compiles the kernels and writes nowhere
+    # the warm-up compiles the kernels and writes nowhere
+    replay = cuda_graph(step, warmup=1, pool=self.pool)
     self.stats['captured'] += 1
     return replay, staged, out['logits'], tokens
 
@@ -190,13 +236,17 @@ def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
 # %% ../nbs/12c_cuda_graphs.ipynb #85ca80fd
 @patch
 def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
-    "Logits of the batch's logits rows: replayed from a graph for a decode batch of a captured size, else eager"
+    ("Logits of the batch's logits rows: "
+     "replayed from a graph for a decode batch of a captured size, else eager")
     R, b, fill = len(batch.request_ids), batch, batch.token_fill
-    batch = dataclasses.replace(batch, token_fill=[])              # ids to fill on the device: applied there, never staged
-    decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids    # one sampled row each, none new
+    # ids to fill on the device: applied there, never staged
+    batch = dataclasses.replace(batch, token_fill=[])
+    # one sampled row each, none new
+    decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids
     size = padded_batch_size(R, self.sizes) if decode else None
     prepare, run = self._parts()
-    if size is None: self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, fill)
+    if size is None:
+        self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, fill)
     padded = pad_decode_batch(batch, size, self.widths)
     inputs = prepare(padded)
     if not getattr(inputs, 'replayable', True):
@@ -204,9 +254,11 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
     replay, staged, logits, tokens = self.graphs[size]
     try: staged.load(inputs)
-    except ValueError as e: raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch of {size} are not "
-                                               f"the ones captured for that size ({e})") from None
-    if fill: fill_token_ids(self._token_view(tokens), fill)        # after the copy, before the replay
+    except ValueError as e:
+        raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch "
+                           f"of {size} are not the ones captured for that size ({e})") from None
+    # after the copy, before the replay
+    if fill: fill_token_ids(self._token_view(tokens), fill)
     replay(); self.stats['replayed'] += 1
     return logits[:R].clone()
 

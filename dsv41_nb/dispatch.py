@@ -17,17 +17,22 @@ def triton_interpreting() -> bool:
     return os.environ.get('TRITON_INTERPRET', '0') not in ('', '0')
 
 def kernel_backend(*tensors: torch.Tensor) -> str:
-    "'triton' or 'torch': which implementation runs for `tensors` (forced by `use_kernels` or `DSV41_KERNELS`)"
+    ("'triton' or 'torch': which implementation runs for `tensors` "
+     "(forced by `use_kernels` or `DSV41_KERNELS`)")
     bad = [type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)]
     if bad: raise TypeError(f"kernel_backend: expected tensors, got {', '.join(bad)}")
     devices = {t.device.type for t in tensors}
-    if len(devices) > 1: raise ValueError(f"tensors on several devices {sorted(devices)}; move them to one")
+    if len(devices) > 1:
+        raise ValueError(f"tensors on several devices {sorted(devices)}; move them to one")
     triton_ok = triton_interpreting() or devices == {'cuda'}
     forced = _forced or os.environ.get('DSV41_KERNELS') or None
-    if forced not in (None, *BACKENDS): raise ValueError(f"kernel backend {forced!r}; expected one of {BACKENDS}")
+    if forced not in (None, *BACKENDS):
+        raise ValueError(f"kernel backend {forced!r}; expected one of {BACKENDS}")
     if forced == 'triton' and not triton_ok:
-        raise RuntimeError(f"Triton kernels were forced but the tensors are on {devices.pop()} and TRITON_INTERPRET is not set: "
-                           "a compiled kernel cannot read CPU memory (set TRITON_INTERPRET=1 before importing dsv41_nb)")
+        raise RuntimeError(f"Triton kernels were forced but the tensors are on {devices.pop()} "
+                           "and TRITON_INTERPRET is not set: "
+                           "a compiled kernel cannot read CPU memory "
+                           "(set TRITON_INTERPRET=1 before importing dsv41_nb)")
     if forced: return forced
     return 'triton' if triton_ok else 'torch'
 
@@ -35,13 +40,15 @@ def kernel_backend(*tensors: torch.Tensor) -> str:
 def use_kernels(backend: str | None):
     "Force 'triton' or 'torch' inside the block (None restores the automatic choice)"
     global _forced
-    if backend not in (None, *BACKENDS): raise ValueError(f"kernel backend {backend!r}; expected one of {BACKENDS}")
+    if backend not in (None, *BACKENDS):
+        raise ValueError(f"kernel backend {backend!r}; expected one of {BACKENDS}")
     prev, _forced = _forced, backend
     try: yield
     finally: _forced = prev
 
 def check_device() -> torch.device:
-    "The device notebook checks run on: CUDA when present (compiled kernels), else the CPU (interpreter or reference)"
+    ("The device notebook checks run on: CUDA when present (compiled kernels), "
+     "else the CPU (interpreter or reference)")
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
 # %% auto #0
@@ -52,13 +59,15 @@ __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kern
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
                 warmup: int = 25, # warm-up: milliseconds on a GPU (`do_bench`), calls on the CPU
-                rep: int = 100, # measuring: milliseconds on a GPU, rep // 10 calls (at least 5) on the CPU
+                # measuring: milliseconds on a GPU, rep // 10 calls (at least 5) on the CPU
+                rep: int = 100,
                ) -> float:
     "Median seconds per call of `fn` (warm-up first; CUDA events on a GPU)"
     if not callable(fn): raise TypeError(f"median_time: fn must be callable, got {type(fn).__name__}")
     for name, v in (('warmup', warmup), ('rep', rep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == 'warmup' else 1):
-            raise ValueError(f"median_time: {name} must be an int >= {0 if name == 'warmup' else 1}, got {v!r}")
+            raise ValueError(f"median_time: {name} must be an int >= {0 if name == 'warmup' else 1}, "
+                             f"got {v!r}")
     if torch.cuda.is_available():
         import triton.testing
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode='median') / 1e3
@@ -83,7 +92,8 @@ def machine_name(device='cuda') -> str:
     "The GPU's name, or the CPU's (and whether Triton runs in its interpreter there)"
     if torch.device(device).type == 'cuda': return torch.cuda.get_device_name(torch.device(device))
     import platform
-    return f"CPU ({platform.processor() or platform.machine()}){', Triton interpreter' if triton_interpreting() else ''}"
+    return (f"CPU ({platform.processor() or platform.machine()})"
+            f"{', Triton interpreter' if triton_interpreting() else ''}")
 
 # %% ../nbs/00a_dispatch.ipynb #8ff349da
 @functools.lru_cache(None)
@@ -92,7 +102,8 @@ def _sm_count(index: int) -> int: return torch.cuda.get_device_properties(index)
 def sm_count(device, # a torch.device or its name
              default: int = 1, # what a device that is not a GPU counts as
             ) -> int:
-    "Multiprocessors of a CUDA device (asked once per device), `default` for any other: what kernels size their grids by"
+    ("Multiprocessors of a CUDA device (asked once per device), `default` for any other: "
+     "what kernels size their grids by")
     device = torch.device(device)
     if device.type != 'cuda': return default
     return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
@@ -102,7 +113,8 @@ import os, re
 _GPU_CELL = re.compile(r'\s*#\s*\|\s*gpu\b')
 
 def gpu_cell_note(lines: list) -> list:
-    "A `#| gpu` cell as a one-line note when there is no GPU (an input transformer); other cells unchanged"
+    ("A `#| gpu` cell as a one-line note when there is no GPU (an input transformer); "
+     "other cells unchanged")
     first = next((l for l in lines if l.strip()), '')
     if not _GPU_CELL.match(first) or torch.cuda.is_available(): return lines
     rest = [l.strip() for l in lines[lines.index(first) + 1:]]
@@ -113,7 +125,8 @@ def gpu_cell_note(lines: list) -> list:
 
 # %% ../nbs/00a_dispatch.ipynb #ded134ae
 def skip_gpu_cells() -> bool:
-    "In IPython without a GPU, run every `#| gpu` cell as a note (`gpu_cell_note`); True if installed"
+    ("In IPython without a GPU, run every `#| gpu` cell as a note (`gpu_cell_note`); "
+     "True if installed")
     try: from IPython import get_ipython
     except ImportError: return False
     ip = get_ipython()
@@ -128,7 +141,8 @@ skip_gpu_cells();
 def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png)
                 fig=None, # the figure (default: matplotlib's current one)
                 **kw): # savefig's options (dpi, bbox_inches)
-    "Save `fig` to `path` when DSV41_SAVE_FIGURES is set (a plot's last line: it returns nothing to show)"
+    ("Save `fig` to `path` when DSV41_SAVE_FIGURES is set "
+     "(a plot's last line: it returns nothing to show)")
     if not os.environ.get('DSV41_SAVE_FIGURES'): return
     if fig is None:
         import matplotlib.pyplot as plt
@@ -139,32 +153,38 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
 _as_captured = False
 
 def capturing() -> bool:
-    "Is this code being captured into a CUDA graph (or run as one would be, inside `as_captured`)? Then it may not read device values"
+    ("Is this code being captured into a CUDA graph (or run as one would be, inside `as_captured`)? "
+     "Then it may not read device values")
     return _as_captured or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 @contextmanager
 def as_captured():
-    "Inside the block, run as a CUDA graph capture does: no read-backs of device values, shapes from the inputs' shapes alone"
+    ("Inside the block, run as a CUDA graph capture does: no read-backs of device values, "
+     "shapes from the inputs' shapes alone")
     global _as_captured
     prev, _as_captured = _as_captured, True
     try: yield
     finally: _as_captured = prev
 
 # %% ../nbs/00a_dispatch.ipynb #fdbdac57
-_READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2', 'unique_consecutive', 'equal', 'is_nonzero')
+_READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2',
+          'unique_consecutive', 'equal', 'is_nonzero')
 
 def _caller() -> str:
     "file:line function of the innermost frame outside torch and this mode"
     for f in reversed(traceback.extract_stack()[:-3]):
-        if f'{os.sep}torch{os.sep}' not in f.filename: return f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+        if f'{os.sep}torch{os.sep}' not in f.filename:
+            return f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
     return '?'
 
 class HostReads(TorchDispatchMode):
-    "Inside the block, count the operator calls that read tensor values back to the host (a sync on a GPU), by call site"
+    ("Inside the block, count the operator calls that read tensor values back to the host "
+     "(a sync on a GPU), by call site")
     def __init__(self): super().__init__(); self.sites = collections.Counter()
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        mask_index = name == 'index' and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in args[1])
+        mask_index = name == 'index' and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
+                                             for t in args[1])
         if name in _READS or mask_index: self.sites[_caller()] += 1
         return func(*args, **(kwargs or {}))
     @property
@@ -172,14 +192,17 @@ class HostReads(TorchDispatchMode):
 
 # %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
 def cuda_graph(fn, # the work to capture, no arguments: the tensors it touches stay the graph's buffers
-               warmup: int = 3, # eager calls first, on a side stream (compile kernels, settle the allocator)
+               # eager calls first, on a side stream (compile kernels, settle the allocator)
+               warmup: int = 3,
                calls: int = 1, # calls of `fn` recorded back to back in the graph
                pool=None, # a memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`)
               ):
-    "Capture `calls` calls of `fn` in one CUDA graph (after `warmup` eager calls); return the graph's replay"
+    ("Capture `calls` calls of `fn` in one CUDA graph (after `warmup` eager calls); "
+     "return the graph's replay")
     if not callable(fn): raise TypeError(f"cuda_graph: fn must be callable, got {type(fn).__name__}")
     for name, v, lo in (('warmup', warmup, 0), ('calls', calls, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo: raise ValueError(f"cuda_graph: {name} must be an int >= {lo}, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"cuda_graph: {name} must be an int >= {lo}, got {v!r}")
     if not torch.cuda.is_available(): raise RuntimeError("cuda_graph: no CUDA device to capture on")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -196,12 +219,15 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
                calls: int = 16,  # calls captured in one CUDA graph
                reps: int = 10,   # graph replays timed
               ) -> float:
-    "Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph (no launch overhead); `fn(0)` by the host clock off the GPU"
+    ("Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph "
+     "(no launch overhead); `fn(0)` by the host clock off the GPU")
     if not callable(fn): raise TypeError(f"graph_time: fn must be callable, got {type(fn).__name__}")
     for name, v in (('calls', calls), ('reps', reps)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"graph_time: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"graph_time: {name} must be an int >= 1, got {v!r}")
     if not torch.cuda.is_available(): return median_time(lambda: fn(0), warmup=1, rep=10)
-    replay = cuda_graph(lambda: [fn(i) for i in range(calls)], warmup=1)  # compiled and warmed up outside the capture
+    # compiled and warmed up outside the capture
+    replay = cuda_graph(lambda: [fn(i) for i in range(calls)], warmup=1)
     replay()
     times = []
     for _ in range(reps):
@@ -214,24 +240,32 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
 import triton
 import triton.language as tl
 
-PDL = dict(enabled=True)   # launch the decode path's kernels with programmatic dependent launch where the GPU has it
+# launch the decode path's kernels with programmatic dependent launch where the GPU has it
+PDL = dict(enabled=True)
 
 @functools.lru_cache(None)
 def _capability(index: int) -> tuple: return torch.cuda.get_device_capability(index)
 
 def pdl_launch(device, # the device the kernel runs on: a torch.device or its name
               ) -> dict:
-    "Launch keywords for a kernel that starts with `pdl_wait(PDL)`: on for compiled kernels on a GPU of compute capability >= 9"
-    if not isinstance(PDL.get('enabled'), bool): raise ValueError(f"PDL['enabled'] = {PDL.get('enabled')!r}; expected a bool")
+    ("Launch keywords for a kernel that starts with `pdl_wait(PDL)`: "
+     "on for compiled kernels on a GPU of compute capability >= 9")
+    if not isinstance(PDL.get('enabled'), bool):
+        raise ValueError(f"PDL['enabled'] = {PDL.get('enabled')!r}; expected a bool")
     try: device = torch.device(device)
-    except (RuntimeError, TypeError): raise ValueError(f"pdl_launch: {device!r} is not a device") from None
-    if not PDL['enabled'] or device.type != 'cuda' or triton_interpreting() or not torch.cuda.is_available(): return dict(PDL=False)
-    if _capability(torch.cuda.current_device() if device.index is None else device.index)[0] < 9: return dict(PDL=False)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"pdl_launch: {device!r} is not a device") from None
+    if (not PDL['enabled'] or device.type != 'cuda' or triton_interpreting()
+            or not torch.cuda.is_available()):
+        return dict(PDL=False)
+    if _capability(torch.cuda.current_device() if device.index is None else device.index)[0] < 9:
+        return dict(PDL=False)
     return dict(PDL=True, launch_pdl=True)
 
 @triton.jit
 def pdl_wait(ON: tl.constexpr):
-    "A kernel's first step: wait until the previous kernel's writes are visible, then let the next one launch (nothing unless ON)"
+    ("A kernel's first step: wait until the previous kernel's writes are visible, "
+     "then let the next one launch (nothing unless ON)")
     if ON:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -15,7 +15,8 @@ from .config import ModelConfig, check_int
 from .dispatch import use_kernels
 from .formats import FP8Record, _as_bytes, _bytes_as
 from .moe import MoEWeights, QuantWeight, route_layer
-from .fused_moe import ExpertAlignment, align_by_expert, fp8_act_quant, expert_gate_up, expert_down, moe_launch_shape
+from .fused_moe import (ExpertAlignment, align_by_expert, fp8_act_quant, expert_gate_up,
+                                expert_down, moe_launch_shape)
 from .engram import EngramTable, head_shards, engram_gate, engram_update
 from .mhc import hc_pre, _rms_norm
 from .model import Transformer, DenseEngram
@@ -48,7 +49,8 @@ def rank_device(group=None) -> torch.device:
 def rank_threads(world: int):
     "Inside the block, compute with one gloo rank's share of the CPU cores (of `world` ranks), as `run_ranks` does"
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // check_int('rank_threads', 'world', world, 1)))
+    share = (os.cpu_count() or 1) // check_int('rank_threads', 'world', world, 1)
+    torch.set_num_threads(max(1, share))
     try: yield
     finally: torch.set_num_threads(before)
 
@@ -56,29 +58,34 @@ def rank_threads(world: int):
 def _rank_main(rank, world, backend, port, jobs, out_dir, timeout_s):
     "One spawned rank: join the group, run the jobs in order, save their results for the parent"
     if backend == 'nccl': torch.cuda.set_device(rank)
-    with rank_threads(world) if backend == 'gloo' else contextlib.nullcontext():     # a share of the cores
-        dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+    # a share of the cores
+    with rank_threads(world) if backend == 'gloo' else contextlib.nullcontext():
+        dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))
         try: torch.save([fn(*args) for fn, args in jobs], os.path.join(out_dir, f'rank{rank}.pt'))
         finally: dist.destroy_process_group()
 
 # %% ../nbs/15_distributed.ipynb #7ddff7aa
-def run_ranks(jobs: list,  # (function, args) pairs: module-level functions, run in order on every rank
-              world: int = 2,  # processes, one per rank
-              backend: str = 'gloo',  # 'gloo' (CPU) or 'nccl' (one GPU per rank)
-              timeout_s: int = 120,  # a collective that waits longer fails instead of hanging
-             ) -> list[list]:
+def run_ranks(
+    jobs: list,  # (function, args) pairs: module-level functions, run in order on every rank
+    world: int = 2,  # processes, one per rank
+    backend: str = 'gloo',  # 'gloo' (CPU) or 'nccl' (one GPU per rank)
+    timeout_s: int = 120,  # a collective that waits longer fails instead of hanging
+) -> list[list]:
     "Spawn `world` ranks in one process group and run `jobs` on each: results[job][rank], on the CPU"
     check_int('run_ranks', 'world', world, 1); check_int('run_ranks', 'timeout_s', timeout_s, 1)
-    if backend not in BACKENDS: raise ValueError(f"run_ranks: backend {backend!r}; expected one of {BACKENDS}")
-    if not isinstance(jobs, (list, tuple)) or not all(isinstance(j, tuple) and len(j) == 2 and callable(j[0])
-                                                      and isinstance(j[1], tuple) for j in jobs):
+    if backend not in BACKENDS:
+        raise ValueError(f"run_ranks: backend {backend!r}; expected one of {BACKENDS}")
+    def is_job(j): return (isinstance(j, tuple) and len(j) == 2 and callable(j[0])
+                           and isinstance(j[1], tuple))
+    if not isinstance(jobs, (list, tuple)) or not all(is_job(j) for j in jobs):
         raise TypeError("run_ranks: jobs must be a list of (function, args tuple) pairs")
     if backend == 'nccl' and world > torch.cuda.device_count():
         raise ValueError(f"run_ranks: {world} NCCL ranks need {world} GPUs, "
                          f"this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank_main, args=(world, backend, free_port(), list(jobs), d, timeout_s), nprocs=world)
+        mp.spawn(_rank_main, args=(world, backend, free_port(), list(jobs), d, timeout_s),
+                 nprocs=world)
         done = [torch.load(os.path.join(d, f'rank{r}.pt'), map_location='cpu', weights_only=False)
                 for r in range(world)]
     return [[done[r][j] for r in range(world)] for j in range(len(jobs))]
@@ -87,23 +94,28 @@ def run_ranks(jobs: list,  # (function, args) pairs: module-level functions, run
 def _group(caller: str, group=None) -> tuple[int, int]:
     "(rank, world) in `group`, or a clear error outside a process group"
     if not dist.is_initialized():
-        raise RuntimeError(f"{caller}: torch.distributed is not initialised; run it on ranks (`run_ranks`) "
-                           "or after `init_process_group`")
+        raise RuntimeError(f"{caller}: torch.distributed is not initialised; "
+                           "run it on ranks (`run_ranks`) or after `init_process_group`")
     return dist.get_rank(group), dist.get_world_size(group)
 
 # %% ../nbs/15_distributed.ipynb #9059a7f2
-def exchange(rows: torch.Tensor,  # (n, ...) grouped by destination: the first send_counts[0] rows go to rank 0, ...
-             send_counts: list[int],  # rows for each rank
-             recv_counts: list[int],  # rows from each rank (what each sends here)
-             group=None) -> torch.Tensor:
+def exchange(
+    rows: torch.Tensor,  # (n, ...) grouped by destination: the first send_counts[0] rows go to rank 0, ...
+    send_counts: list[int],  # rows for each rank
+    recv_counts: list[int],  # rows from each rank (what each sends here)
+    group=None,
+) -> torch.Tensor:
     "All-to-all along dim 0 with split sizes: what every rank sent here, in rank order, (sum(recv_counts), ...)"
     _, world = _group('exchange', group)
     if len(send_counts) != world or len(recv_counts) != world:
-        raise ValueError(f"exchange: {len(send_counts)} send and {len(recv_counts)} receive counts for {world} ranks")
+        raise ValueError(f"exchange: {len(send_counts)} send and {len(recv_counts)} receive counts "
+                         f"for {world} ranks")
     if sum(send_counts) != rows.shape[0]:
-        raise ValueError(f"exchange: send counts add up to {sum(send_counts)}, rows has {rows.shape[0]}")
+        raise ValueError(f"exchange: send counts add up to {sum(send_counts)}, "
+                         f"rows has {rows.shape[0]}")
     out = rows.new_empty(sum(recv_counts), *rows.shape[1:])
-    dist.all_to_all_single(out, rows.contiguous(), list(recv_counts), list(send_counts), group=group)
+    dist.all_to_all_single(out, rows.contiguous(), list(recv_counts), list(send_counts),
+                           group=group)
     return out
 
 # %% ../nbs/15_distributed.ipynb #679411d8
@@ -117,24 +129,31 @@ def exchange_job(counts: list[list[int]]) -> torch.Tensor:
 # %% ../nbs/15_distributed.ipynb #d1e480d8
 def expert_range(n_experts: int, rank: int, world: int) -> tuple[int, int]:
     "Routed experts [first, end) that `rank` of `world` holds: contiguous, n_experts / world each"
-    check_int('expert_range', 'world', world, 1); check_int('expert_range', 'n_experts', n_experts, 1)
+    check_int('expert_range', 'world', world, 1)
+    check_int('expert_range', 'n_experts', n_experts, 1)
     if n_experts % world:
-        raise ValueError(f"expert_range: {n_experts} routed experts do not split evenly over {world} ranks")
+        raise ValueError(f"expert_range: {n_experts} routed experts do not split evenly "
+                         f"over {world} ranks")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise IndexError(f"expert_range: rank {rank!r} outside 0..{world - 1}")
     per = n_experts // world
     return rank * per, (rank + 1) * per
 
 # %% ../nbs/15_distributed.ipynb #5b893bad
-def local_experts(W: MoEWeights,  # the layer with all routed experts, or already this rank's slice of them
-                  rank: int, world: int) -> MoEWeights:
+def local_experts(
+    W: MoEWeights,  # the layer with all routed experts, or already this rank's slice of them
+    rank: int,
+    world: int,
+) -> MoEWeights:
     "This rank's copy of a MoE layer: router (gate, biases) and shared expert whole, routed experts its range only"
-    if not isinstance(W, MoEWeights): raise TypeError(f"local_experts: expected MoEWeights, got {type(W).__name__}")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"local_experts: expected MoEWeights, got {type(W).__name__}")
     E, held = W.n_experts, W.w1.shape[0]
     lo, hi = expert_range(E, rank, world)
-    if held == hi - lo: return W                                                   # already this rank's slice
+    if held == hi - lo: return W  # already this rank's slice
     if held != E:
-        raise ValueError(f"local_experts: world size mismatch: the weights hold {held} of {E} routed experts; "
+        raise ValueError(f"local_experts: world size mismatch: "
+                         f"the weights hold {held} of {E} routed experts; "
                          f"a rank of {world} holds {hi - lo} (or pass all {E})")
     cut = lambda q: QuantWeight(q.codes[lo:hi].clone(), q.scales[lo:hi].clone(), q.fmt)
     return replace(W, w1=cut(W.w1), w2=cut(W.w2), w3=cut(W.w3))
@@ -144,10 +163,13 @@ def dispatch_order(ids: torch.Tensor,  # (tokens, k) global expert ids
                    n_experts: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     "Assignments (t*k + j) sorted by the rank owning their expert (stable), and the count for each rank (world,)"
     lo, hi = expert_range(n_experts, 0, world)
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.ndim != 2:
-        raise TypeError(f"dispatch_order: expected int expert ids (tokens, k), got {getattr(ids, 'dtype', ids)!r}")
+    if (not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64)
+            or ids.ndim != 2):
+        raise TypeError(f"dispatch_order: expected int expert ids (tokens, k), "
+                        f"got {getattr(ids, 'dtype', ids)!r}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
-        raise IndexError(f"dispatch_order: expert ids {int(ids.min())}..{int(ids.max())} outside 0..{n_experts - 1}")
+        raise IndexError(f"dispatch_order: expert ids {int(ids.min())}..{int(ids.max())} "
+                         f"outside 0..{n_experts - 1}")
     owner = ids.flatten() // (hi - lo)                                              # (tokens*k,)
     return torch.argsort(owner, stable=True), torch.bincount(owner, minlength=world)
 
@@ -161,47 +183,58 @@ def dispatch_codec(dim: int) -> FP8Record:
     return FP8Record('ep_dispatch', dim, 32)
 
 # %% ../nbs/15_distributed.ipynb #36206a23
-def pack_dispatch(x: torch.Tensor,  # (tokens, dim) FFN input
-                  weights: torch.Tensor, ids: torch.Tensor,  # (tokens, k) routing weights and global expert ids
-                  order: torch.Tensor,  # (tokens*k,) from `dispatch_order`
-                  n_local: int,  # experts per rank
-                 ) -> torch.Tensor:
+def pack_dispatch(
+    x: torch.Tensor,  # (tokens, dim) FFN input
+    weights: torch.Tensor, ids: torch.Tensor,  # (tokens, k) routing weights and global expert ids
+    order: torch.Tensor,  # (tokens*k,) from `dispatch_order`
+    n_local: int,  # experts per rank
+) -> torch.Tensor:
     "(tokens*k, dim + dim/32 + 8) uint8 in `order`: the FP8 token row, expert id on its owner, routing weight"
     k = ids.shape[1]
-    if x.ndim != 2 or x.shape[0] != ids.shape[0] or weights.shape != ids.shape or order.shape != (ids.numel(),):
-        raise ValueError(f"pack_dispatch: x {tuple(x.shape)}, weights {tuple(weights.shape)}, ids {tuple(ids.shape)} "
-                         f"and order {tuple(order.shape)} do not describe one batch of (tokens, k) assignments")
-    rows = dispatch_codec(x.shape[1]).pack(x.to(torch.bfloat16))[order // k]       # (tokens*k, dim + dim/32)
+    if (x.ndim != 2 or x.shape[0] != ids.shape[0] or weights.shape != ids.shape
+            or order.shape != (ids.numel(),)):
+        raise ValueError(f"pack_dispatch: x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
+                         f"ids {tuple(ids.shape)} and order {tuple(order.shape)} "
+                         f"do not describe one batch of (tokens, k) assignments")
+    # (tokens*k, dim + dim/32)
+    rows = dispatch_codec(x.shape[1]).pack(x.to(torch.bfloat16))[order // k]
     expert = (ids.flatten()[order] % n_local).to(torch.int32)                     # (tokens*k,)
     weight = weights.flatten()[order].float()                                      # (tokens*k,)
     return torch.cat([rows, _as_bytes(expert[:, None]), _as_bytes(weight[:, None])], -1)
 
 # %% ../nbs/15_distributed.ipynb #f3729ccf
-def unpack_dispatch(records: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_dispatch(
+    records: torch.Tensor,
+    dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Dispatch records -> (xq (n, dim) BF16 FP8-quantised rows, expert (n,) int64 on this rank, weight (n,) fp32)"
     codec = dispatch_codec(dim)
     B = codec.record_bytes
     if not isinstance(records, torch.Tensor) or records.dtype != torch.uint8 or records.ndim != 2 \
             or records.shape[1] != B + DISPATCH_META:
-        got = f"{getattr(records, 'dtype', type(records).__name__)} {tuple(getattr(records, 'shape', ()))}"
-        raise ValueError(f"unpack_dispatch: expected uint8 records (n, {B + DISPATCH_META}), got {got}")
+        got = (f"{getattr(records, 'dtype', type(records).__name__)} "
+               f"{tuple(getattr(records, 'shape', ()))}")
+        raise ValueError(f"unpack_dispatch: expected uint8 records (n, {B + DISPATCH_META}), "
+                         f"got {got}")
     xq = codec.unpack(records[:, :B]).to(torch.bfloat16)
     expert = _bytes_as(records[:, B:B + 4], torch.int32)[:, 0].long()
     return xq, expert, _bytes_as(records[:, B + 4:], torch.float32)[:, 0]
 
 # %% ../nbs/15_distributed.ipynb #f3103aef
-def local_expert_outputs(xq: torch.Tensor,  # (n, dim) BF16 FP8-quantised token rows, one per assignment
-                         expert: torch.Tensor,  # (n,) expert ids on this rank, 0..experts held - 1
-                         weight: torch.Tensor,  # (n,) routing weights
-                         W: MoEWeights,  # this rank's layer (`local_experts`)
-                         swiglu_limit: float) -> torch.Tensor:
+def local_expert_outputs(
+    xq: torch.Tensor,  # (n, dim) BF16 FP8-quantised token rows, one per assignment
+    expert: torch.Tensor,  # (n,) expert ids on this rank, 0..experts held - 1
+    weight: torch.Tensor,  # (n,) routing weights
+    W: MoEWeights,  # this rank's layer (`local_experts`)
+    swiglu_limit: float,
+) -> torch.Tensor:
     "(n, dim) BF16: each row through its expert, the weight applied before the down projection (08's grouped GEMMs)"
     n, held = xq.shape[0], W.w1.shape[0]
     if n == 0: return xq.new_zeros(0, W.dim, dtype=torch.bfloat16)
     shape = moe_launch_shape(n, held)
     align = align_by_expert(expert[:, None], held, shape['block_m'])
-    h = expert_gate_up(xq, W.w1, W.w3, align, weight[:, None], swiglu_limit, shape)      # (n, inter)
-    return expert_down(h, W.w2, align, shape=shape)                                       # (n, dim)
+    h = expert_gate_up(xq, W.w1, W.w3, align, weight[:, None], swiglu_limit, shape)  # (n, inter)
+    return expert_down(h, W.w2, align, shape=shape)                                  # (n, dim)
 
 # %% ../nbs/15_distributed.ipynb #e806f9ba
 def shared_expert(xq: torch.Tensor, W: MoEWeights, swiglu_limit: float) -> torch.Tensor:
@@ -210,7 +243,8 @@ def shared_expert(xq: torch.Tensor, W: MoEWeights, swiglu_limit: float) -> torch
     if T == 0: return xq.new_zeros(0, W.dim, dtype=torch.bfloat16)
     shape = moe_launch_shape(T, 1)
     rows = ExpertAlignment.identity(T, shape['block_m'])
-    h = expert_gate_up(xq, W.shared_w1, W.shared_w3, rows, None, swiglu_limit, shape)      # (tokens, inter)
+    # (tokens, inter)
+    h = expert_gate_up(xq, W.shared_w1, W.shared_w3, rows, None, swiglu_limit, shape)
     return expert_down(h, W.shared_w2, rows, shape=shape)
 
 # %% ../nbs/15_distributed.ipynb #847dd959
@@ -223,11 +257,11 @@ def ep_combine(back: torch.Tensor,  # (tokens*k, dim) BF16 expert outputs in dis
     T, k = ids.shape
     if shared.shape[0] != T or back.shape != (T * k, shared.shape[1]) or order.shape != (T * k,):
         got = f"{tuple(back.shape)}, {tuple(order.shape)}, {tuple(shared.shape)}"
-        raise ValueError(f"ep_combine: expected outputs ({T * k}, dim), order ({T * k},) and shared ({T}, dim) for "
-                         f"ids {tuple(ids.shape)}; got {got}")
+        raise ValueError(f"ep_combine: expected outputs ({T * k}, dim), order ({T * k},) "
+                         f"and shared ({T}, dim) for ids {tuple(ids.shape)}; got {got}")
     parts = torch.empty_like(back)
-    parts[order] = back                                                              # back in (token, slot) order
-    parts = parts.view(T, k, shared.shape[1]).float()                               # (tokens, k, dim)
+    parts[order] = back  # back in (token, slot) order
+    parts = parts.view(T, k, shared.shape[1]).float()  # (tokens, k, dim)
     parts = parts.gather(1, ids.argsort(-1)[..., None].expand_as(parts))            # by expert id
     y = torch.zeros(T, shared.shape[1], device=back.device)
     for j in range(k): y += parts[:, j]
@@ -241,45 +275,52 @@ def ep_moe_simulated(xs: list,  # one (tokens, dim) batch per simulated rank
     shards = [local_experts(W, r, world) for r in range(world)]
     routes = [route_layer(x, W, cfg) for x in xs]
     plans = [dispatch_order(ids, W.n_experts, world) for _, ids in routes]
-    sent = [pack_dispatch(x, w, ids, order, W.n_experts // world).split(counts.tolist())   # sent[s][r]: s -> r
+    # sent[s][r]: s -> r
+    sent = [pack_dispatch(x, w, ids, order, W.n_experts // world).split(counts.tolist())
             for x, (w, ids), (order, counts) in zip(xs, routes, plans)]
-    back = [[None] * world for _ in range(world)]                                    # back[s][r]: r -> s
+    back = [[None] * world for _ in range(world)]  # back[s][r]: r -> s
     for r in range(world):
         got = [sent[s][r] for s in range(world)]
         out = local_expert_outputs(*unpack_dispatch(torch.cat(got), W.dim), shards[r], limit)
         for s, piece in enumerate(out.split([len(p) for p in got])): back[s][r] = piece
-    outs = [ep_combine(torch.cat(back[s]), plans[s][0], routes[s][1], shared_expert(fp8_act_quant(x), W, limit))
+    outs = [ep_combine(torch.cat(back[s]), plans[s][0], routes[s][1],
+                       shared_expert(fp8_act_quant(x), W, limit))
             for s, x in enumerate(xs)]
     return dict(outs=outs, counts=torch.stack([c for _, c in plans]))
 
 # %% ../nbs/15_distributed.ipynb #da8f7781
-def ep_moe_forward(x: torch.Tensor,  # (tokens, dim) this rank's FFN input; 0 tokens is allowed
-                   W: MoEWeights,  # all routed experts, or this rank's slice (`local_experts`)
-                   cfg: ModelConfig,
-                   group=None,  # the expert-parallel process group (default: the world)
-                   token_ids: torch.Tensor | None = None,  # (tokens,) raw ids: image-span tokens take the image bias
-                   info: dict | None = None,  # when given, filled with the routing and the row counts
-                  ) -> torch.Tensor:
+def ep_moe_forward(
+    x: torch.Tensor,  # (tokens, dim) this rank's FFN input; 0 tokens is allowed
+    W: MoEWeights,  # all routed experts, or this rank's slice (`local_experts`)
+    cfg: ModelConfig,
+    group=None,  # the expert-parallel process group (default: the world)
+    token_ids: torch.Tensor | None = None,  # (tokens,) raw ids: image-span tokens take the image bias
+    info: dict | None = None,  # when given, filled with the routing and the row counts
+) -> torch.Tensor:
     "The MoE layer with its experts spread over ranks: route, all-to-all, local experts, all-to-all back, combine"
     rank, world = _group('ep_moe_forward', group)
     W = local_experts(W, rank, world)
-    weights, ids = route_layer(x, W, cfg, token_ids)                                  # (tokens, k) each
+    weights, ids = route_layer(x, W, cfg, token_ids)  # (tokens, k) each
     order, send = dispatch_order(ids, W.n_experts, world)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)                                   # (world,) rows from each
+    dist.all_to_all_single(recv, send, group=group)  # (world,) rows from each
     send_counts, recv_counts = send.tolist(), recv.tolist()
-    records = pack_dispatch(x, weights, ids, order, W.w1.shape[0])                    # (tokens*k, dim + dim/32 + 8)
-    got = exchange(records, send_counts, recv_counts, group)                          # (received, ...)
-    out = local_expert_outputs(*unpack_dispatch(got, W.dim), W, cfg.swiglu_limit)     # (received, dim)
-    back = exchange(out, recv_counts, send_counts, group)                             # (tokens*k, dim)
-    if info is not None: info.update(weights=weights, ids=ids, send_counts=send_counts, recv_counts=recv_counts)
+    records = pack_dispatch(x, weights, ids, order, W.w1.shape[0])  # (tokens*k, dim + dim/32 + 8)
+    got = exchange(records, send_counts, recv_counts, group)  # (received, ...)
+    out = local_expert_outputs(*unpack_dispatch(got, W.dim), W, cfg.swiglu_limit)  # (received, dim)
+    back = exchange(out, recv_counts, send_counts, group)  # (tokens*k, dim)
+    if info is not None:
+        info.update(weights=weights, ids=ids, send_counts=send_counts, recv_counts=recv_counts)
     return ep_combine(back, order, ids, shared_expert(fp8_act_quant(x), W, cfg.swiglu_limit))
 
 # %% ../nbs/15_distributed.ipynb #5f6782b2
 def _moe_to(W: MoEWeights, device) -> MoEWeights:
     "The layer's tensors on `device`"
-    move = lambda v: (v.to(device) if isinstance(v, torch.Tensor) else
-                      QuantWeight(v.codes.to(device), v.scales.to(device), v.fmt) if isinstance(v, QuantWeight) else v)
+    def move(v):
+        if isinstance(v, torch.Tensor): return v.to(device)
+        if isinstance(v, QuantWeight):
+            return QuantWeight(v.codes.to(device), v.scales.to(device), v.fmt)
+        return v
     return MoEWeights(**{f: move(getattr(W, f)) for f in W.__dataclass_fields__})
 
 def ep_moe_job(xs: list, W: MoEWeights, cfg: ModelConfig, kernels: str | None = None) -> dict:
@@ -287,21 +328,26 @@ def ep_moe_job(xs: list, W: MoEWeights, cfg: ModelConfig, kernels: str | None = 
     rank, world = _group('ep_moe_job')
     dev, info = rank_device(), {}
     with use_kernels(kernels):
-        out = ep_moe_forward(xs[rank].to(dev), local_experts(_moe_to(W, dev), rank, world), cfg, info=info)
-    return dict(out=out.cpu(), ids=info['ids'].cpu(), send_counts=info['send_counts'], recv_counts=info['recv_counts'])
+        out = ep_moe_forward(xs[rank].to(dev), local_experts(_moe_to(W, dev), rank, world), cfg,
+                             info=info)
+    return dict(out=out.cpu(), ids=info['ids'].cpu(), send_counts=info['send_counts'],
+                recv_counts=info['recv_counts'])
 
 # %% ../nbs/15_distributed.ipynb #7d156dc3
-def dp_steps(batches: list,  # this rank's batches, one per step; ranks may have different numbers of steps
-             step,  # step(batch) -> output
-             dummy,  # dummy() -> output: an idle rank's share of a step (it must join every collective)
-             device, group=None) -> tuple[list, list]:
+def dp_steps(
+    batches: list,  # this rank's batches, one per step; ranks may have different numbers of steps
+    step,  # step(batch) -> output
+    dummy,  # dummy() -> output: an idle rank's share of a step (it must join every collective)
+    device,
+    group=None,
+) -> tuple[list, list]:
     "Data-parallel steps: all ranks step while any has work, one without runs `dummy`. (an output per step, log)"
     _group('dp_steps', group)
     outs, log = [], []
     while True:
         i = len(log)
         busy = torch.tensor([int(i < len(batches))], device=device)
-        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)                       # does any rank have work?
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX, group=group)  # does any rank have work?
         if not busy.item(): return outs, log
         outs.append(step(batches[i]) if i < len(batches) else dummy())
         log.append(len(batches[i]) if i < len(batches) else 'dummy')
@@ -310,7 +356,8 @@ def dp_moe_steps(batches: list,  # this rank's (tokens, dim) batches, one per st
                  W: MoEWeights, cfg: ModelConfig, group=None) -> tuple[list, list]:
     "`dp_steps` of the MoE layer, the dummy batch empty: (outputs of this rank's batches, log)"
     dev = W.gate.device
-    empty = lambda: ep_moe_forward(torch.zeros(0, W.dim, dtype=torch.bfloat16, device=dev), W, cfg, group)
+    empty = lambda: ep_moe_forward(torch.zeros(0, W.dim, dtype=torch.bfloat16, device=dev),
+                                   W, cfg, group)
     outs, log = dp_steps(batches, lambda x: ep_moe_forward(x, W, cfg, group), empty, dev, group)
     return [y for y, entry in zip(outs, log) if entry != 'dummy'], log
 
@@ -320,7 +367,8 @@ def dp_moe_job(batches: list, W: MoEWeights, cfg: ModelConfig, kernels: str | No
     rank, world = _group('dp_moe_job')
     dev = rank_device()
     with use_kernels(kernels):
-        outs, log = dp_moe_steps([b.to(dev) for b in batches[rank]], local_experts(_moe_to(W, dev), rank, world), cfg)
+        outs, log = dp_moe_steps([b.to(dev) for b in batches[rank]],
+                                 local_experts(_moe_to(W, dev), rank, world), cfg)
     return dict(outs=[o.cpu() for o in outs], log=log)
 
 # %% ../nbs/15_distributed.ipynb #66729fad
@@ -331,7 +379,8 @@ def gather_rows(rows: torch.Tensor,  # (n, ...) this rank's rows; ranks may have
     counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(world)]
     dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device), group=group)
     counts = [int(c) for c in counts]
-    return exchange(rows.repeat(world, *[1] * (rows.ndim - 1)), [rows.shape[0]] * world, counts, group), counts
+    copies = rows.repeat(world, *[1] * (rows.ndim - 1))
+    return exchange(copies, [rows.shape[0]] * world, counts, group), counts
 
 # %% ../nbs/15_distributed.ipynb #fbba11e8
 def check_engram_plan(shard: EngramTable, plan: list, rank: int, world: int):
@@ -339,34 +388,43 @@ def check_engram_plan(shard: EngramTable, plan: list, rank: int, world: int):
     if not isinstance(shard, EngramTable):
         raise TypeError(f"Engram shard: expected an EngramTable, got {type(shard).__name__}")
     if not isinstance(plan, (list, tuple)) or len(plan) != world:
-        raise ValueError(f"Engram plan: it splits the table over {len(plan)} ranks, the group has {world}")
+        raise ValueError(f"Engram plan: it splits the table over {len(plan)} ranks, "
+                         f"the group has {world}")
     c0, c1, r0, r1 = plan[rank]
     if (shard.row_start, shard.row_start + shard.rows) != (r0, r1):
-        raise ValueError(f"Engram plan: rank {rank} holds rows [{shard.row_start}, {shard.row_start + shard.rows}), "
+        raise ValueError(f"Engram plan: rank {rank} holds rows "
+                         f"[{shard.row_start}, {shard.row_start + shard.rows}), "
                          f"the plan gives it [{r0}, {r1})")
 
 # %% ../nbs/15_distributed.ipynb #a088f923
-def sharded_engram_lookup(shard: EngramTable,  # this rank's rows: whole hash heads (`head_shards`)
-                          ids: torch.Tensor,  # (tokens, cols) row ids of this rank's tokens, every head
-                          plan: list,  # head_shards(cfg, world)[layer]: (first col, end col, first row, end row)
-                          group=None) -> torch.Tensor:
+def sharded_engram_lookup(
+    shard: EngramTable,  # this rank's rows: whole hash heads (`head_shards`)
+    ids: torch.Tensor,  # (tokens, cols) row ids of this rank's tokens, every head
+    plan: list,  # head_shards(cfg, world)[layer]: (first col, end col, first row, end row)
+    group=None,
+) -> torch.Tensor:
     "(tokens, cols, head_dim) BF16 rows: each rank looks up its heads for every rank's tokens; FP8 records travel"
     rank, world = _group('sharded_engram_lookup', group)
     check_engram_plan(shard, plan, rank, world)
     cols = plan[-1][1]
-    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.shape[1:] != (cols,):
+    if (not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64)
+            or ids.shape[1:] != (cols,)):
         raise ValueError(f"sharded_engram_lookup: expected int ids (tokens, {cols}), "
-                         f"got {getattr(ids, 'dtype', type(ids).__name__)} {tuple(getattr(ids, 'shape', ()))}")
-    every, counts = gather_rows(ids, group)                                          # (all tokens, cols)
+                         f"got {getattr(ids, 'dtype', type(ids).__name__)} "
+                         f"{tuple(getattr(ids, 'shape', ()))}")
+    every, counts = gather_rows(ids, group)  # (all tokens, cols)
     c0, c1, r0, r1 = plan[rank]
-    local = every[:, c0:c1].long() - r0                                              # (all tokens, my cols)
+    local = every[:, c0:c1].long() - r0  # (all tokens, my cols)
     if local.numel() and (local.min() < 0 or local.max() >= shard.rows):
-        raise ValueError(f"sharded_engram_lookup: a row id of columns {c0}..{c1 - 1} lies outside rows [{r0}, {r1})")
+        raise ValueError(f"sharded_engram_lookup: a row id of columns {c0}..{c1 - 1} "
+                         f"lies outside rows [{r0}, {r1})")
     rec, T = shard.codec.record_bytes, ids.shape[0]
-    widths = [(b - a) * rec for a, b, *_ in plan]                                    # bytes per token from each rank
-    sizes = [T * w for w in widths]                                                  # bytes from each rank
-    back = exchange(shard.records[local].reshape(-1), [n * widths[rank] for n in counts], sizes, group)
-    rows = torch.cat([p.view(T, w // rec, rec) for p, w in zip(back.split(sizes), widths)], 1)   # (tokens, cols, rec)
+    widths = [(b - a) * rec for a, b, *_ in plan]  # bytes per token from each rank
+    sizes = [T * w for w in widths]                # bytes from each rank
+    back = exchange(shard.records[local].reshape(-1), [n * widths[rank] for n in counts],
+                    sizes, group)
+    # (tokens, cols, rec)
+    rows = torch.cat([p.view(T, w // rec, rec) for p, w in zip(back.split(sizes), widths)], 1)
     return shard.codec.unpack(rows).to(torch.bfloat16)
 
 # %% ../nbs/15_distributed.ipynb #576547f4
@@ -376,7 +434,8 @@ def engram_shard_job(ids: list, table: EngramTable, plan: list) -> torch.Tensor:
     dev = rank_device()
     *_, r0, r1 = plan[rank]
     mine = table.shard(r0, r1)
-    return sharded_engram_lookup(EngramTable(mine.records.to(dev), mine.head_dim, r0), ids[rank].to(dev), plan).cpu()
+    local = EngramTable(mine.records.to(dev), mine.head_dim, r0)
+    return sharded_engram_lookup(local, ids[rank].to(dev), plan).cpu()
 
 # %% ../nbs/15_distributed.ipynb #0fc94d01
 class EPMoE(nn.Module):
@@ -386,7 +445,8 @@ class EPMoE(nn.Module):
         super().__init__()
         self.W, self.cfg, self.group, self.info = W, cfg, group, {}
 
-    def extra_repr(self): return f"{self.W.w1.shape[0]} of {self.W.n_experts} routed experts, the shared expert"
+    def extra_repr(self):
+        return f"{self.W.w1.shape[0]} of {self.W.n_experts} routed experts, the shared expert"
 
     def exchange(self, x: torch.Tensor,  # (tokens, dim) FFN input; no tokens on an idle rank
                  image: torch.Tensor | None = None,  # (tokens,) bool: image-span tokens
@@ -404,7 +464,8 @@ class EPMoE(nn.Module):
 # %% ../nbs/15_distributed.ipynb #e0fc3c91
 class ShardedEngram(nn.Module):
     "An Engram module on one rank: `DenseEngram`'s projection and gates, its hash heads' rows of the table"
-    def __init__(self, dense: DenseEngram,  # the whole module, whose table this rank no longer keeps
+    def __init__(self,
+                 dense: DenseEngram,  # the whole module, whose table this rank no longer keeps
                  shard: EngramTable,  # this rank's rows: plan[rank]'s hash heads, FP8 records
                  plan: list, group=None):  # plan: head_shards(cfg, world)[engram layer]
         super().__init__()
@@ -412,17 +473,22 @@ class ShardedEngram(nn.Module):
         self.wkv, self.q_weight, self.k_weight = dense.wkv, dense.q_weight, dense.k_weight
         self.shard, self.plan, self.group = shard, plan, group
 
-    def extra_repr(self): return f"rows [{self.shard.row_start}, {self.shard.row_start + self.shard.rows}) of the table"
+    def extra_repr(self):
+        start = self.shard.row_start
+        return f"rows [{start}, {start + self.shard.rows}) of the table"
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # (tokens, cols) -> (tokens, cols, head_dim) BF16
+    def lookup(self, ids: torch.Tensor
+               ) -> torch.Tensor:  # (tokens, cols) -> (tokens, cols, head_dim) BF16
         return sharded_engram_lookup(self.shard, ids, self.plan, self.group)
 
     def forward(self, h: torch.Tensor, run) -> torch.Tensor:
         "(B, S, hc, dim): the copies h after the gated add, as `DenseEngram.forward`"
         B, S = h.shape[:2]
-        rows = self.lookup(run.hashes[:, :, self.index].flatten(0, 1)).view(B, S, -1)   # (B, S, cols * head_dim)
+        # (B, S, cols * head_dim)
+        rows = self.lookup(run.hashes[:, :, self.index].flatten(0, 1)).view(B, S, -1)
         key, value = self.wkv(rows.to(h.dtype), run.quant).split([self.hc * self.dim, self.dim], -1)
-        gate = engram_gate(h, key.float().unflatten(-1, (self.hc, self.dim)), self.q_weight, self.k_weight, self.eps)
+        gate = engram_gate(h, key.float().unflatten(-1, (self.hc, self.dim)), self.q_weight,
+                           self.k_weight, self.eps)
         return engram_update(h, gate, value, None if run.image_mask is None else ~run.image_mask)
 
 # %% ../nbs/15_distributed.ipynb #afe0ebc3
@@ -431,9 +497,11 @@ def shard_model_(model: Transformer, group=None) -> Transformer:
     rank, world = _group('shard_model_', group)
     if not isinstance(model, Transformer):
         raise TypeError(f"shard_model_: expected a Transformer, got {type(model).__name__}")
-    if any(isinstance(l.ffn, EPMoE) for l in model.layers): raise ValueError("shard_model_: the model is already sharded")
+    if any(isinstance(l.ffn, EPMoE) for l in model.layers):
+        raise ValueError("shard_model_: the model is already sharded")
     if not model.quant:
-        raise ValueError("shard_model_: Engram rows travel as FP8 records (the quantised path); set model.quant = True")
+        raise ValueError("shard_model_: Engram rows travel as FP8 records (the quantised path); "
+                         "set model.quant = True")
     cfg = model.cfg
     plans = head_shards(cfg, world) if cfg.engram_layer_ids else []
     for layer in model.layers:
@@ -441,18 +509,21 @@ def shard_model_(model: Transformer, group=None) -> Transformer:
         if layer.engram is not None:
             plan = plans[layer.engram.index]
             *_, r0, r1 = plan[rank]
-            shard = EngramTable.from_values(layer.engram.embed.weight.detach()[r0:r1], r0)   # whole heads' rows
+            # whole heads' rows
+            shard = EngramTable.from_values(layer.engram.embed.weight.detach()[r0:r1], r0)
             layer.engram = ShardedEngram(layer.engram, shard, plan, group)
     return model
 
 def dummy_step(model: Transformer) -> dict:
     "An idle rank's share of a step: each layer's Engram lookup and MoE with no tokens. {'routes': each MoE's `info`}"
-    if not isinstance(model, Transformer) or not all(isinstance(l.ffn, EPMoE) for l in model.layers):
+    if (not isinstance(model, Transformer)
+            or not all(isinstance(l.ffn, EPMoE) for l in model.layers)):
         raise ValueError("dummy_step: expected a sharded model (`shard_model_`)")
     dev, routes = model.embed.weight.device, []
-    for layer in model.layers:                                            # the collectives of a step, in order
+    for layer in model.layers:  # the collectives of a step, in order
         if layer.engram is not None:
-            layer.engram.lookup(torch.zeros(0, layer.engram.plan[-1][1], dtype=torch.int64, device=dev))
+            layer.engram.lookup(torch.zeros(0, layer.engram.plan[-1][1], dtype=torch.int64,
+                                            device=dev))
         layer.ffn.exchange(torch.zeros(0, model.cfg.dim, dtype=torch.bfloat16, device=dev))
         routes.append(layer.ffn.info)
     return dict(routes=routes)
@@ -461,8 +532,10 @@ def dummy_step(model: Transformer) -> dict:
 def step_trace(model: Transformer, ids: torch.Tensor) -> dict:
     "`model(ids)`, whole or sharded, traced: {'logits': (B, S, vocab), 'routes': each layer's routing}"
     trace = dict(routes=[])
-    def record(m, inputs, out): trace['routes'].append(m.info if isinstance(m, EPMoE) else dict(ids=out[1]))
-    hooks = [(l.ffn if isinstance(l.ffn, EPMoE) else l.ffn.gate).register_forward_hook(record) for l in model.layers]
+    def record(m, inputs, out):
+        trace['routes'].append(m.info if isinstance(m, EPMoE) else dict(ids=out[1]))
+    hooks = [(l.ffn if isinstance(l.ffn, EPMoE) else l.ffn.gate).register_forward_hook(record)
+             for l in model.layers]
     try:
         with torch.no_grad(): trace['logits'] = model(ids)
     finally:
@@ -475,8 +548,8 @@ def dp_model_job(model: Transformer, requests: list, kernels: str | None = 'torc
     rank, dev = _group('dp_model_job')[0], rank_device()
     model = shard_model_(model.to(dev))
     with use_kernels(kernels):
-        steps, log = dp_steps([ids.to(dev) for ids in requests[rank]], lambda ids: step_trace(model, ids),
-                              lambda: dummy_step(model), dev)
+        steps, log = dp_steps([ids.to(dev) for ids in requests[rank]],
+                              lambda ids: step_trace(model, ids), lambda: dummy_step(model), dev)
     return dict(steps=steps, log=log)                     # `run_ranks` loads them onto the CPU
 
 # %% ../nbs/15_distributed.ipynb #1db9f561
@@ -487,10 +560,12 @@ def ep_traffic(cfg: ModelConfig, world: int, batch: int) -> dict:
     per, remote = hi - lo, (world - 1) / world
     check_int('ep_traffic', 'batch', batch, 0)
     out_row, back_row = dispatch_codec(D).record_bytes + DISPATCH_META, 2 * D
-    hit = 1 - math.comb(E - per, k) / math.comb(E, k)                 # a given rank owns >= 1 of a token's experts
-    touched = per * float(expert_touch_fraction(world * batch, k, E))  # every rank's tokens reach every rank
+    hit = 1 - math.comb(E - per, k) / math.comb(E, k)  # a given rank owns >= 1 of a token's experts
+    # every rank's tokens reach every rank
+    touched = per * float(expert_touch_fraction(world * batch, k, E))
     return dict(world=world, batch=batch, dispatch_bytes=L * batch * k * remote * out_row,
                 combine_bytes=L * batch * k * remote * back_row,
-                once_per_rank_bytes=L * batch * (world - 1) * hit * (out_row - DISPATCH_META + back_row),
+                once_per_rank_bytes=(L * batch * (world - 1) * hit
+                                     * (out_row - DISPATCH_META + back_row)),
                 remote_ranks_per_token=(world - 1) * hit, experts_held=per, experts_touched=touched,
                 expert_bytes=L * touched * expert_params(cfg) * (0.5 + 1 / 32))

@@ -31,37 +31,48 @@ def _need(ok: bool, msg: str, exc=ValueError):
     if not ok: raise exc(msg)
 
 class Drafter:
-    "DSpark's drafter on a target `Transformer`: the `mtp.*` blocks, with the target's embedding and LM head"
-    def __init__(self, model: Transformer):  # the target; the drafter's weights are its `mtp.*` blocks
-        _need(isinstance(model, Transformer), f"Drafter: expected a Transformer, got {type(model).__name__}", TypeError)
+    ("DSpark's drafter on a target `Transformer`: "
+     "the `mtp.*` blocks, with the target's embedding and LM head")
+    def __init__(self,
+                 model: Transformer):  # the target; the drafter's weights are its `mtp.*` blocks
+        _need(isinstance(model, Transformer),
+              f"Drafter: expected a Transformer, got {type(model).__name__}", TypeError)
         cfg = model.cfg
         _need(cfg.n_mtp_layers > 0 and len(cfg.dspark_target_layer_ids) > 0,
-              f"Drafter: n_mtp_layers = {cfg.n_mtp_layers}, dspark_target_layer_ids = {cfg.dspark_target_layer_ids}; "
+              f"Drafter: n_mtp_layers = {cfg.n_mtp_layers}, "
+              f"dspark_target_layer_ids = {cfg.dspark_target_layer_ids}; "
               "DSpark needs drafter blocks and target layers")
         self.model, self.cfg, self.blocks = model, cfg, model.mtp
-        self.block_size, self.window, self.noise = cfg.dspark_block_size, cfg.window_size, cfg.dspark_noise_token_id
+        self.block_size, self.window, self.noise = (cfg.dspark_block_size, cfg.window_size,
+                                                    cfg.dspark_noise_token_id)
         self.hidden_dim = cfg.dim * len(cfg.dspark_target_layer_ids)
 
     def parameters(self): return self.blocks.parameters()
     def __repr__(self):
-        return (f"Drafter({len(self.blocks)} blocks, block of {self.block_size}, window {self.window}, "
-                f"input {self.hidden_dim} -> {self.cfg.dim})")
+        return (f"Drafter({len(self.blocks)} blocks, block of {self.block_size}, "
+                f"window {self.window}, input {self.hidden_dim} -> {self.cfg.dim})")
 
 # %% ../nbs/14_dspark.ipynb #07bd7dd5
 @patch
-def context(self: Drafter, hidden: torch.Tensor,  # (..., S, taps * dim) streams entering the target's tap layers
-           ) -> torch.Tensor:                     # (..., S, dim)
-    "main_norm(main_proj(hidden)): the drafter's view of each context position, source of every drafter layer's window KV"
-    _need(isinstance(hidden, torch.Tensor) and hidden.ndim >= 2 and hidden.shape[-1] == self.hidden_dim,
-          f"context: expected hidden states (..., S, {self.hidden_dim}), got {tuple(getattr(hidden, 'shape', ()))}")
+def context(self: Drafter,
+            hidden: torch.Tensor,  # (..., S, taps * dim) streams entering the target's tap layers
+           ) -> torch.Tensor:      # (..., S, dim)
+    ("main_norm(main_proj(hidden)): the drafter's view of each context position, "
+     "source of every drafter layer's window KV")
+    ok = (isinstance(hidden, torch.Tensor) and hidden.ndim >= 2
+          and hidden.shape[-1] == self.hidden_dim)
+    _need(ok, f"context: expected hidden states (..., S, {self.hidden_dim}), "
+              f"got {tuple(getattr(hidden, 'shape', ()))}")
     b0 = self.blocks[0]
     return b0.main_norm(b0.main_proj(hidden, self.model.quant))
 
 # %% ../nbs/14_dspark.ipynb #9572279b
-def window_positions(last: torch.Tensor,  # (N,) int64 newest context position of each draft (-1: no context yet)
-                     window: int,         # context positions a drafter layer sees
-                    ) -> tuple:           # positions (N, window) clamped to >= 0, valid (N, window) bool
-    "The `window` context positions ending at `last`, oldest first; slots before position 0 are invalid"
+def window_positions(
+    last: torch.Tensor,  # (N,) int64 newest context position of each draft (-1: no context yet)
+    window: int,         # context positions a drafter layer sees
+) -> tuple:              # positions (N, window) clamped to >= 0, valid (N, window) bool
+    ("The `window` context positions ending at `last`, oldest first; "
+     "slots before position 0 are invalid")
     pos = last[:, None] - (window - 1) + torch.arange(window, device=last.device)
     return pos.clamp(min=0), pos >= 0
 
@@ -72,52 +83,60 @@ def _rope_rows(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple:
 
 # %% ../nbs/14_dspark.ipynb #13b2bfc3
 @patch
-def attend(self: Drafter, attn,         # a drafter block's `Attention` (its weights)
-           y: torch.Tensor,              # (N, B, dim) the block's normalised stream
-           main_x: torch.Tensor,         # (N, W, dim) `context` at the window positions
-           blk_rope: tuple, ctx_rope: tuple,  # (cos, sin) at the block (N, B) and window (N, W) positions
-           valid: torch.Tensor,          # (N, W) bool: window slots that hold a context position
-          ) -> torch.Tensor:             # (N, B, dim)
-    "One drafter layer's attention: block queries over the window KV (from the context) and the whole block"
+def attend(
+    self: Drafter, attn,               # a drafter block's `Attention` (its weights)
+    y: torch.Tensor,                   # (N, B, dim) the block's normalised stream
+    main_x: torch.Tensor,              # (N, W, dim) `context` at the window positions
+    blk_rope: tuple, ctx_rope: tuple,  # (cos, sin) at the block (N, B) and window (N, W) positions
+    valid: torch.Tensor,               # (N, W) bool: window slots that hold a context position
+) -> torch.Tensor:                     # (N, B, dim)
+    ("One drafter layer's attention: "
+     "block queries over the window KV (from the context) and the whole block")
     quant, (N, B) = self.model.quant, y.shape[:2]
-    q = attn.wq_b(attn.q_norm(attn.wq_a(y, quant)), quant).unflatten(-1, (attn.n_heads, attn.head_dim))  # (N, B, H, D)
+    q = attn.wq_b(attn.q_norm(attn.wq_a(y, quant)), quant)
+    q = q.unflatten(-1, (attn.n_heads, attn.head_dim))  # (N, B, H, D)
     q = apply_rope(q, blk_rope[0][:, :, None], blk_rope[1][:, :, None])
     kv = lambda x, cs: apply_rope(attn.kv_norm(attn.wkv(x, quant)), *cs)
-    keys = torch.cat([kv(main_x, ctx_rope), kv(y, blk_rope)], 1)                        # (N, W + B, D)
+    keys = torch.cat([kv(main_x, ctx_rope), kv(y, blk_rope)], 1)  # (N, W + B, D)
     keys = act_qdq(keys) if quant else keys
-    allowed = torch.cat([valid[:, None, :].expand(N, B, -1), valid.new_ones(N, B, B)], 2)   # (N, B, W + B)
-    o = dense_attention(q, keys, allowed, attn.attn_sink, attn.scale)                   # (N, B, H, D)
+    # (N, B, W + B)
+    allowed = torch.cat([valid[:, None, :].expand(N, B, -1), valid.new_ones(N, B, B)], 2)
+    o = dense_attention(q, keys, allowed, attn.attn_sink, attn.scale)  # (N, B, H, D)
     o = apply_rope(o, blk_rope[0][:, :, None], blk_rope[1][:, :, None], inverse=True)
-    o = o.flatten(2).unflatten(2, (attn.n_groups, -1))                                  # (N, B, G, H*D/G)
+    o = o.flatten(2).unflatten(2, (attn.n_groups, -1))  # (N, B, G, H*D/G)
     wo_a = attn.wo_a.grid_weight() if quant else attn.wo_a.weight
     o = torch.einsum('bsgi,gri->bsgr', o, wo_a.to(o.dtype).unflatten(0, (attn.n_groups, -1)))
     return attn.wo_b(o.flatten(2), quant)
 
 # %% ../nbs/14_dspark.ipynb #ab9188df
 @patch
-def trunk(self: Drafter,
-          main_x: torch.Tensor,   # (N, W, dim) `context` at each draft's window positions
-          ctx_pos: torch.Tensor,  # (N, W) int64 those positions (the newest last)
-          valid: torch.Tensor,    # (N, W) bool: window slots holding a context position
-          tokens: torch.Tensor,   # (N,) int64 the newest known token of each draft, at position ctx_pos[:, -1] + 1
-         ) -> torch.Tensor:       # (N, B, dim) the collapsed stream at every block slot, before the final norm
+def trunk(
+    self: Drafter,
+    main_x: torch.Tensor,   # (N, W, dim) `context` at each draft's window positions
+    ctx_pos: torch.Tensor,  # (N, W) int64 those positions (the newest last)
+    valid: torch.Tensor,    # (N, W) bool: window slots holding a context position
+    # (N,) int64 the newest known token of each draft, at position ctx_pos[:, -1] + 1
+    tokens: torch.Tensor,
+) -> torch.Tensor:  # (N, B, dim) the collapsed stream at every block slot, before the final norm
     "The drafter blocks over one block per draft: the known token, then noise tokens"
     cfg, (N, W), B = self.cfg, ctx_pos.shape, self.block_size
     _need(main_x.shape == (N, W, cfg.dim) and valid.shape == (N, W) and tokens.shape == (N,),
-          f"trunk: main_x {tuple(main_x.shape)}, valid {tuple(valid.shape)}, tokens {tuple(tokens.shape)} do not fit "
-          f"positions {(N, W)} and dim {cfg.dim}")
+          f"trunk: main_x {tuple(main_x.shape)}, valid {tuple(valid.shape)}, "
+          f"tokens {tuple(tokens.shape)} do not fit positions {(N, W)} and dim {cfg.dim}")
     ids = torch.full((N, B), self.noise, dtype=torch.int64, device=tokens.device)
     ids[:, 0] = tokens
     pos = ctx_pos[:, -1:] + 1 + torch.arange(B, device=tokens.device)                   # (N, B)
     inv = layer_inv_freq(cfg, 0)
     blk_rope, ctx_rope = _rope_rows(inv, pos), _rope_rows(inv, ctx_pos)
-    h, pre = hc_expand(F.embedding(ids, self.model.embed.weight).flatten(0, 1).to(main_x.dtype), cfg.hc_mult)
-    run = DenseRun(cfg, pos.flatten(), self.model.quant)                                # what the MoE reads
+    h, pre = hc_expand(F.embedding(ids, self.model.embed.weight).flatten(0, 1).to(main_x.dtype),
+                       cfg.hc_mult)
+    run = DenseRun(cfg, pos.flatten(), self.model.quant)  # what the MoE reads
     for blk in self.blocks:
         for sub, norm in (('attn', blk.attn_norm), ('ffn', blk.ffn_norm)):
-            nxt, post, comb = blk.coefficients(h, sub)                                  # (N*B, hc), (N*B, hc), (N*B, hc, hc)
+            nxt, post, comb = blk.coefficients(h, sub)  # (N*B, hc), (N*B, hc), (N*B, hc, hc)
             y = _rms_norm(hc_pre(h, pre), norm.weight, cfg.norm_eps).view(N, B, -1)
-            f = self.attend(blk.attn, y, main_x, blk_rope, ctx_rope, valid) if sub == 'attn' else blk.ffn(y, run)
+            f = (self.attend(blk.attn, y, main_x, blk_rope, ctx_rope, valid) if sub == 'attn'
+                 else blk.ffn(y, run))
             h, pre = hc_post(f.flatten(0, 1), h, post, comb), nxt
     return hc_pre(h, pre).view(N, B, -1)
 
@@ -130,24 +149,30 @@ def base_logits(self: Drafter, x: torch.Tensor) -> torch.Tensor:
 
 @patch
 def markov(self: Drafter, prev: torch.Tensor) -> tuple:
-    "(logit bias (..., vocab) fp32, embedding (..., rank)) of the previous token ids `prev`: W2(W1[prev])"
+    ("(logit bias (..., vocab) fp32, embedding (..., rank)) "
+     "of the previous token ids `prev`: W2(W1[prev])")
     mh = self.blocks[-1].markov_head
     e = F.embedding(prev, mh.embed.weight)
     return F.linear(e.float(), mh.head.weight.float()), e
 
 @patch
 def confidence(self: Drafter, x: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
-    "(N, B) fp32 acceptance logits: one linear map of [stream (N, B, dim), Markov embedding (N, B, rank)]"
+    ("(N, B) fp32 acceptance logits: "
+     "one linear map of [stream (N, B, dim), Markov embedding (N, B, rank)]")
     w = self.blocks[-1].confidence_head.proj.weight
-    return F.linear(torch.cat([x, markov_embed.to(x.dtype)], -1).float(), w.float()).squeeze(-1)
+    return F.linear(torch.cat([x, markov_embed.to(x.dtype)], -1).float(),
+                    w.float()).squeeze(-1)
 
 # %% ../nbs/14_dspark.ipynb #fef107a1
 @torch.no_grad()
 def reference_draft(drafter: Drafter, hidden: torch.Tensor, token: int) -> tuple:
-    "(greedy drafts (B,), logits (B, vocab)) of one request: context `hidden` (n, taps*dim), newest token `token` (a test oracle)"
+    ("(greedy drafts (B,), logits (B, vocab)) of one request: "
+     "context `hidden` (n, taps*dim), newest token `token` (a test oracle)")
     n, W = hidden.shape[0], drafter.window
-    pos = torch.arange(max(0, n - W), n, device=hidden.device)[None]                    # (1, <= W) exactly the window
-    x = drafter.trunk(drafter.context(hidden[pos[0]])[None], pos, torch.ones_like(pos, dtype=torch.bool),
+    # (1, <= W) exactly the window
+    pos = torch.arange(max(0, n - W), n, device=hidden.device)[None]
+    x = drafter.trunk(drafter.context(hidden[pos[0]])[None], pos,
+                      torch.ones_like(pos, dtype=torch.bool),
                       torch.tensor([token], device=hidden.device))
     base, out, logits = drafter.base_logits(x)[0], [token], []
     for i in range(drafter.block_size):
@@ -172,7 +197,7 @@ class Draft:
     @property
     def accept_probs(self) -> torch.Tensor: return torch.sigmoid(self.confidence)   # (N, B)
     @property
-    def probs(self) -> torch.Tensor:    # (N, B, vocab) the distribution each draft was drawn from (one-hot when greedy)
+    def probs(self) -> torch.Tensor:  # (N, B, vocab) the distribution each draft was drawn from (one-hot when greedy)
         if self.temperature == 0: return F.one_hot(self.tokens, self.logits.shape[-1]).float()
         return torch.softmax(self.logits / self.temperature, -1)
 
@@ -181,28 +206,32 @@ class Draft:
 def draft(self: Drafter, main_x, ctx_pos, valid, tokens,   # as `trunk`
           temperature: float = 0.0, generator=None) -> Draft:
     "A block of drafts per request: one trunk pass, then the Markov head slot by slot"
-    _need(isinstance(temperature, (int, float)) and temperature >= 0, f"draft: temperature = {temperature!r}; expected >= 0")
+    _need(isinstance(temperature, (int, float)) and temperature >= 0,
+          f"draft: temperature = {temperature!r}; expected >= 0")
     x = self.trunk(main_x, ctx_pos, valid, tokens)
-    base = self.base_logits(x)                                                          # (N, B, vocab)
+    base = self.base_logits(x)  # (N, B, vocab)
     prev, out, logits, embeds = tokens, [], [], []
     for i in range(self.block_size):
         bias, e = self.markov(prev)
         logits.append(base[:, i] + bias); embeds.append(e)
         prev = sample_tokens(logits[-1], temperature, generator); out.append(prev)
-    return Draft(torch.stack(out, 1), torch.stack(logits, 1), self.confidence(x, torch.stack(embeds, 1)), temperature)
+    return Draft(torch.stack(out, 1), torch.stack(logits, 1),
+                 self.confidence(x, torch.stack(embeds, 1)), temperature)
 
 @patch
 def windows(self: Drafter, main_x: torch.Tensor, last: torch.Tensor) -> tuple:
-    "(main_x (N, W, dim), positions, valid) from one sequence's `context` (S, dim), for drafts whose newest context is `last` (N,)"
+    ("(main_x (N, W, dim), positions, valid) from one sequence's `context` (S, dim), "
+     "for drafts whose newest context is `last` (N,)")
     pos, valid = window_positions(last, self.window)
     return main_x[pos], pos, valid
 
 # %% ../nbs/14_dspark.ipynb #22d29cd2
 @patch
 def teacher_forced(self: Drafter, main_x, ctx_pos, valid, tokens,  # as `trunk`
-                   labels: torch.Tensor,                            # (N, B) the tokens each slot should produce
-                  ) -> tuple:                                       # logits (N, B, vocab), confidence logits (N, B)
-    "Every slot at once, the Markov head fed the labels: slot i's bias comes from label i - 1 (the known token for slot 0)"
+                   labels: torch.Tensor,  # (N, B) the tokens each slot should produce
+                  ) -> tuple:             # logits (N, B, vocab), confidence logits (N, B)
+    ("Every slot at once, the Markov head fed the labels: "
+     "slot i's bias comes from label i - 1 (the known token for slot 0)")
     x = self.trunk(main_x, ctx_pos, valid, tokens)
     bias, e = self.markov(torch.cat([tokens[:, None], labels[:, :-1]], 1))
     return self.base_logits(x) + bias, self.confidence(x, e)
@@ -214,37 +243,47 @@ def reference_accept_greedy(drafts: list, target: list) -> int:
     while n < len(drafts) and drafts[n] == target[n]: n += 1
     return n
 
-def accept_greedy(drafts: torch.Tensor,  # (N, k) int64 drafted ids
-                  target: torch.Tensor,  # (N, k + 1) int64 the target's argmax after the newest token and after each draft
-                 ) -> torch.Tensor:      # (N,) drafts accepted
+def accept_greedy(
+    drafts: torch.Tensor,  # (N, k) int64 drafted ids
+    # (N, k + 1) int64 the target's argmax after the newest token and after each draft
+    target: torch.Tensor,
+) -> torch.Tensor:         # (N,) drafts accepted
     "Length of the prefix on which the drafts equal the target's greedy choices"
     _need(drafts.ndim == 2 and target.shape == (drafts.shape[0], drafts.shape[1] + 1),
-          f"accept_greedy: drafts {tuple(drafts.shape)} and target {tuple(target.shape)}; expected (N, k) and (N, k + 1)")
+          f"accept_greedy: drafts {tuple(drafts.shape)} and target {tuple(target.shape)}; "
+          "expected (N, k) and (N, k + 1)")
     return (drafts == target[:, :-1]).long().cumprod(1).sum(1)
 
 # %% ../nbs/14_dspark.ipynb #03f78ed0
 def _inverse_cdf(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    "The token of each row of probs (N, V) at uniform v (N,): the first whose cumulative mass reaches v × the total"
+    ("The token of each row of probs (N, V) at uniform v (N,): "
+     "the first whose cumulative mass reaches v × the total")
     c = probs.cumsum(-1)
-    return torch.searchsorted(c, (v * c[:, -1])[:, None]).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    return (torch.searchsorted(c, (v * c[:, -1])[:, None]).squeeze(1)
+            .clamp(max=probs.shape[-1] - 1))
 
-def reference_accept_sampled(drafts: list, q: torch.Tensor, p: torch.Tensor, u: list, v: float) -> tuple:
-    "(accepted, next token) of one request: drafts (k,), q (k, V), p (k + 1, V), uniforms u (k,), v (a test oracle)"
+def reference_accept_sampled(drafts: list, q: torch.Tensor, p: torch.Tensor, u: list,
+                             v: float) -> tuple:
+    ("(accepted, next token) of one request: "
+     "drafts (k,), q (k, V), p (k + 1, V), uniforms u (k,), v (a test oracle)")
     for i, d in enumerate(drafts):
-        if u[i] * q[i, d] < p[i, d]: continue                                # accepted: u < p / q
+        if u[i] * q[i, d] < p[i, d]: continue  # accepted: u < p / q
         resid = (p[i] - q[i]).clamp(min=0)
-        return i, int(_inverse_cdf((resid if resid.sum() > 0 else p[i])[None], torch.tensor([v]))[0])
+        dist = resid if resid.sum() > 0 else p[i]
+        return i, int(_inverse_cdf(dist[None], torch.tensor([v]))[0])
     return len(drafts), int(_inverse_cdf(p[len(drafts)][None], torch.tensor([v]))[0])
 
 # %% ../nbs/14_dspark.ipynb #8f3756f0
-def accept_sampled(drafts: torch.Tensor,  # (N, k) int64 drafted ids
-                   q: torch.Tensor,       # (N, k, V) the distributions the drafts were drawn from
-                   p: torch.Tensor,       # (N, k + 1, V) the target's distribution at each verified row
-                   generator=None,
-                   u: torch.Tensor | None = None,  # (N, k) uniforms of the accept tests (drawn when None)
-                   v: torch.Tensor | None = None,  # (N,) uniforms of the final draw (drawn when None)
-                  ) -> tuple:                      # accepted (N,), the step's last token (N,)
-    "Speculative sampling: accept draft i with probability min(1, p/q); at the first rejection draw from norm(max(0, p - q))"
+def accept_sampled(
+    drafts: torch.Tensor,           # (N, k) int64 drafted ids
+    q: torch.Tensor,                # (N, k, V) the distributions the drafts were drawn from
+    p: torch.Tensor,                # (N, k + 1, V) the target's distribution at each verified row
+    generator=None,
+    u: torch.Tensor | None = None,  # (N, k) uniforms of the accept tests (drawn when None)
+    v: torch.Tensor | None = None,  # (N,) uniforms of the final draw (drawn when None)
+) -> tuple:                         # accepted (N,), the step's last token (N,)
+    ("Speculative sampling: accept draft i with probability min(1, p/q); "
+     "at the first rejection draw from norm(max(0, p - q))")
     N, k = drafts.shape
     _need(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
           f"accept_sampled: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, p {tuple(p.shape)}; "
@@ -252,31 +291,35 @@ def accept_sampled(drafts: torch.Tensor,  # (N, k) int64 drafted ids
     dev = generator.device if generator is not None else drafts.device
     if u is None: u = torch.rand(N, k, generator=generator, device=dev).to(drafts.device)
     if v is None: v = torch.rand(N, generator=generator, device=dev).to(drafts.device)
-    pd, qd = (t[:, :k].gather(-1, drafts[..., None]).squeeze(-1) for t in (p, q))      # (N, k)
-    n = (u * qd < pd).long().cumprod(1).sum(1)                                          # (N,) accepted
+    pd, qd = (t[:, :k].gather(-1, drafts[..., None]).squeeze(-1) for t in (p, q))  # (N, k)
+    n = (u * qd < pd).long().cumprod(1).sum(1)  # (N,) accepted
     rows = torch.arange(N, device=drafts.device)
-    pn, qn = p[rows, n], torch.cat([q, q.new_zeros(N, 1, q.shape[2])], 1)[rows, n]     # q = 0 on the bonus row
+    # q = 0 on the bonus row
+    pn, qn = p[rows, n], torch.cat([q, q.new_zeros(N, 1, q.shape[2])], 1)[rows, n]
     resid = (pn - qn).clamp(min=0)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)                    # p == q: nothing to correct
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)  # p == q: nothing to correct
     return n, _inverse_cdf(resid, v)
 
 # %% ../nbs/14_dspark.ipynb #f6bfe278
 def prefix_survival(a: torch.Tensor) -> torch.Tensor:
     "(..., B): S_k = a_1 ⋯ a_k, the probability that the first k drafts are all accepted"
     _need(isinstance(a, torch.Tensor) and a.ndim >= 1 and bool(((a >= 0) & (a <= 1)).all()),
-          f"acceptance probabilities must be a tensor (..., B) of values in [0, 1], got {a if not isinstance(a, torch.Tensor) else tuple(a.shape)}")
+          f"acceptance probabilities must be a tensor (..., B) of values in [0, 1], "
+          f"got {a if not isinstance(a, torch.Tensor) else tuple(a.shape)}")
     return a.cumprod(-1)
 
 def expected_accepted(a: torch.Tensor) -> torch.Tensor:
     "(..., B + 1): E(k) = S_1 + … + S_k for k = 0 … B (E(0) = 0)"
     return F.pad(prefix_survival(a).cumsum(-1), (1, 0))
 
-def best_verify_length(a: torch.Tensor,     # (B,) per-slot acceptance probabilities of one request
-                       cost: torch.Tensor,  # (B + 1,) seconds of its step when verifying k = 0 … B drafts
-                      ) -> int:
+def best_verify_length(
+    a: torch.Tensor,     # (B,) per-slot acceptance probabilities of one request
+    cost: torch.Tensor,  # (B + 1,) seconds of its step when verifying k = 0 … B drafts
+) -> int:
     "The k maximising (E(k) + 1) / c(k)"
     _need(a.ndim == 1 and cost.shape == (a.shape[0] + 1,) and bool((cost > 0).all()),
-          f"best_verify_length: a {tuple(a.shape)} and cost {tuple(cost.shape)}; expected (B,) and (B + 1,) positive")
+          f"best_verify_length: a {tuple(a.shape)} and cost {tuple(cost.shape)}; "
+          "expected (B,) and (B + 1,) positive")
     return int(((expected_accepted(a) + 1) / cost).argmax())
 
 # %% ../nbs/14_dspark.ipynb #a198c32e
@@ -286,30 +329,37 @@ def roofline_step_cost(cfg: ModelConfig,  # the model (usually `full`)
                        ranks: int = 8,    # GPUs: attention data-parallel, experts split evenly
                        fixed: float = 0.0,  # seconds every step pays regardless of size
                       ):
-    "c(T): seconds of a decode step carrying T tokens per GPU: fixed + max(bytes read / bandwidth, FLOPs / flops)"
-    _need(isinstance(flops, (int, float)) and flops > 0, f"roofline_step_cost: flops = {flops!r}; expected > 0")
-    _need(isinstance(fixed, (int, float)) and fixed >= 0, f"roofline_step_cost: fixed = {fixed!r}; expected >= 0")
+    ("c(T): seconds of a decode step carrying T tokens per GPU: "
+     "fixed + max(bytes read / bandwidth, FLOPs / flops)")
+    _need(isinstance(flops, (int, float)) and flops > 0,
+          f"roofline_step_cost: flops = {flops!r}; expected > 0")
+    _need(isinstance(fixed, (int, float)) and fixed >= 0,
+          f"roofline_step_cost: fixed = {fixed!r}; expected >= 0")
     check_int('roofline_step_cost', 'ranks', ranks, 1)
     two_n = 2 * active_params_per_token(cfg, 'decode')['total']
     def cost(T) -> torch.Tensor:
         T = torch.as_tensor(T, dtype=torch.int64)
         _need(bool((T >= 1).all()), f"step cost: token counts must be >= 1, got {T.min().item()}")
-        mem = torch.tensor([decode_floor(cfg, hw, int(t) * ranks, ranks)['seconds'] for t in T.flatten().tolist()])
+        mem = torch.tensor([decode_floor(cfg, hw, int(t) * ranks, ranks)['seconds']
+                            for t in T.flatten().tolist()])
         return fixed + torch.maximum(mem.view(T.shape).double(), two_n * T.double() / flops)
     return cost
 
 # %% ../nbs/14_dspark.ipynb #0122b584
-def choose_verify_lengths(a: torch.Tensor,  # (N, B) acceptance probabilities of every request's slots
-                          step_cost,        # c(T): seconds of a step verifying T tokens in all, on an int64 tensor of T
-                         ) -> torch.Tensor:  # (N,) int64 drafts to verify per request
-    "Drafts per request maximising the step's expected tokens per second, (N + Σ E_r(k_r)) / c(N + Σ k_r)"
+def choose_verify_lengths(
+    a: torch.Tensor,  # (N, B) acceptance probabilities of every request's slots
+    step_cost,        # c(T): seconds of a step verifying T tokens in all, on an int64 tensor of T
+) -> torch.Tensor:    # (N,) int64 drafts to verify per request
+    ("Drafts per request maximising the step's expected tokens per second, "
+     "(N + Σ E_r(k_r)) / c(N + Σ k_r)")
     _need(a.ndim == 2, f"choose_verify_lengths: a must be (requests, block), got {tuple(a.shape)}")
     N, B = a.shape
     S = prefix_survival(a).flatten().cpu()
-    order = S.argsort(descending=True, stable=True)                                    # ties: earlier request, earlier slot
-    gain = F.pad(S[order].cumsum(0), (1, 0)).double()                                   # (N*B + 1,) with the m best
+    order = S.argsort(descending=True, stable=True)  # ties: earlier request, earlier slot
+    gain = F.pad(S[order].cumsum(0), (1, 0)).double()  # (N*B + 1,) with the m best
     cost = torch.as_tensor(step_cost(N + torch.arange(N * B + 1)), dtype=torch.double)
-    _need(cost.shape == gain.shape and bool((cost > 0).all()), "choose_verify_lengths: step_cost must give positive seconds per T")
+    _need(cost.shape == gain.shape and bool((cost > 0).all()),
+          "choose_verify_lengths: step_cost must give positive seconds per T")
     k = torch.zeros(N * B, dtype=torch.int64)
     k[order[:int(((N + gain) / cost).argmax())]] = 1
     return k.view(N, B).sum(1)
@@ -318,36 +368,49 @@ def brute_force_verify_lengths(a: torch.Tensor, step_cost) -> torch.Tensor:
     "The best k vector by trying all (B + 1)^N of them (a test oracle)"
     N, B = a.shape
     E = expected_accepted(a).double()
-    best = max(itertools.product(range(B + 1), repeat=N),
-               key=lambda ks: float((N + sum(E[r, k] for r, k in enumerate(ks))) / step_cost(torch.tensor(N + sum(ks)))))
+    def value(ks):
+        gain = N + sum(E[r, k] for r, k in enumerate(ks))
+        return float(gain / step_cost(torch.tensor(N + sum(ks))))
+    best = max(itertools.product(range(B + 1), repeat=N), key=value)
     return torch.tensor(best)
 
 # %% ../nbs/14_dspark.ipynb #6423e23a
 class DSparkProposer:
-    "The scheduler's `Proposer` drafting with DSpark: up to `num_speculative_tokens` per request, fixed or adaptive"
-    def __init__(self, drafter: Drafter,
-                 num_speculative_tokens: int | None = None,  # most drafts per request (default: the block size)
-                 adaptive: bool = False,          # choose k per request from the confidence head and `step_cost`
-                 step_cost=None,                  # c(T): seconds of a step verifying T tokens in all (adaptive only)
-                 hidden_fn=None,                  # token ids (n,) -> drafter input (n, taps*dim) (default: the target's forward)
-                 temperature: float = 0.0,        # 0: greedy drafts
-                 max_model_len: int | None = None,  # never draft past this many tokens
-                 generator=None):
-        _need(isinstance(drafter, Drafter), f"DSparkProposer: expected a Drafter, got {type(drafter).__name__}", TypeError)
+    ("The scheduler's `Proposer` drafting with DSpark: "
+     "up to `num_speculative_tokens` per request, fixed or adaptive")
+    def __init__(
+        self, drafter: Drafter,
+        # most drafts per request (default: the block size)
+        num_speculative_tokens: int | None = None,
+        adaptive: bool = False,  # choose k per request from the confidence head and `step_cost`
+        step_cost=None,  # c(T): seconds of a step verifying T tokens in all (adaptive only)
+        # token ids (n,) -> drafter input (n, taps*dim) (default: the target's forward)
+        hidden_fn=None,
+        temperature: float = 0.0,  # 0: greedy drafts
+        max_model_len: int | None = None,  # never draft past this many tokens
+        generator=None):
+        _need(isinstance(drafter, Drafter),
+              f"DSparkProposer: expected a Drafter, got {type(drafter).__name__}", TypeError)
         k = drafter.block_size if num_speculative_tokens is None else num_speculative_tokens
         _need(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= drafter.block_size,
-              f"DSparkProposer: num_speculative_tokens = {k!r}; expected 1..{drafter.block_size} (the block size)")
-        _need(not adaptive or callable(step_cost), "DSparkProposer: adaptive verification needs a step_cost c(T), a callable")
-        _need(isinstance(temperature, (int, float)) and temperature >= 0, f"DSparkProposer: temperature = {temperature!r}; expected >= 0")
-        self.drafter, self.num_speculative_tokens, self.adaptive, self.step_cost = drafter, k, adaptive, step_cost
-        self.hidden_fn, self.temperature, self.max_model_len, self.generator = hidden_fn, temperature, max_model_len, generator
+              f"DSparkProposer: num_speculative_tokens = {k!r}; "
+              f"expected 1..{drafter.block_size} (the block size)")
+        _need(not adaptive or callable(step_cost),
+              "DSparkProposer: adaptive verification needs a step_cost c(T), a callable")
+        _need(isinstance(temperature, (int, float)) and temperature >= 0,
+              f"DSparkProposer: temperature = {temperature!r}; expected >= 0")
+        self.drafter, self.num_speculative_tokens = drafter, k
+        self.adaptive, self.step_cost = adaptive, step_cost
+        self.hidden_fn, self.temperature = hidden_fn, temperature
+        self.max_model_len, self.generator = max_model_len, generator
         self.last_draft = None    # the newest `Draft`, for statistics
 
     def _target_hidden(self, ids: list) -> list:
-        "(n_i, taps*dim) drafter input at every position of each ids_i (n_i,): `hidden_fn`, or one right-padded target forward"
+        ("(n_i, taps*dim) drafter input at every position of each ids_i (n_i,): "
+         "`hidden_fn`, or one right-padded target forward")
         if self.hidden_fn is not None: return [self.hidden_fn(t) for t in ids]
         L = max(len(t) for t in ids)
-        x = torch.stack([F.pad(t, (0, L - len(t))) for t in ids])                        # causal: padding is never seen
+        x = torch.stack([F.pad(t, (0, L - len(t))) for t in ids])  # causal: padding is never seen
         h = self.drafter.model(x, return_hidden=True)[1]
         return [h[i, :len(t)] for i, t in enumerate(ids)]
 
@@ -359,37 +422,50 @@ def _contexts(self: DSparkProposer, ids: list, hidden) -> torch.Tensor:
     if hidden is None:
         ctx = [i for i, t in enumerate(ids) if len(t) > 1]
         hidden = [None] * len(ids)
-        for i, h in zip(ctx, self._target_hidden([ids[i][:-1] for i in ctx]) if ctx else []): hidden[i] = h
+        for i, h in zip(ctx, self._target_hidden([ids[i][:-1] for i in ctx]) if ctx else []):
+            hidden[i] = h
     out = []
     for i, t in enumerate(ids):
         n, h = len(t) - 1, hidden[i]
         _need(h is None or (isinstance(h, torch.Tensor) and h.shape == (n, d.hidden_dim)),
-              f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; expected ({n}, {d.hidden_dim})")
-        mx = d.context(h[-d.window:]) if n else torch.zeros(0, d.cfg.dim, device=dev, dtype=d.model.embed.weight.dtype)
+              f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; "
+              f"expected ({n}, {d.hidden_dim})")
+        mx = (d.context(h[-d.window:]) if n
+              else torch.zeros(0, d.cfg.dim, device=dev, dtype=d.model.embed.weight.dtype))
         out.append(F.pad(mx, (0, 0, d.window - len(mx), 0)))
     return torch.stack(out)
 
 # %% ../nbs/14_dspark.ipynb #ec9ff375
 @patch
 @torch.no_grad()
-def propose_with_probs(self: DSparkProposer, requests: Sequence[Sequence[int]],  # each request's tokens so far
-                       hidden: Sequence[torch.Tensor] | None = None,  # per request (n - 1, taps*dim) drafter input, if known
-                      ) -> tuple:   # drafts (list per request), their draft distributions (list of (k, vocab))
-    "Drafts per request and the distributions they were drawn from (what probabilistic verification needs)"
+def propose_with_probs(
+    self: DSparkProposer, requests: Sequence[Sequence[int]],  # each request's tokens so far
+    # per request (n - 1, taps*dim) drafter input, if known
+    hidden: Sequence[torch.Tensor] | None = None,
+) -> tuple:  # drafts (list per request), their draft distributions (list of (k, vocab))
+    ("Drafts per request and the distributions they were drawn from "
+     "(what probabilistic verification needs)")
     d, dev = self.drafter, self.drafter.model.embed.weight.device
-    _need(hidden is None or len(hidden) == len(requests), f"propose: {len(hidden or ())} hidden tensors for {len(requests)} requests")
+    _need(hidden is None or len(hidden) == len(requests),
+          f"propose: {len(hidden or ())} hidden tensors for {len(requests)} requests")
     if not len(requests): return [], []
     ids = [torch.as_tensor(np.asarray(r, dtype=np.int64), device=dev) for r in requests]
     _need(all(len(t) > 0 for t in ids), "propose: every request needs at least one token")
     V = d.cfg.vocab_size
-    _need(all(int(t.min()) >= 0 and int(t.max()) < V for t in ids), f"propose: token ids must be in 0..{V - 1}")
-    pos, valid = window_positions(torch.tensor([len(t) - 2 for t in ids], device=dev), d.window)
-    dr = d.draft(self._contexts(ids, hidden), pos, valid, torch.stack([t[-1] for t in ids]), self.temperature, self.generator)
+    _need(all(int(t.min()) >= 0 and int(t.max()) < V for t in ids),
+          f"propose: token ids must be in 0..{V - 1}")
+    pos, valid = window_positions(torch.tensor([len(t) - 2 for t in ids], device=dev),
+                                  d.window)
+    dr = d.draft(self._contexts(ids, hidden), pos, valid, torch.stack([t[-1] for t in ids]),
+                 self.temperature, self.generator)
     k = torch.full((len(ids),), self.num_speculative_tokens)
-    if self.adaptive: k = torch.minimum(k, choose_verify_lengths(dr.accept_probs, self.step_cost))
-    if self.max_model_len is not None: k = torch.minimum(k, torch.tensor([max(0, self.max_model_len - len(t)) for t in ids]))
+    if self.adaptive:
+        k = torch.minimum(k, choose_verify_lengths(dr.accept_probs, self.step_cost))
+    if self.max_model_len is not None:
+        k = torch.minimum(k, torch.tensor([max(0, self.max_model_len - len(t)) for t in ids]))
     self.last_draft, probs = dr, dr.probs
-    return [dr.tokens[i, :int(k[i])].tolist() for i in range(len(ids))], [probs[i, :int(k[i])] for i in range(len(ids))]
+    return ([dr.tokens[i, :int(k[i])].tolist() for i in range(len(ids))],
+            [probs[i, :int(k[i])] for i in range(len(ids))])
 
 @patch
 def propose(self: DSparkProposer, requests: Sequence[Sequence[int]], hidden=None) -> list:
@@ -407,7 +483,8 @@ class SpecStats:
     request_steps: int = 0  # (request, step) pairs that verified
     target_s: float = 0.0   # seconds in the target's forwards
     draft_s: float = 0.0    # seconds in the proposer
-    slot_tried: list = field(default_factory=list)  # per slot: times it was verified with every slot before it accepted
+    # per slot: times it was verified with every slot before it accepted
+    slot_tried: list = field(default_factory=list)
     slot_ok: list = field(default_factory=list)     # per slot: times it was accepted
     def add(self, k: int, a: int, emitted: int):
         "Count one request's step: k drafts verified, a accepted"
@@ -417,7 +494,8 @@ class SpecStats:
         for i in range(min(a + 1, k)): self.slot_tried[i] += 1
         for i in range(a): self.slot_ok[i] += 1
     @property
-    def slot_acceptance(self) -> list: return [o / t if t else float('nan') for o, t in zip(self.slot_ok, self.slot_tried)]
+    def slot_acceptance(self) -> list:
+        return [o / t if t else float('nan') for o, t in zip(self.slot_ok, self.slot_tried)]
     def __repr__(self):
         return (f"SpecStats({self.steps} steps, {self.accepted}/{self.drafted} drafts accepted, "
                 f"{self.emitted / max(1, self.request_steps):.2f} tokens per request-step)")
@@ -429,74 +507,93 @@ def _verify_rows(logits: torch.Tensor, drafts: list, q, temperature: float, gene
         tgt = logits.argmax(-1)[None]
         a = int(accept_greedy(d, tgt)[0])
         return a, int(tgt[0, a])
-    p = torch.softmax(logits.float() / temperature, -1)[None]                            # (1, k + 1, V)
+    p = torch.softmax(logits.float() / temperature, -1)[None]  # (1, k + 1, V)
     q = p.new_zeros(1, 0, p.shape[-1]) if q is None or not len(drafts) else q[None].to(p)
     a, nxt = accept_sampled(d, q, p, generator)
     return int(a[0]), int(nxt[0])
 
 # %% ../nbs/14_dspark.ipynb #681344fd
 @torch.no_grad()
-def speculative_generate(model: Transformer, prompts: Sequence[Sequence[int]],  # non-empty lists of token ids
-                         n: int,                    # tokens to add to every prompt
-                         proposer=None,             # a `DSparkProposer` (None: one token per step)
-                         temperature: float = 0.0,  # 0: greedy; else rejection sampling against softmax(logits / T)
-                         generator=None, stats: SpecStats | None = None) -> list:
-    "Every prompt followed by `n` tokens; each step the target verifies every live request's drafts in one forward"
+def speculative_generate(
+    model: Transformer, prompts: Sequence[Sequence[int]],  # non-empty lists of token ids
+    n: int,                    # tokens to add to every prompt
+    proposer=None,             # a `DSparkProposer` (None: one token per step)
+    temperature: float = 0.0,  # 0: greedy; else rejection sampling against softmax(logits / T)
+    generator=None, stats: SpecStats | None = None) -> list:
+    ("Every prompt followed by `n` tokens; "
+     "each step the target verifies every live request's drafts in one forward")
     check_int('speculative_generate', 'n', n, 0)
-    _need(isinstance(temperature, (int, float)) and temperature >= 0, f"speculative_generate: temperature = {temperature!r}; expected >= 0")
-    _need(len(prompts) > 0 and all(len(p) > 0 for p in prompts), "speculative_generate: expected non-empty prompts")
+    _need(isinstance(temperature, (int, float)) and temperature >= 0,
+          f"speculative_generate: temperature = {temperature!r}; expected >= 0")
+    _need(len(prompts) > 0 and all(len(p) > 0 for p in prompts),
+          "speculative_generate: expected non-empty prompts")
     dev, st = model.embed.weight.device, stats if stats is not None else SpecStats()
     seqs, V = [[int(t) for t in p] for p in prompts], model.cfg.vocab_size
     bad = [t for p in seqs for t in p if not 0 <= t < V]
-    _need(not bad, f"speculative_generate: token id {bad[:1]} is outside the vocabulary 0..{V - 1}")
+    _need(not bad,
+          f"speculative_generate: token id {bad[:1]} is outside the vocabulary 0..{V - 1}")
     want, drafts, qs = [len(s) + n for s in seqs], [[] for _ in seqs], [None] * len(seqs)
     while live := [i for i, s in enumerate(seqs) if len(s) < want[i]]:
         rows = [seqs[i] + drafts[i] for i in live]
-        x = torch.tensor([r + [0] * (max(map(len, rows)) - len(r)) for r in rows], device=dev)   # right padding
-        t0 = time.perf_counter(); logits, hidden = model(x, return_hidden=True); st.target_s += time.perf_counter() - t0
+        # right padding
+        x = torch.tensor([r + [0] * (max(map(len, rows)) - len(r)) for r in rows], device=dev)
+        t0 = time.perf_counter(); logits, hidden = model(x, return_hidden=True)
+        st.target_s += time.perf_counter() - t0
         st.steps += 1
         for j, i in enumerate(live):
             s0, k = len(seqs[i]), len(drafts[i])
-            a, nxt = _verify_rows(logits[j, s0 - 1:s0 + k], drafts[i], qs[i], temperature, generator)
+            a, nxt = _verify_rows(logits[j, s0 - 1:s0 + k], drafts[i], qs[i], temperature,
+                                  generator)
             seqs[i] += (drafts[i][:a] + [nxt])[:want[i] - s0]
             st.add(k, a, len(seqs[i]) - s0)
         drafts = [[] for _ in seqs]
-        todo = [(j, i) for j, i in enumerate(live) if len(seqs[i]) < want[i] - 1] if proposer is not None else []
+        todo = ([(j, i) for j, i in enumerate(live) if len(seqs[i]) < want[i] - 1]
+                if proposer is not None else [])
         if not todo: continue
         t0 = time.perf_counter()
-        got, q = proposer.propose_with_probs([seqs[i] for _, i in todo], [hidden[j, :len(seqs[i]) - 1] for j, i in todo])
+        got, q = proposer.propose_with_probs([seqs[i] for _, i in todo],
+                                             [hidden[j, :len(seqs[i]) - 1] for j, i in todo])
         st.draft_s += time.perf_counter() - t0
-        for (j, i), gi, qi in zip(todo, got, q): drafts[i] = gi[:want[i] - len(seqs[i]) - 1]; qs[i] = qi[:len(drafts[i])]
+        for (j, i), gi, qi in zip(todo, got, q):
+            drafts[i] = gi[:want[i] - len(seqs[i]) - 1]; qs[i] = qi[:len(drafts[i])]
     return seqs
 
 # %% ../nbs/14_dspark.ipynb #d73c8928
 @torch.no_grad()
-def greedy_training_data(model: Transformer, prompts: torch.Tensor,  # (R, P) int64 prompts of equal length
-                         n: int) -> tuple:                          # tokens generated per prompt
-    "(sequences (R, P + n), the drafter's input at every position (R, P + n, taps*dim)): the target's own greedy output"
+def greedy_training_data(model: Transformer,
+                         prompts: torch.Tensor,  # (R, P) int64 prompts of equal length
+                         n: int) -> tuple:       # tokens generated per prompt
+    ("(sequences (R, P + n), the drafter's input at every position (R, P + n, taps*dim)): "
+     "the target's own greedy output")
     check_int('greedy_training_data', 'n', n, model.cfg.dspark_block_size + 2)
     x = model.check_ids(prompts)
     for _ in range(n): x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], 1)
     return x, model(x, return_hidden=True)[1]
 
 def drafter_anchors(rows: int, seq_len: int, prompt_len: int, block: int) -> torch.Tensor:
-    "(A, 2) int64 (row, newest context position p) of every anchor whose labels p + 2 … p + 1 + block are generated"
-    _need(seq_len - 1 - block > max(prompt_len - 2, 0), f"drafter_anchors: sequences of {seq_len} tokens after a {prompt_len}-token prompt hold no full block of {block}")
+    ("(A, 2) int64 (row, newest context position p) of every anchor "
+     "whose labels p + 2 … p + 1 + block are generated")
+    _need(seq_len - 1 - block > max(prompt_len - 2, 0),
+          f"drafter_anchors: sequences of {seq_len} tokens after a {prompt_len}-token prompt "
+          f"hold no full block of {block}")
     p = torch.arange(max(prompt_len - 2, 0), seq_len - 1 - block)
-    return torch.stack(torch.broadcast_tensors(torch.arange(rows)[:, None], p[None]), -1).flatten(0, 1)
+    grid = torch.broadcast_tensors(torch.arange(rows)[:, None], p[None])
+    return torch.stack(grid, -1).flatten(0, 1)
 
 # %% ../nbs/14_dspark.ipynb #235aafa5
-def drafter_loss(drafter: Drafter, hidden: torch.Tensor, seqs: torch.Tensor,  # from `greedy_training_data`
-                 anchors: torch.Tensor,                                        # (A, 2) from `drafter_anchors`
-                ) -> tuple:                                                    # loss, dict of statistics
-    "Cross-entropy of every slot against the target's greedy tokens + BCE of the confidence head on slot hits"
+def drafter_loss(
+    drafter: Drafter, hidden: torch.Tensor, seqs: torch.Tensor,  # from `greedy_training_data`
+    anchors: torch.Tensor,                                        # (A, 2) from `drafter_anchors`
+) -> tuple:                                                       # loss, dict of statistics
+    ("Cross-entropy of every slot against the target's greedy tokens "
+     "+ BCE of the confidence head on slot hits")
     r, p, B = anchors[:, 0], anchors[:, 1], drafter.block_size
     pos, valid = window_positions(p, drafter.window)
     x = drafter.trunk(drafter.context(hidden[r[:, None], pos]), pos, valid, seqs[r, p + 1])
-    labels = seqs[r[:, None], p[:, None] + 2 + torch.arange(B, device=seqs.device)]     # (A, B)
+    labels = seqs[r[:, None], p[:, None] + 2 + torch.arange(B, device=seqs.device)]  # (A, B)
     bias, e = drafter.markov(torch.cat([seqs[r, p + 1][:, None], labels[:, :-1]], 1))
     logits = drafter.base_logits(x) + bias
-    hit = (logits.argmax(-1) == labels).float()                                        # (A, B)
+    hit = (logits.argmax(-1) == labels).float()  # (A, B)
     conf = drafter.confidence(x.detach(), e.detach())
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     bce = F.binary_cross_entropy_with_logits(conf, hit)
@@ -505,32 +602,39 @@ def drafter_loss(drafter: Drafter, hidden: torch.Tensor, seqs: torch.Tensor,  # 
     return ce + bce, stats
 
 # %% ../nbs/14_dspark.ipynb #24283b74
-def train_drafter(drafter: Drafter, hidden: torch.Tensor, seqs: torch.Tensor, anchors: torch.Tensor,  # as `drafter_loss`
-                  steps: int, lr: float = 1e-3,
-                  batch_size: int | None = None,  # anchors per step (None: all of them)
-                  gamma: float = 0.0,             # router-bias balancing speed (0: off)
-                  seconds: float | None = None,   # stop early after this long
-                  log_every: int = 0, log=print, generator=None) -> list:
+def train_drafter(
+    # as `drafter_loss`
+    drafter: Drafter, hidden: torch.Tensor, seqs: torch.Tensor, anchors: torch.Tensor,
+    steps: int, lr: float = 1e-3,
+    batch_size: int | None = None,  # anchors per step (None: all of them)
+    gamma: float = 0.0,             # router-bias balancing speed (0: off)
+    seconds: float | None = None,   # stop early after this long
+    log_every: int = 0, log=print, generator=None) -> list:
     "Train the drafter with the target frozen; returns the statistics of every step"
     check_int('train_drafter', 'steps', steps, 1)
     for p in drafter.model.parameters(): p.requires_grad_(False)
     conf = list(drafter.blocks[-1].confidence_head.parameters())
     rest = [p for p in drafter.parameters() if all(p is not c for c in conf)]
-    opt = torch.optim.AdamW([dict(params=rest, lr=lr), dict(params=conf, lr=10 * lr)], lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW([dict(params=rest, lr=lr), dict(params=conf, lr=10 * lr)], lr=lr,
+                            weight_decay=0.0)
     load, hist, t0 = ExpertLoad(drafter.blocks) if gamma else None, [], time.perf_counter()
     try:
         for p in drafter.parameters(): p.requires_grad_(True)
         for step in range(steps):
-            for grp, scale in zip(opt.param_groups, (1, 10)): grp['lr'] = scale * lr_at(step, steps, lr, min(100, steps // 10))
+            for grp, scale in zip(opt.param_groups, (1, 10)):
+                grp['lr'] = scale * lr_at(step, steps, lr, min(100, steps // 10))
             dev = generator.device if generator is not None else anchors.device
-            pick = anchors if batch_size is None or batch_size >= len(anchors) else \
-                anchors[torch.randint(len(anchors), (batch_size,), generator=generator, device=dev).to(anchors.device)]
+            if batch_size is None or batch_size >= len(anchors): pick = anchors
+            else:
+                draw = torch.randint(len(anchors), (batch_size,), generator=generator, device=dev)
+                pick = anchors[draw.to(anchors.device)]
             loss, st = drafter_loss(drafter, hidden, seqs, pick.to(seqs.device))
             opt.zero_grad(set_to_none=True); loss.backward(); opt.step()
             if load is not None: load.balance(gamma)
             hist.append(dict(step=step, seconds=time.perf_counter() - t0, **st))
             if log_every and (step % log_every == 0 or step == steps - 1):
-                log(f"step {step:4d}: CE {st['ce']:.3f}  BCE {st['bce']:.3f}  drafts accepted per block {st['accepted']:.2f}")
+                log(f"step {step:4d}: CE {st['ce']:.3f}  BCE {st['bce']:.3f}  "
+                    f"drafts accepted per block {st['accepted']:.2f}")
             if seconds is not None and time.perf_counter() - t0 > seconds: break
     finally:
         for p in drafter.parameters(): p.requires_grad_(False)
@@ -545,14 +649,15 @@ def drafter_state(drafter: Drafter) -> dict:
 def save_drafter(drafter: Drafter, path, metadata: dict | None = None):
     "Write the drafter's `mtp.*` master weights to a safetensors file"
     from safetensors.torch import save_file
-    save_file({k: v.detach().contiguous().cpu() for k, v in drafter_state(drafter).items()}, str(path),
-              metadata={k: str(v) for k, v in (metadata or {}).items()})
+    save_file({k: v.detach().contiguous().cpu() for k, v in drafter_state(drafter).items()},
+              str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
 
 def load_drafter(drafter: Drafter, path) -> Drafter:
     "Load `save_drafter`'s file into the drafter's model; names and shapes must match its config"
     from safetensors.torch import load_file
     got, want = load_file(str(path)), drafter_state(drafter)
-    bad = sorted(set(got) ^ set(want)) + [k for k in got.keys() & want.keys() if got[k].shape != want[k].shape]
+    bad = (sorted(set(got) ^ set(want))
+           + [k for k in got.keys() & want.keys() if got[k].shape != want[k].shape])
     _need(not bad, f"load_drafter: {path} does not fit this model's drafter: {bad[:4]}")
     with torch.no_grad():
         for k, v in want.items(): v.copy_(got[k])
@@ -560,9 +665,11 @@ def load_drafter(drafter: Drafter, path) -> Drafter:
 
 # %% ../nbs/14_dspark.ipynb #57d09a46
 def set_successor_markov(drafter: Drafter, vocab: int, scale: float = 50.0):
-    "Make the Markov head predict token t + 1 (mod vocab) after token t (a test fixture: the toy model's usual rule)"
+    ("Make the Markov head predict token t + 1 (mod vocab) after token t "
+     "(a test fixture: the toy model's usual rule)")
     mh, ang = drafter.blocks[-1].markov_head, 2 * math.pi * torch.arange(vocab) / vocab
     with torch.no_grad():
         mh.embed.weight.zero_(); mh.head.weight.zero_()
         mh.embed.weight[:vocab, 0], mh.embed.weight[:vocab, 1] = ang.cos(), ang.sin()
-        mh.head.weight[:vocab, 0], mh.head.weight[:vocab, 1] = scale * (ang - ang[1]).cos(), scale * (ang - ang[1]).sin()
+        mh.head.weight[:vocab, 0], mh.head.weight[:vocab, 1] = (scale * (ang - ang[1]).cos(),
+                                                                scale * (ang - ang[1]).sin())

@@ -18,8 +18,8 @@ from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
 from .dispatch import BACKENDS, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
 from .kv_manager import SlotMappings
-from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, ModelRunnerOutput,
-                                PLACEHOLDER)
+from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
+                                ModelRunnerOutput, PLACEHOLDER)
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model
@@ -45,78 +45,109 @@ class InputBatch:
     slot_mappings: SlotMappings  # where each row writes, per cache kind (PAD where it must not)
     logits_indices: torch.Tensor  # (N,) int64 rows whose next-token logits are sampled, ascending
     decoder_rows: torch.Tensor  # (rows,) int64 rows that run the decoder layers
-    num_cached_tokens: torch.Tensor  # (R,) int32 prefix-hit length: rows below it only rebuild window caches
-    new_request_ids: set = field(default_factory=set)  # (re)started this step: forget what is kept under their ids
-    prefix_token_ids: dict = field(default_factory=dict)  # request id -> ids before its first row, for a (re)start past 0
-    token_fill: list = field(default_factory=list)  # (row, tensor, index): rows whose id is tensor[index], still on the device
-    resolved_token_ids: dict = field(default_factory=dict)  # request id -> {position: id} of rows filled from the device before
+    # (R,) int32 prefix-hit length: rows below it only rebuild window caches
+    num_cached_tokens: torch.Tensor
+    # (re)started this step: forget what is kept under their ids
+    new_request_ids: set = field(default_factory=set)
+    # request id -> ids before its first row, for a (re)start past 0
+    prefix_token_ids: dict = field(default_factory=dict)
+    # (row, tensor, index): rows whose id is tensor[index], still on the device
+    token_fill: list = field(default_factory=list)
+    # request id -> {position: id} of rows filled from the device before
+    resolved_token_ids: dict = field(default_factory=dict)
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
     "The dense reference path behind the step interface: each sampled request's whole sequence re-run, no cache read"
     supports_cuda_graphs = False
     def __init__(self, model: Transformer):
-        if not isinstance(model, Transformer): raise TypeError(f"RecomputeModel: expected a Transformer, got {type(model).__name__}")
-        self.model, self.history, self.device = model, {}, model.embed.weight.device     # history: request id -> its ids
-    def release(self, request_ids): self.history = {k: v for k, v in self.history.items() if k not in request_ids}
+        if not isinstance(model, Transformer):
+            raise TypeError(f"RecomputeModel: expected a Transformer, got {type(model).__name__}")
+        # history: request id -> its ids
+        self.model, self.history, self.device = model, {}, model.embed.weight.device
+    def release(self, request_ids):
+        self.history = {k: v for k, v in self.history.items() if k not in request_ids}
 
 @patch
 @torch.no_grad()
 def forward(self: RecomputeModel, batch: InputBatch) -> torch.Tensor:
     "(N, vocab) fp32 logits of the batch's logits rows"
-    qsl, pos, ids, want = (t.tolist() for t in (batch.query_start_loc, batch.positions, batch.token_ids, batch.logits_indices))
+    qsl, pos, ids, want = (t.tolist() for t in (batch.query_start_loc, batch.positions,
+                                                batch.token_ids, batch.logits_indices))
     out, j = [], 0
     for i, rid in enumerate(batch.request_ids):
         a, b = qsl[i], qsl[i + 1]
-        if rid in batch.new_request_ids: self.history[rid] = list(batch.prefix_token_ids.get(rid, ()))
+        if rid in batch.new_request_ids:
+            self.history[rid] = list(batch.prefix_token_ids.get(rid, ()))
         hist = self.history.get(rid)
         if hist is None or len(hist) < pos[a]:
-            raise RuntimeError(f"request {rid!r}: rows start at position {pos[a]} but {len(hist or ())} earlier tokens are known")
+            raise RuntimeError(f"request {rid!r}: rows start at position {pos[a]} "
+                               f"but {len(hist or ())} earlier tokens are known")
         del hist[pos[a]:]; hist.extend(ids[a:b])
         rows = []
         while j < len(want) and want[j] < b: rows.append(pos[want[j]]); j += 1
-        if rows: out.append(self.model(torch.tensor([hist[:rows[-1] + 1]], device=self.device))[0, rows].float())
-    if j != len(want): raise ValueError(f"logits_indices {want} are not ascending rows inside the batch's {len(ids)} rows")
+        if rows:
+            context = torch.tensor([hist[:rows[-1] + 1]], device=self.device)
+            out.append(self.model(context)[0, rows].float())
+    if j != len(want):
+        raise ValueError(f"logits_indices {want} are not ascending rows inside "
+                         f"the batch's {len(ids)} rows")
     return torch.cat(out) if out else torch.zeros(0, self.model.cfg.vocab_size, device=self.device)
 
 # %% ../nbs/13_engine.ipynb #3ea389bb
 class ModelRunner:
-    "SchedulerOutput -> InputBatch -> model -> sampled and verified tokens -> next drafts (vLLM's GPUModelRunner, one device)"
-    def __init__(self, model, # forward(InputBatch) -> logits, release(request ids)
-                 kv_cache_config: KVCacheConfig, # the layout the scheduler's cache uses
-                 proposer: Proposer | None = None, # drafts for the next step (synchronous scheduling)
-                 seed: int = 0, # the engine's generator, for unseeded random requests
-                 device=None, # where the batch goes (default: the CPU)
-                 kernels: str | None = None): # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
+    ("SchedulerOutput -> InputBatch -> model -> sampled and verified tokens -> next drafts "
+     "(vLLM's GPUModelRunner, one device)")
+    def __init__(
+        self,
+        model, # forward(InputBatch) -> logits, release(request ids)
+        kv_cache_config: KVCacheConfig, # the layout the scheduler's cache uses
+        proposer: Proposer | None = None, # drafts for the next step (synchronous scheduling)
+        seed: int = 0, # the engine's generator, for unseeded random requests
+        device=None, # where the batch goes (default: the CPU)
+        # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
+        kernels: str | None = None,
+    ):
         if not all(callable(getattr(model, f, None)) for f in ('forward', 'release')):
-            raise TypeError(f"ModelRunner: the model needs forward(batch) and release(ids); got {type(model).__name__}")
-        if not isinstance(kv_cache_config, KVCacheConfig): raise TypeError(f"ModelRunner: expected a KVCacheConfig, got {kv_cache_config!r}")
+            raise TypeError(f"ModelRunner: the model needs forward(batch) and release(ids); "
+                            f"got {type(model).__name__}")
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise TypeError(f"ModelRunner: expected a KVCacheConfig, got {kv_cache_config!r}")
         self.model, self.kv_cache_config, self.proposer = model, kv_cache_config, proposer
         self.vocab_size, self.device = kv_cache_config.vocab_size, torch.device(device or 'cpu')
-        self.generator = torch.Generator(self.device).manual_seed(check_int('ModelRunner', 'seed', seed, 0))
+        self.generator = torch.Generator(self.device).manual_seed(
+            check_int('ModelRunner', 'seed', seed, 0))
         self.requests, self.generators, self.kernels, self.filled_rows = {}, {}, kernels, 0
 
 @patch
 def _start(self: ModelRunner, sr) -> SimpleNamespace:
-    "(Re)start what the runner keeps of a request: every id it knows (prompt, outputs, its newest sampled one), how it samples"
-    if (seed := sr.request.sampling_params.seed) is not None and sr.request_id not in self.generators:
+    ("(Re)start what the runner keeps of a request: every id it knows "
+     "(prompt, outputs, its newest sampled one), how it samples")
+    if ((seed := sr.request.sampling_params.seed) is not None
+            and sr.request_id not in self.generators):
         self.generators[sr.request_id] = torch.Generator(self.device).manual_seed(seed)
     r = sr.request
-    self.requests[sr.request_id] = st = SimpleNamespace(tokens=list(r.all_token_ids), params=r.sampling_params,
-                                                        num_prompt_tokens=r.num_prompt_tokens, eos=r.eos_token_id,
-                                                        pending=None, filled=[])   # (tensor, index) of its newest id, not back yet
+    self.requests[sr.request_id] = st = SimpleNamespace(
+        tokens=list(r.all_token_ids), params=r.sampling_params,
+        num_prompt_tokens=r.num_prompt_tokens, eos=r.eos_token_id,
+        pending=None, filled=[])   # (tensor, index) of its newest id, not back yet
     return st
 
 @patch
 def _rows(self: ModelRunner, sr, st: SimpleNamespace) -> tuple:
-    "(ids of a request's rows: its own tokens where they are known, then the drafts; the row whose id is still on the device)"
+    ("(ids of a request's rows: its own tokens where they are known, then the drafts; "
+     "the row whose id is still on the device)")
     n, d = sr.num_tokens, sr.num_draft_tokens
     known, drafts, late = st.tokens[sr.start:sr.start + n - d], list(sr.token_ids[n - d:]), None
-    if st.pending is not None and n > d and len(st.tokens) == sr.start + n - d - 1:   # its newest id: sampled, not back yet
+    # its newest id: sampled, not back yet
+    if st.pending is not None and n > d and len(st.tokens) == sr.start + n - d - 1:
         late, known = n - d - 1, known + [0]
     if len(known) != n - d or any(t != PLACEHOLDER and t != k for t, k in zip(sr.token_ids, known)):
-        raise RuntimeError(f"request {sr.request_id!r}: rows from position {sr.start} disagree with the runner's {len(st.tokens)} tokens")
-    if PLACEHOLDER in drafts: raise RuntimeError(f"request {sr.request_id!r}: draft rows whose drafts this runner never made")
+        raise RuntimeError(f"request {sr.request_id!r}: rows from position {sr.start} "
+                           f"disagree with the runner's {len(st.tokens)} tokens")
+    if PLACEHOLDER in drafts:
+        raise RuntimeError(f"request {sr.request_id!r}: "
+                           f"draft rows whose drafts this runner never made")
     return known + drafts, late
 
 # %% ../nbs/13_engine.ipynb #82fbbbed
@@ -126,28 +157,45 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
     ids, new, prefix, plan, logits_rows, row, fill, resolved = [], set(), {}, [], [], 0, [], {}
     for sr in so.requests:
         st = self._start(sr) if sr.new else self.requests.get(sr.request_id)
-        if st is None: raise RuntimeError(f"request {sr.request_id!r} was never started in this runner")
-        if sr.new: new.add(sr.request_id); prefix.update({sr.request_id: st.tokens[:sr.start]} if sr.start else {})
-        if back := {p: st.tokens[p] for p in st.filled if p < len(st.tokens)}:   # ids filled on the device before, now known
+        if st is None:
+            raise RuntimeError(f"request {sr.request_id!r} was never started in this runner")
+        if sr.new:
+            new.add(sr.request_id)
+            prefix.update({sr.request_id: st.tokens[:sr.start]} if sr.start else {})
+        # ids filled on the device before, now known
+        if back := {p: st.tokens[p] for p in st.filled if p < len(st.tokens)}:
             resolved[sr.request_id], st.filled = back, [p for p in st.filled if p not in back]
         rows, late = self._rows(sr, st)
-        if late is not None: fill.append((row + late, *st.pending)); st.filled.append(sr.start + late); self.filled_rows += 1
+        if late is not None:
+            fill.append((row + late, *st.pending)); st.filled.append(sr.start + late)
+            self.filled_rows += 1
         ids += rows
         n, d = sr.num_tokens, sr.num_draft_tokens
         if sr.sample:
-            plan.append((sr.request_id, len(logits_rows), ids[len(ids) - d:] if d else [], sr.start + n - d))
+            plan.append((sr.request_id, len(logits_rows), ids[len(ids) - d:] if d else [],
+                         sr.start + n - d))
             logits_rows += range(row + n - d - 1, row + n)
         row += n
-    dev, i32, sm = getattr(self.model, 'input_device', None) or self.device, torch.int32, so.slot_mappings   # (a graph model: the host)
-    sm = SlotMappings(sm.positions.to(dev), sm.swa.to(dev), {r: v.to(dev) for r, v in sm.compressed.items()},
+    dev = getattr(self.model, 'input_device', None) or self.device   # (a graph model: the host)
+    i32, sm = torch.int32, so.slot_mappings
+    sm = SlotMappings(sm.positions.to(dev), sm.swa.to(dev),
+                      {r: v.to(dev) for r, v in sm.compressed.items()},
                       None if sm.ring is None else sm.ring.to(dev))
-    batch = InputBatch([sr.request_id for sr in so.requests], torch.tensor(ids, dtype=torch.int64, device=dev),
+    batch = InputBatch([sr.request_id for sr in so.requests],
+                       torch.tensor(ids, dtype=torch.int64, device=dev),
                        sm.positions, so.query_start_loc.to(dev),
-                       torch.tensor([sr.start + sr.num_tokens for sr in so.requests], dtype=i32, device=dev),
-                       tuple(so.block_table(g.group_id).to(dev) for g in self.kv_cache_config.groups), sm,
-                       torch.tensor(logits_rows, dtype=torch.int64, device=dev), so.decoder_rows.to(dev),
-                       torch.tensor([sr.num_cached_tokens for sr in so.requests], dtype=i32, device=dev), new, prefix, fill, resolved)
-    if fill and getattr(self.model, 'input_device', None) is None:        # a model fed on its device: fill the ids here
+                       torch.tensor([sr.start + sr.num_tokens for sr in so.requests],
+                                    dtype=i32, device=dev),
+                       tuple(so.block_table(g.group_id).to(dev)
+                             for g in self.kv_cache_config.groups),
+                       sm,
+                       torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+                       so.decoder_rows.to(dev),
+                       torch.tensor([sr.num_cached_tokens for sr in so.requests],
+                                    dtype=i32, device=dev),
+                       new, prefix, fill, resolved)
+    # a model fed on its device: fill the ids here
+    if fill and getattr(self.model, 'input_device', None) is None:
         fill_token_ids(batch.token_ids, fill); batch.token_fill = []
     return batch, plan
 
@@ -157,8 +205,10 @@ def _stop_mask(self: ModelRunner, logits: torch.Tensor, plan: list):
     "Stop ids to -inf on rows of requests below min_tokens outputs (vLLM's min-tokens processor), in place"
     for rid, o, drafts, keep in plan:
         st = self.requests[rid]; sp = st.params
-        stop = list(sp.stop_token_ids) + ([st.eos] if st.eos is not None and not sp.ignore_eos else [])
-        n = min(len(drafts) + 1, sp.min_tokens - (keep - st.num_prompt_tokens))      # its rows still below min_tokens
+        stop = list(sp.stop_token_ids) + ([st.eos] if st.eos is not None and not sp.ignore_eos
+                                          else [])
+        # its rows still below min_tokens
+        n = min(len(drafts) + 1, sp.min_tokens - (keep - st.num_prompt_tokens))
         if stop and n > 0: logits[o:o + n, stop] = -torch.inf
 
 @patch
@@ -166,15 +216,19 @@ def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
     "(accepted, token) of the step's sampling rows, as tensors on the device (accepted None: nothing to verify)"
     rows = [(self.requests[rid], rid, d) for rid, _, drafts, _ in plan for d in list(drafts) + [-1]]
     self._stop_mask(logits, plan)
-    if all(d == -1 and s.params.greedy for s, _, d in rows): return None, argmax_rows(logits)  # what `draw` gives, in two launches
-    sb = sampling_batch([s.params for s, _, _ in rows], [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
-    return draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device), sb, self.generator)
+    # what `draw` gives, in two launches
+    if all(d == -1 and s.params.greedy for s, _, d in rows): return None, argmax_rows(logits)
+    sb = sampling_batch([s.params for s, _, _ in rows],
+                        [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
+    return draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device),
+                sb, self.generator)
 
 @patch
 def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
     "request id -> its new tokens (accepted drafts, then one drawn token); the runner's tokens updated"
     accepted, token = self._tokens(logits, plan)
-    accepted, token = [False] * len(token) if accepted is None else accepted.tolist(), token.tolist()
+    accepted, token = ([False] * len(token) if accepted is None else accepted.tolist(),
+                       token.tolist())
     out = {}
     for rid, o, drafts, keep in plan:
         a = 0
@@ -183,10 +237,12 @@ def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
         st = self.requests[rid]; del st.tokens[keep:]; st.tokens.extend(out[rid])
     return out
 
+# %% ../nbs/13_engine.ipynb #796ca063
 @patch
 def _forget(self: ModelRunner, so: SchedulerOutput):
     "Drop what the runner keeps of finished and preempted requests"
-    if not isinstance(so, SchedulerOutput): raise TypeError(f"execute_model: expected a SchedulerOutput, got {type(so).__name__}")
+    if not isinstance(so, SchedulerOutput):
+        raise TypeError(f"execute_model: expected a SchedulerOutput, got {type(so).__name__}")
     gone = so.finished_req_ids | so.preempted_req_ids
     for rid in gone: self.requests.pop(rid, None)
     for rid in so.finished_req_ids: self.generators.pop(rid, None)
@@ -196,9 +252,11 @@ def _forget(self: ModelRunner, so: SchedulerOutput):
 def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
     "(sample plan, logits) of a step: the batch built and the model run"
     batch, plan = self.prepare_inputs(so)
-    with use_kernels(self.kernels) if self.kernels else nullcontext(): logits = self.model.forward(batch)     # (N, vocab)
+    with use_kernels(self.kernels) if self.kernels else nullcontext():
+        logits = self.model.forward(batch)     # (N, vocab)
     if tuple(logits.shape) != (len(batch.logits_indices), self.vocab_size):
-        raise RuntimeError(f"model logits of shape {tuple(logits.shape)}; expected ({len(batch.logits_indices)}, {self.vocab_size})")
+        raise RuntimeError(f"model logits of shape {tuple(logits.shape)}; "
+                           f"expected ({len(batch.logits_indices)}, {self.vocab_size})")
     return plan, logits
 
 @patch
@@ -207,8 +265,10 @@ def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     self._forget(so)
     if not so.requests: return ModelRunnerOutput({}, {})
     plan, logits = self._logits(so)
-    sampled = {sr.request_id: [] for sr in so.requests} | (self._sample(logits, plan) if plan else {})
-    drafts = self.proposer.propose([self.requests[r].tokens for r, *_ in plan]) if self.proposer is not None and plan else []
+    sampled = ({sr.request_id: [] for sr in so.requests}
+               | (self._sample(logits, plan) if plan else {}))
+    drafts = (self.proposer.propose([self.requests[r].tokens for r, *_ in plan])
+              if self.proposer is not None and plan else [])
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
 
 # %% ../nbs/13_engine.ipynb #23b9ac1c
@@ -222,25 +282,29 @@ class StepFuture:
 @patch
 def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
     "Launch one step and return without waiting: its sampled ids come back, and join the runner's, on `result()`"
-    if self.proposer is not None: raise ValueError("execute_model_async: a proposer needs each step's tokens before the next step")
+    if self.proposer is not None:
+        raise ValueError("execute_model_async: a proposer needs each step's tokens "
+                         "before the next step")
     self._forget(so)
     empty = {sr.request_id: [] for sr in so.requests}
     plan, logits = self._logits(so) if so.requests else ([], None)
     if not plan: return StepFuture(lambda: ModelRunnerOutput(empty, {}))
-    if any(drafts for _, _, drafts, _ in plan): raise RuntimeError("execute_model_async: draft rows in an asynchronous step")
-    _, token = self._tokens(logits, plan)                                 # (rows,) on the device
+    if any(drafts for _, _, drafts, _ in plan):
+        raise RuntimeError("execute_model_async: draft rows in an asynchronous step")
+    _, token = self._tokens(logits, plan)  # (rows,) on the device
     states = {rid: self.requests[rid] for rid, *_ in plan}
     for rid, o, *_ in plan: states[rid].pending = (token, o)
     host, done = token, None
-    if token.is_cuda:                                                      # the read-back, queued behind the step
-        host = torch.empty(token.shape, dtype=token.dtype, pin_memory=True).copy_(token, non_blocking=True)
+    if token.is_cuda:  # the read-back, queued behind the step
+        host = torch.empty(token.shape, dtype=token.dtype, pin_memory=True).copy_(
+            token, non_blocking=True)
         done = torch.cuda.Event(); done.record()
     def result() -> ModelRunnerOutput:
         if done is not None: done.synchronize()
         ids, out = host.tolist(), dict(empty)
         for rid, o, _, keep in plan:
             out[rid], st = [ids[o]], states[rid]
-            if self.requests.get(rid) is st:                               # not finished, preempted or restarted since
+            if self.requests.get(rid) is st:  # not finished, preempted or restarted since
                 del st.tokens[keep:]; st.tokens.append(ids[o])
                 if st.pending is not None and st.pending[0] is token: st.pending = None
         return ModelRunnerOutput(out, {})
@@ -265,11 +329,13 @@ class RequestOutput:
     prompt_token_ids: list
     outputs: list  # [CompletionOutput]
     finished: bool
-    metrics: dict = field(default_factory=dict)  # arrival, first_token, finished: time.perf_counter() seconds; steps
+    # arrival, first_token, finished: time.perf_counter() seconds; steps
+    metrics: dict = field(default_factory=dict)
 
 class IncrementalDetokenizer:
     "The text of a growing list of byte-tokenizer ids: bytes decoded as they come, a split character held back"
-    def __init__(self): self._utf8, self.text = codecs.getincrementaldecoder('utf-8')(errors='replace'), ''
+    def __init__(self):
+        self._utf8, self.text = codecs.getincrementaldecoder('utf-8')(errors='replace'), ''
     def add(self, ids: Sequence[int], # new ids (ids >= 256 are special tokens and print nothing)
             final: bool = False) -> str: # the last ids: flush a trailing partial character
         "The new text piece"
@@ -282,24 +348,33 @@ RUNNERS = ('auto', 'paged', 'recompute')
 @dataclass(frozen=True)
 class EngineArgs:
     "The engine's knobs (a few of vLLM's EngineArgs)"
-    max_model_len: int | None = None  # longest sequence (default: the cache layout's, capped by the model's)
+    # longest sequence (default: the cache layout's, capped by the model's)
+    max_model_len: int | None = None
     max_num_seqs: int = 256  # most requests running at once
     max_num_batched_tokens: int = 8192  # token budget of one step
-    num_gpu_blocks: int | None = None  # KV pool size, null block included (default: from the cache memory budget)
+    # KV pool size, null block included (default: from the cache memory budget)
+    num_gpu_blocks: int | None = None
     enable_prefix_caching: bool = True
-    bounded_replay: bool = True  # decoder window caches rebuilt from the last window of a prompt (approximate)
+    # decoder window caches rebuilt from the last window of a prompt (approximate)
+    bounded_replay: bool = True
     async_scheduling: bool = False
     num_speculative_tokens: int = 0  # drafts verified per step (0: none, unless a proposer says)
     runner: str = 'auto'  # one of RUNNERS
     cuda_graphs: bool = True  # capture decode steps on a GPU when the model allows it
-    kernels: str | None = None  # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
+    # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
+    kernels: str | None = None
     seed: int = 0  # the generator of unseeded random requests
     def __post_init__(self):
-        if self.runner not in RUNNERS: raise ValueError(f"runner = {self.runner!r}; expected one of {RUNNERS}")
-        if self.kernels not in (None, *BACKENDS): raise ValueError(f"kernels = {self.kernels!r}; expected None or one of {BACKENDS}")
-        if self.max_model_len is not None: check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
-        if check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0) and self.async_scheduling:
-            raise ValueError("async_scheduling with num_speculative_tokens > 0 is not supported here")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner = {self.runner!r}; expected one of {RUNNERS}")
+        if self.kernels not in (None, *BACKENDS):
+            raise ValueError(f"kernels = {self.kernels!r}; expected None or one of {BACKENDS}")
+        if self.max_model_len is not None:
+            check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
+        if (check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
+                and self.async_scheduling):
+            raise ValueError("async_scheduling with num_speculative_tokens > 0 "
+                             "is not supported here")
 
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
     "The model the runner calls: the paged path (runner 'auto' or 'paged'), or the reference that recomputes"
@@ -311,30 +386,46 @@ def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: 
 class _Tracked:
     "The engine's record of one unfinished request; `sent`: tokens and characters already streamed"
     def __init__(self, prompt: str | None, ids: list, now: float):
-        self.prompt, self.prompt_token_ids, self.metrics, self.token_ids = prompt, ids, dict(arrival=now, steps=0), []
-        self.detok, self.finish_reason, self.stop_reason, self.sent = IncrementalDetokenizer(), None, None, (0, 0)
+        self.prompt, self.prompt_token_ids = prompt, ids
+        self.metrics, self.token_ids = dict(arrival=now, steps=0), []
+        self.detok, self.finish_reason, self.stop_reason = IncrementalDetokenizer(), None, None
+        self.sent = (0, 0)
 
 class LLMEngine:
-    "Scheduler, model runner and tokenizer in one loop (vLLM's LLMEngine, one process): add requests, step, read outputs"
-    def __init__(self, model: Transformer, # the weights
-                 tokenizer: ByteTokenizer | None = None, # default: ByteTokenizer(model.cfg)
-                 args: EngineArgs | None = None, # the knobs (default EngineArgs())
-                 proposer: Proposer | None = None, # drafts (default: n-gram when args.num_speculative_tokens > 0)
-                 step_model=None): # layout -> the model the runner calls (default: `make_step_model` of `model`)
-        if not isinstance(model, Transformer): raise TypeError(f"expected a Transformer (or, for LLM, a checkpoint directory), got {model!r}")
+    ("Scheduler, model runner and tokenizer in one loop (vLLM's LLMEngine, one process): "
+     "add requests, step, read outputs")
+    def __init__(
+        self,
+        model: Transformer, # the weights
+        tokenizer: ByteTokenizer | None = None, # default: ByteTokenizer(model.cfg)
+        args: EngineArgs | None = None, # the knobs (default EngineArgs())
+        # drafts (default: n-gram when args.num_speculative_tokens > 0)
+        proposer: Proposer | None = None,
+        # layout -> the model the runner calls (default: `make_step_model` of `model`)
+        step_model=None,
+    ):
+        if not isinstance(model, Transformer):
+            raise TypeError(f"expected a Transformer (or, for LLM, a checkpoint directory), "
+                            f"got {model!r}")
         self.args = a = EngineArgs() if args is None else args
-        if not isinstance(a, EngineArgs): raise TypeError(f"LLMEngine: args must be EngineArgs, got {type(a).__name__}")
+        if not isinstance(a, EngineArgs):
+            raise TypeError(f"LLMEngine: args must be EngineArgs, got {type(a).__name__}")
         self.model, self.tokenizer = model, tokenizer or ByteTokenizer(model.cfg)
         self.kv_cache_config = self._cache_layout()
         self.max_model_len = self.kv_cache_config.cache_config.max_model_len
         self.proposer = self._proposer(proposer)
         self.scheduler = Scheduler(self.kv_cache_config, SchedulerConfig(
-            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, async_scheduling=a.async_scheduling,
-            num_speculative_tokens=getattr(self.proposer, 'num_speculative_tokens', 0), bounded_replay=a.bounded_replay))
-        step_model = (step_model or (lambda kc: make_step_model(model, kc, a.runner)))(self.kv_cache_config)
-        if a.cuda_graphs and step_model.device.type == 'cuda' and getattr(step_model, 'supports_cuda_graphs', False):
+            max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+            async_scheduling=a.async_scheduling,
+            num_speculative_tokens=getattr(self.proposer, 'num_speculative_tokens', 0),
+            bounded_replay=a.bounded_replay))
+        make = step_model or (lambda kc: make_step_model(model, kc, a.runner))
+        step_model = make(self.kv_cache_config)
+        if (a.cuda_graphs and step_model.device.type == 'cuda'
+                and getattr(step_model, 'supports_cuda_graphs', False)):
             step_model = CUDAGraphModel(step_model, self.kv_cache_config, self.max_model_len)
-        self.runner = ModelRunner(step_model, self.kv_cache_config, self.proposer, a.seed, step_model.device, a.kernels)
+        self.runner = ModelRunner(step_model, self.kv_cache_config, self.proposer, a.seed,
+                                  step_model.device, a.kernels)
         self.tracked, self._pending = {}, None
 
 # %% ../nbs/13_engine.ipynb #980b573b
@@ -346,19 +437,24 @@ def _cache_layout(self: LLMEngine) -> KVCacheConfig:
         raise ValueError(f"max_model_len = {a.max_model_len:,} is more than the model allows "
                          f"(max_seq_len = {self.model.max_seq_len:,})")
     n = min(a.max_model_len or CacheConfig.for_model(cfg).max_model_len, self.model.max_seq_len)
-    return get_kv_cache_config(cfg, CacheConfig.for_model(cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
-                                                          enable_prefix_caching=a.enable_prefix_caching))
+    return get_kv_cache_config(cfg, CacheConfig.for_model(
+        cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
+        enable_prefix_caching=a.enable_prefix_caching))
 
 @patch
 def _proposer(self: LLMEngine, proposer) -> Proposer | None:
     "The proposer: the one given, or the n-gram proposer for num_speculative_tokens > 0"
     k = self.args.num_speculative_tokens
     if proposer is None: return NgramProposer(k, max_model_len=self.max_model_len) if k else None
-    if not (isinstance(getattr(proposer, 'num_speculative_tokens', None), int) and callable(getattr(proposer, 'propose', None))):
-        raise TypeError(f"proposer: expected num_speculative_tokens and propose(token lists), got {type(proposer).__name__}")
-    if self.args.async_scheduling: raise ValueError("a proposer needs synchronous scheduling (async_scheduling=False)")
+    if not (isinstance(getattr(proposer, 'num_speculative_tokens', None), int)
+            and callable(getattr(proposer, 'propose', None))):
+        raise TypeError(f"proposer: expected num_speculative_tokens and propose(token lists), "
+                        f"got {type(proposer).__name__}")
+    if self.args.async_scheduling:
+        raise ValueError("a proposer needs synchronous scheduling (async_scheduling=False)")
     if k and k != proposer.num_speculative_tokens:
-        raise ValueError(f"num_speculative_tokens = {k} but the proposer drafts {proposer.num_speculative_tokens}")
+        raise ValueError(f"num_speculative_tokens = {k} "
+                         f"but the proposer drafts {proposer.num_speculative_tokens}")
     return proposer
 
 # %% ../nbs/13_engine.ipynb #0e1c7ad1
@@ -367,24 +463,31 @@ def process_prompt(self: LLMEngine, prompt) -> tuple:
     "(text or None, token ids) of a prompt, checked: not empty, ids in the vocabulary, at most max_model_len tokens"
     if isinstance(prompt, dict):
         if len(prompt) != 1 or not {'prompt', 'prompt_token_ids'} & set(prompt):
-            raise ValueError(f"a dict prompt needs exactly one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
-        if not isinstance(prompt.get('prompt', ''), str): raise TypeError(f"'prompt' must be a str, got {type(prompt['prompt']).__name__}")
+            raise ValueError(f"a dict prompt needs exactly one key, "
+                             f"'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
+        if not isinstance(prompt.get('prompt', ''), str):
+            raise TypeError(f"'prompt' must be a str, got {type(prompt['prompt']).__name__}")
         prompt = next(iter(prompt.values()))
     if isinstance(prompt, str):
         if not prompt: raise ValueError("the prompt is empty")
         try: text, ids = prompt, self.tokenizer.encode(prompt)
-        except UnicodeEncodeError as e:          # lone surrogates: undecodable bytes from a command line, say
-            raise ValueError(f"the prompt is not valid text: {prompt[e.start:e.end]!r} at character {e.start} "
+        # lone surrogates: undecodable bytes from a command line, say
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the prompt is not valid text: {prompt[e.start:e.end]!r} "
+                             f"at character {e.start} "
                              f"cannot be encoded as UTF-8 ({e.reason})") from None
     else:
         check_token_ids(prompt, self.tokenizer.vocab_size)
         text, ids = None, [int(t) for t in prompt]
         if not ids: raise ValueError("the prompt is empty: expected at least one token id")
-    if len(ids) > self.max_model_len: raise ValueError(f"the prompt has {len(ids):,} tokens, more than max_model_len = {self.max_model_len:,}")
+    if len(ids) > self.max_model_len:
+        raise ValueError(f"the prompt has {len(ids):,} tokens, "
+                         f"more than max_model_len = {self.max_model_len:,}")
     return text, ids
 
 @patch
-def add_request(self: LLMEngine, request_id: str, # unique among unfinished requests
+def add_request(self: LLMEngine,
+                request_id: str, # unique among unfinished requests
                 prompt, # text, token ids, or a dict with 'prompt' or 'prompt_token_ids'
                 sampling_params: SamplingParams | None = None): # default SamplingParams()
     "Check a request and queue it"
@@ -393,7 +496,8 @@ def add_request(self: LLMEngine, request_id: str, # unique among unfinished requ
     self.tracked[request_id] = _Tracked(text, ids, time.perf_counter())
 
 @patch
-def has_unfinished_requests(self: LLMEngine) -> bool: return self.scheduler.has_unfinished_requests() or self._pending is not None
+def has_unfinished_requests(self: LLMEngine) -> bool:
+    return self.scheduler.has_unfinished_requests() or self._pending is not None
 
 # %% ../nbs/13_engine.ipynb #3799cdc4
 @patch
@@ -402,8 +506,9 @@ def _output(self: LLMEngine, rid: str, delta: bool = False) -> RequestOutput:
     n, c = t.sent if delta else (0, 0)
     if delta: t.sent = (len(t.token_ids), len(t.detok.text))
     out = CompletionOutput(0, t.detok.text[c:], t.token_ids[n:], t.finish_reason, t.stop_reason)
-    if t.finish_reason is not None: del self.tracked[rid]                 # a finished request's last output
-    return RequestOutput(rid, t.prompt, t.prompt_token_ids, [out], t.finish_reason is not None, dict(t.metrics))
+    if t.finish_reason is not None: del self.tracked[rid]     # a finished request's last output
+    return RequestOutput(rid, t.prompt, t.prompt_token_ids, [out], t.finish_reason is not None,
+                         dict(t.metrics))
 
 @patch
 def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput, delta: bool) -> list:
@@ -414,23 +519,28 @@ def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput, delta: 
         t.token_ids += e.new_token_ids; t.metrics['steps'] += 1
         if e.new_token_ids: t.metrics.setdefault('first_token', now)
         t.detok.add(e.new_token_ids, final=e.finish_reason is not None)
-        if e.finish_reason is not None: t.finish_reason, t.stop_reason, t.metrics['finished'] = e.finish_reason, e.stop_reason, now
+        if e.finish_reason is not None:
+            t.finish_reason, t.stop_reason, t.metrics['finished'] = (e.finish_reason, e.stop_reason,
+                                                                     now)
         outs.append(self._output(e.request_id, delta))
     return outs
 
+# %% ../nbs/13_engine.ipynb #f582e725
 @patch
 def step(self: LLMEngine, delta: bool = False) -> list:
     "One engine step; RequestOutputs of the requests that got tokens (whole, or only what is new with `delta`)"
     so = self.scheduler.schedule()
     if not self.args.async_scheduling: return self._apply(so, self.runner.execute_model(so), delta)
-    fut = self.runner.execute_model_async(so)                                 # launched, not waited for
-    prev, self._pending = self._pending, ((so, fut) if so.requests else None)      # apply the step before this one
+    fut = self.runner.execute_model_async(so)  # launched, not waited for
+    # apply the step before this one
+    prev, self._pending = self._pending, ((so, fut) if so.requests else None)
     return self._apply(prev[0], prev[1].result(), delta) if prev is not None else []
 
 @patch
 def abort_request(self: LLMEngine, request_id: str) -> RequestOutput:
     "Finish an unfinished request now ('abort'): its blocks go back to the pool"
-    if request_id not in self.tracked: raise ValueError(f"abort_request: no unfinished request {request_id!r}")
+    if request_id not in self.tracked:
+        raise ValueError(f"abort_request: no unfinished request {request_id!r}")
     self.scheduler.abort(request_id)
     t = self.tracked[request_id]
     t.finish_reason, t.metrics['finished'] = 'abort', time.perf_counter()
@@ -440,11 +550,15 @@ def abort_request(self: LLMEngine, request_id: str) -> RequestOutput:
 # %% ../nbs/13_engine.ipynb #9298606c
 @torch.no_grad()
 def prefix_gap(model: Transformer, ids: torch.Tensor) -> float:
-    "Largest logit difference between a forward over `ids` (1, L) and the forwards over its prefixes: the cost of a shape change"
-    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1 and ids.shape[1] >= 2):
-        raise ValueError(f"prefix_gap: expected token ids of shape (1, L) with L >= 2, got {getattr(ids, 'shape', ids)!r}")
+    ("Largest logit difference between a forward over `ids` (1, L) and the forwards "
+     "over its prefixes: the cost of a shape change")
+    if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] == 1
+            and ids.shape[1] >= 2):
+        raise ValueError(f"prefix_gap: expected token ids of shape (1, L) with L >= 2, "
+                         f"got {getattr(ids, 'shape', ids)!r}")
     whole = model(ids).float()
-    return max((whole[:, :L] - model(ids[:, :L]).float()).abs().max().item() for L in range(1, ids.shape[1]))
+    return max((whole[:, :L] - model(ids[:, :L]).float()).abs().max().item()
+               for L in range(1, ids.shape[1]))
 
 @torch.no_grad()
 def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence[int]) -> list:
@@ -456,18 +570,29 @@ def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence
         out.append((logits.max() - logits[int(t)]).item()); seq.append(int(t))
     return out
 
-def assert_greedy_match(model: Transformer, prompts: Sequence, got: Sequence, want: Sequence, margin: float) -> int:
+def assert_greedy_match(
+    model: Transformer,
+    prompts: Sequence,
+    got: Sequence,
+    want: Sequence,
+    margin: float,
+) -> int:
     "`got` equals `want` (greedy continuations of `prompts`), or differs only at near ties: the requests that differ"
-    if not len(prompts) == len(got) == len(want): raise ValueError(f"assert_greedy_match: {len(prompts)} prompts, {len(got)} and {len(want)} continuations")
+    if not len(prompts) == len(got) == len(want):
+        raise ValueError(f"assert_greedy_match: {len(prompts)} prompts, "
+                         f"{len(got)} and {len(want)} continuations")
     differ = 0
     for p, g, w in zip(prompts, got, want):
         if list(g) == list(w): continue
         differ += 1
-        if len(g) != len(w): raise AssertionError(f"a continuation of a {len(p)}-token prompt has {len(g)} tokens, the reference {len(w)}")
+        if len(g) != len(w):
+            raise AssertionError(f"a continuation of a {len(p)}-token prompt has {len(g)} tokens, "
+                                 f"the reference {len(w)}")
         worst = max(greedy_shortfall(model, p, g), default=0.0)
         if worst > margin:
-            raise AssertionError(f"a continuation of a {len(p)}-token prompt picks a token {worst:.3g} below the reference's best "
-                                 f"logit; near ties are allowed up to {margin:.3g}")
+            raise AssertionError(f"a continuation of a {len(p)}-token prompt picks a token "
+                                 f"{worst:.3g} below the reference's best logit; "
+                                 f"near ties are allowed up to {margin:.3g}")
     return differ
 
 # %% ../nbs/13_engine.ipynb #9d3b363a
@@ -480,29 +605,37 @@ class LLM:
                  step_model=None, # layout -> the model the runner calls (see LLMEngine)
                  **engine_args): # fields of EngineArgs
         if isinstance(model, (str, Path)): model = load_model(model, device=device or 'cpu')
-        self.llm_engine, self._ids = LLMEngine(model, tokenizer, EngineArgs(**engine_args), proposer, step_model), itertools.count()
+        engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args), proposer, step_model)
+        self.llm_engine, self._ids = engine, itertools.count()
 
 def _as_list(prompts) -> list:
     "One prompt (text, a dict, or a flat list of ids) as a list of one; a list of prompts as it is"
     if isinstance(prompts, (str, dict)): return [prompts]
-    if not isinstance(prompts, (list, tuple)): raise TypeError(f"prompts: expected a str, dict, or list, got {type(prompts).__name__}")
-    return [prompts] if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts) else list(prompts)
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts: expected a str, dict, or list, got {type(prompts).__name__}")
+    flat_ids = prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts)
+    return [prompts] if flat_ids else list(prompts)
 
 @patch
 def _add_requests(self: LLM, prompts, sampling_params) -> list:
     "Check every prompt and its parameters, then queue them all; request ids in order"
     prompts, eng = _as_list(prompts), self.llm_engine
-    params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-    if len(params) != len(prompts): raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    params = (sampling_params if isinstance(sampling_params, (list, tuple))
+              else [sampling_params] * len(prompts))
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
     for i, (p, sp) in enumerate(zip(prompts, params)):
         try: eng.process_prompt(p)
         except TypeError as e: raise TypeError(f"prompt {i}: {e}") from None
-        except ValueError as e: raise ValueError(f"prompt {i}: {e}") from None    # a subclass's constructor may differ
+        # a subclass's constructor may differ
+        except ValueError as e: raise ValueError(f"prompt {i}: {e}") from None
         if sp is not None and not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling params {i}: expected a SamplingParams, got {type(sp).__name__}")
+            raise TypeError(f"sampling params {i}: expected a SamplingParams, "
+                            f"got {type(sp).__name__}")
     rids = []
     try:
-        for p, sp in zip(prompts, params): rid = str(next(self._ids)); eng.add_request(rid, p, sp); rids.append(rid)
+        for p, sp in zip(prompts, params):
+            rid = str(next(self._ids)); eng.add_request(rid, p, sp); rids.append(rid)
     except BaseException:
         for r in rids: eng.abort_request(r)
         raise
@@ -520,13 +653,17 @@ def _run(self: LLM, rids: list, delta: bool) -> Iterator[RequestOutput]:
                     if o.finished: done.add(o.request_id)
                     yield o
     finally:
-        for r in [r for r in rids if r not in done and r in self.llm_engine.tracked]: self.llm_engine.abort_request(r)
+        for r in [r for r in rids if r not in done and r in self.llm_engine.tracked]:
+            self.llm_engine.abort_request(r)
 
 @patch
-def generate(self: LLM, prompts, # a prompt or a list of them: text, token ids, or dicts
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, # one, or one per prompt
-             use_tqdm: bool = True, # a progress bar over requests
-            ) -> list: # one RequestOutput per prompt, in order
+def generate(
+    self: LLM,
+    prompts, # a prompt or a list of them: text, token ids, or dicts
+    # one, or one per prompt
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    use_tqdm: bool = True, # a progress bar over requests
+) -> list: # one RequestOutput per prompt, in order
     "Generate completions for all prompts"
     from tqdm import tqdm
     rids, done = self._add_requests(prompts, sampling_params), {}
@@ -537,8 +674,11 @@ def generate(self: LLM, prompts, # a prompt or a list of them: text, token ids, 
 
 # %% ../nbs/13_engine.ipynb #c73d4823
 @patch
-def stream(self: LLM, prompts, # as for generate
-           sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, # as for generate
-          ) -> Iterator[RequestOutput]:
-    "Queue the prompts now; a generator of delta RequestOutputs as steps produce tokens (closing it aborts the rest)"
+def stream(
+    self: LLM,
+    prompts, # as for generate
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, # as for generate
+) -> Iterator[RequestOutput]:
+    ("Queue the prompts now; a generator of delta RequestOutputs as steps produce tokens "
+     "(closing it aborts the rest)")
     return self._run(self._add_requests(prompts, sampling_params), delta=True)

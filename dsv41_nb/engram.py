@@ -24,24 +24,30 @@ __all__ = ['ENGRAM_TUNING', 'normalize_token', 'compressed_token_map', 'syntheti
 
 # %% ../nbs/09_engram.ipynb #d8b20116
 _SPACES = re.compile(r'[ \t\r\n]+')
+# Unicode White_Space: what the Rust strip removes
 _WHITE_SPACE = ('\t\n\x0b\x0c\r \x85\xa0\u1680' + ''.join(map(chr, range(0x2000, 0x200B)))
-                + '\u2028\u2029\u202f\u205f\u3000')    # Unicode White_Space: what the Rust strip removes
-_LONE_SPACE = '\ue000'                               # private-use sentinel for a token that is one space
+                + '\u2028\u2029\u202f\u205f\u3000')
+_LONE_SPACE = '\ue000'   # private-use sentinel for a token that is one space
 
 def normalize_token(text: str) -> str:
-    "The public normalisation of a token's text: NFKC, NFD, strip accents, lowercase, collapse white space, strip"
-    if not isinstance(text, str): raise TypeError(f"normalize_token: expected a str, got {type(text).__name__}")
+    ("The public normalisation of a token's text: "
+     "NFKC, NFD, strip accents, lowercase, collapse white space, strip")
+    if not isinstance(text, str):
+        raise TypeError(f"normalize_token: expected a str, got {type(text).__name__}")
     t = unicodedata.normalize('NFD', unicodedata.normalize('NFKC', text))
-    t = ''.join(ch.lower() for ch in t if unicodedata.category(ch)[0] != 'M')   # char by char, as Rust does
+    # char by char, as Rust does
+    t = ''.join(ch.lower() for ch in t if unicodedata.category(ch)[0] != 'M')
     t = _SPACES.sub(' ', t)
     if t == ' ': t = _LONE_SPACE
     return t.strip(_WHITE_SPACE).replace(_LONE_SPACE, ' ')
 
 # %% ../nbs/09_engram.ipynb #8be27ae9
-def compressed_token_map(texts: Sequence[str],              # each token id's decoded text, in id order
-                         raw: Sequence[str] | None = None,  # vocabulary forms, used where the text has U+FFFD
-                        ) -> tuple[torch.Tensor, int]:
-    "(vocab,) int64 token id -> compressed id, and the number of compressed ids; first appearance takes the next id"
+def compressed_token_map(
+    texts: Sequence[str],              # each token id's decoded text, in id order
+    raw: Sequence[str] | None = None,  # vocabulary forms, used where the text has U+FFFD
+) -> tuple[torch.Tensor, int]:
+    ("(vocab,) int64 token id -> compressed id, and the number of compressed ids; "
+     "first appearance takes the next id")
     if raw is not None and len(raw) != len(texts):
         raise ValueError(f"raw has {len(raw)} entries for {len(texts)} token texts")
     keys, lookup = {}, []
@@ -49,10 +55,11 @@ def compressed_token_map(texts: Sequence[str],              # each token id's de
         if not isinstance(text, str):
             raise TypeError(f"token {i}: expected its text as a str, got {type(text).__name__}")
         if '\ufffd' in text:
-            if raw is None: raise ValueError(f"token {i} decodes to a partial UTF-8 sequence ({text!r}); "
-                                             "pass its vocabulary form in `raw`")
+            if raw is None:
+                raise ValueError(f"token {i} decodes to a partial UTF-8 sequence ({text!r}); "
+                                 "pass its vocabulary form in `raw`")
             key = raw[i]
-        else: key = normalize_token(text) or text           # a text that normalises to nothing keeps itself
+        else: key = normalize_token(text) or text   # a text that normalises to nothing keeps itself
         lookup.append(keys.setdefault(key, len(keys)))
     return torch.tensor(lookup, dtype=torch.int64), len(keys)
 
@@ -61,16 +68,19 @@ def synthetic_token_strings(vocab_size: int,       # token texts to make
                             compressed_size: int,  # distinct normalised keys among them
                             seed: int = 0,
                            ) -> list[str]:
-    "`vocab_size` distinct token texts normalising to exactly `compressed_size` keys: words and variants, shuffled"
+    ("`vocab_size` distinct token texts normalising to exactly `compressed_size` keys: "
+     "words and variants, shuffled")
     check_int('synthetic_token_strings', 'compressed_size', compressed_size, 1)
     check_int('synthetic_token_strings', 'vocab_size', vocab_size, compressed_size)
     forms = (lambda w: ' ' + w, str.capitalize, str.upper, lambda w: ' ' + w.capitalize())
     if vocab_size > (len(forms) + 1) * compressed_size:
         raise ValueError(f"synthetic_token_strings: at most {len(forms) + 1} texts per key, "
                          f"asked {vocab_size} for {compressed_size}")
-    g, letters, words = np.random.default_rng(seed), np.array(list('abcdefghijklmnopqrstuvwxyz')), {}
-    while len(words) < compressed_size:                          # random lowercase words of 1..7 letters, distinct
-        for row, n in zip(letters[g.integers(0, 26, (compressed_size, 7))], g.integers(1, 8, compressed_size)):
+    g, words = np.random.default_rng(seed), {}
+    letters = np.array(list('abcdefghijklmnopqrstuvwxyz'))
+    while len(words) < compressed_size:   # random lowercase words of 1..7 letters, distinct
+        for row, n in zip(letters[g.integers(0, 26, (compressed_size, 7))],
+                          g.integers(1, 8, compressed_size)):
             if len(words) < compressed_size: words.setdefault(''.join(row[:n]), None)
     words = list(words)
     slots = g.permutation(len(forms) * compressed_size)[:vocab_size - compressed_size]
@@ -79,35 +89,42 @@ def synthetic_token_strings(vocab_size: int,       # token texts to make
 
 # %% ../nbs/09_engram.ipynb #a45e134f
 def head_offsets(cfg: ModelConfig) -> torch.Tensor:
-    "(engram layers, hash columns) int64: the first row of each column's bucket range in its layer's table"
-    flat = torch.tensor(engram_bucket_primes(expect_config(cfg, 'head_offsets')), dtype=torch.int64).flatten(1)
+    ("(engram layers, hash columns) int64: "
+     "the first row of each column's bucket range in its layer's table")
+    primes = engram_bucket_primes(expect_config(cfg, 'head_offsets'))
+    flat = torch.tensor(primes, dtype=torch.int64).flatten(1)
     return flat.cumsum(-1) - flat
 
 # %% ../nbs/09_engram.ipynb #1123cb93
 def hash_multipliers(cfg: ModelConfig) -> torch.Tensor:
-    "(engram layers, max n-gram size) int64 odd multipliers, from NumPy's generator seeded 10007 x layer id"
-    bound = max(1, (np.iinfo(np.int64).max // expect_config(cfg, 'hash_multipliers').engram_compressed_vocab_size) // 2)
-    draw = lambda layer: np.random.default_rng(10007 * layer).integers(0, bound, size=(cfg.engram_max_ngram_size,),
-                                                                       dtype=np.int64)
+    ("(engram layers, max n-gram size) int64 odd multipliers, "
+     "from NumPy's generator seeded 10007 x layer id")
+    vocab = expect_config(cfg, 'hash_multipliers').engram_compressed_vocab_size
+    bound = max(1, (np.iinfo(np.int64).max // vocab) // 2)
+    def draw(layer):
+        g = np.random.default_rng(10007 * layer)
+        return g.integers(0, bound, size=(cfg.engram_max_ngram_size,), dtype=np.int64)
     rows = [draw(layer) * 2 + 1 for layer in cfg.engram_layer_ids]
     return torch.from_numpy(np.stack(rows))
 
 # %% ../nbs/09_engram.ipynb #d80ab8d9
-def ngram_hashes_reference(token_ids: Sequence[int],               # one sequence's token ids
-                           cfg: ModelConfig,
-                           lookup: Sequence[int],                  # token id -> compressed id
-                           token_mask: Sequence[bool] | None = None,  # False for image tokens
-                           history: Sequence[int] = (),            # token ids before the sequence, -1 for image tokens
-                          ) -> list:
+def ngram_hashes_reference(
+    token_ids: Sequence[int],                  # one sequence's token ids
+    cfg: ModelConfig,
+    lookup: Sequence[int],                     # token id -> compressed id
+    token_mask: Sequence[bool] | None = None,  # False for image tokens
+    history: Sequence[int] = (),               # token ids before the sequence, -1 for image tokens
+) -> list:
     "Plain Python: [position][engram layer][column] table rows of the n-grams ending at each position"
     primes, mult = engram_bucket_primes(cfg), hash_multipliers(cfg).tolist()
     n, pad = cfg.engram_max_ngram_size, lookup[cfg.engram_pad_id]
     seq = [None if t < 0 else lookup[t] for t in history]
-    seq += [lookup[t] if token_mask is None or token_mask[i] else None for i, t in enumerate(token_ids)]
+    seq += [lookup[t] if token_mask is None or token_mask[i] else None
+            for i, t in enumerate(token_ids)]
     out = []
     for p in range(len(history), len(seq)):
         window, blocked = [], False
-        for s in range(n):                                  # newest first; padded from the first gap on
+        for s in range(n):   # newest first; padded from the first gap on
             blocked = blocked or p - s < 0 or seq[p - s] is None
             window.append(pad if blocked else seq[p - s])
         layers = []
@@ -124,51 +141,59 @@ def ngram_hashes_reference(token_ids: Sequence[int],               # one sequenc
 # %% ../nbs/09_engram.ipynb #9cb54b26
 def _check_ids(name: str, ids, low: int, high: int):
     "Raise unless `ids` is an integer tensor with every value in [low, high)"
-    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise TypeError(f"{name}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids))}")
+    if (not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool
+        or ids.is_complex()):
+        raise TypeError(f"{name}: expected an integer tensor, "
+                        f"got {getattr(ids, 'dtype', type(ids))}")
     if ids.numel() and (int(ids.min()) < low or int(ids.max()) >= high):
         bad = ids[(ids < low) | (ids >= high)].flatten()[0].item()
         raise ValueError(f"{name}: id {bad} is out of range; expected {low}..{high - 1}")
 
 class NgramHasher:
     "Table rows of the n-grams ending at each position, for every Engram layer"
-    def __init__(self, cfg: ModelConfig,   # model geometry (the engram_* fields)
-                 lookup,                    # (vocab,) token id -> compressed id, from `compressed_token_map`
-                 size: int,                 # number of compressed ids; must equal cfg.engram_compressed_vocab_size
-                ):
+    def __init__(
+        self,
+        cfg: ModelConfig,  # model geometry (the engram_* fields)
+        lookup,            # (vocab,) token id -> compressed id, from `compressed_token_map`
+        size: int,         # number of compressed ids; must equal cfg.engram_compressed_vocab_size
+    ):
         self.cfg = expect_config(cfg, 'NgramHasher')
-        if not cfg.engram_layer_ids: raise ValueError("NgramHasher: this config has no Engram layers")
+        if not cfg.engram_layer_ids:
+            raise ValueError("NgramHasher: this config has no Engram layers")
         if size != cfg.engram_compressed_vocab_size:
             raise ValueError(f"NgramHasher: the token map has {size} compressed ids, "
                              f"the config expects {cfg.engram_compressed_vocab_size}")
         self.lookup = torch.as_tensor(lookup, dtype=torch.int64)
         if self.lookup.ndim != 1 or self.lookup.numel() <= cfg.engram_pad_id:
-            raise ValueError(f"NgramHasher: expected a 1-d map covering the pad id {cfg.engram_pad_id}, "
-                             f"got shape {tuple(self.lookup.shape)}")
+            raise ValueError(f"NgramHasher: expected a 1-d map covering the pad id "
+                             f"{cfg.engram_pad_id}, got shape {tuple(self.lookup.shape)}")
         _check_ids('NgramHasher lookup', self.lookup, 0, size)
-        self.pad_id = int(self.lookup[cfg.engram_pad_id])                          # compressed id of the pad token
+        self.pad_id = int(self.lookup[cfg.engram_pad_id])   # compressed id of the pad token
         self.multipliers = hash_multipliers(cfg)                                  # (layers, n)
-        self.primes = torch.tensor(engram_bucket_primes(cfg), dtype=torch.int64)  # (layers, n-1, heads)
+        # (layers, n-1, heads)
+        self.primes = torch.tensor(engram_bucket_primes(cfg), dtype=torch.int64)
         self.offsets = head_offsets(cfg)                                          # (layers, cols)
 
     def __repr__(self):
         c = self.cfg
-        return (f"NgramHasher({len(self.lookup):,} tokens -> {c.engram_compressed_vocab_size:,} ids, "
-                f"layers {c.engram_layer_ids})")
+        return (f"NgramHasher({len(self.lookup):,} tokens -> "
+                f"{c.engram_compressed_vocab_size:,} ids, layers {c.engram_layer_ids})")
 
     def to(self, device):
         "Move the map and the hash constants to `device`"
-        for k in ('lookup', 'multipliers', 'primes', 'offsets'): setattr(self, k, getattr(self, k).to(device))
+        for k in ('lookup', 'multipliers', 'primes', 'offsets'):
+            setattr(self, k, getattr(self, k).to(device))
         return self
 
 # %% ../nbs/09_engram.ipynb #e138e252
 @patch
-def compress(self: NgramHasher,
-             input_ids: torch.Tensor,                 # (..., L) token ids (-1 allowed only with `allow_gaps`)
-             token_mask: torch.Tensor | None = None,  # (..., L) bool, False for tokens outside n-grams (image spans)
-             check: bool = True,                      # validate the ids (one device sync)
-             allow_gaps: bool = False,                # accept -1 as "no token" (for history)
-            ) -> torch.Tensor:
+def compress(
+    self: NgramHasher,
+    input_ids: torch.Tensor,                 # (..., L) token ids (-1 allowed only with `allow_gaps`)
+    token_mask: torch.Tensor | None = None,  # (..., L) bool, False for tokens outside n-grams (image spans)
+    check: bool = True,                      # validate the ids (one device sync)
+    allow_gaps: bool = False,                # accept -1 as "no token" (for history)
+) -> torch.Tensor:
     "(..., L) compressed ids, -1 where the token takes no part in an n-gram"
     if check: _check_ids('token ids', input_ids, -1 if allow_gaps else 0, len(self.lookup))
     c = torch.where(input_ids < 0, -1, self.lookup[input_ids.clamp_min(0)])
@@ -176,16 +201,19 @@ def compress(self: NgramHasher,
 
 # %% ../nbs/09_engram.ipynb #e2aadb7f
 @patch
-def windows(self: NgramHasher,
-            compressed: torch.Tensor,              # (..., L) compressed ids, -1 = gap
-            history: torch.Tensor | None = None,   # (..., <= n-1) compressed ids before; fewer = the sequence starts
-           ) -> torch.Tensor:
+def windows(
+    self: NgramHasher,
+    compressed: torch.Tensor,             # (..., L) compressed ids, -1 = gap
+    history: torch.Tensor | None = None,  # (..., <= n-1) compressed ids before; fewer = the sequence starts
+) -> torch.Tensor:
     "(..., L, n) the ids ending at each position, newest first, the pad id from the first gap on"
     n, L = self.cfg.engram_max_ngram_size, compressed.shape[-1]
     if history is None: history = compressed.new_full((*compressed.shape[:-1], 0), -1)
     if history.shape[-1] > n - 1:
-        raise ValueError(f"history of {history.shape[-1]} tokens; an n-gram of order {n} looks back at most {n - 1}")
-    ext = torch.cat([F.pad(history.to(compressed), (n - 1 - history.shape[-1], 0), value=-1), compressed], -1)
+        raise ValueError(f"history of {history.shape[-1]} tokens; "
+                         f"an n-gram of order {n} looks back at most {n - 1}")
+    before = F.pad(history.to(compressed), (n - 1 - history.shape[-1], 0), value=-1)
+    ext = torch.cat([before, compressed], -1)
     w = torch.stack([ext[..., n - 1 - s: n - 1 - s + L] for s in range(n)], -1)    # (..., L, n)
     return torch.where((w < 0).cumsum(-1) > 0, self.pad_id, w)
 
@@ -209,30 +237,36 @@ def hashes(self: NgramHasher,
     return torch.cat(out, -1) + self.offsets                         # (..., layers, cols)
 
 @patch
-def __call__(self: NgramHasher,
-             input_ids: torch.Tensor,                 # (..., L) token ids
-             token_mask: torch.Tensor | None = None,  # (..., L) False for image tokens
-             history: torch.Tensor | None = None,     # (..., <= n-1) token ids before the chunk, -1 for image tokens
-             check: bool = True,                      # validate ids (device syncs)
-            ) -> torch.Tensor:
+def __call__(
+    self: NgramHasher,
+    input_ids: torch.Tensor,                 # (..., L) token ids
+    token_mask: torch.Tensor | None = None,  # (..., L) False for image tokens
+    history: torch.Tensor | None = None,     # (..., <= n-1) token ids before the chunk, -1 for image tokens
+    check: bool = True,                      # validate ids (device syncs)
+) -> torch.Tensor:
     "(..., L, engram layers, cols) table rows for a chunk of tokens"
     hist = None if history is None else self.compress(history, check=check, allow_gaps=True)
     return self.hashes(self.windows(self.compress(input_ids, token_mask, check), hist), check=False)
 
 # %% ../nbs/09_engram.ipynb #f2761e01
-def hash_spread(hasher: NgramHasher,  # the hasher that produced `rows`
-                rows: torch.Tensor,    # (n, engram layers, cols) row ids of n distinct windows
-                bins: int = 64,        # equal bins each column's range is folded into
-                p: float = 1e-6,       # false-alarm probability per column of the returned threshold
-               ) -> tuple[torch.Tensor, float]:
-    "(layers, cols) chi-square of each column's rows over `bins` equal bins, and the 1-p quantile of chi2(bins-1)"
+def hash_spread(
+    hasher: NgramHasher,  # the hasher that produced `rows`
+    rows: torch.Tensor,   # (n, engram layers, cols) row ids of n distinct windows
+    bins: int = 64,       # equal bins each column's range is folded into
+    p: float = 1e-6,      # false-alarm probability per column of the returned threshold
+) -> tuple[torch.Tensor, float]:
+    ("(layers, cols) chi-square of each column's rows over `bins` equal bins, "
+     "and the 1-p quantile of chi2(bins-1)")
     bins = check_int('hash_spread', 'bins', bins, 2)
-    b = (rows - hasher.offsets) * bins // hasher.primes.flatten(1)                      # bin of each row
-    cell = torch.arange(b[0].numel(), device=b.device).view(b.shape[1:]) * bins + b     # one counter per column and bin
-    counts = torch.bincount(cell.flatten(), minlength=b[0].numel() * bins).view(*b.shape[1:], bins).float()
+    # bin of each row
+    b = (rows - hasher.offsets) * bins // hasher.primes.flatten(1)
+    # one counter per column and bin
+    cell = torch.arange(b[0].numel(), device=b.device).view(b.shape[1:]) * bins + b
+    counts = torch.bincount(cell.flatten(), minlength=b[0].numel() * bins)
+    counts = counts.view(*b.shape[1:], bins).float()
     expected = rows.shape[0] / bins
     nu, z = bins - 1, torch.distributions.Normal(0., 1.).icdf(torch.tensor(1 - p)).item()
-    limit = nu * (1 - 2 / (9 * nu) + z * (2 / (9 * nu)) ** 0.5) ** 3                   # Wilson-Hilferty
+    limit = nu * (1 - 2 / (9 * nu) + z * (2 / (9 * nu)) ** 0.5) ** 3   # Wilson-Hilferty
     return ((counts - expected) ** 2 / expected).sum(-1), limit
 
 # %% ../nbs/09_engram.ipynb #859715bd
@@ -255,12 +289,14 @@ class EngramTable:
                              f"got {tuple(records.shape)}")
         self.records, self.head_dim = records, head_dim
         self.row_start = check_int('EngramTable', 'row_start', row_start, 0)
-        self.pinned = records.device.type == 'cpu' and torch.cuda.is_available() and records.is_pinned()   # asked once
+        self.pinned = (records.device.type == 'cpu' and torch.cuda.is_available()
+                       and records.is_pinned())   # asked once
 
     @property
     def rows(self) -> int: return self.records.shape[0]
     @property
-    def placement(self) -> str: return 'gpu' if self.records.is_cuda else 'pinned host' if self.pinned else 'host'
+    def placement(self) -> str:
+        return 'gpu' if self.records.is_cuda else 'pinned host' if self.pinned else 'host'
     def __repr__(self):
         gib = self.records.numel() / 2**30
         return (f"EngramTable({self.rows:,} rows x {self.codec.record_bytes} B = {gib:.3f} GiB, "
@@ -271,58 +307,73 @@ class EngramTable:
 def from_values(cls: EngramTable, values: torch.Tensor, row_start: int = 0):
     "Quantise (rows, head_dim) float values into a table"
     if values.ndim != 2:
-        raise ValueError(f"EngramTable.from_values: expected (rows, head_dim) values, got {tuple(values.shape)}")
-    return cls(FP8Record('engram_row', values.shape[-1], 32).pack(values), values.shape[-1], row_start)
+        raise ValueError(f"EngramTable.from_values: expected (rows, head_dim) values, "
+                         f"got {tuple(values.shape)}")
+    records = FP8Record('engram_row', values.shape[-1], 32).pack(values)
+    return cls(records, values.shape[-1], row_start)
 
 @patch(cls_method=True)
 def from_checkpoint(cls: EngramTable, weight: torch.Tensor, scale: torch.Tensor):
-    "A table from `engram.embed.weight` (rows, head_dim) float8_e4m3fn and `.scale` (rows, head_dim/32) float8_e8m0fnu"
+    ("A table from `engram.embed.weight` (rows, head_dim) float8_e4m3fn "
+     "and `.scale` (rows, head_dim/32) float8_e8m0fnu")
     if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.float8_e8m0fnu:
-        raise TypeError(f"EngramTable.from_checkpoint: expected float8_e4m3fn weight and float8_e8m0fnu scale, "
+        raise TypeError(f"EngramTable.from_checkpoint: "
+                        f"expected float8_e4m3fn weight and float8_e8m0fnu scale, "
                         f"got {weight.dtype} and {scale.dtype}")
     need = (weight.shape[0], weight.shape[-1] // 32)
     if weight.ndim != 2 or tuple(scale.shape) != need:
-        raise ValueError(f"EngramTable.from_checkpoint: weight {tuple(weight.shape)} needs scale {need}, "
-                         f"got {tuple(scale.shape)}")
+        raise ValueError(f"EngramTable.from_checkpoint: weight {tuple(weight.shape)} "
+                         f"needs scale {need}, got {tuple(scale.shape)}")
     return cls(torch.cat([weight.view(torch.uint8), scale.view(torch.uint8)], -1), weight.shape[1])
 
 @patch
 def to_checkpoint(self: EngramTable) -> tuple[torch.Tensor, torch.Tensor]:
-    "The checkpoint's two tensors: weight (rows, head_dim) float8_e4m3fn, scale (rows, head_dim/32) float8_e8m0fnu"
-    values, scales = self.records[:, :self.head_dim].contiguous(), self.records[:, self.head_dim:].contiguous()
+    ("The checkpoint's two tensors: weight (rows, head_dim) float8_e4m3fn, "
+     "scale (rows, head_dim/32) float8_e8m0fnu")
+    values = self.records[:, :self.head_dim].contiguous()
+    scales = self.records[:, self.head_dim:].contiguous()
     return values.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
 
 # %% ../nbs/09_engram.ipynb #5bdb7bf5
 @patch
 def placed(self: EngramTable, where: str, device='cuda'):
-    "The same table in 'gpu' memory or in 'host' memory (pinned when a GPU is present, so kernels can read it over UVA)"
+    ("The same table in 'gpu' memory or in 'host' memory "
+     "(pinned when a GPU is present, so kernels can read it over UVA)")
     if where == 'gpu': return EngramTable(self.records.to(device), self.head_dim, self.row_start)
     if where == 'host':
         r = self.records.cpu()
-        return EngramTable(r.pin_memory() if torch.cuda.is_available() else r, self.head_dim, self.row_start)
+        return EngramTable(r.pin_memory() if torch.cuda.is_available() else r, self.head_dim,
+                           self.row_start)
     raise ValueError(f"EngramTable.placed: placement {where!r}; expected 'gpu' or 'host'")
 
 @patch
 def shard(self: EngramTable, row_start: int, row_stop: int):
     "Global rows [row_start, row_stop) as a table of their own, sharing memory"
     if not self.row_start <= row_start <= row_stop <= self.row_start + self.rows:
-        raise ValueError(f"EngramTable.shard: [{row_start}, {row_stop}) is not inside the table's rows "
+        raise ValueError(f"EngramTable.shard: [{row_start}, {row_stop}) "
+                         f"is not inside the table's rows "
                          f"[{self.row_start}, {self.row_start + self.rows})")
-    return EngramTable(self.records[row_start - self.row_start:row_stop - self.row_start], self.head_dim, row_start)
+    records = self.records[row_start - self.row_start:row_stop - self.row_start]
+    return EngramTable(records, self.head_dim, row_start)
 
 # %% ../nbs/09_engram.ipynb #735332ef
-def engram_lookup_torch(table: EngramTable, ids: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
-    "Reference: rows `ids` (...) dequantised to (..., head_dim); ids outside the table (another shard's) give zeros"
+def engram_lookup_torch(table: EngramTable, ids: torch.Tensor,
+                        dtype=torch.bfloat16) -> torch.Tensor:
+    ("Reference: rows `ids` (...) dequantised to (..., head_dim); "
+     "ids outside the table (another shard's) give zeros")
     local = ids.to(table.records.device) - table.row_start
     held = (local >= 0) & (local < table.rows)
-    if table.rows == 0: return torch.zeros(*ids.shape, table.head_dim, dtype=dtype, device=ids.device)
-    rows = table.codec.unpack(table.records[local.clamp(0, table.rows - 1)])           # (..., head_dim) fp32
+    if table.rows == 0:
+        return torch.zeros(*ids.shape, table.head_dim, dtype=dtype, device=ids.device)
+    # (..., head_dim) fp32
+    rows = table.codec.unpack(table.records[local.clamp(0, table.rows - 1)])
     return torch.where(held[..., None], rows, 0).to(dtype).to(ids.device)
 
 # %% ../nbs/09_engram.ipynb #2b50ec81
 @triton.jit
 def _engram_gather_kernel(
-    table_ptr,          # uint8 (rows, REC) records, in GPU memory or in pinned host memory (read over UVA)
+    table_ptr,          # uint8 (rows, REC) records, in GPU memory or in pinned host memory
+                        # (read over UVA)
     ids_ptr,            # (n,) int32/int64 global row ids
     out_ptr,            # (n, HD) output rows, bf16 or fp32
     n,                  # number of ids
@@ -339,11 +390,13 @@ def _engram_gather_kernel(
     local = tl.load(ids_ptr + i, mask=inb, other=-1).to(tl.int64) - row_start
     held = inb & (local >= 0) & (local < n_rows)
     g, e = tl.arange(0, GROUPS), tl.arange(0, 32)
-    col = g[:, None] * 32 + e[None, :]                                     # (GROUPS, 32) value index
+    col = g[:, None] * 32 + e[None, :]   # (GROUPS, 32) value index
     gm = g < HD // 32
-    rec = table_ptr + local * REC                                          # (ROWS,) record addresses
-    codes = tl.load(rec[:, None, None] + col[None], mask=held[:, None, None] & gm[None, :, None], other=0)
-    sc = tl.load(rec[:, None] + HD + g[None, :], mask=held[:, None] & gm[None, :], other=127).to(tl.int32)
+    rec = table_ptr + local * REC   # (ROWS,) record addresses
+    codes = tl.load(rec[:, None, None] + col[None], mask=held[:, None, None] & gm[None, :, None],
+                    other=0)
+    sc = tl.load(rec[:, None] + HD + g[None, :], mask=held[:, None] & gm[None, :],
+                 other=127).to(tl.int32)
     if HW_CVT: vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else: vals = _e4m3_value(codes.to(tl.int32))
     v = tl.where(held[:, None, None], vals * _ue8m0_value(sc)[:, :, None], 0.0)
@@ -351,21 +404,27 @@ def _engram_gather_kernel(
     tl.store(out, v.to(out_ptr.dtype.element_ty), mask=inb[:, None, None] & gm[None, :, None])
 
 # %% ../nbs/09_engram.ipynb #84e3cd77
-ENGRAM_TUNING = dict(values_per_program=2048, num_warps=4)   # the FP8 gather shape 01b_records' sweep picked
+# the FP8 gather shape 01b_records' sweep picked
+ENGRAM_TUNING = dict(values_per_program=2048, num_warps=4)
 
-def engram_lookup(table: EngramTable,     # the table, or this rank's shard of it
-                  ids: torch.Tensor,      # (...) int32/int64 global row ids, e.g. (tokens, cols) from `NgramHasher`
-                  dtype=torch.bfloat16,   # output dtype (the public code returns bf16)
-                  check: bool = True,     # validate the ids (one device sync)
-                 ) -> torch.Tensor:
-    "Gather and dequantise rows `ids` to (..., head_dim); ids outside the table give zeros (rows another shard holds)"
+def engram_lookup(
+    table: EngramTable,    # the table, or this rank's shard of it
+    ids: torch.Tensor,     # (...) int32/int64 global row ids, e.g. (tokens, cols) from `NgramHasher`
+    dtype=torch.bfloat16,  # output dtype (the public code returns bf16)
+    check: bool = True,    # validate the ids (one device sync)
+) -> torch.Tensor:
+    ("Gather and dequantise rows `ids` to (..., head_dim); "
+     "ids outside the table give zeros (rows another shard holds)")
     if not isinstance(table, EngramTable):
         raise TypeError(f"engram_lookup: expected an EngramTable, got {type(table).__name__}")
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"engram_lookup: expected int32/int64 row ids, got {getattr(ids, 'dtype', type(ids))}")
+        raise TypeError(f"engram_lookup: expected int32/int64 row ids, "
+                        f"got {getattr(ids, 'dtype', type(ids))}")
     if table.records.device != ids.device and not (ids.is_cuda and table.pinned):
-        raise ValueError(f"engram_lookup: the table is in {table.placement} memory and the ids on {ids.device}; "
-                         "put both on one device, or pin the table (`placed('host')`) for the GPU to read it")
+        raise ValueError(f"engram_lookup: the table is in {table.placement} memory "
+                         f"and the ids on {ids.device}; "
+                         "put both on one device, or pin the table (`placed('host')`) "
+                         "for the GPU to read it")
     if check and ids.numel() and not capturing() and int(ids.min()) < 0:
         raise ValueError(f"engram_lookup: negative row id {int(ids.min())}")
     if kernel_backend(ids) == 'torch': return engram_lookup_torch(table, ids, dtype)
@@ -375,8 +434,9 @@ def engram_lookup(table: EngramTable,     # the table, or this rank's shard of i
     groups = triton.next_power_of_2(table.head_dim // 32)
     rows = triton.next_power_of_2(max(1, ENGRAM_TUNING['values_per_program'] // (groups * 32)))
     _engram_gather_kernel[(triton.cdiv(flat.numel(), rows),)](
-        table.records, flat, out, flat.numel(), table.row_start, table.rows, HD=table.head_dim, GROUPS=groups,
-        REC=table.codec.record_bytes, ROWS=rows, HW_CVT=_hw_cvt(), num_warps=ENGRAM_TUNING['num_warps'])
+        table.records, flat, out, flat.numel(), table.row_start, table.rows,
+        HD=table.head_dim, GROUPS=groups, REC=table.codec.record_bytes, ROWS=rows,
+        HW_CVT=_hw_cvt(), num_warps=ENGRAM_TUNING['num_warps'])
     return out
 
 # %% ../nbs/09_engram.ipynb #28f04145
@@ -390,7 +450,8 @@ def engram_kv(rows: torch.Tensor,  # (..., cols, head_dim) looked-up rows
         raise ValueError(f"engram_kv: wkv {tuple(wkv.shape)} does not fit rows {tuple(rows.shape)} "
                          f"and hc_mult {hc_mult}")
     dim = wkv.shape[0] // (hc_mult + 1)
-    kv = F.linear(rows.flatten(-2).to(wkv.dtype), wkv).to(torch.bfloat16)        # (..., dim * (hc_mult + 1))
+    # (..., dim * (hc_mult + 1))
+    kv = F.linear(rows.flatten(-2).to(wkv.dtype), wkv).to(torch.bfloat16)
     key, value = kv.split([hc_mult * dim, dim], -1)
     return key.float().unflatten(-1, (hc_mult, dim)), value
 
@@ -402,58 +463,73 @@ def engram_gate(h: torch.Tensor,         # (..., hc_mult, dim) residual stream c
                 eps: float,              # RMS epsilon (the config's norm_eps, 1e-20)
                 clamp: float = 1e-6,     # floor under |dot| before the square root
                ) -> torch.Tensor:
-    "(..., hc_mult) gates in (0, 1): sigmoid of the signed square root of the normalised dot product of copy and key"
+    ("(..., hc_mult) gates in (0, 1): "
+     "sigmoid of the signed square root of the normalised dot product of copy and key")
     h, w = h.float(), q_weight.float() * k_weight.float()
-    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)   # per token and copy
+    # per token and copy
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
     dot = (h * w * key).sum(-1) * rstd * h.shape[-1] ** -0.5
     return torch.sigmoid(torch.copysign(dot.abs().clamp_min(clamp).sqrt(), dot))
 
 # %% ../nbs/09_engram.ipynb #9a3a4090
-def engram_update(h: torch.Tensor,      # (..., hc_mult, dim) residual stream copies
-                  gate: torch.Tensor,   # (..., hc_mult)
-                  value: torch.Tensor,  # (..., dim)
-                  token_mask: torch.Tensor | None = None,  # (...) False shuts the gate (image tokens)
-                 ) -> torch.Tensor:
+def engram_update(
+    h: torch.Tensor,                         # (..., hc_mult, dim) residual stream copies
+    gate: torch.Tensor,                      # (..., hc_mult)
+    value: torch.Tensor,                     # (..., dim)
+    token_mask: torch.Tensor | None = None,  # (...) False shuts the gate (image tokens)
+) -> torch.Tensor:
     "h + gate * value on each copy, in h's dtype"
     if token_mask is not None: gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
     return (h.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
 # %% ../nbs/09_engram.ipynb #6887118b
 class Engram(torch.nn.Module):
-    "One Engram module: row ids -> FP8 rows -> four keys and a value -> gated add into the residual stream copies"
-    def __init__(self, cfg: ModelConfig,
-                 layer_id: int,           # the backbone layer this module sits in front of
-                 table: EngramTable,      # its table (or this rank's shard), in GPU or pinned host memory
-                 wkv: torch.Tensor,       # (dim * (hc_mult + 1), cols * head_dim)
-                 q_weight: torch.Tensor,  # (hc_mult, dim)
-                 k_weight: torch.Tensor,  # (hc_mult, dim)
-                ):
+    ("One Engram module: row ids -> FP8 rows -> four keys and a value "
+     "-> gated add into the residual stream copies")
+    def __init__(
+        self, cfg: ModelConfig,
+        layer_id: int,           # the backbone layer this module sits in front of
+        table: EngramTable,      # its table (or this rank's shard), in GPU or pinned host memory
+        wkv: torch.Tensor,       # (dim * (hc_mult + 1), cols * head_dim)
+        q_weight: torch.Tensor,  # (hc_mult, dim)
+        k_weight: torch.Tensor,  # (hc_mult, dim)
+    ):
         super().__init__()
         self.cfg = expect_config(cfg, 'Engram')
         if layer_id not in cfg.engram_layer_ids:
-            raise ValueError(f"Engram: layer {layer_id} is not in engram_layer_ids {cfg.engram_layer_ids}")
+            raise ValueError(f"Engram: layer {layer_id} is not in engram_layer_ids "
+                             f"{cfg.engram_layer_ids}")
         cols, stream = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads, (cfg.hc_mult, cfg.dim)
-        for name, t, shape in (('wkv', wkv, (cfg.dim * (cfg.hc_mult + 1), cols * cfg.engram_head_dim)),
+        wkv_shape = (cfg.dim * (cfg.hc_mult + 1), cols * cfg.engram_head_dim)
+        for name, t, shape in (('wkv', wkv, wkv_shape),
                                ('q_weight', q_weight, stream), ('k_weight', k_weight, stream)):
-            if tuple(t.shape) != shape: raise ValueError(f"Engram: {name} has shape {tuple(t.shape)}, expected {shape}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"Engram: {name} has shape {tuple(t.shape)}, expected {shape}")
         if table.head_dim != cfg.engram_head_dim:
-            raise ValueError(f"Engram: table rows hold {table.head_dim} values, the config {cfg.engram_head_dim}")
-        self.layer_id, self.layer_index, self.table = layer_id, cfg.engram_layer_ids.index(layer_id), table
+            raise ValueError(f"Engram: table rows hold {table.head_dim} values, "
+                             f"the config {cfg.engram_head_dim}")
+        self.layer_id, self.table = layer_id, table
+        self.layer_index = cfg.engram_layer_ids.index(layer_id)
         frozen = lambda t: torch.nn.Parameter(t, requires_grad=False)
         self.wkv, self.q_weight, self.k_weight = frozen(wkv), frozen(q_weight), frozen(k_weight)
 
-    def forward(self, h: torch.Tensor,                    # (..., hc_mult, dim) residual stream copies
-                hash_ids: torch.Tensor,                   # (..., cols) rows: hasher(...)[..., layer_index, :]
-                token_mask: torch.Tensor | None = None):  # (...) False for image tokens
-        rows = engram_lookup(self.table, hash_ids)                                       # (..., cols, head_dim)
+    def forward(
+        self,
+        h: torch.Tensor,                         # (..., hc_mult, dim) residual stream copies
+        hash_ids: torch.Tensor,                  # (..., cols) rows: hasher(...)[..., layer_index, :]
+        token_mask: torch.Tensor | None = None,  # (...) False for image tokens
+    ):
+        rows = engram_lookup(self.table, hash_ids)   # (..., cols, head_dim)
         key, value = engram_kv(rows, self.wkv, self.cfg.hc_mult)
-        gate = engram_gate(h, key, self.q_weight, self.k_weight, self.cfg.norm_eps)       # (..., hc_mult)
+        # (..., hc_mult)
+        gate = engram_gate(h, key, self.q_weight, self.k_weight, self.cfg.norm_eps)
         return engram_update(h, gate, value, token_mask)
 
 # %% ../nbs/09_engram.ipynb #9acb8c2c
 @patch(cls_method=True)
 def random(cls: Engram, cfg: ModelConfig, layer_id: int, seed: int = 0):
-    "A module with random weights (unit-variance rows, wkv scaled by 1/sqrt(fan-in)), for tests and demos"
+    ("A module with random weights (unit-variance rows, wkv scaled by 1/sqrt(fan-in)), "
+     "for tests and demos")
     g = torch.Generator().manual_seed(seed)
     rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer_id)]
     fan_in = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads * cfg.engram_head_dim
@@ -464,22 +540,31 @@ def random(cls: Engram, cfg: ModelConfig, layer_id: int, seed: int = 0):
 
 # %% ../nbs/09_engram.ipynb #1e115f89
 def head_shards(cfg: ModelConfig, ranks: int) -> list[list[tuple[int, int, int, int]]]:
-    "[engram layer][rank] (first column, end column, first row, end row): each rank holds whole hash heads"
+    ("[engram layer][rank] (first column, end column, first row, end row): "
+     "each rank holds whole hash heads")
     cols = (expect_config(cfg, 'head_shards').engram_max_ngram_size - 1) * cfg.engram_n_heads
     check_int('head_shards', 'ranks', ranks, 1)
     if ranks > cols:
-        raise ValueError(f"head_shards: {ranks} ranks for {cols} hash heads; a rank holds at least one head")
-    ends = torch.tensor(engram_bucket_primes(cfg), dtype=torch.int64).flatten(1).cumsum(-1).tolist()  # (layers, cols)
-    bounds = [r * cols // ranks for r in range(ranks + 1)]                                        # balanced head counts
+        raise ValueError(f"head_shards: {ranks} ranks for {cols} hash heads; "
+                         f"a rank holds at least one head")
+    # (layers, cols)
+    ends = torch.tensor(engram_bucket_primes(cfg), dtype=torch.int64).flatten(1).cumsum(-1).tolist()
+    bounds = [r * cols // ranks for r in range(ranks + 1)]   # balanced head counts
     return [[(a, b, ([0] + e)[a], ([0] + e)[b]) for a, b in zip(bounds, bounds[1:])] for e in ends]
 
 # %% ../nbs/09_engram.ipynb #b3e6108c
 def sharding_traffic(cfg: ModelConfig, ranks: int, batch: int) -> dict:
-    "Per rank, all Engram layers: table rows and GiB under head sharding, bytes sent per decode step by each collective"
+    ("Per rank, all Engram layers: table rows and GiB under head sharding, "
+     "bytes sent per decode step by each collective")
     shards, cols = head_shards(cfg, ranks), (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
     rec, share = engram_row_codec(cfg).record_bytes, (ranks - 1) / ranks
-    rows = [max(r1 - r0 for *_, r0, r1 in layer) for layer in shards]                 # the largest shard of each table
-    lookups = len(shards) * check_int('sharding_traffic', 'batch', batch, 0) * cols     # rows per step, all modules
-    return dict(ranks=ranks, batch=batch, rows_per_rank=sum(rows), gib_per_rank=sum(rows) * rec / 2**30,
-                allreduce_bytes=2 * share * lookups * cfg.engram_head_dim * 2,          # ring all-reduce of bf16 rows
-                allgather_bytes=share * lookups * rec)                                  # FP8 records, by head
+    # the largest shard of each table
+    rows = [max(r1 - r0 for *_, r0, r1 in layer) for layer in shards]
+    # rows per step, all modules
+    lookups = len(shards) * check_int('sharding_traffic', 'batch', batch, 0) * cols
+    return dict(ranks=ranks, batch=batch, rows_per_rank=sum(rows),
+                gib_per_rank=sum(rows) * rec / 2**30,
+                # ring all-reduce of bf16 rows
+                allreduce_bytes=2 * share * lookups * cfg.engram_head_dim * 2,
+                # FP8 records, by head
+                allgather_bytes=share * lookups * rec)

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
+from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
+                               use_kernels, capturing)
 
 # %% auto #0
 __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'SCALE_FORMATS', 'CACHE_FORMATS', 'e4m3_codes', 'e4m3_values', 'ue8m0_codes',
@@ -30,7 +31,8 @@ def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/01_formats.ipynb #0f8f291d
 def ue8m0_codes(amax: torch.Tensor, max_value: float) -> torch.Tensor:
-    "Biased exponent (int32) of 2^ceil(log2(amax * fp32(1/max_value))): the UE8M0 code of a block scale"
+    ("Biased exponent (int32) of 2^ceil(log2(amax * fp32(1/max_value))): "
+     "the UE8M0 code of a block scale")
     x = (amax.float() * torch.tensor(1.0 / max_value, dtype=torch.float32)).contiguous()
     bits = x.view(torch.int32)
     return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
@@ -53,7 +55,8 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     "4-bit E2M1 codes -> fp32"
     table = _E2M1_ON.get(codes.device)
-    if table is None: table = _E2M1_ON[codes.device] = E2M1_VALUES.to(codes.device)   # copied once per device, not per call
+    # copied once per device, not per call
+    if table is None: table = _E2M1_ON[codes.device] = E2M1_VALUES.to(codes.device)
     mag = table[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 
@@ -67,23 +70,28 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/01_formats.ipynb #c4e5a001
 def _require_int(fn: str, name: str, v, lo: int = 1) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo: raise ValueError(f"{fn}: {name} must be an int >= {lo}, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{fn}: {name} must be an int >= {lo}, got {v!r}")
     return v
 
 def _require_floats(fn: str, x) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim == 0:
-        raise TypeError(f"{fn}: expected a floating-point tensor (..., n), got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(f"{fn}: expected a floating-point tensor (..., n), "
+                        f"got {getattr(x, 'dtype', type(x).__name__)}")
     return x
 
 def _require_bytes(fn: str, name: str, t, width: int | None = None) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.ndim == 0:
-        raise TypeError(f"{fn}: {name} must be a uint8 tensor (..., k), got {getattr(t, 'dtype', type(t).__name__)}")
-    if width is not None and t.shape[-1] != width: raise ValueError(f"{fn}: {name} has last dimension {t.shape[-1]}, expected {width}")
+        raise TypeError(f"{fn}: {name} must be a uint8 tensor (..., k), "
+                        f"got {getattr(t, 'dtype', type(t).__name__)}")
+    if width is not None and t.shape[-1] != width:
+        raise ValueError(f"{fn}: {name} has last dimension {t.shape[-1]}, expected {width}")
     return t
 
 SCALE_FORMATS = ('e4m3', 'ue8m0')
 def _require_scale_format(fn: str, scale_format) -> str:
-    if scale_format not in SCALE_FORMATS: raise ValueError(f"{fn}: scale_format {scale_format!r}; expected one of {SCALE_FORMATS}")
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"{fn}: scale_format {scale_format!r}; expected one of {SCALE_FORMATS}")
     return scale_format
 
 # %% ../nbs/01_formats.ipynb #6554c7d9
@@ -122,12 +130,18 @@ def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int = 32) -
     return v.flatten(-2)[..., :n]
 
 # %% ../nbs/01_formats.ipynb #f6e8ebb7
-def quantize_fp4(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
-    "x (..., n) -> (packed E2M1 (..., n/2) uint8, scale codes (..., n/block) uint8); scale_format 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)"
+def quantize_fp4(x: torch.Tensor, # (..., n) values
+                 block: int, # values sharing one scale (even)
+                 scale_format: str, # 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    ("x (..., n) -> (packed E2M1 (..., n/2) uint8, scale codes (..., n/block) uint8); "
+     "scale_format 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)")
     _require_floats('quantize_fp4', x); _require_int('quantize_fp4', 'block', block, 2)
     _require_scale_format('quantize_fp4', scale_format)
     if block % 2: raise ValueError(f"quantize_fp4: block {block} must be even (two values per byte)")
-    if x.shape[-1] % block: raise ValueError(f"quantize_fp4: last dimension {x.shape[-1]} is not a multiple of the block {block}")
+    if x.shape[-1] % block:
+        raise ValueError(f"quantize_fp4: last dimension {x.shape[-1]} "
+                         f"is not a multiple of the block {block}")
     xg = _groups(x, block)
     bad, amax = _poisoned(xg), _amax(xg)
     if scale_format == 'e4m3':
@@ -136,15 +150,23 @@ def quantize_fp4(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.
     else:
         scode = ue8m0_codes(amax.clamp_min(FP4_MAX * 2.0 ** -126), FP4_MAX)
         scale, bad_code = ue8m0_values(scode.clamp(1, 254)), 0xFF
-    codes = e2m1_codes((torch.where(bad[..., None], 0, xg) / scale[..., None]).clamp(-FP4_MAX, FP4_MAX))
+    codes = e2m1_codes((torch.where(bad[..., None], 0, xg) / scale[..., None])
+                       .clamp(-FP4_MAX, FP4_MAX))
     codes = torch.where(bad[..., None], 0, codes).flatten(-2)
     return pack_nibbles(codes), torch.where(bad, bad_code, scode.int()).to(torch.uint8)
 
-def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
+def dequantize_fp4(packed: torch.Tensor, # (..., n/2) packed E2M1 codes
+                   scales: torch.Tensor, # (..., n/block) scale codes
+                   block: int, # values sharing one scale
+                   scale_format: str, # 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)
+                  ) -> torch.Tensor:
     "Inverse of `quantize_fp4`, fp32"
-    _require_int('dequantize_fp4', 'block', block, 2); _require_scale_format('dequantize_fp4', scale_format)
+    _require_int('dequantize_fp4', 'block', block, 2)
+    _require_scale_format('dequantize_fp4', scale_format)
     _require_bytes('dequantize_fp4', 'packed', packed)
-    if 2 * packed.shape[-1] % block: raise ValueError(f"dequantize_fp4: {2 * packed.shape[-1]} values are not whole blocks of {block}")
+    if 2 * packed.shape[-1] % block:
+        raise ValueError(f"dequantize_fp4: {2 * packed.shape[-1]} values "
+                         f"are not whole blocks of {block}")
     _require_bytes('dequantize_fp4', 'scales', scales, 2 * packed.shape[-1] // block)
     scale = e4m3_values(scales) if scale_format == 'e4m3' else ue8m0_values(scales)
     v = _groups(e2m1_values(unpack_nibbles(packed)), block) * scale[..., None]
@@ -160,20 +182,25 @@ class Field:
     encoding: str
 
 class RecordCodec:
-    "Fixed-width byte records for `dim`-wide vectors: `pack` (..., dim) -> (..., record_bytes) uint8, `unpack` back"
+    ("Fixed-width byte records for `dim`-wide vectors: "
+     "`pack` (..., dim) -> (..., record_bytes) uint8, `unpack` back")
     name: str; dim: int; record_bytes: int; fields: tuple
 
     def _check_vectors(self, x):
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{self.name}: expected a floating-point tensor (..., {self.dim}), got {getattr(x, 'dtype', type(x))}")
+            raise TypeError(f"{self.name}: expected a floating-point tensor (..., {self.dim}), "
+                            f"got {getattr(x, 'dtype', type(x))}")
         if x.ndim == 0 or x.shape[-1] != self.dim:
-            raise ValueError(f"{self.name}: expected last dimension {self.dim}, got shape {tuple(x.shape)}")
+            raise ValueError(f"{self.name}: expected last dimension {self.dim}, "
+                             f"got shape {tuple(x.shape)}")
 
     def _check_records(self, r):
         if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8:
-            raise TypeError(f"{self.name}: expected uint8 records, got {getattr(r, 'dtype', type(r))}")
+            raise TypeError(f"{self.name}: expected uint8 records, "
+                            f"got {getattr(r, 'dtype', type(r))}")
         if r.ndim == 0 or r.shape[-1] != self.record_bytes:
-            raise ValueError(f"{self.name}: expected records of {self.record_bytes} bytes (last dimension), got shape {tuple(r.shape)}")
+            raise ValueError(f"{self.name}: expected records of {self.record_bytes} bytes "
+                             f"(last dimension), got shape {tuple(r.shape)}")
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         self._check_vectors(x); return self._pack(x)
@@ -181,7 +208,8 @@ class RecordCodec:
     def unpack(self, records: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         self._check_records(records); return self._unpack(records).to(dtype)
 
-    def __repr__(self): return f"{type(self).__name__}({self.name}: {self.dim} values -> {self.record_bytes} B)"
+    def __repr__(self):
+        return f"{type(self).__name__}({self.name}: {self.dim} values -> {self.record_bytes} B)"
 
 # %% ../nbs/01_formats.ipynb #db6008fa
 def _fresh(t: torch.Tensor) -> torch.Tensor:
@@ -199,20 +227,34 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class FP8Record(RecordCodec):
     "E4M3 values with UE8M0 (or one fp32) block scales, optional BF16 tail"
-    def __init__(self, name: str, dim: int, block: int = 32, rope_dim: int = 0, fp32_scale: bool = False, pad_to: int = 1):
-        _require_int(f'FP8Record {name!r}', 'dim', dim); _require_int(f'FP8Record {name!r}', 'block', block)
+    def __init__(self,
+                 name: str, # the format's name, in messages
+                 dim: int, # values per vector
+                 block: int = 32, # values sharing one scale
+                 rope_dim: int = 0, # trailing values kept as BF16
+                 # one fp32 scale for all quantised values, not UE8M0 per block
+                 fp32_scale: bool = False,
+                 pad_to: int = 1, # record bytes rounded up to a multiple of this
+                ):
+        _require_int(f'FP8Record {name!r}', 'dim', dim)
+        _require_int(f'FP8Record {name!r}', 'block', block)
         _require_int(f'FP8Record {name!r}', 'pad_to', pad_to)
-        if not isinstance(rope_dim, int) or not 0 <= rope_dim < dim: raise ValueError(f"FP8Record {name!r}: rope_dim must be an int in [0, {dim}), got {rope_dim!r}")
-        self.name, self.dim, self.block, self.rope_dim, self.fp32_scale = name, dim, block, rope_dim, bool(fp32_scale)
+        if not isinstance(rope_dim, int) or not 0 <= rope_dim < dim:
+            raise ValueError(f"FP8Record {name!r}: rope_dim must be an int in [0, {dim}), "
+                             f"got {rope_dim!r}")
+        self.name, self.dim, self.block = name, dim, block
+        self.rope_dim, self.fp32_scale = rope_dim, bool(fp32_scale)
         self.qdim = dim - rope_dim
         self.n_scales = 1 if fp32_scale else triton.cdiv(self.qdim, block)
-        if fp32_scale and block != self.qdim: raise ValueError('an fp32-scaled record has one block spanning all quantised values')
+        if fp32_scale and block != self.qdim:
+            raise ValueError('an fp32-scaled record has one block spanning all quantised values')
         self.scale_offset = self.qdim + 2 * rope_dim
         raw = self.scale_offset + (4 if fp32_scale else self.n_scales)
         self.record_bytes = triton.cdiv(raw, pad_to) * pad_to
         f = [Field('values', 0, self.qdim, 'E4M3')]
         if rope_dim: f.append(Field('rope', self.qdim, self.scale_offset, 'BF16'))
-        f.append(Field('scale' if fp32_scale else 'scales', self.scale_offset, raw, 'fp32' if fp32_scale else 'UE8M0'))
+        f.append(Field('scale' if fp32_scale else 'scales', self.scale_offset, raw,
+                       'fp32' if fp32_scale else 'UE8M0'))
         if raw < self.record_bytes: f.append(Field('pad', raw, self.record_bytes, 'zero'))
         self.fields = tuple(f)
 
@@ -223,7 +265,8 @@ class FP8Record(RecordCodec):
         out[..., :self.qdim] = codes
         if self.rope_dim:
             rope = _fresh(x[..., self.qdim:].to(torch.bfloat16)).view(torch.int16)
-            rope = torch.where(torch.isnan(rope.view(torch.bfloat16)), 0x7FC0, rope)     # one NaN pattern, whatever torch emits
+            # one NaN pattern, whatever torch emits
+            rope = torch.where(torch.isnan(rope.view(torch.bfloat16)), 0x7FC0, rope)
             out[..., self.qdim:self.scale_offset] = _as_bytes(rope)
         if self.fp32_scale:
             scale = torch.where(exps == 255, float('nan'), ue8m0_values(exps.clamp(1, 254)))
@@ -235,10 +278,12 @@ class FP8Record(RecordCodec):
     def _unpack(self, r):
         codes = r[..., :self.qdim]
         if self.fp32_scale:
-            scale = _bytes_as(r[..., self.scale_offset:self.scale_offset + 4], torch.float32)   # (..., 1)
+            # (..., 1)
+            scale = _bytes_as(r[..., self.scale_offset:self.scale_offset + 4], torch.float32)
             v = e4m3_values(codes) * scale
         else:
-            v = dequantize_fp8(codes, r[..., self.scale_offset:self.scale_offset + self.n_scales], self.block)
+            v = dequantize_fp8(codes, r[..., self.scale_offset:self.scale_offset + self.n_scales],
+                               self.block)
         if self.rope_dim:
             rope = _bytes_as(r[..., self.qdim:self.scale_offset], torch.bfloat16).float()
             v = torch.cat([v, rope], -1)
@@ -248,10 +293,12 @@ class FP8Record(RecordCodec):
 class FP4Record(RecordCodec):
     "Packed E2M1 values with one E4M3 (DS-FP4) or UE8M0 (MXFP4) scale per block"
     def __init__(self, name: str, dim: int, block: int, scale_format: str):
-        _require_int(f'FP4Record {name!r}', 'dim', dim); _require_int(f'FP4Record {name!r}', 'block', block, 2)
+        _require_int(f'FP4Record {name!r}', 'dim', dim)
+        _require_int(f'FP4Record {name!r}', 'block', block, 2)
         _require_scale_format(f'FP4Record {name!r}', scale_format)
         if dim % block or block & (block - 1):
-            raise ValueError(f"{name}: dim {dim} must be a multiple of the block {block}, and the block a power of two")
+            raise ValueError(f"{name}: dim {dim} must be a multiple of the block {block}, "
+                             f"and the block a power of two")
         self.name, self.dim, self.block, self.scale_format = name, dim, block, scale_format
         self.n_scales, self.scale_offset = dim // block, dim // 2
         self.record_bytes = self.scale_offset + self.n_scales
@@ -263,23 +310,31 @@ class FP4Record(RecordCodec):
         return torch.cat([packed, scales], -1)
 
     def _unpack(self, r):
-        return dequantize_fp4(r[..., :self.scale_offset], r[..., self.scale_offset:], self.block, self.scale_format)
+        return dequantize_fp4(r[..., :self.scale_offset], r[..., self.scale_offset:], self.block,
+                              self.scale_format)
 
 # %% ../nbs/01_formats.ipynb #7c411294
 _FORMAT_BUILDERS = dict(
-    window_fp8=lambda c, n: FP8Record(n, c.head_dim, 32),                                   # sliding window, every layer
-    fp8_ds_mla=lambda c, n: FP8Record(n, c.head_dim, 64, rope_dim=c.rope_head_dim, pad_to=8), # vLLM's V4 layout
-    ds_fp4=lambda c, n: FP4Record(n, c.head_dim, 16, 'e4m3'),                               # compressed main KV
-    index_mxfp4=lambda c, n: FP4Record(n, c.index_head_dim, 32, 'ue8m0'),                   # index keys, FP4
-    index_fp8=lambda c, n: FP8Record(n, c.index_head_dim, c.index_head_dim, fp32_scale=True))  # index keys, FP8
+    # sliding window, every layer
+    window_fp8=lambda c, n: FP8Record(n, c.head_dim, 32),
+    # vLLM's V4 layout
+    fp8_ds_mla=lambda c, n: FP8Record(n, c.head_dim, 64, rope_dim=c.rope_head_dim, pad_to=8),
+    # compressed main KV
+    ds_fp4=lambda c, n: FP4Record(n, c.head_dim, 16, 'e4m3'),
+    # index keys, FP4
+    index_mxfp4=lambda c, n: FP4Record(n, c.index_head_dim, 32, 'ue8m0'),
+    # index keys, FP8
+    index_fp8=lambda c, n: FP8Record(n, c.index_head_dim, c.index_head_dim, fp32_scale=True))
 CACHE_FORMATS = tuple(_FORMAT_BUILDERS)
 
 def cache_format(cfg: ModelConfig,  # model geometry (head and index-key widths)
                  name: str,         # one of `CACHE_FORMATS`
                 ) -> RecordCodec:
     "The record codec of cache format `name` under config `cfg`; its `.name` is `name`"
-    if not isinstance(cfg, ModelConfig): raise TypeError(f"cache_format: expected a ModelConfig, got {type(cfg).__name__}")
-    if name not in _FORMAT_BUILDERS: raise ValueError(f"unknown cache format {name!r}; expected one of {CACHE_FORMATS}")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cache_format: expected a ModelConfig, got {type(cfg).__name__}")
+    if name not in _FORMAT_BUILDERS:
+        raise ValueError(f"unknown cache format {name!r}; expected one of {CACHE_FORMATS}")
     return _FORMAT_BUILDERS[name](cfg, name)
 
 def record_bytes(cfg: ModelConfig, name: str) -> int:
@@ -292,7 +347,8 @@ def cache_codecs(cfg: ModelConfig) -> dict:
 
 # %% ../nbs/01_formats.ipynb #cf8d7883
 def _hw_cvt() -> bool:
-    "Use the GPU's float conversion instructions (exact, round-to-nearest-even); the interpreter's casts truncate"
+    ("Use the GPU's float conversion instructions (exact, round-to-nearest-even); "
+     "the interpreter's casts truncate")
     return not triton_interpreting()
 
 @triton.jit
@@ -344,8 +400,9 @@ def _ue8m0_value(code):
 def _e2m1_code(v):
     "fp32 in [-6, 6] -> 4-bit E2M1 code (int32), round to nearest even"
     a = tl.abs(v)
-    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-         + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32))
+    c = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+         + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+         + (a > 5.0).to(tl.int32))
     return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 @triton.jit
@@ -367,5 +424,6 @@ def _bf16_bits(v):
 def _zero_tail(cache_ptr, slot, live, REC: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr):
     "Zero the last PAD bytes of the records at `slot` (ROWS,) where `live`"
     pc = tl.arange(0, PAD_P2)
-    tl.store(cache_ptr + slot[:, None] * REC + (REC - PAD) + pc[None, :], tl.zeros((slot.shape[0], PAD_P2), tl.uint8),
+    tl.store(cache_ptr + slot[:, None] * REC + (REC - PAD) + pc[None, :],
+             tl.zeros((slot.shape[0], PAD_P2), tl.uint8),
              mask=live[:, None] & (pc < PAD)[None, :])

@@ -29,16 +29,18 @@ def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     "x as (T, G, K): a plain linear's (T, K) gets a group axis of one"
     return x[:, None] if x.ndim == 2 else x
 
-def fp8_linear_torch(x: torch.Tensor,            # (T, K), or (T, G, K) for a grouped weight
-                     w: QuantWeight,             # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
-                     act_quant: bool = True,     # round x to E4M3 with a UE8M0 scale per 32 first (the public act_quant)
-                     dense: torch.Tensor | None = None,  # w's values (G, N, K) if already at hand (`FP8Linear` keeps them)
-                    ) -> torch.Tensor:           # (T, N) or (T, G, N), in x's dtype
+def fp8_linear_torch(
+    x: torch.Tensor, # (T, K), or (T, G, K) for a grouped weight
+    w: QuantWeight, # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
+    act_quant: bool = True, # round x to E4M3 with a UE8M0 scale per 32 first (the public act_quant)
+    dense: torch.Tensor | None = None, # w's values (G, N, K) if already at hand (`FP8Linear` keeps them)
+) -> torch.Tensor: # (T, N) or (T, G, N), in x's dtype
     "The FP8 projection as the BF16 grid computes it: x (rounded) times the dequantised weight"
     xg = _as_groups(x, w)
     if act_quant: xg = fp8_qdq(xg.to(torch.bfloat16)).to(x.dtype)
-    wd = (w.dequantize() if dense is None else dense).to(x.dtype)                    # (G, N, K), exact in BF16
-    y = F.linear(xg[:, 0], wd[0])[:, None] if wd.shape[0] == 1 else torch.einsum('tgk,gnk->tgn', xg, wd)
+    wd = (w.dequantize() if dense is None else dense).to(x.dtype)   # (G, N, K), exact in BF16
+    if wd.shape[0] == 1: y = F.linear(xg[:, 0], wd[0])[:, None]
+    else: y = torch.einsum('tgk,gnk->tgn', xg, wd)
     return y[:, 0] if x.ndim == 2 else y
 
 # %% ../nbs/09a_fp8_linear.ipynb #fedc465b
@@ -49,44 +51,57 @@ def _fp8_linear_kernel(
     y_ptr, stride_yt, stride_yg,   # (T, G, N) out (SPLIT == 1)
     part_ptr,                      # (SPLIT, T, G, N) fp32 partial sums (SPLIT > 1)
     T, G,
-    K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,   # K steps per slice
+    K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
+    STEPS: tl.constexpr,           # K steps per slice
     BM: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_n, split, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp, rows = pid_mg % G, (pid_mg // G) * BM + tl.arange(0, BM)
-    rm, r64, n, kk = rows < T, rows.to(tl.int64), pid_n * 32 + tl.arange(0, 32), tl.arange(0, BK)
-    w_rows = w_ptr + grp.to(tl.int64) * (N * K) + n.to(tl.int64)[:, None] * K              # (32, 1) row starts
-    s_row = s_ptr + grp.to(tl.int64) * ((N // 32) * (K // 32)) + pid_n * (K // 32)          # this program's scale row
+    rm, r64, n, kk = (rows < T, rows.to(tl.int64), pid_n * 32 + tl.arange(0, 32),
+                      tl.arange(0, BK))
+    # (32, 1) row starts
+    w_rows = w_ptr + grp.to(tl.int64) * (N * K) + n.to(tl.int64)[:, None] * K
+    # this program's scale row
+    s_row = s_ptr + grp.to(tl.int64) * ((N // 32) * (K // 32)) + pid_n * (K // 32)
     x_row = x_ptr + r64 * stride_xt + grp * stride_xg
     acc = tl.zeros((BM, 32), tl.float32)
     for step in range(split * STEPS, tl.minimum((split + 1) * STEPS, K // BK)):
         k0 = step * BK
-        a = tl.load(x_row[:, None] + k0 + kk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)   # (BM, BK)
+        # (BM, BK)
+        a = tl.load(x_row[:, None] + k0 + kk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
         a = _fp8_quant_tile(a, BM, BK, HW_CVT) if ACT else _round_bf16(a, HW_CVT)
-        sw = _pow2(tl.load(s_row + k0 // 32 + tl.arange(0, BK // 32)).to(tl.int32))                  # (BK/32,) block scales
-        a = tl.reshape(tl.reshape(a, (BM, BK // 32, 32)) * sw[None, :, None], (BM, BK))              # exact: powers of two
-        codes = tl.load(w_rows + k0 + kk[None, :])                                                    # (32, BK) uint8
+        # (BK/32,) block scales
+        sw = _pow2(tl.load(s_row + k0 // 32 + tl.arange(0, BK // 32)).to(tl.int32))
+        # exact: powers of two
+        a = tl.reshape(tl.reshape(a, (BM, BK // 32, 32)) * sw[None, :, None], (BM, BK))
+        codes = tl.load(w_rows + k0 + kk[None, :])   # (32, BK) uint8
         acc = tl.dot(a.to(DOT), tl.trans(_codes_f32(codes, HW_CVT).to(DOT)), acc)
     m2 = rm[:, None] & (n < N)[None, :]
     if SPLIT == 1:
-        tl.store(y_ptr + r64[:, None] * stride_yt + grp * stride_yg + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=m2)
+        tl.store(y_ptr + r64[:, None] * stride_yt + grp * stride_yg + n[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=m2)
     else:
         off = ((split * T + r64[:, None]) * G + grp) * N + n[None, :]
         tl.store(part_ptr + off, acc, mask=m2)
 
 # %% ../nbs/09a_fp8_linear.ipynb #1f284eef
 @triton.jit
-def _rope_tile(y, n0, t, inv_ptr, pos_ptr, W: tl.constexpr, ROPE_D: tl.constexpr, HALF: tl.constexpr, HW: tl.constexpr):
-    "W fp32 outputs of token t at columns n0, n0 + 1, ... (n0 even) rounded to BF16 as stored, then rotated as `rope` rotates heads of ROPE_D"
+def _rope_tile(y, n0, t, inv_ptr, pos_ptr,
+               W: tl.constexpr, ROPE_D: tl.constexpr, HALF: tl.constexpr, HW: tl.constexpr):
+    ("W fp32 outputs of token t at columns n0, n0 + 1, ... (n0 even) rounded to BF16 as stored, "
+     "then rotated as `rope` rotates heads of ROPE_D")
     a, b = tl.split(tl.reshape(y.to(tl.bfloat16).to(tl.float32), (W // 2, 2)))
-    a, b = _rotate_pairs(a, b, n0 + 2 * tl.arange(0, W // 2), tl.load(pos_ptr + t).to(tl.float32), inv_ptr, ROPE_D, HALF, False, HW)
+    a, b = _rotate_pairs(a, b, n0 + 2 * tl.arange(0, W // 2), tl.load(pos_ptr + t).to(tl.float32),
+                         inv_ptr, ROPE_D, HALF, False, HW)
     return tl.reshape(tl.join(a, b), (W,))
 
 @triton.jit
-def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, inv_ptr, pos_ptr, N: tl.constexpr, SPLIT: tl.constexpr,
-                       FB: tl.constexpr, ROPE_D: tl.constexpr = 0, HALF: tl.constexpr = 0, HW: tl.constexpr = False,
+def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, inv_ptr, pos_ptr,
+                       N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr,
+                       ROPE_D: tl.constexpr = 0, HALF: tl.constexpr = 0, HW: tl.constexpr = False,
                        PDL: tl.constexpr = False):
-    "The slices added in order into a zero, rounded once; with ROPE_D, rows of heads of ROPE_D columns rotated (`_rope_tile`)"
+    ("The slices added in order into a zero, rounded once; "
+     "with ROPE_D, rows of heads of ROPE_D columns rotated (`_rope_tile`)")
     pdl_wait(PDL)
     row = tl.program_id(0)                                   # one (token, group) row
     t, grp = row // G, row % G
@@ -95,20 +110,24 @@ def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, inv_ptr, pos
     acc = tl.zeros((FB,), tl.float32)
     for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + (s * T * G + row).to(tl.int64) * N + n, mask=nm, other=0.0)
-    if ROPE_D > 0: acc = _rope_tile(acc, tl.program_id(1) * FB, t, inv_ptr, pos_ptr, FB, ROPE_D, HALF, HW)
-    tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n, acc.to(y_ptr.dtype.element_ty), mask=nm)
+    if ROPE_D > 0:
+        acc = _rope_tile(acc, tl.program_id(1) * FB, t, inv_ptr, pos_ptr, FB, ROPE_D, HALF, HW)
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n,
+             acc.to(y_ptr.dtype.element_ty), mask=nm)
 
 # %% ../nbs/09a_fp8_linear.ipynb #879ab90c
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt, stride_yg, part_ptr, T, G, inv_ptr, pos_ptr,
+def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr,
+                     y_ptr, stride_yt, stride_yg, part_ptr, T, G, inv_ptr, pos_ptr,
                      K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr, STEPS: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr,
-                     ROPE_D: tl.constexpr = 0, HALF: tl.constexpr = 0,   # > 0: rotate the output as `fp8_linear_rope`
+                     # > 0: rotate the output as `fp8_linear_rope`
+                     ROPE_D: tl.constexpr = 0, HALF: tl.constexpr = 0,
                      PDL: tl.constexpr = False):
     "The arguments of `_fp8_linear_kernel`; BN output columns of one token and group a program"
     pdl_wait(PDL)
     pid_n, split, pid_tg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    grp, t = pid_tg % G, pid_tg // G                                    # one token and group a program
+    grp, t = pid_tg % G, pid_tg // G   # one token and group a program
     n = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     GK: tl.constexpr = BK // 32
     w_row = grp.to(tl.int64) * N * K + n * K
@@ -117,34 +136,41 @@ def _fp8_gemv_kernel(x_ptr, stride_xt, stride_xg, w_ptr, s_ptr, y_ptr, stride_yt
     acc = tl.zeros((BN, GK), tl.float32)
     for step in range(split * STEPS, tl.minimum((split + 1) * STEPS, K // BK)):
         k0 = tl.multiple_of(step * BK, BK)
-        x = tl.load(x_row + k0 + tl.arange(0, GK)[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32)
+        x = tl.load(x_row + k0 + tl.arange(0, GK)[:, None] * 32
+                    + tl.arange(0, 32)[None, :]).to(tl.float32)
         x = _round_bf16(x, HW_CVT)
         if ACT: x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, GK, 32)), HW_CVT), (GK, 32))
         acc += _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, GK, HW_CVT)
     y = tl.sum(acc, 1)
     if SPLIT == 1:
-        if ROPE_D > 0: y = _rope_tile(y, pid_n * BN, t, inv_ptr, pos_ptr, BN, ROPE_D, HALF, HW_CVT)
-        tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n, y.to(y_ptr.dtype.element_ty))
+        if ROPE_D > 0:
+            y = _rope_tile(y, pid_n * BN, t, inv_ptr, pos_ptr, BN, ROPE_D, HALF, HW_CVT)
+        tl.store(y_ptr + t.to(tl.int64) * stride_yt + grp * stride_yg + n,
+                 y.to(y_ptr.dtype.element_ty))
     else:
         tl.store(part_ptr + ((split * T + t).to(tl.int64) * G + grp) * N + n, y)
 
 
 # %% ../nbs/09a_fp8_linear.ipynb #4f194aa4
-FP8_GEMV_TUNING = {     # tokens (one or two) -> the GEMV's columns a program, K step, warps, programs per multiprocessor
+# tokens (one or two) -> the GEMV's columns a program, K step, warps, programs per multiprocessor
+FP8_GEMV_TUNING = {
     1: dict(block_n=16, block_k=1024, num_warps=4, programs=4),
     2: dict(block_n=16, block_k=512, num_warps=4, programs=4),
 }
 SHORT_K = 2048          # rows this short take 64 columns a program and K steps of 256
-FP8_LINEAR_TUNING = {   # tokens, at most -> the MMA kernel's tile and launch (32 output columns a program)
+# tokens, at most -> the MMA kernel's tile and launch (32 output columns a program)
+FP8_LINEAR_TUNING = {
     16: dict(block_m=16, block_k=256, num_warps=4, num_stages=2),
     32: dict(block_m=32, block_k=256, num_warps=4, num_stages=4),
     64: dict(block_m=64, block_k=128, num_warps=4, num_stages=3),
 }
-FP8_LINEAR_MAX_T = 2    # above: the BF16 values and cuBLAS (the MMA form lost to it on the H200: see the benchmark)
+# above: the BF16 values and cuBLAS (the MMA form lost to it on the H200: see the benchmark)
+FP8_LINEAR_MAX_T = 2
 SPLIT_MAX, SPLIT_PROGRAMS = 16, 4
 
 def _slices(steps: int, tiles: int, programs: int, sms: int, split: int | None) -> int:
-    "K slices: `split` if given, else doubled while the grid holds fewer than `programs` per multiprocessor, up to SPLIT_MAX and the K steps"
+    ("K slices: `split` if given, else doubled while the grid holds fewer than `programs` "
+     "per multiprocessor, up to SPLIT_MAX and the K steps")
     if split is not None:
         if not isinstance(split, int) or isinstance(split, bool) or split < 1:
             raise ValueError(f"fp8_linear: split = {split!r}; expected an int >= 1")
@@ -153,10 +179,11 @@ def _slices(steps: int, tiles: int, programs: int, sms: int, split: int | None) 
     while 2 * split <= min(SPLIT_MAX, steps) and tiles * split < programs * sms: split *= 2
     return split
 
-def fp8_gemv_launch(T: int, G: int, N: int, K: int,     # tokens (1 or 2), groups, output columns, input columns
-                    sms: int,                            # multiprocessors of the device
-                    split: int | None = None,            # K slices (default: fill the GPU)
-                   ) -> dict:
+def fp8_gemv_launch(
+    T: int, G: int, N: int, K: int,  # tokens (1 or 2), groups, output columns, input columns
+    sms: int,                        # multiprocessors of the device
+    split: int | None = None,        # K slices (default: fill the GPU)
+) -> dict:
     "The GEMV's columns a program, K step, slices and grid for a (T, G, K) x (G, N, K) product"
     entry = dict(FP8_GEMV_TUNING[min(max(T, 1), 2)])
     if K <= SHORT_K: entry.update(block_n=64, block_k=256)
@@ -164,18 +191,22 @@ def fp8_gemv_launch(T: int, G: int, N: int, K: int,     # tokens (1 or 2), group
     while N % bn: bn //= 2
     while K % bk: bk //= 2
     steps, tiles = K // bk, N // bn * G * T
-    if split is None:                                   # double while the doubled grid stays within `programs` per multiprocessor
+    if split is None:   # double while the doubled grid stays within `programs` per multiprocessor
         split = 1
-        while 2 * split <= min(SPLIT_MAX, steps) and 2 * split * tiles <= entry['programs'] * sms: split *= 2
+        while 2 * split <= min(SPLIT_MAX, steps) and 2 * split * tiles <= entry['programs'] * sms:
+            split *= 2
     split = _slices(steps, tiles, entry['programs'], sms, split)
-    return dict(entry, block_n=bn, block_k=bk, split=split, steps=triton.cdiv(steps, split), grid=(N // bn, split, T * G))
+    return dict(entry, block_n=bn, block_k=bk, split=split, steps=triton.cdiv(steps, split),
+                grid=(N // bn, split, T * G))
 
-def fp8_linear_launch(T: int, G: int, N: int, K: int,   # tokens, groups, output columns, input columns
-                      sms: int,                          # multiprocessors of the device
-                      split: int | None = None,          # K slices (default: fill the GPU)
-                     ) -> dict:
+def fp8_linear_launch(
+    T: int, G: int, N: int, K: int,  # tokens, groups, output columns, input columns
+    sms: int,                        # multiprocessors of the device
+    split: int | None = None,        # K slices (default: fill the GPU)
+) -> dict:
     "The MMA kernel's tile, slices and grid for a (T, G, K) x (G, N, K) product"
-    entry = next((v for k, v in FP8_LINEAR_TUNING.items() if T <= k), FP8_LINEAR_TUNING[max(FP8_LINEAR_TUNING)])
+    entry = next((v for k, v in FP8_LINEAR_TUNING.items() if T <= k),
+                 FP8_LINEAR_TUNING[max(FP8_LINEAR_TUNING)])
     bm, bk = entry['block_m'], entry['block_k']
     while K % bk: bk //= 2
     steps, tiles = K // bk, triton.cdiv(N, 32) * G * triton.cdiv(max(T, 1), bm)
@@ -187,31 +218,41 @@ def fp8_linear_launch(T: int, G: int, N: int, K: int,   # tokens, groups, output
 # %% ../nbs/09a_fp8_linear.ipynb #54d59e01
 def _check(x, w, act_quant):
     if not isinstance(w, QuantWeight) or w.fmt != 'fp8':
-        raise TypeError(f"fp8_linear: expected an 'fp8' QuantWeight, got {getattr(w, 'fmt', type(w).__name__)!r}")
+        raise TypeError(f"fp8_linear: expected an 'fp8' QuantWeight, "
+                        f"got {getattr(w, 'fmt', type(w).__name__)!r}")
     G, N, K = w.shape
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"fp8_linear: x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(f"fp8_linear: x must be a floating-point tensor, "
+                        f"got {getattr(x, 'dtype', type(x).__name__)}")
     want = (K,) if G == 1 and x.ndim == 2 else (G, K)
     if x.ndim != len(want) + 1 or tuple(x.shape[1:]) != want:
-        raise ValueError(f"fp8_linear: x has shape {tuple(x.shape)}; the weight ({G} group(s) of {N} x {K}) takes (T, {', '.join(map(str, want))})")
-    if x.device != w.codes.device: raise ValueError(f"fp8_linear: x is on {x.device}, the weight on {w.codes.device}")
-    if not isinstance(act_quant, bool): raise TypeError(f"fp8_linear: act_quant must be a bool, got {act_quant!r}")
+        raise ValueError(f"fp8_linear: x has shape {tuple(x.shape)}; "
+                         f"the weight ({G} group(s) of {N} x {K}) "
+                         f"takes (T, {', '.join(map(str, want))})")
+    if x.device != w.codes.device:
+        raise ValueError(f"fp8_linear: x is on {x.device}, the weight on {w.codes.device}")
+    if not isinstance(act_quant, bool):
+        raise TypeError(f"fp8_linear: act_quant must be a bool, got {act_quant!r}")
 
-def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K); |x| <= 2^118 (the GEMV's range)
-               w: QuantWeight,             # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
-               act_quant: bool = True,     # round x to E4M3 with a UE8M0 scale per 32 first
-               split: int | None = None,   # K slices of the kernel (default: the launch rule's)
-               max_t: int | None = None,   # most rows the kernels take (default FP8_LINEAR_MAX_T; at most 64)
-               dense: torch.Tensor | None = None,  # w's BF16 values, for the rows the kernel does not take
-              ) -> torch.Tensor:           # (T, N) or (T, G, N), in x's dtype
-    "x times the FP8 weight as stored: the GEMV for one or two rows, the MMA kernel up to `max_t`, the BF16 reference otherwise"
+def fp8_linear(
+    x: torch.Tensor, # (T, K), or (T, G, K); |x| <= 2^118 (the GEMV's range)
+    w: QuantWeight, # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
+    act_quant: bool = True, # round x to E4M3 with a UE8M0 scale per 32 first
+    split: int | None = None, # K slices of the kernel (default: the launch rule's)
+    max_t: int | None = None, # most rows the kernels take (default FP8_LINEAR_MAX_T; at most 64)
+    dense: torch.Tensor | None = None, # w's BF16 values, for the rows the kernel does not take
+) -> torch.Tensor: # (T, N) or (T, G, N), in x's dtype
+    ("x times the FP8 weight as stored: the GEMV for one or two rows, "
+     "the MMA kernel up to `max_t`, the BF16 reference otherwise")
     _check(x, w, act_quant)
     if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 64):
         raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..64")
     T, (G, N, K) = x.shape[0], w.shape
-    if kernel_backend(x, w.codes) == 'torch' or T == 0 or (not act_quant and x.dtype != torch.bfloat16):
+    if (kernel_backend(x, w.codes) == 'torch' or T == 0
+        or (not act_quant and x.dtype != torch.bfloat16)):
         return fp8_linear_torch(x, w, act_quant, dense)
-    if T > (FP8_LINEAR_MAX_T if max_t is None else max_t):    # cuBLAS on the BF16 values; x rounded in one launch
+    # cuBLAS on the BF16 values; x rounded in one launch
+    if T > (FP8_LINEAR_MAX_T if max_t is None else max_t):
         xq = fp8_act_quant(x.reshape(-1, K)).view(x.shape).to(x.dtype) if act_quant else x
         return fp8_linear_torch(xq, w, False, dense)
     xg = _as_groups(x, w)
@@ -220,33 +261,41 @@ def fp8_linear(x: torch.Tensor,            # (T, K), or (T, G, K); |x| <= 2^118 
     part, slices = _launch(xg, w, act_quant, split, y)
     if slices > 1:
         fb = min(1024, triton.next_power_of_2(N))
-        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, G, y, y, N=N, SPLIT=slices, FB=fb,
-                                                        **pdl_launch(x.device))
+        _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](
+            part, y, y.stride(0), y.stride(1), T, G, y, y, N=N, SPLIT=slices, FB=fb,
+            **pdl_launch(x.device))
     return y[:, 0] if x.ndim == 2 else y
 
 def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None):
-    "The kernel for xg's T rows (the GEMV up to FP8_LINEAR_MAX_T, else the MMA kernel): y written (one slice), or (slices, T, G, N) fp32 sums"
+    ("The kernel for xg's T rows (the GEMV up to FP8_LINEAR_MAX_T, else the MMA kernel): "
+     "y written (one slice), or (slices, T, G, N) fp32 sums")
     T, (G, N, K), x = xg.shape[0], w.shape, xg
     interp = triton_interpreting()
     if T <= FP8_LINEAR_MAX_T:
         s = fp8_gemv_launch(T, G, N, K, sm_count(x.device), split)
-        part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
-        r = rope or dict(inv_ptr=y, pos_ptr=y)                          # the rotation's arguments (`fp8_linear_rope`)
-        _fp8_gemv_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T, G,
-                                    r['inv_ptr'], r['pos_ptr'], K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BN=s['block_n'],
-                                    BK=s['block_k'], ACT=act_quant, HW_CVT=not interp, ROPE_D=r.get('ROPE_D', 0),
-                                    HALF=r.get('HALF', 0), num_warps=s['num_warps'], **pdl_launch(x.device))
+        part = (torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device)
+                if s['split'] > 1 else y)
+        r = rope or dict(inv_ptr=y, pos_ptr=y)   # the rotation's arguments (`fp8_linear_rope`)
+        _fp8_gemv_kernel[s['grid']](
+            xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part,
+            T, G, r['inv_ptr'], r['pos_ptr'], K=K, N=N, SPLIT=s['split'], STEPS=s['steps'],
+            BN=s['block_n'], BK=s['block_k'], ACT=act_quant, HW_CVT=not interp,
+            ROPE_D=r.get('ROPE_D', 0), HALF=r.get('HALF', 0), num_warps=s['num_warps'],
+            **pdl_launch(x.device))
     else:
         s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
-        part = torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device) if s['split'] > 1 else y
-        _fp8_linear_kernel[s['grid']](xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part, T,
-                                      G, K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'],
-                                      ACT=act_quant, HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
-                                      num_warps=s['num_warps'], num_stages=s['num_stages'])
+        part = (torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device)
+                if s['split'] > 1 else y)
+        _fp8_linear_kernel[s['grid']](
+            xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part,
+            T, G, K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'],
+            ACT=act_quant, HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
+            num_warps=s['num_warps'], num_stages=s['num_stages'])
     return part, s['split']
 
 # %% ../nbs/09a_fp8_linear.ipynb #2b20e991
-def assert_linear_close(got: torch.Tensor, x: torch.Tensor, w: QuantWeight, act_quant: bool = True):
+def assert_linear_close(got: torch.Tensor, x: torch.Tensor, w: QuantWeight,
+                        act_quant: bool = True):
     "got == fp8_linear_torch(x, w) up to the order of the fp32 sums and the rounding of the output"
     ref = fp8_linear_torch(x, w, act_quant).float()
     xg = _as_groups(x, w).float()
@@ -258,8 +307,10 @@ def assert_linear_close(got: torch.Tensor, x: torch.Tensor, w: QuantWeight, act_
     err = (got.float() - ref).abs()
     if got.shape != ref.shape or not bool((err <= bound).all()):
         worst = (err - bound).argmax() if got.shape == ref.shape else None
-        raise AssertionError(f"fp8_linear: shape {tuple(got.shape)} vs {tuple(ref.shape)}" if worst is None else
-                             f"fp8_linear: |got - ref| = {float(err.flatten()[worst]):.3g} > {float(bound.flatten()[worst]):.3g} at {int(worst)}")
+        if worst is None:
+            raise AssertionError(f"fp8_linear: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+        raise AssertionError(f"fp8_linear: |got - ref| = {float(err.flatten()[worst]):.3g} "
+                             f"> {float(bound.flatten()[worst]):.3g} at {int(worst)}")
 
 # %% ../nbs/09a_fp8_linear.ipynb #33cc0e30
 class FP8Linear(nn.Module):
@@ -267,28 +318,36 @@ class FP8Linear(nn.Module):
     def __init__(self, w: QuantWeight, act_quant: bool = True):
         super().__init__()
         if not isinstance(w, QuantWeight) or w.fmt != 'fp8':
-            raise TypeError(f"FP8Linear: expected an 'fp8' QuantWeight, got {getattr(w, 'fmt', type(w).__name__)!r}")
+            raise TypeError(f"FP8Linear: expected an 'fp8' QuantWeight, "
+                            f"got {getattr(w, 'fmt', type(w).__name__)!r}")
         self.codes = nn.Parameter(w.codes, requires_grad=False)
         self.scales = nn.Parameter(w.scales, requires_grad=False)
         self.act_quant = act_quant
 
     @classmethod
-    def from_master(cls, weight: torch.Tensor, act_quant: bool = True, groups: int = 1) -> 'FP8Linear':
-        "Quantise a master weight (out, in); with `groups`, its rows are `groups` blocks, each applied to its own columns"
+    def from_master(cls, weight: torch.Tensor, act_quant: bool = True,
+                    groups: int = 1) -> 'FP8Linear':
+        ("Quantise a master weight (out, in); "
+         "with `groups`, its rows are `groups` blocks, each applied to its own columns")
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[0] % groups:
-            raise ValueError(f"FP8Linear.from_master: expected (out, in) with out divisible by groups = {groups}, "
+            raise ValueError(f"FP8Linear.from_master: expected (out, in) "
+                             f"with out divisible by groups = {groups}, "
                              f"got {tuple(getattr(weight, 'shape', ()))}")
-        return cls(quantize_weight(weight.detach().float().unflatten(0, (groups, -1)), 'fp8'), act_quant)
+        w = quantize_weight(weight.detach().float().unflatten(0, (groups, -1)), 'fp8')
+        return cls(w, act_quant)
 
     @property
     def weight(self) -> QuantWeight: return QuantWeight(self.codes, self.scales, 'fp8')
     def extra_repr(self):
         G, N, K = self.weight.shape
-        return f"{K} -> {N}{f' x {G} groups' if G > 1 else ''}, fp8 weight, act_quant={self.act_quant}"
+        return (f"{K} -> {N}{f' x {G} groups' if G > 1 else ''}, "
+                f"fp8 weight, act_quant={self.act_quant}")
     def dense(self) -> torch.Tensor:
-        "The weight's values in BF16 (G, N, K), built once per device: what cuBLAS multiplies above FP8_LINEAR_MAX_T rows"
+        ("The weight's values in BF16 (G, N, K), built once per device: "
+         "what cuBLAS multiplies above FP8_LINEAR_MAX_T rows")
         key = (self.codes.data_ptr(), self.codes._version, self.codes.device)
-        if getattr(self, '_dense_key', None) != key: self._dense, self._dense_key = self.weight.dequantize().to(torch.bfloat16), key
+        if getattr(self, '_dense_key', None) != key:
+            self._dense, self._dense_key = self.weight.dequantize().to(torch.bfloat16), key
         return self._dense
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = isinstance(x, torch.Tensor) and x.ndim >= 1 and 0 < x.shape[0] <= FP8_LINEAR_MAX_T
@@ -297,63 +356,77 @@ class FP8Linear(nn.Module):
 # %% ../nbs/09a_fp8_linear.ipynb #c1017a94
 @triton.jit
 def _sum_norm_rope_kernel(src_ptr, w_ptr, y_ptr, inv_ptr, pos_ptr, eps, T,
-                          N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-                          ROPE: tl.constexpr, PDL: tl.constexpr = False):
-    "One token a program: the GEMV's slices summed (or its BF16 output read), RMSNorm, then RoPE on the last 2·HALF columns"
+                          N: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                          HALF: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr = False):
+    ("One token a program: the GEMV's slices summed (or its BF16 output read), RMSNorm, "
+     "then RoPE on the last 2·HALF columns")
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_N)
     m = c < N
-    if SPLIT == 1: x = tl.load(src_ptr + t * N + c, mask=m, other=0.0).to(tl.float32)         # the GEMV wrote BF16
+    # the GEMV wrote BF16
+    if SPLIT == 1: x = tl.load(src_ptr + t * N + c, mask=m, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros((BLOCK_N,), tl.float32)
-        for s in tl.static_range(SPLIT): acc += tl.load(src_ptr + (s * T + t) * N + c, mask=m, other=0.0)
-        x = acc.to(tl.bfloat16).to(tl.float32)                                                   # as the slices' sum stores it
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(src_ptr + (s * T + t) * N + c, mask=m, other=0.0)
+        x = acc.to(tl.bfloat16).to(tl.float32)   # as the slices' sum stores it
     xd = x.to(tl.float64)
     inv = (1.0 / tl.sqrt(tl.sum(xd * xd, axis=0) / N + eps)).to(tl.float32)
     y = _bf16_round(tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32) * (x * inv))
     if ROPE:
-        a, b = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))                                       # the interleaved pairs
-        p = tl.arange(0, BLOCK_N // 2) - (N // 2 - HALF)                                          # frequency index; < 0: not rotated
+        a, b = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))   # the interleaved pairs
+        p = tl.arange(0, BLOCK_N // 2) - (N // 2 - HALF)   # frequency index; < 0: not rotated
         rot = (p >= 0) & (p < HALF)
-        ang = (tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_ptr + p, mask=rot, other=0.0)).to(tl.float64)
+        ang = (tl.load(pos_ptr + t).to(tl.float32)
+               * tl.load(inv_ptr + p, mask=rot, other=0.0)).to(tl.float64)
         cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
         ya, yb = _bf16_round(a * cos - b * sin), _bf16_round(a * sin + b * cos)
         y = tl.reshape(tl.join(tl.where(rot, ya, a), tl.where(rot, yb, b)), (BLOCK_N,))
     tl.store(y_ptr + t * N + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
 # %% ../nbs/09a_fp8_linear.ipynb #e42f51e6
-def fp8_linear_norm(x: torch.Tensor,           # (T, K) BF16
-                    w: QuantWeight,            # 'fp8', one group: (1, N, K)
-                    norm_weight: torch.Tensor, # (N,) the RMSNorm's weight
-                    eps: float,                # and its eps
-                    act_quant: bool = True,    # as `fp8_linear`'s
-                    inv_freq: torch.Tensor | None = None,   # (rope_dim/2,) fp32: rotate the last rope_dim columns (`rope`)
-                    positions: torch.Tensor | None = None,  # (T,) integer positions, with inv_freq
-                    split: int | None = None,  # K slices of the GEMV (default: the launch rule's)
-                   ) -> torch.Tensor:          # (T, N) BF16
-    "`rms_norm_fused(fp8_linear(x, w))`, then `rope` at `positions` if `inv_freq` is given: two launches for one or two rows"
+def fp8_linear_norm(
+    x: torch.Tensor, # (T, K) BF16
+    w: QuantWeight, # 'fp8', one group: (1, N, K)
+    norm_weight: torch.Tensor, # (N,) the RMSNorm's weight
+    eps: float, # and its eps
+    act_quant: bool = True, # as `fp8_linear`'s
+    inv_freq: torch.Tensor | None = None, # (rope_dim/2,) fp32: rotate the last rope_dim columns (`rope`)
+    positions: torch.Tensor | None = None, # (T,) integer positions, with inv_freq
+    split: int | None = None, # K slices of the GEMV (default: the launch rule's)
+) -> torch.Tensor: # (T, N) BF16
+    ("`rms_norm_fused(fp8_linear(x, w))`, then `rope` at `positions` if `inv_freq` is given: "
+     "two launches for one or two rows")
     _check(x, w, act_quant)
     G, N, K = w.shape
-    if G != 1 or x.ndim != 2: raise ValueError(f"fp8_linear_norm: takes an ungrouped weight and x (T, K); got {G} groups, x {tuple(x.shape)}")
+    if G != 1 or x.ndim != 2:
+        raise ValueError(f"fp8_linear_norm: takes an ungrouped weight and x (T, K); "
+                         f"got {G} groups, x {tuple(x.shape)}")
     if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != (N,):
-        raise ValueError(f"fp8_linear_norm: norm_weight must have shape ({N},), got {tuple(getattr(norm_weight, 'shape', ()))}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0: raise ValueError(f"fp8_linear_norm: eps = {eps!r}; expected a float >= 0")
-    if (inv_freq is None) != (positions is None): raise ValueError("fp8_linear_norm: inv_freq and positions come together")
+        raise ValueError(f"fp8_linear_norm: norm_weight must have shape ({N},), "
+                         f"got {tuple(getattr(norm_weight, 'shape', ()))}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"fp8_linear_norm: eps = {eps!r}; expected a float >= 0")
+    if (inv_freq is None) != (positions is None):
+        raise ValueError("fp8_linear_norm: inv_freq and positions come together")
     rotate = inv_freq is not None
     if rotate: positions = _check_rope(x, inv_freq, positions)
     T = x.shape[0]
-    if (kernel_backend(x, w.codes, norm_weight) == 'torch' or not 0 < T <= FP8_LINEAR_MAX_T or x.dtype != torch.bfloat16
+    if (kernel_backend(x, w.codes, norm_weight) == 'torch' or not 0 < T <= FP8_LINEAR_MAX_T
+            or x.dtype != torch.bfloat16
             or (rotate and (inv_freq.dtype != torch.float32 or N % 2))):
         y = rms_norm_fused(fp8_linear(x, w, act_quant, split), norm_weight, eps)
         return rope(y, inv_freq, positions) if rotate else y
     y = torch.empty(T, 1, N, dtype=x.dtype, device=x.device)
     part, slices = _launch(x.contiguous()[:, None], w, act_quant, split, y)
-    eps32 = struct.unpack('f', struct.pack('f', eps))[0]                  # as `rms_norm` rounds it
-    _sum_norm_rope_kernel[(T,)](part if slices > 1 else y, norm_weight.contiguous(), y, inv_freq if rotate else y,
-                                positions.contiguous() if rotate else y, eps32, T, N=N, SPLIT=slices,
-                                BLOCK_N=triton.next_power_of_2(N), HALF=inv_freq.numel() if rotate else 0, ROPE=rotate,
-                                num_warps=8 if N > 2048 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
+    eps32 = struct.unpack('f', struct.pack('f', eps))[0]   # as `rms_norm` rounds it
+    _sum_norm_rope_kernel[(T,)](part if slices > 1 else y, norm_weight.contiguous(), y,
+                                inv_freq if rotate else y, positions.contiguous() if rotate else y,
+                                eps32, T, N=N, SPLIT=slices, BLOCK_N=triton.next_power_of_2(N),
+                                HALF=inv_freq.numel() if rotate else 0, ROPE=rotate,
+                                num_warps=8 if N > 2048 else 4, enable_fp_fusion=False,
+                                **pdl_launch(x.device))
     return y[:, 0]
 
 # %% ../nbs/09a_fp8_linear.ipynb #eab2a04c
@@ -364,34 +437,43 @@ def fp8_linear_rope(x: torch.Tensor,          # (T, K) BF16
                     head_dim: int,            # columns a head: each head's last rope_dim are rotated
                     act_quant: bool = True, split: int | None = None,   # as `fp8_linear`'s
                    ) -> torch.Tensor:         # (T, N) BF16
-    "`rope` of `fp8_linear(x, w)`'s heads at `positions`: the rotation in the GEMV's epilogue (or its slices' sum) for one or two rows"
+    ("`rope` of `fp8_linear(x, w)`'s heads at `positions`: "
+     "the rotation in the GEMV's epilogue (or its slices' sum) for one or two rows")
     _check(x, w, act_quant)
     G, N, K = w.shape
     check_int('fp8_linear_rope', 'head_dim', head_dim, 2)
     if G != 1 or x.ndim != 2 or N % head_dim or head_dim % 2:
-        raise ValueError(f"fp8_linear_rope: takes an ungrouped weight, x (T, K) and an even head_dim dividing N = {N}; got "
+        raise ValueError(f"fp8_linear_rope: takes an ungrouped weight, x (T, K) "
+                         f"and an even head_dim dividing N = {N}; got "
                          f"{G} groups, x {tuple(x.shape)}, head_dim {head_dim}")
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.ndim != 1 or head_dim < 2 * inv_freq.numel():
-        raise ValueError(f"fp8_linear_rope: inv_freq must be 1-D with at most head_dim / 2 = {head_dim // 2} frequencies, got "
+    if (not isinstance(inv_freq, torch.Tensor) or inv_freq.ndim != 1
+        or head_dim < 2 * inv_freq.numel()):
+        raise ValueError(f"fp8_linear_rope: inv_freq must be 1-D "
+                         f"with at most head_dim / 2 = {head_dim // 2} frequencies, got "
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
     positions = _check_rope(x, inv_freq, positions)
     T = x.shape[0]
-    if (kernel_backend(x, w.codes) == 'torch' or not 0 < T <= FP8_LINEAR_MAX_T or x.dtype != torch.bfloat16
-            or inv_freq.dtype != torch.float32):
-        return rope(fp8_linear(x, w, act_quant, split).unflatten(-1, (-1, head_dim)), inv_freq, positions).flatten(1)
+    if (kernel_backend(x, w.codes) == 'torch' or not 0 < T <= FP8_LINEAR_MAX_T
+            or x.dtype != torch.bfloat16 or inv_freq.dtype != torch.float32):
+        heads = fp8_linear(x, w, act_quant, split).unflatten(-1, (-1, head_dim))
+        return rope(heads, inv_freq, positions).flatten(1)
     y = torch.empty(T, 1, N, dtype=x.dtype, device=x.device)
-    r = dict(inv_ptr=inv_freq.contiguous(), pos_ptr=positions.contiguous(), ROPE_D=head_dim, HALF=inv_freq.numel())
+    r = dict(inv_ptr=inv_freq.contiguous(), pos_ptr=positions.contiguous(), ROPE_D=head_dim,
+             HALF=inv_freq.numel())
     part, slices = _launch(x.contiguous()[:, None], w, act_quant, split, y, r)
     if slices > 1:
         fb = min(1024, triton.next_power_of_2(N))
-        _slices_sum_kernel[(T, triton.cdiv(N, fb))](part, y, y.stride(0), y.stride(1), T, 1, r['inv_ptr'], r['pos_ptr'], N=N,
-                                                    SPLIT=slices, FB=fb, ROPE_D=head_dim, HALF=inv_freq.numel(),
-                                                    HW=not triton_interpreting(), **pdl_launch(x.device))
+        _slices_sum_kernel[(T, triton.cdiv(N, fb))](
+            part, y, y.stride(0), y.stride(1), T, 1, r['inv_ptr'], r['pos_ptr'], N=N, SPLIT=slices,
+            FB=fb, ROPE_D=head_dim, HALF=inv_freq.numel(), HW=not triton_interpreting(),
+            **pdl_launch(x.device))
     return y[:, 0]
 
 # %% ../nbs/09a_fp8_linear.ipynb #1c99fd29
 @triton.jit
-def _head_kernel(y_ptr, h_ptr, o_ptr, T, V, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+def _head_kernel(y_ptr, h_ptr, o_ptr, T, V,
+                 K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PDL: tl.constexpr = False):
     pdl_wait(PDL)
     v = tl.program_id(0) * BN + tl.arange(0, BN)
     rows, kk = tl.arange(0, BM), tl.arange(0, BK)
@@ -399,31 +481,42 @@ def _head_kernel(y_ptr, h_ptr, o_ptr, T, V, K: tl.constexpr, BM: tl.constexpr, B
     h_row = v.to(tl.int64) * K
     acc3 = tl.zeros((BM, BN, BK), tl.float32)                     # summed along K once, at the end
     for k0 in range(0, K, BK):
-        h = tl.load(h_ptr + h_row[:, None] + k0 + kk[None, :], mask=vm[:, None], other=0.0).to(tl.float32)    # (BN, BK)
-        y = tl.load(y_ptr + rows[:, None] * K + k0 + kk[None, :], mask=rm[:, None], other=0.0)               # (BM, BK)
+        h = tl.load(h_ptr + h_row[:, None] + k0 + kk[None, :], mask=vm[:, None],
+                    other=0.0).to(tl.float32)   # (BN, BK)
+        # (BM, BK)
+        y = tl.load(y_ptr + rows[:, None] * K + k0 + kk[None, :], mask=rm[:, None], other=0.0)
         acc3 += y[:, None, :] * h[None, :, :]
     acc = tl.sum(acc3, axis=2)
-    tl.store(o_ptr + rows[:, None].to(tl.int64) * V + v[None, :], acc, mask=rm[:, None] & vm[None, :])
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * V + v[None, :], acc,
+             mask=rm[:, None] & vm[None, :])
 
-HEAD_MAX_T = 2   # rows the kernel takes; more go to the fp32 GEMM (at 4 rows it only matched it on the H200)
+# rows the kernel takes; more go to the fp32 GEMM (at 4 rows it only matched it on the H200)
+HEAD_MAX_T = 2
 
 def head_logits(y: torch.Tensor,      # (T, K) fp32 final-norm output
                 head: torch.Tensor,   # (V, K) BF16 head
                ) -> torch.Tensor:     # (T, V) fp32 logits
-    "y times the BF16 head in fp32: the kernel for up to HEAD_MAX_T rows, else F.linear on the head in fp32"
+    ("y times the BF16 head in fp32: the kernel for up to HEAD_MAX_T rows, "
+     "else F.linear on the head in fp32")
     if not isinstance(head, torch.Tensor) or head.ndim != 2 or head.dtype != torch.bfloat16:
-        raise TypeError(f"head_logits: expected a BF16 head (vocab, dim), got {getattr(head, 'dtype', type(head).__name__)} "
+        raise TypeError(f"head_logits: expected a BF16 head (vocab, dim), "
+                        f"got {getattr(head, 'dtype', type(head).__name__)} "
                         f"{tuple(getattr(head, 'shape', ()))}")
-    if not isinstance(y, torch.Tensor) or y.dtype != torch.float32 or y.ndim != 2 or y.shape[1] != head.shape[1]:
-        raise ValueError(f"head_logits: expected fp32 y (T, {head.shape[1]}), got {getattr(y, 'dtype', type(y).__name__)} "
+    if (not isinstance(y, torch.Tensor) or y.dtype != torch.float32 or y.ndim != 2
+        or y.shape[1] != head.shape[1]):
+        raise ValueError(f"head_logits: expected fp32 y (T, {head.shape[1]}), "
+                         f"got {getattr(y, 'dtype', type(y).__name__)} "
                          f"{tuple(getattr(y, 'shape', ()))}")
-    if y.device != head.device: raise ValueError(f"head_logits: y is on {y.device}, the head on {head.device}")
+    if y.device != head.device:
+        raise ValueError(f"head_logits: y is on {y.device}, the head on {head.device}")
     T, (V, K) = y.shape[0], head.shape
-    if kernel_backend(y, head) == 'torch' or not 0 < T <= HEAD_MAX_T or K % 32: return F.linear(y, head.float())
+    if kernel_backend(y, head) == 'torch' or not 0 < T <= HEAD_MAX_T or K % 32:
+        return F.linear(y, head.float())
     bm = triton.next_power_of_2(T)
     bk = max(16, 128 // bm)
     if K % bk: return F.linear(y, head.float())
     out = torch.empty(T, V, dtype=torch.float32, device=y.device)
-    _head_kernel[(triton.cdiv(V, 64),)](y.contiguous(), head.contiguous(), out, T, V, K=K, BM=bm, BN=64, BK=bk, num_warps=4,
+    _head_kernel[(triton.cdiv(V, 64),)](y.contiguous(), head.contiguous(), out, T, V,
+                                        K=K, BM=bm, BN=64, BK=bk, num_warps=4,
                                         **pdl_launch(y.device))
     return out

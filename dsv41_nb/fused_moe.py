@@ -10,10 +10,12 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import kernel_backend, triton_interpreting, median_time, graph_time, copy_bandwidth, sm_count
+from .dispatch import (kernel_backend, triton_interpreting, median_time, graph_time,
+                               copy_bandwidth, sm_count)
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits
-from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_hidden, expert_output, moe_experts_reference,
-                          moe_bytes_flops, _check_routing, _check_x, _shape)
+from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_hidden,
+                          expert_output, moe_experts_reference, moe_bytes_flops,
+                          _check_routing, _check_x, _shape)
 
 # %% auto #0
 __all__ = ['MOE_TILES', 'MOE_TUNING', 'ExpertAlignment', 'align_by_expert_torch', 'align_by_expert', 'fp8_act_quant',
@@ -25,15 +27,18 @@ __all__ = ['MOE_TILES', 'MOE_TUNING', 'ExpertAlignment', 'align_by_expert_torch'
 @dataclass
 class ExpertAlignment:
     "Assignments (token t, slot j) -> row a = t*k + j, grouped by expert and padded to whole row blocks"
-    sorted_ids: torch.Tensor | None  # (num_blocks * block_m,) int32 ids by expert, n_assign = padding; None: identity
-    block_expert: torch.Tensor | None  # (num_blocks,) int32 expert of each row block, -1 = past the end
+    # (num_blocks * block_m,) int32 ids by expert, n_assign = padding; None: identity
+    sorted_ids: torch.Tensor | None
+    # (num_blocks,) int32 expert of each row block, -1 = past the end
+    block_expert: torch.Tensor | None
     n_assign: int  # tokens * k
     topk: int  # k: assignment a belongs to token a // k
     block_m: int  # rows per block
 
     @property
     def num_blocks(self) -> int:
-        return triton.cdiv(self.n_assign, self.block_m) if self.sorted_ids is None else self.block_expert.numel()
+        return (triton.cdiv(self.n_assign, self.block_m) if self.sorted_ids is None
+                else self.block_expert.numel())
 
     @classmethod
     def identity(cls, n_tokens: int, block_m: int):
@@ -50,13 +55,14 @@ def align_by_expert_torch(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
     A, nb = flat.numel(), _max_blocks(flat.numel(), n_experts, block_m)
     counts = torch.bincount(flat, minlength=n_experts)                               # (E,)
     padded = (counts + block_m - 1) // block_m * block_m
-    order = torch.argsort(flat, stable=True)                                          # assignment ids by expert
+    order = torch.argsort(flat, stable=True)   # assignment ids by expert
     rank = torch.arange(A, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
     sorted_ids = torch.full((nb * block_m,), A, dtype=torch.int32, device=flat.device)
     sorted_ids[(torch.cumsum(padded, 0) - padded)[flat[order]] + rank] = order.int()
     ends = torch.cumsum(padded, 0)
     starts = torch.arange(nb, device=flat.device) * block_m
-    block_expert = torch.where(starts < ends[-1], torch.searchsorted(ends, starts, right=True), -1).int()
+    expert_of = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(starts < ends[-1], expert_of, -1).int()
     return ExpertAlignment(sorted_ids, block_expert, A, topk_ids.shape[1], block_m)
 
 # %% ../nbs/08b_fused_moe.ipynb #23ee679d
@@ -64,7 +70,8 @@ def align_by_expert_torch(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
 def _align_kernel(
     ids_ptr,            # (n_assign,) expert id of each assignment
     n_assign,           # tokens * k
-    sorted_ptr,         # (n_blocks * BM,) int32 out: assignment ids grouped by expert, n_assign = padding
+    sorted_ptr,         # (n_blocks * BM,) int32 out: assignment ids grouped by expert,
+                        # n_assign = padding
     block_expert_ptr,   # (n_blocks,) int32 out: expert of each row block, -1 = unused
     n_blocks,           # row blocks allocated (an upper bound)
     E: tl.constexpr,    # experts (one program each)
@@ -76,9 +83,10 @@ def _align_kernel(
     bins, off = tl.arange(0, BINS), tl.arange(0, CHUNK)
     counts = tl.zeros((BINS,), tl.int32)
     for c0 in range(0, n_assign, CHUNK):
-        counts += tl.histogram(tl.load(ids_ptr + c0 + off, mask=c0 + off < n_assign, other=E).to(tl.int32), BINS)
+        counts += tl.histogram(
+            tl.load(ids_ptr + c0 + off, mask=c0 + off < n_assign, other=E).to(tl.int32), BINS)
     padded = tl.where(bins < E, (counts + BM - 1) // BM * BM, 0)
-    start = tl.sum(tl.where(bins < e, padded, 0), 0)                  # first row of this expert's group
+    start = tl.sum(tl.where(bins < e, padded, 0), 0)   # first row of this expert's group
     mine = tl.sum(tl.where(bins == e, counts, 0), 0)
     my_rows = tl.sum(tl.where(bins == e, padded, 0), 0)
     seen = 0
@@ -91,7 +99,7 @@ def _align_kernel(
     tl.store(sorted_ptr + start + mine + pad, n_assign, mask=pad < my_rows - mine)
     for b0 in range(0, my_rows // BM, CHUNK):
         tl.store(block_expert_ptr + start // BM + b0 + off, e, mask=b0 + off < my_rows // BM)
-    if e == 0:                                                         # label the blocks past the last group
+    if e == 0:   # label the blocks past the last group
         used = tl.sum(padded, 0) // BM
         for b0 in range(used, n_blocks, CHUNK):
             tl.store(block_expert_ptr + b0 + off, -1, mask=b0 + off < n_blocks)
@@ -103,9 +111,12 @@ def align_by_expert(topk_ids: torch.Tensor,  # (tokens, k) expert ids
                     n_experts: int,  # experts ids range over 0..n_experts-1
                     block_m: int,  # rows per block, a power of two >= 16
                    ) -> ExpertAlignment:
-    "Group the assignments by expert, padded to whole blocks of `block_m` rows (vLLM's moe_align_block_size)"
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.ndim != 2:
-        raise TypeError(f"topk_ids: expected an int32/int64 tensor (tokens, k), got {_shape(topk_ids)}")
+    ("Group the assignments by expert, padded to whole blocks of `block_m` rows "
+     "(vLLM's moe_align_block_size)")
+    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
+        or topk_ids.ndim != 2):
+        raise TypeError(f"topk_ids: expected an int32/int64 tensor (tokens, k), "
+                        f"got {_shape(topk_ids)}")
     if not isinstance(n_experts, int) or n_experts < 1:
         raise ValueError(f"n_experts = {n_experts!r}; expected an int >= 1")
     if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
@@ -139,9 +150,12 @@ def _fp8_qdq_groups(v, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _mxfp4_pair(byte, scale):
-    "Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` (fp32: 2^14 x UE8M0 scale)"
-    t = byte * 4097                                                    # low nibble at bits 0-3, high at bits 16-19
-    half2 = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)        # two FP16 patterns, each E2M1 / 2^14
+    ("Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` "
+     "(fp32: 2^14 x UE8M0 scale)")
+    # low nibble at bits 0-3, high at bits 16-19
+    t = byte * 4097
+    # two FP16 patterns, each E2M1 / 2^14
+    half2 = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)
     lo = half2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (half2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo * scale, hi * scale
@@ -158,44 +172,59 @@ def _act_quant_kernel(
     HW_CVT: tl.constexpr,
 ):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    col = (tl.program_id(1) * GB + tl.arange(0, GB))[None, :, None] * 32 + tl.arange(0, 32)[None, None, :]
+    col = ((tl.program_id(1) * GB + tl.arange(0, GB))[None, :, None] * 32
+           + tl.arange(0, 32)[None, None, :])
     m = (r < n_rows)[:, None, None] & (col < D)
     off = r.to(tl.int64)[:, None, None] * D + col
-    x = _round_bf16(tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32), HW_CVT)  # (ROWS, GB, 32)
+    # (ROWS, GB, 32)
+    x = _round_bf16(tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32), HW_CVT)
     tl.store(y_ptr + off, _fp8_qdq_groups(x, HW_CVT).to(y_ptr.dtype.element_ty), mask=m)
 
 def fp8_act_quant(x: torch.Tensor,  # (tokens, dim) activations, dim a multiple of 32
                  ) -> torch.Tensor:
-    "BF16 (tokens, dim): the values of `x` quantised to E4M3 with one UE8M0 scale per 32 (the public `act_quant`)"
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim != 2 or x.shape[1] % 32:
-        raise ValueError(f"fp8_act_quant: expected floats (tokens, dim) with dim a multiple of 32, got {_shape(x)}")
+    ("BF16 (tokens, dim): the values of `x` quantised to E4M3 with one UE8M0 scale per 32 "
+     "(the public `act_quant`)")
+    if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim != 2
+        or x.shape[1] % 32):
+        raise ValueError(f"fp8_act_quant: expected floats (tokens, dim) with dim a multiple of 32, "
+                         f"got {_shape(x)}")
     if kernel_backend(x) == 'torch' or x.numel() == 0: return fp8_qdq(x).to(torch.bfloat16)
     T, D = x.shape
-    y, gb = torch.empty(T, D, dtype=torch.bfloat16, device=x.device), min(16, triton.next_power_of_2(D // 32))
+    y = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    gb = min(16, triton.next_power_of_2(D // 32))
     grid = (triton.cdiv(T, 4), triton.cdiv(D // 32, gb))
-    _act_quant_kernel[grid](x.contiguous(), y, T, D=D, ROWS=4, GB=gb, HW_CVT=not triton_interpreting())
+    _act_quant_kernel[grid](x.contiguous(), y, T, D=D, ROWS=4, GB=gb,
+                            HW_CVT=not triton_interpreting())
     return y
 
 # %% ../nbs/08b_fused_moe.ipynb #b52b0e95
-# Both tiles are built as 2-D (BN, BK) blocks element by element: each packed byte and each scale is read once per
-# column that uses it (the repeats hit L1). A 3-D tile reshaped into 2-D in front of `tl.dot` is what Triton 3.6's
-# dot-operand pass fails to compile on Hopper, so the tiles never take that shape.
+# Both tiles are built as 2-D (BN, BK) blocks element by element: each packed byte and each scale is
+# read once per column that uses it (the repeats hit L1). A 3-D tile reshaped into 2-D in front of
+# `tl.dot` is what Triton 3.6's dot-operand pass fails to compile on Hopper, so the tiles never take
+# that shape.
 @triton.jit
 def _mxfp4_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK: tl.constexpr, DOT: tl.constexpr):
-    "Rows at byte offsets `w_row` (BN,) of a packed MXFP4 weight, columns k0..k0+BK, dequantised: (BN, BK)"
-    kk = k0 + tl.arange(0, BK)                                                                  # (BK,) columns
-    byte = tl.load(w_ptr + w_row[:, None] + (kk // 2)[None, :], mask=n_mask[:, None], other=0).to(tl.int32)
-    nibble = (byte >> ((kk % 2) * 4)[None, :]) & 0xF                                            # (BN, BK) E2M1 codes
-    s = tl.load(s_ptr + s_row[:, None] + (kk // 32)[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
+    ("Rows at byte offsets `w_row` (BN,) of a packed MXFP4 weight, columns k0..k0+BK, "
+     "dequantised: (BN, BK)")
+    kk = k0 + tl.arange(0, BK)   # (BK,) columns
+    byte = tl.load(w_ptr + w_row[:, None] + (kk // 2)[None, :], mask=n_mask[:, None],
+                   other=0).to(tl.int32)
+    nibble = (byte >> ((kk % 2) * 4)[None, :]) & 0xF   # (BN, BK) E2M1 codes
+    s = tl.load(s_ptr + s_row[:, None] + (kk // 32)[None, :], mask=n_mask[:, None],
+                other=127).to(tl.int32)
     v, _ = _mxfp4_pair(nibble, _pow2(s + 14))
     return v.to(DOT)
 
 @triton.jit
-def _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK: tl.constexpr, DOT: tl.constexpr, HW_CVT: tl.constexpr):
-    "Rows at offsets `w_row` of an FP8 weight (one UE8M0 scale per 32 x 32, rows `s_row`), columns k0..k0+BK: (BN, BK)"
+def _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0,
+              BK: tl.constexpr, DOT: tl.constexpr, HW_CVT: tl.constexpr):
+    ("Rows at offsets `w_row` of an FP8 weight (one UE8M0 scale per 32 x 32, rows `s_row`), "
+     "columns k0..k0+BK: (BN, BK)")
     kk = k0 + tl.arange(0, BK)
-    codes = tl.load(w_ptr + w_row[:, None] + kk[None, :], mask=n_mask[:, None], other=0)        # (BN, BK)
-    s = tl.load(s_ptr + s_row[:, None] + (kk // 32)[None, :], mask=n_mask[:, None], other=127).to(tl.int32)
+    # (BN, BK)
+    codes = tl.load(w_ptr + w_row[:, None] + kk[None, :], mask=n_mask[:, None], other=0)
+    s = tl.load(s_ptr + s_row[:, None] + (kk // 32)[None, :], mask=n_mask[:, None],
+                other=127).to(tl.int32)
     if HW_CVT: v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else: v = _e4m3_value(codes.to(tl.int32))
     return (v * _pow2(s)).to(DOT)
@@ -210,17 +239,20 @@ def _weight_rows(expert, n, K: tl.constexpr, N: tl.constexpr, W_FP4: tl.constexp
         s_row = expert.to(tl.int64) * N * (K // 32) + n.to(tl.int64) * (K // 32)
     else:
         w_row = n.to(tl.int64) * K
-        s_row = (n // 32).to(tl.int64) * (K // 32)                                    # one scale row per 32 weight rows
+        s_row = (n // 32).to(tl.int64) * (K // 32)   # one scale row per 32 weight rows
     return w_row, s_row
 
 @triton.jit
-def _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr,
-                      BK: tl.constexpr, W_FP4: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr):
-    "Version 1: acc (BM, BN) += A[rows, :K] @ W[expert, n, :K]ᵀ; a_row: (BM,) pointers to the rows of A (BF16)"
+def _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
+                      K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, W_FP4: tl.constexpr,
+                      HW_CVT: tl.constexpr, DOT: tl.constexpr):
+    ("Version 1: acc (BM, BN) += A[rows, :K] @ W[expert, n, :K]ᵀ; "
+     "a_row: (BM,) pointers to the rows of A (BF16)")
     w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
     kk = tl.arange(0, BK)
     for k0 in range(0, K, BK):
-        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(DOT)    # (BM, BK)
+        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None],
+                    other=0.0).to(DOT)   # (BM, BK)
         if W_FP4: w = _mxfp4_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK, DOT)
         else: w = _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK, DOT, HW_CVT)
         acc = tl.dot(a, tl.trans(w), acc)
@@ -228,35 +260,45 @@ def _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.
 
 # %% ../nbs/08b_fused_moe.ipynb #c38f5e56
 @triton.jit
-def _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr,
-                 BK: tl.constexpr, W_FP4: tl.constexpr):
+def _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
+                 K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, W_FP4: tl.constexpr):
     "Version 2: `_gemm_dequantised` through `tl.dot_scaled` (both weight formats)"
     w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
     kk, kw, ks = tl.arange(0, BK), tl.arange(0, BK // 2 if W_FP4 else BK), tl.arange(0, BK // 32)
     for k0 in range(0, K, BK):
-        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)      # (BM, BK)
-        sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None], other=127)   # (BN, BK/32)
+        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)                                  # (BM, BK)
+        sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
+                     other=127)                                                 # (BN, BK/32)
         if W_FP4:
-            w = tl.load(w_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :], other=0)    # (BK/2, BN)
+            w = tl.load(w_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
+                        other=0)                                                # (BK/2, BN)
             acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e2m1', acc)
         else:
-            w = tl.load(w_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :], other=0)         # (BK, BN)
+            w = tl.load(w_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
+                        other=0)                                                # (BK, BN)
             acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e4m3', acc)
     return acc
 
 @triton.jit
-def _expert_gemm(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
-                 W_FP4: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr):
+def _expert_gemm(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
+                 K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, W_FP4: tl.constexpr,
+                 HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr):
     "acc (BM, BN) += A[rows, :K] @ W[expert, n, :K]ᵀ, by version 2 (SCALED) or version 1"
-    if SCALED: acc = _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4)
-    else: acc = _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT)
+    if SCALED:
+        acc = _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4)
+    else:
+        acc = _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask, K, N, BK, W_FP4,
+                                HW_CVT, DOT)
     return acc
 
 # %% ../nbs/08b_fused_moe.ipynb #228175c7
 @triton.jit
-def _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+def _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
+                  N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                   BN: tl.constexpr, GROUP_M: tl.constexpr, IDENTITY: tl.constexpr):
-    "(expert, assignment ids (BM,), their tokens, valid rows, columns (BN,)) of this program; expert < 0: none"
+    ("(expert, assignment ids (BM,), their tokens, valid rows, columns (BN,)) of this program; "
+     "expert < 0: none")
     pid, num_n = tl.program_id(0), tl.cdiv(N, BN)
     first_m = (pid // (GROUP_M * num_n)) * GROUP_M
     size_m = tl.minimum(num_m - first_m, GROUP_M)
@@ -272,7 +314,8 @@ def _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N: tl.constexpr
 # %% ../nbs/08b_fused_moe.ipynb #d7c69784
 @triton.jit
 def _swiglu(gate, up, limit, CLAMP: tl.constexpr, HW_CVT: tl.constexpr):
-    "fp32 sums of the gate and up GEMMs -> silu(gate) * up in fp32, each sum first rounded to BF16 (and clamped)"
+    ("fp32 sums of the gate and up GEMMs -> silu(gate) * up in fp32, "
+     "each sum first rounded to BF16 (and clamped)")
     gate, up = _round_bf16(gate, HW_CVT), _round_bf16(up, HW_CVT)        # the GEMMs' BF16 outputs
     if CLAMP:
         gate = tl.minimum(gate, limit)
@@ -282,28 +325,34 @@ def _swiglu(gate, up, limit, CLAMP: tl.constexpr, HW_CVT: tl.constexpr):
 @triton.jit
 def _fp8_quant_tile(h, R: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
     "(R, C) fp32 -> rounded to BF16, then FP8-quantised in groups of 32 along C (act_quant), as fp32"
-    return tl.reshape(_fp8_qdq_groups(tl.reshape(_round_bf16(h, HW_CVT), (R, C // 32, 32)), HW_CVT), (R, C))
+    return tl.reshape(_fp8_qdq_groups(tl.reshape(_round_bf16(h, HW_CVT), (R, C // 32, 32)), HW_CVT),
+                      (R, C))
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr,              # (tokens, K) BF16 activations, FP8-quantised
-    w1_ptr, w1s_ptr,    # gate codes + scales: MXFP4 (E, N, K/2) + (E, N, K/32), or FP8 (1, N, K) + (1, N/32, K/32)
+    w1_ptr, w1s_ptr,    # gate codes + scales: MXFP4 (E, N, K/2) + (E, N, K/32),
+                        # or FP8 (1, N, K) + (1, N/32, K/32)
     w3_ptr, w3s_ptr,    # up weight codes and scales, same layout
-    h_ptr,              # (n_assign, N) BF16 out: FP8-quantised SwiGLU output, one row per assignment
+    h_ptr,              # (n_assign, N) BF16 out: FP8-quantised SwiGLU output,
+                        # one row per assignment
     sorted_ptr, block_expert_ptr,  # the alignment (unused if IDENTITY)
     weight_ptr,         # (n_assign,) fp32 routing weights (HAS_WEIGHT)
     n_assign, num_m,    # assignments, row blocks
     limit,              # swiglu_limit (CLAMP)
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, W_FP4: tl.constexpr, HAS_WEIGHT: tl.constexpr, IDENTITY: tl.constexpr, CLAMP: tl.constexpr,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    W_FP4: tl.constexpr, HAS_WEIGHT: tl.constexpr, IDENTITY: tl.constexpr, CLAMP: tl.constexpr,
     HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr,
 ):
-    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N, TOPK, BM, BN, GROUP_M,
-                                             IDENTITY)
+    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
+                                             N, TOPK, BM, BN, GROUP_M, IDENTITY)
     if expert < 0: return
     n_mask, x_row, acc = n < N, x_ptr + tok.to(tl.int64) * K, tl.zeros((BM, BN), tl.float32)
-    gate = _expert_gemm(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
-    up = _expert_gemm(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
+    gate = _expert_gemm(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK, W_FP4,
+                        HW_CVT, DOT, SCALED)
+    up = _expert_gemm(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK, W_FP4,
+                      HW_CVT, DOT, SCALED)
     h = _swiglu(gate, up, limit, CLAMP, HW_CVT)
     if HAS_WEIGHT: h = h * tl.load(weight_ptr + a, mask=valid, other=0.0)[:, None]
     h = _fp8_quant_tile(h, BM, BN, HW_CVT)
@@ -311,7 +360,8 @@ def _gate_up_kernel(
              mask=valid[:, None] & n_mask[None, :])
 
 # %% ../nbs/08b_fused_moe.ipynb #69a48517
-# Launch shapes by average rows per touched expert (<= 16, <= 64, more); the weight tiles of version 2 by default.
+# Launch shapes by average rows per touched expert (<= 16, <= 64, more);
+# the weight tiles of version 2 by default.
 MOE_TILES = ('scaled', 'dequantised')
 MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   mid=dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
@@ -326,7 +376,8 @@ def _check_shape(shape):
     "A launch shape: `MOE_TUNING`'s keys, and known weight tiles"
     keys = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
     if not isinstance(shape, dict) or not all(k in shape for k in keys):
-        raise ValueError(f"shape: expected a dict with {', '.join(keys)} (as MOE_TUNING's), got {shape!r}")
+        raise ValueError(f"shape: expected a dict with {', '.join(keys)} (as MOE_TUNING's), "
+                         f"got {shape!r}")
     if shape.get('tiles', MOE_TILES[0]) not in MOE_TILES:
         raise ValueError(f"tiles = {shape['tiles']!r}; expected one of {MOE_TILES}")
 
@@ -338,8 +389,9 @@ def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device) -> tupl
         sms = sm_count(device)
         while bn > 32 and align.num_blocks * triton.cdiv(N, bn) < 2 * sms: bn //= 2
     interp = triton_interpreting()
-    meta = dict(BM=align.block_m, BN=bn, BK=math.gcd(K, shape['block_k']), GROUP_M=8, HW_CVT=not interp,
-                DOT=tl.float32 if interp else tl.bfloat16, num_warps=shape['num_warps'], num_stages=shape['num_stages'],
+    meta = dict(BM=align.block_m, BN=bn, BK=math.gcd(K, shape['block_k']), GROUP_M=8,
+                HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
+                num_warps=shape['num_warps'], num_stages=shape['num_stages'],
                 SCALED=tiles == 'scaled')
     return meta, (align.num_blocks * triton.cdiv(N, bn),)
 
@@ -358,13 +410,14 @@ def expert_gate_up_torch(xq, w1, w3, align, topk_weights, swiglu_limit) -> torch
     wts = None if topk_weights is None else topk_weights.float().flatten()
     for e, a in _expert_rows(align):
         a = a.to(xq.device)
-        h[a] = expert_hidden(xq[a // align.topk].float(), w1.dequantize(e), w3.dequantize(e), swiglu_limit,
-                             None if wts is None else wts[a, None]).to(torch.bfloat16)
+        h[a] = expert_hidden(xq[a // align.topk].float(), w1.dequantize(e), w3.dequantize(e),
+                             swiglu_limit, None if wts is None else wts[a, None]).to(torch.bfloat16)
     return h
 
 # %% ../nbs/08b_fused_moe.ipynb #37335837
 def _check_stage(name, q: QuantWeight, a: torch.Tensor, align: ExpertAlignment, per_token: bool):
-    "Weights in the alignment's format (identity: the shared FP8 expert); activations, a row per token or assignment"
+    ("Weights in the alignment's format (identity: the shared FP8 expert); "
+     "activations, a row per token or assignment")
     if not isinstance(align, ExpertAlignment):
         raise TypeError(f"align: expected an ExpertAlignment, got {type(align).__name__}")
     fmt = 'fp8' if align.sorted_ids is None else 'mxfp4'
@@ -374,16 +427,19 @@ def _check_stage(name, q: QuantWeight, a: torch.Tensor, align: ExpertAlignment, 
         raise ValueError(f"{name}: expected contiguous codes and scales")
     _check_x(a, q.shape[2], 'activations')
     rows = align.n_assign // align.topk if per_token else align.n_assign
-    if a.shape[0] != rows: raise ValueError(f"activations: expected {rows} rows for this alignment, got {a.shape[0]}")
+    if a.shape[0] != rows:
+        raise ValueError(f"activations: expected {rows} rows for this alignment, got {a.shape[0]}")
 
-def expert_gate_up(xq: torch.Tensor,  # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
-                   w1: QuantWeight, w3: QuantWeight,  # gate and up weights: routed MXFP4, or the shared FP8
-                   align: ExpertAlignment,  # the rows: `align_by_expert`, or `ExpertAlignment.identity`
-                   topk_weights: torch.Tensor | None,  # (tokens, k) routing weights; None: unweighted (shared expert)
-                   swiglu_limit: float,
-                   shape: dict | None = None,  # launch shape (default `moe_launch_shape`)
-                  ) -> torch.Tensor:
-    "(n_assign, inter) BF16: the FP8-quantised weighted SwiGLU of every assignment, grouped GEMMs over experts"
+def expert_gate_up(
+    xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
+    w1: QuantWeight, w3: QuantWeight, # gate and up weights: routed MXFP4, or the shared FP8
+    align: ExpertAlignment, # the rows: `align_by_expert`, or `ExpertAlignment.identity`
+    topk_weights: torch.Tensor | None, # (tokens, k) routing weights; None: unweighted (shared expert)
+    swiglu_limit: float,
+    shape: dict | None = None, # launch shape (default `moe_launch_shape`)
+) -> torch.Tensor:
+    ("(n_assign, inter) BF16: the FP8-quantised weighted SwiGLU of every assignment, "
+     "grouped GEMMs over experts")
     for name, w in (('w1', w1), ('w3', w3)): _check_stage(name, w, xq, align, per_token=True)
     if kernel_backend(xq, w1.codes) == 'torch' or align.n_assign == 0:
         return expert_gate_up_torch(xq, w1, w3, align, topk_weights, swiglu_limit)
@@ -391,17 +447,21 @@ def expert_gate_up(xq: torch.Tensor,  # (tokens, dim) BF16 FP8-quantised activat
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
     meta, grid = _launch(align, N, K, shape or moe_launch_shape(align.n_assign, E), xq.device)
     wts = h if topk_weights is None else topk_weights.float().contiguous()
-    rows = (h, h) if ident else (align.sorted_ids, align.block_expert)             # (unused for the identity)
-    _gate_up_kernel[grid](xq.contiguous(), w1.codes, w1.scales, w3.codes, w3.scales, h, *rows, wts, align.n_assign,
-                          align.num_blocks, float(swiglu_limit), K=K, N=N, TOPK=align.topk, W_FP4=not ident,
-                          HAS_WEIGHT=topk_weights is not None, IDENTITY=ident, CLAMP=swiglu_limit > 0, **meta)
+    rows = (h, h) if ident else (align.sorted_ids, align.block_expert)   # (unused for the identity)
+    _gate_up_kernel[grid](xq.contiguous(), w1.codes, w1.scales, w3.codes, w3.scales, h, *rows, wts,
+                          align.n_assign, align.num_blocks, float(swiglu_limit),
+                          K=K, N=N, TOPK=align.topk, W_FP4=not ident,
+                          HAS_WEIGHT=topk_weights is not None, IDENTITY=ident,
+                          CLAMP=swiglu_limit > 0, **meta)
     return h
 
 # %% ../nbs/08b_fused_moe.ipynb #7d0c34de
 def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, max_flips: float = 0.01) -> float:
-    "Assert FP8-quantised tensors (..., n) agree up to one FP8 step per element, on all but `max_flips`; the flip rate"
+    ("Assert FP8-quantised tensors (..., n) agree up to one FP8 step per element, "
+     "on all but `max_flips`; the flip rate")
     got, want = got.float().cpu(), want.float().cpu()
-    if got.shape != want.shape: raise AssertionError(f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}")
+    if got.shape != want.shape:
+        raise AssertionError(f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}")
     big = torch.maximum(got.abs(), want.abs())
     amax = big.unflatten(-1, (-1, 32)).amax(-1, keepdim=True).clamp_min(1e-4)
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448))).expand(*amax.shape[:-1], 32).flatten(-2)
@@ -411,38 +471,44 @@ def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, max_flips: float = 0
         raise AssertionError(f"{bad.sum().item()} elements differ by more than one FP8 step, "
                              f"e.g. {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}")
     flips = (diff > 0).float().mean().item() if diff.numel() else 0.0
-    if flips > max_flips: raise AssertionError(f"{flips:.2%} of the elements differ (allowed {max_flips:.0%})")
+    if flips > max_flips:
+        raise AssertionError(f"{flips:.2%} of the elements differ (allowed {max_flips:.0%})")
     return flips
 
 # %% ../nbs/08b_fused_moe.ipynb #18a5b0aa
 @triton.jit
 def _down_kernel(
     h_ptr,              # (n_assign, K) BF16 FP8-quantised SwiGLU outputs
-    w_ptr, ws_ptr,      # down weight codes and scales (layouts as in the gate/up kernel, N = model dim)
-    out_ptr,            # (n_assign, N) BF16 expert outputs; with COMBINE the (tokens, N) layer output
+    w_ptr, ws_ptr,      # down weight codes and scales (layouts as in the gate/up kernel,
+                        # N = model dim)
+    out_ptr,            # (n_assign, N) BF16 expert outputs; with COMBINE the (tokens, N)
+                        # layer output
     routed_ptr,         # (tokens * TOPK_ROUTED, N) BF16 routed expert outputs to add (COMBINE)
     sorted_ptr, block_expert_ptr, n_assign, num_m,
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, TOPK_ROUTED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, GROUP_M: tl.constexpr, W_FP4: tl.constexpr, IDENTITY: tl.constexpr, COMBINE: tl.constexpr,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, TOPK_ROUTED: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    W_FP4: tl.constexpr, IDENTITY: tl.constexpr, COMBINE: tl.constexpr,
     HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr,
 ):
-    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N, TOPK, BM, BN, GROUP_M,
-                                             IDENTITY)
+    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
+                                             N, TOPK, BM, BN, GROUP_M, IDENTITY)
     if expert < 0: return
     n_mask = n < N
     m2 = valid[:, None] & n_mask[None, :]
-    acc = _expert_gemm(tl.zeros((BM, BN), tl.float32), h_ptr + a.to(tl.int64) * K, valid, w_ptr, ws_ptr, expert, n,
-                       n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
-    y = _round_bf16(acc, HW_CVT)                                          # this expert's BF16 output
+    acc = _expert_gemm(tl.zeros((BM, BN), tl.float32), h_ptr + a.to(tl.int64) * K, valid,
+                       w_ptr, ws_ptr, expert, n, n_mask, K, N, BK, W_FP4, HW_CVT, DOT, SCALED)
+    y = _round_bf16(acc, HW_CVT)   # this expert's BF16 output
     if COMBINE:
         total = tl.zeros((BM, BN), tl.float32)
         for j in tl.static_range(TOPK_ROUTED):
             row = (tok.to(tl.int64) * TOPK_ROUTED + j)[:, None] * N
             total += tl.load(routed_ptr + row + n[None, :], mask=m2, other=0.0).to(tl.float32)
         y = _round_bf16(total + y, HW_CVT)                                # the layer output
-        tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty), mask=m2)
+        tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + n[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=m2)
     else:
-        tl.store(out_ptr + a.to(tl.int64)[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty), mask=m2)
+        tl.store(out_ptr + a.to(tl.int64)[:, None] * N + n[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=m2)
 
 # %% ../nbs/08b_fused_moe.ipynb #8154b511
 def expert_down_torch(h, w2, align, routed=None) -> torch.Tensor:
@@ -455,26 +521,32 @@ def expert_down_torch(h, w2, align, routed=None) -> torch.Tensor:
     k = routed.shape[0] // out.shape[0]
     return (routed.float().view(out.shape[0], k, -1).sum(1) + out.float()).to(torch.bfloat16)
 
-def expert_down(h: torch.Tensor,  # (n_assign, inter) BF16 output of `expert_gate_up`
-                w2: QuantWeight,  # down weights: routed MXFP4, or the shared FP8
-                align: ExpertAlignment,  # the same rows as the gate/up stage
-                routed: torch.Tensor | None = None,  # (tokens * k, dim) routed outputs: the shared expert adds them
-                shape: dict | None = None,  # launch shape (default `moe_launch_shape`)
-               ) -> torch.Tensor:
-    "(n_assign, dim) BF16 expert outputs, one row per assignment; with `routed`, the (tokens, dim) layer output"
+def expert_down(
+    h: torch.Tensor, # (n_assign, inter) BF16 output of `expert_gate_up`
+    w2: QuantWeight, # down weights: routed MXFP4, or the shared FP8
+    align: ExpertAlignment, # the same rows as the gate/up stage
+    routed: torch.Tensor | None = None, # (tokens * k, dim) routed outputs: the shared expert adds them
+    shape: dict | None = None, # launch shape (default `moe_launch_shape`)
+) -> torch.Tensor:
+    ("(n_assign, dim) BF16 expert outputs, one row per assignment; "
+     "with `routed`, the (tokens, dim) layer output")
     _check_stage('w2', w2, h, align, per_token=False)
-    if routed is not None and (not isinstance(routed, torch.Tensor) or routed.ndim != 2 or align.sorted_ids is not None
-                               or routed.shape[1] != w2.shape[1] or routed.shape[0] % max(1, align.n_assign)):
-        raise ValueError(f"routed: expected (tokens * k, {w2.shape[1]}) outputs and the shared expert's identity "
-                         f"alignment, got {_shape(routed)}")
-    if kernel_backend(h, w2.codes) == 'torch' or align.n_assign == 0: return expert_down_torch(h, w2, align, routed)
+    if routed is not None and (not isinstance(routed, torch.Tensor) or routed.ndim != 2
+                               or align.sorted_ids is not None or routed.shape[1] != w2.shape[1]
+                               or routed.shape[0] % max(1, align.n_assign)):
+        raise ValueError(f"routed: expected (tokens * k, {w2.shape[1]}) outputs "
+                         f"and the shared expert's identity alignment, got {_shape(routed)}")
+    if kernel_backend(h, w2.codes) == 'torch' or align.n_assign == 0:
+        return expert_down_torch(h, w2, align, routed)
     (E, N, K), ident = w2.shape, align.sorted_ids is None
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
     meta, grid = _launch(align, N, K, shape or moe_launch_shape(align.n_assign, E), h.device)
-    rows = (out, out) if ident else (align.sorted_ids, align.block_expert)         # (unused for the identity)
+    # (unused for the identity)
+    rows = (out, out) if ident else (align.sorted_ids, align.block_expert)
     k_routed = 1 if routed is None else routed.shape[0] // align.n_assign
-    _down_kernel[grid](h.contiguous(), w2.codes, w2.scales, out, out if routed is None else routed, *rows,
-                       align.n_assign, align.num_blocks, K=K, N=N, TOPK=align.topk, TOPK_ROUTED=k_routed,
+    _down_kernel[grid](h.contiguous(), w2.codes, w2.scales, out, out if routed is None else routed,
+                       *rows, align.n_assign, align.num_blocks,
+                       K=K, N=N, TOPK=align.topk, TOPK_ROUTED=k_routed,
                        W_FP4=not ident, IDENTITY=ident, COMBINE=routed is not None, **meta)
     return out
 
@@ -487,30 +559,37 @@ def _abs_propagate(d: torch.Tensor, w: QuantWeight, align: ExpertAlignment) -> t
         out[a] = (d[a].double().abs() @ w.dequantize(e).double().abs().T).float()
     return out
 
-def assert_bf16_close(got: torch.Tensor, want: torch.Tensor,
-                      abs_sum: torch.Tensor,  # Σ|w||h| of each output: what the fp32 accumulation error scales with
-                      K: int,  # GEMM depth: terms per fp32 sum
-                      parts_abs: torch.Tensor | float = 0.0,  # Σ|part| where BF16 parts (up to 16) are added in fp32
-                      extra: torch.Tensor | float = 0.0):  # any further allowed difference (flipped inputs, propagated)
-    "Assert BF16 results of the same sums, accumulated in different orders, differ by at most the rounding bound"
+def assert_bf16_close(
+    got: torch.Tensor, want: torch.Tensor,
+    abs_sum: torch.Tensor, # Σ|w||h| of each output: what the fp32 accumulation error scales with
+    K: int, # GEMM depth: terms per fp32 sum
+    parts_abs: torch.Tensor | float = 0.0, # Σ|part| where BF16 parts (up to 16) are added in fp32
+    extra: torch.Tensor | float = 0.0): # any further allowed difference (flipped inputs, propagated)
+    ("Assert BF16 results of the same sums, accumulated in different orders, "
+     "differ by at most the rounding bound")
     got, want = got.float().cpu(), want.float().cpu()
-    bound = (2 ** -7 * torch.maximum(got.abs(), want.abs()) + 2 * K * 2 ** -24 * abs_sum.float().cpu()
+    bound = (2 ** -7 * torch.maximum(got.abs(), want.abs())
+             + 2 * K * 2 ** -24 * abs_sum.float().cpu()
              + (2 ** -7 + 16 * 2 ** -24) * parts_abs + extra)
     bad = (got - want).abs() > bound
-    if bad.any(): raise AssertionError(f"{bad.sum().item()} of {bad.numel()} elements beyond the BF16 rounding bound, "
-                                       f"e.g. {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}")
+    if bad.any():
+        raise AssertionError(f"{bad.sum().item()} of {bad.numel()} elements "
+                             f"beyond the BF16 rounding bound, "
+                             f"e.g. {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}")
 
 # %% ../nbs/08b_fused_moe.ipynb #87882907
-def fused_moe_experts(x: torch.Tensor,  # (tokens, dim) FFN input
-                      topk_weights: torch.Tensor,  # (tokens, k) routing weights
-                      topk_ids: torch.Tensor,  # (tokens, k) expert ids
-                      W: MoEWeights,
-                      swiglu_limit: float,
-                      shape: dict | None = None,  # launch shape (default `moe_launch_shape`)
-                      check_ids: bool = True,  # range-check the expert ids (reads them: a device synchronisation)
-                      gate_up=None,  # the gate/up stage: `expert_gate_up` (default) or one called like it
-                     ) -> torch.Tensor:
-    "The MoE layer given its routing, (tokens, dim) BF16: Triton kernels (GPU, interpreter), else the reference loop"
+def fused_moe_experts(
+    x: torch.Tensor, # (tokens, dim) FFN input
+    topk_weights: torch.Tensor, # (tokens, k) routing weights
+    topk_ids: torch.Tensor, # (tokens, k) expert ids
+    W: MoEWeights,
+    swiglu_limit: float,
+    shape: dict | None = None, # launch shape (default `moe_launch_shape`)
+    check_ids: bool = True, # range-check the expert ids (reads them: a device synchronisation)
+    gate_up=None, # the gate/up stage: `expert_gate_up` (default) or one called like it
+) -> torch.Tensor:
+    ("The MoE layer given its routing, (tokens, dim) BF16: Triton kernels (GPU, interpreter), "
+     "else the reference loop")
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts, check_ids)
     if shape is not None: _check_shape(shape)
     if x.shape[0] == 0: return torch.empty(0, W.dim, dtype=torch.bfloat16, device=x.device)
@@ -518,47 +597,59 @@ def fused_moe_experts(x: torch.Tensor,  # (tokens, dim) FFN input
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
     return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up)['y']
 
-def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None,
-                  gate_up=None) -> dict:
+def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
+                  shape: dict | None = None, gate_up=None) -> dict:
     "The six launches; every intermediate, by name"
     T, k, expert_gate_up_ = *topk_ids.shape, gate_up or expert_gate_up
     shape = shape or moe_launch_shape(T * k, W.n_experts)
     s = dict(align=align_by_expert(topk_ids, W.n_experts, shape['block_m']), xq=fp8_act_quant(x),
              shared=ExpertAlignment.identity(T, shape['block_m']))
-    s['h'] = expert_gate_up_(s['xq'], W.w1, W.w3, s['align'], topk_weights, swiglu_limit, shape)     # (T*k, inter)
-    s['routed'] = expert_down(s['h'], W.w2, s['align'], shape=shape)                               # (T*k, dim)
-    s['hs'] = expert_gate_up_(s['xq'], W.shared_w1, W.shared_w3, s['shared'], None, swiglu_limit, shape)  # (T, inter)
-    s['y'] = expert_down(s['hs'], W.shared_w2, s['shared'], s['routed'], shape)                     # (T, dim)
+    # (T*k, inter)
+    s['h'] = expert_gate_up_(s['xq'], W.w1, W.w3, s['align'], topk_weights, swiglu_limit, shape)
+    s['routed'] = expert_down(s['h'], W.w2, s['align'], shape=shape)   # (T*k, dim)
+    # (T, inter)
+    s['hs'] = expert_gate_up_(s['xq'], W.shared_w1, W.shared_w3, s['shared'], None,
+                              swiglu_limit, shape)
+    s['y'] = expert_down(s['hs'], W.shared_w2, s['shared'], s['routed'], shape)   # (T, dim)
     return s
 
 # %% ../nbs/08b_fused_moe.ipynb #20fe46ac
-def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None, router=None) -> torch.Tensor:
-    "The MoE layer: route, then the fused experts; (tokens, dim) BF16 (arguments as `route_layer`; `gate_up` as `fused_moe_experts`)"
-    return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W, cfg.swiglu_limit, check_ids=False,
-                             gate_up=gate_up)
+def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None,
+                router=None) -> torch.Tensor:
+    ("The MoE layer: route, then the fused experts; (tokens, dim) BF16 "
+     "(arguments as `route_layer`; `gate_up` as `fused_moe_experts`)")
+    return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
+                             cfg.swiglu_limit, check_ids=False, gate_up=gate_up)
 
 # %% ../nbs/08b_fused_moe.ipynb #303f5ac7
-def check_fused_moe(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None,
-                    stages=None) -> dict:  # the pipeline checked: `_fused_stages` (default) or another with its keys
-    "Check the fused MoE against the reference, stage by stage and end to end (AssertionError if not); the errors"
+def check_fused_moe(
+    x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape: dict | None = None,
+    stages=None) -> dict: # the pipeline checked: `_fused_stages` (default) or another with its keys
+    ("Check the fused MoE against the reference, stage by stage and end to end "
+     "(AssertionError if not); the errors")
     (T, k), I = topk_ids.shape, W.inter_dim
     s = (stages or _fused_stages)(x, topk_weights, topk_ids, W, swiglu_limit, shape)
-    al, sh, al_ref = s['align'], s['shared'], align_by_expert_torch(topk_ids, W.n_experts, s['align'].block_m)
+    al, sh = s['align'], s['shared']
+    al_ref = align_by_expert_torch(topk_ids, W.n_experts, s['align'].block_m)
     assert torch.equal(al.sorted_ids, al_ref.sorted_ids), 'alignment'
     assert torch.equal(al.block_expert, al_ref.block_expert), 'alignment'
-    assert torch.equal(s['xq'].float(), fp8_qdq(x)), 'activation quantisation differs from act_quant'
+    assert torch.equal(s['xq'].float(), fp8_qdq(x)), (
+        'activation quantisation differs from act_quant')
     h_ref = expert_gate_up_torch(s['xq'], W.w1, W.w3, al, topk_weights, swiglu_limit)
     hs_ref = expert_gate_up_torch(s['xq'], W.shared_w1, W.shared_w3, sh, None, swiglu_limit)
     flips, flips_shared = assert_fp8_close(s['h'], h_ref), assert_fp8_close(s['hs'], hs_ref)
-    abs_routed = _abs_propagate(s['h'], W.w2, al)                                                       # (T*k, dim)
+    abs_routed = _abs_propagate(s['h'], W.w2, al)   # (T*k, dim)
     assert_bf16_close(s['routed'], expert_down_torch(s['h'], W.w2, al), abs_routed, I)
-    parts = _abs_propagate(s['hs'], W.shared_w2, sh) + abs_routed.view(T, k, -1).sum(1)        # Σ|w||h| over all parts
+    # Σ|w||h| over all parts
+    parts = _abs_propagate(s['hs'], W.shared_w2, sh) + abs_routed.view(T, k, -1).sum(1)
     shared_out = expert_down_torch(s['hs'], W.shared_w2, sh).float()
-    parts_abs = (s['routed'].float().abs().view(T, k, -1).sum(1) + shared_out.abs()).cpu()     # Σ|part|
+    # Σ|part|
+    parts_abs = (s['routed'].float().abs().view(T, k, -1).sum(1) + shared_out.abs()).cpu()
     combined = expert_down_torch(s['hs'], W.shared_w2, sh, s['routed'])
     assert_bf16_close(s['y'], combined, parts, I, parts_abs * (1 + 2 ** -7))
     y_ref = moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
-    flipped = (_abs_propagate(s['h'].float() - h_ref.float(), W.w2, al).view(T, k, -1).sum(1)   # |Δh| @ |W2|ᵀ
+    # |Δh| @ |W2|ᵀ
+    flipped = (_abs_propagate(s['h'].float() - h_ref.float(), W.w2, al).view(T, k, -1).sum(1)
                + _abs_propagate(s['hs'].float() - hs_ref.float(), W.shared_w2, sh)).cpu()
     assert_bf16_close(s['y'], y_ref, parts, I, (parts_abs + flipped) * (1 + 2 ** -7), extra=flipped)
     err = (s['y'].float() - y_ref.float()).abs()
@@ -567,20 +658,25 @@ def check_fused_moe(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: floa
 
 # %% ../nbs/08b_fused_moe.ipynb #6cad61ac
 def bf16_matmul_rate(n: int = 8192, device='cuda') -> float:
-    "Measured dense BF16 matmul rate (FLOP/s) of an n x n x n product: the compute ceiling for the floor"
+    ("Measured dense BF16 matmul rate (FLOP/s) of an n x n x n product: "
+     "the compute ceiling for the floor")
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     return 2 * n ** 3 / median_time(lambda: a @ b)
 
-def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', seed: int = 0,
-                  tiles: str = MOE_TILES[0],  # the weight tiles: 'scaled' (version 2) or 'dequantised' (version 1)
-                 ) -> list[dict]:
-    "Median times of the fused MoE (replayed from a CUDA graph, and eager), the reference loop and a BF16-weight loop, with the floor: one row per batch size"
+def benchmark_moe(
+    cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', seed: int = 0,
+    tiles: str = MOE_TILES[0], # the weight tiles: 'scaled' (version 2) or 'dequantised' (version 1)
+) -> list[dict]:
+    ("Median times of the fused MoE (replayed from a CUDA graph, and eager), the reference loop "
+     "and a BF16-weight loop, with the floor: one row per batch size")
     if tiles not in MOE_TILES: raise ValueError(f"tiles = {tiles!r}; expected one of {MOE_TILES}")
     W = MoEWeights.random(cfg, seed, device)
-    dense = {n: torch.stack([getattr(W, n).dequantize(e).to(torch.bfloat16) for e in range(getattr(W, n).shape[0])])
+    dense = {n: torch.stack([getattr(W, n).dequantize(e).to(torch.bfloat16)
+                             for e in range(getattr(W, n).shape[0])])
              for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
-    on_gpu = torch.device(device).type == 'cuda'                       # (a CPU run only checks the code: small probes)
-    bw, rate = copy_bandwidth(2 * 2**30 if on_gpu else 2**24, device), bf16_matmul_rate(8192 if on_gpu else 256, device)
+    on_gpu = torch.device(device).type == 'cuda'   # (a CPU run only checks the code: small probes)
+    bw, rate = (copy_bandwidth(2 * 2**30 if on_gpu else 2**24, device),
+                bf16_matmul_rate(8192 if on_gpu else 256, device))
     rows = []
     for T in sizes:
         g = torch.Generator(device=device).manual_seed(seed + T)
@@ -591,13 +687,16 @@ def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', se
         shape = dict(moe_launch_shape(ti.numel(), W.n_experts), tiles=tiles)
         call = lambda i=0: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, shape, check_ids=False)
         fused, eager = graph_time(call, calls=8), median_time(call)
-        ref = median_time(lambda: moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit), warmup=1, rep=3)
-        loop = median_time(lambda: moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit, dense), warmup=5, rep=20)
+        ref = median_time(lambda: moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit),
+                          warmup=1, rep=3)
+        loop = median_time(lambda: moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit, dense),
+                           warmup=5, rep=20)
         floor = max(nbytes / bw, flops / rate)
-        rows.append(dict(tokens=T, experts_touched=touched, fused_ms=fused * 1e3, eager_ms=eager * 1e3, ref_ms=ref * 1e3,
-                         loop_bf16_ms=loop * 1e3, floor_ms=floor * 1e3, of_floor=floor / fused,
-                         bound='bytes' if nbytes / bw >= flops / rate else 'FLOPs', vs_ref=ref / fused,
-                         vs_loop=loop / fused,
+        rows.append(dict(tokens=T, experts_touched=touched, fused_ms=fused * 1e3,
+                         eager_ms=eager * 1e3, ref_ms=ref * 1e3, loop_bf16_ms=loop * 1e3,
+                         floor_ms=floor * 1e3, of_floor=floor / fused,
+                         bound='bytes' if nbytes / bw >= flops / rate else 'FLOPs',
+                         vs_ref=ref / fused, vs_loop=loop / fused,
                          TBps=nbytes / fused / 1e12, TFLOPs=flops / fused / 1e12,
                          copy_TBps=bw / 1e12, bf16_TFLOPs=rate / 1e12))
     return rows
@@ -605,9 +704,11 @@ def benchmark_moe(cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', se
 # %% ../nbs/08b_fused_moe.ipynb #d84f4878
 def format_moe_benchmark(rows) -> str:
     "The benchmark rows as a text table"
-    cols = ('tokens', 'experts', 'fused ms', 'eager ms', 'floor ms', 'bound', 'of floor', 'TB/s', 'TFLOP/s', 'ref ms',
-            'vs ref', 'loop ms', 'vs loop')
-    line = lambda r: (f"{r['tokens']:>8d} {r['experts_touched']:>8d} {r['fused_ms']:>8.3f} {r.get('eager_ms', float('nan')):>8.3f} {r['floor_ms']:>8.3f} "
-                      f"{r['bound']:>8s} {r['of_floor']:>8.0%} {r['TBps']:>8.2f} {r['TFLOPs']:>8.1f} "
-                      f"{r['ref_ms']:>8.2f} {r['vs_ref']:>7.1f}x {r['loop_bf16_ms']:>8.3f} {r['vs_loop']:>7.1f}x")
+    cols = ('tokens', 'experts', 'fused ms', 'eager ms', 'floor ms', 'bound', 'of floor', 'TB/s',
+            'TFLOP/s', 'ref ms', 'vs ref', 'loop ms', 'vs loop')
+    line = lambda r: (f"{r['tokens']:>8d} {r['experts_touched']:>8d} {r['fused_ms']:>8.3f} "
+                      f"{r.get('eager_ms', float('nan')):>8.3f} {r['floor_ms']:>8.3f} "
+                      f"{r['bound']:>8s} {r['of_floor']:>8.0%} {r['TBps']:>8.2f} "
+                      f"{r['TFLOPs']:>8.1f} {r['ref_ms']:>8.2f} {r['vs_ref']:>7.1f}x "
+                      f"{r['loop_bf16_ms']:>8.3f} {r['vs_loop']:>7.1f}x")
     return '\n'.join([' '.join(f'{c:>8s}' for c in cols)] + [line(r) for r in rows])

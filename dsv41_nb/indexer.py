@@ -12,9 +12,11 @@ import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, source_layer
-from .dispatch import kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing
-from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4, _e2m1_value, _ue8m0_value,
-                              _e4m3_value, _e2m1_code, _ue8m0_code, _pow2)
+from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
+                               use_kernels, capturing)
+from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4,
+                              _e2m1_value, _ue8m0_value, _e4m3_value, _e2m1_code, _ue8m0_code,
+                              _pow2)
 from .records import store_records
 from .compressor import Compressor, layer_inv_freq, RMSNorm, new_record_cache
 from .rope_norm import rope, norm_layer
@@ -28,22 +30,30 @@ __all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'qdq_mxfp4_fused', 'IndexBat
 # %% ../nbs/04_indexer.ipynb #c07588fe
 class Indexer(nn.Module):
     "An index-source layer's lightning indexer: index keys (Full layers), queries and head weights, top-k selection"
-    def __init__(self, cfg: ModelConfig,                 # model geometry
-                 layer: int,                              # an index-source layer of `cfg`
-                 index_key_format: str = 'index_mxfp4'):  # 'index_mxfp4' (68 B records) or 'index_fp8' (132 B)
+    def __init__(self,
+                 cfg: ModelConfig, # model geometry
+                 layer: int, # an index-source layer of `cfg`
+                 # 'index_mxfp4' (68 B records) or 'index_fp8' (132 B)
+                 index_key_format: str = 'index_mxfp4',
+                ):
         super().__init__()
         if layer not in cfg.index_source_layers:
-            raise ValueError(f"layer {layer} is not an index source; the index sources are {cfg.index_source_layers}")
+            raise ValueError(f"layer {layer} is not an index source; "
+                             f"the index sources are {cfg.index_source_layers}")
         if index_key_format not in ('index_mxfp4', 'index_fp8'):
-            raise ValueError(f"index_key_format = {index_key_format!r}; expected 'index_mxfp4' or 'index_fp8'")
+            raise ValueError(f"index_key_format = {index_key_format!r}; "
+                             "expected 'index_mxfp4' or 'index_fp8'")
         self.layer, self.ratio, self.topk = layer, cfg.compress_ratios[layer], cfg.index_topk
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.kv_source, self.owns_keys = source_layer(cfg.kv_source_layers, layer), layer in cfg.kv_source_layers
+        self.kv_source, self.owns_keys = (source_layer(cfg.kv_source_layers, layer),
+                                          layer in cfg.kv_source_layers)
         self.is_candidate_source = layer == cfg.candidate_source_layer
         self.uses_candidates = 0 <= cfg.candidate_source_layer < layer
-        self.candidate_blocks, self.candidate_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.candidate_blocks, self.candidate_block_size = (cfg.candidate_topk_blocks,
+                                                            cfg.candidate_block_size)
         self.codec = cache_format(cfg, index_key_format)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False, dtype=torch.bfloat16)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False,
+                              dtype=torch.bfloat16)
         self.weights_proj = nn.Linear(cfg.dim, self.n_heads, bias=False, dtype=torch.bfloat16)
         if self.owns_keys:
             self.wk = nn.Linear(cfg.head_dim, self.head_dim, bias=False, dtype=torch.bfloat16)
@@ -52,64 +62,95 @@ class Indexer(nn.Module):
 
     def __repr__(self):
         role = 'Full' if self.owns_keys else 'Reindex'
-        cand = ', candidate source' if self.is_candidate_source else (', scores the candidate pool' if self.uses_candidates else '')
-        return f"Indexer(layer {self.layer}, {role}, keys of layer {self.kv_source}, ratio {self.ratio}{cand}, {self.codec.name})"
+        cand = (', candidate source' if self.is_candidate_source
+                else (', scores the candidate pool' if self.uses_candidates else ''))
+        return (f"Indexer(layer {self.layer}, {role}, keys of layer {self.kv_source}, "
+                f"ratio {self.ratio}{cand}, {self.codec.name})")
 
 # %% ../nbs/04_indexer.ipynb #4492f214
 @patch
 def keys(self: Indexer, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     "(T, head_dim) bf16 index keys of (T, d) unrotated latents, rotated at each entry's first position p + 1 - ratio"
-    if not self.owns_keys: raise ValueError(f"layer {self.layer} reads the index keys of layer {self.kv_source}; it makes none")
+    if not self.owns_keys:
+        raise ValueError(f"layer {self.layer} reads the index keys of layer {self.kv_source}; "
+                         "it makes none")
     k = norm_layer(self.k_norm, self.wk(latent.to(torch.bfloat16)))
     return rope(k, self.inv_freq, (positions + 1 - self.ratio).clamp_min(0))
 
 @patch
 def new_key_cache(self: Indexer, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
-    "An index-key cache for `num_blocks` blocks of `block_size` tokens: (num_blocks, block_size // ratio, record_bytes) uint8"
+    ("An index-key cache for `num_blocks` blocks of `block_size` tokens: "
+     "(num_blocks, block_size // ratio, record_bytes) uint8")
     return new_record_cache(self.codec, num_blocks, block_size, self.ratio, device)
 
 @patch
-def store_keys(self: Indexer, latent, positions, compressed_slots, key_cache, check_slots: bool = True):
-    "Write the keys of the entries this step emits (compressed slot >= 0) into `key_cache` (`01b_records`' store kernel)"
-    store_records(self.codec, self.keys(latent, positions), key_cache, compressed_slots, check_slots)
+def store_keys(self: Indexer,
+               latent,                  # (T, d) unrotated latents
+               positions,               # (T,) their positions
+               compressed_slots,        # (T,) compressed slot of each token, -1: no entry
+               key_cache,               # the index-key cache (`new_key_cache`)
+               # range-check the slots (a device sync); False inside CUDA graphs
+               check_slots: bool = True,
+              ):
+    ("Write the keys of the entries this step emits (compressed slot >= 0) into `key_cache` "
+     "(`01b_records`' store kernel)")
+    store_records(self.codec, self.keys(latent, positions), key_cache, compressed_slots,
+                  check_slots)
 
 # %% ../nbs/04_indexer.ipynb #b5254f3f
 def qdq_mxfp4(x: torch.Tensor) -> torch.Tensor:
-    "x (..., d) rounded through MXFP4 (E2M1, one power-of-two scale per 32), in x.dtype: the public code's `fp4_act_quant(x, 32, True)`"
+    ("x (..., d) rounded through MXFP4 (E2M1, one power-of-two scale per 32), in x.dtype: "
+     "the public code's `fp4_act_quant(x, 32, True)`")
     packed, scales = quantize_fp4(x, 32, 'ue8m0')
     return dequantize_fp4(packed, scales, 32, 'ue8m0').to(x.dtype)
 
+# %% ../nbs/04_indexer.ipynb #0d6fd325
 @triton.jit
 def _qdq_mxfp4_kernel(x_ptr, y_ptr, n_groups, ROWS: tl.constexpr, BF16_BITS: tl.constexpr):
-    "Groups of 32 rounded through MXFP4 as `quantize_fp4` + `dequantize_fp4` do it (a NaN or infinity poisons its group)"
+    ("Groups of 32 rounded through MXFP4 as `quantize_fp4` + `dequantize_fp4` do it "
+     "(a NaN or infinity poisons its group)")
     g = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     gm = (g < n_groups)[:, None]
     off = g.to(tl.int64)[:, None] * 32 + tl.arange(0, 32)[None, :]
-    if BF16_BITS: x = (tl.load(x_ptr + off, mask=gm, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)   # BF16 bits: exact, subnormals too
+    if BF16_BITS:
+        # BF16 bits: exact, subnormals too
+        x = (tl.load(x_ptr + off, mask=gm, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else: x = tl.load(x_ptr + off, mask=gm, other=0.0).to(tl.float32)
     fin = (x == x) & (tl.abs(x) != float('inf'))
     bad = tl.sum((fin == 0).to(tl.int32), axis=1)[:, None] > 0
     amax = tl.max(tl.where(fin, tl.abs(x), 0.0), axis=1)
-    scale = _pow2(tl.minimum(tl.maximum(_ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0), 1), 254))[:, None]
-    v = tl.math.div_rn(tl.where(bad, 0.0, x), scale)                                # exact: a power of two
-    y = tl.where(bad, float('nan'), _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))) * scale)
-    if BF16_BITS: tl.store(y_ptr + off, (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=gm)   # exact: 3 significant bits
-    else: tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=gm)                   # exact in BF16: 3 significant bits
+    e8 = _ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), 1.0 / 6.0)
+    scale = _pow2(tl.minimum(tl.maximum(e8, 1), 254))[:, None]
+    v = tl.math.div_rn(tl.where(bad, 0.0, x), scale)                   # exact: a power of two
+    y = tl.where(bad, float('nan'),
+                 _e2m1_value(_e2m1_code(tl.minimum(tl.maximum(v, -6.0), 6.0))) * scale)
+    if BF16_BITS:
+        # exact: 3 significant bits
+        tl.store(y_ptr + off, (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=gm)
+    else:
+        # exact in BF16: 3 significant bits
+        tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=gm)
 
 def qdq_mxfp4_fused(x: torch.Tensor) -> torch.Tensor:
     "`qdq_mxfp4` in one Triton launch (GPU, interpreter), else the reference"
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim == 0 or x.shape[-1] % 32:
+    if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim == 0
+        or x.shape[-1] % 32):
         raise ValueError(f"qdq_mxfp4_fused: expected floats (..., d) with d a multiple of 32, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
-    if kernel_backend(x) == 'torch' or x.numel() == 0 or x.requires_grad or x.dtype not in (torch.bfloat16, torch.float32):
+                         f"{getattr(x, 'dtype', type(x).__name__)} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if (kernel_backend(x) == 'torch' or x.numel() == 0 or x.requires_grad
+        or x.dtype not in (torch.bfloat16, torch.float32)):
         return qdq_mxfp4(x)
     xc = x.contiguous()
     y = torch.empty_like(xc)
-    bits = xc.dtype == torch.bfloat16                       # read as int16 and widened by a shift: the interpreter's BF16 cast loses subnormals
-    _qdq_mxfp4_kernel[(triton.cdiv(xc.numel() // 32, 16),)](*((xc.view(torch.int16), y.view(torch.int16)) if bits else (xc, y)), xc.numel() // 32, ROWS=16,
-                                                            BF16_BITS=bits, num_warps=4)
+    # read as int16 and widened by a shift: the interpreter's BF16 cast loses subnormals
+    bits = xc.dtype == torch.bfloat16
+    _qdq_mxfp4_kernel[(triton.cdiv(xc.numel() // 32, 16),)](
+        *((xc.view(torch.int16), y.view(torch.int16)) if bits else (xc, y)), xc.numel() // 32,
+        ROWS=16, BF16_BITS=bits, num_warps=4)
     return y
 
+# %% ../nbs/04_indexer.ipynb #b405ae05
 @patch
 def queries(self: Indexer, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> tuple:
     "(q, w): (T, heads, head_dim) bf16 index queries (rotated, MXFP4-rounded) and (T, heads) fp32 head weights"
@@ -121,21 +162,28 @@ def queries(self: Indexer, qr: torch.Tensor, x: torch.Tensor, positions: torch.T
 # %% ../nbs/04_indexer.ipynb #3041cb23
 @dataclass
 class IndexBatch:
-    "Where one step's query tokens look: positions, their requests' rows in the global group's block table, its geometry"
+    ("Where one step's query tokens look: positions, "
+     "their requests' rows in the global group's block table, its geometry")
     positions: torch.Tensor      # (T,) query positions
-    rows: torch.Tensor           # (T,) int32 row of each token's request in block_table; -1 = padding (selects nothing)
+    # (T,) int32 row of each token's request in block_table; -1 = padding (selects nothing)
+    rows: torch.Tensor
     block_table: torch.Tensor    # (R, W) int32 global-group block ids
     block_size: int              # tokens per global block
     ratio: int                   # compress ratio of the KV source
 
     def __post_init__(self):
-        T = self.positions.shape[0] if isinstance(self.positions, torch.Tensor) and self.positions.ndim == 1 else None
-        if T is None or self.positions.dtype.is_floating_point: raise TypeError("positions: expected a 1-D integer tensor")
+        is_1d = isinstance(self.positions, torch.Tensor) and self.positions.ndim == 1
+        T = self.positions.shape[0] if is_1d else None
+        if T is None or self.positions.dtype.is_floating_point:
+            raise TypeError("positions: expected a 1-D integer tensor")
         if self.rows.dtype != torch.int32 or self.rows.shape != (T,):
-            raise TypeError(f"rows: expected a ({T},) int32 tensor, got {self.rows.dtype} {tuple(self.rows.shape)}")
-        if self.block_table.dtype != torch.int32 or self.block_table.ndim != 2: raise TypeError("block_table: expected a 2-D int32 tensor")
+            raise TypeError(f"rows: expected a ({T},) int32 tensor, "
+                            f"got {self.rows.dtype} {tuple(self.rows.shape)}")
+        if self.block_table.dtype != torch.int32 or self.block_table.ndim != 2:
+            raise TypeError("block_table: expected a 2-D int32 tensor")
         if self.ratio <= 0 or self.block_size <= 0 or self.block_size % self.ratio:
-            raise ValueError(f"block_size {self.block_size} must be a positive multiple of the ratio {self.ratio}")
+            raise ValueError(f"block_size {self.block_size} must be a positive multiple "
+                             f"of the ratio {self.ratio}")
 
     @property
     def per_block(self) -> int: return self.block_size // self.ratio
@@ -146,10 +194,16 @@ class IndexBatch:
     def slots(self, row: int, entries) -> torch.Tensor:
         "Cache slots of entries `entries` of the request in block-table row `row`"
         e = torch.as_tensor(entries, device=self.block_table.device)
-        return self.block_table[row, e // self.per_block].long() * self.per_block + e % self.per_block
+        return (self.block_table[row, e // self.per_block].long() * self.per_block
+                + e % self.per_block)
 
 # %% ../nbs/04_indexer.ipynb #e6e4a5c8
-def index_logits_reference(q: torch.Tensor, w: torch.Tensor, key_cache: torch.Tensor, batch: IndexBatch, codec) -> torch.Tensor:
+def index_logits_reference(q: torch.Tensor,         # (T, H, DH) index queries
+                           w: torch.Tensor,         # (T, H) head weights
+                           key_cache: torch.Tensor, # uint8 index-key records of the KV source
+                           batch: IndexBatch,       # positions, block-table rows, the table
+                           codec,                   # the key record format
+                          ) -> torch.Tensor:
     "(T, most visible) fp32: sum_h relu(q_h . k_t) * w_h for every entry t a query sees, -inf past its row's end"
     vis = batch.visible
     out = torch.full((len(vis), int(vis.max()) if len(vis) else 0), -torch.inf, device=q.device)
@@ -157,61 +211,83 @@ def index_logits_reference(q: torch.Tensor, w: torch.Tensor, key_cache: torch.Te
     for s in range(len(vis)):
         n = int(vis[s])
         if n == 0: continue
-        k = codec.unpack(records[batch.slots(int(batch.rows[s]), torch.arange(n))])          # (n, head_dim) fp32
+        # (n, head_dim) fp32
+        k = codec.unpack(records[batch.slots(int(batch.rows[s]), torch.arange(n))])
         out[s, :n] = (torch.relu(q[s].float() @ k.T) * w[s, :, None]).sum(0)
     return out
 
 # %% ../nbs/04_indexer.ipynb #6009764a
 def topk_reference(x: torch.Tensor, lengths, k: int) -> torch.Tensor:
-    "(T, k) int32: each row's top min(k, length) among its first `length` entries, ascending, ties to the lower index, -1 pads"
+    ("(T, k) int32: each row's top min(k, length) among its first `length` entries, "
+     "ascending, ties to the lower index, -1 pads")
     out = torch.full((x.shape[0], k), -1, dtype=torch.int32, device=x.device)
     for s in range(x.shape[0]):
         n = int(lengths[s])
-        if n <= k: sel = torch.arange(n, device=x.device)                                  # select all, no scoring
+        if n <= k: sel = torch.arange(n, device=x.device)                  # select all, no scoring
         else: sel = torch.sort(x[s, :n], descending=True, stable=True).indices[:k].sort().values
         out[s, :len(sel)] = sel.int()
     return out
 
 # %% ../nbs/04_indexer.ipynb #56018099
-def candidate_pool_reference(logits: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int) -> torch.Tensor:
-    "(T, topk_blocks) int32 candidate blocks per query, ascending, -1 pads: blocks scored by their best entry, the newest pinned"
+def candidate_pool_reference(logits: torch.Tensor,  # (T, L) fp32 logits of the candidate source
+                             visible: torch.Tensor, # (T,) visible entries per query
+                             topk_blocks: int,      # candidate blocks to keep per query
+                             block_size: int,       # entries per candidate block
+                            ) -> torch.Tensor:
+    ("(T, topk_blocks) int32 candidate blocks per query, ascending, -1 pads: "
+     "blocks scored by their best entry, the newest pinned")
     T, L = logits.shape
     nb = triton.cdiv(L, block_size)
-    scores = torch.nn.functional.pad(logits, (0, nb * block_size - L), value=-torch.inf).unflatten(-1, (nb, block_size)).amax(-1)
+    scores = (torch.nn.functional.pad(logits, (0, nb * block_size - L), value=-torch.inf)
+              .unflatten(-1, (nb, block_size)).amax(-1))
     live = (visible > 0).nonzero().flatten()
-    scores[live, (visible[live] - 1) // block_size] = torch.inf           # the block holding the newest entry stays in
+    # the block holding the newest entry stays in
+    scores[live, (visible[live] - 1) // block_size] = torch.inf
     return topk_reference(scores, (visible + block_size - 1) // block_size, topk_blocks)
 
 def pool_mask(pool: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
     "(T, width) bool: the entries inside each query's candidate blocks"
-    keep = torch.zeros(pool.shape[0], triton.cdiv(width, block_size) + 1, dtype=torch.bool, device=pool.device)
+    keep = torch.zeros(pool.shape[0], triton.cdiv(width, block_size) + 1, dtype=torch.bool,
+                       device=pool.device)
     keep.scatter_(1, torch.where(pool >= 0, pool, keep.shape[1] - 1).long(), True)
     return keep[:, :-1].repeat_interleave(block_size, 1)[:, :width]
 
 # %% ../nbs/04_indexer.ipynb #37e93a3f
-def sparse_topk_reference(logits: torch.Tensor, visible: torch.Tensor, pool: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+def sparse_topk_reference(logits: torch.Tensor,  # (T, L) fp32 dense logits
+                          visible: torch.Tensor, # (T,) visible entries per query
+                          pool: torch.Tensor,    # (T, P) int32 candidate blocks per query
+                          k: int,                # entries to keep per query
+                          block_size: int,       # entries per candidate block
+                         ) -> torch.Tensor:
     "(T, k) int32: each query's top-k among its candidate pool's visible entries (the dense logits masked to the pool)"
     masked = logits.masked_fill(~pool_mask(pool, logits.shape[1], block_size), -torch.inf)
-    n_pool = pool_mask(pool, logits.shape[1], block_size).logical_and(torch.arange(logits.shape[1], device=logits.device) < visible[:, None]).sum(1)
+    seen = torch.arange(logits.shape[1], device=logits.device) < visible[:, None]
+    n_pool = pool_mask(pool, logits.shape[1], block_size).logical_and(seen).sum(1)
     out = torch.full((logits.shape[0], k), -1, dtype=torch.int32, device=logits.device)
     for s in range(logits.shape[0]):
         n = int(visible[s])
-        if n <= k: out[s, :n] = torch.arange(n, dtype=torch.int32)                             # select all
-        else: out[s, :min(k, int(n_pool[s]))] = topk_reference(masked[s:s + 1], [n], k)[0, :min(k, int(n_pool[s]))]
+        if n <= k: out[s, :n] = torch.arange(n, dtype=torch.int32)      # select all
+        else:
+            m = min(k, int(n_pool[s]))
+            out[s, :m] = topk_reference(masked[s:s + 1], [n], k)[0, :m]
     return out
 
 # %% ../nbs/04_indexer.ipynb #2963d802
 @triton.jit
 def _record_rows(cache_ptr, slot, zero, REC: tl.constexpr):
-    "(BLOCK_T, 1) record addresses; `zero`, a runtime 0 the compiler cannot see through, keeps it from assuming more alignment"
-    return cache_ptr + tl.multiple_of(slot * REC + zero, REC & -REC if REC & -REC < 16 else 16)[:, None]  # than REC gives
+    ("(BLOCK_T, 1) record addresses; `zero`, a runtime 0 the compiler cannot see through, "
+     "keeps it from assuming more alignment")  # than REC gives
+    return cache_ptr + tl.multiple_of(slot * REC + zero,
+                                      REC & -REC if REC & -REC < 16 else 16)[:, None]
 
 @triton.jit
 def _fp4_key_halves(rec, valid, DH: tl.constexpr):
     "(even dims, odd dims) of MXFP4 keys, (BLOCK_T, DH/2) fp32 each: one contiguous load of the code bytes, no reshape"
     j = tl.arange(0, DH // 2)
-    b = tl.load(rec + j[None, :], mask=valid[:, None], other=0).to(tl.int32)                  # byte j: dims 2j (low), 2j+1
-    sc = _ue8m0_value(tl.load(rec + DH // 2 + (j // 16)[None, :], mask=valid[:, None], other=127).to(tl.int32))
+    # byte j: dims 2j (low), 2j+1
+    b = tl.load(rec + j[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    sc = _ue8m0_value(tl.load(rec + DH // 2 + (j // 16)[None, :], mask=valid[:, None],
+                              other=127).to(tl.int32))
     return _e2m1_value(b & 15) * sc, _e2m1_value(b >> 4) * sc
 
 @triton.jit
@@ -219,7 +295,8 @@ def _fp8_key_tile(rec, valid, DH: tl.constexpr):
     "((BLOCK_T, DH) E4M3 values, exact in bf16, and (BLOCK_T,) their fp32 scale, which is not)"
     c = tl.load(rec + tl.arange(0, DH)[None, :], mask=valid[:, None], other=0).to(tl.int32)
     sb = tl.load(rec + DH + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    return _e4m3_value(c), tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True)
+    return (_e4m3_value(c),
+            tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True))
 
 @triton.jit
 def _dot_t(a, k, BF16_DOT: tl.constexpr):
@@ -231,10 +308,11 @@ def _dot_t(a, k, BF16_DOT: tl.constexpr):
 # %% ../nbs/04_indexer.ipynb #40f66b92
 @triton.jit
 def _tile_entries(aux_row, t, L, n_vis, MODE: tl.constexpr, CBS: tl.constexpr):
-    "(entries, valid) behind output columns t: the columns themselves, masked to kept blocks (MODE 1), or the pool's (MODE 2)"
+    ("(entries, valid) behind output columns t: the columns themselves, "
+     "masked to kept blocks (MODE 1), or the pool's (MODE 2)")
     if MODE == 2:
         blk = tl.load(aux_row + t // CBS, mask=t < L, other=-1).to(tl.int64)
-        e = blk * CBS + t % CBS                                          # the entry behind each pool position
+        e = blk * CBS + t % CBS                          # the entry behind each pool position
         return e, (blk >= 0) & (e < n_vis)
     e = t.to(tl.int64)
     valid = e < n_vis
@@ -250,18 +328,23 @@ def _index_logits_kernel(
     bt_ptr,         # (R, W) int32 block table of the global group
     row_ptr,        # (T,) int32 block-table row of each query's request, -1 = padding
     pos_ptr,        # (T,) query positions
-    aux_ptr,        # MODE 1: (T, blocks) uint8 kept-block flags; MODE 2: (T, pool) int32 candidate blocks
+    aux_ptr,        # MODE 1: (T, blocks) uint8 kept-block flags;
+                    # MODE 2: (T, pool) int32 candidate blocks
     out_ptr,        # (T, L) fp32 logits
     L,              # logits per row
     W,              # block-table width
     skip,           # rows seeing at most this many entries are left unwritten (they select all)
     aux_stride,     # elements between rows of aux
     zero,           # always 0 (see _record_rows)
-    H: tl.constexpr, H_P2: tl.constexpr, DH: tl.constexpr,   # heads (padded to >= 16 for the tensor cores), head dim
+    H: tl.constexpr, H_P2: tl.constexpr,   # heads (padded to >= 16 for the tensor cores),
+    DH: tl.constexpr,                      # head dim
     RATIO: tl.constexpr, PER: tl.constexpr,                   # tokens per entry, entries per page
-    FP4: tl.constexpr, REC: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,   # TILES tiles per program
-    BF16_DOT: tl.constexpr,   # multiply in bf16 (exact: every operand is a bf16 value); fp32 in the interpreter
-    MODE: tl.constexpr,       # 0: every visible entry; 1: and -inf outside the kept blocks; 2: the pool's entries only
+    FP4: tl.constexpr, REC: tl.constexpr,
+    BLOCK_T: tl.constexpr, TILES: tl.constexpr,               # TILES tiles per program
+    BF16_DOT: tl.constexpr,   # multiply in bf16 (exact: every operand is a bf16 value);
+                              # fp32 in the interpreter
+    MODE: tl.constexpr,       # 0: every visible entry; 1: and -inf outside the kept blocks;
+                              # 2: the pool's entries only
     CBS: tl.constexpr,        # candidate block size (modes 1, 2)
 ):
     s = tl.program_id(0)
@@ -269,36 +352,53 @@ def _index_logits_kernel(
     n_vis = tl.where(row >= 0, (tl.load(pos_ptr + s).to(tl.int64) + 1) // RATIO, 0)
     if n_vis > skip:
         h = tl.arange(0, H_P2)
-        qrow = q_ptr + s.to(tl.int64) * H * DH + h[:, None] * DH                       # the query, loaded once per program
+        # the query, loaded once per program
+        qrow = q_ptr + s.to(tl.int64) * H * DH + h[:, None] * DH
         w = tl.load(w_ptr + s.to(tl.int64) * H + h, mask=h < H, other=0.0)
-        if FP4:                                                                        # split into even and odd dims,
-            j = tl.arange(0, DH // 2)                                                  # as the nibbles of each byte are
+        # split into even and odd dims, as the nibbles of each byte are
+        if FP4:
+            j = tl.arange(0, DH // 2)
             q_even = tl.load(qrow + 2 * j[None, :], mask=(h < H)[:, None], other=0.0)
             q_odd = tl.load(qrow + 2 * j[None, :] + 1, mask=(h < H)[:, None], other=0.0)
         else: q = tl.load(qrow + tl.arange(0, DH)[None, :], mask=(h < H)[:, None], other=0.0)
-        for i in range(TILES):                                                          # TILES tiles of BLOCK_T entries
-            t = (tl.program_id(1) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)          # (BLOCK_T,) output columns
+        for i in range(TILES):                                 # TILES tiles of BLOCK_T entries
+            # (BLOCK_T,) output columns
+            t = (tl.program_id(1) * TILES + i) * BLOCK_T + tl.arange(0, BLOCK_T)
             e, valid = _tile_entries(aux_ptr + s * aux_stride, t, L, n_vis, MODE, CBS)
-            page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid, other=0).to(tl.int64)
+            page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid,
+                           other=0).to(tl.int64)
             rec = _record_rows(cache_ptr, page * PER + e % PER, zero, REC)
             if FP4:
                 k_even, k_odd = _fp4_key_halves(rec, valid, DH)
-                scores = _dot_t(q_even, k_even, BF16_DOT) + _dot_t(q_odd, k_odd, BF16_DOT)   # (H_P2, BLOCK_T), never stored
+                # (H_P2, BLOCK_T), never stored
+                scores = _dot_t(q_even, k_even, BF16_DOT) + _dot_t(q_odd, k_odd, BF16_DOT)
             else:
                 k, ks = _fp8_key_tile(rec, valid, DH)
-                scores = _dot_t(q, k, BF16_DOT) * ks[None, :]                           # the keys' scale, after the dot
+                scores = _dot_t(q, k, BF16_DOT) * ks[None, :]   # the keys' scale, after the dot
             logit = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
-            tl.store(out_ptr + s.to(tl.int64) * L + t, tl.where(valid, logit, -float('inf')), mask=t < L)
+            tl.store(out_ptr + s.to(tl.int64) * L + t, tl.where(valid, logit, -float('inf')),
+                     mask=t < L)
 
 
 # %% ../nbs/04_indexer.ipynb #a69a53e6
 def _key_format(codec) -> bool:
     "True for MXFP4 keys, False for FP8 keys with one fp32 scale; anything else is refused"
-    if isinstance(codec, FP4Record) and codec.scale_format == 'ue8m0' and codec.block == 32: return True
+    if isinstance(codec, FP4Record) and codec.scale_format == 'ue8m0' and codec.block == 32:
+        return True
     if isinstance(codec, FP8Record) and codec.fp32_scale and not codec.rope_dim: return False
     raise ValueError(f"index keys are 'index_mxfp4' or 'index_fp8' records, not {codec!r}")
 
-def index_logits_torch(q, w, key_cache, batch: IndexBatch, codec, width: int, keep=None, pool=None, cbs: int = 1):
+# %% ../nbs/04_indexer.ipynb #4764ca49
+def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
+                       w,                  # (T, H) fp32 head weights
+                       key_cache,          # uint8 index-key records of the KV source
+                       batch: IndexBatch,  # positions, block-table rows, the table
+                       codec,              # the key record format
+                       width: int,         # logits per row
+                       keep=None,          # (T, blocks) bool: -inf outside the kept blocks
+                       pool=None,          # (T, n) int32 candidate blocks: score only their entries
+                       cbs: int = 1,       # candidate block size (with `keep` / `pool`)
+                      ):
     "PyTorch path of `index_logits`: each request's keys decoded once and scored against all of its queries"
     out, vis = torch.full((q.shape[0], width), -torch.inf, device=q.device), batch.visible
     records = key_cache.view(-1, codec.record_bytes)
@@ -306,49 +406,69 @@ def index_logits_torch(q, w, key_cache, batch: IndexBatch, codec, width: int, ke
         mine = (batch.rows == r).nonzero().flatten()
         n = int(vis[mine].max())
         if r < 0 or n == 0: continue
-        k = codec.unpack(records[batch.slots(r, torch.arange(n, device=q.device))])                  # (n, DH)
-        sc = (torch.relu(torch.einsum('thd,nd->thn', q[mine].float(), k)) * w[mine, :, None]).sum(1)   # (t, n)
+        k = codec.unpack(records[batch.slots(r, torch.arange(n, device=q.device))])   # (n, DH)
+        # (t, n)
+        sc = (torch.relu(torch.einsum('thd,nd->thn', q[mine].float(), k)) * w[mine, :, None]).sum(1)
         sc = sc.masked_fill(torch.arange(n, device=q.device) >= vis[mine, None], -torch.inf)
         if pool is not None:
-            e = (pool[mine].long().clamp_min(0)[:, :, None] * cbs + torch.arange(cbs, device=q.device)).flatten(1)
+            e = (pool[mine].long().clamp_min(0)[:, :, None] * cbs
+                 + torch.arange(cbs, device=q.device)).flatten(1)
             ok = (pool[mine] >= 0).repeat_interleave(cbs, 1) & (e < vis[mine, None])
             out[mine] = torch.where(ok, sc.gather(1, e.clamp_max(n - 1)), -torch.inf)
         else:
-            if keep is not None: sc = sc.masked_fill(~keep[mine].bool().repeat_interleave(cbs, 1)[:, :n], -torch.inf)
+            if keep is not None:
+                sc = sc.masked_fill(~keep[mine].bool().repeat_interleave(cbs, 1)[:, :n],
+                                    -torch.inf)
             out[mine, :n] = sc
     return out
 
 # %% ../nbs/04_indexer.ipynb #c6d3bf6b
-LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4)   # entries per tile, tiles per program, warps (compiled)
+# entries per tile, tiles per program, warps (compiled)
+LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4)
 
 def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
                  w: torch.Tensor,          # (T, H) fp32 head weights
                  key_cache: torch.Tensor,  # uint8 index-key records of the KV source
                  batch: IndexBatch,        # positions, block-table rows, the table
                  codec,                    # the key record format
-                 width: int | None = None, # logits per row (default: the most any query sees; with `pool`, its entries)
-                 skip: int = -1,           # rows seeing at most this many entries may be left unwritten
-                 keep: torch.Tensor | None = None,  # (T, blocks) bool: -inf outside the kept candidate blocks
-                 pool: torch.Tensor | None = None,  # (T, n) int32 candidate blocks: score only their entries (sparse logits)
+                 # logits per row (default: the most any query sees; with `pool`, its entries)
+                 width: int | None = None,
+                 # rows seeing at most this many entries may be left unwritten
+                 skip: int = -1,
+                 # (T, blocks) bool: -inf outside the kept candidate blocks
+                 keep: torch.Tensor | None = None,
+                 # (T, n) int32 candidate blocks: score only their entries (sparse logits)
+                 pool: torch.Tensor | None = None,
                  cbs: int = 1,             # candidate block size (with `keep` / `pool`)
                 ) -> torch.Tensor:
-    "Index logits sum_h relu(q_h . k_t) * w_h of each query over its visible entries (or its pool's), read through the block table"
+    ("Index logits sum_h relu(q_h . k_t) * w_h of each query over its visible entries "
+     "(or its pool's), read through the block table")
     fp4, T = _key_format(codec), q.shape[0]
     if q.ndim != 3 or q.dtype != torch.bfloat16 or w.shape != q.shape[:2]:
-        raise ValueError(f"expected q (T, heads, head_dim) bf16 and w (T, heads), got {tuple(q.shape)} {q.dtype} and {tuple(w.shape)}")
-    if batch.positions.shape[0] != T: raise ValueError(f"batch has {batch.positions.shape[0]} queries, q has {T}")
+        raise ValueError(f"expected q (T, heads, head_dim) bf16 and w (T, heads), "
+                         f"got {tuple(q.shape)} {q.dtype} and {tuple(w.shape)}")
+    if batch.positions.shape[0] != T:
+        raise ValueError(f"batch has {batch.positions.shape[0]} queries, q has {T}")
     if pool is not None: width = pool.shape[1] * cbs
-    elif width is None: width = 0 if not T else batch.block_table.shape[1] * batch.per_block if capturing() else int(batch.visible.max())
-    if kernel_backend(q, key_cache) == 'torch': return index_logits_torch(q, w, key_cache, batch, codec, width, keep, pool, cbs)
+    elif width is None:
+        width = (0 if not T else
+                 batch.block_table.shape[1] * batch.per_block if capturing() else
+                 int(batch.visible.max()))
+    if kernel_backend(q, key_cache) == 'torch':
+        return index_logits_torch(q, w, key_cache, batch, codec, width, keep, pool, cbs)
     out = torch.empty(T, width, device=q.device)
     if T == 0 or width == 0: return out
     aux = pool if pool is not None else (keep.to(torch.uint8) if keep is not None else out)
-    block_t, tiles, warps = (LOGITS_TUNING["block_t"], LOGITS_TUNING["tiles"], LOGITS_TUNING["num_warps"]) if q.is_cuda else (32, 2, 4)
+    block_t, tiles, warps = (
+        (LOGITS_TUNING["block_t"], LOGITS_TUNING["tiles"], LOGITS_TUNING["num_warps"]) if q.is_cuda
+        else (32, 2, 4))
     _index_logits_kernel[(T, triton.cdiv(width, block_t * tiles))](
-        q, w.float().contiguous(), key_cache, batch.block_table, batch.rows, batch.positions, aux, out, width,
-        batch.block_table.shape[1], skip, aux.stride(0), 0, H=q.shape[1], H_P2=max(16, triton.next_power_of_2(q.shape[1])),
-        DH=q.shape[2], RATIO=batch.ratio, PER=batch.per_block, FP4=fp4, REC=codec.record_bytes, BLOCK_T=block_t, TILES=tiles,
-        BF16_DOT=not triton_interpreting(), MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs, num_warps=warps)
+        q, w.float().contiguous(), key_cache, batch.block_table, batch.rows, batch.positions, aux,
+        out, width, batch.block_table.shape[1], skip, aux.stride(0), 0,
+        H=q.shape[1], H_P2=max(16, triton.next_power_of_2(q.shape[1])), DH=q.shape[2],
+        RATIO=batch.ratio, PER=batch.per_block, FP4=fp4, REC=codec.record_bytes,
+        BLOCK_T=block_t, TILES=tiles, BF16_DOT=not triton_interpreting(),
+        MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs, num_warps=warps)
     return out
 
 # %% ../nbs/04_indexer.ipynb #5844a3bc
@@ -359,7 +479,8 @@ def logits_error_bound(q, w, key_cache, batch: IndexBatch, codec) -> torch.Tenso
     for s in range(len(vis)):
         n = int(vis[s])
         if n == 0: continue
-        k = codec.unpack(records[batch.slots(int(batch.rows[s]), torch.arange(n))]).abs()        # (n, head_dim)
+        # (n, head_dim)
+        k = codec.unpack(records[batch.slots(int(batch.rows[s]), torch.arange(n))]).abs()
         out[s, :n] = (q[s].float().abs() @ k.T * w[s].abs()[:, None]).sum(0)
     return (q.shape[2] + q.shape[1] + 2) * 2 ** -23 * out
 
@@ -373,8 +494,10 @@ def _order_key(x):
 
 @triton.jit
 def _radix_threshold(row, n, K: tl.constexpr, BLOCK: tl.constexpr):
-    "(order key of the K-th largest of row[:n], how many entries equal to it belong in the top K): four 8-bit radix passes"
-    offs, prefix, rem = tl.arange(0, BLOCK), 0, K                         # prefix: the threshold's high bits (unsigned order)
+    ("(order key of the K-th largest of row[:n], "
+     "how many entries equal to it belong in the top K): four 8-bit radix passes")
+    # prefix: the threshold's high bits (unsigned order)
+    offs, prefix, rem = tl.arange(0, BLOCK), 0, K
     for p in tl.static_range(4):
         SHIFT = 24 - 8 * p
         hist = tl.zeros((256,), tl.int32)
@@ -384,8 +507,9 @@ def _radix_threshold(row, n, K: tl.constexpr, BLOCK: tl.constexpr):
             match = t < n
             if p > 0: match = match & ((u >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
             hist += tl.histogram((u >> SHIFT) & 255, 256, mask=match)
-        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)                     # matching entries in higher digits
-        digit = tl.sum((above + hist >= rem).to(tl.int32), 0) - 1        # the digit holding the rem-th largest
+        above = tl.sum(hist, 0) - tl.cumsum(hist, 0)             # matching entries in higher digits
+        # the digit holding the rem-th largest
+        digit = tl.sum((above + hist >= rem).to(tl.int32), 0) - 1
         rem -= tl.sum(tl.where(tl.arange(0, 256) == digit, above, 0), 0)
         prefix = prefix | (digit << SHIFT)
     return prefix ^ -2147483648, rem
@@ -405,15 +529,18 @@ def _pool_entry(pool, t, live, CBS: tl.constexpr):
     if CBS > 0: return tl.load(pool + t // CBS, mask=live, other=0) * CBS + t % CBS
     else: return t
 
+# %% ../nbs/04_indexer.ipynb #1bda00dd
 @triton.jit
 def _topk_kernel(
     x_ptr,          # (T, L) fp32 scores
     len_ptr,        # (T,) entries of each row to consider (a prefix of the row)
     out_ptr,        # (T, K) int32 selected entries, ascending, -1 pads
     L,              # row stride of x
-    pool_ptr, P,    # (T, P) int32 candidate pools (CBS > 0): len_ptr then holds visible entries, and entries map through the pool
+    pool_ptr, P,    # (T, P) int32 candidate pools (CBS > 0): len_ptr then holds visible entries,
+                    # and entries map through the pool
     K: tl.constexpr, K_P2: tl.constexpr, BLOCK: tl.constexpr,
-    CBS: tl.constexpr = 0, P_P2: tl.constexpr = 1,   # pool block size (0: a plain row), next power of two >= P
+    CBS: tl.constexpr = 0,    # pool block size (0: a plain row),
+    P_P2: tl.constexpr = 1,   # next power of two >= P
 ):
     s = tl.program_id(0)
     pool = pool_ptr + s.to(tl.int64) * P
@@ -423,52 +550,64 @@ def _topk_kernel(
     row, out, j = x_ptr + s.to(tl.int64) * L, out_ptr + s.to(tl.int64) * K, tl.arange(0, K_P2)
     take = tl.minimum(n, K)
     tl.store(out + j, tl.full((K_P2,), -1, tl.int32), mask=(j >= take) & (j < K))
-    if n <= K: tl.store(out + j, _pool_entry(pool, j, j < take, CBS), mask=j < take)    # select all
+    if n <= K: tl.store(out + j, _pool_entry(pool, j, j < take, CBS), mask=j < take)   # select all
     else:
         thr, rem = _radix_threshold(row, n, K, BLOCK)
         taken, ties = 0, 0
-        for t0 in range(0, n, BLOCK):                                     # collect in index order
+        for t0 in range(0, n, BLOCK):                           # collect in index order
             t = t0 + tl.arange(0, BLOCK)
             kk = _order_key(tl.load(row + t, mask=t < n, other=0.0))
             eq = (kk == thr) & (t < n)
             sel = ((kk > thr) & (t < n)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= rem))
-            tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1, _pool_entry(pool, t, sel, CBS), mask=sel)
+            tl.store(out + taken + tl.cumsum(sel.to(tl.int32), 0) - 1,
+                     _pool_entry(pool, t, sel, CBS), mask=sel)
             taken += tl.sum(sel.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
 
 # %% ../nbs/04_indexer.ipynb #2da30542
 def ragged_topk(x: torch.Tensor,        # (T, L) fp32 scores
-                lengths: torch.Tensor,  # (T,) entries of each row to consider (a prefix); with `pool`: visible entries
+                # (T,) entries of each row to consider (a prefix); with `pool`: visible entries
+                lengths: torch.Tensor,
                 k: int,                 # entries to keep per row
-                pool: torch.Tensor | None = None,  # (T, P) int32 candidate pools: x is a sparse row over them
+                # (T, P) int32 candidate pools: x is a sparse row over them
+                pool: torch.Tensor | None = None,
                 block_size: int = 0,    # the pool's block size (with `pool`)
                ) -> torch.Tensor:
-    "(T, k) int32: each row's top min(k, length) among its first `length` entries, ascending, ties to the lower index, -1 pads"
+    ("(T, k) int32: each row's top min(k, length) among its first `length` entries, "
+     "ascending, ties to the lower index, -1 pads")
     if x.ndim != 2 or x.dtype != torch.float32:
-        raise ValueError(f"ragged_topk: expected (T, L) float32 scores, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(f"ragged_topk: expected (T, L) float32 scores, "
+                         f"got {tuple(x.shape)} {x.dtype}")
     if lengths.shape != (x.shape[0],) or lengths.dtype.is_floating_point:
         raise ValueError(f"ragged_topk: expected ({x.shape[0]},) integer lengths")
-    if not isinstance(k, int) or k <= 0: raise ValueError(f"ragged_topk: k = {k!r}; expected a positive integer")
+    if not isinstance(k, int) or k <= 0:
+        raise ValueError(f"ragged_topk: k = {k!r}; expected a positive integer")
     if pool is not None: _check_pool(pool, x.shape[0], block_size)
     if kernel_backend(x, lengths) == 'torch':
         if pool is None: return topk_reference(x, lengths, k)
-        sel = topk_reference(x, pool_entries(pool, lengths, block_size), k)          # positions of the sparse row
+        # positions of the sparse row
+        sel = topk_reference(x, pool_entries(pool, lengths, block_size), k)
         blk = pool.gather(1, (sel.clamp_min(0) // block_size).long())
         return torch.where(sel >= 0, blk * block_size + sel % block_size, -1).int()   # as entries
     out = torch.empty(x.shape[0], k, dtype=torch.int32, device=x.device)
     P = 0 if pool is None else pool.shape[1]
-    if x.shape[0]: _topk_kernel[(x.shape[0],)](x.contiguous(), lengths, out, x.shape[1], out if pool is None else pool.contiguous(), P,
-                                               K=k, K_P2=triton.next_power_of_2(k), BLOCK=4096 if x.is_cuda else 256,
-                                               CBS=0 if pool is None else block_size, P_P2=triton.next_power_of_2(max(P, 1)),
-                                               num_warps=8)
+    if x.shape[0]:
+        _topk_kernel[(x.shape[0],)](
+            x.contiguous(), lengths, out, x.shape[1], out if pool is None else pool.contiguous(), P,
+            K=k, K_P2=triton.next_power_of_2(k), BLOCK=4096 if x.is_cuda else 256,
+            CBS=0 if pool is None else block_size, P_P2=triton.next_power_of_2(max(P, 1)),
+            num_warps=8)
     return out
 
 def _check_pool(pool, T: int, block_size):
-    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.ndim != 2 or pool.shape[0] != T:
+    if (not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.ndim != 2
+        or pool.shape[0] != T):
         raise ValueError(f"ragged_topk: pool: expected ({T}, blocks) int32, got "
-                         f"{getattr(pool, 'dtype', type(pool).__name__)} {tuple(getattr(pool, 'shape', ()))}")
+                         f"{getattr(pool, 'dtype', type(pool).__name__)} "
+                         f"{tuple(getattr(pool, 'shape', ()))}")
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-        raise ValueError(f"ragged_topk: block_size = {block_size!r}; expected an int >= 1 with a pool")
+        raise ValueError(f"ragged_topk: block_size = {block_size!r}; "
+                         "expected an int >= 1 with a pool")
 
 
 # %% ../nbs/04_indexer.ipynb #8f9cfeaf
@@ -477,7 +616,8 @@ def _block_max_kernel(
     x_ptr,          # (T, L) fp32 logits of the candidate source
     vis_ptr,        # (T,) visible entries per row
     out_ptr,        # (T, NB) fp32 block scores
-    L, NB, skip,    # row stride of x, blocks per row; rows seeing at most `skip` entries are left unwritten
+    L, NB, skip,    # row stride of x, blocks per row;
+                    # rows seeing at most `skip` entries are left unwritten
     CBS: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -485,17 +625,28 @@ def _block_max_kernel(
     n = tl.load(vis_ptr + s).to(tl.int64)
     if n > skip:
         e = b[:, None] * CBS + tl.arange(0, CBS)[None, :]                  # (BLOCK_B, CBS) entries
-        best = tl.max(tl.load(x_ptr + s.to(tl.int64) * L + e, mask=e < n, other=-float('inf')), axis=1)
-        best = tl.where(b == (n - 1) // CBS, float('inf'), best)        # the newest block is always kept
+        best = tl.max(tl.load(x_ptr + s.to(tl.int64) * L + e, mask=e < n, other=-float('inf')),
+                      axis=1)
+        best = tl.where(b == (n - 1) // CBS, float('inf'), best)   # the newest block is always kept
         tl.store(out_ptr + s.to(tl.int64) * NB + b, best, mask=b < NB)
 
-def candidate_pool(logits: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int, skip: int = -1) -> torch.Tensor:
-    "(T, topk_blocks) int32 candidate blocks (block maxima, the newest pinned, block top-k), as `candidate_pool_reference`"
-    if kernel_backend(logits, visible) == 'torch': return candidate_pool_reference(logits, visible, topk_blocks, block_size)
+# %% ../nbs/04_indexer.ipynb #63cd8809
+def candidate_pool(logits: torch.Tensor,   # (T, L) fp32 logits of the candidate source
+                   visible: torch.Tensor,  # (T,) visible entries per row
+                   topk_blocks: int,       # candidate blocks to keep per query
+                   block_size: int,        # entries per candidate block
+                   skip: int = -1,         # rows seeing at most this many entries are not scored
+                  ) -> torch.Tensor:
+    ("(T, topk_blocks) int32 candidate blocks (block maxima, the newest pinned, block top-k), "
+     "as `candidate_pool_reference`")
+    if kernel_backend(logits, visible) == 'torch':
+        return candidate_pool_reference(logits, visible, topk_blocks, block_size)
     T, L = logits.shape
     nb = triton.cdiv(L, block_size)
     scores = torch.empty(T, nb, device=logits.device)
-    if T and nb: _block_max_kernel[(T, triton.cdiv(nb, 64))](logits, visible, scores, L, nb, skip, CBS=block_size, BLOCK_B=64)
+    if T and nb:
+        _block_max_kernel[(T, triton.cdiv(nb, 64))](logits, visible, scores, L, nb, skip,
+                                                    CBS=block_size, BLOCK_B=64)
     return ragged_topk(scores, (visible + block_size - 1) // block_size, topk_blocks)
 
 # %% ../nbs/04_indexer.ipynb #a652e6b3
@@ -505,119 +656,195 @@ def pool_entries(pool: torch.Tensor, visible: torch.Tensor, block_size: int) -> 
     newest_fill = visible - (visible - 1).clamp_min(0) // block_size * block_size
     return torch.where(blocks > 0, (blocks - 1) * block_size + newest_fill, 0)
 
-def sparse_topk(q, w, key_cache, batch: IndexBatch, codec, pool: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+def sparse_topk(q,                   # (T, H, DH) bf16 index queries
+                w,                   # (T, H) fp32 head weights
+                key_cache,           # uint8 index-key records of the KV source
+                batch: IndexBatch,   # positions, block-table rows, the table
+                codec,               # the key record format
+                pool: torch.Tensor,  # (T, P) int32 candidate blocks of each query
+                k: int,              # entries to keep per query
+                block_size: int,     # the pool's block size
+               ) -> torch.Tensor:
     "(T, k) int32 entries: each query's top-k scored over its candidate pool only (sparse logits), ascending, -1 pads"
-    logits = index_logits(q, w, key_cache, batch, codec, skip=k, pool=pool, cbs=block_size)      # (T, pool * block_size)
-    return ragged_topk(logits, batch.visible, k, pool=pool, block_size=block_size)    # the pool's prefix and entries in the kernel
+    # (T, pool * block_size)
+    logits = index_logits(q, w, key_cache, batch, codec, skip=k, pool=pool, cbs=block_size)
+    # the pool's prefix and entries in the kernel
+    return ragged_topk(logits, batch.visible, k, pool=pool, block_size=block_size)
 
 # %% ../nbs/04_indexer.ipynb #f1685ffa
 @patch
 def select(self: Indexer, q, w, batch: IndexBatch, key_cache, pool=None) -> tuple:
-    "(entries, pool): (T, topk) int32 selected entries, ascending, -1 pads; the candidate pool (T, blocks) if this layer publishes one"
+    ("(entries, pool): (T, topk) int32 selected entries, ascending, -1 pads; "
+     "the candidate pool (T, blocks) if this layer publishes one")
     if self.uses_candidates and pool is None:
-        raise ValueError(f"layer {self.layer} scores inside the candidate pool: pass the pool its candidate source published")
+        raise ValueError(f"layer {self.layer} scores inside the candidate pool: "
+                         "pass the pool its candidate source published")
     vis, k, cbs = batch.visible, self.topk, self.candidate_block_size
-    def all_of(n, width):                                                  # select-all fill: 0 .. n-1, then -1
+    # select-all fill: 0 .. n-1, then -1
+    def all_of(n, width):
         ar = torch.arange(width, device=vis.device)
         return torch.where(ar < n[:, None], ar, -1).int()
-    if len(vis) == 0 or (not capturing() and int(vis.max()) <= k):       # (a capture takes the general path)
-        return all_of(vis, k), (all_of((vis + cbs - 1) // cbs, self.candidate_blocks) if self.is_candidate_source else None)
-    if self.uses_candidates: return sparse_topk(q, w, key_cache, batch, self.codec, pool, k, cbs), None
+    # (a capture takes the general path)
+    if len(vis) == 0 or (not capturing() and int(vis.max()) <= k):
+        return all_of(vis, k), (all_of((vis + cbs - 1) // cbs, self.candidate_blocks)
+                                if self.is_candidate_source else None)
+    if self.uses_candidates:
+        return sparse_topk(q, w, key_cache, batch, self.codec, pool, k, cbs), None
     logits = index_logits(q, w, key_cache, batch, self.codec, skip=k)
-    new_pool = candidate_pool(logits, vis, self.candidate_blocks, cbs, skip=k) if self.is_candidate_source else None
+    new_pool = (candidate_pool(logits, vis, self.candidate_blocks, cbs, skip=k)
+                if self.is_candidate_source else None)
     return ragged_topk(logits, vis, k), new_pool
 
+# %% ../nbs/04_indexer.ipynb #836b53cc
 @patch
-def forward(self: Indexer, x, qr, batch: IndexBatch, key_cache, latent=None, compressed_slots=None, pool=None) -> tuple:
+def forward(self: Indexer,
+            x,                      # (T, dim) layer input (the head weights')
+            qr,                     # (T, q_lora_rank) the attention's low-rank query
+            batch: IndexBatch,      # positions, block-table rows, the table
+            key_cache,              # the KV source's index-key cache
+            latent=None,            # (T, head_dim) the compressor's latent (Full layers)
+            compressed_slots=None,  # (T,) the compressor's compressed slots (Full layers)
+            # the pool the candidate source published (Reindex layers above it)
+            pool=None,
+           ) -> tuple:
     "Store this step's index keys (Full layers), make the queries, select: returns `select`'s (entries, pool)"
     if self.owns_keys:
         if latent is None or compressed_slots is None:
-            raise ValueError(f"layer {self.layer} makes index keys: pass the compressor's latent and compressed slots")
+            raise ValueError(f"layer {self.layer} makes index keys: "
+                             "pass the compressor's latent and compressed slots")
         self.store_keys(latent, batch.positions, compressed_slots, key_cache)
     return self.select(*self.queries(qr, x, batch.positions), batch, key_cache, pool)
 
 # %% ../nbs/04_indexer.ipynb #38df02e0
-def random_key_cache(codec, batch: int, entries: int, block_size: int, ratio: int, device, seed=0):
+def random_key_cache(codec,            # the key record format
+                     batch: int,       # requests
+                     entries: int,     # entries per request
+                     block_size: int,  # tokens per page
+                     ratio: int,       # tokens per entry
+                     device,
+                     seed=0):
     "A paged key cache of random valid records, `entries` per request, in shuffled pages; returns (cache, block table)"
     g = torch.Generator(device=device).manual_seed(seed)
     per = block_size // ratio
     pages = triton.cdiv(entries, per)
-    cache = torch.randint(0, 256, (batch * pages + 1, per, codec.record_bytes), dtype=torch.uint8, device=device, generator=g)
+    cache = torch.randint(0, 256, (batch * pages + 1, per, codec.record_bytes), dtype=torch.uint8,
+                          device=device, generator=g)
     if isinstance(codec, FP4Record):                                      # scales 2^-7 .. 2^0
         scales = cache[..., codec.scale_offset:]
-        scales.copy_(torch.randint(120, 128, scales.shape, dtype=torch.uint8, device=device, generator=g))
+        scales.copy_(torch.randint(120, 128, scales.shape, dtype=torch.uint8, device=device,
+                                   generator=g))
     else:
         cache[..., :codec.qdim] &= 0x77                                    # no NaN codes
-        cache[..., codec.qdim:] = torch.tensor([0, 0, 0x80, 0x3c], dtype=torch.uint8, device=device)   # scale 2^-6
+        # scale 2^-6
+        cache[..., codec.qdim:] = torch.tensor([0, 0, 0x80, 0x3c], dtype=torch.uint8, device=device)
     table = (torch.randperm(batch * pages, device=device, generator=g) + 1).view(batch, pages).int()
     return cache, table
 
+# %% ../nbs/04_indexer.ipynb #4bb2f5bd
 def _decode_batch(cfg, codec, batch, context, device, seed=0):
     ratio, bs = 1, 128
     cache, table = random_key_cache(codec, batch, context, bs, ratio, device, seed)
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    q = qdq_mxfp4(torch.randn(batch, cfg.index_n_heads, cfg.index_head_dim, device=device, generator=g).bfloat16())
+    q = qdq_mxfp4(torch.randn(batch, cfg.index_n_heads, cfg.index_head_dim, device=device,
+                              generator=g).bfloat16())
     w = torch.rand(batch, cfg.index_n_heads, device=device, generator=g) * 0.1
     rows = torch.arange(batch, dtype=torch.int32, device=device)
     ib = IndexBatch(torch.full((batch,), context - 1, device=device), rows, table, bs, ratio)
     return q, w, cache, ib
 
 # %% ../nbs/04_indexer.ipynb #b6cfc36f
-def benchmark_index_logits(cfg: ModelConfig, context: int, batch: int = 32, fmt: str = 'index_mxfp4', device='cuda',
-                           bandwidth=None, rep: int = 100) -> dict:
-    "Full-scan logits kernel for a decode step of `batch` requests at `context` entries: time per query token against its floor"
+def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head dim
+                           context: int,              # entries each request sees
+                           batch: int = 32,           # decode requests, one query token each
+                           fmt: str = 'index_mxfp4',  # key format: 'index_mxfp4' or 'index_fp8'
+                           device='cuda',
+                           bandwidth=None,            # copy bandwidth in B/s (default: measured)
+                           rep: int = 100,            # timed repetitions
+                          ) -> dict:
+    ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
+     "time per query token against its floor")
     codec = cache_format(cfg, fmt)
     q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
     bw = bandwidth or copy_bandwidth(device=device)
-    with use_kernels('triton'): t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
-    moved = batch * context * (codec.record_bytes + 4) + q.numel() * 2 + batch * (4 * q.shape[1] + 12)
-    return dict(context=context, batch=batch, format=fmt, us_per_query=t / batch * 1e6, floor_us=moved / bw / batch * 1e6,
-                of_floor=moved / bw / t, GBps=moved / t / 1e9)
+    with use_kernels('triton'):
+        t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
+    moved = (batch * context * (codec.record_bytes + 4) + q.numel() * 2
+             + batch * (4 * q.shape[1] + 12))
+    return dict(context=context, batch=batch, format=fmt, us_per_query=t / batch * 1e6,
+                floor_us=moved / bw / batch * 1e6, of_floor=moved / bw / t, GBps=moved / t / 1e9)
 
-def benchmark_sparse_vs_dense(cfg: ModelConfig, context: int, batch: int = 32, device='cuda', rep: int = 100) -> dict:
-    "A Reindex layer's selection: scoring the candidate pool only vs scoring every entry and masking to the pool (each + top-k)"
-    codec, k, cbs, nblk = cache_format(cfg, 'index_mxfp4'), cfg.index_topk, cfg.candidate_block_size, cfg.candidate_topk_blocks
+# %% ../nbs/04_indexer.ipynb #bba95f46
+def benchmark_sparse_vs_dense(cfg: ModelConfig,  # geometry: heads, top-k, candidate blocks
+                              context: int,      # entries each request sees
+                              batch: int = 32,   # decode requests, one query token each
+                              device='cuda',
+                              rep: int = 100,    # timed repetitions
+                             ) -> dict:
+    ("A Reindex layer's selection: scoring the candidate pool only vs scoring every entry "
+     "and masking to the pool (each + top-k)")
+    codec, k, cbs, nblk = (cache_format(cfg, 'index_mxfp4'), cfg.index_topk,
+                           cfg.candidate_block_size, cfg.candidate_topk_blocks)
     q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
     g = torch.Generator(device=device).manual_seed(5)
     nb = triton.cdiv(context, cbs)
-    pool = torch.stack([torch.randperm(nb - 1, device=device, generator=g)[:nblk - 1] for _ in range(batch)])
-    pool = torch.cat([pool, torch.full((batch, 1), nb - 1, device=device)], 1).sort(1).values.int()     # the newest block is in
+    pool = torch.stack([torch.randperm(nb - 1, device=device, generator=g)[:nblk - 1]
+                        for _ in range(batch)])
+    # the newest block is in
+    pool = torch.cat([pool, torch.full((batch, 1), nb - 1, device=device)], 1).sort(1).values.int()
     vis = ib.visible
     def dense():
-        keep = torch.zeros(batch, nb, dtype=torch.bool, device=device).scatter_(1, pool.long(), True)
-        return ragged_topk(index_logits(q, w, cache, ib, codec, width=context, keep=keep, cbs=cbs), vis, k)
+        keep = (torch.zeros(batch, nb, dtype=torch.bool, device=device)
+                .scatter_(1, pool.long(), True))
+        return ragged_topk(index_logits(q, w, cache, ib, codec, width=context, keep=keep, cbs=cbs),
+                           vis, k)
     sparse = lambda: sparse_topk(q, w, cache, ib, codec, pool, k, cbs)
     with use_kernels('triton'):
         same = torch.equal(dense(), sparse())
         t_dense, t_sparse = median_time(dense, rep=rep), median_time(sparse, rep=rep)
         t_scan = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
-    return dict(context=context, batch=batch, dense_us=t_dense / batch * 1e6, sparse_us=t_sparse / batch * 1e6,
-                speedup=t_dense / t_sparse, full_scan_us=t_scan / batch * 1e6, same_selection=same)
+    return dict(context=context, batch=batch, dense_us=t_dense / batch * 1e6,
+                sparse_us=t_sparse / batch * 1e6, speedup=t_dense / t_sparse,
+                full_scan_us=t_scan / batch * 1e6, same_selection=same)
 
 # %% ../nbs/04_indexer.ipynb #7dc38008
 def candidate_recall(cfg: ModelConfig,       # geometry: heads, top-k, candidate blocks
                      context: int,            # entries every query sees
-                     keys: str = 'random',    # 'random' (iid Gaussian) or 'clustered' (runs of 32 around 64 centres)
-                     queries: int = 16, rho: float = 0.5, device='cuda', seed=0) -> float:
-    "Mean share of a Reindex layer's full-scan top-k inside the candidate source's pool; the layers' queries correlate by `rho`"
+                     # 'random' (iid Gaussian) or 'clustered' (runs of 32 around 64 centres)
+                     keys: str = 'random',
+                     queries: int = 16,       # query tokens
+                     rho: float = 0.5,        # correlation of the two layers' queries
+                     device='cuda',
+                     seed=0,
+                    ) -> float:
+    ("Mean share of a Reindex layer's full-scan top-k inside the candidate source's pool; "
+     "the layers' queries correlate by `rho`")
     g = torch.Generator(device=device).manual_seed(seed)
-    H, DH, k, cbs, nblk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.candidate_block_size, cfg.candidate_topk_blocks
+    H, DH, k, cbs, nblk = (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
+                           cfg.candidate_block_size, cfg.candidate_topk_blocks)
     codec = cache_format(cfg, 'index_mxfp4')
     if keys == 'random':
-        kv, shared = torch.randn(context, DH, device=device, generator=g), torch.randn(queries, H, DH, device=device, generator=g)
-    else:                                                                  # topical runs: each segment's keys share a center
+        kv, shared = (torch.randn(context, DH, device=device, generator=g),
+                      torch.randn(queries, H, DH, device=device, generator=g))
+    else:
+        # topical runs: each segment's keys share a center
         centers = torch.randn(64, DH, device=device, generator=g)
-        seg = torch.randint(0, 64, (triton.cdiv(context, 32),), device=device, generator=g).repeat_interleave(32)[:context]
+        seg = (torch.randint(0, 64, (triton.cdiv(context, 32),), device=device, generator=g)
+               .repeat_interleave(32)[:context])
         kv = centers[seg] + 0.5 * torch.randn(context, DH, device=device, generator=g)
-        shared = centers[torch.randint(0, 64, (queries,), device=device, generator=g)][:, None].expand(queries, H, DH)
-    cache = torch.empty(triton.cdiv(context, 128) + 1, 128, codec.record_bytes, dtype=torch.uint8, device=device)
-    store_records(codec, kv.bfloat16(), cache, torch.arange(context, device=device) + 128, check_slots=False)
+        shared = (centers[torch.randint(0, 64, (queries,), device=device, generator=g)][:, None]
+                  .expand(queries, H, DH))
+    cache = torch.empty(triton.cdiv(context, 128) + 1, 128, codec.record_bytes, dtype=torch.uint8,
+                        device=device)
+    store_records(codec, kv.bfloat16(), cache, torch.arange(context, device=device) + 128,
+                  check_slots=False)
     table = torch.arange(1, cache.shape[0], dtype=torch.int32, device=device)[None]
     rows = torch.zeros(queries, dtype=torch.int32, device=device)
     ib = IndexBatch(torch.full((queries,), context - 1, device=device), rows, table, 128, 1)
     def layer_scores():
-        q = qdq_mxfp4((rho ** 0.5 * shared + (1 - rho) ** 0.5 * torch.randn(queries, H, DH, device=device, generator=g)).bfloat16())
-        return index_logits(q, torch.rand(queries, H, device=device, generator=g) + 0.5, cache, ib, codec, width=context)
+        noise = torch.randn(queries, H, DH, device=device, generator=g)
+        q = qdq_mxfp4((rho ** 0.5 * shared + (1 - rho) ** 0.5 * noise).bfloat16())
+        return index_logits(q, torch.rand(queries, H, device=device, generator=g) + 0.5,
+                            cache, ib, codec, width=context)
     with use_kernels('triton'):
         src, re = layer_scores(), layer_scores()
         pool = candidate_pool(src, ib.visible, nblk, cbs)

@@ -11,14 +11,17 @@ from fastcore.basics import patch
 from .config import ModelConfig, layer_topology
 from .formats import CACHE_FORMATS, record_bytes
 from .accounting import GiB
-from .block_pool import (
+from dsv41_nb.block_pool import (
     BlockPool, KVCacheBlock, Request, _is_int, _positive_int,
-    PAD_SLOT_ID, NULL_BLOCK_ID, slot_mapping, compressed_slot_mapping, compressed_state_slots, ring_slot_mapping)
+    PAD_SLOT_ID, NULL_BLOCK_ID, slot_mapping, compressed_slot_mapping, compressed_state_slots,
+    ring_slot_mapping)
 # the slot arithmetic of one block table lives with the pool; the cache's users find it here too
-_all_ = ['PAD_SLOT_ID', 'NULL_BLOCK_ID', 'slot_mapping', 'compressed_slot_mapping', 'compressed_state_slots', 'ring_slot_mapping']
+_all_ = ['PAD_SLOT_ID', 'NULL_BLOCK_ID', 'slot_mapping', 'compressed_slot_mapping',
+         'compressed_state_slots', 'ring_slot_mapping']
 
 def cdiv(a: int, b: int) -> int:
-    "Ceiling division of integers (called per request per step: a plain function, `triton.cdiv` costs ~20x more from Python)"
+    ("Ceiling division of integers (called per request per step: a plain function, "
+     "`triton.cdiv` costs ~20x more from Python)")
     return (a + b - 1) // b
 
 # %% auto #0
@@ -31,58 +34,82 @@ __all__ = ['WINDOW_FORMAT', 'MAIN_KV_FORMATS', 'INDEX_KEY_FORMATS', 'MANAGER_KIN
 
 # %% ../nbs/02b_kv_cache.ipynb #b9ec5b6b
 WINDOW_FORMAT = 'window_fp8'  # the sliding-window record of every layer (528 B at head_dim 512)
-MAIN_KV_FORMATS = ('ds_fp4', 'fp8_ds_mla')  # compressed main-KV records: 288 B / 584 B at head_dim 512
-INDEX_KEY_FORMATS = ('index_mxfp4', 'index_fp8')  # index-key records: 68 B / 132 B at index_head_dim 128
+# compressed main-KV records: 288 B / 584 B at head_dim 512
+MAIN_KV_FORMATS = ('ds_fp4', 'fp8_ds_mla')
+# index-key records: 68 B / 132 B at index_head_dim 128
+INDEX_KEY_FORMATS = ('index_mxfp4', 'index_fp8')
 assert {WINDOW_FORMAT, *MAIN_KV_FORMATS, *INDEX_KEY_FORMATS} <= set(CACHE_FORMATS)
 
 @dataclass(frozen=True)
 class CacheConfig:
-    "Serving choices for the paged KV cache (vLLM's `CacheConfig`), kept apart from the model geometry"
+    ("Serving choices for the paged KV cache (vLLM's `CacheConfig`), "
+     "kept apart from the model geometry")
     swa_block_size: int = 32  # tokens per sliding-window block
     global_block_size: int = 128  # tokens per block of the global group: main KV + index K
     index_key_format: str = 'index_mxfp4'  # index-key records: 'index_mxfp4' or 'index_fp8'
     main_kv_format: str = 'ds_fp4'  # compressed main-KV records: 'ds_fp4' or 'fp8_ds_mla'
-    prefix_cache_retention_interval: int = 0  # keep a window checkpoint every this many tokens; 0 = only near the prompt boundary
+    # keep a window checkpoint every this many tokens; 0 = only near the prompt boundary
+    prefix_cache_retention_interval: int = 0
     kv_cache_memory_bytes: int = 40 * GiB  # memory handed to the paged cache
-    num_gpu_blocks_override: int | None = None  # fix the number of blocks (incl. the null block) instead of deriving it
+    # fix the number of blocks (incl. the null block) instead of deriving it
+    num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = True  # hash full blocks and look prefixes up
-    max_model_len: int = 1 << 20  # longest sequence (16 x 65,536 with YaRN, as the model card gives it)
-    max_resume_alignment: int = 4096  # refuse block sizes whose lcm exceeds this: prompts would rarely hit
+    # longest sequence (16 x 65,536 with YaRN, as the model card gives it)
+    max_model_len: int = 1 << 20
+    # refuse block sizes whose lcm exceeds this: prompts would rarely hit
+    max_resume_alignment: int = 4096
 
     def __post_init__(self): self._validate()
     @property
     def hash_block_size(self) -> int:
-        "Tokens per chained hash: gcd of the block sizes, so that every block boundary is a hash boundary"
+        ("Tokens per chained hash: gcd of the block sizes, "
+         "so that every block boundary is a hash boundary")
         return math.gcd(self.swa_block_size, self.global_block_size)
     @property
     def resume_alignment(self) -> int:
-        "A prefix hit ends on a multiple of this: lcm of the block sizes, a boundary every group can resume from"
+        ("A prefix hit ends on a multiple of this: lcm of the block sizes, "
+         "a boundary every group can resume from")
         return math.lcm(self.swa_block_size, self.global_block_size)
 
 # %% ../nbs/02b_kv_cache.ipynb #da10067b
 @patch
 def _validate(self: CacheConfig):
-    for name in ('swa_block_size', 'global_block_size', 'kv_cache_memory_bytes', 'max_model_len', 'max_resume_alignment'):
-        if not _positive_int(getattr(self, name)): raise ValueError(f"{name} = {getattr(self, name)!r}; expected a positive integer")
-    for name, allowed in (('index_key_format', INDEX_KEY_FORMATS), ('main_kv_format', MAIN_KV_FORMATS)):
-        if getattr(self, name) not in allowed: raise ValueError(f"{name} = {getattr(self, name)!r}; expected one of {allowed}")
-    n, a, r = self.num_gpu_blocks_override, self.resume_alignment, self.prefix_cache_retention_interval
+    for name in ('swa_block_size', 'global_block_size', 'kv_cache_memory_bytes', 'max_model_len',
+                 'max_resume_alignment'):
+        if not _positive_int(getattr(self, name)):
+            raise ValueError(f"{name} = {getattr(self, name)!r}; expected a positive integer")
+    for name, allowed in (('index_key_format', INDEX_KEY_FORMATS),
+                          ('main_kv_format', MAIN_KV_FORMATS)):
+        if getattr(self, name) not in allowed:
+            raise ValueError(f"{name} = {getattr(self, name)!r}; expected one of {allowed}")
+    n, a, r = (self.num_gpu_blocks_override, self.resume_alignment,
+               self.prefix_cache_retention_interval)
     if n is not None and not (_is_int(n) and n >= 2):
-        raise ValueError(f"num_gpu_blocks_override = {n!r}; the pool needs the null block plus at least one more")
+        raise ValueError(f"num_gpu_blocks_override = {n!r}; "
+                         "the pool needs the null block plus at least one more")
     if a > self.max_resume_alignment:
-        raise ValueError(f"block sizes {self.swa_block_size} (SWA) and {self.global_block_size} (global) give a resume alignment "
-                         f"lcm = {a} tokens > max_resume_alignment = {self.max_resume_alignment}: a prefix hit must end on a multiple "
-                         f"of {a}, so realistic prompts would rarely or never hit; choose sizes where one divides the other")
+        raise ValueError(f"block sizes {self.swa_block_size} (SWA) "
+                         f"and {self.global_block_size} (global) give a resume alignment "
+                         f"lcm = {a} tokens > max_resume_alignment = {self.max_resume_alignment}: "
+                         f"a prefix hit must end on a multiple of {a}, "
+                         "so realistic prompts would rarely or never hit; "
+                         "choose sizes where one divides the other")
     if not (_is_int(r) and r >= 0):
-        raise ValueError(f"prefix_cache_retention_interval = {r!r}; expected 0 (a checkpoint near the prompt boundary only) "
+        raise ValueError(f"prefix_cache_retention_interval = {r!r}; "
+                         "expected 0 (a checkpoint near the prompt boundary only) "
                          f"or a positive multiple of the resume alignment {a}")
-    if r % a: raise ValueError(f"prefix_cache_retention_interval = {r} is not a multiple of the resume alignment "
-                               f"lcm({self.swa_block_size}, {self.global_block_size}) = {a}: a checkpoint there could never be a resume point")
+    if r % a:
+        raise ValueError(f"prefix_cache_retention_interval = {r} "
+                         "is not a multiple of the resume alignment "
+                         f"lcm({self.swa_block_size}, {self.global_block_size}) = {a}: "
+                         "a checkpoint there could never be a resume point")
 
 @patch(cls_method=True)
 def for_model(cls: CacheConfig, cfg: ModelConfig, **changes):
-    "The block sizes of the full model scaled to `cfg`: window blocks of window/4 tokens, global blocks 4x that"
-    if not isinstance(cfg, ModelConfig): raise TypeError(f"CacheConfig.for_model: expected a ModelConfig, got {type(cfg).__name__}")
+    ("The block sizes of the full model scaled to `cfg`: "
+     "window blocks of window/4 tokens, global blocks 4x that")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"CacheConfig.for_model: expected a ModelConfig, got {type(cfg).__name__}")
     swa = max(1, cfg.window_size // 4)
     d = dict(swa_block_size=swa, global_block_size=4 * swa)
     if cfg.window_size < 128: d.update(kv_cache_memory_bytes=4 << 20, max_model_len=1 << 14)
@@ -101,17 +128,21 @@ class CacheMember:
 
     def states_per_block(self, block_size: int) -> int:
         "Records this member keeps in one block of `block_size` tokens"
-        if self.kind == 'compressor_state': return self.ratio          # the ring: one entry per pending token
+        # the ring: one entry per pending token
+        if self.kind == 'compressor_state': return self.ratio
         return block_size // self.ratio
 
-    def bytes_per_block(self, block_size: int) -> int: return self.states_per_block(block_size) * self.record_bytes
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.states_per_block(block_size) * self.record_bytes
 
 @dataclass(frozen=True)
 class CacheGroupSpec:
     "A bucket of caches that share one block table (vLLM's KV cache group)"
     group_id: int  # index into every per-group tuple below
     name: str  # 'global', 'swa' or 'compressor'
-    manager: str  # one of MANAGER_KINDS: 'global' (scan left to right), 'sliding_window' (right to left), 'ring' (never cached)
+    # one of MANAGER_KINDS: 'global' (scan left to right), 'sliding_window' (right to left),
+    # 'ring' (never cached)
+    manager: str
     block_size: int  # tokens per block; for the ring, the ring length
     members: tuple  # the CacheMembers packed into each block
     sliding_window: int = 0  # window length in tokens ('sliding_window' only)
@@ -119,9 +150,12 @@ class CacheGroupSpec:
     @property
     def prefix_cacheable(self) -> bool: return self.manager != 'ring'
     @property
-    def prefix_caching(self) -> str: return {'global': 'yes', 'sliding_window': 'retained tails only', 'ring': 'never'}[self.manager]
+    def prefix_caching(self) -> str:
+        return {'global': 'yes', 'sliding_window': 'retained tails only',
+                'ring': 'never'}[self.manager]
     @property
-    def bytes_per_block(self) -> int: return sum(m.bytes_per_block(self.block_size) for m in self.members)
+    def bytes_per_block(self) -> int:
+        return sum(m.bytes_per_block(self.block_size) for m in self.members)
     @property
     def ratios(self) -> tuple: return tuple(sorted({m.ratio for m in self.members}))
 
@@ -131,19 +165,22 @@ def ring_entry_bytes(cfg: ModelConfig) -> int:
     return 2 * cfg.head_dim * 4
 def get_kv_cache_groups(cfg: ModelConfig, # the model geometry
                         cc: CacheConfig) -> tuple: # the serving choices
-    "The cache buckets of `cfg`: A global main KV + index K, B the window of every layer, C compressor rings"
+    ("The cache buckets of `cfg`: A global main KV + index K, B the window of every layer, "
+     "C compressor rings")
     main, idx = record_bytes(cfg, cc.main_kv_format), record_bytes(cfg, cc.index_key_format)
     glob, ring = [], []
     for s in cfg.kv_source_layers:
         r = cfg.compress_ratios[s]
         if cc.global_block_size % r:
-            raise ValueError(f"global_block_size = {cc.global_block_size} is not a multiple of KV source layer {s}'s compress_ratio {r}: "
+            raise ValueError(f"global_block_size = {cc.global_block_size} is not a multiple "
+                             f"of KV source layer {s}'s compress_ratio {r}: "
                              "a block must hold whole compressed states")
         glob.append(CacheMember(s, 'main_kv', r, main))
         if s in cfg.index_source_layers: glob.append(CacheMember(s, 'index_k', r, idx))
         if r > 1: ring.append(CacheMember(s, 'compressor_state', r, ring_entry_bytes(cfg)))
     window = record_bytes(cfg, WINDOW_FORMAT)
-    swa = [CacheMember(i.layer, 'swa', 1, window) for i in layer_topology(cfg)]   # backbone and drafter layers alike
+    # backbone and drafter layers alike
+    swa = [CacheMember(i.layer, 'swa', 1, window) for i in layer_topology(cfg)]
     groups = []
     if glob: groups.append(('global', 'global', cc.global_block_size, tuple(glob), 0))
     groups.append(('swa', 'sliding_window', cc.swa_block_size, tuple(swa), cfg.window_size))
@@ -153,23 +190,27 @@ def get_kv_cache_groups(cfg: ModelConfig, # the model geometry
 # %% ../nbs/02b_kv_cache.ipynb #2da00f6a
 @dataclass(frozen=True)
 class KVCacheConfig:
-    "The cache layout the manager runs on (vLLM's `KVCacheConfig`): groups, page size, block count, hash and resume granularity"
+    ("The cache layout the manager runs on (vLLM's `KVCacheConfig`): "
+     "groups, page size, block count, hash and resume granularity")
     groups: tuple  # CacheGroupSpecs, indexed by group id
     page_bytes: int  # bytes of one block's page: the widest group's packed block
     num_blocks: int  # blocks in the pool, the null block included
     hash_block_size: int  # tokens per chained hash: gcd of the cacheable groups' block sizes
-    resume_alignment: int  # prefix hits end on multiples of this: lcm of the cacheable groups' block sizes
+    # prefix hits end on multiples of this: lcm of the cacheable groups' block sizes
+    resume_alignment: int
     vocab_size: int  # token ids are checked against this when hashed
     cache_config: CacheConfig  # the choices this layout came from
 
     @property
     def num_usable_blocks(self) -> int: return self.num_blocks - 1
 
-def get_kv_cache_config(cfg: ModelConfig, # the model geometry
-                        cc: CacheConfig | None = None # serving choices (default: CacheConfig.for_model(cfg))
-                       ) -> KVCacheConfig:
+def get_kv_cache_config(
+    cfg: ModelConfig,              # the model geometry
+    cc: CacheConfig | None = None  # serving choices (default: CacheConfig.for_model(cfg))
+) -> KVCacheConfig:
     "Derive the paged layout of `cfg` under the serving choices `cc`"
-    if not isinstance(cfg, ModelConfig): raise TypeError(f"get_kv_cache_config: expected a ModelConfig, got {type(cfg).__name__}")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"get_kv_cache_config: expected a ModelConfig, got {type(cfg).__name__}")
     if cc is not None and not isinstance(cc, CacheConfig):
         raise TypeError(f"get_kv_cache_config: cc must be a CacheConfig, got {type(cc).__name__}")
     cc = cc or CacheConfig.for_model(cfg)
@@ -178,28 +219,35 @@ def get_kv_cache_config(cfg: ModelConfig, # the model geometry
     page = max(g.bytes_per_block for g in groups)
     n = cc.num_gpu_blocks_override or cc.kv_cache_memory_bytes // page
     if n < 2:
-        raise ValueError(f"kv_cache_memory_bytes = {cc.kv_cache_memory_bytes:,} holds {n} page(s) of {page:,} B; the pool needs at least 2 (one is the null block)")
+        raise ValueError(f"kv_cache_memory_bytes = {cc.kv_cache_memory_bytes:,} holds {n} page(s) "
+                         f"of {page:,} B; the pool needs at least 2 (one is the null block)")
     for g in groups:
         if g.manager == 'global' and any(math.lcm(*sizes) % r for r in g.ratios):
-            raise ValueError(f"resume alignment {math.lcm(*sizes)} splits a compression pair of ratios {g.ratios}")
+            raise ValueError(f"resume alignment {math.lcm(*sizes)} "
+                             f"splits a compression pair of ratios {g.ratios}")
     return KVCacheConfig(groups, page, n, math.gcd(*sizes), math.lcm(*sizes), cfg.vocab_size, cc)
 
 # %% ../nbs/02b_kv_cache.ipynb #047ac6be
 def kv_cache_layout_table(kc: KVCacheConfig) -> str:
     "The layout of `kc` as a text table"
-    rows = [f"{'group':12s} {'manager':14s} {'tokens/blk':>10s} {'members':>7s} {'bytes/blk':>11s} {'page use':>8s}  prefix caching"]
+    rows = [f"{'group':12s} {'manager':14s} {'tokens/blk':>10s} {'members':>7s} {'bytes/blk':>11s} "
+            f"{'page use':>8s}  prefix caching"]
     for g in kc.groups:
-        rows.append(f"{g.group_id} {g.name:10s} {g.manager:14s} {g.block_size:10d} {len(g.members):7d} {g.bytes_per_block:11,d} "
+        rows.append(f"{g.group_id} {g.name:10s} {g.manager:14s} {g.block_size:10d} "
+                    f"{len(g.members):7d} {g.bytes_per_block:11,d} "
                     f"{g.bytes_per_block / kc.page_bytes:8.1%}  {g.prefix_caching}")
     widest_member = max(m.bytes_per_block(g.block_size) for g in kc.groups for m in g.members)
     uniform = widest_member * max(len(g.members) for g in kc.groups)
     cc, mem = kc.cache_config, kc.cache_config.kv_cache_memory_bytes
-    rows += [f"page: {kc.page_bytes:,} B (widest group)   [uniform per-member layout would need {uniform:,} B per block id]",
+    rows += [f"page: {kc.page_bytes:,} B (widest group)   "
+             f"[uniform per-member layout would need {uniform:,} B per block id]",
              f"budget {f'{mem / GiB:g} GiB' if mem >= GiB else f'{mem / 2**20:g} MiB'} -> "
              f"{kc.num_blocks:,} blocks ({kc.num_usable_blocks:,} usable + the null block)"
              + (" [override]" if cc.num_gpu_blocks_override else ""),
-             f"hash every {kc.hash_block_size} tokens (gcd); resume at multiples of {kc.resume_alignment} tokens (lcm); "
-             f"main KV {cc.main_kv_format}, index keys {cc.index_key_format}, retention interval {cc.prefix_cache_retention_interval}"]
+             f"hash every {kc.hash_block_size} tokens (gcd); "
+             f"resume at multiples of {kc.resume_alignment} tokens (lcm); "
+             f"main KV {cc.main_kv_format}, index keys {cc.index_key_format}, "
+             f"retention interval {cc.prefix_cache_retention_interval}"]
     return '\n'.join(rows)
 
 # %% ../nbs/02b_kv_cache.ipynb #1dfdb952
@@ -210,17 +258,23 @@ class SingleTypeKVCacheManager:
                  hash_block_size: int, # tokens per chained hash
                  resume_alignment: int): # prefix hits end on multiples of this
         self.spec, self.block_pool, self.group_id = spec, block_pool, spec.group_id
-        self.block_size, self.alignment, self.hash_block_size = spec.block_size, resume_alignment, hash_block_size
+        self.block_size, self.alignment = spec.block_size, resume_alignment
+        self.hash_block_size = hash_block_size
         self.hash_stride = spec.block_size // hash_block_size if spec.prefix_cacheable else 0
         self.null_block = block_pool.null_block
-        self.req_to_blocks: dict = {}      # request id -> list of KVCacheBlock (this group's block table)
-        self.num_cached_block: dict = {}   # request id -> table entries already registered / checked
+        # request id -> list of KVCacheBlock (this group's block table)
+        self.req_to_blocks: dict = {}
+        self.num_cached_block: dict = {}  # request id -> table entries already registered / checked
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence = ()) -> int:
-        "Blocks this group must take from the free queue to give `request_id` `num_tokens` slots (free cached hits count)"
-        n = cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request_id, ())) - len(new_computed_blocks)
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence = ()) -> int:
+        ("Blocks this group must take from the free queue to give `request_id` `num_tokens` slots "
+         "(free cached hits count)")
+        n = (cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request_id, ()))
+             - len(new_computed_blocks))
         if not new_computed_blocks: return n if n > 0 else 0
-        claim = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)   # hit blocks still in the free queue
+        # hit blocks still in the free queue
+        claim = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return max(n, 0) + claim
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list:
@@ -233,18 +287,22 @@ class SingleTypeKVCacheManager:
         return new
 
     # what the subclasses override: early release, registration for reuse, hit search
-    def get_num_blocks_freed_by_skip(self, request_id: str, num_computed_tokens: int) -> int: return 0
+    def get_num_blocks_freed_by_skip(self, request_id: str, num_computed_tokens: int) -> int:
+        return 0
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int): pass
     def cache_blocks(self, request: Request, num_tokens: int): pass
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list: return []
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list:
+        return []
 
 # %% ../nbs/02b_kv_cache.ipynb #32511f9d
 @patch
-def save_new_computed_blocks(self: SingleTypeKVCacheManager, request_id: str, new_computed_blocks: Sequence):
+def save_new_computed_blocks(self: SingleTypeKVCacheManager, request_id: str,
+                             new_computed_blocks: Sequence):
     "Attach prefix-hit blocks (already touched) to a request that holds none yet"
     if not new_computed_blocks: return
     if self.req_to_blocks.get(request_id):
-        raise ValueError(f"request {request_id!r} already holds blocks in group {self.group_id}; prefix hits attach at admission only")
+        raise ValueError(f"request {request_id!r} already holds blocks in group {self.group_id}; "
+                         "prefix hits attach at admission only")
     self.req_to_blocks[request_id] = list(new_computed_blocks)
     self.num_cached_block[request_id] = len(new_computed_blocks)
 
@@ -263,14 +321,17 @@ def min_blocks(self: SingleTypeKVCacheManager, num_tokens: int) -> int:
 @patch
 def _lookup(self: SingleTypeKVCacheManager, block_hashes, i):
     "The cached block for table entry i of this group, or None"
-    b = self.block_pool.cached_block_hash_to_block.get((block_hashes[(i + 1) * self.hash_stride - 1], self.group_id))
+    key = (block_hashes[(i + 1) * self.hash_stride - 1], self.group_id)
+    b = self.block_pool.cached_block_hash_to_block.get(key)
     return b if b is None or type(b) is KVCacheBlock else next(iter(b.values()))
 
 # %% ../nbs/02b_kv_cache.ipynb #97bc1ed0
 class GlobalAttentionManager(SingleTypeKVCacheManager):
-    "Global main KV + index K: every block of the history is kept and reusable (vLLM's FullAttentionManager)"
+    ("Global main KV + index K: every block of the history is kept and reusable "
+     "(vLLM's FullAttentionManager)")
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list:
-        "Blocks of the longest cached prefix of at most `max_length` tokens, scanning left to right, floored to the alignment"
+        ("Blocks of the longest cached prefix of at most `max_length` tokens, "
+         "scanning left to right, floored to the alignment")
         n = min(max_length // self.block_size, len(block_hashes) // self.hash_stride)
         out, lookup = [], self._lookup
         for i in range(n):
@@ -286,35 +347,43 @@ class GlobalAttentionManager(SingleTypeKVCacheManager):
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         if not blocks: return
-        n_full = min(num_tokens // self.block_size, len(request.block_hashes) // self.hash_stride, len(blocks))
+        n_full = min(num_tokens // self.block_size, len(request.block_hashes) // self.hash_stride,
+                     len(blocks))
         done = self.num_cached_block.get(rid, 0)
         if n_full > done:
-            self.block_pool.cache_full_blocks(request, blocks, range(done, n_full), self.block_size, self.hash_stride, self.group_id)
+            self.block_pool.cache_full_blocks(request, blocks, range(done, n_full), self.block_size,
+                                              self.hash_stride, self.group_id)
             self.num_cached_block[rid] = n_full
 
 # %% ../nbs/02b_kv_cache.ipynb #0d84a599
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    "SWA window caches: blocks behind the window are released; window-sized tails at checkpoints are kept for reuse"
+    ("SWA window caches: blocks behind the window are released; "
+     "window-sized tails at checkpoints are kept for reuse")
     def __init__(self, spec, block_pool, hash_block_size, resume_alignment,
-                 retention_interval: int = 0): # keep a checkpoint every this many tokens (0: near the prompt boundary only)
+                 # keep a checkpoint every this many tokens (0: near the prompt boundary only)
+                 retention_interval: int = 0):
         super().__init__(spec, block_pool, hash_block_size, resume_alignment)
         self.window, self.retention_interval = spec.sliding_window, retention_interval
-        self.tail_blocks = cdiv(self.window - 1, self.block_size)   # blocks needed before a resume point (4 for 128 / 32)
-        self.last_checkpoint: dict = {}                               # request id -> checkpoints up to here are handled
-        self.next_checkpoint: dict = {}                               # request id -> nothing to do before this many tokens
+        # blocks needed before a resume point (4 for 128 / 32)
+        self.tail_blocks = cdiv(self.window - 1, self.block_size)
+        self.last_checkpoint: dict = {}  # request id -> checkpoints up to here are handled
+        self.next_checkpoint: dict = {}  # request id -> nothing to do before this many tokens
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         "Tokens no future token of this request can attend to"
         return max(0, num_computed_tokens - self.window + 1)
 
-    def min_blocks(self, num_tokens: int) -> int: return min(cdiv(num_tokens, self.block_size), self.tail_blocks + 1)
+    def min_blocks(self, num_tokens: int) -> int:
+        return min(cdiv(num_tokens, self.block_size), self.tail_blocks + 1)
 
     def save_new_computed_blocks(self, request_id, new_computed_blocks):
         super().save_new_computed_blocks(request_id, new_computed_blocks)
-        if new_computed_blocks: self.last_checkpoint[request_id] = len(new_computed_blocks) * self.block_size
+        if new_computed_blocks:
+            self.last_checkpoint[request_id] = len(new_computed_blocks) * self.block_size
 
     def free(self, request_id):
-        super().free(request_id); self.last_checkpoint.pop(request_id, None); self.next_checkpoint.pop(request_id, None)
+        super().free(request_id)
+        self.last_checkpoint.pop(request_id, None); self.next_checkpoint.pop(request_id, None)
 
 # %% ../nbs/02b_kv_cache.ipynb #7a2bad69
 _NONE = range(0)
@@ -323,23 +392,29 @@ _NONE = range(0)
 def _skipped_run(self: SlidingWindowManager, request_id, num_computed_tokens) -> tuple:
     "(table, indices of still-held blocks wholly behind the window, newest first)"
     blocks = self.req_to_blocks.get(request_id)
-    n = (num_computed_tokens - self.window + 1) // self.block_size       # blocks wholly behind the window
+    # blocks wholly behind the window
+    n = (num_computed_tokens - self.window + 1) // self.block_size
     if not blocks or n <= 0: return blocks, _NONE
     if n > len(blocks): n = len(blocks)
-    if blocks[n - 1].is_null: return blocks, _NONE                         # O(1): nothing new fell behind the window
+    # O(1): nothing new fell behind the window
+    if blocks[n - 1].is_null: return blocks, _NONE
     i = n - 1
-    while i >= 0 and not blocks[i].is_null: i -= 1                         # released blocks are null: stop at the first one
+    # released blocks are null: stop at the first one
+    while i >= 0 and not blocks[i].is_null: i -= 1
     return blocks, range(n - 1, i, -1)
 
 @patch
-def get_num_blocks_freed_by_skip(self: SlidingWindowManager, request_id: str, num_computed_tokens: int) -> int:
+def get_num_blocks_freed_by_skip(self: SlidingWindowManager, request_id: str,
+                                 num_computed_tokens: int) -> int:
     "Blocks `remove_skipped_blocks` would return to the free queue (their ref_cnt would reach 0)"
     blocks, run = self._skipped_run(request_id, num_computed_tokens)
     return sum(1 for i in run if blocks[i].ref_cnt == 1) if run else 0
 
 @patch
-def remove_skipped_blocks(self: SlidingWindowManager, request_id: str, num_computed_tokens: int):
-    "Release the blocks wholly behind the window, newest first, and put the null block in their place"
+def remove_skipped_blocks(self: SlidingWindowManager, request_id: str,
+                          num_computed_tokens: int):
+    ("Release the blocks wholly behind the window, newest first, "
+     "and put the null block in their place")
     blocks, run = self._skipped_run(request_id, num_computed_tokens)
     if not run: return
     removed, null = [], self.null_block
@@ -359,13 +434,17 @@ def checkpoints(self: SlidingWindowManager, request: Request, lo: int, hi: int) 
     return out
 
 @patch
-def cache_blocks(self: SlidingWindowManager, request: Request, num_tokens: int): # tokens whose content is known
+def cache_blocks(self: SlidingWindowManager,
+                 request: Request,
+                 num_tokens: int): # tokens whose content is known
     "Register the window-sized tails before every checkpoint reached by `num_tokens` known tokens"
     rid = request.request_id
-    if num_tokens < self.next_checkpoint.get(rid, 0): return          # the common case: no checkpoint reached
+    # the common case: no checkpoint reached
+    if num_tokens < self.next_checkpoint.get(rid, 0): return
     blocks = self.req_to_blocks.get(rid)
     if not blocks: return
-    hi = min(num_tokens, len(request.block_hashes) * self.hash_block_size, len(blocks) * self.block_size)
+    hi = min(num_tokens, len(request.block_hashes) * self.hash_block_size,
+             len(blocks) * self.block_size)
     lo = self.last_checkpoint.get(rid, 0)
     if hi <= lo: return
     for p in self.checkpoints(request, lo, hi):
@@ -373,19 +452,23 @@ def cache_blocks(self: SlidingWindowManager, request: Request, num_tokens: int):
         self.block_pool.cache_full_blocks(request, blocks, range(first, p // self.block_size),
                                           self.block_size, self.hash_stride, self.group_id)
     self.last_checkpoint[rid] = hi
-    k, p = self.retention_interval, (request.num_prompt_tokens - 1) // self.alignment * self.alignment
+    k = self.retention_interval
+    p = (request.num_prompt_tokens - 1) // self.alignment * self.alignment
     self.next_checkpoint[rid] = min((hi // k + 1) * k if k else _NEVER, p if p > hi else _NEVER)
 
 # %% ../nbs/02b_kv_cache.ipynb #709cd25d
 @patch
-def find_longest_cache_hit(self: SlidingWindowManager, block_hashes: Sequence[bytes], max_length: int) -> list:
-    "Table of the latest resume point <= max_length whose window is cached (nulls before it), scanning right to left"
+def find_longest_cache_hit(self: SlidingWindowManager, block_hashes: Sequence[bytes],
+                           max_length: int) -> list:
+    ("Table of the latest resume point <= max_length whose window is cached (nulls before it), "
+     "scanning right to left")
     n = min(max_length // self.block_size, len(block_hashes) // self.hash_stride)
     out, run, lookup = [self.null_block] * n, 0, self._lookup
-    if self.tail_blocks == 0: return out                            # a 1-token window needs no history
+    if self.tail_blocks == 0: return out                # a 1-token window needs no history
     per = self.alignment // self.block_size
     for i in range(n - 1, -1, -1):
-        if run == 0 and (i + 1) % per: continue                      # a run must end on an aligned resume point
+        # a run must end on an aligned resume point
+        if run == 0 and (i + 1) % per: continue
         b = lookup(block_hashes, i)
         if b is None: run = 0; continue
         out[i] = b; run += 1
@@ -405,7 +488,8 @@ class CompressorStateManager(SingleTypeKVCacheManager):
         return new
     def min_blocks(self, num_tokens): return 1
 
-MANAGER_CLASSES = {'global': GlobalAttentionManager, 'sliding_window': SlidingWindowManager, 'ring': CompressorStateManager}
+MANAGER_CLASSES = {'global': GlobalAttentionManager, 'sliding_window': SlidingWindowManager,
+                   'ring': CompressorStateManager}
 assert tuple(MANAGER_CLASSES) == MANAGER_KINDS
 
 # %% ../nbs/02b_kv_cache.ipynb #7d10d651
@@ -416,22 +500,25 @@ class KVCacheCoordinator:
         self.alignment = kc.resume_alignment
         self.managers = []
         for g in kc.groups:
-            kw = dict(retention_interval=kc.cache_config.prefix_cache_retention_interval) if g.manager == 'sliding_window' else {}
-            self.managers.append(MANAGER_CLASSES[g.manager](g, block_pool, kc.hash_block_size, kc.resume_alignment, **kw))
+            kw = (dict(retention_interval=kc.cache_config.prefix_cache_retention_interval)
+                  if g.manager == 'sliding_window' else {})
+            self.managers.append(MANAGER_CLASSES[g.manager](g, block_pool, kc.hash_block_size,
+                                                            kc.resume_alignment, **kw))
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], # the request's chained hashes
                                max_cache_hit_length: int # never hit beyond this many tokens
                               ) -> tuple:
-        "(blocks per group, hit length): the longest aligned prefix that every cacheable group can resume from"
+        ("(blocks per group, hit length): "
+         "the longest aligned prefix that every cacheable group can resume from")
         hit = max_cache_hit_length // self.alignment * self.alignment
         found = [[] for _ in self.managers]
         glob = [m for m in self.managers if m.spec.manager == 'global']
         window = [m for m in self.managers if m.spec.manager == 'sliding_window']
-        for m in glob:                                                   # left to right, once
+        for m in glob:                                   # left to right, once
             found[m.group_id] = m.find_longest_cache_hit(block_hashes, hit)
             hit = min(hit, len(found[m.group_id]) * m.block_size)
         changed = True
-        while changed:                                                   # right to left, until every window agrees
+        while changed:                                   # right to left, until every window agrees
             changed = False
             for m in window:
                 found[m.group_id] = m.find_longest_cache_hit(block_hashes, hit)
@@ -444,14 +531,17 @@ class KVCacheCoordinator:
 def reference_longest_hit(coordinator: KVCacheCoordinator, # the groups to ask
                           block_hashes: Sequence[bytes], # a request's chained hashes
                           max_length: int) -> int: # never hit beyond this many tokens
-    "Longest aligned L <= max_length such that every cacheable group holds what resuming at L needs (a test oracle)"
+    ("Longest aligned L <= max_length such that every cacheable group holds "
+     "what resuming at L needs (a test oracle)")
     cmap, a = coordinator.block_pool.cached_block_hash_to_block, coordinator.alignment
-    def cached(m, i): return (block_hashes[(i + 1) * (m.block_size // m.hash_block_size) - 1], m.group_id) in cmap
+    def cached(m, i):
+        return (block_hashes[(i + 1) * (m.block_size // m.hash_block_size) - 1], m.group_id) in cmap
     for L in range(max_length // a * a, -1, -a):
         need = []
         for m in coordinator.managers:
             k = L // m.block_size
             if m.spec.manager == 'global': need += [(m, i) for i in range(k)]
-            elif m.spec.manager == 'sliding_window': need += [(m, i) for i in range(max(0, k - m.tail_blocks), k)]
+            elif m.spec.manager == 'sliding_window':
+                need += [(m, i) for i in range(max(0, k - m.tail_blocks), k)]
         if all(cached(m, i) for m, i in need): return L
     return 0

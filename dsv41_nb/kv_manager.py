@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .block_pool import (BlockPool, Request, RequestBlockHasher, pool_snapshot, _is_int, PAD_SLOT_ID,
-                                 NULL_BLOCK_ID)
+from .block_pool import (BlockPool, Request, RequestBlockHasher, pool_snapshot, _is_int,
+                                 PAD_SLOT_ID, NULL_BLOCK_ID)
 from .kv_cache import KVCacheConfig, KVCacheCoordinator
 
 # %% auto #0
@@ -37,25 +37,34 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float: return self.hits / self.queries if self.queries else 0.0
 def cache_snapshot(kv: KVCacheManager) -> tuple:
-    "Everything an operation on `kv` could change: the pool's snapshot plus every live request's block ids"
+    ("Everything an operation on `kv` could change: "
+     "the pool's snapshot plus every live request's block ids")
     return (*pool_snapshot(kv.block_pool), {r: kv.get_block_ids(r) for r in kv.live_requests})
 
 # %% ../nbs/02c_kv_manager.ipynb #b88fc8ad
 class KVCacheManager:
-    "The paged KV cache the scheduler drives: prefix hits, slot allocation, release, block tables and slot mappings"
-    def __init__(self, kv_cache_config: KVCacheConfig, # the layout (from get_kv_cache_config)
-                 enable_kv_cache_events: bool = False): # queue BlockStored/BlockRemoved/AllBlocksCleared for take_events()
+    ("The paged KV cache the scheduler drives: prefix hits, slot allocation, release, "
+     "block tables and slot mappings")
+    def __init__(self,
+                 kv_cache_config: KVCacheConfig, # the layout (from get_kv_cache_config)
+                 # queue BlockStored/BlockRemoved/AllBlocksCleared for take_events()
+                 enable_kv_cache_events: bool = False):
         if not isinstance(kv_cache_config, KVCacheConfig):
-            raise TypeError(f"KVCacheManager: expected a KVCacheConfig, got {type(kv_cache_config).__name__}")
+            raise TypeError(f"KVCacheManager: expected a KVCacheConfig, "
+                            f"got {type(kv_cache_config).__name__}")
         cc = kv_cache_config.cache_config
-        self.kv_cache_config, self.enable_caching, self.max_model_len = kv_cache_config, cc.enable_prefix_caching, cc.max_model_len
-        self.block_pool = BlockPool(kv_cache_config.num_blocks, self.enable_caching, enable_kv_cache_events)
+        self.kv_cache_config = kv_cache_config
+        self.enable_caching, self.max_model_len = cc.enable_prefix_caching, cc.max_model_len
+        self.block_pool = BlockPool(kv_cache_config.num_blocks, self.enable_caching,
+                                    enable_kv_cache_events)
         self.coordinator = KVCacheCoordinator(kv_cache_config, self.block_pool)
         self.managers = self.coordinator.managers
         self._caching = [m for m in self.managers if m.spec.prefix_cacheable]
         self._windowed = [m for m in self.managers if m.spec.manager == 'sliding_window']
         self.num_groups = len(self.managers)
-        self.block_hasher = RequestBlockHasher(kv_cache_config.hash_block_size, kv_cache_config.vocab_size) if self.enable_caching else None
+        self.block_hasher = (RequestBlockHasher(kv_cache_config.hash_block_size,
+                                                kv_cache_config.vocab_size)
+                             if self.enable_caching else None)
         self.prefix_cache_stats = PrefixCacheStats()
         self._live: dict = {}            # request id -> the Request holding blocks under it
         self._no_hits = tuple(() for _ in self.managers)
@@ -63,14 +72,17 @@ class KVCacheManager:
     def new_request(self, request_id: str, prompt_token_ids: Sequence[int], **kw) -> Request:
         "A Request whose hashes match this cache's hash block size and vocabulary"
         if request_id in self._live:
-            raise ValueError(f"request id {request_id!r} is already live in this cache; request ids must be unique")
+            raise ValueError(f"request id {request_id!r} is already live in this cache; "
+                             "request ids must be unique")
         return Request(request_id, prompt_token_ids, self.block_hasher, **kw)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.managers))
+        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ()))
+                                   for m in self.managers))
     def get_block_ids(self, request_id: str) -> tuple:
         "Block ids per group (0 = the null block)"
-        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]
+                     for m in self.managers)
     @property
     def usage(self) -> float: return self.block_pool.get_usage()
     @property
@@ -83,40 +95,52 @@ class KVCacheManager:
 # %% ../nbs/02c_kv_manager.ipynb #fbe7aa2a
 @patch
 def get_computed_blocks(self: KVCacheManager, request: Request) -> tuple:
-    "The cached prefix of `request`: (KVCacheBlocks, tokens it can skip); at least the last token is left to compute"
-    if not self.enable_caching or request.skip_prefix_cache: return KVCacheBlocks(tuple([] for _ in self.managers)), 0
-    blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+    ("The cached prefix of `request`: (KVCacheBlocks, tokens it can skip); "
+     "at least the last token is left to compute")
+    if not self.enable_caching or request.skip_prefix_cache:
+        return KVCacheBlocks(tuple([] for _ in self.managers)), 0
+    blocks, n = self.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                        request.num_tokens - 1)
     s = self.prefix_cache_stats
     s.requests += 1; s.queries += max(0, request.num_tokens - 1); s.hits += n
     return KVCacheBlocks(blocks), n
 
 @patch
 def min_blocks(self: KVCacheManager, num_tokens: int) -> tuple:
-    "Blocks per group a request of `num_tokens` tokens must hold at once to finish (decoding one token at a time)"
+    ("Blocks per group a request of `num_tokens` tokens must hold at once to finish "
+     "(decoding one token at a time)")
     return tuple(m.min_blocks(num_tokens) for m in self.managers)
 
 @patch
 def check_fits(self: KVCacheManager, request: Request):
-    "Raise CacheCapacityError if `request` (prompt + max_tokens) could not fit even in an otherwise empty pool"
-    n = min(max(request.num_tokens, request.num_prompt_tokens + request.max_tokens), self.max_model_len)
+    ("Raise CacheCapacityError if `request` (prompt + max_tokens) could not fit "
+     "even in an otherwise empty pool")
+    n = min(max(request.num_tokens, request.num_prompt_tokens + request.max_tokens),
+            self.max_model_len)
     need = self.min_blocks(n)
     if sum(need) > self.block_pool.num_usable_blocks:
         parts = ' + '.join(f"{m.spec.name} {k}" for m, k in zip(self.managers, need))
-        raise CacheCapacityError(f"request {request.request_id!r} can never fit: at {n:,} tokens it needs {sum(need):,} blocks ({parts}) "
-                                 f"but the pool has only {self.block_pool.num_usable_blocks:,} usable blocks; "
+        raise CacheCapacityError(f"request {request.request_id!r} can never fit: "
+                                 f"at {n:,} tokens it needs {sum(need):,} blocks ({parts}) "
+                                 f"but the pool has only {self.block_pool.num_usable_blocks:,} "
+                                 "usable blocks; "
                                  "give the cache more memory or lower max_tokens / max_model_len")
 
 # %% ../nbs/02c_kv_manager.ipynb #1d56ac5c
 @patch
-def allocate_slots(self: KVCacheManager, request: Request, # the request to grow
-                   num_new_tokens: int, # tokens computed this step (prompt chunk, or 1 + accepted drafts)
-                   num_new_computed_tokens: int = 0, # prefix-hit tokens attached now (from get_computed_blocks)
-                   new_computed_blocks: KVCacheBlocks | None = None, # the prefix-hit blocks
-                   num_lookahead_tokens: int = 0, # extra slots for speculative tokens
-                   delay_cache_blocks: bool = False # don't register full blocks yet
-                  ) -> KVCacheBlocks | None:
-    "Give `request` slots for its next tokens; None (and no side effect) if the free pool cannot supply them"
-    live = self._check_allocation(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
+def allocate_slots(
+    self: KVCacheManager,
+    request: Request, # the request to grow
+    num_new_tokens: int, # tokens computed this step (prompt chunk, or 1 + accepted drafts)
+    num_new_computed_tokens: int = 0, # prefix-hit tokens attached now (from get_computed_blocks)
+    new_computed_blocks: KVCacheBlocks | None = None, # the prefix-hit blocks
+    num_lookahead_tokens: int = 0, # extra slots for speculative tokens
+    delay_cache_blocks: bool = False # don't register full blocks yet
+) -> KVCacheBlocks | None:
+    ("Give `request` slots for its next tokens; "
+     "None (and no side effect) if the free pool cannot supply them")
+    live = self._check_allocation(request, num_new_tokens, num_new_computed_tokens,
+                                  new_computed_blocks, num_lookahead_tokens)
     rid = request.request_id
     hits = self._no_hits if new_computed_blocks is None else new_computed_blocks.blocks
     done = request.num_computed_tokens
@@ -139,36 +163,49 @@ def allocate_slots(self: KVCacheManager, request: Request, # the request to grow
     return KVCacheBlocks(new)
 
 # %% ../nbs/02c_kv_manager.ipynb #d262fc36
-def _at_least(v, low: int) -> bool: return (type(v) is int or _is_int(v)) and v >= low   # the common case in one test
+# the common case in one test
+def _at_least(v, low: int) -> bool: return (type(v) is int or _is_int(v)) and v >= low
 
 @patch
-def _check_allocation(self: KVCacheManager, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens):
-    "The request's live entry (None if it holds no blocks) after checking the arguments of `allocate_slots`"
-    if not isinstance(request, Request): raise TypeError(f"allocate_slots: expected a Request, got {type(request).__name__}")
+def _check_allocation(self: KVCacheManager, request, num_new_tokens, num_new_computed_tokens,
+                      new_computed_blocks, num_lookahead_tokens):
+    ("The request's live entry (None if it holds no blocks) "
+     "after checking the arguments of `allocate_slots`")
+    if not isinstance(request, Request):
+        raise TypeError(f"allocate_slots: expected a Request, got {type(request).__name__}")
     rid, live = request.request_id, self._live.get(request.request_id)
     if not (_at_least(num_new_tokens, 1) and _at_least(num_lookahead_tokens, 0)):
-        raise ValueError(f"num_new_tokens = {num_new_tokens!r}, num_lookahead_tokens = {num_lookahead_tokens!r}; expected >= 1 and >= 0")
+        raise ValueError(f"num_new_tokens = {num_new_tokens!r}, "
+                         f"num_lookahead_tokens = {num_lookahead_tokens!r}; expected >= 1 and >= 0")
     if not _at_least(num_new_computed_tokens, 0):
-        raise ValueError(f"num_new_computed_tokens = {num_new_computed_tokens!r}; expected an integer >= 0")
+        raise ValueError(f"num_new_computed_tokens = {num_new_computed_tokens!r}; "
+                         "expected an integer >= 0")
     if live is not None and live is not request:
-        raise ValueError(f"request id {rid!r} belongs to another live request; request ids must be unique")
+        raise ValueError(f"request id {rid!r} belongs to another live request; "
+                         "request ids must be unique")
     if live is not None and new_computed_blocks is not None and any(new_computed_blocks.blocks):
-        raise ValueError(f"request {rid!r} already holds blocks; prefix-hit blocks attach at admission only")
+        raise ValueError(f"request {rid!r} already holds blocks; "
+                         "prefix-hit blocks attach at admission only")
     if request.num_computed_tokens + num_new_computed_tokens + num_new_tokens > self.max_model_len:
         n = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        raise ValueError(f"request {rid!r}: {n:,} tokens exceed max_model_len = {self.max_model_len:,}")
+        raise ValueError(f"request {rid!r}: {n:,} tokens exceed "
+                         f"max_model_len = {self.max_model_len:,}")
     return live
 
 # %% ../nbs/02c_kv_manager.ipynb #40b35dd5
 @patch
-def free(self: KVCacheManager, request: Request, missing_ok: bool = False): # missing_ok: a request holding nothing is fine
+def free(self: KVCacheManager,
+         request: Request,
+         missing_ok: bool = False): # missing_ok: a request holding nothing is fine
     "Release all of `request`'s blocks, tail first; a second free is an error unless `missing_ok`"
     rid = request.request_id
     live = self._live.get(rid)
     if live is None:
         if missing_ok: return
         raise ValueError(f"request {rid!r} holds no KV blocks: freed twice, or never allocated")
-    if live is not request: raise ValueError(f"request id {rid!r} belongs to another live request; this one holds no KV blocks")
+    if live is not request:
+        raise ValueError(f"request id {rid!r} belongs to another live request; "
+                         "this one holds no KV blocks")
     for m in self.managers: m.free(rid)
     del self._live[rid]
 
@@ -176,7 +213,8 @@ def free(self: KVCacheManager, request: Request, missing_ok: bool = False): # mi
 def cache_blocks(self: KVCacheManager, request: Request, num_computed_tokens: int):
     "Register full blocks now (after allocate_slots with delay_cache_blocks=True)"
     if self.enable_caching:
-        for m in self._caching: m.cache_blocks(request, min(num_computed_tokens, request.num_tokens))
+        n = min(num_computed_tokens, request.num_tokens)
+        for m in self._caching: m.cache_blocks(request, n)
 
 @patch
 def reset_prefix_cache(self: KVCacheManager) -> bool:
@@ -189,35 +227,48 @@ class SlotMappings:
     "Where one step writes, one entry per scheduled token (requests concatenated in order)"
     positions: torch.Tensor  # (tokens,) token positions
     swa: torch.Tensor  # (tokens,) window-cache slots
-    compressed: dict  # compress_ratio -> (tokens,) compressed-state slots, PAD_SLOT_ID where no state completes
-    ring: torch.Tensor | None  # (tokens,) ring slots of the ratio-2 compressor state (None if no ring group)
+    # compress_ratio -> (tokens,) compressed-state slots, PAD_SLOT_ID where no state completes
+    compressed: dict
+    # (tokens,) ring slots of the ratio-2 compressor state (None if no ring group)
+    ring: torch.Tensor | None
 
 def _token_slots(blocks, start, n, bs, ratio=1):
-    "Slots of positions start..start+n-1 from a list of KVCacheBlock (only the touched entries are read)"
+    ("Slots of positions start..start+n-1 from a list of KVCacheBlock "
+     "(only the touched entries are read)")
     b0, b1, per = start // bs, (start + n - 1) // bs + 1, bs // ratio
-    if b1 > len(blocks): raise ValueError(f"positions up to {start + n - 1} need {b1} blocks but the table has {len(blocks)}")
+    if b1 > len(blocks):
+        raise ValueError(f"positions up to {start + n - 1} need {b1} blocks "
+                         f"but the table has {len(blocks)}")
     ids = [b.block_id for b in blocks[b0:b1]]
-    if NULL_BLOCK_ID in ids: raise ValueError(f"positions {start}..{start + n - 1} fall in a released (null) block")
-    if n <= 16: return [PAD_SLOT_ID if (p + 1) % ratio else ids[p // bs - b0] * per + (p // ratio) % per for p in range(start, start + n)]
+    if NULL_BLOCK_ID in ids:
+        raise ValueError(f"positions {start}..{start + n - 1} fall in a released (null) block")
+    if n <= 16:
+        return [PAD_SLOT_ID if (p + 1) % ratio else ids[p // bs - b0] * per + (p // ratio) % per
+                for p in range(start, start + n)]
     pos = np.arange(start, start + n)
     slots = np.asarray(ids, dtype=np.int64)[pos // bs - b0] * per + (pos // ratio) % per
     return np.where((pos + 1) % ratio == 0, slots, PAD_SLOT_ID)
 
 def _cat(parts):
     if not parts: return torch.zeros(0, dtype=torch.long)
-    if all(isinstance(p, list) for p in parts): return torch.tensor([x for p in parts for x in p], dtype=torch.long)
+    if all(isinstance(p, list) for p in parts):
+        return torch.tensor([x for p in parts for x in p], dtype=torch.long)
     return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
 
 # %% ../nbs/02c_kv_manager.ipynb #bd867dca
 @patch
-def slot_mappings(self: KVCacheManager, scheduled: Sequence[tuple]) -> SlotMappings: # (request_id, first position, number of tokens) each
+def slot_mappings(self: KVCacheManager,
+                  scheduled: Sequence[tuple], # (request_id, first position, number of tokens) each
+                 ) -> SlotMappings:
     "Slot mappings of one step for every cache kind"
     pos, swa, ring = [], [], []
     comp = {r: [] for m in self.managers if m.spec.manager == 'global' for r in m.spec.ratios}
     for rid, start, n in scheduled:
-        if rid not in self._live: raise ValueError(f"slot_mappings: request {rid!r} holds no KV blocks")
-        if not (_at_least(start, 0) and _at_least(n, 0)):                  # NumPy integers too; not bools or floats
-            raise ValueError(f"slot_mappings: request {rid!r} scheduled at position {start!r} for {n!r} tokens; expected integers >= 0")
+        if rid not in self._live:
+            raise ValueError(f"slot_mappings: request {rid!r} holds no KV blocks")
+        if not (_at_least(start, 0) and _at_least(n, 0)):  # NumPy integers too; not bools or floats
+            raise ValueError(f"slot_mappings: request {rid!r} scheduled at position {start!r} "
+                             f"for {n!r} tokens; expected integers >= 0")
         start, n = int(start), int(n)
         if n == 0: continue
         pos.append(list(range(start, start + n)) if n <= 16 else np.arange(start, start + n))
@@ -228,23 +279,32 @@ def slot_mappings(self: KVCacheManager, scheduled: Sequence[tuple]) -> SlotMappi
                 for r in m.spec.ratios: comp[r].append(_token_slots(blocks, start, n, bs, r))
             else:
                 b = blocks[0].block_id
-                ring.append([b * bs + p % bs for p in range(start, start + n)] if n <= 16 else b * bs + np.arange(start, start + n) % bs)
+                ring.append([b * bs + p % bs for p in range(start, start + n)] if n <= 16
+                            else b * bs + np.arange(start, start + n) % bs)
     has_ring = any(m.spec.manager == 'ring' for m in self.managers)
-    return SlotMappings(_cat(pos), _cat(swa), {r: _cat(v) for r, v in comp.items()}, _cat(ring) if has_ring else None)
+    return SlotMappings(_cat(pos), _cat(swa), {r: _cat(v) for r, v in comp.items()},
+                        _cat(ring) if has_ring else None)
 
 @patch
-def block_table(self: KVCacheManager, request_ids: Sequence[str], group_id: int, width: int | None = None) -> torch.Tensor:
-    "(requests, width) int32 block ids of one group, padded with the null block (width: at least the longest table)"
-    if isinstance(request_ids, str): raise TypeError(f"block_table: request_ids must be a sequence of ids, got the str {request_ids!r}")
+def block_table(self: KVCacheManager, request_ids: Sequence[str], group_id: int,
+                width: int | None = None) -> torch.Tensor:
+    ("(requests, width) int32 block ids of one group, padded with the null block "
+     "(width: at least the longest table)")
+    if isinstance(request_ids, str):
+        raise TypeError(f"block_table: request_ids must be a sequence of ids, "
+                        f"got the str {request_ids!r}")
     if not isinstance(group_id, int) or not 0 <= group_id < self.num_groups:
         raise ValueError(f"block_table: group_id = {group_id!r}; expected 0..{self.num_groups - 1}")
     for rid in request_ids:
-        if rid not in self._live: raise ValueError(f"block_table: request {rid!r} holds no KV blocks")
-    rows = [[b.block_id for b in self.managers[group_id].req_to_blocks.get(rid, ())] for rid in request_ids]
+        if rid not in self._live:
+            raise ValueError(f"block_table: request {rid!r} holds no KV blocks")
+    tables = self.managers[group_id].req_to_blocks
+    rows = [[b.block_id for b in tables.get(rid, ())] for rid in request_ids]
     longest = max(map(len, rows), default=0)
     width = longest if width is None else width
     if not isinstance(width, int) or width < longest:
-        raise ValueError(f"block_table: width = {width!r} is narrower than the longest table ({longest} blocks)")
+        raise ValueError(f"block_table: width = {width!r} is narrower than the longest table "
+                         f"({longest} blocks)")
     out = torch.full((len(rows), width), NULL_BLOCK_ID, dtype=torch.int32)
     for i, r in enumerate(rows): out[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
     return out

@@ -11,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig
-from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels, triton_interpreting, cuda_graph, sm_count,
-                               pdl_launch, pdl_wait)
-from .formats import FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2, _hw_cvt
+from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels,
+                               triton_interpreting, cuda_graph, sm_count, pdl_launch, pdl_wait)
+from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
+                              _hw_cvt)
 
 # %% auto #0
 __all__ = ['STREAM_DTYPES', 'MHC_TUNING', 'hc_mixes', 'sinkhorn', 'hc_split', 'hc_pre', 'hc_post', 'HCWeights', 'HCLayer',
@@ -31,7 +32,8 @@ def hc_mixes(x: torch.Tensor,   # (T, n, dim) the residual copies entering a sub
              norm_eps: float,   # RMSNorm epsilon (`ModelConfig.norm_eps`)
             ) -> torch.Tensor:  # (T, (2+n)*n) fp32 raw coefficients
     "Project the flattened copies with `fn` and divide by one root-mean-square per token"
-    _need(isinstance(x, torch.Tensor) and x.ndim == 3, f"x: expected streams (T, n, dim), got {getattr(x, 'shape', type(x))}")
+    _need(isinstance(x, torch.Tensor) and x.ndim == 3,
+          f"x: expected streams (T, n, dim), got {getattr(x, 'shape', type(x))}")
     want = ((2 + x.shape[1]) * x.shape[1], x.shape[1] * x.shape[2])
     _need(tuple(fn.shape) == want, f"fn: expected shape {want}, got {tuple(fn.shape)}")
     xf = x.flatten(1).float()                                               # (T, n*dim)
@@ -44,7 +46,8 @@ def sinkhorn(logits: torch.Tensor,  # (..., n, n) comb logits, any float dtype
              eps: float,            # `hc_eps`
             ) -> torch.Tensor:      # (..., n, n) fp32, columns summing to 1
     "Row softmax + eps, one column normalisation, then `iters`-1 row/column normalisation pairs"
-    _need(isinstance(logits, torch.Tensor) and logits.ndim >= 2 and logits.shape[-1] == logits.shape[-2],
+    _need(isinstance(logits, torch.Tensor) and logits.ndim >= 2
+          and logits.shape[-1] == logits.shape[-2],
           f"logits: expected (..., n, n), got {getattr(logits, 'shape', type(logits))}")
     _need(int(iters) == iters and iters >= 1, f"iters = {iters}; expected an integer >= 1")
     z = logits.float()
@@ -64,12 +67,14 @@ def hc_split(mixes: torch.Tensor,  # (T, (2+n)*n) raw coefficients from `hc_mixe
              n: int,               # `hc_mult`
              iters: int,           # `hc_sinkhorn_iters`
              eps: float,           # `hc_eps`
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pre (T, n), post (T, n), comb (T, n, n), fp32
+             # pre (T, n), post (T, n), comb (T, n, n), fp32
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "pre = σ + eps, post = 2σ, comb = Sinkhorn of the last n² raw values"
     _need(mixes.shape[-1] == (2 + n) * n,
           f"mixes: expected last dimension {(2 + n) * n} for n = {n}, got {tuple(mixes.shape)}")
     _need(tuple(scale.shape) == (3,) and tuple(base.shape) == ((2 + n) * n,),
-          f"scale/base: expected shapes (3,) and ({(2 + n) * n},), got {tuple(scale.shape)} and {tuple(base.shape)}")
+          f"scale/base: expected shapes (3,) and ({(2 + n) * n},), "
+          f"got {tuple(scale.shape)} and {tuple(base.shape)}")
     m, scale, base = mixes.float(), scale.float(), base.float()
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -81,7 +86,8 @@ def hc_pre(x: torch.Tensor,    # (T, n, dim) copies
            pre: torch.Tensor,  # (T, n) input-mix weights
           ) -> torch.Tensor:   # (T, dim) in x's dtype
     "Input mix: Σ_i pre_i · x_i, in fp32, rounded to x's dtype"
-    _need(pre.shape == x.shape[:-1], f"pre: expected shape {tuple(x.shape[:-1])}, got {tuple(pre.shape)}")
+    _need(pre.shape == x.shape[:-1],
+          f"pre: expected shape {tuple(x.shape[:-1])}, got {tuple(pre.shape)}")
     return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
 
 def hc_post(f: torch.Tensor,     # (T, dim) the sublayer's output
@@ -94,7 +100,8 @@ def hc_post(f: torch.Tensor,     # (T, dim) the sublayer's output
     _need(f.shape == (T, dim) and post.shape == (T, n) and comb.shape == (T, n, n),
           f"f/post/comb: expected {(T, dim)}, {(T, n)}, {(T, n, n)}; "
           f"got {tuple(f.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
-    out = post.unsqueeze(-1) * f.float().unsqueeze(-2) + (comb.unsqueeze(-1) * x.float().unsqueeze(-2)).sum(-3)
+    out = (post.unsqueeze(-1) * f.float().unsqueeze(-2)
+           + (comb.unsqueeze(-1) * x.float().unsqueeze(-2)).sum(-3))
     return out.to(x.dtype)
 
 # %% ../nbs/07_mhc.ipynb #e0958ff7
@@ -113,11 +120,15 @@ class HCLayer:
     ffn: HCWeights
     ffn_norm: torch.Tensor   # (dim,)
 
-def random_hc_weights(cfg: ModelConfig, strength: float = 1.0, generator=None, device='cpu') -> HCWeights:
+def random_hc_weights(cfg: ModelConfig, # hc_mult and dim
+                      strength: float = 1.0, # how much the coefficients depend on the stream
+                      generator=None, # a `torch.Generator`, for reproducible draws
+                      device='cpu') -> HCWeights:
     "Random coefficients of order one, their dependence on the stream set by `strength`"
     n, dim = cfg.hc_mult, cfg.dim
     fn = torch.randn((2 + n) * n, n * dim, generator=generator) * (n * dim) ** -0.5
-    base, scale = torch.randn((2 + n) * n, generator=generator), strength * (0.5 + torch.rand(3, generator=generator))
+    base = torch.randn((2 + n) * n, generator=generator)
+    scale = strength * (0.5 + torch.rand(3, generator=generator))
     return HCWeights(fn.to(device), base.to(device), scale.to(device))
 
 def random_hc_layer(cfg: ModelConfig, strength: float = 1.0, generator=None, device='cpu',
@@ -130,7 +141,8 @@ def random_hc_layer(cfg: ModelConfig, strength: float = 1.0, generator=None, dev
 # %% ../nbs/07_mhc.ipynb #7a601aa8
 def hc_expand(h: torch.Tensor,  # (T, dim) embeddings
               n: int,           # `hc_mult`
-             ) -> tuple[torch.Tensor, torch.Tensor]:  # copies (T, n, dim), first input-mix weights (T, n) fp32
+              # copies (T, n, dim), first input-mix weights (T, n) fp32
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     "The residual copies at the embedding, and the one-hot input mix of the first sublayer"
     _need(isinstance(h, torch.Tensor) and h.ndim == 2,
           f"h: expected embeddings (T, dim), got {getattr(h, 'shape', type(h))}")
@@ -174,50 +186,63 @@ def mhc_seam_torch(x, f=None, post=None, comb=None, pre=None, hc=None, norm_weig
 STREAM_DTYPES = (torch.bfloat16, torch.float32)
 
 def _check_tensor(name, t, shape, dtypes=None):
-    _need(isinstance(t, torch.Tensor), f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}", TypeError)
-    _need(t.is_floating_point(), f"{name}: expected a floating-point tensor, got {t.dtype}", TypeError)
+    _need(isinstance(t, torch.Tensor),
+          f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}", TypeError)
+    _need(t.is_floating_point(),
+          f"{name}: expected a floating-point tensor, got {t.dtype}", TypeError)
     _need(dtypes is None or t.dtype in dtypes,
           f"{name}: expected dtype {' or '.join(map(str, dtypes or ()))}, got {t.dtype}", TypeError)
-    _need(tuple(t.shape) == tuple(shape), f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    _need(tuple(t.shape) == tuple(shape),
+          f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
 def _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8):
-    _need(isinstance(cfg, ModelConfig), f"cfg: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
+    _need(isinstance(cfg, ModelConfig),
+          f"cfg: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
     n, dim = cfg.hc_mult, cfg.dim
     _need(isinstance(x, torch.Tensor) and x.ndim == 3,
           f"x: expected copies of shape (tokens, {n}, {dim}), got {getattr(x, 'shape', type(x))}")
     T = x.shape[0]
     _check_tensor('x', x, (T, n, dim), STREAM_DTYPES)
     _need((f is None) == (post is None) == (comb is None),
-          "f, post and comb come together (the previous sublayer's output and coefficients): pass all three or none")
+          "f, post and comb come together (the previous sublayer's output and coefficients): "
+          "pass all three or none")
     if f is not None:
         _check_tensor('f', f, (T, dim), (x.dtype,))
         _check_tensor('post', post, (T, n))
         _check_tensor('comb', comb, (T, n, n))
-    if pre is None: _need(norm_weight is None and not fp8, "norm_weight and fp8 shape the next sublayer's input, which needs pre")
+    if pre is None:
+        _need(norm_weight is None and not fp8,
+              "norm_weight and fp8 shape the next sublayer's input, which needs pre")
     else:
         _check_tensor('pre', pre, (T, n))
         _check_tensor('norm_weight', norm_weight, (dim,))
     if hc is not None:
-        _need(isinstance(hc, HCWeights), f"hc: expected HCWeights, got {type(hc).__name__}", TypeError)
+        _need(isinstance(hc, HCWeights),
+              f"hc: expected HCWeights, got {type(hc).__name__}", TypeError)
         mix = (2 + n) * n
-        for name, t, shape in (('hc.fn', hc.fn, (mix, n * dim)), ('hc.base', hc.base, (mix,)), ('hc.scale', hc.scale, (3,))):
+        for name, t, shape in (('hc.fn', hc.fn, (mix, n * dim)), ('hc.base', hc.base, (mix,)),
+                               ('hc.scale', hc.scale, (3,))):
             _check_tensor(name, t, shape)
     return T, n, dim
 
 # %% ../nbs/07_mhc.ipynb #f7092955
-def mhc_seam(x: torch.Tensor,            # (T, n, dim) copies entering the seam (BF16 or fp32)
-             f: torch.Tensor = None,     # (T, dim) previous sublayer's output; None at the first seam
-             post: torch.Tensor = None,  # (T, n) its post
-             comb: torch.Tensor = None,  # (T, n, n) its comb
-             pre: torch.Tensor = None,   # (T, n) the next sublayer's input-mix weights; None: no input
-             hc: HCWeights = None,       # the next sublayer's coefficients to predict; None before the head
-             norm_weight: torch.Tensor = None,  # (dim,) the next sublayer's pre-norm weight (with pre)
-             cfg: ModelConfig = None,    # hc_mult, dim, eps values, Sinkhorn iterations
-             fp8: bool = False,          # also return the normalised input in FP8 (E4M3 + UE8M0 per 32)
+def mhc_seam(x: torch.Tensor, # (T, n, dim) copies entering the seam (BF16 or fp32)
+             f: torch.Tensor = None, # (T, dim) previous sublayer's output; None at the first seam
+             post: torch.Tensor = None, # (T, n) its post
+             comb: torch.Tensor = None, # (T, n, n) its comb
+             # (T, n) the next sublayer's input-mix weights; None: no input
+             pre: torch.Tensor = None,
+             # the next sublayer's coefficients to predict; None before the head
+             hc: HCWeights = None,
+             # (dim,) the next sublayer's pre-norm weight (with pre)
+             norm_weight: torch.Tensor = None,
+             cfg: ModelConfig = None, # hc_mult, dim, eps values, Sinkhorn iterations
+             fp8: bool = False, # also return the normalised input in FP8 (E4M3 + UE8M0 per 32)
             ) -> SeamOut:
     "One single-pass seam: residual update, coefficient prediction, input mix, pre-norm, FP8 cast"
     T, n, dim = _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
-    if kernel_backend(*(t for t in (x, f, post, comb, pre, norm_weight) if t is not None)) == 'torch':
+    given = [t for t in (x, f, post, comb, pre, norm_weight) if t is not None]
+    if kernel_backend(*given) == 'torch':
         return mhc_seam_torch(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
     return _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
 
@@ -226,20 +251,24 @@ def hc_collapse(x: torch.Tensor,            # (T, n, dim) copies
                 pre: torch.Tensor,          # (T, n) the last input-mix weights
                 norm_weight: torch.Tensor,  # (dim,) the final norm's weight
                 cfg: ModelConfig,
-                f=None, post=None, comb=None,  # the last sublayer's output and coefficients, if not yet applied
+                # the last sublayer's output and coefficients, if not yet applied
+                f=None, post=None, comb=None,
                ) -> torch.Tensor:           # (T, dim) the head's input, in x's dtype
     "The head seam: last residual update, collapse with the last pre, final RMSNorm"
     return mhc_seam(x, f, post, comb, pre, None, norm_weight, cfg).y
 
 # %% ../nbs/07_mhc.ipynb #2ae7bf1f
 def run_hc_layers(x: torch.Tensor,        # (T, n, dim) copies entering the first block
-                  pre: torch.Tensor,      # (T, n) the first sublayer's input-mix weights (single-pass form)
+                  # (T, n) the first sublayer's input-mix weights (single-pass form)
+                  pre: torch.Tensor,
                   layers: list,           # `HCLayer` per block
                   sublayers: list,        # 2 per block: F(y, y_fp8, y_scale) -> (T, dim)
                   cfg: ModelConfig,
-                  form: str = 'single',   # 'single' (single-pass, the public code's) or 'multi' (multi-step)
+                  # 'single' (single-pass, the public code's) or 'multi' (multi-step)
+                  form: str = 'single',
                   fp8: bool = False,      # also hand each sublayer its input in FP8
-                 ) -> tuple[SeamOut, torch.Tensor, list]:  # last seam, last sublayer output, every sublayer's input
+                  # last seam, last sublayer output, every sublayer's input
+                 ) -> tuple[SeamOut, torch.Tensor, list]:
     "Run hyper-connected blocks; return what the head seam needs and the inputs each sublayer saw"
     _need(form in ('single', 'multi'), f"form {form!r}; expected 'single' or 'multi'")
     _need(len(sublayers) == 2 * len(layers),
@@ -251,7 +280,8 @@ def run_hc_layers(x: torch.Tensor,        # (T, n, dim) copies entering the firs
         else:
             s = mhc_seam(s.x, f, s.post, s.comb, None, w, None, cfg)
             y = _rms_norm(hc_pre(s.x, s.pre), nw, cfg.norm_eps)
-            s = s._replace(y=y, **dict(zip(('y_fp8', 'y_scale'), quantize_fp8(y, 32) if fp8 else (None, None))))
+            q = quantize_fp8(y, 32) if fp8 else (None, None)
+            s = s._replace(y=y, **dict(zip(('y_fp8', 'y_scale'), q)))
         inputs.append(s.y)
         f = sub(s.y, s.y_fp8, s.y_scale)
     return s, f, inputs
@@ -281,36 +311,43 @@ def _fp8_block_codes(v, G: tl.constexpr, BLOCK_T: tl.constexpr, inv_max, HW_CVT:
     "(BLOCK_T, G*32) fp32 -> E4M3 codes (BLOCK_T, G*32) and UE8M0 codes (BLOCK_T, G), as `quantize_fp8`"
     g = tl.reshape(v, (BLOCK_T, G, 32))
     poison = tl.sum(g * 0.0, axis=2)
-    bad = poison != poison                                                        # a NaN or an Inf in the block
+    # a NaN or an Inf in the block
+    bad = poison != poison
     amax = tl.maximum(tl.max(tl.abs(g), axis=2), 1e-4)
     ex = tl.where(bad, 127, _ue8m0_code(amax, inv_max))
     q = tl.minimum(tl.maximum(g * _pow2(254 - ex)[:, :, None], -448.0), 448.0)
     if HW_CVT: codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else: codes = _e4m3_code(q)
-    return tl.reshape(tl.where(bad[:, :, None], 0, codes), (BLOCK_T, G * 32)), tl.where(bad, 255, ex)
+    return (tl.reshape(tl.where(bad[:, :, None], 0, codes), (BLOCK_T, G * 32)),
+            tl.where(bad, 255, ex))
 
 # %% ../nbs/07_mhc.ipynb #be2a4100
 @triton.jit
 def _seam_coefficients(
-    acc_c, acc_p, x_ss,       # (BT, HC*HC), (BT, NPP) projections, (BT,) sum of squares of the copies
+    # (BT, HC*HC), (BT, NPP) projections, (BT,) sum of squares of the copies
+    acc_c, acc_p, x_ss,
     t64, tm,                  # (BT,) token ids (int64), in range
     base_ptr, scale_ptr,      # hc_*_base ((2+HC)*HC,), hc_*_scale (3,)
     pre_ptr, post_ptr, comb_ptr,  # outputs (T, HC), (T, HC), (T, HC, HC) fp32
     norm_eps, hc_eps,
-    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr,
+    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     h = tl.arange(0, HC)
     npp = tl.arange(0, NPP)
-    r = tl.rsqrt(x_ss / (HC * D) + norm_eps)                                          # (BT,)
+    r = tl.rsqrt(x_ss / (HC * D) + norm_eps)                     # (BT,)
     s_pp = tl.where(npp < HC, tl.load(scale_ptr), tl.load(scale_ptr + 1))
-    zp = acc_p * r[:, None] * s_pp[None, :] + tl.load(base_ptr + npp, mask=npp < 2 * HC, other=0.0)[None, :]
-    sg = tl.sigmoid(zp)                                                               # (BT, NPP): pre | post | padding
+    zp = (acc_p * r[:, None] * s_pp[None, :]
+          + tl.load(base_ptr + npp, mask=npp < 2 * HC, other=0.0)[None, :])
+    sg = tl.sigmoid(zp)                                          # (BT, NPP): pre | post | padding
     pp = tl.where((npp < HC)[None, :], sg + hc_eps, 2 * sg)
     tl.store(pre_ptr + t64[:, None] * HC + npp[None, :], pp, mask=tm[:, None] & (npp < HC)[None, :])
     is_post = (npp >= HC) & (npp < 2 * HC)
-    tl.store(post_ptr + t64[:, None] * HC + (npp[None, :] - HC), pp, mask=tm[:, None] & is_post[None, :])
+    tl.store(post_ptr + t64[:, None] * HC + (npp[None, :] - HC), pp,
+             mask=tm[:, None] & is_post[None, :])
     bc = tl.load(base_ptr + 2 * HC + tl.arange(0, HC * HC))
-    z = tl.reshape(acc_c * r[:, None] * tl.load(scale_ptr + 2) + bc[None, :], (BLOCK_T, HC, HC))   # comb logits
+    # comb logits
+    z = tl.reshape(acc_c * r[:, None] * tl.load(scale_ptr + 2) + bc[None, :], (BLOCK_T, HC, HC))
     mx = tl.max(z, axis=2)[:, :, None]
     e = tl.exp(z - mx)
     c = tl.where(mx == float('-inf'), 1.0 / HC, e / tl.sum(e, axis=2)[:, :, None]) + hc_eps
@@ -319,7 +356,8 @@ def _seam_coefficients(
         c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
     offc = t64[:, None, None] * (HC * HC) + h[None, :, None] * HC + h[None, None, :]
-    tl.store(comb_ptr + offc, c, mask=tm[:, None, None] & (h < HC)[None, :, None] & (h < HC)[None, None, :])
+    tl.store(comb_ptr + offc, c,
+             mask=tm[:, None, None] & (h < HC)[None, :, None] & (h < HC)[None, None, :])
 
 # %% ../nbs/07_mhc.ipynb #d81e949b
 @triton.jit
@@ -329,7 +367,8 @@ def _seam_norm(
     y_ptr,                    # (T, D) the mixed input, normalised in place
     q_ptr, qs_ptr,            # (T, D) E4M3 codes, (T, D // 32) UE8M0 codes (FP8)
     norm_eps, inv_max,
-    col0, col_step,           # this program's column tiles: col0, col0 + col_step, ... (multiples of BLOCK_D)
+    # this program's column tiles: col0, col0 + col_step, ... (multiples of BLOCK_D)
+    col0, col_step,
     D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FP8: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr,
 ):
@@ -353,46 +392,58 @@ def _seam_norm(
 
 # %% ../nbs/07_mhc.ipynb #ca4d3da7
 @triton.jit
-def _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr,
-                 w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, coef, col0, col_step,
-                 D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr,
-                 BF16: tl.constexpr, HW_CVT: tl.constexpr):
-    "Everything after the pass over the columns: the coefficients from their sums (if `coef`), the norm and FP8 cast of columns col0, col0 + col_step, ..."
+def _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr,
+                 comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, coef, col0,
+                 col_step, D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr,
+                 NPP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr,
+                 HW_CVT: tl.constexpr):
+    ("Everything after the pass over the columns: the coefficients from their sums (if `coef`), "
+     "the norm and FP8 cast of columns col0, col0 + col_step, ...")
     if PREDICT:
         if coef:
-            _seam_coefficients(acc_c, acc_p, x_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr,
-                               norm_eps, hc_eps, D, HC, ITERS, NPP, BLOCK_T)
+            _seam_coefficients(acc_c, acc_p, x_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr,
+                               post_o_ptr, comb_o_ptr, norm_eps, hc_eps, D, HC, ITERS, NPP, BLOCK_T)
     if MIX:
-        _seam_norm(y_ss, t64, tm, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, inv_max, col0, col_step, D, BLOCK_T, BLOCK_D,
-                   FP8, BF16, HW_CVT)
+        _seam_norm(y_ss, t64, tm, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, inv_max, col0, col_step, D,
+                   BLOCK_T, BLOCK_D, FP8, BF16, HW_CVT)
 
 @triton.jit
 def _update_tile(x_ptr, f_ptr, comb_ptr, post, t64, tm, col, m2,
                  D: tl.constexpr, HC: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr):
-    "Residual update of one column tile: (BT, HC, BD) out_j = post_j f + Σ_i comb[i, j] x_i, rounded like the copies"
+    ("Residual update of one column tile: (BT, HC, BD) out_j = post_j f + Σ_i comb[i, j] x_i, "
+     "rounded like the copies")
     h = tl.arange(0, HC)
-    f = tl.load(f_ptr + t64[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)             # (BT, BD)
+    # (BT, BD)
+    f = tl.load(f_ptr + t64[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
     xn = post[:, :, None] * f[:, None, :]
     for i in tl.static_range(HC):
-        xi = tl.load(x_ptr + t64[:, None] * (HC * D) + i * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        ci = tl.load(comb_ptr + t64[:, None] * (HC * HC) + i * HC + h[None, :], mask=tm[:, None], other=0.0)  # comb[:, i]
+        xi = tl.load(x_ptr + t64[:, None] * (HC * D) + i * D + col[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+        # comb[:, i]
+        ci = tl.load(comb_ptr + t64[:, None] * (HC * HC) + i * HC + h[None, :], mask=tm[:, None],
+                     other=0.0)
         xn += ci[:, :, None] * xi[:, None, :]
     return _round(xn, BF16, HW_CVT)
 
 @triton.jit
 def _project_tile(xn, fn_ptr, d0, D: tl.constexpr, HC: tl.constexpr, NPP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    "One column tile's share of the projection onto hc_*_fn: comb rows (BT, HC*HC), pre and post rows (BT, NPP)"
+    ("One column tile's share of the projection onto hc_*_fn: comb rows (BT, HC*HC), "
+     "pre and post rows (BT, NPP)")
     kk, nc, npp = tl.arange(0, HC * BLOCK_D), tl.arange(0, HC * HC), tl.arange(0, NPP)
-    xf = tl.reshape(xn, (BLOCK_T, HC * BLOCK_D))                         # (copy, column), as hc_*_fn's columns
-    k = (kk // BLOCK_D) * D + d0 + kk % BLOCK_D                           # their columns in hc_*_fn
+    xf = tl.reshape(xn, (BLOCK_T, HC * BLOCK_D))         # (copy, column), as hc_*_fn's columns
+    k = (kk // BLOCK_D) * D + d0 + kk % BLOCK_D           # their columns in hc_*_fn
     km = (d0 + kk % BLOCK_D) < D
-    wc = tl.load(fn_ptr + (2 * HC + nc[None, :]).to(tl.int64) * (HC * D) + k[:, None], mask=km[:, None], other=0.0)
+    wc = tl.load(fn_ptr + (2 * HC + nc[None, :]).to(tl.int64) * (HC * D) + k[:, None],
+                 mask=km[:, None], other=0.0)
     wp = tl.load(fn_ptr + npp[None, :].to(tl.int64) * (HC * D) + k[:, None],
                  mask=km[:, None] & (npp < 2 * HC)[None, :], other=0.0)
-    if BLOCK_T >= 16: return tl.dot(xf, wc, input_precision='ieee'), tl.dot(xf, wp, input_precision='ieee')
-    return tl.sum(xf[:, :, None] * wc[None, :, :], axis=1), tl.sum(xf[:, :, None] * wp[None, :, :], axis=1)   # a token or two: FMAs
+    if BLOCK_T >= 16:
+        return tl.dot(xf, wc, input_precision='ieee'), tl.dot(xf, wp, input_precision='ieee')
+    # a token or two: FMAs
+    return (tl.sum(xf[:, :, None] * wc[None, :, :], axis=1),
+            tl.sum(xf[:, :, None] * wp[None, :, :], axis=1))
 
 # %% ../nbs/07_mhc.ipynb #7a78d78e
 @triton.jit
@@ -408,7 +459,8 @@ def _mhc_seam_kernel(
     pre_o_ptr, post_o_ptr, comb_o_ptr,  # predicted coefficients (PREDICT)
     ws_ptr,           # (T, SPLIT, HC*HC + NPP + 2) fp32 partial sums (SPLIT > 1)
     T, norm_eps, hc_eps, inv_max,
-    SPLIT, CHUNKS,    # column splits (grid axis 1) and column tiles per split; runtime values: one compile for all T
+    # column splits (grid axis 1) and column tiles per split; runtime values: one compile for all T
+    SPLIT, CHUNKS,
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, PREDICT: tl.constexpr,
     MIX: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr,
@@ -417,7 +469,8 @@ def _mhc_seam_kernel(
     pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm, t64, h, dd = t < T, t.to(tl.int64), tl.arange(0, HC), tl.arange(0, BLOCK_D)
-    if HAS_PREV: post = tl.load(post_ptr + t64[:, None] * HC + h[None, :], mask=tm[:, None], other=0.0)
+    if HAS_PREV:
+        post = tl.load(post_ptr + t64[:, None] * HC + h[None, :], mask=tm[:, None], other=0.0)
     if MIX: pre = tl.load(pre_ptr + t64[:, None] * HC + h[None, :], mask=tm[:, None], other=0.0)
     x_ss, y_ss = tl.zeros((BLOCK_T,), tl.float32), tl.zeros((BLOCK_T,), tl.float32)
     acc_c, acc_p = tl.zeros((BLOCK_T, HC * HC), tl.float32), tl.zeros((BLOCK_T, NPP), tl.float32)
@@ -431,7 +484,8 @@ def _mhc_seam_kernel(
             xn = _update_tile(x_ptr, f_ptr, comb_ptr, post, t64, tm, col, m2, D, HC, BF16, HW_CVT)
             tl.store(xo_ptr + off3, xn.to(xo_ptr.dtype.element_ty), mask=m3)
         else: xn = tl.load(x_ptr + off3, mask=m3, other=0.0).to(tl.float32)
-        if MIX:                                                                       # input mix, not yet normalised
+        # input mix, not yet normalised
+        if MIX:
             y = _round(tl.sum(pre[:, :, None] * xn, axis=1), BF16, HW_CVT)
             y_ss += tl.sum(y * y, axis=1)
             tl.store(y_ptr + t64[:, None] * D + col[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
@@ -440,27 +494,31 @@ def _mhc_seam_kernel(
             dc, dp = _project_tile(xn, fn_ptr, d0, D, HC, NPP, BLOCK_T, BLOCK_D)
             acc_c, acc_p = acc_c + dc, acc_p + dp
     if SPLIT == 1:
-        tl.debug_barrier()                                        # the y just written is re-read by other threads
-        _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr,
-                     y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, True, 0, BLOCK_D, D, HC, ITERS, NPP, BLOCK_T,
-                     BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)
+        # the y just written is re-read by other threads
+        tl.debug_barrier()
+        _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr,
+                     comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, True, 0,
+                     BLOCK_D, D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)
     else:
         ws = ws_ptr + (t64[:, None] * SPLIT + tl.program_id(1)) * (HC * HC + NPP + 2)
         tl.store(ws + tl.arange(0, HC * HC)[None, :], acc_c, mask=tm[:, None])
         tl.store(ws + HC * HC + tl.arange(0, NPP)[None, :], acc_p, mask=tm[:, None])
         two = tl.arange(0, 2)[None, :]
-        tl.store(ws + HC * HC + NPP + two, tl.where(two == 0, x_ss[:, None], y_ss[:, None]), mask=tm[:, None])
+        tl.store(ws + HC * HC + NPP + two, tl.where(two == 0, x_ss[:, None], y_ss[:, None]),
+                 mask=tm[:, None])
 
 # %% ../nbs/07_mhc.ipynb #a2fe2c23
 @triton.jit
 def _mhc_finish_kernel(
     ws_ptr,           # (T, SPLIT, HC*HC + NPP + 2) partial sums from _mhc_seam_kernel
-    base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr,   # as _mhc_seam_kernel
+    # as _mhc_seam_kernel
+    base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr,
     T, norm_eps, hc_eps, inv_max,
     SPLIT,            # partial sums per token
-    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr,
-    BF16: tl.constexpr, HW_CVT: tl.constexpr, SB: tl.constexpr,   # partial sums loaded at once
+    D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr,
+    FP8: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr,
+    SB: tl.constexpr,   # partial sums loaded at once
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
     pdl_wait(PDL)
@@ -468,8 +526,10 @@ def _mhc_finish_kernel(
     tm, t64 = t < T, t.to(tl.int64)
     nc, npp, two, sb = tl.arange(0, HC * HC), tl.arange(0, NPP), tl.arange(0, 2), tl.arange(0, SB)
     acc_c, acc_p = tl.zeros((BLOCK_T, HC * HC), tl.float32), tl.zeros((BLOCK_T, NPP), tl.float32)
-    ss = tl.zeros((BLOCK_T, 2), tl.float32)                                             # sums of squares: copies, y
-    for s0 in range(0, SPLIT, SB):                                # SB partial sums per step: (BT, SB, width) tiles
+    # sums of squares: copies, y
+    ss = tl.zeros((BLOCK_T, 2), tl.float32)
+    # SB partial sums per step: (BT, SB, width) tiles
+    for s0 in range(0, SPLIT, SB):
         ws = ws_ptr + ((t64[:, None] * SPLIT + s0 + sb[None, :]) * (HC * HC + NPP + 2))[:, :, None]
         m = (tm[:, None] & (s0 + sb < SPLIT)[None, :])[:, :, None]
         acc_c += tl.sum(tl.load(ws + nc[None, None, :], mask=m, other=0.0), axis=1)
@@ -477,22 +537,27 @@ def _mhc_finish_kernel(
         ss += tl.sum(tl.load(ws + HC * HC + NPP + two[None, None, :], mask=m, other=0.0), axis=1)
     x_ss = tl.sum(tl.where(two[None, :] == 0, ss, 0.0), axis=1)
     y_ss = tl.sum(tl.where(two[None, :] == 1, ss, 0.0), axis=1)
-    c = tl.program_id(1)                                           # column programs share the norm; the first also
-    _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr,
-                 y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, c == 0, c * BLOCK_D, tl.num_programs(1) * BLOCK_D,
-                 D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)   # writes the coefficients
+    # column programs share the norm; the first also writes the coefficients
+    c = tl.program_id(1)
+    _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr,
+                 comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, c == 0,
+                 c * BLOCK_D, tl.num_programs(1) * BLOCK_D, D, HC, ITERS, NPP, BLOCK_T, BLOCK_D,
+                 PREDICT, MIX, FP8, BF16, HW_CVT)
 
 # %% ../nbs/07_mhc.ipynb #3f221c29
-MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2, small_warps=1, small_block_d=32,
-                  small_finish_sb=256)
+MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2,
+                  small_warps=1, small_block_d=32, small_finish_sb=256)
 
 def _block_t(T: int) -> tuple[int, int]:
-    "(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, without `tl.dot`"
-    if T <= MHC_TUNING['small_t']: return triton.next_power_of_2(max(T, 1)), MHC_TUNING['small_warps']
+    ("(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, "
+     "without `tl.dot`")
+    if T <= MHC_TUNING['small_t']:
+        return triton.next_power_of_2(max(T, 1)), MHC_TUNING['small_warps']
     return MHC_TUNING['block_t'], MHC_TUNING['num_warps']
 
 def _block_d(T: int) -> int:
-    "Columns per program: `small_block_d` for `small_t` tokens or fewer (more programs for a lone token), else `block_d`"
+    ("Columns per program: `small_block_d` for `small_t` tokens or fewer "
+     "(more programs for a lone token), else `block_d`")
     return MHC_TUNING['small_block_d' if T <= MHC_TUNING['small_t'] else 'block_d']
 
 def _split(T, dim, device) -> int:
@@ -503,8 +568,10 @@ def _split(T, dim, device) -> int:
     return max(1, min(int(s), chunks))
 
 def _finish_sb(T: int, split: int) -> int:
-    "Partial sums the finish kernel loads at once: `small_finish_sb` (all of them, in one go) for `small_t` tokens or fewer"
-    return min(MHC_TUNING['small_finish_sb' if T <= MHC_TUNING['small_t'] else 'finish_sb'], triton.next_power_of_2(split))
+    ("Partial sums the finish kernel loads at once: `small_finish_sb` (all of them, in one go) "
+     "for `small_t` tokens or fewer")
+    return min(MHC_TUNING['small_finish_sb' if T <= MHC_TUNING['small_t'] else 'finish_sb'],
+               triton.next_power_of_2(split))
 
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()
 
@@ -517,14 +584,18 @@ def _marked(name: str):
 def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOut:
     "The Triton path of `mhc_seam` (arguments already checked)"
     T, n, dim = x.shape
-    _need(n >= 4 and n & (n - 1) == 0, f"hc_mult = {n}: the fused kernel needs a power of two >= 4 "
-          "(its tl.dot tiles are at least 16 wide); run the reference with use_kernels('torch')", NotImplementedError)
+    _need(n >= 4 and n & (n - 1) == 0,
+          f"hc_mult = {n}: the fused kernel needs a power of two >= 4 "
+          "(its tl.dot tiles are at least 16 wide); run the reference with use_kernels('torch')",
+          NotImplementedError)
     has_prev, predict, mix = f is not None, hc is not None, pre is not None
     new = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=x.device)
     x = x.contiguous()
     u8 = torch.uint8
-    out = SeamOut(new(T, n, dim, dtype=x.dtype) if has_prev else x, new(T, dim, dtype=x.dtype) if mix else None,
-                  new(T, dim, dtype=u8) if fp8 else None, new(T, dim // 32, dtype=u8) if fp8 else None,
+    out = SeamOut(new(T, n, dim, dtype=x.dtype) if has_prev else x,
+                  new(T, dim, dtype=x.dtype) if mix else None,
+                  new(T, dim, dtype=u8) if fp8 else None,
+                  new(T, dim // 32, dtype=u8) if fp8 else None,
                   *((new(T, n), new(T, n), new(T, n, n)) if predict else (None, None, None)))
     if T == 0: return out
     (bt, warps), bd, split = _block_t(T), _block_d(T), _split(T, dim, x.device)
@@ -532,19 +603,22 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
     ws = new(T, split, n * n + npp + 2) if split > 1 else x
     p = lambda t: _ptr(t.float() if t is not None and t.dtype != torch.float32 else t, x)
     outs = [_ptr(t, x) for t in out[1:]]
-    meta = dict(D=dim, HC=n, ITERS=cfg.hc_sinkhorn_iters, NPP=npp, BLOCK_T=bt, BLOCK_D=bd, PREDICT=predict, MIX=mix,
-                FP8=fp8, BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(), num_warps=warps)
+    meta = dict(D=dim, HC=n, ITERS=cfg.hc_sinkhorn_iters, NPP=npp, BLOCK_T=bt, BLOCK_D=bd,
+                PREDICT=predict, MIX=mix, FP8=fp8, BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(),
+                num_warps=warps)
     scalars = (T, cfg.norm_eps, cfg.hc_eps, 1.0 / FP8_MAX)
     hcw = (p(hc.fn), p(hc.base), p(hc.scale)) if predict else (x, x, x)
     with _marked('mhc_seam'):
         _mhc_seam_kernel[(triton.cdiv(T, bt), split)](
-            x, _ptr(f, x), p(post), p(comb), p(pre), out.x, *hcw, _ptr(norm_weight, x), *outs, ws, *scalars,
-            split, triton.cdiv(triton.cdiv(dim, bd), split), HAS_PREV=has_prev, **meta, **pdl_launch(x.device))
+            x, _ptr(f, x), p(post), p(comb), p(pre), out.x, *hcw, _ptr(norm_weight, x), *outs, ws,
+            *scalars, split, triton.cdiv(triton.cdiv(dim, bd), split), HAS_PREV=has_prev, **meta,
+            **pdl_launch(x.device))
     if split > 1 and (predict or mix):
         with _marked('mhc_finish'):
-            _mhc_finish_kernel[(triton.cdiv(T, bt), split if mix else 1)](   # the norm spread over `split` programs
-                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, SB=_finish_sb(T, split), **meta,
-                **pdl_launch(x.device))
+            # the norm spread over `split` programs
+            _mhc_finish_kernel[(triton.cdiv(T, bt), split if mix else 1)](
+                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split,
+                SB=_finish_sb(T, split), **meta, **pdl_launch(x.device))
     return out
 
 # %% ../nbs/07_mhc.ipynb #0bab1db3
@@ -552,29 +626,36 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     "One BF16 ulp at |v| (2^(e-7) for |v| in [2^e, 2^(e+1)))"
     return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -126))) - 7)
 
-def check_seam(got: SeamOut, x, f=None, post=None, comb=None, pre=None, hc=None, norm_weight=None, cfg=None, fp8=False):
+def check_seam(got: SeamOut, x, f=None, post=None, comb=None, pre=None, hc=None, norm_weight=None,
+               cfg=None, fp8=False):
     "Assert that `got` matches `mhc_seam_torch` on the same arguments within the derived bounds"
-    ref, u, n, dim = mhc_seam_torch(x, f, post, comb, pre, hc, norm_weight, cfg, fp8), 2.0 ** -24, cfg.hc_mult, cfg.dim
+    ref = mhc_seam_torch(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
+    u, n, dim = 2.0 ** -24, cfg.hc_mult, cfg.dim
     tr = 16 * u                                             # an approximate exp, σ or rsqrt
     ulp = _bf16_ulp if x.dtype == torch.bfloat16 else (lambda v: v.abs() * 2 * u)
     def close(name, a, b, bound):
         bad = (a.float() - b.float()).abs() > bound
         if bad.any():
             i = tuple(bad.nonzero()[0].tolist())
-            raise AssertionError(f"{name}: {int(bad.sum())} of {bad.numel()} values off, e.g. at {list(i)}: "
+            raise AssertionError(f"{name}: {int(bad.sum())} of {bad.numel()} values off, "
+                                 f"e.g. at {list(i)}: "
                                  f"{a[i].item()} vs {b[i].item()} (bound {bound[i].item():.3g})")
-    xs, bx = ref.x.float(), torch.zeros_like(ref.x, dtype=torch.float32)                   # bx: bound on the copies
+    # bx: bound on the copies
+    xs, bx = ref.x.float(), torch.zeros_like(ref.x, dtype=torch.float32)
     if f is not None:
-        S = (post[..., None] * f.float()[:, None]).abs() + (comb[..., None].abs() * x.float()[:, :, None].abs()).sum(1)
+        S = ((post[..., None] * f.float()[:, None]).abs()
+             + (comb[..., None].abs() * x.float()[:, :, None].abs()).sum(1))
         bx = 2 * (n + 1) * u * S + ulp(xs)
         close('x', got.x, ref.x, bx)
     if pre is not None:
         p = pre.float()[..., None]
         raw = (p * xs).sum(1)                               # (T, dim) before rounding
         y_raw = hc_pre(ref.x, pre).float()
-        wr = norm_weight.float().abs() * torch.rsqrt(y_raw.square().mean(-1, keepdim=True) + cfg.norm_eps)
+        wr = (norm_weight.float().abs()
+              * torch.rsqrt(y_raw.square().mean(-1, keepdim=True) + cfg.norm_eps))
         b_raw = 2 * n * u * (p * xs).abs().sum(1) + (p.abs() * bx).sum(1) + ulp(raw)
-        close('y', got.y, ref.y, wr * b_raw + ref.y.float().abs() * (4 * dim * u + tr) + ulp(ref.y.float()))
+        close('y', got.y, ref.y,
+              wr * b_raw + ref.y.float().abs() * (4 * dim * u + tr) + ulp(ref.y.float()))
         if fp8:
             q, qs = quantize_fp8(got.y, 32)
             if not (torch.equal(got.y_fp8, q) and torch.equal(got.y_scale, qs)):
@@ -585,19 +666,25 @@ def check_seam(got: SeamOut, x, f=None, post=None, comb=None, pre=None, hc=None,
         mixes = hc_mixes(ref.x, hc.fn, cfg.norm_eps)
         ss = xf.square().sum(-1, keepdim=True).clamp_min(1e-30)
         rel_r = 4 * n * dim * u + tr + 2 * (bx.flatten(1) * xf.abs()).sum(-1, keepdim=True) / ss
-        b_mix = r * (2 * n * dim * u * (xf.abs() @ fa.T) + bx.flatten(1) @ fa.T) + mixes.abs() * rel_r
+        b_mix = (r * (2 * n * dim * u * (xf.abs() @ fa.T) + bx.flatten(1) @ fa.T)
+                 + mixes.abs() * rel_r)
         s = hc.scale.float().abs()
         close('pre', got.pre, ref.pre, s[0] * b_mix[:, :n] / 4 + 2 * tr)
         close('post', got.post, ref.post, s[1] * b_mix[:, n:2 * n] / 2 + 4 * tr)
         dz = (s[2] * b_mix[:, 2 * n:]).amax(-1)[:, None, None]     # largest comb-logit error
         it = cfg.hc_sinkhorn_iters
-        close('comb', got.comb, ref.comb, ref.comb * ((4 * it + 2) * 2 * dz + 4 * it * (n + 1) * u + 2 * tr) + 4 * u)
+        close('comb', got.comb, ref.comb,
+              ref.comb * ((4 * it + 2) * 2 * dz + 4 * it * (n + 1) * u + 2 * tr) + 4 * u)
 
 # %% ../nbs/07_mhc.ipynb #5abab04c
-_NO_KERNEL = {f'aten::{op}' for op in (                    # views, metadata and allocation: no kernel on a GPU
-    'view unsqueeze squeeze flatten unflatten slice select as_strided expand t transpose permute alias detach detach_ '
-    'lift_fresh empty empty_like empty_strided result_type _unsafe_view split unbind narrow resolve_conj resolve_neg').split()}
-_COPY_IF_CHILDREN = {'aten::to', 'aten::contiguous', 'aten::reshape', 'aten::type_as'}   # a kernel only if they copy
+# views, metadata and allocation: no kernel on a GPU
+_NO_KERNEL = {f'aten::{op}' for op in (
+    'view unsqueeze squeeze flatten unflatten slice select as_strided expand t transpose permute '
+    'alias detach detach_ '
+    'lift_fresh empty empty_like empty_strided result_type _unsafe_view split unbind narrow '
+    'resolve_conj resolve_neg').split()}
+# a kernel only if they copy
+_COPY_IF_CHILDREN = {'aten::to', 'aten::contiguous', 'aten::reshape', 'aten::type_as'}
 
 def count_launches(fn: Callable) -> int:
     "Kernel launches of one call of `fn` (after a warm-up call)"
@@ -605,13 +692,16 @@ def count_launches(fn: Callable) -> int:
     fn()
     if torch.cuda.is_available(): torch.cuda.synchronize()
     cuda = torch.cuda.is_available() and not triton_interpreting()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         fn()
         if cuda: torch.cuda.synchronize()
     if cuda: return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     def launches(e):
-        if e.name.startswith('triton::'): return True          # the interpreter's own ATen calls nest under it
-        return e.name.startswith('aten::') and e.name not in _NO_KERNEL and (e.name not in _COPY_IF_CHILDREN or e.cpu_children)
+        # the interpreter's own ATen calls nest under it
+        if e.name.startswith('triton::'): return True
+        return (e.name.startswith('aten::') and e.name not in _NO_KERNEL
+                and (e.name not in _COPY_IF_CHILDREN or e.cpu_children))
     return sum(1 for e in prof.events() if e.cpu_parent is None and launches(e))
 
 # %% ../nbs/07_mhc.ipynb #30b1f769
@@ -622,20 +712,28 @@ def hc_layer_floor(cfg: ModelConfig, T: int, fp8: bool = True) -> int:
     return 2 * (T * per_token + (2 + n) * n * n * dim * 4)
 
 # %% ../nbs/07_mhc.ipynb #c5f570e5
-def benchmark_hc_layers(cfg: ModelConfig, tokens=(1, 64, 1024, 8192), n_layers: int = 8, device='cuda',
-                        fp8: bool = True, graphs: bool = True) -> list[dict]:
-    "Time per block of the eager reference and the fused kernels, without and with a CUDA graph, against the byte floor"
+def benchmark_hc_layers(cfg: ModelConfig, # the model's shapes
+                        tokens=(1, 64, 1024, 8192), # token counts to time
+                        n_layers: int = 8, # blocks in the timed stack
+                        device='cuda',
+                        fp8: bool = True, # also cast each sublayer's input to FP8
+                        graphs: bool = True, # also time each path replayed from a CUDA graph
+                       ) -> list[dict]:
+    ("Time per block of the eager reference and the fused kernels, without and with a CUDA graph, "
+     "against the byte floor")
     g = torch.Generator().manual_seed(0)
     layers = [random_hc_layer(cfg, 1.0, g, device) for _ in range(n_layers)]
     subs = [lambda y, q, s: y] * (2 * n_layers)
     bw = copy_bandwidth(device=device) if torch.device(device).type == 'cuda' else float('nan')
     rows = []
     for T in tokens:
-        x, pre = hc_expand(torch.randn(T, cfg.dim, generator=g).to(device, torch.bfloat16), cfg.hc_mult)
+        x, pre = hc_expand(torch.randn(T, cfg.dim, generator=g).to(device, torch.bfloat16),
+                           cfg.hc_mult)
         outs = {}
         for path in ('torch', 'triton'):
             def run(path=path):
-                with use_kernels(path): return run_hc_layers(x, pre, layers, subs, cfg, 'single', fp8)[0].x
+                with use_kernels(path):
+                    return run_hc_layers(x, pre, layers, subs, cfg, 'single', fp8)[0].x
             outs[path] = run()
             t = median_time(run)
             t_graph = float('nan')
@@ -643,8 +741,10 @@ def benchmark_hc_layers(cfg: ModelConfig, tokens=(1, 64, 1024, 8192), n_layers: 
                 with use_kernels(path): t_graph = median_time(cuda_graph(run))
             rows.append(dict(tokens=T, path='eager reference' if path == 'torch' else 'fused',
                              launches=count_launches(run) / n_layers, us=t / n_layers * 1e6,
-                             graph_us=t_graph / n_layers * 1e6, floor_us=hc_layer_floor(cfg, T, fp8) / bw * 1e6))
-        diff = ((outs['triton'].float() - outs['torch'].float()).abs().max() / outs['torch'].float().abs().max()).item()
+                             graph_us=t_graph / n_layers * 1e6,
+                             floor_us=hc_layer_floor(cfg, T, fp8) / bw * 1e6))
+        diff = ((outs['triton'].float() - outs['torch'].float()).abs().max()
+                / outs['torch'].float().abs().max()).item()
         for r in rows[-2:]:
             best = r['graph_us'] if math.isfinite(r['graph_us']) else r['us']
             r.update(max_rel_diff=diff, of_floor=r['floor_us'] / best)
@@ -653,8 +753,9 @@ def benchmark_hc_layers(cfg: ModelConfig, tokens=(1, 64, 1024, 8192), n_layers: 
 # %% ../nbs/07_mhc.ipynb #a298dbde
 def format_hc_benchmark(rows: list[dict]) -> str:
     "The benchmark as a text table"
-    head = (f"{'tokens':>7s} {'path':16s} {'launches/block':>14s} {'us/block':>10s} {'graph us/block':>14s} "
-            f"{'floor us':>9s} {'of floor':>8s} {'max rel diff':>12s}")
-    lines = [head] + [f"{r['tokens']:7d} {r['path']:16s} {r['launches']:14.1f} {r['us']:10.1f} {r['graph_us']:14.1f} "
-                      f"{r['floor_us']:9.2f} {r['of_floor']:8.1%} {r['max_rel_diff']:12.1e}" for r in rows]
+    head = (f"{'tokens':>7s} {'path':16s} {'launches/block':>14s} {'us/block':>10s} "
+            f"{'graph us/block':>14s} {'floor us':>9s} {'of floor':>8s} {'max rel diff':>12s}")
+    lines = [head] + [f"{r['tokens']:7d} {r['path']:16s} {r['launches']:14.1f} {r['us']:10.1f} "
+                      f"{r['graph_us']:14.1f} {r['floor_us']:9.2f} {r['of_floor']:8.1%} "
+                      f"{r['max_rel_diff']:12.1e}" for r in rows]
     return '\n'.join(lines)

@@ -35,33 +35,39 @@ class ByteTokenizer:
         self.cfg = expect_config(cfg, 'ByteTokenizer')
         img, noise = cfg.image_token_id, cfg.dspark_noise_token_id
         if min(img, noise) <= self.PAD or img == noise:
-            raise ValueError(f"ByteTokenizer: image_token_id = {img} and dspark_noise_token_id = {noise} must be "
+            raise ValueError(f"ByteTokenizer: image_token_id = {img} and "
+                             f"dspark_noise_token_id = {noise} must be "
                              f"two different ids above PAD = {self.PAD}")
-        self.specials = {self.BOS: '<bos>', self.EOS: '<eos>', self.PAD: '<pad>', img: '<image>', noise: '<noise>'}
+        self.specials = {self.BOS: '<bos>', self.EOS: '<eos>', self.PAD: '<pad>',
+                         img: '<image>', noise: '<noise>'}
 
     @property
     def vocab_size(self) -> int: return self.cfg.vocab_size
-    def __repr__(self): return f"ByteTokenizer({self.vocab_size} ids: 256 bytes, specials {self.specials})"
+    def __repr__(self):
+        return f"ByteTokenizer({self.vocab_size} ids: 256 bytes, specials {self.specials})"
 
 # %% ../nbs/10_model.ipynb #51b6d4aa
 @patch
 def encode(self: ByteTokenizer, text: str, bos: bool = True) -> list[int]:
     "The ids of `text`: its UTF-8 bytes, after BOS when `bos`"
-    if not isinstance(text, str): raise TypeError(f"encode: expected a str, got {type(text).__name__}")
+    if not isinstance(text, str):
+        raise TypeError(f"encode: expected a str, got {type(text).__name__}")
     return [self.BOS] * bool(bos) + list(text.encode('utf-8'))
 
 @patch
 def decode(self: ByteTokenizer, ids) -> str:
     "The text of `ids` (a list or a 1-D tensor): specials dropped, invalid UTF-8 replaced by U+FFFD"
     ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size]
+    bad = [i for i in ids
+           if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size]
     if bad: raise ValueError(f"decode: id {bad[0]!r} is not a token id 0..{self.vocab_size - 1}")
     return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
 
 # %% ../nbs/10_model.ipynb #f9c2b6fb
 @patch
 def token_strings(self: ByteTokenizer) -> list[str]:
-    "One string per id, for Engram's token map: ASCII characters, `<0xHH>` for other bytes, specials' names, '' for unused ids"
+    ("One string per id, for Engram's token map: ASCII characters, `<0xHH>` for other bytes, "
+     "specials' names, '' for unused ids")
     out = [chr(b) if b < 128 else f'<0x{b:02X}>' for b in range(256)]
     return out + [self.specials.get(i, '') for i in range(256, self.vocab_size)]
 
@@ -70,16 +76,18 @@ def engram_map(self: ByteTokenizer) -> torch.Tensor:
     "(vocab_size,) int64 token id -> Engram compressed id (`compressed_token_map` of `token_strings`)"
     lookup, n = compressed_token_map(self.token_strings())
     if n > self.cfg.engram_compressed_vocab_size:
-        raise ValueError(f"engram_map: {n} compressed ids do not fit engram_compressed_vocab_size = "
-                         f"{self.cfg.engram_compressed_vocab_size}")
+        raise ValueError(f"engram_map: {n} compressed ids do not fit "
+                         f"engram_compressed_vocab_size = {self.cfg.engram_compressed_vocab_size}")
     return lookup
 
 # %% ../nbs/10_model.ipynb #21ba9663
 WEIGHT_FMTS = ('fp8', 'fp4', 'bf16')
 
 def master_dtype(dtype: str) -> torch.dtype:
-    "The dtype a parameter is held in, from its checkpoint storage ('fp32' stays fp32; 'bf16', 'fp8', 'fp4' are held in BF16)"
-    if dtype not in ('fp32', *WEIGHT_FMTS): raise ValueError(f"master_dtype: {dtype!r} is not a checkpoint dtype")
+    ("The dtype a parameter is held in, from its checkpoint storage "
+     "('fp32' stays fp32; 'bf16', 'fp8', 'fp4' are held in BF16)")
+    if dtype not in ('fp32', *WEIGHT_FMTS):
+        raise ValueError(f"master_dtype: {dtype!r} is not a checkpoint dtype")
     return torch.float32 if dtype == 'fp32' else torch.bfloat16
 
 class Weight(nn.Module):
@@ -92,7 +100,8 @@ class Norm(RMSNorm):
     "RMSNorm (`dsv41_nb.compressor.rms_norm`) with a BF16 master weight"
     def __init__(self, dim: int, eps: float, device=None):
         nn.Module.__init__(self)
-        self.eps, self.weight = eps, nn.Parameter(torch.empty(dim, dtype=torch.bfloat16, device=device))
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.bfloat16, device=device))
 
 # %% ../nbs/10_model.ipynb #094557ca
 def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -100,18 +109,22 @@ def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype) + (x - x.detach())
 
 def act_qdq(x: torch.Tensor) -> torch.Tensor:
-    "x through FP8 E4M3 with one UE8M0 scale per 32 (the public `act_quant`; also the window KV as stored), in x's dtype"
+    ("x through FP8 E4M3 with one UE8M0 scale per 32 "
+     "(the public `act_quant`; also the window KV as stored), in x's dtype")
     return ste(x, fp8_qdq(x.detach()))
 
 def weight_qdq(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    "w (out, in) on its checkpoint grid: 'fp8' E4M3 with a UE8M0 scale per 32x32 block, 'fp4' MXFP4 per 32 along K"
-    if fmt not in ('fp8', 'fp4'): raise ValueError(f"weight_qdq: fmt {fmt!r}; expected 'fp8' or 'fp4'")
+    ("w (out, in) on its checkpoint grid: "
+     "'fp8' E4M3 with a UE8M0 scale per 32x32 block, 'fp4' MXFP4 per 32 along K")
+    if fmt not in ('fp8', 'fp4'):
+        raise ValueError(f"weight_qdq: fmt {fmt!r}; expected 'fp8' or 'fp4'")
     q = quantize_weight(w.detach()[None], 'mxfp4' if fmt == 'fp4' else 'fp8').dequantize()[0]
     return ste(w, q)
 
 def ds_fp4_qdq(x: torch.Tensor) -> torch.Tensor:
     "x through DS-FP4 (E2M1, an E4M3 scale per 16): the compressed KV as its cache stores it"
-    return ste(x, dequantize_fp4(*quantize_fp4(x.detach().to(torch.bfloat16), 16, 'e4m3'), 16, 'e4m3'))
+    return ste(x, dequantize_fp4(*quantize_fp4(x.detach().to(torch.bfloat16), 16, 'e4m3'),
+                                 16, 'e4m3'))
 
 def mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
     "x through MXFP4 (E2M1, a UE8M0 scale per 32): index keys and index queries"
@@ -122,9 +135,11 @@ class Linear(nn.Module):
     "A checkpoint linear: a master `weight` (out, in) and the format `fmt` the checkpoint stores it in"
     def __init__(self, in_features: int, out_features: int, fmt: str, device=None):
         super().__init__()
-        if fmt not in WEIGHT_FMTS: raise ValueError(f"Linear: fmt {fmt!r}; expected one of {WEIGHT_FMTS}")
+        if fmt not in WEIGHT_FMTS:
+            raise ValueError(f"Linear: fmt {fmt!r}; expected one of {WEIGHT_FMTS}")
         self.fmt = fmt
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16, device=device))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.bfloat16,
+                                               device=device))
         self.register_buffer('_grid', None, persistent=False)
         self._grid_key = None
 
@@ -137,7 +152,8 @@ class Linear(nn.Module):
         if w.requires_grad and torch.is_grad_enabled(): return weight_qdq(w, self.fmt)
         key = (w.data_ptr(), w._version, w.device)
         if self._grid is None or self._grid_key != key:
-            self._grid, self._grid_key = weight_qdq(w.detach(), self.fmt), key   # a buffer: it follows `.to()`
+            # a buffer: it follows `.to()`
+            self._grid, self._grid_key = weight_qdq(w.detach(), self.fmt), key
         return self._grid
 
     def forward(self, x: torch.Tensor,   # (..., in)
@@ -158,13 +174,16 @@ class DenseCompressor(nn.Module):
         self.norm = Norm(cfg.head_dim, cfg.norm_eps, device)
 
 class DenseIndexer(nn.Module):
-    "An index source's indexer weights: `wq_b`, `weights_proj`, and `wk`, `k_norm` where the layer makes index keys"
+    ("An index source's indexer weights: `wq_b`, `weights_proj`, "
+     "and `wk`, `k_norm` where the layer makes index keys")
     def __init__(self, cfg: ModelConfig, layer: int, device=None):
         super().__init__()
         info = layer_topology(cfg)[layer]
-        self.layer, self.ratio, self.kv_source, self.topk = layer, info.ratio, info.kv_source, cfg.index_topk
-        self.n_heads, self.head_dim, self.candidates = cfg.index_n_heads, cfg.index_head_dim, info.candidates
-        self.candidate_source, self.candidate_blocks = cfg.candidate_source_layer, cfg.candidate_topk_blocks
+        self.layer, self.ratio, self.kv_source = layer, info.ratio, info.kv_source
+        self.topk, self.candidates = cfg.index_topk, info.candidates
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.candidate_source = cfg.candidate_source_layer
+        self.candidate_blocks = cfg.candidate_topk_blocks
         self.candidate_block_size = cfg.candidate_block_size
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, cfg.dtype, device)
         self.weights_proj = Linear(cfg.dim, self.n_heads, 'bf16', device)
@@ -178,17 +197,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, device=None):
         super().__init__()
         self.info = layer_topology(cfg)[layer]
-        self.layer, self.role, self.ratio, self.window = layer, self.info.role, self.info.ratio, cfg.window_size
+        self.layer, self.role = layer, self.info.role
+        self.ratio, self.window = self.info.ratio, cfg.window_size
         H, D, G, R, lin = cfg.n_heads, cfg.head_dim, cfg.o_groups, cfg.o_lora_rank, cfg.dtype
         self.n_heads, self.head_dim, self.n_groups, self.scale = H, D, G, D ** -0.5
-        self.wq_a, self.q_norm = Linear(cfg.dim, cfg.q_lora_rank, lin, device), Norm(cfg.q_lora_rank, cfg.norm_eps, device)
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, lin, device)
+        self.q_norm = Norm(cfg.q_lora_rank, cfg.norm_eps, device)
         self.wq_b = Linear(cfg.q_lora_rank, H * D, lin, device)
         self.wkv, self.kv_norm = Linear(cfg.dim, D, lin, device), Norm(D, cfg.norm_eps, device)
-        self.wo_a = Linear(H * D // G, G * R, lin, device)        # (G*R, H*D/G): one block per group
+        self.wo_a = Linear(H * D // G, G * R, lin, device)  # (G*R, H*D/G): one block per group
         self.wo_b = Linear(G * R, cfg.dim, lin, device)
         self.attn_sink = nn.Parameter(torch.empty(H, device=device))
         self.compressor = DenseCompressor(cfg, layer, device) if self.role == 'Full' else None
-        self.indexer = DenseIndexer(cfg, layer, device) if self.role in ('Full', 'Reindex') else None
+        self.indexer = (DenseIndexer(cfg, layer, device) if self.role in ('Full', 'Reindex')
+                        else None)
 
     def extra_repr(self): return f"layer {self.layer}, {self.role}, ratio {self.ratio}"
 
@@ -203,8 +225,15 @@ class Expert(nn.Module):
         self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, fmt, device)
 
 class Router(nn.Module):
-    "The MoE `gate`: `weight` (BF16), selection `bias` and, with a vision tower, `bias_vl` (fp32); calls `route`"
-    def __init__(self, n_experts: int, dim: int, n_activated: int, route_scale: float, vision: bool, device=None):
+    ("The MoE `gate`: `weight` (BF16), selection `bias` "
+     "and, with a vision tower, `bias_vl` (fp32); calls `route`")
+    def __init__(self,
+                 n_experts: int,      # routed experts
+                 dim: int,            # model width
+                 n_activated: int,    # experts each token is routed to
+                 route_scale: float,  # scale of the routing weights
+                 vision: bool,        # with a vision tower: a `bias_vl` for image tokens too
+                 device=None):
         super().__init__()
         self.n_activated, self.route_scale = n_activated, route_scale
         self.weight = nn.Parameter(torch.empty(n_experts, dim, dtype=torch.bfloat16, device=device))
@@ -214,7 +243,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple:
         "(weights, expert ids), each (tokens, n_activated), of x (tokens, dim)"
         mask = image_mask if self.bias_vl is not None else None
-        return route(x, self.weight, self.bias, self.n_activated, self.route_scale, self.bias_vl, mask)
+        return route(x, self.weight, self.bias, self.n_activated, self.route_scale,
+                     self.bias_vl, mask)
 
 class MoE(nn.Module):
     "Router, routed experts and the shared expert of one block"
@@ -223,8 +253,10 @@ class MoE(nn.Module):
         drafter = layer >= cfg.n_layers
         n = cfg.dspark_n_routed_experts if drafter else cfg.n_routed_experts
         k = cfg.dspark_n_activated_experts if drafter else cfg.n_activated_experts
-        self.gate = Router(n, cfg.dim, k, cfg.route_scale, bool(cfg.vision_n_layers) and not drafter, device)
-        self.experts = nn.ModuleList(Expert(cfg, cfg.expert_dtype or cfg.dtype, device) for _ in range(n))
+        vision = bool(cfg.vision_n_layers) and not drafter
+        self.gate = Router(n, cfg.dim, k, cfg.route_scale, vision, device)
+        fmt = cfg.expert_dtype or cfg.dtype
+        self.experts = nn.ModuleList(Expert(cfg, fmt, device) for _ in range(n))
         self.shared_experts = Expert(cfg, cfg.dtype, device)
 
 # %% ../nbs/10_model.ipynb #f5bb112d
@@ -232,12 +264,16 @@ class DenseEngram(nn.Module):
     "An Engram module's weights: table `embed`, `wkv`, `q_weight`, `k_weight`"
     def __init__(self, cfg: ModelConfig, layer: int, device=None):
         super().__init__()
-        self.index, self.hc, self.dim, self.eps = cfg.engram_layer_ids.index(layer), cfg.hc_mult, cfg.dim, cfg.norm_eps
-        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads                  # rows gathered per token
-        self.embed = Weight(cfg.engram_num_embeddings[self.index], cfg.engram_head_dim, device=device)
-        self.wkv = Linear(cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), cfg.dtype, device)
-        self.q_weight, self.k_weight = (nn.Parameter(torch.empty(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=device))
-                                        for _ in range(2))
+        self.index, self.hc = cfg.engram_layer_ids.index(layer), cfg.hc_mult
+        self.dim, self.eps = cfg.dim, cfg.norm_eps
+        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads  # rows gathered per token
+        self.embed = Weight(cfg.engram_num_embeddings[self.index], cfg.engram_head_dim,
+                            device=device)
+        self.wkv = Linear(cols * cfg.engram_head_dim, cfg.dim * (cfg.hc_mult + 1), cfg.dtype,
+                          device)
+        self.q_weight, self.k_weight = (
+            nn.Parameter(torch.empty(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=device))
+            for _ in range(2))
 
 class Block(nn.Module):
     "One block: mHC coefficients, pre-norms, attention, MoE, and the Engram module in front of it (if any)"
@@ -249,72 +285,85 @@ class Block(nn.Module):
             setattr(self, f'hc_{sub}_fn', f32((2 + n) * n, n * cfg.dim))
             setattr(self, f'hc_{sub}_base', f32((2 + n) * n))
             setattr(self, f'hc_{sub}_scale', f32(3))
-        self.attn_norm, self.ffn_norm = Norm(cfg.dim, cfg.norm_eps, device), Norm(cfg.dim, cfg.norm_eps, device)
+        self.attn_norm = Norm(cfg.dim, cfg.norm_eps, device)
+        self.ffn_norm = Norm(cfg.dim, cfg.norm_eps, device)
         self.attn, self.ffn = Attention(cfg, layer, device), MoE(cfg, layer, device)
         self.engram = DenseEngram(cfg, layer, device) if layer in cfg.engram_layer_ids else None
 
 class DrafterBlock(Block):
-    "DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): a window-only block plus the drafter's input and heads"
+    ("DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): "
+     "a window-only block plus the drafter's input and heads")
     def __init__(self, cfg: ModelConfig, k: int, device=None):
         super().__init__(cfg, cfg.n_layers + k, device)
         if k == 0:
-            self.main_proj = Linear(cfg.dim * len(cfg.dspark_target_layer_ids), cfg.dim, cfg.dtype, device)
+            taps = len(cfg.dspark_target_layer_ids)
+            self.main_proj = Linear(cfg.dim * taps, cfg.dim, cfg.dtype, device)
             self.main_norm = Norm(cfg.dim, cfg.norm_eps, device)
         if k == cfg.n_mtp_layers - 1:
             self.norm, rank = Norm(cfg.dim, cfg.norm_eps, device), cfg.dspark_markov_rank
             self.markov_head = nn.ModuleDict(dict(embed=Weight(cfg.vocab_size, rank, device=device),
                                                   head=Weight(cfg.vocab_size, rank, device=device)))
-            self.confidence_head = nn.ModuleDict(dict(proj=Weight(1, cfg.dim + rank, device=device)))
+            proj = Weight(1, cfg.dim + rank, device=device)
+            self.confidence_head = nn.ModuleDict(dict(proj=proj))
 
 # %% ../nbs/10_model.ipynb #95f00da5
 class Transformer(nn.Module):
     "DeepSeek-V4.1 on the reference path: embedding, blocks, final norm, LM head; drafter blocks under `mtp`"
     def __init__(self, cfg: ModelConfig,
                  engram_map: torch.Tensor | None = None,  # (vocab_size,) token id -> Engram compressed id
-                 max_seq_len: int | None = None,          # longest sequence `forward` accepts (default: the YaRN context)
+                 # longest sequence `forward` accepts (default: the YaRN context)
+                 max_seq_len: int | None = None,
                  device=None):                            # where to allocate ('meta': nowhere)
         super().__init__()
         self.cfg = expect_config(cfg, 'Transformer')
         context = cfg.original_seq_len * int(cfg.rope_factor)
-        self.max_seq_len = check_int('Transformer', 'max_seq_len', context if max_seq_len is None else max_seq_len, 1)
+        self.max_seq_len = check_int('Transformer', 'max_seq_len',
+                                     context if max_seq_len is None else max_seq_len, 1)
         self.embed = Weight(cfg.vocab_size, cfg.dim, device=device)
         self.layers = nn.ModuleList(Block(cfg, l, device) for l in range(cfg.n_layers))
         self.norm = Norm(cfg.dim, cfg.norm_eps, device)
         self.head = Weight(cfg.vocab_size, cfg.dim, device=device)
         self.mtp = nn.ModuleList(DrafterBlock(cfg, k, device) for k in range(cfg.n_mtp_layers))
-        self.quant = True                                  # round as the checkpoint and the public kernels do
+        self.quant = True  # round as the checkpoint and the public kernels do
         self.hasher = _engram_hasher(cfg, engram_map) if cfg.engram_layer_ids else None
 
 def _engram_hasher(cfg, engram_map):
     "The n-gram hasher over `engram_map` (the byte tokenizer's when None), its shape and range checked"
     emap = ByteTokenizer(cfg).engram_map() if engram_map is None else engram_map
-    if not isinstance(emap, torch.Tensor) or emap.dtype != torch.int64 or emap.shape != (cfg.vocab_size,):
+    if (not isinstance(emap, torch.Tensor) or emap.dtype != torch.int64
+            or emap.shape != (cfg.vocab_size,)):
         raise ValueError(f"engram_map: expected an int64 tensor of shape ({cfg.vocab_size},), got "
-                         f"{getattr(emap, 'dtype', type(emap).__name__)} {tuple(getattr(emap, 'shape', ()))}")
+                         f"{getattr(emap, 'dtype', type(emap).__name__)} "
+                         f"{tuple(getattr(emap, 'shape', ()))}")
     return NgramHasher(cfg, emap, cfg.engram_compressed_vocab_size)
 
 # %% ../nbs/10_model.ipynb #e96c19a5
 def manifest_mismatches(model: nn.Module, cfg: ModelConfig) -> list[str]:
-    "Differences between `model.state_dict()` and the checkpoint manifest (less `.scale`): names, shapes, master dtypes"
+    ("Differences between `model.state_dict()` and the checkpoint manifest (less `.scale`): "
+     "names, shapes, master dtypes")
     want = {s.name: s for s in checkpoint_manifest(cfg) if not s.name.endswith('.scale')}
     have, out = model.state_dict(), []
-    out += [f"missing {n}" for n in want if n not in have] + [f"unexpected {n}" for n in have if n not in want]
+    out += ([f"missing {n}" for n in want if n not in have]
+            + [f"unexpected {n}" for n in have if n not in want])
     for n in want.keys() & have.keys():
         s, t = want[n], have[n]
         if tuple(t.shape) != s.shape: out.append(f"{n}: shape {tuple(t.shape)}, manifest {s.shape}")
-        if t.dtype != master_dtype(s.dtype): out.append(f"{n}: {t.dtype}, master of {s.dtype} is {master_dtype(s.dtype)}")
+        if t.dtype != master_dtype(s.dtype):
+            out.append(f"{n}: {t.dtype}, master of {s.dtype} is {master_dtype(s.dtype)}")
     return sorted(out)
 
 # %% ../nbs/10_model.ipynb #e32605a1
 def _init_std(name: str, shape: tuple, cfg: ModelConfig) -> float | str:
     "The standard deviation of parameter `name`, or 'ones' / 'zeros' / 'hc_base'"
     leaf = name.rsplit('.', 1)[-1]
-    if name.endswith('norm.weight') or leaf in ('q_weight', 'k_weight', 'hc_attn_scale', 'hc_ffn_scale'): return 'ones'
+    scale = leaf in ('q_weight', 'k_weight', 'hc_attn_scale', 'hc_ffn_scale')
+    if name.endswith('norm.weight') or scale: return 'ones'
     if leaf in ('attn_sink', 'bias', 'bias_vl'): return 'zeros'
     if leaf in ('hc_attn_base', 'hc_ffn_base'): return 'hc_base'
     if leaf in ('hc_attn_fn', 'hc_ffn_fn'): return shape[1] ** -0.5
-    if name in ('embed.weight',) or name.endswith(('engram.embed.weight', 'markov_head.embed.weight')): return 1.0
-    residual = name.endswith(('wo_b.weight', 'w2.weight'))            # projections that write into the stream
+    table = name.endswith(('engram.embed.weight', 'markov_head.embed.weight'))
+    if name in ('embed.weight',) or table: return 1.0
+    residual = name.endswith(('wo_b.weight', 'w2.weight'))  # projections that write into the stream
     return shape[-1] ** -0.5 / (math.sqrt(2 * cfg.n_layers) if residual else 1.0)
 
 def init_value(name: str, shape: tuple, cfg: ModelConfig, seed: int, device=None) -> torch.Tensor:
@@ -329,8 +378,14 @@ def init_value(name: str, shape: tuple, cfg: ModelConfig, seed: int, device=None
     return torch.randn(shape, generator=g, device=device) * std
 
 # %% ../nbs/10_model.ipynb #71abf698
-def init_module_(module: nn.Module, prefix: str, cfg: ModelConfig, seed: int, device=None) -> nn.Module:
-    "Allocate `module` on `device` and fill each parameter with `init_value` of its full name (`prefix` + its own)"
+def init_module_(module: nn.Module,  # a module of the model, its parameters anywhere ('meta' too)
+                 prefix: str,        # its name in the model, '' for the model itself
+                 cfg: ModelConfig,
+                 seed: int,          # `init_value`'s seed
+                 device=None,        # where to allocate (default: the CPU)
+                ) -> nn.Module:
+    ("Allocate `module` on `device` and fill each parameter with `init_value` of its full name "
+     "(`prefix` + its own)")
     module.to_empty(device=device or 'cpu')
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -338,7 +393,12 @@ def init_module_(module: nn.Module, prefix: str, cfg: ModelConfig, seed: int, de
             p.copy_(init_value(full, tuple(p.shape), cfg, seed, p.device))
     return module
 
-def init_random(cfg: ModelConfig, seed: int = 0, device=None, engram_map=None, max_seq_len=None) -> Transformer:
+def init_random(cfg: ModelConfig,
+                seed: int = 0,     # seeds each parameter's generator, with its name
+                device=None,       # where to allocate (default: the CPU)
+                engram_map=None,   # passed to `Transformer`
+                max_seq_len=None,  # passed to `Transformer`
+               ) -> Transformer:
     "A `Transformer` of `cfg` with random weights scaled to keep every layer near unit RMS"
     check_int('init_random', 'seed', seed, 0)
     model = Transformer(cfg, engram_map, max_seq_len, device='meta')
@@ -353,10 +413,14 @@ class DenseRun:
     quant: bool                              # round as the checkpoint and the public kernels do
     hashes: torch.Tensor | None = None       # (B, S, engram layers, cols) Engram table rows
     image_mask: torch.Tensor | None = None   # (B, S) bool: image-span tokens
-    compressed: dict = field(default_factory=dict)  # KV source -> (B, L, D) compressed KV, rotated, as stored
-    index_keys: dict = field(default_factory=dict)  # KV source -> (B, L, index_head_dim) index keys
-    topk: dict = field(default_factory=dict)        # index source -> (B, S, L) bool: entries each query attends to
-    pool: dict = field(default_factory=dict)        # candidate source -> (B, S, L) bool: entries in its candidate blocks
+    # KV source -> (B, L, D) compressed KV, rotated, as stored
+    compressed: dict = field(default_factory=dict)
+    # KV source -> (B, L, index_head_dim) index keys
+    index_keys: dict = field(default_factory=dict)
+    # index source -> (B, S, L) bool: entries each query attends to
+    topk: dict = field(default_factory=dict)
+    # candidate source -> (B, S, L) bool: entries in its candidate blocks
+    pool: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
 
     def rope(self, ratio: int, positions=None) -> tuple:
@@ -375,8 +439,8 @@ class DenseRun:
 @patch
 def query(self: Attention, x: torch.Tensor, run: DenseRun) -> tuple:
     "(q (B, S, H, D) rotated, qr (B, S, q_lora_rank)) of normalised inputs x (B, S, dim)"
-    qr = self.q_norm(self.wq_a(x, run.quant))                                     # (B, S, q_lora_rank)
-    q = self.wq_b(qr, run.quant).unflatten(-1, (self.n_heads, self.head_dim))     # (B, S, H, D)
+    qr = self.q_norm(self.wq_a(x, run.quant))                                  # (B, S, q_lora_rank)
+    q = self.wq_b(qr, run.quant).unflatten(-1, (self.n_heads, self.head_dim))  # (B, S, H, D)
     cos, sin = run.rope(self.ratio)
     return apply_rope(q, cos[:, None], sin[:, None]), qr
 
@@ -391,11 +455,13 @@ def window_kv(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
 def compress(self: Attention, x: torch.Tensor, run: DenseRun) -> tuple:
     "(latent (B, L, D) unrotated, kv (B, L, D) rotated at j*ratio and rounded as stored), L = S // ratio"
     c, r, L = self.compressor, self.ratio, x.shape[1] // self.ratio
-    if r == 1: pooled = c.wkv(x)                                                   # (B, S, D), no gate
+    if r == 1: pooled = c.wkv(x)  # (B, S, D), no gate
     else:
         xf = x[:, :L * r].float()
-        kv, score = F.linear(xf, c.wkv.weight.float()), F.linear(xf, c.wgate.weight.float())   # fp32 (B, L*r, D)
-        pooled = pool_group(kv.unflatten(1, (L, r)), score.unflatten(1, (L, r))).to(x.dtype)    # (B, L, D)
+        # fp32 (B, L*r, D)
+        kv, score = F.linear(xf, c.wkv.weight.float()), F.linear(xf, c.wgate.weight.float())
+        # (B, L, D)
+        pooled = pool_group(kv.unflatten(1, (L, r)), score.unflatten(1, (L, r))).to(x.dtype)
     latent = c.norm(pooled)
     rotated = apply_rope(latent, *run.rope(r, torch.arange(L, device=x.device) * r))
     return latent, ds_fp4_qdq(rotated) if run.quant else rotated
@@ -430,34 +496,45 @@ def index_scores(q: torch.Tensor,        # (B, S, heads, head_dim) index queries
 def select_topk(scores: torch.Tensor,        # (..., S, L) fp32, -inf where not visible
                 visible: torch.Tensor,       # (S,) entries each query sees (a prefix of its row)
                 k: int,                      # entries to keep
-                pool: torch.Tensor | None = None,  # (..., S, L) bool: score only inside it (select-all ignores it)
+                # (..., S, L) bool: score only inside it (select-all ignores it)
+                pool: torch.Tensor | None = None,
                ) -> torch.Tensor:            # (..., S, L) bool
     "Each query's top k visible entries (ties to the lower entry), or all of them when it sees at most k"
     L = scores.shape[-1]
     if pool is not None: scores = scores.masked_fill(~pool, -torch.inf)
     order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    picked = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True) & (scores > -torch.inf)
+    picked = (torch.zeros_like(scores, dtype=torch.bool).scatter(-1, order, True)
+              & (scores > -torch.inf))
     every = torch.arange(L, device=scores.device) < visible[:, None]              # (S, L)
     return torch.where((visible <= k)[:, None], every, picked)
 
-def candidate_pool_mask(scores: torch.Tensor, visible: torch.Tensor, n_blocks: int, block_size: int) -> torch.Tensor:
-    "(..., S, L) bool: the entries of each query's `n_blocks` best blocks (best entry per block, the newest pinned)"
+def candidate_pool_mask(scores: torch.Tensor,   # (..., S, L) fp32, -inf where not visible
+                        visible: torch.Tensor,  # (S,) entries each query sees (a prefix of its row)
+                        n_blocks: int,          # blocks to keep
+                        block_size: int,        # entries per block
+                       ) -> torch.Tensor:
+    ("(..., S, L) bool: the entries of each query's `n_blocks` best blocks "
+     "(best entry per block, the newest pinned)")
     L = scores.shape[-1]
     nb = -(-L // block_size)
-    best = F.pad(scores, (0, nb * block_size - L), value=-torch.inf).unflatten(-1, (nb, block_size)).amax(-1)
-    newest = (torch.arange(nb, device=scores.device) == ((visible - 1) // block_size)[:, None]) & (visible > 0)[:, None]
-    keep = select_topk(best.masked_fill(newest, torch.inf), (visible + block_size - 1) // block_size, n_blocks)
+    best = (F.pad(scores, (0, nb * block_size - L), value=-torch.inf)
+            .unflatten(-1, (nb, block_size)).amax(-1))
+    newest = ((torch.arange(nb, device=scores.device) == ((visible - 1) // block_size)[:, None])
+              & (visible > 0)[:, None])
+    keep = select_topk(best.masked_fill(newest, torch.inf),
+                       (visible + block_size - 1) // block_size, n_blocks)
     return keep.repeat_interleave(block_size, -1)[..., :L]
 
 # %% ../nbs/10_model.ipynb #18fc8bdc
 @patch
 def forward(self: DenseIndexer, x: torch.Tensor, qr: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, L) bool selected entries; publishes the candidate pool if this layer is the candidate source"
-    scores = index_scores(*self.queries(x, qr, run), run.index_keys[self.kv_source], run.visible(self.ratio))
+    scores = index_scores(*self.queries(x, qr, run), run.index_keys[self.kv_source],
+                          run.visible(self.ratio))
     pool = run.pool[self.candidate_source] if self.candidates == 'filtered' else None
     if self.candidates == 'source':
-        run.pool[self.layer] = candidate_pool_mask(scores, run.visible(self.ratio), self.candidate_blocks,
-                                                   self.candidate_block_size)
+        run.pool[self.layer] = candidate_pool_mask(
+            scores, run.visible(self.ratio), self.candidate_blocks, self.candidate_block_size)
     return select_topk(scores, run.visible(self.ratio), self.topk, pool)
 
 # %% ../nbs/10_model.ipynb #babfde27
@@ -479,7 +556,8 @@ def dense_attention(q: torch.Tensor,        # (B, S, H, D) queries
     "Softmax attention over the allowed latents, exp(sink) added to each head's denominator, in fp32"
     s = torch.einsum('bshd,bnd->bshn', q.float(), keys.float()) * scale               # (B, S, H, N)
     s = s.masked_fill(~allowed[:, :, None, :], -torch.inf)
-    lse = torch.logsumexp(torch.cat([s, sink.float().expand(*s.shape[:-1])[..., None]], -1), -1, keepdim=True)
+    sinks = sink.float().expand(*s.shape[:-1])[..., None]
+    lse = torch.logsumexp(torch.cat([s, sinks], -1), -1, keepdim=True)
     return torch.einsum('bshn,bnd->bshd', torch.exp(s - lse), keys.float()).to(q.dtype)
 
 # %% ../nbs/10_model.ipynb #13d5b8bd
@@ -487,9 +565,11 @@ def dense_attention(q: torch.Tensor,        # (B, S, H, D) queries
 def project_out(self: Attention, o: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, dim): inverse RoPE on the attention output o (B, S, H, D), grouped wo_a, wo_b"
     cos, sin = run.rope(self.ratio)
-    o = apply_rope(o, cos[:, None], sin[:, None], inverse=True).flatten(2).unflatten(2, (self.n_groups, -1))  # (B, S, G, H*D/G)
+    o = apply_rope(o, cos[:, None], sin[:, None], inverse=True)
+    o = o.flatten(2).unflatten(2, (self.n_groups, -1))                 # (B, S, G, H*D/G)
     wo_a = self.wo_a.grid_weight() if run.quant else self.wo_a.weight
-    o = torch.einsum('bsgi,gri->bsgr', o, wo_a.to(o.dtype).unflatten(0, (self.n_groups, -1)))               # (B, S, G, R)
+    w = wo_a.to(o.dtype).unflatten(0, (self.n_groups, -1))             # (G, R, H*D/G)
+    o = torch.einsum('bsgi,gri->bsgr', o, w)                            # (B, S, G, R)
     return self.wo_b(o.flatten(2), run.quant)
 
 @patch
@@ -498,7 +578,8 @@ def forward(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     S = x.shape[1]
     q, qr = self.query(x, run)
     keys, p = self.window_kv(x, run), run.positions
-    allowed = ((p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - self.window)).expand(x.shape[0], S, S)
+    causal, near = p[None, :] <= p[:, None], p[None, :] > p[:, None] - self.window
+    allowed = (causal & near).expand(x.shape[0], S, S)
     if self.ratio:
         compressed, chosen = self.select(x, qr, run)
         keys, allowed = torch.cat([keys, compressed], 1), torch.cat([allowed, chosen], 2)
@@ -506,34 +587,43 @@ def forward(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
 
 # %% ../nbs/10_model.ipynb #55c82461
 @patch
-def forward(self: Expert, x: torch.Tensor, quant: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
-    "(n, dim): the expert on x (n, dim), already on the FP8 grid with `quant`; routing `weights` (n, 1) scale h before w2"
-    gate, up = self.w1(x, quant, act=False).float(), self.w3(x, quant, act=False).float()   # (n, inter)
-    if self.swiglu_limit > 0: gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+def forward(self: Expert,
+            x: torch.Tensor,                      # (n, dim), already on the FP8 grid with `quant`
+            quant: bool,                          # round the weights to their checkpoint grid
+            weights: torch.Tensor | None = None,  # (n, 1) routing weights, scaling h before w2
+           ) -> torch.Tensor:
+    ("(n, dim): the expert on x (n, dim), already on the FP8 grid with `quant`; "
+     "routing `weights` (n, 1) scale h before w2")
+    # (n, inter)
+    gate, up = self.w1(x, quant, act=False).float(), self.w3(x, quant, act=False).float()
+    lim = self.swiglu_limit
+    if lim > 0: gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
     h = F.silu(gate) * up
     return self.w2((h if weights is None else weights * h).to(x.dtype), quant)
 
 @patch
 def forward(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, dim): routed experts and the shared expert on normalised inputs x (B, S, dim)"
-    xf = x.flatten(0, 1)                                                              # (T, dim)
+    xf = x.flatten(0, 1)                                  # (T, dim)
     weights, ids = self.gate(xf, None if run.image_mask is None else run.image_mask.flatten())
-    xq = act_qdq(xf) if run.quant else xf                                             # rounded once for every expert
-    y = torch.zeros(xf.shape, device=x.device)                                         # fp32 accumulator
+    xq = act_qdq(xf) if run.quant else xf                 # rounded once for every expert
+    y = torch.zeros(xf.shape, device=x.device)            # fp32 accumulator
     for e in ids.unique().tolist():
         rows, slot = torch.where(ids == e)
-        y = y.index_add(0, rows, self.experts[e](xq[rows], run.quant, weights[rows, slot, None]).float())
+        y = y.index_add(0, rows,
+                        self.experts[e](xq[rows], run.quant, weights[rows, slot, None]).float())
     return (y + self.shared_experts(xq, run.quant).float()).to(x.dtype).view_as(x)
 
 # %% ../nbs/10_model.ipynb #71dda425
 @patch
 def forward(self: DenseEngram, h: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, hc, dim): the residual copies h after the gated add of this module's n-gram memory"
-    rows = F.embedding(run.hashes[:, :, self.index], self.embed.weight)        # (B, S, cols, head_dim)
-    rows = act_qdq(rows) if run.quant else rows                                # the table's FP8 rows
-    kv = self.wkv(rows.flatten(-2).to(h.dtype), run.quant)                     # (B, S, (hc+1) * dim)
+    rows = F.embedding(run.hashes[:, :, self.index], self.embed.weight)  # (B, S, cols, head_dim)
+    rows = act_qdq(rows) if run.quant else rows                          # the table's FP8 rows
+    kv = self.wkv(rows.flatten(-2).to(h.dtype), run.quant)               # (B, S, (hc+1) * dim)
     key, value = kv.split([self.hc * self.dim, self.dim], -1)
-    gate = engram_gate(h, key.float().unflatten(-1, (self.hc, self.dim)), self.q_weight, self.k_weight, self.eps)
+    gate = engram_gate(h, key.float().unflatten(-1, (self.hc, self.dim)),
+                       self.q_weight, self.k_weight, self.eps)
     mask = None if run.image_mask is None else ~run.image_mask
     return engram_update(h, gate, value, mask)
 
@@ -541,14 +631,17 @@ def forward(self: DenseEngram, h: torch.Tensor, run: DenseRun) -> torch.Tensor:
 @patch
 def coefficients(self: Block, x: torch.Tensor, sub: str) -> tuple:
     "(pre, post, comb) of sublayer `sub` ('attn' or 'ffn') predicted from the copies x (T, hc, dim)"
-    c, fn, scale, base = self.cfg, *(getattr(self, f'hc_{sub}_{p}') for p in ('fn', 'scale', 'base'))
-    return hc_split(hc_mixes(x, fn, c.norm_eps), scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
+    c = self.cfg
+    fn, scale, base = (getattr(self, f'hc_{sub}_{p}') for p in ('fn', 'scale', 'base'))
+    return hc_split(hc_mixes(x, fn, c.norm_eps), scale, base,
+                    c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
 
 @patch
 def forward(self: Block, h: torch.Tensor, pre: torch.Tensor, run: DenseRun) -> tuple:
-    "(copies after the block (B, S, hc, dim), the next sublayer's input mix (B, S, hc)) from copies h and mix pre"
+    ("(copies after the block (B, S, hc, dim), the next sublayer's input mix (B, S, hc)) "
+     "from copies h and mix pre")
     B, S, n, d = h.shape
-    x, pre = h.flatten(0, 1), pre.flatten(0, 1)                                       # (T, hc, dim), (T, hc)
+    x, pre = h.flatten(0, 1), pre.flatten(0, 1)                     # (T, hc, dim), (T, hc)
     for sub, norm, layer in (('attn', self.attn_norm, self.attn), ('ffn', self.ffn_norm, self.ffn)):
         nxt, post, comb = self.coefficients(x, sub)
         y = _rms_norm(hc_pre(x, pre), norm.weight, self.cfg.norm_eps)                   # (T, dim)
@@ -561,15 +654,21 @@ def forward(self: Block, h: torch.Tensor, pre: torch.Tensor, run: DenseRun) -> t
 def check_ids(self: Transformer, input_ids) -> torch.Tensor:
     "`input_ids` if it is an int64 (batch, seq) tensor of token ids this model accepts; else a clear error"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:
-        raise TypeError(f"input_ids: expected an int64 tensor (batch, seq), got {getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+        raise TypeError(f"input_ids: expected an int64 tensor (batch, seq), got "
+                        f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
     if input_ids.ndim != 2 or 0 in input_ids.shape:
-        raise ValueError(f"input_ids: expected a non-empty (batch, seq) tensor, got shape {tuple(input_ids.shape)}")
+        raise ValueError(f"input_ids: expected a non-empty (batch, seq) tensor, "
+                         f"got shape {tuple(input_ids.shape)}")
     if input_ids.shape[1] > self.max_seq_len:
-        raise ValueError(f"input_ids: {input_ids.shape[1]} tokens exceed max_seq_len = {self.max_seq_len}")
+        raise ValueError(f"input_ids: {input_ids.shape[1]} tokens exceed "
+                         f"max_seq_len = {self.max_seq_len}")
     if input_ids.device != self.embed.weight.device:
-        raise ValueError(f"input_ids are on {input_ids.device}, the model on {self.embed.weight.device}")
+        raise ValueError(f"input_ids are on {input_ids.device}, "
+                         f"the model on {self.embed.weight.device}")
     bad = input_ids[(input_ids < 0) | (input_ids >= self.cfg.vocab_size)]
-    if bad.numel(): raise ValueError(f"input_ids: id {bad[0].item()} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+    if bad.numel():
+        raise ValueError(f"input_ids: id {bad[0].item()} is outside the vocabulary "
+                         f"0..{self.cfg.vocab_size - 1}")
     return input_ids
 
 @patch
@@ -588,7 +687,13 @@ def embed_tokens(self: Transformer, input_ids: torch.Tensor) -> tuple:
 
 # %% ../nbs/10_model.ipynb #a0b3dcae
 @patch
-def run_layer(self: Transformer, i: int, h: torch.Tensor, pre: torch.Tensor, run: DenseRun, taps: list | None = None) -> tuple:
+def run_layer(self: Transformer,
+              i: int,                    # the layer
+              h: torch.Tensor,           # (B, S, hc, dim) residual copies
+              pre: torch.Tensor,         # (B, S, hc) the input mix of its first sublayer
+              run: DenseRun,             # what the layers hand up
+              taps: list | None = None,  # gets the DSpark tap where layer i is one
+             ) -> tuple:
     "Layer i on copies h (B, S, hc, dim): its Engram module, the DSpark tap (appended to `taps`), the block"
     layer = self.layers[i]
     if layer.engram is not None: h = layer.engram(h, run)
@@ -599,14 +704,17 @@ def run_layer(self: Transformer, i: int, h: torch.Tensor, pre: torch.Tensor, run
 def logits(self: Transformer, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     "(B, S, vocab) fp32 logits: copies collapsed with the last input mix, final RMSNorm, LM head"
     B, S = h.shape[:2]
-    y = _rms_norm(hc_pre(h.flatten(0, 1), pre.flatten(0, 1)), self.norm.weight, self.cfg.norm_eps)   # (T, dim)
+    # (T, dim)
+    y = _rms_norm(hc_pre(h.flatten(0, 1), pre.flatten(0, 1)), self.norm.weight, self.cfg.norm_eps)
     return F.linear(y.float(), self.head.weight.float()).view(B, S, -1)
 
 @patch
-def forward(self: Transformer, input_ids: torch.Tensor,   # (B, S) int64 token ids, positions 0 .. S-1
-            return_hidden: bool = False,                  # also return the drafter's input
-           ):                                              # logits (B, S, vocab) fp32 [, hidden (B, S, dim * taps)]
-    "Logits of every position; with `return_hidden`, also the averaged streams entering `dspark_target_layer_ids`, concatenated"
+def forward(self: Transformer,
+            input_ids: torch.Tensor,      # (B, S) int64 token ids, positions 0 .. S-1
+            return_hidden: bool = False,  # also return the drafter's input
+           ):                             # logits (B, S, vocab) fp32 [, hidden (B, S, dim * taps)]
+    ("Logits of every position; with `return_hidden`, "
+     "also the averaged streams entering `dspark_target_layer_ids`, concatenated")
     h, pre, run = self.embed_tokens(input_ids)
     taps = []
     for i in range(self.cfg.n_layers): h, pre = self.run_layer(i, h, pre, run, taps)
@@ -617,20 +725,25 @@ def forward(self: Transformer, input_ids: torch.Tensor,   # (B, S) int64 token i
 def layer_rms(model: Transformer, input_ids: torch.Tensor) -> list[float]:
     "RMS of the residual copies leaving each backbone layer (no gradients)"
     out = []
-    hooks = [l.register_forward_hook(lambda mod, inp, o: out.append(o[0].float().square().mean().sqrt().item()))
-             for l in model.layers]
+    def record(mod, inp, o): out.append(o[0].float().square().mean().sqrt().item())
+    hooks = [l.register_forward_hook(record) for l in model.layers]
     try:
         with torch.no_grad(): model(input_ids)
     finally:
         for hk in hooks: hk.remove()
     return out
 
-def streamed_layer_rms(cfg: ModelConfig, input_ids: torch.Tensor, seed: int = 0, device=None,
-                       timings: list | None = None,   # gets (seconds to initialise, seconds to run) per layer
+def streamed_layer_rms(cfg: ModelConfig,
+                       input_ids: torch.Tensor,
+                       seed: int = 0,
+                       device=None,
+                       # gets (seconds to initialise, seconds to run) per layer
+                       timings: list | None = None,
                       ) -> list[float]:
     "`layer_rms` of `init_random(cfg, seed)`, holding one layer's weights at a time on `device`"
     model = Transformer(cfg, device='meta')
-    for name in ('embed', 'norm', 'head'): init_module_(getattr(model, name), name, cfg, seed, device)
+    for name in ('embed', 'norm', 'head'):
+        init_module_(getattr(model, name), name, cfg, seed, device)
     cuda = torch.device(device or 'cpu').type == 'cuda'
     now = lambda: (torch.cuda.synchronize() if cuda else None, time.perf_counter())[1]
     out = []
@@ -641,16 +754,18 @@ def streamed_layer_rms(cfg: ModelConfig, input_ids: torch.Tensor, seed: int = 0,
             h, pre = model.run_layer(i, h, pre, run)
             out.append(h.float().square().mean().sqrt().item())
             if timings is not None: timings.append((t1 - t0, now() - t1))
-            layer.to('meta')                                                         # free this layer's weights
+            layer.to('meta')  # free this layer's weights
     return out
 
 # %% ../nbs/10_model.ipynb #1cbcaad3
 @torch.no_grad()
 def generate_greedy(model: Transformer, ids, n: int):
-    "`ids` (a list of ints, or an int64 (batch, seq) tensor) followed by `n` greedily chosen tokens, in the same form"
+    ("`ids` (a list of ints, or an int64 (batch, seq) tensor) "
+     "followed by `n` greedily chosen tokens, in the same form")
     check_int('generate_greedy', 'n', n, 0)
     as_list = not isinstance(ids, torch.Tensor)
-    x = torch.tensor([list(ids)], dtype=torch.int64, device=model.embed.weight.device) if as_list else ids
+    x = (torch.tensor([list(ids)], dtype=torch.int64, device=model.embed.weight.device) if as_list
+         else ids)
     model.check_ids(x)
     for _ in range(n): x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], 1)
     return x[0].tolist() if as_list else x

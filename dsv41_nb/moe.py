@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
 from .config import ModelConfig
-from .formats import quantize_fp8, dequantize_fp8, quantize_fp4, dequantize_fp4, e4m3_values, ue8m0_values
+from .formats import (quantize_fp8, dequantize_fp8, quantize_fp4, dequantize_fp4,
+                              e4m3_values, ue8m0_values)
 
 # %% auto #0
 __all__ = ['WEIGHT_FORMATS', 'check_route_args', 'route', 'QuantWeight', 'quantize_weight', 'MoEWeights', 'fp8_qdq',
@@ -22,7 +23,8 @@ def _check_x(x, dim: int, name: str = 'x'):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = getattr(x, 'dtype', type(x).__name__)
         raise TypeError(f"{name}: expected a floating-point tensor (tokens, {dim}), got {got}")
-    if x.ndim != 2 or x.shape[1] != dim: raise ValueError(f"{name}: expected shape (tokens, {dim}), got {_shape(x)}")
+    if x.ndim != 2 or x.shape[1] != dim:
+        raise ValueError(f"{name}: expected shape (tokens, {dim}), got {_shape(x)}")
 
 def _check_vector(v, n: int, name: str):
     if not isinstance(v, torch.Tensor) or v.shape != (n,) or not v.is_floating_point():
@@ -38,25 +40,30 @@ def check_route_args(x, gate_weight, bias, n_activated, bias_image=None, image_m
     if not isinstance(n_activated, int) or not 1 <= n_activated <= E:
         raise ValueError(f"n_activated = {n_activated!r}; expected an int in 1..{E}")
     if bias_image is not None: _check_vector(bias_image, E, 'bias_image')
-    if image_mask is not None and (not isinstance(image_mask, torch.Tensor) or image_mask.dtype != torch.bool
+    if image_mask is not None and (not isinstance(image_mask, torch.Tensor)
+                                   or image_mask.dtype != torch.bool
                                    or image_mask.shape != (x.shape[0],)):
-        raise ValueError(f"image_mask: expected a bool tensor of shape ({x.shape[0]},), got {_shape(image_mask)}")
+        raise ValueError(f"image_mask: expected a bool tensor of shape ({x.shape[0]},), "
+                         f"got {_shape(image_mask)}")
 
+# %% ../nbs/08_moe.ipynb #a813b021
 def route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
           gate_weight: torch.Tensor,  # (n_experts, dim) router weight (BF16 in the checkpoint)
           bias: torch.Tensor,  # (n_experts,) fp32 selection bias: picks experts, never weights them
           n_activated: int,  # experts per token (6; 3 in the DSpark drafter)
           route_scale: float,  # the normalised weights are multiplied by this (1.5)
-          bias_image: torch.Tensor | None = None,  # (n_experts,) selection bias of image-span tokens
+          # (n_experts,) selection bias of image-span tokens
+          bias_image: torch.Tensor | None = None,
           image_mask: torch.Tensor | None = None,  # (tokens,) bool, True inside an image span
          ) -> tuple[torch.Tensor, torch.Tensor]:
     "Routing weights (tokens, k) fp32 and expert ids (tokens, k) int64: top-k of sqrt(softplus(x Wᵀ)) + bias"
     check_route_args(x, gate_weight, bias, n_activated, bias_image, image_mask)
-    scores = F.softplus(x.float() @ gate_weight.float().T).sqrt()              # (tokens, n_experts) fp32
+    scores = F.softplus(x.float() @ gate_weight.float().T).sqrt()  # (tokens, n_experts) fp32
     if bias_image is not None and image_mask is not None:
-        bias = torch.where(image_mask[:, None], bias_image.float(), bias.float())  # (tokens, n_experts)
-    ids = (scores + bias).topk(n_activated, dim=-1).indices                     # (tokens, k)
-    weights = scores.gather(1, ids)                                              # the unbiased scores
+        # (tokens, n_experts)
+        bias = torch.where(image_mask[:, None], bias_image.float(), bias.float())
+    ids = (scores + bias).topk(n_activated, dim=-1).indices        # (tokens, k)
+    weights = scores.gather(1, ids)                                # the unbiased scores
     if n_activated > 1: weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * route_scale, ids
 
@@ -66,8 +73,10 @@ WEIGHT_FORMATS = ('mxfp4', 'fp8')
 @dataclass
 class QuantWeight:
     "Linear weights, stacked over experts, as the checkpoint stores them: MXFP4 (routed experts) or FP8 (the rest)"
-    codes: torch.Tensor  # uint8 mxfp4: (experts, out, in/2) E2M1 pairs; fp8: (experts, out, in) E4M3
-    scales: torch.Tensor  # uint8 UE8M0 mxfp4: (experts, out, in/32), one per 32 along K; fp8: (experts, out/32, in/32)
+    # uint8 mxfp4: (experts, out, in/2) E2M1 pairs; fp8: (experts, out, in) E4M3
+    codes: torch.Tensor
+    # uint8 UE8M0 mxfp4: (experts, out, in/32), one per 32 along K; fp8: (experts, out/32, in/32)
+    scales: torch.Tensor
     fmt: str  # 'mxfp4' or 'fp8'
 
     @property
@@ -83,21 +92,26 @@ class QuantWeight:
         "fp32 weights (experts, out, in), or (out, in) of one `expert`"
         codes, scales = self.codes[expert], self.scales[expert]
         if self.fmt == 'mxfp4': return dequantize_fp4(codes, scales, 32, 'ue8m0')
-        return e4m3_values(codes) * ue8m0_values(scales).repeat_interleave(32, -2).repeat_interleave(32, -1)
+        return e4m3_values(codes) * (ue8m0_values(scales).repeat_interleave(32, -2)
+                                     .repeat_interleave(32, -1))
 
 # %% ../nbs/08_moe.ipynb #58cc27a6
 def quantize_weight(w: torch.Tensor,  # (experts, out, in) float weights, out and in multiples of 32
                     fmt: str,  # 'mxfp4' or 'fp8'
                    ) -> QuantWeight:
     "Quantise `w` into the checkpoint's format `fmt`"
-    if fmt not in WEIGHT_FORMATS: raise ValueError(f"weight format {fmt!r}; expected one of {WEIGHT_FORMATS}")
-    if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.ndim != 3 or (w.shape[1] | w.shape[2]) % 32:
-        raise ValueError("quantize_weight: expected float weights (experts, out, in) with out and in multiples of 32, "
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {fmt!r}; expected one of {WEIGHT_FORMATS}")
+    if (not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.ndim != 3
+        or (w.shape[1] | w.shape[2]) % 32):
+        raise ValueError("quantize_weight: expected float weights (experts, out, in) "
+                         "with out and in multiples of 32, "
                          f"got {_shape(w)}")
     if fmt == 'mxfp4': return QuantWeight(*quantize_fp4(w, 32, 'ue8m0'), fmt)
     e, o, i = w.shape
-    blocks = w.float().reshape(e, o // 32, 32, i // 32, 32).transpose(2, 3)          # (e, o/32, i/32, 32, 32)
-    codes, scales = quantize_fp8(blocks.flatten(-2), 1024)                           # one scale per 32 x 32 block
+    # (e, o/32, i/32, 32, 32)
+    blocks = w.float().reshape(e, o // 32, 32, i // 32, 32).transpose(2, 3)
+    codes, scales = quantize_fp8(blocks.flatten(-2), 1024)  # one scale per 32 x 32 block
     codes = codes.reshape(e, o // 32, i // 32, 32, 32).transpose(2, 3).reshape(e, o, i)
     return QuantWeight(codes.contiguous(), scales[..., 0].contiguous(), fmt)
 
@@ -107,7 +121,8 @@ class MoEWeights:
     "One layer's MoE as the checkpoint stores it: `ffn.gate`, `ffn.experts.{e}.w1/w2/w3` stacked, `ffn.shared_experts`"
     gate: torch.Tensor  # (n_experts, dim) BF16 router weight
     bias: torch.Tensor  # (n_experts,) fp32 selection bias
-    bias_image: torch.Tensor | None  # (n_experts,) fp32 selection bias of image-span tokens (vision checkpoints)
+    # (n_experts,) fp32 selection bias of image-span tokens (vision checkpoints)
+    bias_image: torch.Tensor | None
     w1: QuantWeight  # routed gate projections, MXFP4 (n_experts, inter, dim)
     w2: QuantWeight  # routed down projections, MXFP4 (n_experts, dim, inter)
     w3: QuantWeight  # routed up projections, MXFP4 (n_experts, inter, dim)
@@ -131,7 +146,8 @@ def random(cls: MoEWeights, cfg: ModelConfig,  # geometry: dim, moe_inter_dim, n
     E, D, I = cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
     rnd = lambda *s: torch.randn(*s, generator=g, device=device)
     stack = lambda n, o, i, fmt: [quantize_weight(rnd(1, o, i) / i ** 0.5, fmt) for _ in range(n)]
-    cat = lambda qs: QuantWeight(torch.cat([q.codes for q in qs]), torch.cat([q.scales for q in qs]), qs[0].fmt)
+    cat = lambda qs: QuantWeight(torch.cat([q.codes for q in qs]),
+                                 torch.cat([q.scales for q in qs]), qs[0].fmt)
     routed = [cat(stack(E, o, i, 'mxfp4')) for o, i in ((I, D), (D, I), (I, D))]
     shared = [cat(stack(1, o, i, 'fp8')) for o, i in ((I, D), (D, I), (I, D))]
     gate = (rnd(E, D) / D ** 0.5).to(torch.bfloat16)
@@ -152,10 +168,13 @@ def check(self: MoEWeights, cfg: ModelConfig, n_experts: int | None = None):
         q = getattr(self, name)
         codes = (e, o, i // 2) if fmt == 'mxfp4' else (e, o, i)
         scales = (e, o, i // 32) if fmt == 'mxfp4' else (e, o // 32, i // 32)
-        ok = isinstance(q, QuantWeight) and q.fmt == fmt and q.codes.dtype == q.scales.dtype == torch.uint8
+        ok = (isinstance(q, QuantWeight) and q.fmt == fmt
+              and q.codes.dtype == q.scales.dtype == torch.uint8)
         if not ok or q.codes.shape != codes or q.scales.shape != scales:
-            got = f"{getattr(q, 'fmt', '?')} {_shape(getattr(q, 'codes', q))} / {_shape(getattr(q, 'scales', q))}"
-            raise ValueError(f"{name}: expected {fmt} uint8 codes {codes} and scales {scales}, got {got}")
+            got = (f"{getattr(q, 'fmt', '?')} {_shape(getattr(q, 'codes', q))} / "
+                   f"{_shape(getattr(q, 'scales', q))}")
+            raise ValueError(f"{name}: expected {fmt} uint8 codes {codes} and scales {scales}, "
+                             f"got {got}")
     return self
 
 # %% ../nbs/08_moe.ipynb #8633f781
@@ -170,13 +189,16 @@ def _gemm_bf16(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/08_moe.ipynb #ee4588b9
 def expert_hidden(xq: torch.Tensor,  # (n, dim) FP8-quantised activations (values)
-                  w1: torch.Tensor, w3: torch.Tensor,  # (inter, dim) dequantised gate and up weights
+                  w1: torch.Tensor,  # (inter, dim) dequantised gate weights
+                  w3: torch.Tensor,  # (inter, dim) dequantised up weights
                   swiglu_limit: float,  # clamp: gate from above, up on both sides (0 = none)
-                  weights: torch.Tensor | None = None,  # (n, 1) routing weights, applied before the down projection
+                  # (n, 1) routing weights, applied before the down projection
+                  weights: torch.Tensor | None = None,
                  ) -> torch.Tensor:
     "(n, inter): weights · silu(clamp(w1 x)) · clamp(w3 x), rounded to BF16 and FP8-quantised for the down GEMM"
     gate, up = _gemm_bf16(xq, w1).float(), _gemm_bf16(xq, w3).float()
-    if swiglu_limit > 0: gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
+    if swiglu_limit > 0:
+        gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
     h = F.silu(gate) * up
     if weights is not None: h = weights * h
     return fp8_qdq(h)
@@ -187,18 +209,22 @@ def expert_output(hq: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/08_moe.ipynb #98fde2fe
 def _check_routing(topk_weights, topk_ids, n_tokens: int, n_experts: int, check_ids: bool = True):
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64) or topk_ids.ndim != 2:
+    if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
+        or topk_ids.ndim != 2):
         got = getattr(topk_ids, 'dtype', type(topk_ids).__name__)
-        raise TypeError(f"topk_ids: expected an int32/int64 tensor (tokens, k), got {got} of shape {_shape(topk_ids)}")
+        raise TypeError(f"topk_ids: expected an int32/int64 tensor (tokens, k), "
+                        f"got {got} of shape {_shape(topk_ids)}")
     if topk_ids.shape[0] != n_tokens or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids: expected shape ({n_tokens}, k >= 1), got {_shape(topk_ids)}")
     tw = topk_weights
     if not isinstance(tw, torch.Tensor) or not tw.is_floating_point() or tw.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights: expected a float tensor of shape {_shape(topk_ids)}, got {_shape(tw)}")
+        raise ValueError(f"topk_weights: expected a float tensor of shape {_shape(topk_ids)}, "
+                         f"got {_shape(tw)}")
     if check_ids and topk_ids.numel():
         lo, hi = topk_ids.min().item(), topk_ids.max().item()
         if lo < 0 or hi >= n_experts:
-            raise IndexError(f"topk_ids: expert id {lo if lo < 0 else hi} outside 0..{n_experts - 1}")
+            raise IndexError(f"topk_ids: expert id {lo if lo < 0 else hi} "
+                             f"outside 0..{n_experts - 1}")
 
 # %% ../nbs/08_moe.ipynb #f16c8748
 def moe_experts_reference(x: torch.Tensor,  # (tokens, dim) FFN input
@@ -206,18 +232,19 @@ def moe_experts_reference(x: torch.Tensor,  # (tokens, dim) FFN input
                           topk_ids: torch.Tensor,  # (tokens, k) expert ids
                           W: MoEWeights,  # the layer's weights
                           swiglu_limit: float,  # the experts' clamp
-                          dense: dict | None = None,  # dequantised once: {'w1': (E, inter, dim), ...}; None: per call
+                          # dequantised once: {'w1': (E, inter, dim), ...}; None: per call
+                          dense: dict | None = None,
                          ) -> torch.Tensor:
     "The public code's MoE loop, given the routing: (tokens, dim) BF16"
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts)
     weight = lambda name, e: dense[name][e] if dense else getattr(W, name).dequantize(e)
-    xq = fp8_qdq(x)                                                                  # (tokens, dim)
-    y = torch.zeros(x.shape[0], W.dim, device=x.device)                              # fp32 accumulator
+    xq = fp8_qdq(x)                                              # (tokens, dim)
+    y = torch.zeros(x.shape[0], W.dim, device=x.device)          # fp32 accumulator
     counts = torch.bincount(topk_ids.flatten(), minlength=W.n_experts).tolist()
     for e in range(W.n_experts):
         if counts[e] == 0: continue
         rows, slot = torch.where(topk_ids == e)
-        wts = topk_weights[rows, slot, None].float()                                # (rows, 1)
+        wts = topk_weights[rows, slot, None].float()             # (rows, 1)
         h = expert_hidden(xq[rows], weight('w1', e), weight('w3', e), swiglu_limit, wts)
         y.index_add_(0, rows, expert_output(h, weight('w2', e)).float())
     hs = expert_hidden(xq, weight('shared_w1', 0), weight('shared_w3', 0), swiglu_limit)
@@ -225,26 +252,40 @@ def moe_experts_reference(x: torch.Tensor,  # (tokens, dim) FFN input
 
 # %% ../nbs/08_moe.ipynb #5888f7fb
 def route_layer(x: torch.Tensor,  # (tokens, dim) FFN input
-                W: MoEWeights, cfg: ModelConfig,
-                token_ids: torch.Tensor | None = None,  # (tokens,) raw ids: image-span tokens take `W.bias_image`
+                W: MoEWeights,  # the layer's weights
+                cfg: ModelConfig,  # experts per token, route scale, the image token id
+                # (tokens,) raw ids: image-span tokens take `W.bias_image`
+                token_ids: torch.Tensor | None = None,
                 n_activated: int | None = None,  # default cfg.n_activated_experts
-                router=None,  # a function called as `route` (default `route`; `fused_route` of 08d is its one-launch kernel)
+                # a function called as `route` (default `route`;
+                # `fused_route` of 08d is its one-launch kernel)
+                router=None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     "`route` with a layer's weights and config; image-span tokens found by `cfg.image_token_id`"
     mask = None
     if token_ids is not None:
-        ids_ok = isinstance(token_ids, torch.Tensor) and token_ids.dtype in (torch.int32, torch.int64)
+        ids_ok = (isinstance(token_ids, torch.Tensor)
+                  and token_ids.dtype in (torch.int32, torch.int64))
         if not ids_ok or token_ids.shape != (x.shape[0],):
-            raise ValueError(f"token_ids: expected an int tensor of shape ({x.shape[0]},), got {_shape(token_ids)}")
+            raise ValueError(f"token_ids: expected an int tensor of shape ({x.shape[0]},), "
+                             f"got {_shape(token_ids)}")
         mask = token_ids == cfg.image_token_id
-    return (router or route)(x, W.gate, W.bias, n_activated or cfg.n_activated_experts, cfg.route_scale, W.bias_image, mask)
+    return (router or route)(x, W.gate, W.bias, n_activated or cfg.n_activated_experts,
+                             cfg.route_scale, W.bias_image, mask)
 
-def moe_reference(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None) -> torch.Tensor:
+# %% ../nbs/08_moe.ipynb #1c1cd28c
+def moe_reference(x, W: MoEWeights, cfg: ModelConfig, token_ids=None,
+                  n_activated=None) -> torch.Tensor:
     "Router and per-expert loop: the public code's MoE layer, (tokens, dim) BF16 (arguments as `route_layer`)"
-    return moe_experts_reference(x, *route_layer(x, W, cfg, token_ids, n_activated), W, cfg.swiglu_limit)
+    return moe_experts_reference(x, *route_layer(x, W, cfg, token_ids, n_activated), W,
+                                 cfg.swiglu_limit)
 
 # %% ../nbs/08_moe.ipynb #b73a3062
-def moe_bytes_flops(cfg: ModelConfig, n_tokens: int, experts_touched: int, n_activated: int | None = None) -> tuple:
+def moe_bytes_flops(cfg: ModelConfig,  # geometry: dim, moe_inter_dim, experts per token
+                    n_tokens: int,  # tokens in the batch
+                    experts_touched: int,  # routed experts the batch touches
+                    n_activated: int | None = None,  # default cfg.n_activated_experts
+                   ) -> tuple:
     "What a MoE layer must move and compute: (bytes: touched MXFP4 experts + FP8 shared expert + BF16 in/out, FLOPs)"
     k = n_activated or cfg.n_activated_experts
     per_expert = 3 * cfg.dim * cfg.moe_inter_dim

@@ -9,11 +9,13 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
+from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch,
+                               pdl_wait)
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value
-from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x, _shape)
-from .fused_moe import (ExpertAlignment, align_by_expert_torch, fp8_act_quant, expert_down_torch, _mxfp4_pair,
-                                _round_bf16, _fp8_qdq_groups)
+from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x,
+                          _shape)
+from .fused_moe import (ExpertAlignment, align_by_expert_torch, fp8_act_quant,
+                                expert_down_torch, _mxfp4_pair, _round_bf16, _fp8_qdq_groups)
 from .moe_split import _swiglu_finish_kernel
 
 # %% auto #0
@@ -29,14 +31,16 @@ def _e4m3_round(q, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
-    "BF16 activations k0..k0+32G as (G, 16) even and odd columns in fp32, rounded to FP8 in groups of 32 (act_quant) if QUANT"
-    words = tl.load(x_row.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 2 + tl.arange(0, G)[:, None] * 16
-                    + tl.arange(0, 16)[None, :])                                          # two BF16 per word
+    ("BF16 activations k0..k0+32G as (G, 16) even and odd columns in fp32, "
+     "rounded to FP8 in groups of 32 (act_quant) if QUANT")
+    # two BF16 per word
+    words = tl.load(x_row.to(tl.pointer_type(tl.int32), bitcast=True) + k0 // 2
+                    + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :])
     ev = (words << 16).to(tl.float32, bitcast=True)
     od = (words & -65536).to(tl.float32, bitcast=True)
     if QUANT:
         amax = tl.maximum(tl.maximum(tl.max(tl.abs(ev), 1), tl.max(tl.abs(od), 1)), 1e-4)
-        exp = _ue8m0_code(amax, 1.0 / 448.0)[:, None]                                  # (G, 1) biased exponents
+        exp = _ue8m0_code(amax, 1.0 / 448.0)[:, None]      # (G, 1) biased exponents
         inv, sc = _pow2(254 - exp), _pow2(exp)
         ev = _e4m3_round(tl.minimum(tl.maximum(ev * inv, -448.0), 448.0), HW_CVT) * sc
         od = _e4m3_round(tl.minimum(tl.maximum(od * inv, -448.0), 448.0), HW_CVT) * sc
@@ -45,7 +49,8 @@ def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
 @triton.jit
 def _x_groups(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
     "BF16 activations k0..k0+32G as (G, 32) fp32, rounded to FP8 in groups of 32 (act_quant) if QUANT"
-    x = tl.load(x_row + k0 + tl.arange(0, G)[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32)
+    x = tl.load(x_row + k0 + tl.arange(0, G)[:, None] * 32
+                + tl.arange(0, 32)[None, :]).to(tl.float32)
     if QUANT: x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, G, 32)), HW_CVT), (G, 32))
     return x
 
@@ -54,9 +59,10 @@ def _x_groups(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
 def _fp4_sums(w_ptr, s_ptr, w_row, s_row, k0, ev, od, G: tl.constexpr):
     "(BN, G): each group of 32 of the MXFP4 rows at byte offsets `w_row` dotted with the activations, times its scale"
     g, j = tl.arange(0, G), tl.arange(0, 16)
-    byte = tl.load(w_ptr + w_row[:, None, None] + (k0 // 2 + g * 16)[None, :, None] + j[None, None, :],
-                   eviction_policy='evict_first').to(tl.int32)                     # read once: leave L2 to what is read again
-    lo, hi = _mxfp4_pair(byte, 1.0)                                                  # E2M1 / 2^14, fp32
+    # read once: leave L2 to what is read again
+    byte = tl.load(w_ptr + w_row[:, None, None] + (k0 // 2 + g * 16)[None, :, None]
+                   + j[None, None, :], eviction_policy='evict_first').to(tl.int32)
+    lo, hi = _mxfp4_pair(byte, 1.0)                      # E2M1 / 2^14, fp32
     part = tl.sum(lo * ev[None, :, :] + hi * od[None, :, :], axis=2)
     sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
     return part * _pow2(sc + 14)
@@ -69,9 +75,11 @@ def _codes_f32(codes, HW_CVT: tl.constexpr):
 
 @triton.jit
 def _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, G: tl.constexpr, HW_CVT: tl.constexpr):
-    "(BN, G): each group of 32 of the FP8 rows at `w_row` dotted with the activations x (G, 32), times its block's scale"
+    ("(BN, G): each group of 32 of the FP8 rows at `w_row` dotted with the activations x (G, 32), "
+     "times its block's scale")
     g, j = tl.arange(0, G), tl.arange(0, 32)
-    c = tl.load(w_ptr + w_row[:, None, None] + (k0 + g * 32)[None, :, None] + j[None, None, :], eviction_policy='evict_first')
+    c = tl.load(w_ptr + w_row[:, None, None] + (k0 + g * 32)[None, :, None] + j[None, None, :],
+                eviction_policy='evict_first')
     part = tl.sum(_codes_f32(c, HW_CVT) * x[None, :, :], axis=2)
     sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
     return part * _pow2(sc)
@@ -84,8 +92,10 @@ def _moe_gemv_kernel(
     ra_ptr, ras_ptr, rb_ptr, rbs_ptr,   # routed MXFP4 codes + scales: first weight, second (PAIR)
     sa_ptr, sas_ptr, sb_ptr, sbs_ptr,   # the shared expert's FP8 codes + scales, the same
     part_ptr,           # (SPLIT, R, 1 + PAIR, N) fp32 out: each slice's sums
-    n_assign, R,        # routed assignments; rows = n_assign + tokens (the shared expert's rows last)
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    n_assign, R,        # routed assignments; rows = n_assign + tokens
+                        # (the shared expert's rows last)
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     PAIR: tl.constexpr, PER_TOKEN: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
@@ -120,25 +130,30 @@ def _moe_gemv_kernel(
 
 # %% ../nbs/08e_moe_gemv.ipynb #72df239b
 @triton.jit
-def _gemv_combine_kernel(part_ptr, y_ptr, n_assign, R, N: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr,
-                         FB: tl.constexpr, HW_CVT: tl.constexpr, PDL: tl.constexpr = False):
+def _gemv_combine_kernel(part_ptr, y_ptr, n_assign, R, N: tl.constexpr, SPLIT: tl.constexpr,
+                         TOPK: tl.constexpr, FB: tl.constexpr, HW_CVT: tl.constexpr,
+                         PDL: tl.constexpr = False):
     pdl_wait(PDL)
     t = tl.program_id(0)
     n = tl.program_id(1) * FB + tl.arange(0, FB)
     m = n < N
     total = tl.zeros((FB,), tl.float32)
-    for j in tl.static_range(TOPK + 1):                                     # the routed rows in slot order, then the shared
+    # the routed rows in slot order, then the shared
+    for j in tl.static_range(TOPK + 1):
         row = t * TOPK + j if j < TOPK else n_assign + t
         acc = tl.zeros((FB,), tl.float32)
         for s in tl.static_range(SPLIT):
             acc += tl.load(part_ptr + (s * R + row).to(tl.int64) * N + n, mask=m, other=0.0)
         total += _round_bf16(acc, HW_CVT)
-    tl.store(y_ptr + t.to(tl.int64) * N + n, _round_bf16(total, HW_CVT).to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(y_ptr + t.to(tl.int64) * N + n, _round_bf16(total, HW_CVT).to(y_ptr.dtype.element_ty),
+             mask=m)
 
 # %% ../nbs/08e_moe_gemv.ipynb #0cfca4a9
 GEMV_TUNING = dict(gate_up=dict(block_n=16, block_k=256, num_warps=4, programs=32),
                    down=dict(block_n=32, block_k=512, num_warps=4, programs=32))
-GEMV_MAX_TOKENS = 4     # decode steps up to this many tokens take the GEMVs (faster than 08c's path up to 4 in the benchmark below)
+# decode steps up to this many tokens take the GEMVs
+# (faster than 08c's path up to 4 in the benchmark below)
+GEMV_MAX_TOKENS = 4
 
 def gemv_split(steps: int,     # K steps of a row (K / block_k)
                tiles: int,     # programs of one slice: rows x column blocks
@@ -146,45 +161,61 @@ def gemv_split(steps: int,     # K steps of a row (K / block_k)
                programs: int,  # most programs per multiprocessor
               ) -> int:
     "K slices: the largest divisor of `steps` keeping tiles x slices within programs x sms"
-    for name, v in (('steps', steps), ('tiles', tiles), ('sms', sms), ('programs', programs)): check_int('gemv_split', name, v, 1)
-    return max(s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or tiles * s <= programs * sms))
+    for name, v in (('steps', steps), ('tiles', tiles), ('sms', sms), ('programs', programs)):
+        check_int('gemv_split', name, v, 1)
+    return max(s for s in range(1, steps + 1)
+               if steps % s == 0 and (s == 1 or tiles * s <= programs * sms))
 
 # %% ../nbs/08e_moe_gemv.ipynb #198b0321
 def _check_tuning(tuning, N: int, K: int):
     keys = ('block_n', 'block_k', 'num_warps', 'programs')
-    if not isinstance(tuning, dict) or any(not isinstance(tuning.get(k), int) or tuning[k] < 1 for k in keys):
+    if (not isinstance(tuning, dict)
+        or any(not isinstance(tuning.get(k), int) or tuning[k] < 1 for k in keys)):
         raise ValueError(f"tuning: expected a dict of ints >= 1 with keys {keys}, got {tuning!r}")
     bn = tuning['block_n']
-    if bn & (bn - 1) or N % bn: raise ValueError(f"tuning: block_n = {bn}; expected a power of two dividing {N}")
+    if bn & (bn - 1) or N % bn:
+        raise ValueError(f"tuning: block_n = {bn}; expected a power of two dividing {N}")
 
-def _gemv_launch(x, ids, ra, rb, sa, sb, n_assign: int, R: int, per_token: bool, quant: bool, tuning: dict, split):
+def _gemv_launch(x, ids, ra, rb, sa, sb, n_assign: int, R: int, per_token: bool, quant: bool,
+                 tuning: dict, split):
     "One GEMV stage: (split, R, 1 or 2, N) fp32 partial sums and the slices used"
     E, N, K = ra.shape
     _check_tuning(tuning, N, K)
-    bk = math.gcd(K, tuning['block_k'])                                   # a power of two >= 32 dividing K
-    if split is None: split = gemv_split(K // bk, R * (N // tuning['block_n']), sm_count(x.device, default=16), tuning['programs'])
+    bk = math.gcd(K, tuning['block_k'])                   # a power of two >= 32 dividing K
+    if split is None:
+        split = gemv_split(K // bk, R * (N // tuning['block_n']), sm_count(x.device, default=16),
+                           tuning['programs'])
     if not isinstance(split, int) or isinstance(split, bool) or split < 1 or (K // bk) % split:
-        raise ValueError(f"split = {split!r}; expected an int >= 1 dividing the {K // bk} K steps of {bk}")
+        raise ValueError(f"split = {split!r}; expected an int >= 1 dividing the {K // bk} K steps "
+                         f"of {bk}")
     pair = rb is not None
     part = torch.empty(split, R, 1 + pair, N, dtype=torch.float32, device=x.device)
     rb, sb = rb or ra, sb or sa
     _moe_gemv_kernel[(R, N // tuning['block_n'], split)](
-        x, ids, ra.codes, ra.scales, rb.codes, rb.scales, sa.codes, sa.scales, sb.codes, sb.scales, part, n_assign, R,
-        K=K, N=N, TOPK=ids.shape[1], BN=tuning['block_n'], BK=bk, SPLIT=split, PAIR=pair, PER_TOKEN=per_token,
-        QUANT=quant, HW_CVT=not triton_interpreting(), num_warps=tuning['num_warps'], **pdl_launch(x.device))
+        x, ids, ra.codes, ra.scales, rb.codes, rb.scales, sa.codes, sa.scales, sb.codes, sb.scales,
+        part, n_assign, R,
+        K=K, N=N, TOPK=ids.shape[1], BN=tuning['block_n'], BK=bk, SPLIT=split, PAIR=pair,
+        PER_TOKEN=per_token, QUANT=quant, HW_CVT=not triton_interpreting(),
+        num_warps=tuning['num_warps'], **pdl_launch(x.device))
     return part, split
 
 # %% ../nbs/08e_moe_gemv.ipynb #fab8543c
 def _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids: bool):
-    if not isinstance(W, MoEWeights): raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts, check_ids)
-    if not isinstance(swiglu_limit, numbers.Real) or isinstance(swiglu_limit, bool) or not swiglu_limit >= 0:
+    if (not isinstance(swiglu_limit, numbers.Real) or isinstance(swiglu_limit, bool)
+        or not swiglu_limit >= 0):
         raise ValueError(f"swiglu_limit = {swiglu_limit!r}; expected a real number >= 0")
-    if x.device != W.w1.codes.device: raise ValueError(f"x is on {x.device}, the weights on {W.w1.codes.device}")
+    if x.device != W.w1.codes.device:
+        raise ValueError(f"x is on {x.device}, the weights on {W.w1.codes.device}")
 
+# %% ../nbs/08e_moe_gemv.ipynb #e6d07102
 def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
-                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,  # (tokens, k) routing
-                 W: MoEWeights, swiglu_limit: float,
+                 topk_weights: torch.Tensor, # (tokens, k) routing weights
+                 topk_ids: torch.Tensor,     # (tokens, k) expert ids
+                 W: MoEWeights,              # the layer's weights
+                 swiglu_limit: float,        # the experts' clamp
                  split: int | None = None,   # K slices (default `gemv_split`'s)
                  tuning: dict | None = None, # launch shape (default GEMV_TUNING['gate_up'])
                  check_ids: bool = True,     # range-check the expert ids (a device synchronisation)
@@ -195,59 +226,75 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
     n_assign, R = T * k, T * (k + 1)
     h = torch.empty(R, I, dtype=torch.bfloat16, device=x.device)
     if T == 0: return h
-    part, split = _gemv_launch(x.to(torch.bfloat16).contiguous(), topk_ids.contiguous(), W.w1, W.w3, W.shared_w1,
-                               W.shared_w3, n_assign, R, True, True, tuning or GEMV_TUNING['gate_up'], split)
+    part, split = _gemv_launch(x.to(torch.bfloat16).contiguous(), topk_ids.contiguous(), W.w1, W.w3,
+                               W.shared_w1, W.shared_w3, n_assign, R, True, True,
+                               tuning or GEMV_TUNING['gate_up'], split)
     fb = min(256, triton.next_power_of_2(I))
-    _swiglu_finish_kernel[(R, triton.cdiv(I, fb))](part, h, topk_weights.float().contiguous(), R, n_assign,
-                                                   float(swiglu_limit), N=I, SPLIT=split, FB=fb, HAS_WEIGHT=True,
-                                                   CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting(),
-                                                   **pdl_launch(x.device))
+    _swiglu_finish_kernel[(R, triton.cdiv(I, fb))](
+        part, h, topk_weights.float().contiguous(), R, n_assign, float(swiglu_limit),
+        N=I, SPLIT=split, FB=fb, HAS_WEIGHT=True, CLAMP=swiglu_limit > 0,
+        HW_CVT=not triton_interpreting(), **pdl_launch(x.device))
     return h
 
 # %% ../nbs/08e_moe_gemv.ipynb #7b8a7a0b
 def gemv_down(h: torch.Tensor,              # (tokens·(k+1), inter) BF16: `gemv_gate_up`'s rows
               topk_ids: torch.Tensor,       # (tokens, k) the same routing
-              W: MoEWeights,
-              split: int | None = None, tuning: dict | None = None,  # as `gemv_gate_up` (GEMV_TUNING['down'])
+              W: MoEWeights,                # the layer's weights
+              split: int | None = None,     # as `gemv_gate_up`
+              tuning: dict | None = None,   # as `gemv_gate_up` (GEMV_TUNING['down'])
              ) -> torch.Tensor:
     "(tokens, dim) BF16: each row's down projection, the routed outputs added in slot order, then the shared expert's"
-    if not isinstance(W, MoEWeights): raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2:
         raise ValueError(f"topk_ids: expected a (tokens, k) tensor, got {_shape(topk_ids)}")
     (T, k), I = topk_ids.shape, W.inter_dim
-    if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16 or tuple(h.shape) != (T * (k + 1), I):
+    if (not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16
+        or tuple(h.shape) != (T * (k + 1), I)):
         raise ValueError(f"h: expected BF16 ({T * (k + 1)}, {I}) rows from gemv_gate_up, got "
                          f"{getattr(h, 'dtype', type(h).__name__)} {_shape(h)}")
     y = torch.empty(T, W.dim, dtype=torch.bfloat16, device=h.device)
     if T == 0: return y
-    part, split = _gemv_launch(h.contiguous(), topk_ids.contiguous(), W.w2, None, W.shared_w2, None, T * k, T * (k + 1),
-                               False, False, tuning or GEMV_TUNING['down'], split)
+    part, split = _gemv_launch(h.contiguous(), topk_ids.contiguous(), W.w2, None, W.shared_w2, None,
+                               T * k, T * (k + 1), False, False, tuning or GEMV_TUNING['down'],
+                               split)
     fb = min(256, triton.next_power_of_2(W.dim))
-    _gemv_combine_kernel[(T, triton.cdiv(W.dim, fb))](part, y, T * k, T * (k + 1), N=W.dim, SPLIT=split, TOPK=k, FB=fb,
-                                                      HW_CVT=not triton_interpreting(), **pdl_launch(h.device))
+    _gemv_combine_kernel[(T, triton.cdiv(W.dim, fb))](
+        part, y, T * k, T * (k + 1), N=W.dim, SPLIT=split, TOPK=k, FB=fb,
+        HW_CVT=not triton_interpreting(), **pdl_launch(h.device))
     return y
 
 # %% ../nbs/08e_moe_gemv.ipynb #b599f0e0
-def moe_gemv_experts(x: torch.Tensor,            # (tokens, dim) FFN input
-                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,  # (tokens, k) routing
-                     W: MoEWeights, swiglu_limit: float,
-                     split: int | None = None,   # K slices of both stages (default `gemv_split`'s)
-                     check_ids: bool = True,     # range-check the expert ids (a device synchronisation)
-                    ) -> torch.Tensor:
-    "The MoE layer given its routing as GEMVs, (tokens, dim) BF16: Triton kernels (GPU, interpreter), else the reference loop"
+def moe_gemv_experts(
+    x: torch.Tensor,             # (tokens, dim) FFN input
+    topk_weights: torch.Tensor,  # (tokens, k) routing weights
+    topk_ids: torch.Tensor,      # (tokens, k) expert ids
+    W: MoEWeights,               # the layer's weights
+    swiglu_limit: float,         # the experts' clamp
+    split: int | None = None,    # K slices of both stages (default `gemv_split`'s)
+    check_ids: bool = True,      # range-check the expert ids (a device synchronisation)
+) -> torch.Tensor:
+    ("The MoE layer given its routing as GEMVs, (tokens, dim) BF16: "
+     "Triton kernels (GPU, interpreter), else the reference loop")
     _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids)
     if kernel_backend(x, topk_ids, W.w1.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
-    return gemv_down(gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False), topk_ids, W, split)
+    h = gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False)
+    return gemv_down(h, topk_ids, W, split)
 
-def moe_gemv_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, router=None) -> torch.Tensor:
+def moe_gemv_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None,
+                     router=None) -> torch.Tensor:
     "The MoE layer: route, then `moe_gemv_experts` (arguments as `08b`'s `moe_forward`)"
-    return moe_gemv_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W, cfg.swiglu_limit, check_ids=False)
+    return moe_gemv_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
+                            cfg.swiglu_limit, check_ids=False)
 
-def gemv_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape=None, split=None) -> dict:
+# %% ../nbs/08e_moe_gemv.ipynb #58a29e1a
+def gemv_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape=None,
+                split=None) -> dict:
     "The GEMV pipeline's stages by `check_fused_moe`'s names (`shape` is unused: the GEMVs take `GEMV_TUNING`)"
     (T, k), block = topk_ids.shape, 16
     h = gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split)
     align = align_by_expert_torch(topk_ids, W.n_experts, block)
-    return dict(align=align, shared=ExpertAlignment.identity(T, block), xq=fp8_act_quant(x), h=h[:T * k], hs=h[T * k:],
-                routed=expert_down_torch(h[:T * k], W.w2, align), y=gemv_down(h, topk_ids, W, split))
+    return dict(align=align, shared=ExpertAlignment.identity(T, block), xq=fp8_act_quant(x),
+                h=h[:T * k], hs=h[T * k:], routed=expert_down_torch(h[:T * k], W.w2, align),
+                y=gemv_down(h, topk_ids, W, split))

@@ -10,8 +10,9 @@ import triton
 import triton.language as tl
 from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
 from .moe import QuantWeight
-from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu, _fp8_quant_tile, _check_stage,
-                                _check_shape, moe_launch_shape, expert_gate_up)
+from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu,
+                                _fp8_quant_tile, _check_stage, _check_shape, moe_launch_shape,
+                                expert_gate_up)
 
 # %% auto #0
 __all__ = ['SPLIT_MAX', 'SPLIT_PROGRAMS', 'split_count', 'expert_gate_up_split']
@@ -19,22 +20,35 @@ __all__ = ['SPLIT_MAX', 'SPLIT_PROGRAMS', 'split_count', 'expert_gate_up_split']
 # %% ../nbs/08c_moe_split.ipynb #245d2056
 @triton.jit
 def _gemm_pair(acc1, acc3, a_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask, k_lo,
-               KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, W_FP4: tl.constexpr):
-    "acc1 += A[rows, k_lo:k_lo+KS] @ W1[expert, n]ᵀ and acc3 the same with W3: one activation tile per step for both"
+               KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
+               W_FP4: tl.constexpr):
+    ("acc1 += A[rows, k_lo:k_lo+KS] @ W1[expert, n]ᵀ and acc3 the same with W3: "
+     "one activation tile per step for both")
     w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
     kk, kw, ks = tl.arange(0, BK), tl.arange(0, BK // 2 if W_FP4 else BK), tl.arange(0, BK // 32)
     for k0 in range(k_lo, k_lo + KS, BK):
-        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)      # (BM, BK)
-        sc1 = tl.load(s1_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None], other=127)  # (BN, BK/32)
-        sc3 = tl.load(s3_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None], other=127)
+        # (BM, BK)
+        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)
+        # (BN, BK/32)
+        sc1 = tl.load(s1_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
+                      other=127)
+        sc3 = tl.load(s3_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
+                      other=127)
         if W_FP4:
-            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :], other=0)  # (BK/2, BN)
-            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :], other=0)
+            # (BK/2, BN)
+            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
+            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
             acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e2m1', acc1)
             acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e2m1', acc3)
         else:
-            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :], other=0)       # (BK, BN)
-            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :], other=0)
+            # (BK, BN)
+            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
+            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
             acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e4m3', acc1)
             acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e4m3', acc3)
     return acc1, acc3
@@ -48,15 +62,17 @@ def _gate_up_partial_kernel(
     part_ptr,           # (SPLIT, n_assign, 2, N) fp32 out: each slice's gate and up sums
     sorted_ptr, block_expert_ptr,  # the alignment (unused if IDENTITY)
     n_assign, num_m,    # assignments, row blocks
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, GROUP_M: tl.constexpr, W_FP4: tl.constexpr, IDENTITY: tl.constexpr,
 ):
-    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N, TOPK, BM, BN, GROUP_M,
-                                             IDENTITY)
+    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m, N, TOPK,
+                                             BM, BN, GROUP_M, IDENTITY)
     if expert < 0: return
     KS: tl.constexpr = K // SPLIT
     n_mask, zero = n < N, tl.zeros((BM, BN), tl.float32)
-    gate, up = _gemm_pair(zero, zero, x_ptr + tok.to(tl.int64) * K, valid, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, expert, n,
+    gate, up = _gemm_pair(zero, zero, x_ptr + tok.to(tl.int64) * K, valid,
+                          w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, expert, n,
                           n_mask, tl.program_id(1) * KS, KS, K, N, BK, W_FP4)
     off = (tl.program_id(1) * n_assign + a).to(tl.int64)[:, None] * (2 * N) + n[None, :]
     m = valid[:, None] & n_mask[None, :]
@@ -69,9 +85,10 @@ def _swiglu_finish_kernel(
     part_ptr,           # (SPLIT, n_assign, 2, N) fp32 partial sums
     h_ptr,              # (n_assign, N) BF16 out, as `_gate_up_kernel`'s
     weight_ptr,         # (n_weighted,) fp32 routing weights (HAS_WEIGHT)
-    n_assign, n_weighted, limit,  # rows; rows below n_weighted take their routing weight (HAS_WEIGHT)
-    N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, HAS_WEIGHT: tl.constexpr, CLAMP: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    n_assign, n_weighted,  # rows; rows below n_weighted take their routing weight (HAS_WEIGHT)
+    limit,
+    N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    CLAMP: tl.constexpr, HW_CVT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
     pdl_wait(PDL)
@@ -79,14 +96,15 @@ def _swiglu_finish_kernel(
     n = tl.program_id(1) * FB + tl.arange(0, FB)[None, :]                  # (1, FB)
     m = n < N
     gate, up = tl.zeros((1, FB), tl.float32), tl.zeros((1, FB), tl.float32)
-    for s in tl.static_range(SPLIT):                                         # a fixed order: deterministic
+    for s in tl.static_range(SPLIT):                          # a fixed order: deterministic
         off = (s * n_assign + a).to(tl.int64) * (2 * N) + n
         gate += tl.load(part_ptr + off, mask=m, other=0.0)
         up += tl.load(part_ptr + off + N, mask=m, other=0.0)
     h = _swiglu(gate, up, limit, CLAMP, HW_CVT)
     if HAS_WEIGHT:
         if a < n_weighted: h = h * tl.load(weight_ptr + a)
-    tl.store(h_ptr + a.to(tl.int64) * N + n, _fp8_quant_tile(h, 1, FB, HW_CVT).to(h_ptr.dtype.element_ty), mask=m)
+    tl.store(h_ptr + a.to(tl.int64) * N + n,
+             _fp8_quant_tile(h, 1, FB, HW_CVT).to(h_ptr.dtype.element_ty), mask=m)
 
 # %% ../nbs/08c_moe_split.ipynb #c486de31
 SPLIT_MAX = 8           # most K slices per tile
@@ -96,23 +114,30 @@ def split_count(tiles: int,  # output tiles of the launch (row blocks x column b
                 steps: int,  # K steps of a tile (K / block_k)
                 sms: int,    # multiprocessors of the device
                ) -> int:
-    "K slices per tile: the largest power of two <= SPLIT_MAX dividing `steps` with tiles x slices <= SPLIT_PROGRAMS x sms"
+    ("K slices per tile: the largest power of two <= SPLIT_MAX dividing `steps` "
+     "with tiles x slices <= SPLIT_PROGRAMS x sms")
     for name, v in (('tiles', tiles), ('steps', steps), ('sms', sms)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"split_count: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"split_count: {name} must be an int >= 1, got {v!r}")
     s = 1
-    while 2 * s <= SPLIT_MAX and steps % (2 * s) == 0 and tiles * 2 * s <= SPLIT_PROGRAMS * sms: s *= 2
+    while (2 * s <= SPLIT_MAX and steps % (2 * s) == 0
+           and tiles * 2 * s <= SPLIT_PROGRAMS * sms): s *= 2
     return s
 
 # %% ../nbs/08c_moe_split.ipynb #0f4be66b
 def _check_split(split, steps: int):
     if not isinstance(split, int) or isinstance(split, bool) or split < 1 or steps % split:
-        raise ValueError(f"split = {split!r}; expected an int >= 1 dividing the {steps} K steps of a tile")
+        raise ValueError(f"split = {split!r}; "
+                         f"expected an int >= 1 dividing the {steps} K steps of a tile")
 
 def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, align: ExpertAlignment,
-                         topk_weights: torch.Tensor | None, swiglu_limit: float, shape: dict | None = None,
-                         split: int | None = None,  # K slices per tile (default `split_count` for this device)
+                         topk_weights: torch.Tensor | None, swiglu_limit: float,
+                         shape: dict | None = None,
+                         # K slices per tile (default `split_count` for this device)
+                         split: int | None = None,
                         ) -> torch.Tensor:
-    "`expert_gate_up` (same arguments) with each tile's K split over `split` programs, then a launch that adds the slices and runs the epilogue"
+    ("`expert_gate_up` (same arguments) with each tile's K split over `split` programs, "
+     "then a launch that adds the slices and runs the epilogue")
     for name, w in (('w1', w1), ('w3', w3)): _check_stage(name, w, xq, align, per_token=True)
     (E, N, K), ident = w1.shape, align.sorted_ids is None
     shape = shape or moe_launch_shape(align.n_assign, E)
@@ -127,14 +152,20 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
         return expert_gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
     part = torch.empty(split, align.n_assign, 2, N, dtype=torch.float32, device=xq.device)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
-    rows = (h, h) if ident else (align.sorted_ids, align.block_expert)              # (unused for the identity)
-    _gate_up_partial_kernel[(tiles, split)](xq.contiguous(), w1.codes, w1.scales, w3.codes, w3.scales, part, *rows,
-                                            align.n_assign, align.num_blocks, K=K, N=N, TOPK=align.topk, BM=align.block_m,
-                                            BN=bn, BK=bk, SPLIT=split, GROUP_M=8, W_FP4=not ident, IDENTITY=ident,
-                                            num_warps=shape['num_warps'], num_stages=shape['num_stages'])
+    # (unused for the identity)
+    rows = (h, h) if ident else (align.sorted_ids, align.block_expert)
+    _gate_up_partial_kernel[(tiles, split)](xq.contiguous(), w1.codes, w1.scales, w3.codes,
+                                            w3.scales, part, *rows, align.n_assign,
+                                            align.num_blocks, K=K, N=N, TOPK=align.topk,
+                                            BM=align.block_m,
+                                            BN=bn, BK=bk, SPLIT=split, GROUP_M=8,
+                                            W_FP4=not ident, IDENTITY=ident,
+                                            num_warps=shape['num_warps'],
+                                            num_stages=shape['num_stages'])
     fb = min(256, triton.next_power_of_2(N))
     wts = h if topk_weights is None else topk_weights.float().contiguous()
-    _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](part, h, wts, align.n_assign, align.n_assign, float(swiglu_limit), N=N,
-                                                                 SPLIT=split, FB=fb, HAS_WEIGHT=topk_weights is not None,
-                                                                 CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
+    grid = (align.n_assign, triton.cdiv(N, fb))
+    _swiglu_finish_kernel[grid](part, h, wts, align.n_assign, align.n_assign, float(swiglu_limit),
+                                N=N, SPLIT=split, FB=fb, HAS_WEIGHT=topk_weights is not None,
+                                CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
     return h

@@ -22,7 +22,8 @@ from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward
-from .fp8_linear import FP8Linear, head_logits, HEAD_MAX_T, fp8_linear_norm, fp8_linear_rope, FP8_LINEAR_MAX_T
+from .fp8_linear import (FP8Linear, head_logits, HEAD_MAX_T, fp8_linear_norm,
+                                 fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
 from .moe_split import expert_gate_up_split
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
@@ -40,68 +41,92 @@ __all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'P
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
 class PagedLinear(nn.Linear):
-    "A linear with fixed weights: the input rounded to FP8 first (`fp8_act`), the output handed on in fp32 (`fp32_out`)"
-    def __init__(self, weight: torch.Tensor,  # (out, in) BF16: the FP8 grid's values when `fp8_act`
-                 fp8_act: bool = False,       # round the input to E4M3 with a UE8M0 scale per 32 (the public `act_quant`)
-                 fp32_out: bool = False):     # return fp32 (the indexer's head weights are scaled in fp32)
+    ("A linear with fixed weights: the input rounded to FP8 first (`fp8_act`), "
+     "the output handed on in fp32 (`fp32_out`)")
+    def __init__(self,
+                 weight: torch.Tensor,  # (out, in) BF16: the FP8 grid's values when `fp8_act`
+                 # round the input to E4M3 with a UE8M0 scale per 32 (the public `act_quant`)
+                 fp8_act: bool = False,
+                 # return fp32 (the indexer's head weights are scaled in fp32)
+                 fp32_out: bool = False):
         nn.Module.__init__(self)
-        if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.is_floating_point():
-            raise TypeError(f"PagedLinear: expected a 2-D float weight (out, in), got {getattr(weight, 'shape', type(weight).__name__)}")
+        if (not isinstance(weight, torch.Tensor) or weight.ndim != 2
+                or not weight.is_floating_point()):
+            raise TypeError(f"PagedLinear: expected a 2-D float weight (out, in), "
+                            f"got {getattr(weight, 'shape', type(weight).__name__)}")
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.register_parameter('bias', None)
         self.fp8_act, self.fp32_out = fp8_act, fp32_out
 
-    def extra_repr(self): return f"{self.in_features} -> {self.out_features}, fp8_act={self.fp8_act}, fp32_out={self.fp32_out}"
+    def extra_repr(self):
+        return (f"{self.in_features} -> {self.out_features}, "
+                f"fp8_act={self.fp8_act}, fp32_out={self.fp32_out}")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_act: x = fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)   # one launch on a GPU
+        # one launch on a GPU
+        if self.fp8_act: x = fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
         y = F.linear(x, self.weight.to(x.dtype))
         return y.float() if self.fp32_out else y
 
 # %% ../nbs/10b_paged.ipynb #f340ee39
 def truncate_window(idx: SparseIndices,        # what each token reads (`CSA2Attention.select`)
                     positions: torch.Tensor,   # (T,) the tokens' positions
-                    floor: torch.Tensor,       # (T,) first position whose window record each token may read
+                    # (T,) first position whose window record each token may read
+                    floor: torch.Tensor,
                    ) -> SparseIndices:
-    "`idx` with each token's window cut to positions >= its floor: the oldest entries dropped, the rest moved to the front"
-    lens = idx.window_lens.long()                                                      # (T,) entries oldest first
+    ("`idx` with each token's window cut to positions >= its floor: "
+     "the oldest entries dropped, the rest moved to the front")
+    lens = idx.window_lens.long()  # (T,) entries oldest first
     keep = torch.minimum(lens, (positions.long() - floor.long() + 1).clamp_min(0))
     W = idx.window_slots.shape[1]
     j = torch.arange(W, device=lens.device)
-    src = (j + (lens - keep)[:, None]).clamp_max(W - 1)                                 # (T, W) where each entry comes from
+    src = (j + (lens - keep)[:, None]).clamp_max(W - 1)  # (T, W) where each entry comes from
     slots = torch.where(j < keep[:, None], idx.window_slots.gather(1, src), PAD_SLOT_ID)
-    return replace(idx, window_slots=slots.to(idx.window_slots.dtype), window_lens=keep.to(idx.window_lens.dtype))
+    return replace(idx, window_slots=slots.to(idx.window_slots.dtype),
+                   window_lens=keep.to(idx.window_lens.dtype))
 
 @dataclass
 class PagedCSA2Step(CSA2Step):
-    "A `CSA2Step` that also says where each token's window starts (`step_window` cuts the window there, as `truncate_window` does)"
-    window_floor: torch.Tensor | None = None   # (T,) first position whose window record each token may read (None: any)
+    ("A `CSA2Step` that also says where each token's window starts "
+     "(`step_window` cuts the window there, as `truncate_window` does)")
+    # (T,) first position whose window record each token may read (None: any)
+    window_floor: torch.Tensor | None = None
 
 class PagedAttention(CSA2Attention):
-    "`CSA2Attention` with its projections' fused forms at decode (its window floors come with the step: `step_window` reads them)"
+    ("`CSA2Attention` with its projections' fused forms at decode "
+     "(its window floors come with the step: `step_window` reads them)")
     def _fused(self, x, *lins) -> bool:
         "Decode-sized: the projections' fused forms (`fp8_linear_norm`, `fp8_linear_rope`) take x"
         return 0 < x.shape[0] <= FP8_LINEAR_MAX_T and all(isinstance(l, FP8Linear) for l in lins)
     def query(self, x, positions):
-        "As `CSA2Attention.query`; at decode `wq_a` with `q_norm`, and `wq_b` with the rotation, in two launches each"
+        ("As `CSA2Attention.query`; at decode `wq_a` with `q_norm`, and `wq_b` with the rotation, "
+         "in two launches each")
         if not self._fused(x, self.wq_a, self.wq_b): return CSA2Attention.query(self, x, positions)
-        qr = fp8_linear_norm(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps, self.wq_a.act_quant)
-        q = fp8_linear_rope(qr, self.wq_b.weight, self.inv_freq, positions, self.head_dim, self.wq_b.act_quant)
+        qr = fp8_linear_norm(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps,
+                             self.wq_a.act_quant)
+        q = fp8_linear_rope(qr, self.wq_b.weight, self.inv_freq, positions, self.head_dim,
+                            self.wq_b.act_quant)
         return q.unflatten(-1, (self.n_heads, self.head_dim)), qr
     def window_kv(self, x, positions):
-        "As `CSA2Attention.window_kv`; at decode `wkv`, `kv_norm` and the rotation in two launches (`fp8_linear_norm`)"
+        ("As `CSA2Attention.window_kv`; at decode `wkv`, `kv_norm` and the rotation "
+         "in two launches (`fp8_linear_norm`)")
         if not self._fused(x, self.wkv): return CSA2Attention.window_kv(self, x, positions)
-        return fp8_linear_norm(x, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps, self.wkv.act_quant, self.inv_freq, positions)
+        return fp8_linear_norm(x, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps,
+                               self.wkv.act_quant, self.inv_freq, positions)
     def forward(self, x, step, state, topk=None):
-        "As `CSA2Attention.forward`; at decode the output's inverse rotation happens in `sparse_decode`'s last launch"
-        if self.attend is not sparse_decode or not self._fused(x, self.wo_a): return CSA2Attention.forward(self, x, step, state, topk)
+        ("As `CSA2Attention.forward`; at decode the output's inverse rotation happens "
+         "in `sparse_decode`'s last launch")
+        if self.attend is not sparse_decode or not self._fused(x, self.wo_a):
+            return CSA2Attention.forward(self, x, step, state, topk)
         o = self.attention(x, step, state, topk, out_rope=(self.inv_freq, step.positions))[0]
         return self.wo_b(self.wo_a(o.flatten(1).unflatten(1, (self.n_groups, -1))).flatten(1))
     def project_out(self, o, positions):
         "(T, dim): as `CSA2Attention.project_out`, its grouped `wo_a` a grouped `FP8Linear`"
-        o = rope(o, self.inv_freq, positions, inverse=True).flatten(1).unflatten(1, (self.n_groups, -1))   # (T, G, H*D/G)
+        o = rope(o, self.inv_freq, positions, inverse=True)
+        o = o.flatten(1).unflatten(1, (self.n_groups, -1))  # (T, G, H*D/G)
         return self.wo_b(self.wo_a(o).flatten(1))
-    def __repr__(self): return 'PagedAttention' + CSA2Attention.__repr__(self)[len('CSA2Attention'):]
+    def __repr__(self):
+        return 'PagedAttention' + CSA2Attention.__repr__(self)[len('CSA2Attention'):]
 
 # %% ../nbs/10b_paged.ipynb #4c45c577
 def _frozen(t: torch.Tensor, dtype=None) -> nn.Parameter:
@@ -110,16 +135,19 @@ def _frozen(t: torch.Tensor, dtype=None) -> nn.Parameter:
 def paged_attention(att: Attention,           # a reference layer's attention (master weights)
                     cfg: ModelConfig,
                     kc: KVCacheConfig,        # the cache layout: its record formats
-                    attend=None,              # the attention core (default `sparse_decode`: kernel or reference by dispatch)
+                    # the attention core (default `sparse_decode`: kernel or reference by dispatch)
+                    attend=None,
                    ) -> PagedAttention:
     "The paged attention layer holding `att`'s weights as the checkpoint stores them"
     cc, dev = kc.cache_config, att.wq_a.weight.device
     with torch.device('meta'):
-        p = PagedAttention(cfg, att.layer, WINDOW_FORMAT, cc.main_kv_format, cc.index_key_format, attend=attend or sparse_decode)
+        p = PagedAttention(cfg, att.layer, WINDOW_FORMAT, cc.main_kv_format, cc.index_key_format,
+                           attend=attend or sparse_decode)
     fp8 = lambda lin: FP8Linear.from_master(lin.weight)
     p.wq_a, p.wq_b, p.wkv, p.wo_b = fp8(att.wq_a), fp8(att.wq_b), fp8(att.wkv), fp8(att.wo_b)
     p.wo_a = FP8Linear.from_master(att.wo_a.weight, act_quant=False, groups=cfg.o_groups)
-    p.q_norm.weight, p.kv_norm.weight, p.attn_sink = _frozen(att.q_norm.weight), _frozen(att.kv_norm.weight), _frozen(att.attn_sink)
+    p.q_norm.weight, p.kv_norm.weight = _frozen(att.q_norm.weight), _frozen(att.kv_norm.weight)
+    p.attn_sink = _frozen(att.attn_sink)
     if p.compressor is not None:
         c, d = p.compressor, att.compressor
         dt = torch.float32 if c.ratio > 1 else torch.bfloat16
@@ -129,7 +157,7 @@ def paged_attention(att: Attention,           # a reference layer's attention (m
         i, d = p.indexer, att.indexer
         i.wq_b, i.weights_proj = fp8(d.wq_b), PagedLinear(d.weights_proj.weight, fp32_out=True)
         if i.owns_keys: i.wk, i.k_norm.weight = PagedLinear(d.wk.weight), _frozen(d.k_norm.weight)
-    for m in (p, p.compressor, p.indexer):                     # RoPE tables computed on the CPU, as the reference's
+    for m in (p, p.compressor, p.indexer):  # RoPE tables computed on the CPU, as the reference's
         if m is not None: m.inv_freq = layer_inv_freq(cfg, p.ratio).to(dev)
     left = [n for n, t in [*p.named_parameters(), *p.named_buffers()] if t.is_meta]
     assert not left, f"paged_attention: {left} not filled"
@@ -139,100 +167,138 @@ def paged_attention(att: Attention,           # a reference layer's attention (m
 def moe_weights(moe: MoE, cfg: ModelConfig) -> MoEWeights:
     "A reference MoE's weights as the checkpoint stores them: routed experts MXFP4, the shared expert FP8"
     if (cfg.expert_dtype or cfg.dtype, cfg.dtype) != ('fp4', 'fp8'):
-        raise ValueError(f"moe_weights: the fused MoE takes MXFP4 experts and an FP8 shared expert, the config stores "
+        raise ValueError(f"moe_weights: the fused MoE takes MXFP4 experts and "
+                         f"an FP8 shared expert, the config stores "
                          f"{cfg.expert_dtype or cfg.dtype} and {cfg.dtype}")
-    stack = lambda ws, fmt: quantize_weight(torch.stack([w.weight.detach().float() for w in ws]), fmt)
+    def stack(ws, fmt):
+        return quantize_weight(torch.stack([w.weight.detach().float() for w in ws]), fmt)
     routed = [stack([getattr(e, n) for e in moe.experts], 'mxfp4') for n in ('w1', 'w2', 'w3')]
     shared = [stack([getattr(moe.shared_experts, n)], 'fp8') for n in ('w1', 'w2', 'w3')]
     g = moe.gate
-    return MoEWeights(g.weight.detach(), g.bias.detach().float(), None if g.bias_vl is None else g.bias_vl.detach().float(),
+    bias_vl = None if g.bias_vl is None else g.bias_vl.detach().float()
+    return MoEWeights(g.weight.detach(), g.bias.detach().float(), bias_vl,
                       *routed, *shared).check(cfg, len(moe.experts))
 
 def paged_engram(e: DenseEngram, cfg: ModelConfig, layer: int) -> Engram:
     "A reference Engram module as served: its table as FP8 records, `wkv` on its FP8 grid"
-    return Engram(cfg, layer, EngramTable.from_values(e.embed.weight.detach()), e.wkv.grid_weight().detach(),
-                  e.q_weight.detach(), e.k_weight.detach())
+    return Engram(cfg, layer, EngramTable.from_values(e.embed.weight.detach()),
+                  e.wkv.grid_weight().detach(), e.q_weight.detach(), e.k_weight.detach())
 
 class PagedLayer(nn.Module):
-    "One backbone layer on the serving path: Engram, the attention seam, CSA2 attention, the FFN seam, the fused MoE"
+    ("One backbone layer on the serving path: Engram, the attention seam, CSA2 attention, "
+     "the FFN seam, the fused MoE")
     def __init__(self, block: Block, cfg: ModelConfig, kc: KVCacheConfig, attend=None):
         super().__init__()
         self.layer, self.info = block.layer, layer_topology(cfg)[block.layer]
         self.attn = paged_attention(block.attn, cfg, kc, attend)
         self.moe = moe_weights(block.ffn, cfg)
-        self.engram = paged_engram(block.engram, cfg, block.layer) if block.engram is not None else None
-        hc = lambda s: HCWeights(*(getattr(block, f'hc_{s}_{p}').detach().float() for p in ('fn', 'base', 'scale')))
+        self.engram = (paged_engram(block.engram, cfg, block.layer) if block.engram is not None
+                       else None)
+        def hc(s):
+            return HCWeights(*(getattr(block, f'hc_{s}_{p}').detach().float()
+                               for p in ('fn', 'base', 'scale')))
         self.hc_attn, self.hc_ffn = hc('attn'), hc('ffn')
-        self.attn_norm, self.ffn_norm = block.attn_norm.weight.detach(), block.ffn_norm.weight.detach()
+        self.attn_norm = block.attn_norm.weight.detach()
+        self.ffn_norm = block.ffn_norm.weight.detach()
 
-    def __repr__(self): return f"PagedLayer({self.layer}, {self.info.half}, {self.info.role}{', Engram' if self.engram else ''})"
+    def __repr__(self):
+        engram = ', Engram' if self.engram else ''
+        return f"PagedLayer({self.layer}, {self.info.half}, {self.info.role}{engram})"
 
 # %% ../nbs/10b_paged.ipynb #f8b09630
 class PagedModel(nn.Module):
     "The model on the serving path: checkpoint-format weights, paged caches, one `forward` per scheduler step"
-    def __init__(self, cfg: ModelConfig, kv_cache_config: KVCacheConfig, layers: list, embed: torch.Tensor,
-                 norm: torch.Tensor, head: torch.Tensor, hasher=None):
+    def __init__(self, cfg: ModelConfig,
+                 kv_cache_config: KVCacheConfig,  # the cache layout
+                 layers: list,                    # the `PagedLayer`s, in order
+                 embed: torch.Tensor,             # (vocab_size, dim) token embeddings
+                 norm: torch.Tensor,              # (dim,) the final RMSNorm's weight
+                 head: torch.Tensor,              # (vocab_size, dim) the LM head
+                 hasher=None):                    # Engram's n-gram hasher (None without Engram)
         super().__init__()
         self.cfg, self.kv_cache_config = expect_config(cfg, 'PagedModel'), kv_cache_config
         if not isinstance(kv_cache_config, KVCacheConfig):
-            raise TypeError(f"PagedModel: expected a KVCacheConfig, got {type(kv_cache_config).__name__}")
+            raise TypeError(f"PagedModel: expected a KVCacheConfig, "
+                            f"got {type(kv_cache_config).__name__}")
         self.layers = nn.ModuleList(layers)
         self.register_buffer('embed', embed.detach()); self.register_buffer('norm', norm.detach())
         self.register_buffer('head', head.detach())
         self.hasher, self.state, self.topo = hasher, None, layer_topology(cfg)
         self.groups = {g.name: g for g in kv_cache_config.groups}
         self.first_decoder = min(i.layer for i in self.topo if i.half == 'decoder')
-        for i in self.topo[self.first_decoder:cfg.n_layers]:          # CED: the decoder reads only decoder layers' caches
-            if min(s for s in (i.kv_source, i.index_source, i.layer) if s is not None) < self.first_decoder:
-                raise ValueError(f"layer {i.layer} (decoder) reads an encoder layer's compressed KV or top-k: the decoder's "
-                                 f"global caches would not be complete after the encoder and layer {self.first_decoder}'s compressor")
+        # CED: the decoder reads only decoder layers' caches
+        for i in self.topo[self.first_decoder:cfg.n_layers]:
+            sources = [s for s in (i.kv_source, i.index_source, i.layer) if s is not None]
+            if min(sources) < self.first_decoder:
+                raise ValueError(f"layer {i.layer} (decoder) reads an encoder layer's "
+                                 f"compressed KV or top-k: the decoder's global caches "
+                                 f"would not be complete after the encoder and "
+                                 f"layer {self.first_decoder}'s compressor")
 
     def __repr__(self):
-        halves = f"encoder 0..{self.first_decoder - 1}, decoder {self.first_decoder}..{self.cfg.n_layers - 1}"
+        halves = (f"encoder 0..{self.first_decoder - 1}, "
+                  f"decoder {self.first_decoder}..{self.cfg.n_layers - 1}")
         return f"PagedModel({self.cfg.n_layers} layers: {halves}; cache groups {list(self.groups)})"
 
 # %% ../nbs/10b_paged.ipynb #6ded7207
 def _layout(cfg, kc):
     "The cache layout `kc` (default: `get_kv_cache_config(cfg)`), checked"
-    if kc is not None and not isinstance(kc, KVCacheConfig): raise TypeError(f"expected a KVCacheConfig, got {type(kc).__name__}")
+    if kc is not None and not isinstance(kc, KVCacheConfig):
+        raise TypeError(f"expected a KVCacheConfig, got {type(kc).__name__}")
     return kc or get_kv_cache_config(cfg)
 
 @patch(cls_method=True)
 def from_model(cls: PagedModel, model: Transformer,
-               kv_cache_config: KVCacheConfig | None = None,  # the cache layout (default `get_kv_cache_config(cfg)`)
-               attend=None,                                   # attention core for every layer (default `sparse_decode`)
+               # the cache layout (default `get_kv_cache_config(cfg)`)
+               kv_cache_config: KVCacheConfig | None = None,
+               # attention core for every layer (default `sparse_decode`)
+               attend=None,
               ) -> PagedModel:
     "The serving-path model of a reference `Transformer`, its weights quantised as the checkpoint stores them"
-    if not isinstance(model, Transformer): raise TypeError(f"from_model: expected a Transformer, got {type(model).__name__}")
+    if not isinstance(model, Transformer):
+        raise TypeError(f"from_model: expected a Transformer, got {type(model).__name__}")
     cfg = model.cfg
     kc = _layout(cfg, kv_cache_config)
     with torch.no_grad(): layers = [PagedLayer(b, cfg, kc, attend) for b in model.layers]
-    return cls(cfg, kc, layers, model.embed.weight, model.norm.weight, model.head.weight, model.hasher)
+    return cls(cfg, kc, layers, model.embed.weight, model.norm.weight, model.head.weight,
+               model.hasher)
 
 @patch(cls_method=True)
-def init_random(cls: PagedModel, cfg: ModelConfig, seed: int = 0, device=None, kv_cache_config=None, attend=None,
-                engram_map=None) -> PagedModel:
-    "`from_model(init_random(cfg, seed))` built one layer at a time on `device`: one layer's BF16 masters at a time"
+def init_random(cls: PagedModel, cfg: ModelConfig,
+                seed: int = 0,         # seeds each parameter's generator, with its name
+                device=None,           # where to build the model
+                kv_cache_config=None,  # as `from_model`'s
+                attend=None,           # as `from_model`'s
+                engram_map=None,       # as `Transformer`'s
+               ) -> PagedModel:
+    ("`from_model(init_random(cfg, seed))` built one layer at a time on `device`: "
+     "one layer's BF16 masters at a time")
     check_int('PagedModel.init_random', 'seed', seed, 0)
     ref = Transformer(cfg, engram_map, device='meta')
-    for name in ('embed', 'norm', 'head'): init_module_(getattr(ref, name), name, cfg, seed, device)
+    for name in ('embed', 'norm', 'head'):
+        init_module_(getattr(ref, name), name, cfg, seed, device)
     kc, layers = _layout(cfg, kv_cache_config), []
     with torch.no_grad():
         for i, block in enumerate(ref.layers):
             init_module_(block, f'layers.{i}', cfg, seed, device)
             layers.append(PagedLayer(block, cfg, kc, attend))
-            block.to('meta')                                                           # free the masters
+            block.to('meta')  # free the masters
     return cls(cfg, kc, layers, ref.embed.weight, ref.norm.weight, ref.head.weight, ref.hasher)
 
 # %% ../nbs/10b_paged.ipynb #ecb0b14f
 @patch
 def allocate(self: PagedModel,
-             num_blocks: int | dict | None = None,  # blocks per group: one count, {group name: count}, or the layout's pool
+             # blocks per group: one count, {group name: count}, or the layout's pool
+             num_blocks: int | dict | None = None,
              device=None) -> CSA2State:
-    "Empty caches for every member of the layout (block 0 of each group is the null block); kept as `self.state`"
+    ("Empty caches for every member of the layout (block 0 of each group is the null block); "
+     "kept as `self.state`")
     kc, cfg = self.kv_cache_config, self.cfg
-    counts = dict(num_blocks) if isinstance(num_blocks, dict) else dict.fromkeys(self.groups, num_blocks or kc.num_blocks)
-    if set(counts) != set(self.groups): raise ValueError(f"num_blocks: expected counts for the groups {sorted(self.groups)}, got {sorted(counts)}")
+    counts = (dict(num_blocks) if isinstance(num_blocks, dict)
+              else dict.fromkeys(self.groups, num_blocks or kc.num_blocks))
+    if set(counts) != set(self.groups):
+        raise ValueError(f"num_blocks: expected counts for the groups {sorted(self.groups)}, "
+                         f"got {sorted(counts)}")
     for g, n in counts.items(): check_int('allocate', f'blocks of group {g!r}', n, 2)
     attn, st = {l.layer: l.attn for l in self.layers}, CSA2State(cfg)
     for g in kc.groups:
@@ -240,10 +306,14 @@ def allocate(self: PagedModel,
         for m in g.members:
             a = attn.get(m.layer)
             if m.kind == 'swa':
-                rec = a.window_codec.record_bytes if a is not None else m.record_bytes           # drafter layers: reserved
+                # drafter layers: reserved
+                rec = a.window_codec.record_bytes if a is not None else m.record_bytes
                 st.window[m.layer] = torch.zeros(n, bs, rec, dtype=torch.uint8, device=device)
-            elif m.kind == 'main_kv': st.compressed[m.layer], st.main_codec = a.compressor.new_cache(n, bs, device), a.compressor.codec
-            elif m.kind == 'index_k': st.index_keys[m.layer] = a.indexer.new_key_cache(n, bs, device)
+            elif m.kind == 'main_kv':
+                st.compressed[m.layer] = a.compressor.new_cache(n, bs, device)
+                st.main_codec = a.compressor.codec
+            elif m.kind == 'index_k':
+                st.index_keys[m.layer] = a.indexer.new_key_cache(n, bs, device)
             else: st.rings[m.layer] = a.compressor.new_ring(n, device)
     self.state, self.num_blocks = st, counts
     return st
@@ -252,52 +322,72 @@ def allocate(self: PagedModel,
 def cache_bytes(self: PagedModel) -> dict:
     "Bytes of the allocated cache tensors, by group"
     if self.state is None: raise RuntimeError("cache_bytes: no caches yet (call allocate)")
-    s, kinds = self.state, {'swa': 'window', 'main_kv': 'compressed', 'index_k': 'index_keys', 'compressor_state': 'rings'}
+    s, kinds = self.state, {'swa': 'window', 'main_kv': 'compressed', 'index_k': 'index_keys',
+                            'compressor_state': 'rings'}
     nbytes = lambda m: (t := getattr(s, kinds[m.kind])[m.layer]).numel() * t.element_size()
     return {g.name: sum(nbytes(m) for m in g.members) for g in self.kv_cache_config.groups}
 
 # %% ../nbs/10b_paged.ipynb #77210743
 @dataclass
 class PagedStep:
-    "One forward step: every scheduled request's rows, where they read and write, and which rows reach the head"
-    token_ids: torch.Tensor     # (T,) int64 token of each row
-    history: torch.Tensor       # (T, n-1) int64 the n-1 tokens before each row, oldest first, -1 before the sequence (Engram)
-    rows: torch.Tensor          # (T,) int32 each row's request: its row in the block tables
-    slots: SlotMappings         # positions and write slots of every row (`KVCacheManager.slot_mappings`)
-    block_tables: tuple         # (R, width) int32 per cache group, in the layout's group order
-    window_start: torch.Tensor  # (R,) int64 first position whose window records exist (0 unless a replayed prefix hit)
-    replay_start: torch.Tensor  # (R,) int64 first position that runs the decoder (0: full-stack)
-    logits_rows: torch.Tensor   # (m,) int64 rows whose logits `forward` returns (rows that run the decoder)
-    decode_only: bool = False   # one row per request, each running the decoder and returning logits: nothing read back
+    ("One forward step: every scheduled request's rows, where they read and write, "
+     "and which rows reach the head")
+    # (T,) int64 token of each row
+    token_ids: torch.Tensor
+    # (T, n-1) int64 the n-1 tokens before each row, oldest first, -1 before the sequence (Engram)
+    history: torch.Tensor
+    # (T,) int32 each row's request: its row in the block tables
+    rows: torch.Tensor
+    # positions and write slots of every row (`KVCacheManager.slot_mappings`)
+    slots: SlotMappings
+    # (R, width) int32 per cache group, in the layout's group order
+    block_tables: tuple
+    # (R,) int64 first position whose window records exist (0 unless a replayed prefix hit)
+    window_start: torch.Tensor
+    # (R,) int64 first position that runs the decoder (0: full-stack)
+    replay_start: torch.Tensor
+    # (m,) int64 rows whose logits `forward` returns (rows that run the decoder)
+    logits_rows: torch.Tensor
+    # one row per request, each running the decoder and returning logits: nothing read back
+    decode_only: bool = False
 
 def _tensor(name, t, shape, dtypes):
-    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or (shape is not None and tuple(t.shape) != tuple(shape)):
-        raise TypeError(f"PagedStep.{name}: expected {' or '.join(map(str, dtypes))} of shape {shape}, "
-                        f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if (not isinstance(t, torch.Tensor) or t.dtype not in dtypes
+            or (shape is not None and tuple(t.shape) != tuple(shape))):
+        raise TypeError(f"PagedStep.{name}: expected {' or '.join(map(str, dtypes))} "
+                        f"of shape {shape}, got {getattr(t, 'dtype', type(t).__name__)} "
+                        f"{tuple(getattr(t, 'shape', ()))}")
 
 @patch
 def check(self: PagedModel, s: PagedStep) -> PagedStep:
     "`s` if this model can run it; else an error naming the field (one device sync: the values are checked)"
     if not isinstance(s, PagedStep) or not isinstance(s.slots, SlotMappings):
         raise TypeError(f"forward: expected a PagedStep with SlotMappings, got {type(s).__name__}")
-    ints, T = (torch.int32, torch.int64), len(getattr(s.token_ids, 'shape', ())) and s.token_ids.shape[0]
+    ints = (torch.int32, torch.int64)
+    T = len(getattr(s.token_ids, 'shape', ())) and s.token_ids.shape[0]
     if len(s.block_tables) != len(self.groups):
-        raise ValueError(f"PagedStep.block_tables: expected {len(self.groups)} tables (groups {list(self.groups)}), got {len(s.block_tables)}")
+        raise ValueError(f"PagedStep.block_tables: expected {len(self.groups)} tables "
+                         f"(groups {list(self.groups)}), got {len(s.block_tables)}")
     R, n = s.block_tables[0].shape[0], self.cfg.engram_max_ngram_size - 1
-    for name, t, shape, dt in (('token_ids', s.token_ids, (T,), (torch.int64,)), ('rows', s.rows, (T,), ints),
-                               ('positions', s.slots.positions, (T,), ints), ('window_start', s.window_start, (R,), ints),
-                               ('replay_start', s.replay_start, (R,), ints), ('logits_rows', s.logits_rows, None, ints),
-                               ('history', s.history, (T, n) if self.hasher is not None else None, (torch.int64,))):
-        _tensor(name, t, shape, dt)
+    checks = (('token_ids', s.token_ids, (T,), (torch.int64,)),
+              ('rows', s.rows, (T,), ints),
+              ('positions', s.slots.positions, (T,), ints),
+              ('window_start', s.window_start, (R,), ints),
+              ('replay_start', s.replay_start, (R,), ints),
+              ('logits_rows', s.logits_rows, None, ints),
+              ('history', s.history, (T, n) if self.hasher is not None else None, (torch.int64,)))
+    for name, t, shape, dt in checks: _tensor(name, t, shape, dt)
     if T == 0: raise ValueError("PagedStep: a step needs at least one row")
     if s.decode_only and (tuple(s.logits_rows.shape) != (T,) or R != T):
-        raise ValueError(f"PagedStep.decode_only: needs one row per request and every row's logits; got {T} rows, {R} requests, "
+        raise ValueError(f"PagedStep.decode_only: needs one row per request "
+                         f"and every row's logits; got {T} rows, {R} requests, "
                          f"{len(s.logits_rows)} logits rows")
-    if capturing(): return s                                                   # values unread: the host checked them
-    for name, v, hi in (('token_ids', s.token_ids, self.cfg.vocab_size), ('rows', s.rows, R), ('logits_rows', s.logits_rows, T),
-                        ('positions', s.slots.positions, 2**62)):
+    if capturing(): return s  # values unread: the host checked them
+    for name, v, hi in (('token_ids', s.token_ids, self.cfg.vocab_size), ('rows', s.rows, R),
+                        ('logits_rows', s.logits_rows, T), ('positions', s.slots.positions, 2**62)):
         if v.numel() and (int(v.min()) < 0 or int(v.max()) >= hi):
-            raise ValueError(f"PagedStep.{name}: holds {int(v.min())}..{int(v.max())}, outside 0..{hi - 1}")
+            raise ValueError(f"PagedStep.{name}: holds {int(v.min())}..{int(v.max())}, "
+                             f"outside 0..{hi - 1}")
     return s
 
 # %% ../nbs/10b_paged.ipynb #eefcc7b2
@@ -305,22 +395,28 @@ def check(self: PagedModel, s: PagedStep) -> PagedStep:
 def csa2_step(self: PagedModel, s: PagedStep) -> PagedCSA2Step:
     "The `CSA2Step` of step `s` (window floors at each request's `window_start`)"
     gw, gg = self.groups['swa'], self.groups['global']
-    return PagedCSA2Step(s.slots.positions, s.rows.int(), s.block_tables[gw.group_id], s.block_tables[gg.group_id], gw.block_size,
-                         gg.block_size, s.slots.swa, dict(s.slots.compressed), s.slots.ring, window_floor=s.window_start.long()[s.rows.long()])
+    return PagedCSA2Step(s.slots.positions, s.rows.int(), s.block_tables[gw.group_id],
+                         s.block_tables[gg.group_id], gw.block_size, gg.block_size, s.slots.swa,
+                         dict(s.slots.compressed), s.slots.ring,
+                         window_floor=s.window_start.long()[s.rows.long()])
 
 def decoder_step(step: PagedCSA2Step, rows: torch.Tensor, floor: torch.Tensor) -> PagedCSA2Step:
-    "The step of `rows` alone, window floors `floor`, with nothing left to emit into the global caches or rings"
+    ("The step of `rows` alone, window floors `floor`, "
+     "with nothing left to emit into the global caches or rings")
     pad = lambda t: torch.full_like(t[rows], PAD_SLOT_ID)
-    return replace(step, positions=step.positions[rows], rows=step.rows[rows], swa_slots=step.swa_slots[rows],
+    return replace(step, positions=step.positions[rows], rows=step.rows[rows],
+                   swa_slots=step.swa_slots[rows],
                    compressed_slots={r: pad(v) for r, v in step.compressed_slots.items()},
-                   ring_slots=None if step.ring_slots is None else pad(step.ring_slots), window_floor=floor)
+                   ring_slots=None if step.ring_slots is None else pad(step.ring_slots),
+                   window_floor=floor)
 
 # %% ../nbs/10b_paged.ipynb #f6f24396
 @patch
 def _enter(self: PagedModel, l: PagedLayer, x, f, post, comb, pre, hashes, mask) -> SeamOut:
     "Layer `l` up to its attention input: Engram on the updated copies (if any), then the attention seam"
     if l.engram is not None:
-        if f is not None: x, f, post, comb = mhc_seam(x, f, post, comb, cfg=self.cfg).x, None, None, None
+        if f is not None:
+            x, f, post, comb = mhc_seam(x, f, post, comb, cfg=self.cfg).x, None, None, None
         x = l.engram(x, hashes[:, l.engram.layer_index], mask)
     return mhc_seam(x, f, post, comb, pre, l.hc_attn, l.attn_norm, self.cfg)
 
@@ -333,23 +429,33 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
 
 @patch
 def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
-    "The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K (both with the router in two launches); on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)"
+    ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K "
+     "(both with the router in two launches); "
+     "on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)")
     if kernel_backend(y, l.moe.w1.codes) == 'triton':
-        if getattr(l, '_moe32', None) is None:                  # the router's fp32 GEMM: its gate widened once, not every step
+        # the router's fp32 GEMM: its gate widened once, not every step
+        if getattr(l, '_moe32', None) is None:
             l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-        if y.shape[0] <= GEMV_MAX_TOKENS: return moe_gemv_forward(y, l._moe32, self.cfg, router=partial(fused_route, split_k=True))
+        if y.shape[0] <= GEMV_MAX_TOKENS:
+            return moe_gemv_forward(y, l._moe32, self.cfg,
+                                    router=partial(fused_route, split_k=True))
         return moe_forward(y, l._moe32, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
-    if getattr(l, '_dense_moe', None) is None:                  # BF16 weights: the loop's GEMMs are then the reference's own
-        l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16() for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
-    return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit, l._dense_moe)
+    # BF16 weights: the loop's GEMMs are then the reference's own
+    if getattr(l, '_dense_moe', None) is None:
+        l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()
+                        for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
+    return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit,
+                                 l._dense_moe)
 
 # %% ../nbs/10b_paged.ipynb #022ceea4
 @patch
 def _emit_global(self: PagedModel, l: PagedLayer, y: torch.Tensor, step: PagedCSA2Step):
-    "Layer `l`'s compressed KV and index keys for every row of `step` (the first decoder layer, before the rows part)"
+    ("Layer `l`'s compressed KV and index keys for every row of `step` "
+     "(the first decoder layer, before the rows part)")
     a, s = l.attn, self.state
     slots = step.compressed_slots[a.ratio]
-    latent = a.compressor(y, step.positions, step.ring_slots if a.ratio > 1 else None, slots, s.rings.get(a.layer), s.compressed[a.layer])
+    latent = a.compressor(y, step.positions, step.ring_slots if a.ratio > 1 else None, slots,
+                          s.rings.get(a.layer), s.compressed[a.layer])
     a.indexer.store_keys(latent, step.positions, slots, s.index_keys[a.layer])
 
 @patch
@@ -358,7 +464,8 @@ def _hashes(self: PagedModel, s: PagedStep, mask) -> torch.Tensor | None:
     if self.hasher is None: return None
     self.hasher = self.hasher.to(s.token_ids.device)
     hist = torch.where(s.history == self.cfg.image_token_id, -1, s.history)
-    return self.hasher(s.token_ids[:, None], None if mask is None else mask[:, None], hist, check=False)[:, 0]
+    return self.hasher(s.token_ids[:, None], None if mask is None else mask[:, None], hist,
+                       check=False)[:, 0]
 
 # %% ../nbs/10b_paged.ipynb #c6a0522b
 @patch
@@ -368,19 +475,20 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     if self.state is None: raise RuntimeError("forward: no caches (call allocate first)")
     cfg, st = self.cfg, self.csa2_step(self.check(s))
     T, r = len(s.token_ids), s.rows.long()
-    text = s.token_ids != cfg.image_token_id                                        # Engram's n-grams skip image tokens
-    mask = text if s.decode_only else None if bool(text.all()) else text            # a decode step: no read-back (its ids may be
-                                                                                    # filled on the device, 12c_cuda_graphs)
-    x, pre = hc_expand(F.embedding(s.token_ids, self.embed), cfg.hc_mult)          # (T, hc, dim), (T, hc)
+    text = s.token_ids != cfg.image_token_id  # Engram's n-grams skip image tokens
+    # a decode step: no read-back (its ids may be filled on the device, 12c_cuda_graphs)
+    mask = text if s.decode_only else None if bool(text.all()) else text
+    x, pre = hc_expand(F.embedding(s.token_ids, self.embed), cfg.hc_mult)  # (T, hc, dim), (T, hc)
     f = post = comb = None
     hashes = self._hashes(s, mask)
-    dec = torch.arange(T, device=r.device) if s.decode_only else (st.positions >= s.replay_start[r]).nonzero().flatten()
+    dec = (torch.arange(T, device=r.device) if s.decode_only
+           else (st.positions >= s.replay_start[r]).nonzero().flatten())
     floor = torch.maximum(s.window_start, s.replay_start).long()[r][dec]
     for l in self.layers:
         if l.layer == self.first_decoder and len(dec) < T:                          # bounded replay
             sa = self._enter(l, x, f, post, comb, pre, hashes, mask)
             self._emit_global(l, sa.y, st)
-            if len(dec) == 0: break                                                 # an encoder-only chunk
+            if len(dec) == 0: break  # an encoder-only chunk
             sa = SeamOut(*(None if t is None else t[dec] for t in sa))
             hashes, mask = (None if t is None else t[dec] for t in (hashes, mask))
             st = decoder_step(st, dec, floor)
@@ -395,7 +503,8 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     lr = where[s.logits_rows.long()]
     if bool((lr < 0).any()):
         i = int(s.logits_rows[lr < 0][0])
-        raise ValueError(f"logits_rows: row {i} (position {int(s.slots.positions[i])}) runs the encoder only "
+        raise ValueError(f"logits_rows: row {i} (position {int(s.slots.positions[i])}) "
+                         f"runs the encoder only "
                          f"(its request replays the decoder from {int(s.replay_start[r[i]])})")
     return self._logits(x, pre, f, post, comb, lr)
 
@@ -403,15 +512,18 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
 def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
     "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
     y = hc_collapse(x[lr], pre[lr], self.norm, self.cfg, f[lr], post[lr], comb[lr])    # (m, dim)
-    if len(lr) <= HEAD_MAX_T and self.head.dtype == torch.bfloat16 and kernel_backend(y, self.head) == 'triton':
-        return head_logits(y.float(), self.head)                                      # reads the BF16 head itself
+    if (len(lr) <= HEAD_MAX_T and self.head.dtype == torch.bfloat16
+            and kernel_backend(y, self.head) == 'triton'):
+        return head_logits(y.float(), self.head)  # reads the BF16 head itself
     return F.linear(y.float(), self._head_fp32())
 
 @patch
 def _head_fp32(self: PagedModel) -> torch.Tensor:
-    "The head's BF16 values in fp32, converted once per device rather than at every step (the logits are an fp32 product)"
+    ("The head's BF16 values in fp32, converted once per device rather than at every step "
+     "(the logits are an fp32 product)")
     h = getattr(self, '_head32', None)
-    if h is None or h.device != self.head.device or h.shape != self.head.shape: h = self._head32 = self.head.float()
+    if h is None or h.device != self.head.device or h.shape != self.head.shape:
+        h = self._head32 = self.head.float()
     return h
 
 # %% ../nbs/10b_paged.ipynb #cb1fce91
@@ -423,15 +535,20 @@ def token_history(token_ids: torch.Tensor,  # (L,) int64 a request's tokens so f
     return torch.where(idx >= 0, token_ids.to(positions.device)[idx.clamp_min(0)], -1)
 
 class PagedRunner:
-    "Greedy generation on a `PagedModel` with a `KVCacheManager` of its layout: chunked prefill, then one token per step"
+    ("Greedy generation on a `PagedModel` with a `KVCacheManager` of its layout: "
+     "chunked prefill, then one token per step")
     def __init__(self, model: PagedModel,
-                 max_num_batched_tokens: int = 256,  # rows per step, prefill chunks and decode rows together
-                 bounded_replay: bool = True):       # prefill the decoder over each prompt's last `window` tokens only
-        if not isinstance(model, PagedModel): raise TypeError(f"PagedRunner: expected a PagedModel, got {type(model).__name__}")
+                 # rows per step, prefill chunks and decode rows together
+                 max_num_batched_tokens: int = 256,
+                 # prefill the decoder over each prompt's last `window` tokens only
+                 bounded_replay: bool = True):
+        if not isinstance(model, PagedModel):
+            raise TypeError(f"PagedRunner: expected a PagedModel, got {type(model).__name__}")
         self.model, self.bounded_replay = model, bool(bounded_replay)
         self.budget = check_int('PagedRunner', 'max_num_batched_tokens', max_num_batched_tokens, 1)
-        self.kv, self.device, self.served = KVCacheManager(model.kv_cache_config), model.embed.device, 0
-        model.allocate(device=self.device)                                           # fresh caches for a fresh pool
+        self.kv = KVCacheManager(model.kv_cache_config)
+        self.device, self.served = model.embed.device, 0
+        model.allocate(device=self.device)  # fresh caches for a fresh pool
 
 # %% ../nbs/10b_paged.ipynb #3731a066
 @patch
@@ -440,19 +557,22 @@ def _step(self: PagedRunner, reqs: list, plan: list) -> PagedStep:
     kv, cfg, dev = self.kv, self.model.cfg, self.device
     ids = [reqs[i].request_id for i, _, _ in plan]
     sm = kv.slot_mappings([(reqs[i].request_id, a, m) for i, a, m in plan])
-    sm = SlotMappings(sm.positions.to(dev), sm.swa.to(dev), {r: v.to(dev) for r, v in sm.compressed.items()},
+    sm = SlotMappings(sm.positions.to(dev), sm.swa.to(dev),
+                      {r: v.to(dev) for r, v in sm.compressed.items()},
                       None if sm.ring is None else sm.ring.to(dev))
     toks, hist, rows, last, replay = [], [], [], [], []
     for k, (i, a, m) in enumerate(plan):
         seq = torch.tensor(reqs[i].all_token_ids, device=dev)
         toks.append(seq[a:a + m]); rows.append(torch.full((m,), k, dtype=torch.int32, device=dev))
-        hist.append(token_history(seq, torch.arange(a, a + m, device=dev), cfg.engram_max_ngram_size - 1))
+        hist.append(token_history(seq, torch.arange(a, a + m, device=dev),
+                                  cfg.engram_max_ngram_size - 1))
         if a + m == len(seq): last.append(sum(map(len, toks)) - 1)
         L = reqs[i].num_prompt_tokens
         replay.append(L - min(cfg.window_size, L) if self.bounded_replay else 0)
     tables = tuple(kv.block_table(ids, g).to(dev) for g in range(kv.num_groups))
     t = lambda v: torch.tensor(v, dtype=torch.long, device=dev)
-    return PagedStep(torch.cat(toks), torch.cat(hist), torch.cat(rows), sm, tables, t([0] * len(plan)), t(replay), t(last))
+    return PagedStep(torch.cat(toks), torch.cat(hist), torch.cat(rows), sm, tables,
+                     t([0] * len(plan)), t(replay), t(last))
 
 # %% ../nbs/10b_paged.ipynb #a484e4ad
 @patch
@@ -460,7 +580,8 @@ def generate(self: PagedRunner, prompts: list, n: int) -> tuple:
     "(each prompt followed by its n greedy tokens, the (n, vocab) fp32 logits each token was chosen from)"
     check_int('generate', 'n', n, 1)
     if not prompts or any(not isinstance(p, (list, tuple)) or not p for p in prompts):
-        raise ValueError("generate: expected a non-empty list of prompts, each a non-empty list of token ids")
+        raise ValueError("generate: expected a non-empty list of prompts, "
+                         "each a non-empty list of token ids")
     self.served += 1
     reqs = [self.kv.new_request(f'g{self.served}.{i}', list(p)) for i, p in enumerate(prompts)]
     logits = [[] for _ in reqs]
@@ -470,25 +591,31 @@ def generate(self: PagedRunner, prompts: list, n: int) -> tuple:
             for i, r in enumerate(reqs):
                 m = min(r.num_tokens - r.num_computed_tokens, budget)
                 if len(logits[i]) == n or m == 0: continue
-                if self.kv.allocate_slots(r, m) is None:                 # full: a new request waits, a running one cannot
+                # full: a new request waits, a running one cannot
+                if self.kv.allocate_slots(r, m) is None:
                     if r.num_computed_tokens == 0 and plan: continue
-                    raise RuntimeError(f"generate: the cache pool ({self.kv.block_pool.num_usable_blocks} blocks) is full")
+                    raise RuntimeError(f"generate: the cache pool "
+                                       f"({self.kv.block_pool.num_usable_blocks} blocks) is full")
                 plan.append((i, r.num_computed_tokens, m)); budget -= m
             out, j = self.model(self._step(reqs, plan)), 0
             for i, a, m in plan:
                 reqs[i].num_computed_tokens += m
                 if a + m == reqs[i].num_tokens:
-                    logits[i].append(out[j]); reqs[i].append_output_token_ids(int(out[j].argmax())); j += 1
-                    if len(logits[i]) == n: self.kv.free(reqs[i])                # done: its blocks go back now
+                    logits[i].append(out[j]); reqs[i].append_output_token_ids(int(out[j].argmax()))
+                    j += 1
+                    if len(logits[i]) == n: self.kv.free(reqs[i])  # done: its blocks go back now
     finally:
         for r in reqs: self.kv.free(r, missing_ok=True)
     return [list(r.all_token_ids) for r in reqs], [torch.stack(l) for l in logits]
 
 # %% ../nbs/10b_paged.ipynb #29b60a43
 def _attend_fp64(q, keys, allowed, sink, scale) -> tuple:
-    "(out (B, S, H, D) fp64, lse (B, S, H)): softmax with a sink over the allowed keys (B, N, D), every sum in fp64"
-    s = (torch.einsum('bshd,bnd->bshn', q.double(), keys.double()) * scale).masked_fill(~allowed[:, :, None, :], -torch.inf)
-    lse = torch.logsumexp(torch.cat([s, sink.double().expand(*s.shape[:-1])[..., None]], -1), -1, keepdim=True)
+    ("(out (B, S, H, D) fp64, lse (B, S, H)): "
+     "softmax with a sink over the allowed keys (B, N, D), every sum in fp64")
+    s = torch.einsum('bshd,bnd->bshn', q.double(), keys.double()) * scale
+    s = s.masked_fill(~allowed[:, :, None, :], -torch.inf)
+    sinks = sink.double().expand(*s.shape[:-1])[..., None]
+    lse = torch.logsumexp(torch.cat([s, sinks], -1), -1, keepdim=True)
     return torch.einsum('bshn,bnd->bshd', torch.exp(s - lse), keys.double()), lse[..., 0]
 
 def dense_attention_fp64(q, keys, allowed, sink, scale) -> torch.Tensor:
@@ -496,14 +623,16 @@ def dense_attention_fp64(q, keys, allowed, sink, scale) -> torch.Tensor:
     return _attend_fp64(q, keys, allowed, sink, scale)[0].to(q.dtype)
 
 def attention_fp64(q, window, compressed, idx, sink, scale, check_indices: bool = True) -> tuple:
-    "`sparse_attention_reference` summed in fp64 (same arguments): its result no longer depends on the order of its sums"
-    keys, live = gather_keys(window, compressed, idx)                                   # (T, N, D), (T, N)
+    ("`sparse_attention_reference` summed in fp64 (same arguments): "
+     "its result no longer depends on the order of its sums")
+    keys, live = gather_keys(window, compressed, idx)  # (T, N, D), (T, N)
     out, lse = _attend_fp64(q[:, None], keys, live[:, None], sink, scale)
     return out[:, 0].to(torch.bfloat16), lse[:, 0].float()
 
 @contextlib.contextmanager
 def fp64_attention(paged: PagedModel):
-    "Inside the block, the reference path and `paged`'s layers attend in fp64 (a comparison knob, restored on exit)"
+    ("Inside the block, the reference path and `paged`'s layers attend in fp64 "
+     "(a comparison knob, restored on exit)")
     before = reference.dense_attention, [l.attn.attend for l in paged.layers]
     reference.dense_attention = dense_attention_fp64
     for l in paged.layers: l.attn.attend = attention_fp64
@@ -513,7 +642,8 @@ def fp64_attention(paged: PagedModel):
         for l, a in zip(paged.layers, before[1]): l.attn.attend = a
 
 def logits_tolerance(paged: PagedModel) -> float:
-    "Largest difference two fp32 LM-head products of the same BF16 input may show (the dot-product rounding bound, twice)"
+    ("Largest difference two fp32 LM-head products of the same BF16 input may show "
+     "(the dot-product rounding bound, twice)")
     d, u = paged.cfg.dim, 2.0 ** -24
     gamma = d * u / (1 - d * u)
     y_norm = math.sqrt(d) * paged.norm.float().abs().max().item() * (1 + 2 ** -8)
@@ -523,7 +653,8 @@ def logits_tolerance(paged: PagedModel) -> float:
 class BF16Record(RecordCodec):
     "Vectors stored as their BF16 values, 2 bytes each: an exact cache for comparisons (PyTorch path only)"
     def __init__(self, name: str, dim: int):
-        self.name, self.dim, self.record_bytes = name, check_int('BF16Record', 'dim', dim, 1), 2 * dim
+        self.name, self.dim = name, check_int('BF16Record', 'dim', dim, 1)
+        self.record_bytes = 2 * dim
         self.fields = (Field('values', 0, 2 * dim, 'BF16'),)
     def _pack(self, x): return x.to(torch.bfloat16).contiguous().view(torch.uint8)
     def _unpack(self, r): return r.contiguous().view(torch.bfloat16).float()
@@ -533,29 +664,36 @@ def exact_caches(self: PagedModel) -> PagedModel:
     "This model with BF16 window and compressed-KV records in every layer (allocate after calling it)"
     for l in self.layers:
         l.attn.window_codec = BF16Record('window_bf16', self.cfg.head_dim)
-        if l.attn.compressor is not None: l.attn.compressor.codec = BF16Record('main_bf16', self.cfg.head_dim)
+        if l.attn.compressor is not None:
+            l.attn.compressor.codec = BF16Record('main_bf16', self.cfg.head_dim)
     self.state = None
     return self
 
 # %% ../nbs/10b_paged.ipynb #bc6bb202
 def context_blocks(kc: KVCacheConfig, tokens: int, chunk: int) -> dict:
-    "Blocks per group (the null block included) that one request of `tokens` tokens uses, prefilled `chunk` rows at a time"
+    ("Blocks per group (the null block included) that one request of `tokens` tokens uses, "
+     "prefilled `chunk` rows at a time")
     check_int('context_blocks', 'tokens', tokens, 1); check_int('context_blocks', 'chunk', chunk, 1)
-    if not isinstance(kc, KVCacheConfig): raise TypeError(f"context_blocks: expected a KVCacheConfig, got {type(kc).__name__}")
+    if not isinstance(kc, KVCacheConfig):
+        raise TypeError(f"context_blocks: expected a KVCacheConfig, got {type(kc).__name__}")
     out = {}
     for g in kc.groups:
         if g.manager == 'global': n = triton.cdiv(tokens, g.block_size)
-        elif g.manager == 'sliding_window': n = triton.cdiv(min(chunk, tokens) + g.sliding_window, g.block_size) + 1
+        elif g.manager == 'sliding_window':
+            n = triton.cdiv(min(chunk, tokens) + g.sliding_window, g.block_size) + 1
         else: n = 1
         out[g.name] = n + 1
     return out
 
 # %% ../nbs/10b_paged.ipynb #387f937e
-def single_request_steps(model: PagedModel, token_ids: torch.Tensor,  # (L,) int64 the prompt
-                         chunk: int,                                   # rows per step
-                         bounded_replay: bool = True,                  # the decoder runs on the last `window` tokens only
-                         blocks: dict | None = None):                  # blocks per group (default `context_blocks`)
-    "The `PagedStep`s of one request's prefill (the last step returns the last position's logits), block ids local to each group"
+def single_request_steps(model: PagedModel,
+                         token_ids: torch.Tensor,      # (L,) int64 the prompt
+                         chunk: int,                   # rows per step
+                         # the decoder runs on the last `window` tokens only
+                         bounded_replay: bool = True,
+                         blocks: dict | None = None):  # blocks per group (default `context_blocks`)
+    ("The `PagedStep`s of one request's prefill "
+     "(the last step returns the last position's logits), block ids local to each group")
     from dsv41_nb.block_pool import slot_mapping, compressed_slot_mapping, ring_slot_mapping
     cfg, kc, dev, L = model.cfg, model.kv_cache_config, token_ids.device, len(token_ids)
     blocks = blocks or context_blocks(kc, L, chunk)
@@ -568,40 +706,55 @@ def single_request_steps(model: PagedModel, token_ids: torch.Tensor,  # (L,) int
     for a in range(0, L, chunk):
         pos = torch.arange(a, min(a + chunk, L), device=dev)
         glob = gid['global']
-        comp = {r: compressed_slot_mapping(tables[glob.group_id][0], pos, glob.block_size, r) for r in glob.ratios}
-        ring = ring_slot_mapping(1, pos, gid['compressor'].block_size) if 'compressor' in gid else None
-        sm = SlotMappings(pos, slot_mapping(tables[gid['swa'].group_id][0], pos, gid['swa'].block_size), comp, ring)
+        comp = {r: compressed_slot_mapping(tables[glob.group_id][0], pos, glob.block_size, r)
+                for r in glob.ratios}
+        ring = (ring_slot_mapping(1, pos, gid['compressor'].block_size) if 'compressor' in gid
+                else None)
+        swa = slot_mapping(tables[gid['swa'].group_id][0], pos, gid['swa'].block_size)
+        sm = SlotMappings(pos, swa, comp, ring)
         last = torch.tensor([len(pos) - 1] if a + chunk >= L else [], dtype=torch.long, device=dev)
-        yield PagedStep(token_ids[pos], token_history(token_ids, pos, cfg.engram_max_ngram_size - 1),
+        yield PagedStep(token_ids[pos],
+                        token_history(token_ids, pos, cfg.engram_max_ngram_size - 1),
                         torch.zeros(len(pos), dtype=torch.int32, device=dev), sm, tuple(tables),
                         torch.zeros(1, dtype=torch.long, device=dev), replay, last)
 
 @patch
-def prefill(self: PagedModel, token_ids: torch.Tensor, chunk: int, bounded_replay: bool = True, blocks=None) -> torch.Tensor:
+def prefill(self: PagedModel,
+            token_ids: torch.Tensor,      # (L,) int64 the prompt
+            chunk: int,                   # rows per step
+            bounded_replay: bool = True,  # as `single_request_steps`'s
+            blocks=None,                  # blocks per group (default `context_blocks`)
+           ) -> torch.Tensor:
     "Fresh caches for one request, its prefill in chunks; the (vocab,) logits of its last position"
-    self.allocate(blocks or context_blocks(self.kv_cache_config, len(token_ids), chunk), token_ids.device)
+    self.allocate(blocks or context_blocks(self.kv_cache_config, len(token_ids), chunk),
+                  token_ids.device)
     for s in single_request_steps(self, token_ids, chunk, bounded_replay, blocks): out = self(s)
     return out[0]
 
 # %% ../nbs/10b_paged.ipynb #7cc95fc5
 def replay_agreement(model: PagedModel, prompts: list, max_blocks: int = 1024) -> dict:
-    "Bounded replay against full-stack prefill on `prompts`, two greedy tokens each: agreement, logit differences, margins, times"
+    ("Bounded replay against full-stack prefill on `prompts`, two greedy tokens each: "
+     "agreement, logit differences, margins, times")
     out, secs = {}, {}
     for mode in (False, True):
         t0 = time.perf_counter()
         out[mode] = PagedRunner(model, max_blocks, bounded_replay=mode).generate(prompts, 2)
         secs[mode] = time.perf_counter() - t0
     (s_full, lg_full), (s_rep, lg_rep) = out[False], out[True]
-    first_full, first_rep = torch.stack([l[0] for l in lg_full]), torch.stack([l[0] for l in lg_rep])
+    first_full = torch.stack([l[0] for l in lg_full])
+    first_rep = torch.stack([l[0] for l in lg_rep])
     top2 = first_full.topk(2, -1).values
-    return dict(agree=first_full.argmax(-1) == first_rep.argmax(-1),                      # (n,) same first token
-                both=sum(a[len(q):] == b[len(q):] for a, b, q in zip(s_full, s_rep, prompts)),   # both tokens the same
-                diff=(first_full - first_rep).abs().amax(-1), margin=top2[:, 0] - top2[:, 1],  # (n,) each
+    return dict(agree=first_full.argmax(-1) == first_rep.argmax(-1),  # (n,) same first token
+                # both tokens the same
+                both=sum(a[len(q):] == b[len(q):] for a, b, q in zip(s_full, s_rep, prompts)),
+                # (n,) each
+                diff=(first_full - first_rep).abs().amax(-1), margin=top2[:, 0] - top2[:, 1],
                 std=first_full.std().item(), full_s=secs[False], replay_s=secs[True])
 
 # %% ../nbs/10b_paged.ipynb #902dbddd
-WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers', 'attention (FP8, some BF16)',
-                'Engram tables (FP8)', 'Engram projections', 'mHC and norms', 'embedding, head, final norm (BF16)')
+WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers',
+                'attention (FP8, some BF16)', 'Engram tables (FP8)', 'Engram projections',
+                'mHC and norms', 'embedding, head, final norm (BF16)')
 
 @patch
 def weight_bytes(self: PagedModel) -> dict:
@@ -611,9 +764,11 @@ def weight_bytes(self: PagedModel) -> dict:
     out = dict.fromkeys(WEIGHT_KINDS, 0)
     for l in self.layers:
         m, e = l.moe, l.engram
-        hc = [getattr(h, p) for h in (l.hc_attn, l.hc_ffn) for p in ('fn', 'base', 'scale')] + [l.attn_norm, l.ffn_norm]
-        for k, ts in zip(WEIGHT_KINDS, (q(m.w1, m.w2, m.w3), q(m.shared_w1, m.shared_w2, m.shared_w3), [m.gate, m.bias, m.bias_image],
-                                        l.attn.parameters(), [e.table.records] if e else [], [e.wkv, e.q_weight, e.k_weight] if e else [], hc)):
-            out[k] += nb(ts)
+        hc = ([getattr(h, p) for h in (l.hc_attn, l.hc_ffn) for p in ('fn', 'base', 'scale')]
+              + [l.attn_norm, l.ffn_norm])
+        held = (q(m.w1, m.w2, m.w3), q(m.shared_w1, m.shared_w2, m.shared_w3),
+                [m.gate, m.bias, m.bias_image], l.attn.parameters(),
+                [e.table.records] if e else [], [e.wkv, e.q_weight, e.k_weight] if e else [], hc)
+        for k, ts in zip(WEIGHT_KINDS, held): out[k] += nb(ts)
     out[WEIGHT_KINDS[7]] = nb([self.embed, self.head, self.norm])
     return out

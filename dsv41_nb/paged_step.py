@@ -18,33 +18,43 @@ __all__ = ['PagedStepModel', 'step_model', 'PagedInputs']
 
 # %% ../nbs/10c_paged_step.ipynb #482b8bd9
 class PagedStepModel:
-    "The engine's step interface over a `PagedModel`: `forward(batch)` -> logits of `batch.logits_indices`, `release(ids)`"
-    supports_cuda_graphs = True                                                  # prepare on the host, run on the device
+    ("The engine's step interface over a `PagedModel`: "
+     "`forward(batch)` -> logits of `batch.logits_indices`, `release(ids)`")
+    # prepare on the host, run on the device
+    supports_cuda_graphs = True
     def __init__(self, model: PagedModel):
-        if not isinstance(model, PagedModel): raise TypeError(f"PagedStepModel: expected a PagedModel, got {type(model).__name__}")
+        if not isinstance(model, PagedModel):
+            raise TypeError(f"PagedStepModel: expected a PagedModel, got {type(model).__name__}")
         self.model, self.device, self.vocab_size = model, model.embed.device, model.cfg.vocab_size
-        self.tokens, self.window_start, self.replay_start = {}, {}, {}          # request id -> what later steps need
+        # request id -> what later steps need
+        self.tokens, self.window_start, self.replay_start = {}, {}, {}
         ring = [g for g in model.kv_cache_config.groups if g.manager == 'ring']
-        self.ring_group, self.ring_ratio = (ring[0].group_id, ring[0].block_size) if ring else (None, None)
-        self._journal, self.ring_restores = {}, 0                                # the last speculative step's rings, restores made
+        self.ring_group, self.ring_ratio = ((ring[0].group_id, ring[0].block_size) if ring
+                                            else (None, None))
+        # the last speculative step's rings, restores made
+        self._journal, self.ring_restores = {}, 0
         if model.state is None: model.allocate(device=self.device)
     def release(self, request_ids):
         for r in request_ids:
-            for d in (self.tokens, self.window_start, self.replay_start, self._journal): d.pop(r, None)
+            for d in (self.tokens, self.window_start, self.replay_start, self._journal):
+                d.pop(r, None)
     def __repr__(self): return f"PagedStepModel({len(self.tokens)} requests)"
 
 def step_model(model: Transformer, kv_cache_config: KVCacheConfig) -> PagedStepModel:
-    "The paged path of `model` on the layout `kv_cache_config`, its caches allocated on the model's device (the engine's hook)"
+    ("The paged path of `model` on the layout `kv_cache_config`, "
+     "its caches allocated on the model's device (the engine's hook)")
     return PagedStepModel(PagedModel.from_model(model, kv_cache_config))
 
 # %% ../nbs/10c_paged_step.ipynb #c6478398
 @patch
 def _journaling(self: PagedStepModel, blocks: dict) -> contextlib.AbstractContextManager:
-    "Inside the block, every ring layer's compressor journals the ring blocks `blocks` (request id -> block): `RingJournal`"
+    ("Inside the block, every ring layer's compressor journals the ring blocks `blocks` "
+     "(request id -> block): `RingJournal`")
     rings = self.model.state.rings if blocks else {}
     journals = {l: RingJournal(ring, self.ring_ratio, blocks.values()) for l, ring in rings.items()}
     for rid, b in blocks.items(): self._journal[rid] = dict(block=b, journals=journals)
-    cs = [l.attn.compressor for l in self.model.layers if l.attn.compressor is not None and l.attn.compressor.layer in journals]
+    cs = [l.attn.compressor for l in self.model.layers
+          if l.attn.compressor is not None and l.attn.compressor.layer in journals]
     @contextlib.contextmanager
     def ctx():
         for c in cs: c.journal = journals[c.layer]
@@ -57,13 +67,17 @@ def _journaling(self: PagedStepModel, blocks: dict) -> contextlib.AbstractContex
 # %% ../nbs/10c_paged_step.ipynb #4c4abf07
 @patch
 def _restore_ring(self: PagedStepModel, rid: str, p: int):
-    "Put request `rid`'s ring back to what a step ending at position p leaves: the open group's rows below p"
+    ("Put request `rid`'s ring back to what a step ending at position p leaves: "
+     "the open group's rows below p")
     R, j = self.ring_ratio, self._journal.get(rid)
-    if R is None or p % R == 0: return                                        # no ring, or p starts a group: nothing open
-    firsts = [f for jr in (j or {}).get('journals', {}).values() if (f := jr.first_position(j['block'])) is not None]
+    # no ring, or p starts a group: nothing open
+    if R is None or p % R == 0: return
+    firsts = [f for jr in (j or {}).get('journals', {}).values()
+              if (f := jr.first_position(j['block'])) is not None]
     if not firsts or p < min(firsts):
-        raise RuntimeError(f"request {rid!r}: rows from position {p} redo rows the model computed, but no speculative "
-                           "step of it is journaled there (only the rows of its last multi-row decode step may be redone)")
+        raise RuntimeError(f"request {rid!r}: rows from position {p} redo rows the model computed, "
+                           "but no speculative step of it is journaled there "
+                           "(only the rows of its last multi-row decode step may be redone)")
     for l, ring in self.model.state.rings.items(): j['journals'][l].rewind(ring, j['block'], p)
     self.ring_restores += 1
 
@@ -71,21 +85,29 @@ def _restore_ring(self: PagedStepModel, rid: str, p: int):
 # %% ../nbs/10c_paged_step.ipynb #427101b7
 @dataclass
 class PagedInputs:
-    "What `PagedStepModel.prepare` hands `run`: the step, and the ring blocks its speculative rows journal"
+    ("What `PagedStepModel.prepare` hands `run`: "
+     "the step, and the ring blocks its speculative rows journal")
     step: PagedStep
-    ring_blocks: dict   # request id -> its ring block, for the requests of a multi-row decode step
+    # request id -> its ring block, for the requests of a multi-row decode step
+    ring_blocks: dict
     @property
     def replayable(self) -> bool: return self.step.decode_only          # a CUDA graph may replay it
 
 @patch
 def prepare(self: PagedStepModel, batch) -> PagedInputs:
-    "The `PagedStep` of an engine input batch (rows, positions, tables, slots, decoder rows, ...): the host's part of a step"
-    qsl, pos, ids = batch.query_start_loc.tolist(), batch.positions.tolist(), batch.token_ids.tolist()   # read back once each
-    dec, n, dev = [False] * len(ids), self.model.cfg.engram_max_ngram_size - 1, batch.token_ids.device
+    ("The `PagedStep` of an engine input batch "
+     "(rows, positions, tables, slots, decoder rows, ...): the host's part of a step")
+    # read back once each
+    qsl, pos, ids = (batch.query_start_loc.tolist(), batch.positions.tolist(),
+                     batch.token_ids.tolist())
+    dec, n, dev = ([False] * len(ids), self.model.cfg.engram_max_ngram_size - 1,
+                   batch.token_ids.device)
     for j in batch.decoder_rows.tolist(): dec[j] = True
     cached = batch.num_cached_tokens.tolist() if batch.new_request_ids else None
-    hist, rows, ws, rs, blocks = [], [], [], [], {}                       # blocks: ring blocks of multi-row decode requests
-    for rid, back in getattr(batch, 'resolved_token_ids', {}).items():    # ids an earlier step took on the device, now known
+    # blocks: ring blocks of multi-row decode requests
+    hist, rows, ws, rs, blocks = [], [], [], [], {}
+    # ids an earlier step took on the device, now known
+    for rid, back in getattr(batch, 'resolved_token_ids', {}).items():
         toks = self.tokens.get(rid, ())
         for p, tok in back.items():
             if p < len(toks): toks[p] = tok
@@ -94,31 +116,42 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
         p0 = pos[a]
         if rid in batch.new_request_ids:
             self.tokens[rid] = list(batch.prefix_token_ids.get(rid, ()))
-            self.window_start[rid] = p0 if p0 < cached[i] else 0                 # a replayed prefix hit starts there
+            # a replayed prefix hit starts there
+            self.window_start[rid] = p0 if p0 < cached[i] else 0
             self.replay_start.pop(rid, None)
         toks = self.tokens.get(rid)
-        if toks is None or len(toks) < p0: raise RuntimeError(f"request {rid!r}: rows from position {p0}, but "
-                                                              f"{len(toks or ())} earlier tokens are known (start it first)")
-        if rid not in batch.new_request_ids and len(toks) > p0: self._restore_ring(rid, p0)   # rows from p0 on were rejected
-        self._journal.pop(rid, None)                                    # only its last step's journal is ever needed
+        if toks is None or len(toks) < p0:
+            raise RuntimeError(f"request {rid!r}: rows from position {p0}, but "
+                               f"{len(toks or ())} earlier tokens are known (start it first)")
+        # rows from p0 on were rejected
+        if rid not in batch.new_request_ids and len(toks) > p0: self._restore_ring(rid, p0)
+        # only its last step's journal is ever needed
+        self._journal.pop(rid, None)
         del toks[p0:]; toks.extend(ids[a:b])
-        hist += [[toks[q] if q >= 0 else -1 for q in range(p - n, p)] for p in pos[a:b]]   # Engram's n tokens before each row
+        # Engram's n tokens before each row
+        hist += [[toks[q] if q >= 0 else -1 for q in range(p - n, p)] for p in pos[a:b]]
         first = next((j for j in range(a, b) if dec[j]), None)
         if rid not in self.replay_start and first is not None: self.replay_start[rid] = pos[first]
-        rs.append(self.replay_start.get(rid, pos[b - 1] + 1)); ws.append(self.window_start[rid]); rows += [i] * (b - a)
-        if self.ring_ratio and b - a > 1 and all(dec[a:b]): blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
+        rs.append(self.replay_start.get(rid, pos[b - 1] + 1)); ws.append(self.window_start[rid])
+        rows += [i] * (b - a)
+        if self.ring_ratio and b - a > 1 and all(dec[a:b]):
+            blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
     if any(dec[j] != (pos[j] >= rs[rows[j]]) for j in range(len(ids))):
-        raise ValueError("decoder_rows: each request's decoder rows must be its rows from one position on, the same one every step")
+        raise ValueError("decoder_rows: each request's decoder rows must be its rows "
+                         "from one position on, the same one every step")
     decode_only = (qsl == list(range(len(qsl))) and all(dec)
                    and batch.logits_indices.tolist() == list(range(len(ids))))
     t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
-    return PagedInputs(PagedStep(batch.token_ids, t(hist).view(len(ids), n), t(rows, torch.int32), batch.slot_mappings,
-                                 tuple(batch.block_tables), t(ws), t(rs), batch.logits_indices, decode_only), blocks)
+    return PagedInputs(PagedStep(batch.token_ids, t(hist).view(len(ids), n), t(rows, torch.int32),
+                                 batch.slot_mappings, tuple(batch.block_tables), t(ws), t(rs),
+                                 batch.logits_indices, decode_only),
+                       blocks)
 
 # %% ../nbs/10c_paged_step.ipynb #4baca0b8
 @patch
 def run(self: PagedStepModel, inputs: PagedInputs) -> torch.Tensor:
-    "The device's part of a step: the model on the prepared step (what a CUDA graph captures for a decode step)"
+    ("The device's part of a step: the model on the prepared step "
+     "(what a CUDA graph captures for a decode step)")
     with self._journaling(inputs.ring_blocks): return self.model(inputs.step)
 
 @patch

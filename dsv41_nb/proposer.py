@@ -20,7 +20,8 @@ def reference_ngram_propose(tokens: Sequence[int], # the context
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         suffix = list(tokens[L - n:])
-        for i in range(L - n):                                  # an occurrence starting at i ends before the last token
+        # an occurrence starting at i ends before the last token
+        for i in range(L - n):
             if list(tokens[i:i + n]) == suffix: return list(tokens[i + n:i + n + k])
     return []
 
@@ -36,12 +37,15 @@ class NgramProposer:
                  prompt_lookup_min: int = 2, # shortest n-gram to match
                  prompt_lookup_max: int = 4, # longest n-gram to match
                  max_model_len: int | None = None): # never draft past this many tokens
-        for name, v in (('num_speculative_tokens', num_speculative_tokens), ('prompt_lookup_min', prompt_lookup_min)):
-            if not (_is_int(v) and v >= 1): raise ValueError(f"NgramProposer: {name} = {v!r}; expected an integer >= 1")
+        for name, v in (('num_speculative_tokens', num_speculative_tokens),
+                        ('prompt_lookup_min', prompt_lookup_min)):
+            if not (_is_int(v) and v >= 1):
+                raise ValueError(f"NgramProposer: {name} = {v!r}; expected an integer >= 1")
         if not (_is_int(prompt_lookup_max) and prompt_lookup_max >= prompt_lookup_min):
             raise ValueError(f"NgramProposer: prompt_lookup_max = {prompt_lookup_max!r}; "
                              f"expected an integer >= prompt_lookup_min = {prompt_lookup_min}")
-        self.num_speculative_tokens, self.min_n, self.max_n = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
+        self.num_speculative_tokens = num_speculative_tokens
+        self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.max_model_len = max_model_len
 
 # %% ../nbs/11a_ngram.ipynb #10f550c7
@@ -52,16 +56,19 @@ def propose_one(self: NgramProposer, tokens: Sequence[int]) -> list: # one reque
     L, k = len(t), self.num_speculative_tokens
     if self.max_model_len is not None: k = min(k, self.max_model_len - L)
     if L <= self.min_n or k <= 0: return []
-    ends = np.flatnonzero(t[:L - 1] == t[L - 1])                 # earlier positions that could end a match
+    # earlier positions that could end a match
+    ends = np.flatnonzero(t[:L - 1] == t[L - 1])
     length, alive = np.zeros(len(ends), dtype=np.int64), np.ones(len(ends), dtype=bool)
-    for j in range(min(self.max_n, L - 1)):                       # grow every match one token backwards
+    # grow every match one token backwards
+    for j in range(min(self.max_n, L - 1)):
         alive &= (ends >= j) & (t[np.maximum(ends - j, 0)] == t[L - 1 - j])
         length += alive
     if not len(ends) or length.max() < self.min_n: return []
-    start = ends[np.argmax(length == length.max())] + 1          # the earliest of the longest
+    start = ends[np.argmax(length == length.max())] + 1   # the earliest of the longest
     return t[start:start + k].tolist()
 
 @patch
-def propose(self: NgramProposer, requests: Sequence[Sequence[int]]) -> list: # each request's tokens so far
+def propose(self: NgramProposer,
+            requests: Sequence[Sequence[int]]) -> list: # each request's tokens so far
     "Up to k drafts per request"
     return [self.propose_one(r) for r in requests]

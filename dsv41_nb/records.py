@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth, use_kernels, capturing,
-                               pdl_launch, pdl_wait)
-from .formats import (FP8_MAX, FP4_MAX, RecordCodec, FP8Record, FP4Record, e4m3_values, _require_int, _hw_cvt, _e4m3_code,
-                              _e4m3_value, _ue8m0_code, _pow2, _ue8m0_value, _e2m1_code, _e2m1_value, _bf16_bits, _zero_tail)
+from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
+                               use_kernels, capturing, pdl_launch, pdl_wait)
+from .formats import (FP8_MAX, FP4_MAX, RecordCodec, FP8Record, FP4Record, e4m3_values,
+                              _require_int, _hw_cvt, _e4m3_code, _e4m3_value, _ue8m0_code, _pow2,
+                              _ue8m0_value, _e2m1_code, _e2m1_value, _bf16_bits, _zero_tail)
 
 # %% auto #0
 __all__ = ['KERNEL_VERSIONS', 'KERNEL_TUNING', 'OUT_DTYPES', 'E2M1_TIES', 'store_records_torch', 'gather_records_torch',
@@ -21,32 +22,46 @@ __all__ = ['KERNEL_VERSIONS', 'KERNEL_TUNING', 'OUT_DTYPES', 'E2M1_TIES', 'store
 def _check_cache(codec: RecordCodec, cache: torch.Tensor) -> int:
     "Validate a paged byte cache for `codec`; return its number of slots"
     if not isinstance(cache, torch.Tensor) or cache.dtype != torch.uint8:
-        raise TypeError(f"{codec.name} cache: expected a uint8 tensor, got {getattr(cache, 'dtype', type(cache))}")
+        raise TypeError(f"{codec.name} cache: expected a uint8 tensor, "
+                        f"got {getattr(cache, 'dtype', type(cache))}")
     if cache.ndim < 2 or cache.shape[-1] != codec.record_bytes:
-        raise ValueError(f"{codec.name} cache: expected shape (num_blocks, block_size, {codec.record_bytes}) or "
+        raise ValueError(f"{codec.name} cache: expected shape "
+                         f"(num_blocks, block_size, {codec.record_bytes}) or "
                          f"(num_slots, {codec.record_bytes}), got {tuple(cache.shape)}")
     if not cache.is_contiguous():
-        raise ValueError(f"{codec.name} cache: expected a contiguous tensor (records are addressed as slot * {codec.record_bytes} bytes)")
+        raise ValueError(f"{codec.name} cache: expected a contiguous tensor "
+                         f"(records are addressed as slot * {codec.record_bytes} bytes)")
     return cache.numel() // codec.record_bytes
 
-def _check_slots(name: str, slots: torch.Tensor, n: int | None, num_slots: int, check_range: bool = True):
-    "Slot mappings / index lists: 1-D integers in [-1, num_slots) (the range check reads the values: a device sync)"
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.ndim != 1:
-        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, got {getattr(slots, 'dtype', type(slots))} "
+def _check_slots(name: str, # what the message calls the tensor
+                 slots: torch.Tensor, # the slots
+                 n: int | None, # entries expected (None: any number)
+                 num_slots: int, # slots in the cache
+                 check_range: bool = True, # read the values back to check their range
+                ):
+    ("Slot mappings / index lists: 1-D integers in [-1, num_slots) "
+     "(the range check reads the values: a device sync)")
+    if (not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64)
+            or slots.ndim != 1):
+        raise TypeError(f"{name}: expected a 1-D int32/int64 tensor, "
+                        f"got {getattr(slots, 'dtype', type(slots))} "
                         f"of shape {tuple(getattr(slots, 'shape', ()))}")
     if n is not None and slots.numel() != n:
         raise ValueError(f"{name}: has {slots.numel()} entries for {n} vectors")
     if check_range and slots.numel() and not capturing():
         lo, hi = slots.min().item(), slots.max().item()
         if lo < -1 or hi >= num_slots:
-            raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, outside the cache's slots 0..{num_slots - 1} (-1 = skip)")
+            raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, "
+                             f"outside the cache's slots 0..{num_slots - 1} (-1 = skip)")
 
-def store_records_torch(codec: RecordCodec, x: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor):
+def store_records_torch(codec: RecordCodec, x: torch.Tensor, cache: torch.Tensor,
+                        slot_mapping: torch.Tensor):
     "Reference: pack `x` (n, dim) and write row i to slot `slot_mapping[i]` (skip -1)"
     keep = slot_mapping >= 0
     cache.view(-1, codec.record_bytes)[slot_mapping[keep].long()] = codec.pack(x[keep])
 
-def gather_records_torch(codec: RecordCodec, cache: torch.Tensor, indices: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+def gather_records_torch(codec: RecordCodec, cache: torch.Tensor, indices: torch.Tensor,
+                         dtype=torch.bfloat16) -> torch.Tensor:
     "Reference: read the records at `indices` (m,) and unpack them; -1 gives zeros"
     flat = cache.view(-1, codec.record_bytes)
     out = codec.unpack(flat[indices.clamp_min(0).long()], torch.float32)
@@ -65,14 +80,17 @@ def _store_fp8_kernel_v1(
     BLOCK: tl.constexpr,        # values per scale
     BLOCK_P2: tl.constexpr,     # power of two >= BLOCK
     GROUPS: tl.constexpr,       # power of two >= ceil(QDIM / BLOCK)
-    ROPE: tl.constexpr, ROPE_P2: tl.constexpr,  # trailing values kept as BF16 (0 = none), a power of two >= ROPE
+    # trailing values kept as BF16 (0 = none), a power of two >= ROPE
+    ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
     SCALE_OFF: tl.constexpr,    # byte offset of the scales
     FP32_SCALE: tl.constexpr,   # one fp32 scale instead of UE8M0 bytes
     PAD: tl.constexpr, PAD_P2: tl.constexpr,    # zero bytes after the scales, a power of two >= PAD
-    EXACT: tl.constexpr,        # GROUPS * BLOCK == QDIM with BLOCK a power of two: no column masks needed
+    # GROUPS * BLOCK == QDIM with BLOCK a power of two: no column masks needed
+    EXACT: tl.constexpr,
     REC: tl.constexpr,          # record bytes
     ROWS: tl.constexpr,         # vectors per program
-    HW_CVT: tl.constexpr,       # convert with the GPU's cvt instructions (compiled) instead of integer bit math
+    # convert with the GPU's cvt instructions (compiled) instead of integer bit math
+    HW_CVT: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)                           # (ROWS,)
     slot = tl.load(slot_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
@@ -83,10 +101,13 @@ def _store_fp8_kernel_v1(
     if EXACT: m3 = live[:, None, None]
     else: m3 = live[:, None, None] & ((col < QDIM) & (e < BLOCK)[None, :])[None, :, :]
     xrow = x_ptr + rows.to(tl.int64)[:, None, None] * x_stride
-    x = tl.load(xrow + col[None, :, :], mask=m3, other=0.0).to(tl.float32)      # (ROWS, GROUPS, BLOCK)
-    poison = tl.sum(x * 0.0, axis=2)                                            # NaN iff the block holds a NaN or an Inf
-    bad = poison != poison                                                      # (ROWS, GROUPS) poisoned blocks
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)                          # (garbage in poisoned blocks, overwritten)
+    # (ROWS, GROUPS, BLOCK)
+    x = tl.load(xrow + col[None, :, :], mask=m3, other=0.0).to(tl.float32)
+    # NaN iff the block holds a NaN or an Inf
+    poison = tl.sum(x * 0.0, axis=2)
+    bad = poison != poison  # (ROWS, GROUPS) poisoned blocks
+    # (garbage in poisoned blocks, overwritten)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)
     exp = tl.where(bad, 127, _ue8m0_code(amax, inv_max))
     inv_scale = _pow2(254 - exp)                                                 # exact 1 / scale
     q = tl.minimum(tl.maximum(x * inv_scale[:, :, None], -448.0), 448.0)
@@ -97,16 +118,20 @@ def _store_fp8_kernel_v1(
     tl.store(rec + col[None, :, :], codes.to(tl.uint8), mask=m3)
     gm = live[:, None] & (g < (QDIM + BLOCK - 1) // BLOCK)[None, :]                # (ROWS, GROUPS)
     if FP32_SCALE:
-        bits = tl.where(bad, 0x7FC00000, exp << 23)                             # (ROWS, 1) fp32 bits (NaN if poisoned)
+        # (ROWS, 1) fp32 bits (NaN if poisoned)
+        bits = tl.where(bad, 0x7FC00000, exp << 23)
         k = tl.arange(0, 4)
-        tl.store(rec + SCALE_OFF + k[None, None, :], ((bits[:, :, None] >> (8 * k[None, None, :])) & 0xFF).to(tl.uint8),
+        tl.store(rec + SCALE_OFF + k[None, None, :],
+                 ((bits[:, :, None] >> (8 * k[None, None, :])) & 0xFF).to(tl.uint8),
                  mask=gm[:, :, None])
     else:
-        tl.store(cache_ptr + slot[:, None] * REC + SCALE_OFF + g[None, :], tl.where(bad, 255, exp).to(tl.uint8), mask=gm)
+        tl.store(cache_ptr + slot[:, None] * REC + SCALE_OFF + g[None, :],
+                 tl.where(bad, 255, exp).to(tl.uint8), mask=gm)
     if ROPE > 0:
         rc = tl.arange(0, ROPE_P2)
         rm = live[:, None] & (rc < ROPE)[None, :]
-        xr = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + QDIM + rc[None, :], mask=rm, other=0.0).to(tl.float32)
+        xr = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_stride + QDIM + rc[None, :], mask=rm,
+                     other=0.0).to(tl.float32)
         hb = _bf16_bits(xr)
         rrec = cache_ptr + slot[:, None] * REC + QDIM + 2 * rc[None, :]
         tl.store(rrec, (hb & 0xFF).to(tl.uint8), mask=rm)
@@ -121,8 +146,9 @@ def _gather_fp8_kernel_v1(
     out_ptr,                    # (m, dim) output, bf16 or fp32
     out_stride,                 # elements between rows of out
     n_rows,                     # m
-    QDIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, GROUPS: tl.constexpr, ROPE: tl.constexpr,
-    ROPE_P2: tl.constexpr, SCALE_OFF: tl.constexpr, FP32_SCALE: tl.constexpr, REC: tl.constexpr, ROWS: tl.constexpr,
+    QDIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, GROUPS: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_P2: tl.constexpr, SCALE_OFF: tl.constexpr, FP32_SCALE: tl.constexpr,
+    REC: tl.constexpr, ROWS: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -137,11 +163,15 @@ def _gather_fp8_kernel_v1(
     codes = tl.load(rec + col[None, :, :], mask=live[:, None, None] & colm, other=0)
     if FP32_SCALE:
         k = tl.arange(0, 4)
-        b = tl.load(rec + SCALE_OFF + k[None, None, :], mask=live[:, None, None], other=0).to(tl.int32)   # (ROWS, 1, 4)
-        scale = tl.sum(b << (8 * k[None, None, :]), axis=2).to(tl.float32, bitcast=True)               # (ROWS, 1)
+        # (ROWS, 1, 4)
+        b = tl.load(rec + SCALE_OFF + k[None, None, :], mask=live[:, None, None],
+                    other=0).to(tl.int32)
+        # (ROWS, 1)
+        scale = tl.sum(b << (8 * k[None, None, :]), axis=2).to(tl.float32, bitcast=True)
     else:
         gm = live[:, None] & (g < (QDIM + BLOCK - 1) // BLOCK)[None, :]
-        sc = tl.load(cache_ptr + idx[:, None] * REC + SCALE_OFF + g[None, :], mask=gm, other=127).to(tl.int32)
+        sc = tl.load(cache_ptr + idx[:, None] * REC + SCALE_OFF + g[None, :], mask=gm,
+                     other=127).to(tl.int32)
         scale = _ue8m0_value(sc)
     if HW_CVT: vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else: vals = _e4m3_value(codes.to(tl.int32))
@@ -155,7 +185,8 @@ def _gather_fp8_kernel_v1(
         lo = tl.load(rrec, mask=rm, other=0).to(tl.int32)
         hi = tl.load(rrec + 1, mask=rm, other=0).to(tl.int32)
         r = ((lo | (hi << 8)) << 16).to(tl.float32, bitcast=True)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_stride + QDIM + rc[None, :], r.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * out_stride + QDIM + rc[None, :],
+                 r.to(out_ptr.dtype.element_ty),
                  mask=inb[:, None] & (rc < ROPE)[None, :])
 
 # %% ../nbs/01b_records.ipynb #b2f4ee19
@@ -178,20 +209,25 @@ def _store_fp4_kernel_v1(
     col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]                     # (GROUPS, BLOCK)
     if EXACT: xm = live[:, None, None]
     else: xm = live[:, None, None] & (col < DIM)[None, :, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + col[None, :, :], mask=xm, other=0.0).to(tl.float32)
-    xe, xo = tl.split(tl.reshape(x, (ROWS, GROUPS, HALF, 2)))                  # even elements: low nibbles, odd: high
-    pair = g[:, None] * HALF + tl.arange(0, HALF)[None, :]                      # (GROUPS, HALF) byte index
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + col[None, :, :], mask=xm,
+                other=0.0).to(tl.float32)
+    # even elements: low nibbles, odd: high
+    xe, xo = tl.split(tl.reshape(x, (ROWS, GROUPS, HALF, 2)))
+    pair = g[:, None] * HALF + tl.arange(0, HALF)[None, :]  # (GROUPS, HALF) byte index
     if EXACT: m3 = live[:, None, None]
     else: m3 = live[:, None, None] & (pair < DIM // 2)[None, :, :]
     fe = (xe == xe) & (tl.abs(xe) != float('inf'))
     fo = (xo == xo) & (tl.abs(xo) != float('inf'))
-    bad = tl.sum((~fe).to(tl.int32) + (~fo).to(tl.int32), axis=2) > 0       # (ROWS, GROUPS) poisoned blocks
-    amax = tl.maximum(tl.max(tl.where(fe, tl.abs(xe), 0.0), axis=2), tl.max(tl.where(fo, tl.abs(xo), 0.0), axis=2))
+    # (ROWS, GROUPS) poisoned blocks
+    bad = tl.sum((~fe).to(tl.int32) + (~fo).to(tl.int32), axis=2) > 0
+    amax = tl.maximum(tl.max(tl.where(fe, tl.abs(xe), 0.0), axis=2),
+                      tl.max(tl.where(fo, tl.abs(xo), 0.0), axis=2))
     xe = tl.where(fe, xe, 0.0)
     xo = tl.where(fo, xo, 0.0)
     amax = tl.where(bad, 1.0, amax)
     if E4M3_SCALE:
-        scode = _e4m3_code(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0), 448.0))
+        scode = _e4m3_code(tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), 6.0),
+                                      448.0))
         scale = _e4m3_value(scode)[:, :, None]
         ve = tl.math.div_rn(xe, scale)
         vo = tl.math.div_rn(xo, scale)
@@ -225,8 +261,10 @@ def _gather_fp4_kernel_v1(
     g = tl.arange(0, GROUPS)
     pair = g[:, None] * HALF + tl.arange(0, HALF)[None, :]
     pm = (pair < DIM // 2)[None, :, :]
-    byte = tl.load(cache_ptr + idx[:, None, None] * REC + pair[None, :, :], mask=live[:, None, None] & pm, other=0).to(tl.int32)
-    sc = tl.load(cache_ptr + idx[:, None] * REC + DIM // 2 + g[None, :], mask=live[:, None] & (g < DIM // BLOCK)[None, :],
+    byte = tl.load(cache_ptr + idx[:, None, None] * REC + pair[None, :, :],
+                   mask=live[:, None, None] & pm, other=0).to(tl.int32)
+    sc = tl.load(cache_ptr + idx[:, None] * REC + DIM // 2 + g[None, :],
+                 mask=live[:, None] & (g < DIM // BLOCK)[None, :],
                  other=0).to(tl.int32)
     if E4M3_SCALE:
         scale = _e4m3_value(sc)
@@ -234,41 +272,53 @@ def _gather_fp4_kernel_v1(
         scale = _ue8m0_value(sc)
     ve = tl.where(live[:, None, None], _e2m1_value(byte & 15) * scale[:, :, None], 0.0)
     vo = tl.where(live[:, None, None], _e2m1_value(byte >> 4) * scale[:, :, None], 0.0)
-    v = tl.reshape(tl.join(ve, vo), (ROWS, GROUPS, BLOCK))                     # interleave back into element order
+    v = tl.reshape(tl.join(ve, vo), (ROWS, GROUPS, BLOCK))  # interleave back into element order
     col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * out_stride + col[None, :, :], v.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * out_stride + col[None, :, :],
+             v.to(out_ptr.dtype.element_ty),
              mask=inb[:, None, None] & (col < DIM)[None, :, :])
 
 # %% ../nbs/01b_records.ipynb #c4e5a011
 @triton.jit
 def _load_f32(ptr, mask, X_BITS: tl.constexpr):
-    "fp32 values at `ptr`; BF16 arrives as its int16 bits (X_BITS) and is widened by a shift: exact, subnormals included"
-    if X_BITS: return (tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    ("fp32 values at `ptr`; BF16 arrives as its int16 bits (X_BITS) and is widened by a shift: "
+     "exact, subnormals included")
+    if X_BITS:
+        return (tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else: return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 @triton.jit
 def _block_amax(x):
-    "(R, G, B) fp32 -> (R, G) largest magnitude, (R, G) poisoned (a NaN or an Inf in the block): one integer max"
-    m = tl.max(x.to(tl.uint32, bitcast=True) << 1, axis=2)              # the magnitude bits, sign shifted out
+    ("(R, G, B) fp32 -> (R, G) largest magnitude, (R, G) poisoned (a NaN or an Inf in the block): "
+     "one integer max")
+    m = tl.max(x.to(tl.uint32, bitcast=True) << 1, axis=2)  # the magnitude bits, sign shifted out
     return (m >> 1).to(tl.float32, bitcast=True), m >= 0xFF000000
 
 @triton.jit
 def _e2m1_code_bits(q, x):
-    "4-bit E2M1 code (int32) of |q|, round to nearest even, saturating at 6; the sign bit is x's. Needs fp fusion off"
+    ("4-bit E2M1 code (int32) of |q|, round to nearest even, saturating at 6; the sign bit is x's. "
+     "Needs fp fusion off")
     qa = tl.minimum(tl.abs(q), 6.0)
-    c = qa * 4194305.0                                                            # Veltkamp split by 2^22 + 1:
-    hi = c - (c - qa)                                                             # qa to 2 significant bits, ties to even
-    big = (hi.to(tl.int32, bitcast=True) >> 22) - 252                             # 1 <= |q| <= 6: code from exponent, mantissa
-    small = tl.fma(qa, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000    # |q| < 1: steps of 0.5 (2^23 + 2|q|)
-    sign = tl.umulhi(x.to(tl.uint32, bitcast=True), 16) & 8                       # bit 31 of x to bit 3
+    # Veltkamp split by 2^22 + 1:
+    c = qa * 4194305.0
+    # qa to 2 significant bits, ties to even
+    hi = c - (c - qa)
+    # 1 <= |q| <= 6: code from exponent, mantissa
+    big = (hi.to(tl.int32, bitcast=True) >> 22) - 252
+    # |q| < 1: steps of 0.5 (2^23 + 2|q|)
+    small = tl.fma(qa, 2.0, 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    # bit 31 of x to bit 3
+    sign = tl.umulhi(x.to(tl.uint32, bitcast=True), 16) & 8
     return (tl.where(qa < 1.0, small, big) | sign.to(tl.int32))
 
 @triton.jit
 def _pack(codes, BITS: tl.constexpr, PER_WORD: tl.constexpr):
-    "(R, G, N) codes of BITS bits -> (R, G, N // PER_WORD) words of PER_WORD codes, the first in the lowest bits"
+    ("(R, G, N) codes of BITS bits -> (R, G, N // PER_WORD) words of PER_WORD codes, "
+     "the first in the lowest bits")
     if PER_WORD == 1: return codes
     else:
-        w = tl.reshape(codes, (codes.shape[0], codes.shape[1], codes.shape[2] // PER_WORD, PER_WORD))
+        w = tl.reshape(codes, (codes.shape[0], codes.shape[1], codes.shape[2] // PER_WORD,
+                               PER_WORD))
         return tl.sum(w << (BITS * tl.arange(0, PER_WORD))[None, None, None, :], axis=3)
 
 # %% ../nbs/01b_records.ipynb #c4e5a015
@@ -277,33 +327,39 @@ def _store_fp8_kernel_v2(
     x_ptr, x_stride, slot_ptr,  # (n, dim) vectors, their row stride, (n,) slots (-1 = skip)
     cache_ptr,                  # uint8 paged cache, REC bytes per slot
     n_rows, inv_max,            # number of vectors, fp32(1 / 448)
-    QDIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, GROUPS: tl.constexpr, ROPE: tl.constexpr,
-    ROPE_P2: tl.constexpr, SCALE_OFF: tl.constexpr, FP32_SCALE: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr,
-    REC: tl.constexpr, ROWS: tl.constexpr,
+    QDIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, GROUPS: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_P2: tl.constexpr, SCALE_OFF: tl.constexpr, FP32_SCALE: tl.constexpr,
+    PAD: tl.constexpr, PAD_P2: tl.constexpr, REC: tl.constexpr, ROWS: tl.constexpr,
     X_BITS: tl.constexpr,       # BF16 input, read as int16 bits
     HW_CVT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
     pdl_wait(PDL)
     if X_BITS: x_ptr = x_ptr.to(tl.pointer_type(tl.int16))
-    half_ptr, word_ptr = cache_ptr.to(tl.pointer_type(tl.int16)), cache_ptr.to(tl.pointer_type(tl.int32))   # RoPE, fp32 scale
+    # RoPE, fp32 scale
+    half_ptr, word_ptr = (cache_ptr.to(tl.pointer_type(tl.int16)),
+                          cache_ptr.to(tl.pointer_type(tl.int32)))
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     slot = tl.load(slot_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
     live = (rows < n_rows) & (slot >= 0)
     g, e = tl.arange(0, GROUPS), tl.arange(0, BLOCK_P2)
-    col = g[:, None] * BLOCK + e[None, :]                                                   # (GROUPS, BLOCK_P2)
+    col = g[:, None] * BLOCK + e[None, :]  # (GROUPS, BLOCK_P2)
     m3 = live[:, None, None] & ((col < QDIM) & (e < BLOCK)[None, :])[None, :, :]
-    x = _load_f32(x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + col[None, :, :], m3, X_BITS)   # (ROWS, GROUPS, BLOCK_P2)
+    # (ROWS, GROUPS, BLOCK_P2)
+    x = _load_f32(x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + col[None, :, :], m3, X_BITS)
     amax, bad = _block_amax(x)
     exp = tl.where(bad, 127, _ue8m0_code(tl.maximum(amax, 1e-4), inv_max))
-    q = x * _pow2(254 - exp)[:, :, None]                                                    # exact: a power of two
-    if HW_CVT: codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)                       # cvt.rn.satfinite
+    q = x * _pow2(254 - exp)[:, :, None]  # exact: a power of two
+    if HW_CVT: codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # cvt.rn.satfinite
     else: codes = _e4m3_code(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8)
-    tl.store(cache_ptr + slot[:, None, None] * REC + col[None, :, :], tl.where(bad[:, :, None], 0, codes), mask=m3)
+    tl.store(cache_ptr + slot[:, None, None] * REC + col[None, :, :],
+             tl.where(bad[:, :, None], 0, codes), mask=m3)
     gm = live[:, None] & (g < (QDIM + BLOCK - 1) // BLOCK)[None, :]
-    if FP32_SCALE: tl.store(word_ptr + slot[:, None] * (REC // 4) + SCALE_OFF // 4 + g[None, :], tl.where(bad, 0x7FC00000, exp << 23), mask=gm)
-    else: tl.store(cache_ptr + slot[:, None] * REC + SCALE_OFF + g[None, :], tl.where(bad, 255, exp).to(tl.uint8), mask=gm)
-    if ROPE > 0:                                                                            # BF16 tail, one NaN pattern
+    if FP32_SCALE: tl.store(word_ptr + slot[:, None] * (REC // 4) + SCALE_OFF // 4 + g[None, :],
+                            tl.where(bad, 0x7FC00000, exp << 23), mask=gm)
+    else: tl.store(cache_ptr + slot[:, None] * REC + SCALE_OFF + g[None, :],
+                   tl.where(bad, 255, exp).to(tl.uint8), mask=gm)
+    if ROPE > 0:  # BF16 tail, one NaN pattern
         rc = tl.arange(0, ROPE_P2)
         rm = live[:, None] & (rc < ROPE)[None, :]
         rptr = x_ptr + rows.to(tl.int64)[:, None] * x_stride + QDIM + rc[None, :]
@@ -311,22 +367,27 @@ def _store_fp8_kernel_v2(
             hb = tl.load(rptr, mask=rm, other=0).to(tl.int32)
             hb = tl.where(((hb & 0x7F80) == 0x7F80) & ((hb & 0x7F) != 0), 0x7FC0, hb)
         else: hb = _bf16_bits(tl.load(rptr, mask=rm, other=0.0).to(tl.float32))
-        tl.store(half_ptr + slot[:, None] * (REC // 2) + QDIM // 2 + rc[None, :], hb.to(tl.int16), mask=rm)
+        tl.store(half_ptr + slot[:, None] * (REC // 2) + QDIM // 2 + rc[None, :], hb.to(tl.int16),
+                 mask=rm)
     if PAD > 0: _zero_tail(cache_ptr, slot, live, REC, PAD, PAD_P2)
 
 # %% ../nbs/01b_records.ipynb #c4e5a016
 @triton.jit
 def _gather_fp8_kernel_v2(
     cache_ptr,                  # uint8 paged cache, REC bytes per slot
-    idx_ptr, out_ptr, out_stride,   # (m,) slots to read (-1 = zeros), (m, dim) output and its row stride
+    # (m,) slots to read (-1 = zeros), (m, dim) output and its row stride
+    idx_ptr, out_ptr, out_stride,
     n_rows,
-    QDIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, GROUPS: tl.constexpr, ROPE: tl.constexpr,
-    ROPE_P2: tl.constexpr, SCALE_OFF: tl.constexpr, FP32_SCALE: tl.constexpr, REC: tl.constexpr, ROWS: tl.constexpr,
-    OUT_BITS: tl.constexpr,     # BF16 output, written as int16 bits (exact: every dequantised value fits)
+    QDIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P2: tl.constexpr, GROUPS: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_P2: tl.constexpr, SCALE_OFF: tl.constexpr, FP32_SCALE: tl.constexpr,
+    REC: tl.constexpr, ROWS: tl.constexpr,
+    # BF16 output, written as int16 bits (exact: every dequantised value fits)
+    OUT_BITS: tl.constexpr,
     HW_CVT: tl.constexpr,
 ):
     if OUT_BITS: out_ptr = out_ptr.to(tl.pointer_type(tl.int16))
-    half_ptr, word_ptr = cache_ptr.to(tl.pointer_type(tl.int16)), cache_ptr.to(tl.pointer_type(tl.int32))
+    half_ptr, word_ptr = (cache_ptr.to(tl.pointer_type(tl.int16)),
+                          cache_ptr.to(tl.pointer_type(tl.int32)))
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     inb = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=inb, other=-1).to(tl.int64)
@@ -334,35 +395,45 @@ def _gather_fp8_kernel_v2(
     g, e = tl.arange(0, GROUPS), tl.arange(0, BLOCK_P2)
     col = g[:, None] * BLOCK + e[None, :]
     colm = ((col < QDIM) & (e < BLOCK)[None, :])[None, :, :]
-    codes = tl.load(cache_ptr + idx[:, None, None] * REC + col[None, :, :], mask=live[:, None, None] & colm, other=0)
+    codes = tl.load(cache_ptr + idx[:, None, None] * REC + col[None, :, :],
+                    mask=live[:, None, None] & colm, other=0)
     if FP32_SCALE:
-        scale = tl.load(word_ptr + idx[:, None] * (REC // 4) + SCALE_OFF // 4 + g[None, :], mask=live[:, None], other=0).to(tl.float32, bitcast=True)
+        scale = tl.load(word_ptr + idx[:, None] * (REC // 4) + SCALE_OFF // 4 + g[None, :],
+                        mask=live[:, None], other=0).to(tl.float32, bitcast=True)
     else:
         gm = live[:, None] & (g < (QDIM + BLOCK - 1) // BLOCK)[None, :]
-        scale = _ue8m0_value(tl.load(cache_ptr + idx[:, None] * REC + SCALE_OFF + g[None, :], mask=gm, other=127).to(tl.int32))
+        scale = _ue8m0_value(tl.load(cache_ptr + idx[:, None] * REC + SCALE_OFF + g[None, :],
+                                     mask=gm, other=127).to(tl.int32))
     if HW_CVT: vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else: vals = _e4m3_value(codes.to(tl.int32))
-    v = tl.where(live[:, None, None], vals * scale[:, :, None], 0.0)                        # (ROWS, GROUPS, BLOCK_P2)
+    v = tl.where(live[:, None, None], vals * scale[:, :, None], 0.0)  # (ROWS, GROUPS, BLOCK_P2)
     optr = out_ptr + rows.to(tl.int64)[:, None, None] * out_stride + col[None, :, :]
-    if OUT_BITS: tl.store(optr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=inb[:, None, None] & colm)   # exact
+    if OUT_BITS:
+        # exact
+        tl.store(optr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16),
+                 mask=inb[:, None, None] & colm)
     else: tl.store(optr, v.to(out_ptr.dtype.element_ty), mask=inb[:, None, None] & colm)
     if ROPE > 0:
         rc = tl.arange(0, ROPE_P2)
-        hb = tl.load(half_ptr + idx[:, None] * (REC // 2) + QDIM // 2 + rc[None, :], mask=live[:, None] & (rc < ROPE)[None, :], other=0)
+        hb = tl.load(half_ptr + idx[:, None] * (REC // 2) + QDIM // 2 + rc[None, :],
+                     mask=live[:, None] & (rc < ROPE)[None, :], other=0)
         rm = inb[:, None] & (rc < ROPE)[None, :]
         orow = out_ptr + rows.to(tl.int64)[:, None] * out_stride + QDIM + rc[None, :]
         if OUT_BITS: tl.store(orow, hb, mask=rm)
-        else: tl.store(orow, ((hb.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True).to(out_ptr.dtype.element_ty), mask=rm)
+        else:
+            tl.store(orow, ((hb.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                           .to(out_ptr.dtype.element_ty), mask=rm)
 
 # %% ../nbs/01b_records.ipynb #52f92bd2
 @triton.jit
-def _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE: tl.constexpr, EXACT_DIV: tl.constexpr,
-                          HW_CVT: tl.constexpr):
-    "(scale codes, even and odd values divided by their scale) of (ROWS, GROUPS) groups from their amax; a poisoned group's code marks it"
+def _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE: tl.constexpr,
+                          EXACT_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    ("(scale codes, even and odd values divided by their scale) of (ROWS, GROUPS) groups "
+     "from their amax; a poisoned group's code marks it")
     if E4M3_SCALE:
         amax = tl.maximum(amax, 6.0 * 0.001953125)
         if EXACT_DIV: t = tl.minimum(tl.math.div_rn(amax, 6.0), 448.0)
-        else: t = tl.minimum(amax * inv_max, 448.0)                                         # same E4M3 code for BF16 inputs
+        else: t = tl.minimum(amax * inv_max, 448.0)     # same E4M3 code for BF16 inputs
         if HW_CVT:
             s8 = t.to(tl.float8e4nv)
             scode, scale = s8.to(tl.uint8, bitcast=True).to(tl.int32), s8.to(tl.float32)[:, :, None]
@@ -371,13 +442,15 @@ def _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE: tl.constexpr, 
             scale = _e4m3_value(scode)[:, :, None]
         if EXACT_DIV: qe, qo = tl.math.div_rn(xe, scale), tl.math.div_rn(xo, scale)
         else:
-            r = 1.0 / scale                                                                 # approximate reciprocal
+            r = 1.0 / scale  # approximate reciprocal
             qe, qo = xe * r, xo * r
-            qe, qo = tl.fma(tl.fma(-qe, scale, xe), r, qe), tl.fma(tl.fma(-qo, scale, xo), r, qo)   # one correction
+            # one correction
+            qe, qo = (tl.fma(tl.fma(-qe, scale, xe), r, qe),
+                      tl.fma(tl.fma(-qo, scale, xo), r, qo))
         scode = tl.where(bad, 0x7F, scode)
     else:
         scode = _ue8m0_code(tl.maximum(amax, 6.0 * 1.1754943508222875e-38), inv_max)
-        inv = _pow2(254 - scode)[:, :, None]                                                # exact: a power of two
+        inv = _pow2(254 - scode)[:, :, None]  # exact: a power of two
         qe, qo = xe * inv, xo * inv
         scode = tl.where(bad, 255, scode)
     return scode, qe, qo
@@ -388,10 +461,11 @@ def _store_fp4_kernel_v2(
     x_ptr, x_stride, slot_ptr,  # (n, dim) vectors, their row stride, (n,) slots (-1 = skip)
     cache_ptr,                  # uint8 paged cache, REC bytes per slot
     n_rows, inv_max,            # number of vectors, fp32(1 / 6)
-    DIM: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, E4M3_SCALE: tl.constexpr, REC: tl.constexpr,
-    ROWS: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, E4M3_SCALE: tl.constexpr,
+    REC: tl.constexpr, ROWS: tl.constexpr,
     NIBS: tl.constexpr,         # codes per stored word: 8 (int32 words) or 2 (bytes)
-    EXACT_DIV: tl.constexpr,    # divide by the E4M3 scale with div_rn (any input); else reciprocal + one correction (BF16)
+    # divide by the E4M3 scale with div_rn (any input); else reciprocal + one correction (BF16)
+    EXACT_DIV: tl.constexpr,
     X_BITS: tl.constexpr,       # BF16 input, read as int32 pairs of bits
     HW_CVT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
@@ -405,33 +479,43 @@ def _store_fp4_kernel_v2(
     live = (rows < n_rows) & (slot >= 0)
     g = tl.arange(0, GROUPS)
     gm = g < DIM // BLOCK
-    pair = g[:, None] * HALF + tl.arange(0, HALF)[None, :]                                 # (GROUPS, HALF): values 2p, 2p+1
+    # (GROUPS, HALF): values 2p, 2p+1
+    pair = g[:, None] * HALF + tl.arange(0, HALF)[None, :]
     m3 = live[:, None, None] & gm[None, :, None]
-    if X_BITS:                                                                              # one int32 holds both BF16s
-        xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None, None] * (x_stride // 2) + pair[None, :, :], mask=m3, other=0)
+    if X_BITS:  # one int32 holds both BF16s
+        xw = tl.load(x_ptr.to(tl.pointer_type(tl.int32))
+                     + rows.to(tl.int64)[:, None, None] * (x_stride // 2) + pair[None, :, :],
+                     mask=m3, other=0)
         xe, xo = (xw << 16).to(tl.float32, bitcast=True), (xw & -65536).to(tl.float32, bitcast=True)
     else:
         xrow = x_ptr + rows.to(tl.int64)[:, None, None] * x_stride + 2 * pair[None, :, :]
-        xe, xo = tl.load(xrow, mask=m3, other=0.0).to(tl.float32), tl.load(xrow + 1, mask=m3, other=0.0).to(tl.float32)
-    me = tl.max(xe.to(tl.uint32, bitcast=True) << 1, axis=2)                               # magnitude bits, sign shifted out
+        xe, xo = (tl.load(xrow, mask=m3, other=0.0).to(tl.float32),
+                  tl.load(xrow + 1, mask=m3, other=0.0).to(tl.float32))
+    # magnitude bits, sign shifted out
+    me = tl.max(xe.to(tl.uint32, bitcast=True) << 1, axis=2)
     mo = tl.max(xo.to(tl.uint32, bitcast=True) << 1, axis=2)
     m = tl.maximum(me, mo)
-    amax, bad = (m >> 1).to(tl.float32, bitcast=True), m >= 0xFF000000                     # (ROWS, GROUPS); NaN/Inf: poisoned
+    # (ROWS, GROUPS); NaN/Inf: poisoned
+    amax, bad = (m >> 1).to(tl.float32, bitcast=True), m >= 0xFF000000
     scode, qe, qo = _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE, EXACT_DIV, HW_CVT)
-    byte = _e2m1_code_bits(qe, xe) | (_e2m1_code_bits(qo, xo) << 4)                        # (ROWS, GROUPS, HALF)
-    words = tl.where(bad[:, :, None], 0, _pack(byte, 8, NIBS // 2))                        # (ROWS, GROUPS, BLOCK // NIBS)
+    # (ROWS, GROUPS, HALF)
+    byte = _e2m1_code_bits(qe, xe) | (_e2m1_code_bits(qo, xo) << 4)
+    # (ROWS, GROUPS, BLOCK // NIBS)
+    words = tl.where(bad[:, :, None], 0, _pack(byte, 8, NIBS // 2))
     w = g[:, None] * (BLOCK // NIBS) + tl.arange(0, BLOCK // NIBS)[None, :]
-    tl.store(word_ptr + (slot * (REC * 2 // NIBS))[:, None, None] + w[None, :, :], words.to(word_ptr.dtype.element_ty),
+    tl.store(word_ptr + (slot * (REC * 2 // NIBS))[:, None, None] + w[None, :, :],
+             words.to(word_ptr.dtype.element_ty),
              mask=live[:, None, None] & gm[None, :, None])
-    tl.store(cache_ptr + slot[:, None] * REC + DIM // 2 + g[None, :], scode.to(tl.uint8), mask=live[:, None] & gm[None, :])
+    tl.store(cache_ptr + slot[:, None] * REC + DIM // 2 + g[None, :], scode.to(tl.uint8),
+             mask=live[:, None] & gm[None, :])
 
 # %% ../nbs/01b_records.ipynb #c4e5a019
 @triton.jit
 def _gather_fp4_kernel_v2(
     cache_ptr,                  # uint8 paged cache, REC bytes per slot
     idx_ptr, out_ptr, out_stride, n_rows,
-    DIM: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, E4M3_SCALE: tl.constexpr, REC: tl.constexpr,
-    ROWS: tl.constexpr,
+    DIM: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, E4M3_SCALE: tl.constexpr,
+    REC: tl.constexpr, ROWS: tl.constexpr,
     NIBS: tl.constexpr,         # codes per stored word: 8 (int32 words) or 2 (bytes)
     OUT_BITS: tl.constexpr,     # BF16 output, written as int16 bits (exact)
 ):
@@ -445,45 +529,57 @@ def _gather_fp4_kernel_v2(
     NW: tl.constexpr = GROUPS * BLOCK // NIBS
     w = tl.arange(0, NW)
     m2 = live[:, None] & (w * NIBS < DIM)[None, :]
-    words = tl.load(word_ptr + (idx * (REC * 2 // NIBS))[:, None] + w[None, :], mask=m2, other=0).to(tl.int32)   # (ROWS, NW)
-    sc = tl.load(cache_ptr + idx[:, None] * REC + DIM // 2 + (w // (BLOCK // NIBS))[None, :], mask=m2, other=0).to(tl.int32)
-    if E4M3_SCALE: scale = _e4m3_value(sc)                                                 # the scale of each word's block
+    # (ROWS, NW)
+    words = tl.load(word_ptr + (idx * (REC * 2 // NIBS))[:, None] + w[None, :], mask=m2,
+                    other=0).to(tl.int32)
+    sc = tl.load(cache_ptr + idx[:, None] * REC + DIM // 2 + (w // (BLOCK // NIBS))[None, :],
+                 mask=m2, other=0).to(tl.int32)
+    if E4M3_SCALE: scale = _e4m3_value(sc)  # the scale of each word's block
     else: scale = _ue8m0_value(sc)
-    t = words[:, :, None] << (28 - 4 * tl.arange(0, NIBS))[None, None, :]                # each code to the top 4 bits
-    f = ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)     # & 0x81C00000: sign, exponent, mantissa = E2M1 x 2^-126
-    v = f * 8.507059173023462e+37 * scale[:, :, None]             # x 2^126, x the block scale: both exact
+    # each code to the top 4 bits
+    t = words[:, :, None] << (28 - 4 * tl.arange(0, NIBS))[None, None, :]
+    # & 0x81C00000: sign, exponent, mantissa = E2M1 x 2^-126
+    f = ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)
+    v = f * 8.507059173023462e+37 * scale[:, :, None]  # x 2^126, x the block scale: both exact
     v = tl.reshape(tl.where(live[:, None, None], v, 0.0), (ROWS, NW * NIBS))
     col = tl.arange(0, NW * NIBS)
     optr = out_ptr + rows.to(tl.int64)[:, None] * out_stride + col[None, :]
     om = inb[:, None] & (col < DIM)[None, :]
-    if OUT_BITS: tl.store(optr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=om)                      # exact
+    if OUT_BITS: tl.store(optr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=om)  # exact
     else: tl.store(optr, v.to(out_ptr.dtype.element_ty), mask=om)
 
 # %% ../nbs/01b_records.ipynb #ccb6afa1
 KERNEL_VERSIONS = (1, 2)
-# Launch shape per kernel version, for a family ('fp8', 'fp4') or one format by name: values handled per program and
-# warps per program, picked by `tools/bench_formats.py --sweep` on one NVIDIA H200.
-KERNEL_TUNING = {1: dict(fp8=dict(values_per_program=2048, num_warps=4), fp4=dict(values_per_program=4096, num_warps=4)),
-                 2: dict(fp8=dict(values_per_program=2048, num_warps=4), fp4=dict(values_per_program=4096, num_warps=4),
+# Launch shape per kernel version, for a family ('fp8', 'fp4') or one format by name: values handled
+# per program and warps per program, picked by `tools/bench_formats.py --sweep` on one NVIDIA H200.
+KERNEL_TUNING = {1: dict(fp8=dict(values_per_program=2048, num_warps=4),
+                         fp4=dict(values_per_program=4096, num_warps=4)),
+                 2: dict(fp8=dict(values_per_program=2048, num_warps=4),
+                         fp4=dict(values_per_program=4096, num_warps=4),
                          fp8_ds_mla=dict(values_per_program=4096, num_warps=4))}
 
 def _tuning(codec, version: int, family: str) -> dict:
     return KERNEL_TUNING[version].get(codec.name) or KERNEL_TUNING[version][family]
 
 def _rows(codec, version: int, family: str, tile: int) -> int:
-    "Vectors per program: about `values_per_program` values, in whole vectors of `tile` (padded) values"
-    return triton.next_power_of_2(max(1, _tuning(codec, version, family)['values_per_program'] // tile))
+    ("Vectors per program: about `values_per_program` values, "
+     "in whole vectors of `tile` (padded) values")
+    return triton.next_power_of_2(max(1, _tuning(codec, version, family)['values_per_program']
+                                         // tile))
 
 def _fp8_meta(codec: FP8Record, version: int) -> dict:
-    groups, block_p2 = triton.next_power_of_2(triton.cdiv(codec.qdim, codec.block)), triton.next_power_of_2(codec.block)
-    return dict(QDIM=codec.qdim, BLOCK=codec.block, BLOCK_P2=block_p2, GROUPS=groups, ROPE=codec.rope_dim,
-                ROPE_P2=triton.next_power_of_2(max(codec.rope_dim, 1)), SCALE_OFF=codec.scale_offset, FP32_SCALE=codec.fp32_scale,
-                REC=codec.record_bytes, ROWS=_rows(codec, version, 'fp8', groups * block_p2), HW_CVT=_hw_cvt(),
-                num_warps=_tuning(codec, version, 'fp8')['num_warps'])
+    groups = triton.next_power_of_2(triton.cdiv(codec.qdim, codec.block))
+    block_p2 = triton.next_power_of_2(codec.block)
+    return dict(QDIM=codec.qdim, BLOCK=codec.block, BLOCK_P2=block_p2, GROUPS=groups,
+                ROPE=codec.rope_dim, ROPE_P2=triton.next_power_of_2(max(codec.rope_dim, 1)),
+                SCALE_OFF=codec.scale_offset, FP32_SCALE=codec.fp32_scale,
+                REC=codec.record_bytes, ROWS=_rows(codec, version, 'fp8', groups * block_p2),
+                HW_CVT=_hw_cvt(), num_warps=_tuning(codec, version, 'fp8')['num_warps'])
 
 def _fp4_meta(codec: FP4Record, version: int) -> dict:
     groups = triton.next_power_of_2(codec.dim // codec.block)
-    return dict(DIM=codec.dim, BLOCK=codec.block, GROUPS=groups, E4M3_SCALE=codec.scale_format == 'e4m3',
+    return dict(DIM=codec.dim, BLOCK=codec.block, GROUPS=groups,
+                E4M3_SCALE=codec.scale_format == 'e4m3',
                 REC=codec.record_bytes, ROWS=_rows(codec, version, 'fp4', groups * codec.block),
                 num_warps=_tuning(codec, version, 'fp4')['num_warps'])
 
@@ -493,13 +589,16 @@ def _fp4_nibs(codec: FP4Record) -> int:
     return 8 if codec.record_bytes % 4 == 0 and codec.dim % 8 == 0 and codec.block % 8 == 0 else 2
 
 def _v2_handles(codec: RecordCodec) -> bool:
-    "Version 2 addresses the BF16 tail as int16 and an fp32 scale as int32: it needs those fields aligned"
+    ("Version 2 addresses the BF16 tail as int16 and an fp32 scale as int32: "
+     "it needs those fields aligned")
     if isinstance(codec, FP4Record): return True
     tail_ok = not codec.rope_dim or (codec.record_bytes % 2 == 0 and codec.qdim % 2 == 0)
-    return tail_ok and (not codec.fp32_scale or (codec.record_bytes % 4 == 0 and codec.scale_offset % 4 == 0))
+    return tail_ok and (not codec.fp32_scale
+                        or (codec.record_bytes % 4 == 0 and codec.scale_offset % 4 == 0))
 
 def kernel_version(codec: RecordCodec, version: int = 2) -> int:
-    "The kernel version that runs for `codec` when `version` is asked for: 2 falls back to 1 on unaligned fields"
+    ("The kernel version that runs for `codec` when `version` is asked for: "
+     "2 falls back to 1 on unaligned fields")
     return version if _v2_handles(codec) else 1
 
 def _store_launch(codec, x, cache, slots, version):
@@ -507,20 +606,26 @@ def _store_launch(codec, x, cache, slots, version):
     if isinstance(codec, FP8Record):
         meta = _fp8_meta(codec, version)
         pad = codec.record_bytes - codec.fields[-1].start if codec.fields[-1].name == 'pad' else 0
-        extra = (dict(EXACT=meta['GROUPS'] * codec.block == codec.qdim and meta['BLOCK_P2'] == codec.block) if version == 1
-                 else dict(X_BITS=bits, **pdl_launch(x.device)))
+        extra = (dict(EXACT=meta['GROUPS'] * codec.block == codec.qdim
+                            and meta['BLOCK_P2'] == codec.block)
+                 if version == 1 else dict(X_BITS=bits, **pdl_launch(x.device)))
         kernel = _store_fp8_kernel_v1 if version == 1 else _store_fp8_kernel_v2
-        kernel[(triton.cdiv(n, meta['ROWS']),)](x, x.stride(0), slots, cache, n, 1.0 / FP8_MAX, PAD=pad,
-                                                PAD_P2=triton.next_power_of_2(max(pad, 1)), **extra, **meta)
+        kernel[(triton.cdiv(n, meta['ROWS']),)](x, x.stride(0), slots, cache, n, 1.0 / FP8_MAX,
+                                                PAD=pad, PAD_P2=triton.next_power_of_2(max(pad, 1)),
+                                                **extra, **meta)
     else:
         meta = _fp4_meta(codec, version)
         grid = (triton.cdiv(n, meta['ROWS']),)
         if version == 1:
-            _store_fp4_kernel_v1[grid](x, x.stride(0), slots, cache, n, 1.0 / FP4_MAX, EXACT=meta['GROUPS'] * codec.block == codec.dim, **meta)
+            _store_fp4_kernel_v1[grid](x, x.stride(0), slots, cache, n, 1.0 / FP4_MAX,
+                                       EXACT=meta['GROUPS'] * codec.block == codec.dim, **meta)
         else:
-            pairs = bits and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0                 # BF16 read as int32 pairs
-            _store_fp4_kernel_v2[grid](x, x.stride(0), slots, cache, n, 1.0 / FP4_MAX, NIBS=_fp4_nibs(codec), EXACT_DIV=not pairs,
-                                       X_BITS=pairs, HW_CVT=_hw_cvt(), enable_fp_fusion=False, **meta, **pdl_launch(x.device))
+            # BF16 read as int32 pairs
+            pairs = bits and x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
+            _store_fp4_kernel_v2[grid](x, x.stride(0), slots, cache, n, 1.0 / FP4_MAX,
+                                       NIBS=_fp4_nibs(codec), EXACT_DIV=not pairs,
+                                       X_BITS=pairs, HW_CVT=_hw_cvt(), enable_fp_fusion=False,
+                                       **meta, **pdl_launch(x.device))
 
 def _gather_launch(codec, cache, indices, out, version):
     m, bits = indices.numel(), version == 2 and out.dtype == torch.bfloat16
@@ -528,43 +633,58 @@ def _gather_launch(codec, cache, indices, out, version):
         meta = _fp8_meta(codec, version)
         grid = (triton.cdiv(m, meta['ROWS']),)
         if version == 1: _gather_fp8_kernel_v1[grid](cache, indices, out, out.stride(0), m, **meta)
-        else: _gather_fp8_kernel_v2[grid](cache, indices, out, out.stride(0), m, OUT_BITS=bits, **meta)
+        else: _gather_fp8_kernel_v2[grid](cache, indices, out, out.stride(0), m, OUT_BITS=bits,
+                                          **meta)
     else:
         meta = _fp4_meta(codec, version)
         grid = (triton.cdiv(m, meta['ROWS']),)
         if version == 1: _gather_fp4_kernel_v1[grid](cache, indices, out, out.stride(0), m, **meta)
-        else: _gather_fp4_kernel_v2[grid](cache, indices, out, out.stride(0), m, NIBS=_fp4_nibs(codec), OUT_BITS=bits, **meta)
+        else: _gather_fp4_kernel_v2[grid](cache, indices, out, out.stride(0), m,
+                                          NIBS=_fp4_nibs(codec), OUT_BITS=bits, **meta)
 
 # %% ../nbs/01b_records.ipynb #c4e5a021
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 def _check_version(version) -> int:
-    if version not in KERNEL_VERSIONS: raise ValueError(f"kernel version {version!r}; expected one of {KERNEL_VERSIONS}")
+    if version not in KERNEL_VERSIONS:
+        raise ValueError(f"kernel version {version!r}; expected one of {KERNEL_VERSIONS}")
     return version
 
 def _check_out(codec: RecordCodec, out, m: int, dtype, device) -> None:
-    "`out` must be exactly what the gather would allocate: (m, dim), `dtype`, on the cache's device, contiguous"
-    if not isinstance(out, torch.Tensor): raise TypeError(f"{codec.name} gather: out must be a tensor, got {type(out).__name__}")
-    if out.dtype != dtype: raise TypeError(f"{codec.name} gather: out has dtype {out.dtype}, expected {dtype}")
-    if tuple(out.shape) != (m, codec.dim): raise ValueError(f"{codec.name} gather: out has shape {tuple(out.shape)}, expected ({m}, {codec.dim})")
-    if out.device != device: raise ValueError(f"{codec.name} gather: out is on {out.device}, the cache on {device}")
+    ("`out` must be exactly what the gather would allocate: (m, dim), `dtype`, "
+     "on the cache's device, contiguous")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{codec.name} gather: out must be a tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{codec.name} gather: out has dtype {out.dtype}, expected {dtype}")
+    if tuple(out.shape) != (m, codec.dim):
+        raise ValueError(f"{codec.name} gather: out has shape {tuple(out.shape)}, "
+                         f"expected ({m}, {codec.dim})")
+    if out.device != device:
+        raise ValueError(f"{codec.name} gather: out is on {out.device}, the cache on {device}")
     if not out.is_contiguous(): raise ValueError(f"{codec.name} gather: out must be contiguous")
 
 def store_records(codec: RecordCodec,         # the record format
                   x: torch.Tensor,            # (n, dim) vectors, any float dtype
-                  cache: torch.Tensor,        # uint8 paged cache, (num_blocks, block_size, record_bytes) or (num_slots, record_bytes)
+                  # uint8 paged cache, (num_blocks, block_size, record_bytes)
+                  # or (num_slots, record_bytes)
+                  cache: torch.Tensor,
                   slot_mapping: torch.Tensor, # (n,) int32/int64 slot of each vector, -1 = skip
-                  # range-check the slots (reads them back to the host: a device sync). False skips it, for speed
-                  # inside CUDA graphs: a Triton kernel then writes a slot out of range outside the cache (undefined)
+                  # range-check the slots (reads them back to the host: a device sync).
+                  # False skips it, for speed inside CUDA graphs: a Triton kernel then writes
+                  # a slot out of range outside the cache (undefined)
                   check_slots: bool = True,
                   version: int = 2,           # kernel version (1 = the first, kept for comparison)
                  ) -> None:
     "Quantise `x` with `codec` and write row i into slot `slot_mapping[i]` of the paged `cache`"
     codec._check_vectors(x)
-    if x.ndim != 2: raise ValueError(f"{codec.name}: expected vectors of shape (n, {codec.dim}), got {tuple(x.shape)}")
+    if x.ndim != 2:
+        raise ValueError(f"{codec.name}: expected vectors of shape (n, {codec.dim}), "
+                         f"got {tuple(x.shape)}")
     num_slots, version = _check_cache(codec, cache), _check_version(version)
     _check_slots('slot_mapping', slot_mapping, x.shape[0], num_slots, check_slots)
-    if kernel_backend(x, cache, slot_mapping) == 'torch': return store_records_torch(codec, x, cache, slot_mapping)
+    if kernel_backend(x, cache, slot_mapping) == 'torch':
+        return store_records_torch(codec, x, cache, slot_mapping)
     if x.shape[0] == 0: return
     if x.stride(-1) != 1: x = x.contiguous()
     _store_launch(codec, x, cache, slot_mapping, kernel_version(codec, version))
@@ -580,7 +700,8 @@ def gather_records(codec: RecordCodec,        # the record format
     num_slots, version = _check_cache(codec, cache), _check_version(version)
     _check_slots('indices', indices, None, num_slots, check_slots)
     if dtype is None: dtype = out.dtype if isinstance(out, torch.Tensor) else torch.bfloat16
-    if dtype not in OUT_DTYPES: raise TypeError(f"{codec.name} gather: dtype {dtype}; expected one of {OUT_DTYPES}")
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"{codec.name} gather: dtype {dtype}; expected one of {OUT_DTYPES}")
     m = indices.numel()
     if out is not None: _check_out(codec, out, m, dtype, cache.device)
     if kernel_backend(cache, indices) == 'torch':
@@ -594,23 +715,31 @@ def gather_records(codec: RecordCodec,        # the record format
 E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 def edge_case_vectors(n: int, dim: int, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
-    "(n, dim) vectors over many binades with BF16 subnormals, +-0, E2M1 and E4M3 ties, and rows that saturate"
+    ("(n, dim) vectors over many binades with BF16 subnormals, +-0, E2M1 and E4M3 ties, "
+     "and rows that saturate")
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, dim, generator=g) * torch.exp2(torch.randint(-12, 12, (n, 1), generator=g).float())
-    sub = torch.randint(1, 128, (n, dim), dtype=torch.int16, generator=g).view(torch.bfloat16).float()   # every BF16 subnormal
+    x = (torch.randn(n, dim, generator=g)
+         * torch.exp2(torch.randint(-12, 12, (n, 1), generator=g).float()))
+    # every BF16 subnormal
+    sub = (torch.randint(1, 128, (n, dim), dtype=torch.int16, generator=g)
+           .view(torch.bfloat16).float())
     sub = torch.where(torch.rand(n, dim, generator=g) < 0.5, -sub, sub)
     x = torch.where(torch.rand(n, dim, generator=g) < 0.15, sub, x)
     x[torch.rand(n, dim, generator=g) < 0.05] = 0.0
     x[torch.rand(n, dim, generator=g) < 0.05] = -0.0
     if n == 0: return x.to(dtype)
     e4m3 = e4m3_values(torch.arange(1, 127, dtype=torch.uint8))
-    rows = [sub[0], torch.tensor([6.0, *E2M1_TIES, *(-t for t in E2M1_TIES), -0.0]).repeat(dim // 16 + 1)[:dim],
+    rows = [sub[0],
+            torch.tensor([6.0, *E2M1_TIES, *(-t for t in E2M1_TIES), -0.0])
+                 .repeat(dim // 16 + 1)[:dim],
             ((e4m3[:-1] + e4m3[1:]) / 2).repeat(dim // 125 + 1)[:dim], torch.full((dim,), 3.0e38)]
-    for i, row in enumerate(rows[:n]): x[i] = row          # subnormal row, ties at scale 1, E4M3 ties, saturation
+    # subnormal row, ties at scale 1, E4M3 ties, saturation
+    for i, row in enumerate(rows[:n]): x[i] = row
     return x.to(dtype)
 
 def every_value_blocks(dtype=torch.bfloat16, block: int = 16, scales=None) -> torch.Tensor:
-    "(m, block) blocks: for each E4M3 scale s, first value 6s (so the block's scale is s), then every finite `dtype` value within +-6s"
+    ("(m, block) blocks: for each E4M3 scale s, first value 6s (so the block's scale is s), "
+     "then every finite `dtype` value within +-6s")
     vals = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype).float()
     vals = vals[torch.isfinite(vals)]
     out = []
@@ -627,10 +756,13 @@ def benchmark_store_gather(codecs: dict,             # {name: codec}
                            order: str = 'random',     # 'random' (shuffled slots) or 'sequential'
                            versions=KERNEL_VERSIONS,  # kernel versions to time, in the same run
                            reference: bool = True,    # also time the PyTorch reference
-                           bandwidth: float | None = None,  # copy bandwidth to compare with (measured if None)
+                           # copy bandwidth to compare with (measured if None)
+                           bandwidth: float | None = None,
                           ) -> list[dict]:
-    "Median store and gather times per codec and kernel version, with bandwidth, fraction of copy bandwidth and the reference's time"
-    if order not in ('random', 'sequential'): raise ValueError(f"order {order!r}; expected 'random' or 'sequential'")
+    ("Median store and gather times per codec and kernel version, with bandwidth, "
+     "fraction of copy bandwidth and the reference's time")
+    if order not in ('random', 'sequential'):
+        raise ValueError(f"order {order!r}; expected 'random' or 'sequential'")
     _require_int('benchmark_store_gather', 'n_records', n_records)
     bw, rows = bandwidth or copy_bandwidth(device=device), []
     for codec in codecs.values():
@@ -638,44 +770,60 @@ def benchmark_store_gather(codecs: dict,             # {name: codec}
         cache = torch.empty(n_records, codec.record_bytes, dtype=torch.uint8, device=device)
         perm = torch.randperm if order == 'random' else torch.arange
         slots, idx = perm(n_records, device=device), perm(n_records, device=device)
-        moved = n_records * (codec.dim * 2 + codec.record_bytes + 8)      # vectors + records + one int64 slot per row
-        ops = dict(store=lambda v: store_records(codec, x, cache, slots, check_slots=False, version=v),
-                   gather=lambda v: gather_records(codec, cache, idx, check_slots=False, version=v))
+        # vectors + records + one int64 slot per row
+        moved = n_records * (codec.dim * 2 + codec.record_bytes + 8)
+        ops = dict(store=lambda v: store_records(codec, x, cache, slots, check_slots=False,
+                                                 version=v),
+                   gather=lambda v: gather_records(codec, cache, idx, check_slots=False,
+                                                   version=v))
         for op, fn in ops.items():
             ref = float('nan')
             if reference:
                 with use_kernels('torch'): ref = median_time(lambda: fn(2), warmup=5, rep=20)
             for v in versions:
                 with use_kernels('triton'): t = median_time(lambda: fn(v))
-                rows.append(dict(codec=codec.name, op=op, order=order, version=v, n=n_records, ms=t * 1e3, GBps=moved / t / 1e9,
-                                 of_copy=moved / t / bw, floor_ms=moved / bw * 1e3, ref_ms=ref * 1e3, speedup=ref / t))
+                rows.append(dict(codec=codec.name, op=op, order=order, version=v, n=n_records,
+                                 ms=t * 1e3, GBps=moved / t / 1e9, of_copy=moved / t / bw,
+                                 floor_ms=moved / bw * 1e3, ref_ms=ref * 1e3, speedup=ref / t))
     return rows
 
 # %% ../nbs/01b_records.ipynb #c4e5a030
 def format_benchmark(rows: list[dict]) -> str:
     "The rows of `benchmark_store_gather` as a text table"
-    head = (f"{'codec':12s} {'op':6s} {'slots':10s} {'v':>2s} {'time ms':>8s} {'floor ms':>8s} {'GB/s':>6s} {'of copy':>8s} "
+    head = (f"{'codec':12s} {'op':6s} {'slots':10s} {'v':>2s} {'time ms':>8s} {'floor ms':>8s} "
+            f"{'GB/s':>6s} {'of copy':>8s} "
             f"{'torch ms':>9s} {'speed-up':>8s}")
-    return '\n'.join([head] + [f"{r['codec']:12s} {r['op']:6s} {r['order']:10s} {r['version']:2d} {r['ms']:8.3f} {r['floor_ms']:8.3f} "
-                               f"{r['GBps']:6.0f} {r['of_copy']:8.0%} {r['ref_ms']:9.3f} {r['speedup']:7.1f}x" for r in rows])
+    return '\n'.join([head] + [f"{r['codec']:12s} {r['op']:6s} {r['order']:10s} {r['version']:2d} "
+                               f"{r['ms']:8.3f} {r['floor_ms']:8.3f} "
+                               f"{r['GBps']:6.0f} {r['of_copy']:8.0%} {r['ref_ms']:9.3f} "
+                               f"{r['speedup']:7.1f}x" for r in rows])
 
 def before_after(rows: list[dict]) -> str:
-    "Version 1 -> version 2 per codec, operation and slot order: fraction of copy bandwidth and speed-up"
+    ("Version 1 -> version 2 per codec, operation and slot order: "
+     "fraction of copy bandwidth and speed-up")
     by = {(r['codec'], r['op'], r['order'], r['version']): r for r in rows}
-    lines = [f"{'codec':12s} {'op':6s} {'slots':10s} {'v1 of copy':>10s} {'v2 of copy':>10s} {'v2 / v1':>8s}"]
+    lines = [f"{'codec':12s} {'op':6s} {'slots':10s} {'v1 of copy':>10s} {'v2 of copy':>10s} "
+             f"{'v2 / v1':>8s}"]
     for (c, op, order, v), r in by.items():
         if v == 2 and (c, op, order, 1) in by:
             r1 = by[(c, op, order, 1)]
-            lines.append(f"{c:12s} {op:6s} {order:10s} {r1['of_copy']:10.0%} {r['of_copy']:10.0%} {r1['ms'] / r['ms']:7.2f}x")
+            lines.append(f"{c:12s} {op:6s} {order:10s} {r1['of_copy']:10.0%} {r['of_copy']:10.0%} "
+                         f"{r1['ms'] / r['ms']:7.2f}x")
     return '\n'.join(lines)
 
 # %% ../nbs/01b_records.ipynb #c4e5a031
-def size_sweep(codecs: dict, sizes=tuple(256 * 4 ** k for k in range(8)), device='cuda', versions=KERNEL_VERSIONS,
-               order: str = 'random') -> list[dict]:
-    "`benchmark_store_gather` rows over `sizes` (records), each with `copy_GBps`: a device copy moving the same bytes"
+def size_sweep(codecs: dict, # {name: codec}
+               sizes=tuple(256 * 4 ** k for k in range(8)), # numbers of records to time
+               device='cuda', # where to measure
+               versions=KERNEL_VERSIONS, # kernel versions to time
+               order: str = 'random', # 'random' (shuffled slots) or 'sequential'
+              ) -> list[dict]:
+    ("`benchmark_store_gather` rows over `sizes` (records), each with `copy_GBps`: "
+     "a device copy moving the same bytes")
     bw, rows = copy_bandwidth(device=device), []
     for n in sizes:
-        for r in benchmark_store_gather(codecs, n, device, order, versions, reference=False, bandwidth=bw):
+        for r in benchmark_store_gather(codecs, n, device, order, versions, reference=False,
+                                        bandwidth=bw):
             moved = r['GBps'] * r['ms'] * 1e6
             rows.append(dict(r, copy_GBps=copy_bandwidth(max(1, int(moved) // 2), device) / 1e9))
     return rows

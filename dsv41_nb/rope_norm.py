@@ -15,12 +15,14 @@ from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm, _bf16_round
 __all__ = ['rope_torch', 'rope', 'rms_norm_fused', 'norm_layer']
 
 # %% ../nbs/03a_rope_norm.ipynb #d322cc69
-def rope_torch(x: torch.Tensor,          # (T, ..., d): the last 2 * len(inv_freq) dims of each row are rotated
-               inv_freq: torch.Tensor,   # (rope_dim/2,) fp32 frequencies (`layer_inv_freq`)
-               positions: torch.Tensor,  # (T,) integer positions >= 0
-               inverse: bool = False,    # rotate by minus the angle
-              ) -> torch.Tensor:
-    "The PyTorch `rope`: `apply_rope` with `rope_cos_sin`'s angles, broadcast over the dims between the token and the last"
+def rope_torch(
+    x: torch.Tensor,         # (T, ..., d): the last 2 * len(inv_freq) dims of each row are rotated
+    inv_freq: torch.Tensor,  # (rope_dim/2,) fp32 frequencies (`layer_inv_freq`)
+    positions: torch.Tensor, # (T,) integer positions >= 0
+    inverse: bool = False,   # rotate by minus the angle
+) -> torch.Tensor:
+    ("The PyTorch `rope`: `apply_rope` with `rope_cos_sin`'s angles, "
+     "broadcast over the dims between the token and the last")
     cos, sin = _cos_sin(inv_freq, positions)
     shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[-1],)
     return apply_rope(x, cos.view(shape), sin.view(shape), inverse)
@@ -33,7 +35,8 @@ def _rope_kernel(
     pos_ptr,             # (rows // group,) integer positions
     n_rows, group,       # rows; rows per token
     D: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr, HEAD_BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, INVERSE: tl.constexpr, BF16: tl.constexpr,   # BF16: round the rotated values to BF16 first
+    ROWS: tl.constexpr, INVERSE: tl.constexpr,
+    BF16: tl.constexpr,          # round the rotated values to BF16 first
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
     pdl_wait(PDL)
@@ -43,7 +46,8 @@ def _rope_kernel(
     for c0 in tl.static_range(0, HEAD, HEAD_BLOCK):                       # the head dims, copied
         c = c0 + tl.arange(0, HEAD_BLOCK)
         m = rm[:, None] & (c < HEAD)[None, :]
-        tl.store(y_ptr + r64[:, None] * D + c[None, :], tl.load(x_ptr + r64[:, None] * D + c[None, :], mask=m), mask=m)
+        tl.store(y_ptr + r64[:, None] * D + c[None, :],
+                 tl.load(x_ptr + r64[:, None] * D + c[None, :], mask=m), mask=m)
     i = tl.arange(0, HALF_P2)
     m = rm[:, None] & (i < HALF)[None, :]
     pos = tl.load(pos_ptr + r // group, mask=rm, other=0).to(tl.float32)
@@ -54,7 +58,8 @@ def _rope_kernel(
     a = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + off + 1, mask=m, other=0.0).to(tl.float32)
     ya, yb = a * cos - b * sin, a * sin + b * cos
-    if BF16: ya, yb = _bf16_round(ya), _bf16_round(yb)          # (the interpreter's casts truncate; the GPU's round)
+    # (the interpreter's casts truncate; the GPU's round)
+    if BF16: ya, yb = _bf16_round(ya), _bf16_round(yb)
     tl.store(y_ptr + off, ya.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(y_ptr + off + 1, yb.to(y_ptr.dtype.element_ty), mask=m)
 
@@ -62,22 +67,35 @@ def _rope_kernel(
 def _check_rope(x, inv_freq, positions):
     "Check `rope`'s arguments; the positions as a tensor on x's device"
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 2:
-        raise TypeError(f"rope: x must be a float tensor (T, ..., d), got {getattr(x, 'dtype', type(x).__name__)} "
+        raise TypeError(f"rope: x must be a float tensor (T, ..., d), "
+                        f"got {getattr(x, 'dtype', type(x).__name__)} "
                         f"of shape {tuple(getattr(x, 'shape', ()))}")
-    if not isinstance(inv_freq, torch.Tensor) or not inv_freq.is_floating_point() or inv_freq.ndim != 1:
-        raise TypeError(f"rope: inv_freq must be a 1-D float tensor, got {getattr(inv_freq, 'dtype', type(inv_freq).__name__)}")
+    if (not isinstance(inv_freq, torch.Tensor) or not inv_freq.is_floating_point()
+            or inv_freq.ndim != 1):
+        raise TypeError(f"rope: inv_freq must be a 1-D float tensor, "
+                        f"got {getattr(inv_freq, 'dtype', type(inv_freq).__name__)}")
     if x.shape[-1] < 2 * inv_freq.numel():
-        raise ValueError(f"rope: x has {x.shape[-1]} dims, fewer than the {2 * inv_freq.numel()} to rotate")
-    if isinstance(positions, (list, tuple, range)): positions = torch.as_tensor(positions, device=x.device)
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.shape != (x.shape[0],):
+        raise ValueError(f"rope: x has {x.shape[-1]} dims, "
+                         f"fewer than the {2 * inv_freq.numel()} to rotate")
+    if isinstance(positions, (list, tuple, range)):
+        positions = torch.as_tensor(positions, device=x.device)
+    if (not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point
+            or positions.shape != (x.shape[0],)):
         raise TypeError(f"rope: positions must be integers of shape ({x.shape[0]},), got "
-                        f"{getattr(positions, 'dtype', type(positions).__name__)} of shape {tuple(getattr(positions, 'shape', ()))}")
+                        f"{getattr(positions, 'dtype', type(positions).__name__)} "
+                        f"of shape {tuple(getattr(positions, 'shape', ()))}")
     if positions.numel() and not capturing() and int(positions.min()) < 0:
         raise ValueError(f"rope: positions holds {int(positions.min())}; expected >= 0")
     return positions
 
-def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    "`rope_torch` in one Triton launch (GPU, interpreter), else the reference; same shape and dtype as x"
+def rope(
+    x: torch.Tensor,         # (T, ..., d): the last 2 * len(inv_freq) dims of each row are rotated
+    inv_freq: torch.Tensor,  # (rope_dim/2,) fp32 frequencies (`layer_inv_freq`)
+    positions: torch.Tensor, # (T,) integer positions >= 0
+    inverse: bool = False,   # rotate by minus the angle
+) -> torch.Tensor:
+    ("`rope_torch` in one Triton launch (GPU, interpreter), else the reference; "
+     "same shape and dtype as x")
     positions = _check_rope(x, inv_freq, positions)
     if (kernel_backend(x, inv_freq, positions) == 'torch' or x.numel() == 0 or x.requires_grad
             or x.dtype not in (torch.bfloat16, torch.float32) or inv_freq.dtype != torch.float32):
@@ -85,26 +103,33 @@ def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor, inver
     xc, half, D = x.contiguous(), inv_freq.numel(), x.shape[-1]
     y = torch.empty_like(xc)
     rows = xc.numel() // D
-    _rope_kernel[(triton.cdiv(rows, 8),)](xc, y, inv_freq, positions.contiguous(), rows, rows // x.shape[0], D=D,
-                                          HALF=half, HALF_P2=triton.next_power_of_2(half),
-                                          HEAD_BLOCK=min(256, triton.next_power_of_2(max(1, D - 2 * half))), ROWS=8,
-                                          INVERSE=bool(inverse), BF16=x.dtype == torch.bfloat16, num_warps=4,
+    head_block = min(256, triton.next_power_of_2(max(1, D - 2 * half)))
+    _rope_kernel[(triton.cdiv(rows, 8),)](xc, y, inv_freq, positions.contiguous(), rows,
+                                          rows // x.shape[0], D=D, HALF=half,
+                                          HALF_P2=triton.next_power_of_2(half),
+                                          HEAD_BLOCK=head_block, ROWS=8, INVERSE=bool(inverse),
+                                          BF16=x.dtype == torch.bfloat16, num_warps=4,
                                           enable_fp_fusion=False, **pdl_launch(x.device))
     return y
 
 # %% ../nbs/03a_rope_norm.ipynb #a0b6a97a
 @triton.jit
 def _mul_rn(a, b, HW: tl.constexpr):
-    "a * b in fp32 rounded on its own: never contracted with what follows into an FMA (inline PTX on a GPU; the interpreter does not fuse)"
-    if HW: return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1)
+    ("a * b in fp32 rounded on its own: never contracted with what follows into an FMA "
+     "(inline PTX on a GPU; the interpreter does not fuse)")
+    if HW: return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                            dtype=tl.float32, is_pure=True, pack=1)
     else: return a * b
 
 @triton.jit
-def _rotate_pairs(a, b, col, pos, inv_ptr, HEAD_D: tl.constexpr, HALF: tl.constexpr, INVERSE: tl.constexpr, HW: tl.constexpr):
-    "Pairs (a, b) of BF16 values at even columns `col` of rows of HEAD_D: those among the last 2·HALF rotated at `pos` as `rope` does"
+def _rotate_pairs(a, b, col, pos, inv_ptr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
+                  INVERSE: tl.constexpr, HW: tl.constexpr):
+    ("Pairs (a, b) of BF16 values at even columns `col` of rows of HEAD_D: "
+     "those among the last 2·HALF rotated at `pos` as `rope` does")
     cc = col % HEAD_D
     rot = cc >= HEAD_D - 2 * HALF
-    ang = (pos * tl.load(inv_ptr + (cc - (HEAD_D - 2 * HALF)) // 2, mask=rot, other=0.0)).to(tl.float64)
+    ang = (pos * tl.load(inv_ptr + (cc - (HEAD_D - 2 * HALF)) // 2,
+                         mask=rot, other=0.0)).to(tl.float64)
     cos, sin = tl.cos(ang).to(tl.float32), tl.sin(ang).to(tl.float32)
     if INVERSE: sin = -sin
     ya = _bf16_round(_mul_rn(a, cos, HW) - _mul_rn(b, sin, HW))
@@ -113,15 +138,18 @@ def _rotate_pairs(a, b, col, pos, inv_ptr, HEAD_D: tl.constexpr, HALF: tl.conste
 
 # %% ../nbs/03a_rope_norm.ipynb #c49cd6ad
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, eps,  # one program per row; eps: the fp32 value of the model's eps
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr,
+                     eps,              # one program per row; eps: the fp32 value of the model's eps
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                     PDL: tl.constexpr = False):
     pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK_D)
     m = c < D
     x = tl.load(x_ptr + r * D + c, mask=m, other=0.0).to(tl.float32)
     xd = x.to(tl.float64)
-    inv = (1.0 / tl.sqrt(tl.sum(xd * xd, axis=0) / D + eps)).to(tl.float32)           # (fp64: as `_normalise`)
+    # (fp64: as `_normalise`)
+    inv = (1.0 / tl.sqrt(tl.sum(xd * xd, axis=0) / D + eps)).to(tl.float32)
     w = tl.load(w_ptr + c, mask=m, other=0.0).to(tl.float32)
     y = w * (x * inv)
     if BF16: y = _bf16_round(y)
@@ -133,18 +161,24 @@ def rms_norm_fused(x: torch.Tensor,       # (..., d)
                   ) -> torch.Tensor:
     "`rms_norm` in one Triton launch (GPU, interpreter), else the reference; result in x.dtype"
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim < 1:
-        raise TypeError(f"rms_norm_fused: x must be a float tensor (..., d), got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(f"rms_norm_fused: x must be a float tensor (..., d), "
+                        f"got {getattr(x, 'dtype', type(x).__name__)}")
     if not isinstance(weight, torch.Tensor) or weight.shape != (x.shape[-1],):
-        raise ValueError(f"rms_norm_fused: weight must have shape ({x.shape[-1]},), got {tuple(getattr(weight, 'shape', ()))}")
-    if not isinstance(eps, (int, float)) or eps < 0: raise ValueError(f"rms_norm_fused: eps = {eps!r}; expected a float >= 0")
-    if (kernel_backend(x, weight) == 'torch' or x.numel() == 0 or x.requires_grad or weight.requires_grad
-            or x.dtype not in (torch.bfloat16, torch.float32)): return rms_norm(x, weight, eps)
+        raise ValueError(f"rms_norm_fused: weight must have shape ({x.shape[-1]},), "
+                         f"got {tuple(getattr(weight, 'shape', ()))}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"rms_norm_fused: eps = {eps!r}; expected a float >= 0")
+    if (kernel_backend(x, weight) == 'torch' or x.numel() == 0 or x.requires_grad
+            or weight.requires_grad or x.dtype not in (torch.bfloat16, torch.float32)):
+        return rms_norm(x, weight, eps)
     xc, D = x.contiguous(), x.shape[-1]
     y = torch.empty_like(xc)
     eps32 = struct.unpack('f', struct.pack('f', eps))[0]                  # as `rms_norm` rounds it
     _rms_norm_kernel[(xc.numel() // D,)](xc, weight.contiguous(), y, eps32, D=D,
-                                         BLOCK_D=triton.next_power_of_2(D), BF16=x.dtype == torch.bfloat16,
-                                         num_warps=8 if D > 2048 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
+                                         BLOCK_D=triton.next_power_of_2(D),
+                                         BF16=x.dtype == torch.bfloat16,
+                                         num_warps=8 if D > 2048 else 4, enable_fp_fusion=False,
+                                         **pdl_launch(x.device))
     return y
 
 def norm_layer(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:

@@ -19,14 +19,16 @@ __all__ = ['TILE_ELEMS', 'ROUTE_SLICE', 'softplus_errors', 'fused_route', 'route
 # %% ../nbs/08d_router.ipynb #7efe98e2
 @triton.jit
 def _log1p(y):
-    "log(1 + y) for y >= 0 from `log` alone (Goldberg): the rounding of u = 1 + y cancels in log(u) * y / (u - 1)"
+    ("log(1 + y) for y >= 0 from `log` alone (Goldberg): "
+     "the rounding of u = 1 + y cancels in log(u) * y / (u - 1)")
     u = 1.0 + y
     one = u == 1.0
     return tl.where(one, y, tl.log(u) * (y / tl.where(one, 1.0, u - 1.0)))
 
 @triton.jit
 def _softplus(z, LIBDEVICE: tl.constexpr):
-    "PyTorch's softplus (beta 1, threshold 20): z above 20, else log1p(exp(z)), with libdevice's expf and log1pf when LIBDEVICE"
+    ("PyTorch's softplus (beta 1, threshold 20): z above 20, else log1p(exp(z)), "
+     "with libdevice's expf and log1pf when LIBDEVICE")
     zc = tl.where(z > 20.0, 20.0, z)
     if LIBDEVICE: sp = libdevice.log1p(libdevice.exp(zc))
     else: sp = _log1p(tl.exp(zc))
@@ -36,58 +38,85 @@ def _softplus(z, LIBDEVICE: tl.constexpr):
 @triton.jit
 def _softplus_kernel(z_ptr, out_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(out_ptr + i, _softplus(tl.load(z_ptr + i, mask=i < n, other=0.0), LIBDEVICE), mask=i < n)
+    tl.store(out_ptr + i, _softplus(tl.load(z_ptr + i, mask=i < n, other=0.0), LIBDEVICE),
+             mask=i < n)
 
 def softplus_errors(z: torch.Tensor,  # (n,) fp32 points, on a GPU or (interpreter) the CPU
                    ) -> dict:
-    "The router's device-function softplus against `F.softplus` at `z`: max relative error (normal results), max ulps, max absolute error (denormal results)"
+    ("The router's device-function softplus against `F.softplus` at `z`: max relative error "
+     "(normal results), max ulps, max absolute error (denormal results)")
     if not isinstance(z, torch.Tensor) or z.dtype != torch.float32 or z.ndim != 1:
-        raise ValueError(f"softplus_errors: expected a 1-d fp32 tensor, got {getattr(z, 'dtype', type(z).__name__)} {_shape(z)}")
-    if kernel_backend(z) != 'triton': raise RuntimeError("softplus_errors: needs a GPU or TRITON_INTERPRET=1")
+        raise ValueError(f"softplus_errors: expected a 1-d fp32 tensor, "
+                         f"got {getattr(z, 'dtype', type(z).__name__)} {_shape(z)}")
+    if kernel_backend(z) != 'triton':
+        raise RuntimeError("softplus_errors: needs a GPU or TRITON_INTERPRET=1")
     out, ref = torch.empty_like(z), F.softplus(z)
-    if z.numel(): _softplus_kernel[(triton.cdiv(z.numel(), 1024),)](z, out, z.numel(), BLOCK=1024, LIBDEVICE=not triton_interpreting(),
-                                                                     enable_reflect_ftz=False)
+    if z.numel():
+        _softplus_kernel[(triton.cdiv(z.numel(), 1024),)](z, out, z.numel(), BLOCK=1024,
+                                                          LIBDEVICE=not triton_interpreting(),
+                                                          enable_reflect_ftz=False)
     normal = ref.abs() >= torch.finfo(torch.float32).tiny
     err = (out.double() - ref.double()).abs()
     rel = err[normal] / ref.double().abs()[normal]
     ulps = (out.view(torch.int32).long() - ref.view(torch.int32).long()).abs()
-    top = lambda t: t.max().item() if t.numel() else 0.0
-    return dict(max_rel=top(rel), max_ulps=int(top(ulps)), max_abs_denormal=top(err[~normal]), bit_equal=torch.equal(out, ref))
+    def top(t): return t.max().item() if t.numel() else 0.0
+    return dict(max_rel=top(rel), max_ulps=int(top(ulps)), max_abs_denormal=top(err[~normal]),
+                bit_equal=torch.equal(out, ref))
+
+# %% ../nbs/08d_router.ipynb #f70b80a6
+@triton.jit
+def _logits(x_ptr, gate_ptr, t, e, kk, t_ok, e_ok, x_stride, g_stride, k_lo, k_hi,
+            D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    "(BLOCK_T, BLOCK_E) fp32 sums over columns k_lo..k_hi (below D) of x rows t times gate rows e"
+    x_row, g_row = x_ptr + t.to(tl.int64) * x_stride, gate_ptr + e.to(tl.int64) * g_stride
+    logit = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k0 + kk) < D
+        xv = tl.load(x_row[:, None] + k0 + kk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        gv = tl.load(g_row[:, None] + k0 + kk[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        # fp32 products and sums, no TF32
+        logit += tl.sum(xv[:, None, :] * gv[None, :, :], axis=2)
+    return logit
 
 # %% ../nbs/08d_router.ipynb #f8871a73
 @triton.jit
-def _route_kernel(x_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr,   # (T, D) x; (E, D) gate; (E,) fp32 bias; (T, TOPK) outs
-                  T, x_stride, g_stride, route_scale,
-                  E: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _route_kernel(
+    # (T, D) x; (E, D) gate; (E,) fp32 bias; (T, TOPK) outs
+    x_ptr, gate_ptr, bias_ptr, w_ptr, ids_ptr,
+    T, x_stride, g_stride, route_scale,
+    E: tl.constexpr, D: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e, kk = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
     t_ok, e_ok = t < T, e < E
-    x_row, g_row = x_ptr + t.to(tl.int64) * x_stride, gate_ptr + e.to(tl.int64) * g_stride
-    logit = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_ok = (k0 + kk) < D
-        xv = tl.load(x_row[:, None] + k0 + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        gv = tl.load(g_row[:, None] + k0 + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        logit += tl.sum(xv[:, None, :] * gv[None, :, :], axis=2)               # fp32 products and sums, no TF32
-    _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E, TOPK, BLOCK_T, BLOCK_E, BLOCK_A, LIBDEVICE)
+    logit = _logits(x_ptr, gate_ptr, t, e, kk, t_ok, e_ok, x_stride, g_stride, 0, D, D,
+                    BLOCK_T, BLOCK_E, BLOCK_K)
+    _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E, TOPK, BLOCK_T, BLOCK_E,
+            BLOCK_A, LIBDEVICE)
 
+# %% ../nbs/08d_router.ipynb #72202de8
 @triton.jit
-def _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-            BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr):
-    "Scores, biased top-k and normalised weights of a (BLOCK_T, BLOCK_E) fp32 tile of logits, stored for tokens `t`"
+def _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E: tl.constexpr,
+            TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr,
+            LIBDEVICE: tl.constexpr):
+    ("Scores, biased top-k and normalised weights of a (BLOCK_T, BLOCK_E) fp32 tile of logits, "
+     "stored for tokens `t`")
     t_ok, e_ok = t < T, e < E
-    s = tl.sqrt_rn(_softplus(logit, LIBDEVICE))                                  # the scores
+    s = tl.sqrt_rn(_softplus(logit, LIBDEVICE))                    # the scores
     sb = s + tl.load(bias_ptr + e, mask=e_ok, other=0.0)[None, :]
-    sb = tl.where(sb != sb, float('inf'), sb)                                    # NaN first, as torch.topk
-    avail = tl.broadcast_to(e_ok[None, :], (BLOCK_T, BLOCK_E))                   # padded experts never win
+    sb = tl.where(sb != sb, float('inf'), sb)                      # NaN first, as torch.topk
+    avail = tl.broadcast_to(e_ok[None, :], (BLOCK_T, BLOCK_E))     # padded experts never win
     col = tl.arange(0, BLOCK_A)[None, :]
-    w, ids, total = tl.zeros((BLOCK_T, BLOCK_A), tl.float32), tl.zeros((BLOCK_T, BLOCK_A), tl.int32), tl.zeros((BLOCK_T,), tl.float32)
+    w, ids = tl.zeros((BLOCK_T, BLOCK_A), tl.float32), tl.zeros((BLOCK_T, BLOCK_A), tl.int32)
+    total = tl.zeros((BLOCK_T,), tl.float32)
     for j in tl.static_range(TOPK):
         best = tl.max(tl.where(avail, sb, -float('inf')), axis=1)
-        pick = tl.min(tl.where(avail & (sb == best[:, None]), e[None, :], BLOCK_E), axis=1)  # lowest index on ties
+        # lowest index on ties
+        pick = tl.min(tl.where(avail & (sb == best[:, None]), e[None, :], BLOCK_E), axis=1)
         hit = e[None, :] == pick[:, None]
-        wj = tl.sum(tl.where(hit, s, 0.0), axis=1)                               # the unbiased score
+        wj = tl.sum(tl.where(hit, s, 0.0), axis=1)                 # the unbiased score
         total += wj
         w, ids = tl.where(col == j, wj[:, None], w), tl.where(col == j, pick[:, None], ids)
         avail = avail & ~hit
@@ -96,44 +125,51 @@ def _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E: tl.constex
     tl.store(w_ptr + out, w * route_scale, mask=m)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=m)
 
+# %% ../nbs/08d_router.ipynb #ce6c4bb1
 @triton.jit
-def _select_kernel(logit_ptr, bias_ptr, w_ptr, ids_ptr, T, route_scale, E: tl.constexpr, TOPK: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr,
-                   SPLIT: tl.constexpr = 1,   # (SPLIT, T, E) partial logits, added in order (`_route_logits_kernel`)
+def _select_kernel(logit_ptr, bias_ptr, w_ptr, ids_ptr, T, route_scale, E: tl.constexpr,
+                   TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_A: tl.constexpr, LIBDEVICE: tl.constexpr,
+                   # (SPLIT, T, E) partial logits, added in order (`_route_logits_kernel`)
+                   SPLIT: tl.constexpr = 1,
                    PDL: tl.constexpr = False):
-    "The second launch of the two-launch router: the selection over (T, E) fp32 logits computed by the GEMM"
+    ("The second launch of the two-launch router: "
+     "the selection over (T, E) fp32 logits computed by the GEMM")
     pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.arange(0, BLOCK_E)
     at, m = t.to(tl.int64)[:, None] * E + e[None, :], (t < T)[:, None] & (e < E)[None, :]
     logit = tl.load(logit_ptr + at, mask=m, other=0.0)
-    for s in tl.static_range(1, SPLIT): logit += tl.load(logit_ptr + s * T * E + at, mask=m, other=0.0)
-    _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E, TOPK, BLOCK_T, BLOCK_E, BLOCK_A, LIBDEVICE)
+    for s in tl.static_range(1, SPLIT):
+        logit += tl.load(logit_ptr + s * T * E + at, mask=m, other=0.0)
+    _select(logit, bias_ptr, w_ptr, ids_ptr, t, e, route_scale, T, E, TOPK, BLOCK_T, BLOCK_E,
+            BLOCK_A, LIBDEVICE)
 
 # %% ../nbs/08d_router.ipynb #92869f94
 TILE_ELEMS = 16384  # fp32 products a program holds per K step: BLOCK_T x BLOCK_E x BLOCK_K
-ROUTE_SLICE = 128   # columns of x and the gate a program of `_route_logits_kernel` takes (`fused_route(split_k=True)`)
+# columns of x and the gate a program of `_route_logits_kernel` takes (`fused_route(split_k=True)`)
+ROUTE_SLICE = 128
 
 @triton.jit
-def _route_logits_kernel(x_ptr, gate_ptr, part_ptr, T, x_stride, g_stride,   # (T, D) x; (E, D) gate; (SPLIT, T, E) fp32 out
-                         E: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr = False):
-    "Program (token block, K slice): the slice's share of every expert's logit, fp32 products and sums as `_route_kernel`'s"
+def _route_logits_kernel(
+    # (T, D) x; (E, D) gate; (SPLIT, T, E) fp32 out
+    x_ptr, gate_ptr, part_ptr, T, x_stride, g_stride,
+    E: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, SLICE: tl.constexpr, PDL: tl.constexpr = False):
+    ("Program (token block, K slice): the slice's share of every expert's logit, "
+     "fp32 products and sums as `_route_kernel`'s")
     pdl_wait(PDL)
     t, s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), tl.program_id(1)
     e, kk = tl.arange(0, BLOCK_E), tl.arange(0, BLOCK_K)
     t_ok, e_ok = t < T, e < E
-    x_row, g_row = x_ptr + t.to(tl.int64) * x_stride, gate_ptr + e.to(tl.int64) * g_stride
-    logit = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-    for k0 in range(s * SLICE, s * SLICE + SLICE, BLOCK_K):
-        k_ok = (k0 + kk) < D
-        xv = tl.load(x_row[:, None] + k0 + kk[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        gv = tl.load(g_row[:, None] + k0 + kk[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        logit += tl.sum(xv[:, None, :] * gv[None, :, :], axis=2)
-    tl.store(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
+    logit = _logits(x_ptr, gate_ptr, t, e, kk, t_ok, e_ok, x_stride, g_stride, s * SLICE,
+                    s * SLICE + SLICE, D, BLOCK_T, BLOCK_E, BLOCK_K)
+    tl.store(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + e[None, :], logit,
+             mask=t_ok[:, None] & e_ok[None, :])
 
 def _route_blocks(T: int, E: int, D: int) -> tuple[int, int, int]:
-    "BLOCK_T (tokens per program), BLOCK_E (experts, padded to a power of two), BLOCK_K (columns per step)"
+    ("BLOCK_T (tokens per program), BLOCK_E (experts, padded to a power of two), "
+     "BLOCK_K (columns per step)")
     be = triton.next_power_of_2(E)
     bt = min(triton.next_power_of_2(max(T, 1)), max(1, 128 // be))
     bk = max(16, min(triton.next_power_of_2(D), TILE_ELEMS // (bt * be)))
@@ -143,7 +179,9 @@ def _route_blocks(T: int, E: int, D: int) -> tuple[int, int, int]:
 def _check_route_args(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask):
     "`route`'s checks (`check_route_args`), and `route_scale`'s"
     check_route_args(x, gate_weight, bias, n_activated, bias_image, image_mask)
-    if not isinstance(route_scale, numbers.Real) or isinstance(route_scale, bool) or not math.isfinite(route_scale):
+    finite_real = (isinstance(route_scale, numbers.Real) and not isinstance(route_scale, bool)
+                   and math.isfinite(route_scale))
+    if not finite_real:
         raise ValueError(f"route_scale = {route_scale!r}; expected a finite real number")
 
 def _operand(t: torch.Tensor) -> torch.Tensor:
@@ -152,98 +190,136 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 # %% ../nbs/08d_router.ipynb #0b376b5c
-def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, n_activated: int,  # as `route`'s
-                route_scale: float, bias_image: torch.Tensor | None = None, image_mask: torch.Tensor | None = None,
-                one_launch: bool = False,  # True: logits in the kernel too (one launch); False: `route`'s own GEMM, then the kernel
-                split_k: bool = False,     # with two launches: the logits by `_route_logits_kernel` over K slices instead of the GEMM
+def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+                n_activated: int,  # as `route`'s
+                route_scale: float, bias_image: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None,
+                # True: logits in the kernel too (one launch); False: `route`'s own GEMM, then the kernel
+                one_launch: bool = False,
+                # with two launches: the logits by `_route_logits_kernel` over K slices instead of the GEMM
+                split_k: bool = False,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    "`route` in one or two launches: weights (tokens, k) fp32 and ids (tokens, k) int64; with `bias_image` and `image_mask` both given (image spans) it is `route`"
+    ("`route` in one or two launches: weights (tokens, k) fp32 and ids (tokens, k) int64; "
+     "with `bias_image` and `image_mask` both given (image spans) it is `route`")
     _check_route_args(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask)
-    if not isinstance(one_launch, bool): raise TypeError(f"one_launch must be a bool, got {one_launch!r}")
+    if not isinstance(one_launch, bool):
+        raise TypeError(f"one_launch must be a bool, got {one_launch!r}")
     if not isinstance(split_k, bool): raise TypeError(f"split_k must be a bool, got {split_k!r}")
-    if (bias_image is not None and image_mask is not None) or kernel_backend(x, gate_weight, bias) == 'torch':
+    image_spans = bias_image is not None and image_mask is not None
+    if image_spans or kernel_backend(x, gate_weight, bias) == 'torch':
         return route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask)
     (E, D), T, n_activated = gate_weight.shape, x.shape[0], int(n_activated)
     w = torch.empty(T, n_activated, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, n_activated, dtype=torch.int64, device=x.device)
     if T == 0: return w, ids
-    meta = dict(E=E, TOPK=n_activated, BLOCK_A=triton.next_power_of_2(n_activated), LIBDEVICE=not triton_interpreting())
-    if not one_launch:                                  # the logits bit for bit as `route` computes them, then one launch
+    meta = dict(E=E, TOPK=n_activated, BLOCK_A=triton.next_power_of_2(n_activated),
+                LIBDEVICE=not triton_interpreting())
+    # the logits bit for bit as `route` computes them, then one launch
+    if not one_launch:
         bt, be = max(1, 128 // triton.next_power_of_2(E)), triton.next_power_of_2(E)
-        if split_k:                                     # or in slices of ROUTE_SLICE columns, a program each, added in order
+        # or in slices of ROUTE_SLICE columns, a program each, added in order
+        if split_k:
             xo, go, split = _operand(x), _operand(gate_weight), triton.cdiv(D, ROUTE_SLICE)
             logits = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
-            _route_logits_kernel[(triton.cdiv(T, bt), split)](xo, go, logits, T, xo.stride(0), go.stride(0), E=E, D=D, BLOCK_T=bt,
-                                                               BLOCK_E=be, BLOCK_K=min(ROUTE_SLICE, max(16, TILE_ELEMS // (bt * be))),
-                                                               SLICE=ROUTE_SLICE, num_warps=4, **pdl_launch(x.device))
+            _route_logits_kernel[(triton.cdiv(T, bt), split)](
+                xo, go, logits, T, xo.stride(0), go.stride(0), E=E, D=D, BLOCK_T=bt, BLOCK_E=be,
+                BLOCK_K=min(ROUTE_SLICE, max(16, TILE_ELEMS // (bt * be))), SLICE=ROUTE_SLICE,
+                num_warps=4, **pdl_launch(x.device))
         else: logits, split = (x.float() @ gate_weight.float().T).contiguous(), 1
-        _select_kernel[(triton.cdiv(T, bt),)](logits, bias.float().contiguous(), w, ids, T, float(route_scale), BLOCK_T=bt,
-                                              BLOCK_E=be, SPLIT=split, num_warps=1, enable_reflect_ftz=False, **meta,
-                                              **pdl_launch(x.device))
+        _select_kernel[(triton.cdiv(T, bt),)](logits, bias.float().contiguous(), w, ids, T,
+                                              float(route_scale), BLOCK_T=bt, BLOCK_E=be,
+                                              SPLIT=split, num_warps=1, enable_reflect_ftz=False,
+                                              **meta, **pdl_launch(x.device))
         return w, ids
     x, gate_weight = _operand(x), _operand(gate_weight)
     bt, be, bk = _route_blocks(T, E, D)
-    _route_kernel[(triton.cdiv(T, bt),)](x, gate_weight, bias.float().contiguous(), w, ids, T, x.stride(0), gate_weight.stride(0),
-                                         float(route_scale), E=E, D=D, TOPK=n_activated, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk,
-                                         BLOCK_A=triton.next_power_of_2(n_activated), LIBDEVICE=not triton_interpreting(),
-                                         num_warps=8, enable_reflect_ftz=False)
+    _route_kernel[(triton.cdiv(T, bt),)](x, gate_weight, bias.float().contiguous(), w, ids, T,
+                                         x.stride(0), gate_weight.stride(0), float(route_scale),
+                                         E=E, D=D, TOPK=n_activated, BLOCK_T=bt, BLOCK_E=be,
+                                         BLOCK_K=bk, BLOCK_A=triton.next_power_of_2(n_activated),
+                                         LIBDEVICE=not triton_interpreting(), num_warps=8,
+                                         enable_reflect_ftz=False)
     return w, ids
 
 # %% ../nbs/08d_router.ipynb #20fea30e
 def route_ptx(T: int, E: int, D: int, k: int,  # tokens, experts, dim, experts per token
               capability: int = 90,  # the CUDA compute capability to build for (90: H100/H200)
              ) -> str:
-    "PTX of the router kernel `fused_route` launches for these shapes (BF16 x and gate), built without a GPU"
+    ("PTX of the router kernel `fused_route` launches for these shapes (BF16 x and gate), "
+     "built without a GPU")
     for name, v in (('T', T), ('E', E), ('D', D), ('k', k), ('capability', capability)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"route_ptx: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"route_ptx: {name} must be an int >= 1, got {v!r}")
     if k > E: raise ValueError(f"route_ptx: k = {k} > E = {E}")
-    if triton_interpreting():  # the interpreter's kernels are plain Python: build in a process without it
+    # the interpreter's kernels are plain Python: build in a process without it
+    if triton_interpreting():
         import os, subprocess, sys
         env = {n: v for n, v in os.environ.items() if n != 'TRITON_INTERPRET'}
-        code = f"from dsv41_nb.router import route_ptx; print(route_ptx({T}, {E}, {D}, {k}, {capability}), end='')"
+        code = (f"from dsv41_nb.router import route_ptx; "
+                f"print(route_ptx({T}, {E}, {D}, {k}, {capability}), end='')")
         r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env)
         if r.returncode: raise RuntimeError(f"route_ptx: the build failed:\n{r.stderr[-2000:]}")
         return r.stdout
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     bt, be, bk = _route_blocks(T, E, D)
-    sig = dict(x_ptr='*bf16', gate_ptr='*bf16', bias_ptr='*fp32', w_ptr='*fp32', ids_ptr='*i64', T='i32', x_stride='i32',
-               g_stride='i32', route_scale='fp32')
-    consts = dict(E=E, D=D, TOPK=k, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, BLOCK_A=triton.next_power_of_2(k), LIBDEVICE=True)
+    sig = dict(x_ptr='*bf16', gate_ptr='*bf16', bias_ptr='*fp32', w_ptr='*fp32', ids_ptr='*i64',
+               T='i32', x_stride='i32', g_stride='i32', route_scale='fp32')
+    consts = dict(E=E, D=D, TOPK=k, BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk,
+                  BLOCK_A=triton.next_power_of_2(k), LIBDEVICE=True)
     src = ASTSource(_route_kernel, {**sig, **{c: 'constexpr' for c in consts}}, consts)
-    return triton.compile(src, target=GPUTarget('cuda', capability, 32), options=dict(num_warps=8, enable_reflect_ftz=False)).asm['ptx']
+    return triton.compile(src, target=GPUTarget('cuda', capability, 32),
+                          options=dict(num_warps=8, enable_reflect_ftz=False)).asm['ptx']
 
 # %% ../nbs/08d_router.ipynb #dc74f4f5
-def check_fused_route(x, gate_weight, bias, n_activated, route_scale, bias_image=None, image_mask=None,
-                      guard: float = 1e-4,  # biased scores closer than this are a near tie: either order is right
+def check_fused_route(x, gate_weight, bias, n_activated, route_scale,
+                      bias_image=None, image_mask=None,
+                      # biased scores closer than this are a near tie: either order is right
+                      guard: float = 1e-4,
                       rtol: float = 1e-6,  # relative tolerance of the weights
                       one_launch: bool = False,  # which form of `fused_route` to check
                       split_k: bool = False,
                      ) -> dict:
-    "Assert `fused_route` agrees with `route` (equal ids but at near ties, weights within `rtol`); return the margins"
+    ("Assert `fused_route` agrees with `route` "
+     "(equal ids but at near ties, weights within `rtol`); return the margins")
     for name, v in (('guard', guard), ('rtol', rtol)):
         if not isinstance(v, numbers.Real) or isinstance(v, bool) or not v >= 0:
             raise ValueError(f"check_fused_route: {name} must be a real number >= 0, got {v!r}")
-    w, ids = fused_route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask, one_launch, split_k)
+    w, ids = fused_route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask,
+                         one_launch, split_k)
     rw, rids = route(x, gate_weight, bias, n_activated, route_scale, bias_image, image_mask)
     (T, k), E = rids.shape, gate_weight.shape[0]
-    assert w.shape == ids.shape == (T, k) and w.dtype == torch.float32 and ids.dtype == torch.int64, (w.shape, w.dtype, ids.dtype)
-    assert ((ids >= 0) & (ids < E)).all() and (k == 1 or (ids.sort(-1).values.diff(dim=-1) > 0).all()), "ids out of range or repeated"
-    b = bias.float() if bias_image is None or image_mask is None else torch.where(image_mask[:, None], bias_image.float(), bias.float())
+    assert (w.shape == ids.shape == (T, k) and w.dtype == torch.float32
+            and ids.dtype == torch.int64), (w.shape, w.dtype, ids.dtype)
+    assert (((ids >= 0) & (ids < E)).all()
+            and (k == 1 or (ids.sort(-1).values.diff(dim=-1) > 0).all())), \
+        "ids out of range or repeated"
+    if bias_image is None or image_mask is None: b = bias.float()
+    else: b = torch.where(image_mask[:, None], bias_image.float(), bias.float())
     logit = x.float() @ gate_weight.float().T
-    sb = F.softplus(logit).sqrt() + b                                                  # the biased scores route ranks
+    # the biased scores route ranks
+    sb = F.softplus(logit).sqrt() + b
     top = sb.topk(min(k + 1, E), dim=-1).values
-    gap = (top[:, :-1] - top[:, 1:]).min(-1).values if top.shape[1] > 1 else torch.full((T,), math.inf, device=x.device)
+    if top.shape[1] > 1: gap = (top[:, :-1] - top[:, 1:]).min(-1).values
+    else: gap = torch.full((T,), math.inf, device=x.device)
     near, same = gap <= guard, (ids == rids).all(-1)
-    assert not (~same & ~near).any(), f"ids differ from route's without a near tie, tokens {(~same & ~near).nonzero().flatten().tolist()[:8]}"
-    if near.any(): assert ((sb.gather(1, ids) - sb.gather(1, rids)).abs()[near] <= guard).all(), "a near tie resolved to a worse expert"
-    sens = torch.where(logit < -20, 0.5, torch.sigmoid(logit) / (2 * F.softplus(logit)))  # relative score change per unit of logit
-    slack = 2 * (2.0 ** -23 * (x.float().abs() @ gate_weight.float().abs().T) * sens).gather(1, rids).max(-1, keepdim=True).values
+    assert not (~same & ~near).any(), (f"ids differ from route's without a near tie, "
+                                       f"tokens {(~same & ~near).nonzero().flatten().tolist()[:8]}")
+    if near.any():
+        worse = (sb.gather(1, ids) - sb.gather(1, rids)).abs()[near]
+        assert (worse <= guard).all(), "a near tie resolved to a worse expert"
+    # relative score change per unit of logit
+    sens = torch.where(logit < -20, 0.5, torch.sigmoid(logit) / (2 * F.softplus(logit)))
+    err = 2.0 ** -23 * (x.float().abs() @ gate_weight.float().abs().T) * sens
+    slack = 2 * err.gather(1, rids).max(-1, keepdim=True).values
     tiny = torch.finfo(torch.float32).tiny
-    cmp = same & (F.softplus(logit) >= tiny).gather(1, rids).all(-1)                # denormal softplus: ids only
+    # denormal softplus: ids only
+    cmp = same & (F.softplus(logit) >= tiny).gather(1, rids).all(-1)
     rel = (w - rw).abs() / rw.abs().clamp_min(tiny)
     over = (rel > rtol + slack) & cmp[:, None]
-    assert not over.any(), f"weights differ from route's by {rel[over].max().item():.3g} relative, over {rtol} + the summation slack"
+    assert not over.any(), (f"weights differ from route's by {rel[over].max().item():.3g} "
+                            f"relative, over {rtol} + the summation slack")
     max_rel = rel[cmp].max().item() if cmp.any() else 0.0
-    return dict(tokens=T, near_ties=int(near.sum()), differ=int((~same).sum()), denormal=int((same & ~cmp).sum()),
-                min_gap=gap.min().item() if T else math.inf, max_rel=max_rel)
+    return dict(tokens=T, near_ties=int(near.sum()), differ=int((~same).sum()),
+                denormal=int((same & ~cmp).sum()), min_gap=gap.min().item() if T else math.inf,
+                max_rel=max_rel)

@@ -19,15 +19,18 @@ __all__ = ['ARGMAX_CHUNK', 'reference_probs', 'SamplingBatch', 'sampling_batch',
 def reference_probs(logits: torch.Tensor, # (vocab,) one row of logits
                     sp: SamplingParams, # the request's parameters
                    ) -> torch.Tensor: # (vocab,) float64: the distribution the token is drawn from
-    "One row's sampling distribution, one rule at a time (a test oracle): one-hot argmax if greedy, else temperature, min-p, top-k, top-p"
+    ("One row's sampling distribution, one rule at a time (a test oracle): "
+     "one-hot argmax if greedy, else temperature, min-p, top-k, top-p")
     x, V = logits.detach().double().cpu(), logits.numel()
     if sp.greedy: return F.one_hot(x.argmax(), V).double()
     x = x / sp.temperature
     x = torch.where((p := x.softmax(0)) >= sp.min_p * p.max(), x, -torch.inf)
-    if 1 <= sp.top_k < V: x = torch.where(x >= x.sort(descending=True).values[sp.top_k - 1], x, -torch.inf)
+    if 1 <= sp.top_k < V:
+        x = torch.where(x >= x.sort(descending=True).values[sp.top_k - 1], x, -torch.inf)
     if sp.top_p < 1:
         p, keep, above = x.softmax(0), torch.zeros(V, dtype=torch.bool), 0.0
-        for i in sorted(range(V), key=lambda i: (-x[i].item(), i)):          # most likely first, ties to the lower id
+        # most likely first, ties to the lower id
+        for i in sorted(range(V), key=lambda i: (-x[i].item(), i)):
             if above >= sp.top_p: break
             keep[i], above = True, above + p[i].item()
         x = torch.where(keep, x, -torch.inf)
@@ -42,63 +45,82 @@ class SamplingBatch:
     top_k: torch.Tensor  # (N,) int64 in 1..vocab (vocab: all)
     top_p: torch.Tensor  # (N,) fp32
     min_p: torch.Tensor  # (N,) fp32
-    generators: list  # (N,) the request's torch.Generator on seeded random rows; None: the engine's (or greedy)
-    all_greedy: bool = False  # every row greedy: `sampling_probs` skips the sort and the softmaxes (a host-side flag)
+    # (N,) the request's torch.Generator on seeded random rows; None: the engine's (or greedy)
+    generators: list
+    # every row greedy: `sampling_probs` skips the sort and the softmaxes (a host-side flag)
+    all_greedy: bool = False
 
+# %% ../nbs/12b_sampler.ipynb #f5d7c513
 def sampling_batch(params: Sequence[SamplingParams], # one per row
                    generators: Sequence | None = None, # one per row: a seeded request's generator, or None
                    vocab_size: int = 1 << 30, device=None) -> SamplingBatch:
     "The rows' parameters gathered into tensors on `device`"
-    if len(gens := [None] * len(params) if generators is None else list(generators)) != len(params): raise ValueError(
-        f"sampling_batch: {len(params)} rows but {len(gens)} generators")
+    gens = [None] * len(params) if generators is None else list(generators)
+    if len(gens) != len(params):
+        raise ValueError(f"sampling_batch: {len(params)} rows but {len(gens)} generators")
     col = lambda f, dt: torch.tensor([f(p) for p in params], dtype=dt, device=device)
-    return SamplingBatch(col(lambda p: p.greedy, torch.bool), col(lambda p: p.temperature or 1.0, torch.float32),
-                         col(lambda p: vocab_size if p.top_k == -1 else min(p.top_k, vocab_size), torch.int64),
-                         col(lambda p: p.top_p, torch.float32), col(lambda p: p.min_p, torch.float32),
-                         [None if p.greedy else g for p, g in zip(params, gens)], all(p.greedy for p in params))
+    return SamplingBatch(col(lambda p: p.greedy, torch.bool),
+                         col(lambda p: p.temperature or 1.0, torch.float32),
+                         col(lambda p: vocab_size if p.top_k == -1 else min(p.top_k, vocab_size),
+                             torch.int64),
+                         col(lambda p: p.top_p, torch.float32),
+                         col(lambda p: p.min_p, torch.float32),
+                         [None if p.greedy else g for p, g in zip(params, gens)],
+                         all(p.greedy for p in params))
 
+# %% ../nbs/12b_sampler.ipynb #4f5bad7e
 def sampling_probs(logits: torch.Tensor, # (N, vocab) logits of the sampled rows
                    sb: SamplingBatch, # their parameters
                   ) -> torch.Tensor: # (N, vocab) fp32 distributions
     "Every row's sampling distribution at once (`reference_probs` batched)"
-    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or logits.shape[:1] != sb.greedy.shape:
+    if (not isinstance(logits, torch.Tensor) or not logits.is_floating_point()
+        or logits.shape[:1] != sb.greedy.shape):
         raise ValueError(f"sampling_probs: expected float logits ({len(sb.greedy)}, vocab), got "
-                         f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
-    if sb.all_greedy: return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()   # what every row gets below
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} "
+                         f"{tuple(getattr(logits, 'shape', ()))}")
+    # what every row gets below
+    if sb.all_greedy: return F.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     x = logits.float() / sb.temperature[:, None]
-    x = x.masked_fill((p := x.softmax(-1)) < sb.min_p[:, None] * p.amax(-1, keepdim=True), -torch.inf)          # min-p
-    xs, order = x.sort(dim=-1, descending=True, stable=True)                                      # (N, vocab) ranked
-    xs = xs.masked_fill(xs < xs.gather(1, sb.top_k.clamp(max=x.shape[-1])[:, None] - 1), -torch.inf)   # top-k, ties kept
+    p = x.softmax(-1)
+    x = x.masked_fill(p < sb.min_p[:, None] * p.amax(-1, keepdim=True), -torch.inf)   # min-p
+    xs, order = x.sort(dim=-1, descending=True, stable=True)                   # (N, vocab) ranked
+    kth = xs.gather(1, sb.top_k.clamp(max=x.shape[-1])[:, None] - 1)
+    xs = xs.masked_fill(xs < kth, -torch.inf)                                  # top-k, ties kept
     ps = xs.softmax(-1)
-    above = F.pad(ps.cumsum(-1)[:, :-1], (1, 0))                                               # mass ranked above
-    xs = xs.masked_fill((above >= sb.top_p[:, None]) & (sb.top_p < 1)[:, None], -torch.inf)    # top-p
+    above = F.pad(ps.cumsum(-1)[:, :-1], (1, 0))                               # mass ranked above
+    # top-p
+    xs = xs.masked_fill((above >= sb.top_p[:, None]) & (sb.top_p < 1)[:, None], -torch.inf)
     probs = torch.empty_like(x).scatter_(1, order, xs.softmax(-1))
     return torch.where(sb.greedy[:, None], F.one_hot(logits.argmax(-1), x.shape[-1]).float(), probs)
 
 # %% ../nbs/12b_sampler.ipynb #f2767e09
-ARGMAX_CHUNK = 1024   # logits per chunk of `argmax_rows`'s first pass (or the first size above it that divides the row)
+# logits per chunk of `argmax_rows`'s first pass (or the first size above it that divides the row)
+ARGMAX_CHUNK = 1024
 
 @functools.lru_cache(maxsize=None)
 def _argmax_chunk(V: int, least: int) -> int:
-    "The first chunk size from `least` up to twice it that divides V (no padding copy), else `least`: found once per vocabulary"
+    ("The first chunk size from `least` up to twice it that divides V (no padding copy), "
+     "else `least`: found once per vocabulary")
     return next((c for c in range(least, 2 * least) if V % c == 0), least)
 
-def argmax_rows(logits: torch.Tensor,  # (N, vocab) float logits
-                chunk: int | None = None,  # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
-               ) -> torch.Tensor:          # (N,) int64: each row's first maximum, as `logits.argmax(-1)`
+def argmax_rows(logits: torch.Tensor, # (N, vocab) float logits
+                chunk: int | None = None, # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
+               ) -> torch.Tensor: # (N,) int64: each row's first maximum, as `logits.argmax(-1)`
     "Each row's argmax in two passes over chunks of the row (on a GPU), else in one"
     if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or not logits.is_floating_point():
-        raise ValueError(f"argmax_rows: expected float logits (N, vocab), got {getattr(logits, 'dtype', type(logits).__name__)} "
+        raise ValueError(f"argmax_rows: expected float logits (N, vocab), got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} "
                          f"{tuple(getattr(logits, 'shape', ()))}")
-    if chunk is None: chunk = _argmax_chunk(logits.shape[-1], ARGMAX_CHUNK) if logits.is_cuda else 0
+    if chunk is None:
+        chunk = _argmax_chunk(logits.shape[-1], ARGMAX_CHUNK) if logits.is_cuda else 0
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
         raise ValueError(f"argmax_rows: chunk = {chunk!r}; expected an int >= 0")
     N, V = logits.shape
     if chunk == 0 or V <= chunk or N == 0: return logits.argmax(-1)
     G = -(-V // chunk)
     x = F.pad(logits, (0, G * chunk - V), value=-torch.inf) if G * chunk != V else logits
-    best, at = x.view(N, G, chunk).max(-1)                                          # first maximum of each chunk
-    g = best.argmax(-1, keepdim=True)                                               # first chunk holding the row's maximum
+    best, at = x.view(N, G, chunk).max(-1)   # first maximum of each chunk
+    g = best.argmax(-1, keepdim=True)        # first chunk holding the row's maximum
     return (g * chunk + at.gather(1, g))[:, 0]
 
 
@@ -108,32 +130,45 @@ def draw(probs: torch.Tensor, # (N, vocab) fp32 sampling distributions
          sb: SamplingBatch, # greedy rows draw nothing; seeded rows draw from their own generator
          generator: torch.Generator | None = None, # the engine's generator, for the other random rows
         ) -> tuple: # (accepted (N,) bool, token (N,) int64)
-    "Accept each row's draft with probability p(draft); draw its token from p, or from p without the draft"
+    ("Accept each row's draft with probability p(draft); "
+     "draw its token from p, or from p without the draft")
     if probs.ndim != 2 or draft.shape != (probs.shape[0],) or len(sb.greedy) != probs.shape[0]:
-        raise ValueError(f"draw: expected probs ({len(sb.greedy)}, vocab) and draft ({len(sb.greedy)},), got "
+        raise ValueError(f"draw: expected probs ({len(sb.greedy)}, vocab) "
+                         f"and draft ({len(sb.greedy)},), got "
                          f"{tuple(probs.shape)} and {tuple(draft.shape)}")
     N, V = probs.shape
-    if N and not ((draft >= -1) & (draft < V)).all(): raise ValueError(f"draw: draft ids must be -1 or in 0..{V - 1}")
-    expo, u = torch.ones_like(probs), torch.full((N,), 0.5, device=probs.device)   # greedy rows: no noise
-    shared = None if sb.all_greedy else ~sb.greedy & torch.tensor([g is None for g in sb.generators], dtype=torch.bool, device=probs.device)
-    if shared is not None and (n := int(shared.sum())):                             # (all greedy: no mask, no read-back)
+    if N and not ((draft >= -1) & (draft < V)).all():
+        raise ValueError(f"draw: draft ids must be -1 or in 0..{V - 1}")
+    # greedy rows: no noise
+    expo, u = torch.ones_like(probs), torch.full((N,), 0.5, device=probs.device)
+    shared = None
+    if not sb.all_greedy:
+        unseeded = torch.tensor([g is None for g in sb.generators],
+                                dtype=torch.bool, device=probs.device)
+        shared = ~sb.greedy & unseeded
+    if shared is not None and (n := int(shared.sum())):   # (all greedy: no mask, no read-back)
         expo[shared] = torch.empty(n, V, device=probs.device).exponential_(generator=generator)
         u[shared] = torch.rand(n, device=probs.device, generator=generator)
-    for i, g in ((i, g) for i, g in enumerate(sb.generators) if g is not None):   # seeded rows, each from its own generator
+    # seeded rows, each from its own generator
+    for i, g in ((i, g) for i, g in enumerate(sb.generators) if g is not None):
         expo[i].exponential_(generator=g); u[i] = torch.rand(1, device=probs.device, generator=g)[0]
     has, x = draft >= 0, draft.clamp(min=0)[:, None]
     accepted = has & (u < probs.gather(1, x)[:, 0])
     residual = torch.where(has[:, None], probs.scatter(1, x, 0.0), probs)
     return accepted, (residual / expo).argmax(-1)
 
+# %% ../nbs/12b_sampler.ipynb #fca789b9
 def chi_square_pvalue(counts: torch.Tensor, # (V,) how often each token came out
                       probs: torch.Tensor, # (V,) the distribution they should follow
                      ) -> float:
-    "P-value of Pearson's chi-square test of `counts` against `probs` (a token with p = 0 that came out gives 0)"
+    ("P-value of Pearson's chi-square test of `counts` against `probs` "
+     "(a token with p = 0 that came out gives 0)")
     if counts.ndim != 1 or probs.shape != counts.shape:
-        raise ValueError(f"chi_square_pvalue: expected counts and probs of one shape (V,), got {tuple(counts.shape)} and {tuple(probs.shape)}")
+        raise ValueError(f"chi_square_pvalue: expected counts and probs of one shape (V,), got "
+                         f"{tuple(counts.shape)} and {tuple(probs.shape)}")
     counts, probs = counts.double().cpu(), probs.double().cpu()
     if ((probs == 0) & (counts > 0)).any(): return 0.0
     expected = counts.sum() * probs[probs > 0]
     stat = ((counts[probs > 0] - expected) ** 2 / expected).sum()
-    return torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.double), stat / 2).item()
+    dof_half = torch.tensor((len(expected) - 1) / 2, dtype=torch.double)
+    return torch.special.gammaincc(dof_half, stat / 2).item()

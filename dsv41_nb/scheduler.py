@@ -23,11 +23,13 @@ __all__ = ['FINISH_REASONS', 'PLACEHOLDER', 'SamplingParams', 'RequestStatus', '
 
 # %% ../nbs/12_scheduler.ipynb #3f999b79
 def _real(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+    return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+            and math.isfinite(v))
 
 @dataclass(frozen=True)
 class SamplingParams:
-    "How a request samples and when it stops (the fields of vLLM's SamplingParams that the sampler and scheduler read)"
+    ("How a request samples and when it stops "
+     "(the fields of vLLM's SamplingParams that the sampler and scheduler read)")
     temperature: float = 1.0  # 0 = greedy; otherwise logits are divided by it
     top_p: float = 1.0  # keep the smallest set of tokens holding this much probability, in (0, 1]
     top_k: int = -1  # keep this many most likely tokens; -1 = all
@@ -35,7 +37,8 @@ class SamplingParams:
     seed: int | None = None  # per-request random seed (None: the engine's generator)
     max_tokens: int = 16  # most output tokens
     min_tokens: int = 0  # EOS and stop ids do not stop the request before this many output tokens
-    stop_token_ids: tuple = ()  # more ids that stop the request (checked against the vocabulary when it is added)
+    # more ids that stop the request (checked against the vocabulary when it is added)
+    stop_token_ids: tuple = ()
     ignore_eos: bool = False  # keep going past EOS
 
     def __post_init__(self):
@@ -50,16 +53,24 @@ class SamplingParams:
 # %% ../nbs/12_scheduler.ipynb #e9e350b3
 @patch
 def _validate(self: SamplingParams):
-    t, p, k, mp, mt, mn = self.temperature, self.top_p, self.top_k, self.min_p, self.max_tokens, self.min_tokens
-    if not (_real(t) and t >= 0): raise ValueError(f"temperature = {t!r}; expected a number >= 0 (0 = greedy)")
-    if not (_real(p) and 0 < p <= 1): raise ValueError(f"top_p = {p!r}; expected a number in (0, 1]")
-    if not (_is_int(k) and (k == -1 or k >= 1)): raise ValueError(f"top_k = {k!r}; expected -1 (all tokens) or an integer >= 1")
-    if not (_real(mp) and 0 <= mp <= 1): raise ValueError(f"min_p = {mp!r}; expected a number in [0, 1]")
-    if not (_is_int(mt) and mt >= 1): raise ValueError(f"max_tokens = {mt!r}; expected an integer >= 1")
+    t, p, k, mp = self.temperature, self.top_p, self.top_k, self.min_p
+    mt, mn = self.max_tokens, self.min_tokens
+    if not (_real(t) and t >= 0):
+        raise ValueError(f"temperature = {t!r}; expected a number >= 0 (0 = greedy)")
+    if not (_real(p) and 0 < p <= 1):
+        raise ValueError(f"top_p = {p!r}; expected a number in (0, 1]")
+    if not (_is_int(k) and (k == -1 or k >= 1)):
+        raise ValueError(f"top_k = {k!r}; expected -1 (all tokens) or an integer >= 1")
+    if not (_real(mp) and 0 <= mp <= 1):
+        raise ValueError(f"min_p = {mp!r}; expected a number in [0, 1]")
+    if not (_is_int(mt) and mt >= 1):
+        raise ValueError(f"max_tokens = {mt!r}; expected an integer >= 1")
     if not (_is_int(mn) and 0 <= mn <= mt):
         raise ValueError(f"min_tokens = {mn!r}; expected an integer in [0, max_tokens = {mt!r}]")
-    if self.seed is not None and not _is_int(self.seed): raise TypeError(f"seed = {self.seed!r}; expected an int or None")
-    if not isinstance(self.ignore_eos, bool): raise TypeError(f"ignore_eos = {self.ignore_eos!r}; expected a bool")
+    if self.seed is not None and not _is_int(self.seed):
+        raise TypeError(f"seed = {self.seed!r}; expected an int or None")
+    if not isinstance(self.ignore_eos, bool):
+        raise TypeError(f"ignore_eos = {self.ignore_eos!r}; expected a bool")
     bad = [i for i in self.stop_token_ids if not (_is_int(i) and i >= 0)]
     if bad: raise ValueError(f"stop_token_ids holds {bad[0]!r}; expected token ids (integers >= 0)")
 
@@ -67,11 +78,14 @@ def _validate(self: SamplingParams):
 def check_vocab(self: SamplingParams, vocab_size: int): # the model's vocabulary size
     "Raise if a stop token id lies outside the vocabulary"
     bad = [i for i in self.stop_token_ids if i >= vocab_size]
-    if bad: raise ValueError(f"stop token id {bad[0]} is outside the vocabulary: expected 0 <= id < {vocab_size}")
+    if bad:
+        raise ValueError(f"stop token id {bad[0]} is outside the vocabulary: "
+                         f"expected 0 <= id < {vocab_size}")
 
 # %% ../nbs/12_scheduler.ipynb #485ed308
 class RequestStatus(enum.Enum):
-    "Where a request is in its life (vLLM's three finished states are FINISHED plus a finish reason here)"
+    ("Where a request is in its life "
+     "(vLLM's three finished states are FINISHED plus a finish reason here)")
     WAITING = 'waiting'; RUNNING = 'running'; PREEMPTED = 'preempted'; FINISHED = 'finished'
 
 FINISH_REASONS = ('stop', 'length', 'abort')
@@ -89,24 +103,29 @@ class SchedulerRequest(Request):
         self.sampling_params, self.eos_token_id = sampling_params, eos_token_id
         self.status, self.finish_reason, self.stop_reason = RequestStatus.WAITING, None, None
         self.spec_token_ids = []     # drafts to verify in its next step (synchronous scheduling)
-        self.in_flight = deque()     # (step, draft rows) of each scheduled sampling step not yet returned
+        # (step, draft rows) of each scheduled sampling step not yet returned
+        self.in_flight = deque()
         self.num_cached_tokens = self.prefill_len = self.replay_start = self.num_preemptions = 0
 
     @property
-    def num_output_placeholders(self) -> int: return sum(1 + d for _, d in self.in_flight)  # tokens in flight, all drafts accepted
+    def num_output_placeholders(self) -> int:  # tokens in flight, all drafts accepted
+        return sum(1 + d for _, d in self.in_flight)
     @property
-    def frontier(self) -> int: return self.num_computed_tokens + sum(d for _, d in self.in_flight)  # next rows, all drafts accepted
+    def frontier(self) -> int:  # next rows, all drafts accepted
+        return self.num_computed_tokens + sum(d for _, d in self.in_flight)
     @property
     def output_token_ids(self) -> list: return self.all_token_ids[self.num_prompt_tokens:]
     @property
     def is_finished(self) -> bool: return self.status is RequestStatus.FINISHED
     def __repr__(self):
-        return f"SchedulerRequest({self.request_id!r}, {self.status.value}, {self.num_tokens} tokens, {self.num_computed_tokens} computed)"
+        return (f"SchedulerRequest({self.request_id!r}, {self.status.value}, "
+                f"{self.num_tokens} tokens, {self.num_computed_tokens} computed)")
 
 # %% ../nbs/12_scheduler.ipynb #a3328d3f
 def check_stop(request: SchedulerRequest, # its newest token was just appended
                max_model_len: int) -> tuple | None: # longest sequence the cache holds
-    "(finish reason, stop reason) if the newest token ends `request`, else None (vLLM's check_stop, in its order)"
+    ("(finish reason, stop reason) if the newest token ends `request`, else None "
+     "(vLLM's check_stop, in its order)")
     sp, n_out = request.sampling_params, request.num_output_tokens
     if request.num_tokens >= max_model_len or n_out >= sp.max_tokens: return 'length', None
     if n_out < sp.min_tokens: return None
@@ -122,7 +141,8 @@ def _toy_weights(n: int) -> np.ndarray:
 
 def toy_next_token(history: Sequence[int], # token ids so far, at least one
                    vocab_size: int) -> int: # the toy model's vocabulary
-    "The toy model: usually the last token + 1; one step in 8, chosen by a hash of the whole history, a hashed token"
+    ("The toy model: usually the last token + 1; "
+     "one step in 8, chosen by a hash of the whole history, a hashed token")
     h = sum(int(w) * (int(t) + 1) for w, t in zip(_toy_weights(len(history)), history))
     h = h * 2654435761 % (1 << 32)
     return (int(history[-1]) + 1) % vocab_size if h % 8 else (h >> 3) % vocab_size
@@ -132,7 +152,8 @@ def toy_next_tokens(history: np.ndarray, # (n,) one request's token ids, drafts 
                     rows: np.ndarray, # positions q whose next token is wanted
                     vocab_size: int) -> np.ndarray:
     "`toy_next_token(history[:q + 1])` for every q in `rows`, from one prefix sum"
-    h = np.cumsum(_toy_weights(len(history)) * (history.astype(np.int64) + 1))[rows]    # (rows,) < 2**43: exact in int64
+    # (rows,) < 2**43: exact in int64
+    h = np.cumsum(_toy_weights(len(history)) * (history.astype(np.int64) + 1))[rows]
     h = (h.astype(np.uint64) * np.uint64(2654435761)) & np.uint64(0xFFFFFFFF)
     jump = (h >> np.uint64(3)) % np.uint64(vocab_size)
     return np.where(h % np.uint64(8) != 0, (history[rows] + 1) % vocab_size, jump).astype(np.int64)
@@ -148,33 +169,40 @@ def toy_generate(prompt: Sequence[int], # the prompt's token ids
     while True:
         t = toy_next_token(list(prompt) + out, vocab_size)
         out.append(t)
-        if len(prompt) + len(out) >= max_model_len or len(out) >= sp.max_tokens: return out, 'length'
-        if len(out) >= sp.min_tokens and ((t == eos_token_id and not sp.ignore_eos) or t in sp.stop_token_ids): return out, 'stop'
+        if len(prompt) + len(out) >= max_model_len or len(out) >= sp.max_tokens:
+            return out, 'length'
+        stops = (t == eos_token_id and not sp.ignore_eos) or t in sp.stop_token_ids
+        if len(out) >= sp.min_tokens and stops: return out, 'stop'
 
 # %% ../nbs/12_scheduler.ipynb #ae931987
 @dataclass(frozen=True)
 class SchedulerConfig:
-    "The scheduler's knobs (vLLM's SchedulerConfig, plus speculative tokens and bounded window replay)"
+    ("The scheduler's knobs "
+     "(vLLM's SchedulerConfig, plus speculative tokens and bounded window replay)")
     max_num_seqs: int = 256  # most requests running at once
     max_num_batched_tokens: int = 8192  # token budget of one step
     long_prefill_token_threshold: int = 0  # most prefill tokens of one request per step (0: no cap)
     enable_chunked_prefill: bool = True  # split prompts across steps to fit the budget
     async_scheduling: bool = False  # plan step n+1 before step n's sampled tokens are back
     num_speculative_tokens: int = 0  # k: most draft rows verified per decode step
-    bounded_replay: bool = True  # hits come from the global caches; window KV is rebuilt by replaying a window
+    # hits come from the global caches; window KV is rebuilt by replaying a window
+    bounded_replay: bool = True
 
     def __post_init__(self):
         for name in ('max_num_seqs', 'max_num_batched_tokens'):
             v = getattr(self, name)
-            if not (_is_int(v) and v >= 1): raise ValueError(f"{name} = {v!r}; expected an integer >= 1")
+            if not (_is_int(v) and v >= 1):
+                raise ValueError(f"{name} = {v!r}; expected an integer >= 1")
         for name in ('long_prefill_token_threshold', 'num_speculative_tokens'):
             v = getattr(self, name)
-            if not (_is_int(v) and v >= 0): raise ValueError(f"{name} = {v!r}; expected an integer >= 0")
+            if not (_is_int(v) and v >= 0):
+                raise ValueError(f"{name} = {v!r}; expected an integer >= 0")
         for name in ('enable_chunked_prefill', 'async_scheduling', 'bounded_replay'):
-            if not isinstance(getattr(self, name), bool): raise TypeError(f"{name} = {getattr(self, name)!r}; expected a bool")
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} = {getattr(self, name)!r}; expected a bool")
         if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
-            raise ValueError(f"long_prefill_token_threshold = {self.long_prefill_token_threshold} caps prefill chunks, "
-                             "which needs enable_chunked_prefill=True")
+            raise ValueError(f"long_prefill_token_threshold = {self.long_prefill_token_threshold} "
+                             "caps prefill chunks, which needs enable_chunked_prefill=True")
 
 # %% ../nbs/12_scheduler.ipynb #4adbd4a1
 PLACEHOLDER = -1  # a row whose token id only the runner knows yet
@@ -184,14 +212,17 @@ class ScheduledRequest:
     "One request's share of a step"
     request_id: str
     token_ids: list  # (rows,) ids to compute; PLACEHOLDER where only the runner knows the id
-    start: int  # position of the first row (the scheduler's frontier, optimistic under async scheduling)
+    # position of the first row (the scheduler's frontier, optimistic under async scheduling)
+    start: int
     num_draft_tokens: int  # the last this many rows are drafts to verify
     block_ids: tuple  # the request's block table per cache group, copied when planned
     new: bool  # first step since (re)admission: the runner (re)starts its state for this request
-    num_cached_tokens: int  # prefix-hit length: rows below it rebuild window KV, write PAD in prefix-cacheable groups
+    # prefix-hit length: rows below it rebuild window KV, write PAD in prefix-cacheable groups
+    num_cached_tokens: int
     replay_start: int  # rows at positions >= this run the decoder layers
     sample: bool  # the rows reach the end of the known tokens: the runner samples
-    request: object = field(default=None, repr=False)  # the scheduler's request (tells a reused id from its owner)
+    # the scheduler's request (tells a reused id from its owner)
+    request: object = field(default=None, repr=False)
     @property
     def num_tokens(self) -> int: return len(self.token_ids)
 
@@ -201,29 +232,36 @@ class SchedulerOutput:
     "One step's plan: which rows run, where they write, which requests the runner can forget"
     step: int  # the step number
     requests: list  # ScheduledRequest per request that runs, in row order
-    slot_mappings: SlotMappings  # positions and cache slots of every row (PAD where a row must not write)
-    decoder_rows: torch.Tensor  # (rows,) indices of the rows that run the decoder layers (the replay micro-batch)
+    # positions and cache slots of every row (PAD where a row must not write)
+    slot_mappings: SlotMappings
+    # (rows,) indices of the rows that run the decoder layers (the replay micro-batch)
+    decoder_rows: torch.Tensor
     finished_req_ids: set  # finished or aborted since the previous step
     preempted_req_ids: set  # preempted since the previous step
 
     @property
-    def num_scheduled_tokens(self) -> dict: return {r.request_id: r.num_tokens for r in self.requests}
+    def num_scheduled_tokens(self) -> dict:
+        return {r.request_id: r.num_tokens for r in self.requests}
     @property
     def total_num_scheduled_tokens(self) -> int: return sum(r.num_tokens for r in self.requests)
     @property
     def query_start_loc(self) -> torch.Tensor: # (requests + 1,) first row of each request, then the row count
-        return torch.tensor([0] + np.cumsum([r.num_tokens for r in self.requests]).tolist(), dtype=torch.int32)
+        return torch.tensor([0] + np.cumsum([r.num_tokens for r in self.requests]).tolist(),
+                            dtype=torch.int32)
     def block_table(self, group_id: int) -> torch.Tensor: # (requests, longest table) int32, padded with the null block
         rows = [r.block_ids[group_id] for r in self.requests]
-        out = torch.full((len(rows), max(map(len, rows), default=0)), NULL_BLOCK_ID, dtype=torch.int32)
+        out = torch.full((len(rows), max(map(len, rows), default=0)), NULL_BLOCK_ID,
+                         dtype=torch.int32)
         for i, b in enumerate(rows): out[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
         return out
 
 @dataclass
 class ModelRunnerOutput:
     "What the runner returns for one step"
-    sampled_token_ids: dict  # request id -> sampled ids: 1 + accepted drafts ([] for a prefill chunk that does not sample)
-    draft_token_ids: dict = field(default_factory=dict)  # request id -> drafts for its next step (synchronous scheduling)
+    # request id -> sampled ids: 1 + accepted drafts ([] for a prefill chunk that does not sample)
+    sampled_token_ids: dict
+    # request id -> drafts for its next step (synchronous scheduling)
+    draft_token_ids: dict = field(default_factory=dict)
 
 @dataclass
 class EngineCoreOutput:
@@ -236,26 +274,36 @@ class EngineCoreOutput:
 # %% ../nbs/12_scheduler.ipynb #d58005d6
 class Scheduler:
     "FCFS continuous batching over a KVCacheManager (vLLM's v1 scheduler), synchronous or async"
-    def __init__(self, kv_cache: KVCacheManager | KVCacheConfig, # the cache it drives (a layout makes a fresh manager)
+    def __init__(self,
+                 # the cache it drives (a layout makes a fresh manager)
+                 kv_cache: KVCacheManager | KVCacheConfig,
                  config: SchedulerConfig | None = None): # its knobs (default: SchedulerConfig())
         if isinstance(kv_cache, KVCacheConfig): kv_cache = KVCacheManager(kv_cache)
         if not isinstance(kv_cache, KVCacheManager):
-            raise TypeError(f"Scheduler: expected a KVCacheManager or KVCacheConfig, got {type(kv_cache).__name__}")
+            raise TypeError(f"Scheduler: expected a KVCacheManager or KVCacheConfig, "
+                            f"got {type(kv_cache).__name__}")
         config = SchedulerConfig() if config is None else config
         if not isinstance(config, SchedulerConfig):
-            raise TypeError(f"Scheduler: config must be a SchedulerConfig, got {type(config).__name__}")
+            raise TypeError(f"Scheduler: config must be a SchedulerConfig, "
+                            f"got {type(config).__name__}")
         self.kv, self.config, kc = kv_cache, config, kv_cache.kv_cache_config
         self.max_model_len, self.vocab_size = kv_cache.max_model_len, kc.vocab_size
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"max_num_batched_tokens = {config.max_num_batched_tokens:,} < max_model_len = {self.max_model_len:,} "
+            raise ValueError(f"max_num_batched_tokens = {config.max_num_batched_tokens:,} "
+                             f"< max_model_len = {self.max_model_len:,} "
                              "without chunked prefill: a long prompt could never be scheduled")
-        self.window = max([g.sliding_window for g in kc.groups if g.manager == 'sliding_window'], default=0)
-        self.requests, self.waiting, self.running = {}, deque(), []     # unfinished requests by id; the two lines
+        self.window = max([g.sliding_window for g in kc.groups if g.manager == 'sliding_window'],
+                          default=0)
+        # unfinished requests by id; the two lines
+        self.requests, self.waiting, self.running = {}, deque(), []
         self.step, self._finished_ids, self._preempted_ids = 0, set(), set()
-        self.stats = dict(preemptions=0, prefix_hit_tokens=0, replayed_tokens=0, draft_tokens=0, accepted_tokens=0)
+        self.stats = dict(preemptions=0, prefix_hit_tokens=0, replayed_tokens=0, draft_tokens=0,
+                          accepted_tokens=0)
 
     def has_unfinished_requests(self) -> bool: return bool(self.requests)
-    def __repr__(self): return f"Scheduler(step {self.step}: {len(self.running)} running, {len(self.waiting)} waiting)"
+    def __repr__(self):
+        return (f"Scheduler(step {self.step}: {len(self.running)} running, "
+                f"{len(self.waiting)} waiting)")
 
 # %% ../nbs/12_scheduler.ipynb #ea5523bd
 @patch
@@ -271,22 +319,29 @@ def add_request(self: Scheduler, request_id: str, # unique among unfinished requ
     if not isinstance(request_id, str) or not request_id:
         raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
     if request_id in self.requests:
-        raise ValueError(f"request id {request_id!r} is already in the scheduler; ids must be unique")
-    if eos_token_id is not None and not (_is_int(eos_token_id) and 0 <= eos_token_id < self.vocab_size):
-        raise ValueError(f"eos_token_id = {eos_token_id!r}; expected a token id in 0..{self.vocab_size - 1}")
+        raise ValueError(f"request id {request_id!r} is already in the scheduler; "
+                         "ids must be unique")
+    if (eos_token_id is not None
+            and not (_is_int(eos_token_id) and 0 <= eos_token_id < self.vocab_size)):
+        raise ValueError(f"eos_token_id = {eos_token_id!r}; "
+                         f"expected a token id in 0..{self.vocab_size - 1}")
     sp.check_vocab(self.vocab_size)
     check_token_ids(prompt_token_ids, self.vocab_size)
-    req = SchedulerRequest(request_id, prompt_token_ids, self.kv.block_hasher, sp, eos_token_id, cache_salt)
+    req = SchedulerRequest(request_id, prompt_token_ids, self.kv.block_hasher, sp, eos_token_id,
+                           cache_salt)
     if req.num_tokens > self.max_model_len:
         raise ValueError(f"request {request_id!r}: prompt of {req.num_tokens:,} tokens "
                          f"exceeds max_model_len = {self.max_model_len:,}")
     self.kv.check_fits(req)
-    if not self.config.enable_chunked_prefill:                 # all its known tokens (after a preemption too) in one step
+    # all its known tokens (after a preemption too) in one step
+    if not self.config.enable_chunked_prefill:
         n = min(req.num_tokens + sp.max_tokens - 1, self.max_model_len)
         need = sum(m.get_num_blocks_to_allocate(request_id, n) for m in self.kv.managers)
         if need > self.kv.block_pool.num_usable_blocks:
-            raise CacheCapacityError(f"request {request_id!r}: without chunked prefill, {n:,} tokens in one step need {need:,} blocks "
-                                     f"but the pool has {self.kv.block_pool.num_usable_blocks:,} usable blocks")
+            raise CacheCapacityError(f"request {request_id!r}: without chunked prefill, "
+                                     f"{n:,} tokens in one step need {need:,} blocks "
+                                     "but the pool has "
+                                     f"{self.kv.block_pool.num_usable_blocks:,} usable blocks")
     self.requests[request_id] = req; self.waiting.append(req)
     return req
 
@@ -300,21 +355,25 @@ def _find_prefix(self: Scheduler, req: SchedulerRequest) -> tuple:
         return hit, n, n
     glob = [m for m in kv.managers if m.spec.manager == 'global']
     a, found = kv.kv_cache_config.resume_alignment, [[] for _ in kv.managers]
-    n = (req.num_tokens - 1) // a * a if glob else 0                       # at least the last token is computed
-    for m in glob:                                                         # the global groups alone, left to right
+    # at least the last token is computed
+    n = (req.num_tokens - 1) // a * a if glob else 0
+    # the global groups alone, left to right
+    for m in glob:
         found[m.group_id] = m.find_longest_cache_hit(req.block_hashes, n)
         n = min(n, len(found[m.group_id]) * m.block_size)
     for m in glob: del found[m.group_id][n // m.block_size:]
     start = n - min(self.window, n)                                        # replay_start of the hit
     for m in kv.managers:
-        if m.spec.manager == 'sliding_window': found[m.group_id] = [m.null_block] * (start // m.block_size)
+        if m.spec.manager == 'sliding_window':
+            found[m.group_id] = [m.null_block] * (start // m.block_size)
     s = kv.prefix_cache_stats; s.requests += 1; s.queries += req.num_tokens - 1; s.hits += n
     return KVCacheBlocks(tuple(found)), start, n
 
 # %% ../nbs/12_scheduler.ipynb #fe3f5172
 @patch
 def preempt(self: Scheduler, request_id: str): # a running request
-    "Take a running request's blocks back: it waits at the front of the line and recomputes from its prefix hit"
+    ("Take a running request's blocks back: "
+     "it waits at the front of the line and recomputes from its prefix hit")
     req = self.requests.get(request_id)
     if req is None or req.status is not RequestStatus.RUNNING:
         raise ValueError(f"preempt: {request_id!r} is not a running request")
@@ -324,11 +383,15 @@ def preempt(self: Scheduler, request_id: str): # a running request
     self.waiting.appendleft(req); self._preempted_ids.add(request_id)
 
 @patch
-def _allocate(self: Scheduler, req: SchedulerRequest, n: int, d: int = 0, hit=None, skip: int = 0, may_preempt: bool = True):
-    "(rows, drafts) that got slots, or None; drops drafts, then halves a prefill chunk, then preempts the newest running request"
-    ahead = req.frontier - req.num_computed_tokens                         # draft rows in flight: slots up to the frontier
+def _allocate(self: Scheduler, req: SchedulerRequest, n: int, d: int = 0, hit=None, skip: int = 0,
+              may_preempt: bool = True):
+    ("(rows, drafts) that got slots, or None; "
+     "drops drafts, then halves a prefill chunk, then preempts the newest running request")
+    # draft rows in flight: slots up to the frontier
+    ahead = req.frontier - req.num_computed_tokens
     while True:
-        if self.kv.allocate_slots(req, ahead + n - d, skip, hit, num_lookahead_tokens=d) is not None: return n, d
+        got = self.kv.allocate_slots(req, ahead + n - d, skip, hit, num_lookahead_tokens=d)
+        if got is not None: return n, d
         if d: n, d = n - d, 0
         elif n > 1 and self.config.enable_chunked_prefill: n = (n + 1) // 2
         elif not may_preempt: return None
@@ -345,19 +408,24 @@ def _chunk(self: Scheduler, n: int, budget: int) -> int:
 
 @patch
 def _schedule_running(self: Scheduler, plan: list, budget: int) -> int:
-    "Rows for the running line in order: the next prefill chunk, or a decode row + drafts; returns the budget left"
+    ("Rows for the running line in order: "
+     "the next prefill chunk, or a decode row + drafts; returns the budget left")
     cfg, i = self.config, 0
     while i < len(self.running) and budget > 0:
-        req = self.running[i]; sp, C, pending = req.sampling_params, req.num_computed_tokens, len(req.in_flight)
+        req = self.running[i]
+        sp, C, pending = req.sampling_params, req.num_computed_tokens, len(req.in_flight)
         if C < req.prefill_len: n, d = self._chunk(req.prefill_len - C, budget), 0
-        else:                                                              # decode: each step in flight brings >= 1 token
+        else:
+            # decode: each step in flight brings >= 1 token
             d = cfg.num_speculative_tokens if cfg.async_scheduling else len(req.spec_token_ids)
-            d = min(d, budget - 1, self.max_model_len - req.frontier - 1, sp.max_tokens - req.num_output_tokens - pending - 1)
-            if d < 0 or req.num_output_tokens + pending >= sp.max_tokens or req.num_tokens + pending >= self.max_model_len:
-                i += 1; continue                                           # what is in flight may finish it
+            d = min(d, budget - 1, self.max_model_len - req.frontier - 1,
+                    sp.max_tokens - req.num_output_tokens - pending - 1)
+            if (d < 0 or req.num_output_tokens + pending >= sp.max_tokens
+                    or req.num_tokens + pending >= self.max_model_len):
+                i += 1; continue  # what is in flight may finish it
             n = 1 + d
         got = self._allocate(req, n, d)
-        if got is None: break                                              # it preempted itself: the pool is full
+        if got is None: break  # it preempted itself: the pool is full
         plan.append((req, *got, False)); budget -= got[0]; i += 1
     return budget
 
@@ -368,15 +436,17 @@ def _schedule_waiting(self: Scheduler, plan: list, budget: int) -> int:
     cfg = self.config
     while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
         req = self.waiting[0]
-        if req.in_flight: break                                            # its tokens of a step in flight are not back yet
+        if req.in_flight: break  # its tokens of a step in flight are not back yet
         hit, skip, cached = self._find_prefix(req)
         if not cfg.enable_chunked_prefill and req.num_tokens - skip > budget: break
-        got = self._allocate(req, self._chunk(req.num_tokens - skip, budget), 0, hit, skip, may_preempt=False)
+        got = self._allocate(req, self._chunk(req.num_tokens - skip, budget), 0, hit, skip,
+                             may_preempt=False)
         if got is None: break
         self.waiting.popleft(); self.running.append(req)
-        req.status, req.num_computed_tokens, req.num_cached_tokens = RequestStatus.RUNNING, skip, cached
-        req.prefill_len = req.num_tokens
-        req.replay_start = req.num_tokens - min(self.window, req.num_tokens) if cfg.bounded_replay else 0
+        req.status, req.num_computed_tokens = RequestStatus.RUNNING, skip
+        req.num_cached_tokens, req.prefill_len = cached, req.num_tokens
+        req.replay_start = (req.num_tokens - min(self.window, req.num_tokens) if cfg.bounded_replay
+                            else 0)
         self.stats['prefix_hit_tokens'] += cached; self.stats['replayed_tokens'] += cached - skip
         plan.append((req, got[0], 0, True)); budget -= got[0]
     return budget
@@ -384,32 +454,38 @@ def _schedule_waiting(self: Scheduler, plan: list, budget: int) -> int:
 # %% ../nbs/12_scheduler.ipynb #0803cc69
 @patch
 def _build_output(self: Scheduler, plan: list) -> SchedulerOutput:
-    "Rows of the plan: token ids, slot mappings (PAD for replayed rows), decoder rows; advances the frontiers"
+    ("Rows of the plan: token ids, slot mappings (PAD for replayed rows), decoder rows; "
+     "advances the frontiers")
     asyn, reqs, spans, pad, dec, row = self.config.async_scheduling, [], [], [], [], 0
     for req, n, d, new in plan:
         C, T = req.frontier, req.num_tokens
         ids = req.all_token_ids[C:min(C + n - d, T)]
-        ids = ids + [PLACEHOLDER] * (n - d - len(ids)) + ([PLACEHOLDER] * d if asyn else req.spec_token_ids[:d])
+        ids = (ids + [PLACEHOLDER] * (n - d - len(ids))
+               + ([PLACEHOLDER] * d if asyn else req.spec_token_ids[:d]))
         sample = C + n >= req.prefill_len
         if sample: req.in_flight.append((self.step, d))
-        reqs.append(ScheduledRequest(req.request_id, ids, C, d, self.kv.get_block_ids(req.request_id), new,
+        reqs.append(ScheduledRequest(req.request_id, ids, C, d,
+                                     self.kv.get_block_ids(req.request_id), new,
                                      req.num_cached_tokens, req.replay_start, sample, req))
         spans.append((req.request_id, C, n))
         pad.append(np.arange(row, row + max(0, min(n, req.num_cached_tokens - C))))
         dec.append(np.arange(row + max(0, min(n, req.replay_start - C)), row + n))
-        req.num_computed_tokens += n - d                                  # drafts count once accepted
+        req.num_computed_tokens += n - d  # drafts count once accepted
         req.spec_token_ids, row = [], row + n
     sm = self.kv.slot_mappings(spans)
     pad = torch.from_numpy(np.concatenate(pad or [np.zeros(0, np.int64)]))
-    for r in sm.compressed: sm.compressed[r][pad] = PAD_SLOT_ID        # replayed rows keep out of the shared main KV
-    out = SchedulerOutput(self.step, reqs, sm, torch.from_numpy(np.concatenate(dec or [np.zeros(0, np.int64)])),
+    # replayed rows keep out of the shared main KV
+    for r in sm.compressed: sm.compressed[r][pad] = PAD_SLOT_ID
+    out = SchedulerOutput(self.step, reqs, sm,
+                          torch.from_numpy(np.concatenate(dec or [np.zeros(0, np.int64)])),
                           self._finished_ids, self._preempted_ids)
     self.step, self._finished_ids, self._preempted_ids = self.step + 1, set(), set()
     return out
 
 @patch
 def schedule(self: Scheduler) -> SchedulerOutput:
-    "Plan one step: the running line first, then admissions from the waiting line (none in a step that preempted)"
+    ("Plan one step: the running line first, "
+     "then admissions from the waiting line (none in a step that preempted)")
     plan, preemptions = [], self.stats['preemptions']
     budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
     if self.stats['preemptions'] == preemptions: self._schedule_waiting(plan, budget)
@@ -417,18 +493,24 @@ def schedule(self: Scheduler) -> SchedulerOutput:
 
 # %% ../nbs/12_scheduler.ipynb #230ba515
 @patch
-def _checked_tokens(self: Scheduler, sr: ScheduledRequest, mro: ModelRunnerOutput, step: int) -> list:
-    "A request's sampled ids, checked: its oldest step in flight, 1 to 1 + drafts of them, in the vocabulary"
+def _checked_tokens(self: Scheduler, sr: ScheduledRequest, mro: ModelRunnerOutput,
+                    step: int) -> list:
+    ("A request's sampled ids, checked: "
+     "its oldest step in flight, 1 to 1 + drafts of them, in the vocabulary")
     got = mro.sampled_token_ids.get(sr.request_id)
-    if got is None: raise ValueError(f"model runner output has no sampled tokens for request {sr.request_id!r}")
+    if got is None:
+        raise ValueError(f"model runner output has no sampled tokens for request {sr.request_id!r}")
     if not sr.request.in_flight or sr.request.in_flight[0] != (step, sr.num_draft_tokens):
-        raise ValueError(f"request {sr.request_id!r}: step {step} is not its oldest step in flight (applied twice, or out of order)")
+        raise ValueError(f"request {sr.request_id!r}: step {step} is not its oldest step in flight "
+                         "(applied twice, or out of order)")
     got = list(got)
     if not 1 <= len(got) <= 1 + sr.num_draft_tokens:
-        raise ValueError(f"request {sr.request_id!r}: {len(got)} sampled tokens for 1 row + {sr.num_draft_tokens} drafts; "
+        raise ValueError(f"request {sr.request_id!r}: {len(got)} sampled tokens "
+                         f"for 1 row + {sr.num_draft_tokens} drafts; "
                          f"expected 1 to {1 + sr.num_draft_tokens}")
     drafts, V = list(mro.draft_token_ids.get(sr.request_id, ())), self.vocab_size
-    for ids in (got, drafts):                                    # plain ints in range: the common case, checked cheaply
+    # plain ints in range: the common case, checked cheaply
+    for ids in (got, drafts):
         if not all(type(t) is int and 0 <= t < V for t in ids): check_token_ids(ids, V)
     return got
 
@@ -449,73 +531,96 @@ def abort(self: Scheduler, request_id: str) -> EngineCoreOutput: # an unfinished
 
 # %% ../nbs/12_scheduler.ipynb #e068bee1
 @patch
-def update_from_output(self: Scheduler, scheduler_output: SchedulerOutput, # the plan the runner executed
+def update_from_output(self: Scheduler,
+                       scheduler_output: SchedulerOutput, # the plan the runner executed
                        model_runner_output: ModelRunnerOutput) -> list: # what it sampled
-    "Apply one step's sampled tokens: count accepted drafts, append, check stops, free finished requests"
+    ("Apply one step's sampled tokens: "
+     "count accepted drafts, append, check stops, free finished requests")
     if not isinstance(model_runner_output, ModelRunnerOutput):
-        raise TypeError(f"update_from_output: expected a ModelRunnerOutput, got {type(model_runner_output).__name__}")
-    live = [sr for sr in scheduler_output.requests if sr.sample and self.requests.get(sr.request_id) is sr.request]
-    sampled = [self._checked_tokens(sr, model_runner_output, scheduler_output.step) for sr in live]
+        raise TypeError(f"update_from_output: expected a ModelRunnerOutput, "
+                        f"got {type(model_runner_output).__name__}")
+    live = [sr for sr in scheduler_output.requests
+            if sr.sample and self.requests.get(sr.request_id) is sr.request]
+    sampled = [self._checked_tokens(sr, model_runner_output, scheduler_output.step)
+               for sr in live]
     outs, k = [], self.config.num_speculative_tokens
     for sr, toks in zip(live, sampled):
         req, (_, d) = sr.request, sr.request.in_flight.popleft()
-        if req.status is RequestStatus.RUNNING: req.num_computed_tokens += len(toks) - 1     # the accepted drafts' rows
+        # the accepted drafts' rows
+        if req.status is RequestStatus.RUNNING: req.num_computed_tokens += len(toks) - 1
         self.stats['draft_tokens'] += d; self.stats['accepted_tokens'] += len(toks) - 1
         new = []
         for t in toks:
             req.append_output_token_ids(t); new.append(t)
             if stop := check_stop(req, self.max_model_len): self._finish(req, *stop); break
         if req.status is RequestStatus.RUNNING and not self.config.async_scheduling:
-            req.spec_token_ids = list(model_runner_output.draft_token_ids.get(sr.request_id, ()))[:k]
+            drafts = model_runner_output.draft_token_ids.get(sr.request_id, ())
+            req.spec_token_ids = list(drafts)[:k]
         outs.append(EngineCoreOutput(sr.request_id, new, req.finish_reason, req.stop_reason))
     return outs
 
 # %% ../nbs/12_scheduler.ipynb #7e06c8d4
 class ToyRunner:
-    "A model runner for the toy model: writes ids through the step's slots, reads histories back through block tables"
+    ("A model runner for the toy model: "
+     "writes ids through the step's slots, reads histories back through block tables")
     def __init__(self, kv_cache_config: KVCacheConfig, # the layout the scheduler's cache uses
                  vocab_size: int = 64, # the toy model's vocabulary
                  proposer: Proposer | None = None): # drafts after each sampled token
         glob = [g for g in kv_cache_config.groups if g.manager == 'global' and 1 in g.ratios]
         swa = [g for g in kv_cache_config.groups if g.manager == 'sliding_window']
-        if not (glob and swa): raise ValueError("ToyRunner needs a global group with a ratio-1 KV source and a window group")
+        if not (glob and swa):
+            raise ValueError("ToyRunner needs a global group with a ratio-1 KV source "
+                             "and a window group")
         if not (_is_int(vocab_size) and 1 <= vocab_size <= kv_cache_config.vocab_size):
-            raise ValueError(f"vocab_size = {vocab_size!r}; expected 1..{kv_cache_config.vocab_size}")
+            raise ValueError(f"vocab_size = {vocab_size!r}; "
+                             f"expected 1..{kv_cache_config.vocab_size}")
         (g,), (s,) = glob, swa
-        self.gid, self.gbs, self.sid, self.sbs, self.window = g.group_id, g.block_size, s.group_id, s.block_size, s.sliding_window
-        self.main = np.full(kv_cache_config.num_blocks * self.gbs, -1, dtype=np.int64)   # one token id per main-KV record
-        self.win = np.full(kv_cache_config.num_blocks * self.sbs, -1, dtype=np.int64)    # one per window record
-        self.vocab_size, self.proposer, self.state = vocab_size, proposer, {}   # request id -> written, last, drafts, lo
+        self.gid, self.gbs = g.group_id, g.block_size
+        self.sid, self.sbs, self.window = s.group_id, s.block_size, s.sliding_window
+        # one token id per main-KV record
+        self.main = np.full(kv_cache_config.num_blocks * self.gbs, -1, dtype=np.int64)
+        # one per window record
+        self.win = np.full(kv_cache_config.num_blocks * self.sbs, -1, dtype=np.int64)
+        # request id -> written, last, drafts, lo
+        self.vocab_size, self.proposer, self.state = vocab_size, proposer, {}
 
 # %% ../nbs/12_scheduler.ipynb #7b5ec6da
 @patch
 def _inputs(self: ToyRunner, sr: ScheduledRequest) -> tuple:
     "(token ids, first position) the rows really have"
-    if sr.new:                                                  # positions below start are in the cache (a prefix hit)
-        lo = sr.start if sr.start < sr.num_cached_tokens else 0          # replayed: no window KV below the start
+    if sr.new:  # positions below start are in the cache (a prefix hit)
+        # replayed: no window KV below the start
+        lo = sr.start if sr.start < sr.num_cached_tokens else 0
         self.state[sr.request_id] = dict(written=sr.start, last=None, drafts=[], lo=lo)
     st = self.state.get(sr.request_id)
     if st is None: raise RuntimeError(f"request {sr.request_id!r} was never started in this runner")
-    if PLACEHOLDER in sr.token_ids:                             # async decode: the runner's own token and drafts, at its frontier
+    # async decode: the runner's own token and drafts, at its frontier
+    if PLACEHOLDER in sr.token_ids:
         d = sr.num_draft_tokens
         return [st['last']] + (st['drafts'] + [0] * d)[:d], st['written']
     if sr.start != st['written'] or (st['last'] is not None and sr.token_ids[0] != st['last']):
-        raise RuntimeError(f"request {sr.request_id!r}: rows at {sr.start} starting with {sr.token_ids[0]}, but the cache holds "
+        raise RuntimeError(f"request {sr.request_id!r}: rows at {sr.start} "
+                           f"starting with {sr.token_ids[0]}, but the cache holds "
                            f"{st['written']} tokens and the newest sampled one is {st['last']}")
     return list(sr.token_ids), sr.start
 
 @patch
-def _write(self: ToyRunner, sr: ScheduledRequest, ids: list, start: int, sm: SlotMappings, row: int | None):
-    "Write the rows' ids into both stores; check the scheduler's slots for row `row` on (None: positions moved)"
+def _write(self: ToyRunner, sr: ScheduledRequest, ids: list, start: int, sm: SlotMappings,
+           row: int | None):
+    ("Write the rows' ids into both stores; "
+     "check the scheduler's slots for row `row` on (None: positions moved)")
     pos = np.arange(start, start + len(ids))
     g, s = np.asarray(sr.block_ids[self.gid]), np.asarray(sr.block_ids[self.sid])
-    gslot, sslot = g[pos // self.gbs] * self.gbs + pos % self.gbs, s[pos // self.sbs] * self.sbs + pos % self.sbs
+    gslot, sslot = (g[pos // self.gbs] * self.gbs + pos % self.gbs,
+                    s[pos // self.sbs] * self.sbs + pos % self.sbs)
     replayed = pos < sr.num_cached_tokens                        # rows that only rebuild the window
     if row is not None:
         n = len(ids)
         if not (np.array_equal(sm.swa[row:row + n].numpy(), sslot) and
-                np.array_equal(sm.compressed[1][row:row + n].numpy(), np.where(replayed, PAD_SLOT_ID, gslot))):
-            raise RuntimeError(f"request {sr.request_id!r}: the step's slot mappings disagree with its block tables")
+                np.array_equal(sm.compressed[1][row:row + n].numpy(),
+                               np.where(replayed, PAD_SLOT_ID, gslot))):
+            raise RuntimeError(f"request {sr.request_id!r}: "
+                               "the step's slot mappings disagree with its block tables")
     if (s[pos // self.sbs] == NULL_BLOCK_ID).any():
         raise RuntimeError(f"request {sr.request_id!r} writes into a released window block")
     self.main[gslot[~replayed]] = np.asarray(ids)[~replayed]; self.win[sslot] = ids
@@ -524,39 +629,47 @@ def _write(self: ToyRunner, sr: ScheduledRequest, ids: list, start: int, sm: Slo
 # %% ../nbs/12_scheduler.ipynb #6171aa0e
 @patch
 def _history(self: ToyRunner, sr: ScheduledRequest, n: int, first_row: int) -> np.ndarray:
-    "Tokens 0..n-1 read from the main-KV store; the window store must agree over the window of rows >= first_row"
+    ("Tokens 0..n-1 read from the main-KV store; "
+     "the window store must agree over the window of rows >= first_row")
     g, pos = np.asarray(sr.block_ids[self.gid]), np.arange(n)
     hist = self.main[g[pos // self.gbs] * self.gbs + pos % self.gbs]
     if (hist < 0).any():
-        raise RuntimeError(f"request {sr.request_id!r}: position {int(np.argmax(hist < 0))} was never written")
+        raise RuntimeError(f"request {sr.request_id!r}: "
+                           f"position {int(np.argmax(hist < 0))} was never written")
     w = np.arange(max(self.state[sr.request_id]['lo'], first_row - self.window + 1), n)
     s = np.asarray(sr.block_ids[self.sid])
     if not np.array_equal(self.win[s[w // self.sbs] * self.sbs + w % self.sbs], hist[w]):
-        raise RuntimeError(f"request {sr.request_id!r}: the window cache does not hold positions {w[0]}..{n - 1}")
+        raise RuntimeError(f"request {sr.request_id!r}: "
+                           f"the window cache does not hold positions {w[0]}..{n - 1}")
     return hist
 
 @patch
 def _sample(self: ToyRunner, sr: ScheduledRequest, ids: list, start: int) -> tuple:
-    "(sampled ids, next drafts): the toy model after each of the last 1 + d rows; the longest matching draft prefix is kept"
+    ("(sampled ids, next drafts): the toy model after each of the last 1 + d rows; "
+     "the longest matching draft prefix is kept")
     st, d, last = self.state[sr.request_id], sr.num_draft_tokens, start + len(ids) - 1
     hist = self._history(sr, last + 1, last - d)
     y = toy_next_tokens(hist, np.arange(last - d, last + 1), self.vocab_size).tolist()
     a = 0
     while a < d and ids[len(ids) - d + a] == y[a]: a += 1
     st['written'], st['last'] = last - d + a + 1, y[a]
-    st['drafts'] = self.proposer.propose([np.append(hist[:st['written']], y[a])])[0] if self.proposer else []
+    st['drafts'] = (self.proposer.propose([np.append(hist[:st['written']], y[a])])[0]
+                    if self.proposer else [])
     return y[:a + 1], st['drafts']
 
 # %% ../nbs/12_scheduler.ipynb #05eeab0c
 @patch
 def execute_model(self: ToyRunner, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
     "Run one step: every request's rows written, sampled where the plan says so"
-    for rid in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids: self.state.pop(rid, None)
+    for rid in scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids:
+        self.state.pop(rid, None)
     sampled, drafts, row = {}, {}, 0
     for sr in scheduler_output.requests:
         ids, start = self._inputs(sr)
-        self._write(sr, ids, start, scheduler_output.slot_mappings, row if start == sr.start else None)
-        sampled[sr.request_id], drafts[sr.request_id] = self._sample(sr, ids, start) if sr.sample else ([], [])
+        self._write(sr, ids, start, scheduler_output.slot_mappings,
+                    row if start == sr.start else None)
+        sampled[sr.request_id], drafts[sr.request_id] = (self._sample(sr, ids, start) if sr.sample
+                                                         else ([], []))
         row += sr.num_tokens
     return ModelRunnerOutput(sampled, drafts)
 
@@ -565,14 +678,16 @@ def run_until_done(scheduler: Scheduler, # holds the requests
                    runner, # anything with execute_model(SchedulerOutput) -> ModelRunnerOutput
                    max_steps: int = 100_000, # give up after this many steps
                    on_step=None) -> dict: # called with (SchedulerOutput, ModelRunnerOutput) after each execution
-    "Run every request to its end; returns request id -> (output ids, finish reason); async keeps one step in flight"
+    ("Run every request to its end; returns request id -> (output ids, finish reason); "
+     "async keeps one step in flight")
     results, pending = {}, None
     def apply(o, r):
         for e in scheduler.update_from_output(o, r):
             toks, _ = results.get(e.request_id, ([], None))
             results[e.request_id] = (toks + e.new_token_ids, e.finish_reason)
     for _ in range(max_steps):
-        if pending is not None and not scheduler.has_unfinished_requests(): apply(*pending); pending = None
+        if pending is not None and not scheduler.has_unfinished_requests():
+            apply(*pending); pending = None
         if pending is None and not scheduler.has_unfinished_requests(): return results
         out = scheduler.schedule()
         res = runner.execute_model(out)

@@ -42,7 +42,8 @@ def served_checkpoint(path=None) -> tuple:
     if path is not None: return Path(path), None
     if (d := shipped_checkpoint()) is not None: return d, None
     d = random_checkpoint()
-    return d, (f"no trained checkpoint (checkpoints/small) found: serving tiny random weights from {d}; "
+    return d, (f"no trained checkpoint (checkpoints/small) found: "
+               f"serving tiny random weights from {d}; "
                "the text is noise")
 
 # %% ../nbs/13b_serving.ipynb #4e7bcde3
@@ -76,5 +77,6 @@ def percentiles(xs, # numbers
             raise ValueError(f"percentiles: q = {q!r}: expected a number in [0, 100]")
     try: t = torch.tensor(list(xs), dtype=torch.double)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"percentiles: expected a flat list of numbers, got {list(xs)[:3]!r}") from None
+        raise TypeError(f"percentiles: expected a flat list of numbers, "
+                        f"got {list(xs)[:3]!r}") from None
     return {q: (t.quantile(q / 100).item() if len(t) else float('nan')) for q in qs}

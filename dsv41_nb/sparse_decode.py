@@ -11,12 +11,14 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels, cuda_graph, graph_time, sm_count,
-                               pdl_launch, pdl_wait)
-from .formats import RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value, _ue8m0_value
+from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels,
+                               cuda_graph, graph_time, sm_count, pdl_launch, pdl_wait)
+from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value,
+                              _ue8m0_value)
 from .rope_norm import rope, _check_rope, _rotate_pairs
-from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices, random_block_tables, gather_keys,
-                           check_attention_inputs, sparse_attention_reference)
+from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices,
+                           random_block_tables, gather_keys, check_attention_inputs,
+                           sparse_attention_reference)
 
 # %% auto #0
 __all__ = ['DECODE_TUNING', 'decode_cost', 'decode_launch', 'sparse_decode', 'random_records', 'decode_inputs',
@@ -25,24 +27,36 @@ __all__ = ['DECODE_TUNING', 'decode_cost', 'decode_launch', 'sparse_decode', 'ra
            'benchmark_context', 'profile_summary']
 
 # %% ../nbs/06_sparse_decode.ipynb #e2e0cf18
-def decode_cost(cfg: ModelConfig, n_window: int, n_topk: int, window_codec: RecordCodec, main_codec: RecordCodec | None) -> dict:
-    "Bytes and FLOPs one query token of one layer needs: its records, q, out, lse, indices; QK^T and PV over every record"
+def decode_cost(cfg: ModelConfig, # the model's shapes (heads, head dim)
+                n_window: int, # window records per query token
+                n_topk: int, # selected compressed records per query token
+                window_codec: RecordCodec, # the window records' format
+                main_codec: RecordCodec | None, # the compressed records' format
+               ) -> dict:
+    ("Bytes and FLOPs one query token of one layer needs: its records, q, out, lse, indices; "
+     "QK^T and PV over every record")
     H, D = cfg.n_heads, cfg.head_dim
-    records = n_window * window_codec.record_bytes + (n_topk * main_codec.record_bytes if n_topk else 0)
+    records = (n_window * window_codec.record_bytes
+               + (n_topk * main_codec.record_bytes if n_topk else 0))
     nbytes = records + 2 * H * D * 2 + 4 * H + 4 * (n_window + n_topk) + 16
     return dict(bytes=nbytes, record_bytes=records, flops=4 * H * D * (n_window + n_topk))
 
 # %% ../nbs/06_sparse_decode.ipynb #c9e104eb
 @triton.jit
-def _block_scales(ptr, base, live, BN: tl.constexpr, D: tl.constexpr, QDIM: tl.constexpr, BLOCK: tl.constexpr,
-                  SCALE_OFF: tl.constexpr, E4M3_SCALE: tl.constexpr, HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
+def _block_scales(ptr, base, live, BN: tl.constexpr, D: tl.constexpr, QDIM: tl.constexpr,
+                  BLOCK: tl.constexpr, SCALE_OFF: tl.constexpr, E4M3_SCALE: tl.constexpr,
+                  HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
     "(BN, D) fp32: the block scale of every value of the records at byte offsets `base` (0 where not `live`)"
-    if SCALE_TILE:                                                   # one byte per block, broadcast over its values
+    if SCALE_TILE:
+        # one byte per block, broadcast over its values
         g = tl.arange(0, D // BLOCK)
-        sc = tl.load(ptr + base[:, None] + SCALE_OFF + g[None, :], mask=live[:, None] & (g * BLOCK < QDIM)[None, :], other=0)
-    else:                                                            # one byte per value (the repeats hit L1)
+        sc = tl.load(ptr + base[:, None] + SCALE_OFF + g[None, :],
+                     mask=live[:, None] & (g * BLOCK < QDIM)[None, :], other=0)
+    else:
+        # one byte per value (the repeats hit L1)
         g = tl.arange(0, D) // BLOCK
-        sc = tl.load(ptr + base[:, None] + SCALE_OFF + g[None, :], mask=live[:, None] & (g * BLOCK < QDIM)[None, :], other=0)
+        sc = tl.load(ptr + base[:, None] + SCALE_OFF + g[None, :],
+                     mask=live[:, None] & (g * BLOCK < QDIM)[None, :], other=0)
     if E4M3_SCALE:
         if HW_CVT: f = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else: f = _e4m3_value(sc.to(tl.int32))
@@ -52,28 +66,35 @@ def _block_scales(ptr, base, live, BN: tl.constexpr, D: tl.constexpr, QDIM: tl.c
 
 # %% ../nbs/06_sparse_decode.ipynb #9b4f30c4
 @triton.jit
-def _kv_tile(ptr, half_ptr, slot, live, D: tl.constexpr, FP4: tl.constexpr, QDIM: tl.constexpr, BLOCK: tl.constexpr,
-             ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, REC: tl.constexpr, E4M3_SCALE: tl.constexpr, HW_CVT: tl.constexpr,
-             SCALE_TILE: tl.constexpr):
+def _kv_tile(ptr, half_ptr, slot, live, D: tl.constexpr, FP4: tl.constexpr, QDIM: tl.constexpr,
+             BLOCK: tl.constexpr, ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, REC: tl.constexpr,
+             E4M3_SCALE: tl.constexpr, HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
     "(len(slot), D) BF16 vectors decoded from the records at `slot` of a paged cache (zeros where not `live`)"
     BN: tl.constexpr = slot.shape[0]
-    base = slot.to(tl.int64) * REC                                                  # (BN,) byte offset of each record
-    f = _block_scales(ptr, base, live, BN, D, QDIM, BLOCK, SCALE_OFF, E4M3_SCALE, HW_CVT, SCALE_TILE)
+    # (BN,) byte offset of each record
+    base = slot.to(tl.int64) * REC
+    f = _block_scales(ptr, base, live, BN, D, QDIM, BLOCK, SCALE_OFF, E4M3_SCALE, HW_CVT,
+                      SCALE_TILE)
     if FP4:
-        byte = tl.load(ptr + base[:, None] + tl.arange(0, D // 2)[None, :], mask=live[:, None], other=0).to(tl.int32)
-        nib = tl.reshape(tl.join(byte << 28, byte << 24), (BN, D))                  # value d's nibble in the top 4 bits
+        byte = tl.load(ptr + base[:, None] + tl.arange(0, D // 2)[None, :], mask=live[:, None],
+                       other=0).to(tl.int32)
+        # value d's nibble in the top 4 bits
+        nib = tl.reshape(tl.join(byte << 28, byte << 24), (BN, D))
         # (>> 6) & 0x81C00000 leaves sign, exponent and mantissa of an fp32 E2M1 x 2^-126
         v = ((nib >> 6) & -2118123520).to(tl.float32, bitcast=True) * 8.507059173023462e+37
         return (v * f).to(tl.bfloat16)
     else:
         d = tl.arange(0, D)
         isq = (d < QDIM)[None, :]
-        codes = tl.load(ptr + base[:, None] + d[None, :], mask=live[:, None] & isq, other=0)     # (BN, D) E4M3 codes
+        # (BN, D) E4M3 codes
+        codes = tl.load(ptr + base[:, None] + d[None, :], mask=live[:, None] & isq, other=0)
         if HW_CVT: v = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else: v = _e4m3_value(codes.to(tl.int32))
         v = v * f
-        if ROPE > 0:                                                                # the BF16 tail, read as int16
-            hb = tl.load(half_ptr + (base // 2)[:, None] + (QDIM // 2 - QDIM) + d[None, :], mask=live[:, None] & (isq == 0), other=0)
+        if ROPE > 0:
+            # the BF16 tail, read as int16
+            hb = tl.load(half_ptr + (base // 2)[:, None] + (QDIM // 2 - QDIM) + d[None, :],
+                         mask=live[:, None] & (isq == 0), other=0)
             v = tl.where(isq, v, ((hb.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True))
         return v.to(tl.bfloat16)
 
@@ -81,13 +102,18 @@ def _kv_tile(ptr, half_ptr, slot, live, D: tl.constexpr, FP4: tl.constexpr, QDIM
 def _format_meta(codec: RecordCodec, D: int, prefix: str) -> dict:
     "The kernel's compile-time description of a record format (FP8 with UE8M0 block scales and a BF16 tail, or FP4)"
     if isinstance(codec, FP4Record):
-        m = dict(FP4=True, QDIM=codec.dim, BLOCK=codec.block, ROPE=0, SCALE_OFF=codec.scale_offset, E4M3=codec.scale_format == 'e4m3')
+        m = dict(FP4=True, QDIM=codec.dim, BLOCK=codec.block, ROPE=0, SCALE_OFF=codec.scale_offset,
+                 E4M3=codec.scale_format == 'e4m3')
     elif isinstance(codec, FP8Record) and not codec.fp32_scale:
-        m = dict(FP4=False, QDIM=codec.qdim, BLOCK=codec.block, ROPE=codec.rope_dim, SCALE_OFF=codec.scale_offset, E4M3=False)
-    else: raise ValueError(f"sparse decode reads FP8 records with block scales or FP4 records, not {codec!r}")
+        m = dict(FP4=False, QDIM=codec.qdim, BLOCK=codec.block, ROPE=codec.rope_dim,
+                 SCALE_OFF=codec.scale_offset, E4M3=False)
+    else:
+        raise ValueError(f"sparse decode reads FP8 records with block scales or FP4 records, "
+                         f"not {codec!r}")
     if (codec.dim != D or D % codec.block or codec.block & (codec.block - 1)
             or m['ROPE'] and (codec.record_bytes % 2 or codec.qdim % 2)):
-        raise ValueError(f"{codec!r}: the kernel needs {D}-wide vectors in whole power-of-two blocks (and an aligned BF16 tail)")
+        raise ValueError(f"{codec!r}: the kernel needs {D}-wide vectors "
+                         f"in whole power-of-two blocks (and an aligned BF16 tail)")
     return {f'{prefix}_{k}': v for k, v in dict(m, REC=codec.record_bytes).items()}
 
 def _half_view(cache: torch.Tensor) -> torch.Tensor:
@@ -96,13 +122,15 @@ def _half_view(cache: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/06_sparse_decode.ipynb #b7ecf0db
 @triton.jit
-def _tile_probe(ptr, half_ptr, slot_ptr, out_ptr, n, D: tl.constexpr, BN: tl.constexpr, P_FP4: tl.constexpr, P_QDIM: tl.constexpr,
-                P_BLOCK: tl.constexpr, P_ROPE: tl.constexpr, P_SCALE_OFF: tl.constexpr, P_REC: tl.constexpr, P_E4M3: tl.constexpr,
-                HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
+def _tile_probe(ptr, half_ptr, slot_ptr, out_ptr, n, D: tl.constexpr, BN: tl.constexpr,
+                P_FP4: tl.constexpr, P_QDIM: tl.constexpr, P_BLOCK: tl.constexpr,
+                P_ROPE: tl.constexpr, P_SCALE_OFF: tl.constexpr, P_REC: tl.constexpr,
+                P_E4M3: tl.constexpr, HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
     "Decode the records at the first `n` of `BN` slots into `out_ptr` (n, D) bf16: the tile builder on its own"
     r = tl.arange(0, BN)
     slot = tl.load(slot_ptr + r, mask=r < n, other=-1)
-    v = _kv_tile(ptr, half_ptr, slot, slot >= 0, D, P_FP4, P_QDIM, P_BLOCK, P_ROPE, P_SCALE_OFF, P_REC, P_E4M3, HW_CVT, SCALE_TILE)
+    v = _kv_tile(ptr, half_ptr, slot, slot >= 0, D, P_FP4, P_QDIM, P_BLOCK, P_ROPE, P_SCALE_OFF,
+                 P_REC, P_E4M3, HW_CVT, SCALE_TILE)
     tl.store(out_ptr + r[:, None] * D + tl.arange(0, D)[None, :], v, mask=(r < n)[:, None])
 
 # %% ../nbs/06_sparse_decode.ipynb #80aba67d
@@ -115,18 +143,22 @@ def _mm(a, b, F32_DOT: tl.constexpr):
 @triton.jit
 def _attend_tile(q, kv, live, m_i, l_i, acc, scale_log2, F32_DOT: tl.constexpr):
     "One online-softmax step over a (BLOCK_N, D) tile used as keys and values; returns the new (max, sum, accumulator)"
-    s = _mm(q, tl.trans(kv), F32_DOT) * scale_log2                                    # (BLOCK_H, BLOCK_N) base-2 scores
+    # (BLOCK_H, BLOCK_N) base-2 scores
+    s = _mm(q, tl.trans(kv), F32_DOT) * scale_log2
     s = tl.where(live[None, :], s, -float('inf'))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == -float('inf'), 0.0, m_new)                             # nothing live yet: no shift
+    # nothing live yet: no shift
+    m_use = tl.where(m_new == -float('inf'), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _mm(p.to(tl.bfloat16), kv, F32_DOT)
+    return (m_new, l_i * alpha + tl.sum(p, 1),
+            acc * alpha[:, None] + _mm(p.to(tl.bfloat16), kv, F32_DOT))
 
 # %% ../nbs/06_sparse_decode.ipynb #27c9b86c
 @triton.jit
 def _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N: tl.constexpr):
-    "(lo, hi, nw): this program's share [lo, hi) of its token's tiles, window tiles first, and how many are window tiles"
+    ("(lo, hi, nw): this program's share [lo, hi) of its token's tiles, window tiles first, "
+     "and how many are window tiles")
     t, split = tl.program_id(0), tl.program_id(2)
     nw, nk = tl.cdiv(tl.load(w_len_ptr + t), BLOCK_N), tl.cdiv(tl.load(k_len_ptr + t), BLOCK_N)
     share = tl.cdiv(nw + nk, splits)
@@ -135,9 +167,12 @@ def _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _store_partial(m_i, l_i, acc, part, hm, col, po_ptr, pl_ptr, D: tl.constexpr):
-    "A softmax state as (acc / l, base-2 log-sum-exp): what a split hands to the combine step, or the window pass to the top-k pass"
-    tl.store(po_ptr + part[:, None] * D + col[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], mask=hm[:, None])
-    tl.store(pl_ptr + part, tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float('inf')), mask=hm)
+    ("A softmax state as (acc / l, base-2 log-sum-exp): "
+     "what a split hands to the combine step, or the window pass to the top-k pass")
+    tl.store(po_ptr + part[:, None] * D + col[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None],
+             mask=hm[:, None])
+    tl.store(pl_ptr + part,
+             tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float('inf')), mask=hm)
 
 @triton.jit
 def _load_partial(part, hm, col, po_ptr, pl_ptr, D: tl.constexpr):
@@ -148,60 +183,72 @@ def _load_partial(part, hm, col, po_ptr, pl_ptr, D: tl.constexpr):
 
 # %% ../nbs/06_sparse_decode.ipynb #cec6b7ec
 @triton.jit
-def _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H,
-            D: tl.constexpr, ONE_SPLIT: tl.constexpr):
+def _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_ot, stride_oh,
+            lse_ptr, po_ptr, pl_ptr, H, D: tl.constexpr, ONE_SPLIT: tl.constexpr):
     "One split: add the sink, normalise, write out and lse. Several: write the normalised partial and its base-2 lse"
     if ONE_SPLIT:
         sink = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
         m = tl.maximum(m_i, sink)
         m_use = tl.where(m == -float('inf'), 0.0, m)
-        den = l_i * tl.exp2(m_i - m_use) + tl.exp2(sink - m_use)                       # sum of e^s, plus e^sink
+        # sum of e^s, plus e^sink
+        den = l_i * tl.exp2(m_i - m_use) + tl.exp2(sink - m_use)
         o = acc * (tl.exp2(m_i - m_use) / tl.where(den > 0, den, 1.0))[:, None]
-        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + col[None, :], o.to(tl.bfloat16), mask=hm[:, None])
-        lse = tl.where(den > 0, m_use + tl.log2(tl.where(den > 0, den, 1.0)), -float('inf')) * 0.6931471805599453
+        tl.store(out_ptr + t64 * stride_ot + heads[:, None] * stride_oh + col[None, :],
+                 o.to(tl.bfloat16), mask=hm[:, None])
+        lse = (tl.where(den > 0, m_use + tl.log2(tl.where(den > 0, den, 1.0)), -float('inf'))
+               * 0.6931471805599453)
         tl.store(lse_ptr + t64 * H + heads, lse, mask=hm)
     else: _store_partial(m_i, l_i, acc, part, hm, col, po_ptr, pl_ptr, D)
 
 # %% ../nbs/06_sparse_decode.ipynb #971d3ab3
 @triton.jit
-def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr, k_len_ptr, scale_log2,
-                 po_ptr, pl_ptr, H, splits, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_TILE: tl.constexpr,
-                 W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr, W_ROPE: tl.constexpr, W_SCALE_OFF: tl.constexpr,
-                 W_REC: tl.constexpr, W_E4M3: tl.constexpr, HW_CVT: tl.constexpr, F32_DOT: tl.constexpr):
+def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
+                 k_len_ptr, scale_log2, po_ptr, pl_ptr, H, splits, D: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_TILE: tl.constexpr,
+                 W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr,
+                 W_ROPE: tl.constexpr, W_SCALE_OFF: tl.constexpr, W_REC: tl.constexpr,
+                 W_E4M3: tl.constexpr, HW_CVT: tl.constexpr, F32_DOT: tl.constexpr):
     "The program's window tiles, from an empty state; the state goes to its partial slot for `_topk_pass`"
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N)
     if lo < nw:
         t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
         hm = heads < H
-        q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :], mask=hm[:, None], other=0.0)
+        q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
+                    mask=hm[:, None], other=0.0)
         w_len = tl.load(w_len_ptr + t)
         m_i, l_i = tl.full((BLOCK_H,), -float('inf'), tl.float32), tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, D), tl.float32)
         for i in range(lo, tl.minimum(hi, nw)):
             n = i * BLOCK_N + tl.arange(0, BLOCK_N)
             slot = tl.load(w_slot_ptr + t64 * stride_ws + n, mask=n < w_len, other=-1)
-            kv = _kv_tile(w_ptr, w_half, slot, slot >= 0, D, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
-                          SCALE_TILE)
+            kv = _kv_tile(w_ptr, w_half, slot, slot >= 0, D, W_FP4, W_QDIM, W_BLOCK, W_ROPE,
+                          W_SCALE_OFF, W_REC, W_E4M3, HW_CVT, SCALE_TILE)
             m_i, l_i, acc = _attend_tile(q, kv, slot >= 0, m_i, l_i, acc, scale_log2, F32_DOT)
-        _store_partial(m_i, l_i, acc, (t64 * splits + split) * H + heads, hm, col, po_ptr, pl_ptr, D)
+        _store_partial(m_i, l_i, acc, (t64 * splits + split) * H + heads, hm, col,
+                       po_ptr, pl_ptr, D)
 
 # %% ../nbs/06_sparse_decode.ipynb #a74c4d87
 @triton.jit
-def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr, k_len_ptr, bt_ptr, stride_bt, row_ptr,
-               per_block, sink_ptr, scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits,
-               D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr, SCALE_TILE: tl.constexpr,
-               C_FP4: tl.constexpr, C_QDIM: tl.constexpr, C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
-               C_REC: tl.constexpr, C_E4M3: tl.constexpr, HW_CVT: tl.constexpr, F32_DOT: tl.constexpr):
+def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
+               k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
+               stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
+               SCALE_TILE: tl.constexpr, C_FP4: tl.constexpr, C_QDIM: tl.constexpr,
+               C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
+               C_REC: tl.constexpr, C_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
+               F32_DOT: tl.constexpr):
     "The program's top-k tiles, from the window pass's state (if it had window tiles); then `_finish`"
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N)
     t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
     hm = heads < H
     part = (t64 * splits + split) * H + heads
-    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :], mask=hm[:, None], other=0.0)
+    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
+                mask=hm[:, None], other=0.0)
     if lo < nw:
-        tl.debug_barrier()                                   # the window pass's stores, from other threads, are visible
+        # the window pass's stores, from other threads, are visible
+        tl.debug_barrier()
         m_i, l_i, acc = _load_partial(part, hm, col, po_ptr, pl_ptr, D)
     else:
         m_i, l_i = tl.full((BLOCK_H,), -float('inf'), tl.float32), tl.zeros((BLOCK_H,), tl.float32)
@@ -213,120 +260,160 @@ def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, 
         jj = tl.where(j >= 0, j, 0)
         blk = tl.load(bt_ptr + row * stride_bt + jj // per_block, mask=j >= 0, other=0)
         kv = _kv_tile(c_ptr, c_half, blk.to(tl.int64) * per_block + jj % per_block, j >= 0, D,
-                      C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC, C_E4M3, HW_CVT, SCALE_TILE)
+                      C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC, C_E4M3, HW_CVT,
+                      SCALE_TILE)
         m_i, l_i, acc = _attend_tile(q, kv, j >= 0, m_i, l_i, acc, scale_log2, F32_DOT)
-    _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H,
-            D, ONE_SPLIT)
+    _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_ot, stride_oh,
+            lse_ptr, po_ptr, pl_ptr, H, D, ONE_SPLIT)
 
 # %% ../nbs/06_sparse_decode.ipynb #03e0d1e3
-_window_call = triton.jit(_window_pass.fn, noinline=True)     # the same passes as functions of their own
+# the same passes as functions of their own
+_window_call = triton.jit(_window_pass.fn, noinline=True)
 _topk_call = triton.jit(_topk_pass.fn, noinline=True)
 
 # %% ../nbs/06_sparse_decode.ipynb #d578db13
 @triton.jit(do_not_specialize=['stride_ws', 'stride_kt', 'stride_bt', 'splits'])
 def _sparse_decode_kernel(
     q_ptr, stride_qt, stride_qh,              # (T, H, D) bf16 queries; token and head strides
-    w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,   # window cache (bytes, int16); (T, W) int32 slots, row stride; (T,) lengths
-    c_ptr, c_half, topk_ptr, stride_kt, k_len_ptr,     # compressed cache; (T, K) int32 state indices, row stride; (T,) lengths
-    bt_ptr, stride_bt, row_ptr, per_block,    # (R, B) int32 block table, row stride, (T,) rows, states per block
-    sink_ptr, scale_log2,                     # (H,) fp32 sink logits (-inf: no sink); softmax scale * log2(e)
-    out_ptr, stride_ot, stride_oh, lse_ptr,   # (T, H, D) bf16 output, (T, H) fp32 log-sum-exp (one split)
-    po_ptr, pl_ptr,                           # (T, splits, H, D) fp32 partial outputs, (T, splits, H) partial lse (base 2)
+    # window cache (bytes, int16); (T, W) int32 slots, row stride; (T,) lengths
+    w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
+    # compressed cache; (T, K) int32 state indices, row stride; (T,) lengths
+    c_ptr, c_half, topk_ptr, stride_kt, k_len_ptr,
+    # (R, B) int32 block table, row stride, (T,) rows, states per block
+    bt_ptr, stride_bt, row_ptr, per_block,
+    # (H,) fp32 sink logits (-inf: no sink); softmax scale * log2(e)
+    sink_ptr, scale_log2,
+    # (T, H, D) bf16 output, (T, H) fp32 log-sum-exp (one split)
+    out_ptr, stride_ot, stride_oh, lse_ptr,
+    # (T, splits, H, D) fp32 partial outputs, (T, splits, H) partial lse (base 2)
+    po_ptr, pl_ptr,
     H, splits,                                # heads; splits per token
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,   # ONE_SPLIT: splits == 1
-    SCALE_TILE: tl.constexpr, SEPARATE: tl.constexpr,   # scales per block (else per value); passes as functions of their own
-    W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr, W_ROPE: tl.constexpr, W_SCALE_OFF: tl.constexpr,
-    W_REC: tl.constexpr, W_E4M3: tl.constexpr,      # the window records' format
-    C_FP4: tl.constexpr, C_QDIM: tl.constexpr, C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
-    C_REC: tl.constexpr, C_E4M3: tl.constexpr,      # the compressed records' format
-    HW_CVT: tl.constexpr, F32_DOT: tl.constexpr,    # GPU conversion instructions; fp32 dot operands (interpreter)
+    # ONE_SPLIT: splits == 1
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
+    # scales per block (else per value); passes as functions of their own
+    SCALE_TILE: tl.constexpr, SEPARATE: tl.constexpr,
+    # the window records' format
+    W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr, W_ROPE: tl.constexpr,
+    W_SCALE_OFF: tl.constexpr, W_REC: tl.constexpr, W_E4M3: tl.constexpr,
+    # the compressed records' format
+    C_FP4: tl.constexpr, C_QDIM: tl.constexpr, C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr,
+    C_SCALE_OFF: tl.constexpr, C_REC: tl.constexpr, C_E4M3: tl.constexpr,
+    # GPU conversion instructions; fp32 dot operands (interpreter)
+    HW_CVT: tl.constexpr, F32_DOT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
     pdl_wait(PDL)
-    # the calls written out twice: Triton 3.6 neither unpacks a tuple into a call nor tells apart twins passed as arguments
+    # the calls written out twice: Triton 3.6 neither unpacks a tuple into a call
+    # nor tells apart twins passed as arguments
     if SEPARATE:
-        _window_call(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr, k_len_ptr, scale_log2, po_ptr,
-                     pl_ptr, H, splits, D, BLOCK_H, BLOCK_N, SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3,
-                     HW_CVT, F32_DOT)
-        _topk_call(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr, k_len_ptr, bt_ptr, stride_bt, row_ptr,
-                   per_block, sink_ptr, scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D, BLOCK_H,
-                   BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC, C_E4M3, HW_CVT, F32_DOT)
+        _window_call(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
+                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
+                     SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
+                     F32_DOT)
+        _topk_call(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
+                   k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
+                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
+                   ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC,
+                   C_E4M3, HW_CVT, F32_DOT)
     else:
-        _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr, k_len_ptr, scale_log2, po_ptr,
-                     pl_ptr, H, splits, D, BLOCK_H, BLOCK_N, SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3,
-                     HW_CVT, F32_DOT)
-        _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr, k_len_ptr, bt_ptr, stride_bt, row_ptr,
-                   per_block, sink_ptr, scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D, BLOCK_H,
-                   BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC, C_E4M3, HW_CVT, F32_DOT)
+        _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
+                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
+                     SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
+                     F32_DOT)
+        _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
+                   k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
+                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
+                   ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC,
+                   C_E4M3, HW_CVT, F32_DOT)
 
 # %% ../nbs/06_sparse_decode.ipynb #7f755515
 @triton.jit
-def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, splits, inv_ptr, pos_ptr,
-                    D: tl.constexpr, SPLITS_P2: tl.constexpr,
-                    HALF: tl.constexpr = 0, HW: tl.constexpr = False,   # HALF > 0: the output rotated back (`out_rope`)
+def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, splits,
+                    inv_ptr, pos_ptr, D: tl.constexpr, SPLITS_P2: tl.constexpr,
+                    # HALF > 0: the output rotated back (`out_rope`)
+                    HALF: tl.constexpr = 0, HW: tl.constexpr = False,
                     PDL: tl.constexpr = False):
     pdl_wait(PDL)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, col = tl.arange(0, SPLITS_P2), tl.arange(0, D)
     part = (t * splits + s) * H + h
-    lse2 = tl.load(pl_ptr + part, mask=s < splits, other=-float('inf'))                # (SPLITS_P2,) base-2
+    # (SPLITS_P2,) base-2
+    lse2 = tl.load(pl_ptr + part, mask=s < splits, other=-float('inf'))
     sink = tl.load(sink_ptr + h) * 1.4426950408889634
     m = tl.maximum(tl.max(lse2, 0), sink)
     m_use = tl.where(m == -float('inf'), 0.0, m)
     w = tl.exp2(lse2 - m_use)
     den = tl.sum(w, 0) + tl.exp2(sink - m_use)
-    o = tl.sum(tl.load(po_ptr + part[:, None] * D + col[None, :], mask=(s < splits)[:, None], other=0.0) * w[:, None], 0)
+    o = tl.sum(tl.load(po_ptr + part[:, None] * D + col[None, :], mask=(s < splits)[:, None],
+                       other=0.0) * w[:, None], 0)
     ob = (o / tl.where(den > 0, den, 1.0)).to(tl.bfloat16)
-    if HALF > 0:                                                                       # rope(out, inverse=True) of the stored values
+    if HALF > 0:
+        # rope(out, inverse=True) of the stored values
         a, b = tl.split(tl.reshape(ob.to(tl.float32), (D // 2, 2)))
-        a, b = _rotate_pairs(a, b, 2 * tl.arange(0, D // 2), tl.load(pos_ptr + t).to(tl.float32), inv_ptr, D, HALF, True, HW)
+        a, b = _rotate_pairs(a, b, 2 * tl.arange(0, D // 2), tl.load(pos_ptr + t).to(tl.float32),
+                             inv_ptr, D, HALF, True, HW)
         ob = tl.reshape(tl.join(a, b), (D,)).to(tl.bfloat16)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + col, ob)
-    tl.store(lse_ptr + t * H + h, tl.where(den > 0, m_use + tl.log2(tl.where(den > 0, den, 1.0)), -float('inf')) * 0.6931471805599453)
+    tl.store(lse_ptr + t * H + h,
+             tl.where(den > 0, m_use + tl.log2(tl.where(den > 0, den, 1.0)), -float('inf'))
+             * 0.6931471805599453)
 
 # %% ../nbs/06_sparse_decode.ipynb #77f381c1
-DECODE_TUNING = {   # tokens per launch, at most -> launch shape of a 64-head program (None: any larger batch)
-    8:    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=False),   # chosen in a step's graph
+# tokens per launch, at most -> launch shape of a 64-head program (None: any larger batch)
+DECODE_TUNING = {
+    # chosen in a step's graph
+    8:    dict(block_h=16, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=False),
     128:  dict(block_h=64, block_n=64, num_warps=8, num_stages=1, scale_tile=True, separate=True),
     None: dict(block_h=64, block_n=64, num_warps=8, num_stages=1, scale_tile=True, separate=True),
 }
 
 # %% ../nbs/06_sparse_decode.ipynb #9d6c9f6b
-_LAUNCH_KEYS = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, scale_tile=None, separate=None, maxnreg=1, splits=1)  # least values
+# least values
+_LAUNCH_KEYS = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, scale_tile=None,
+                    separate=None, maxnreg=1, splits=1)
 
 def _check_launch(launch: dict) -> dict:
     "`launch` if its keys are launch keys and its values make sense, else an error naming the problem"
-    if not isinstance(launch, dict): raise TypeError(f"launch: expected a dict, got {type(launch).__name__}")
+    if not isinstance(launch, dict):
+        raise TypeError(f"launch: expected a dict, got {type(launch).__name__}")
     unknown = sorted(set(launch) - set(_LAUNCH_KEYS))
-    if unknown: raise ValueError(f"launch: unknown keys {unknown}; expected some of {list(_LAUNCH_KEYS)}")
+    if unknown:
+        raise ValueError(f"launch: unknown keys {unknown}; expected some of {list(_LAUNCH_KEYS)}")
     for k, v in launch.items():
         if k in ('scale_tile', 'separate'):
-            if not isinstance(v, bool): raise TypeError(f"launch: {k} must be True or False, got {v!r}")
+            if not isinstance(v, bool):
+                raise TypeError(f"launch: {k} must be True or False, got {v!r}")
         elif not (k in ('maxnreg', 'splits') and v is None):
             check_int('launch', k, v, _LAUNCH_KEYS[k])
-            if k in ('block_h', 'block_n', 'num_warps') and v & (v - 1): raise ValueError(f"launch: {k} = {v} is not a power of two")
+            if k in ('block_h', 'block_n', 'num_warps') and v & (v - 1):
+                raise ValueError(f"launch: {k} = {v} is not a power of two")
     return launch
 
 # %% ../nbs/06_sparse_decode.ipynb #4268a7dc
 def decode_launch(T: int,                       # query tokens in the launch
                   H: int,                       # heads
                   n_window: int, n_topk: int,   # widths of the two index lists
-                  device,                       # where it runs (its multiprocessor count sets the splits)
-                  num_splits: int | None = None,  # splits per token (default: the table's, else enough programs to fill the GPU)
+                  device, # where it runs (its multiprocessor count sets the splits)
+                  # splits per token (default: the table's, else enough programs to fill the GPU)
+                  num_splits: int | None = None,
                   launch: dict | None = None,   # keys of a DECODE_TUNING entry that override it
                  ) -> dict:
-    "The kernel's launch: DECODE_TUNING's entry for T tokens with `launch` on top, heads per program fitted to H, splits to fill the GPU"
+    ("The kernel's launch: DECODE_TUNING's entry for T tokens with `launch` on top, "
+     "heads per program fitted to H, splits to fill the GPU")
     check_int('decode_launch', 'T', T, 0); check_int('decode_launch', 'H', H, 1)
-    entry = dict(next(v for k, v in DECODE_TUNING.items() if k is None or T <= k), **_check_launch(launch or {}))
+    entry = dict(next(v for k, v in DECODE_TUNING.items() if k is None or T <= k),
+                 **_check_launch(launch or {}))
     block_h = min(entry['block_h'], max(16, triton.next_power_of_2(H)))
     tiles = max(1, triton.cdiv(n_window, entry['block_n']) + triton.cdiv(n_topk, entry['block_n']))
-    if num_splits is None: num_splits = entry.get('splits')                        # the table's split count, if it has one
+    # the table's split count, if it has one
+    if num_splits is None: num_splits = entry.get('splits')
     if num_splits is None:
         sms = sm_count(device)
         num_splits = max(1, min(sms // max(1, T * triton.cdiv(H, block_h)), tiles, 16))
     check_int('sparse_decode', 'num_splits', num_splits, 1)
-    return dict(BLOCK_H=block_h, BLOCK_N=entry['block_n'], SPLITS=num_splits, SCALE_TILE=entry['scale_tile'],
-                SEPARATE=entry['separate'], num_warps=4 if block_h < entry['block_h'] else entry['num_warps'],
+    return dict(BLOCK_H=block_h, BLOCK_N=entry['block_n'], SPLITS=num_splits,
+                SCALE_TILE=entry['scale_tile'], SEPARATE=entry['separate'],
+                num_warps=4 if block_h < entry['block_h'] else entry['num_warps'],
                 num_stages=entry['num_stages'], maxnreg=entry.get('maxnreg'))
 
 # %% ../nbs/06_sparse_decode.ipynb #d79b347f
@@ -339,25 +426,35 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_r
     "(out, lse, compiled kernel or None): the kernel, and the combine step when the records are split"
     T, H, D = q.shape
     W, K = idx.window_slots.shape[1], idx.topk.shape[1]
-    comp = compressed if K else window                                              # window only: any valid pointer will do
+    # window only: any valid pointer will do
+    comp = compressed if K else window
     out, lse = torch.empty_like(q), torch.empty(T, H, dtype=torch.float32, device=q.device)
     S, BH = launch['SPLITS'], launch['BLOCK_H']
-    po = torch.empty((T, S, H, D), dtype=torch.float32, device=q.device)           # partials (and the window pass's hand-off)
+    # partials (and the window pass's hand-off)
+    po = torch.empty((T, S, H, D), dtype=torch.float32, device=q.device)
     pl = torch.empty((T, S, H), dtype=torch.float32, device=q.device)
     ws, tk, bt = _as_i32(idx.window_slots, W), _as_i32(idx.topk, K), _as_i32(idx.block_table)
-    sk = sink.float().contiguous() if sink is not None else torch.full((H,), -math.inf, device=q.device)   # no sink: e^-inf = 0
+    # no sink: e^-inf = 0
+    sk = (sink.float().contiguous() if sink is not None
+          else torch.full((H,), -math.inf, device=q.device))
     if T == 0: return out, lse, None
-    while True:                    # a shape too big for shared memory with some record format: halve its tile, then its stages
+    # a shape too big for shared memory with some record format: halve its tile, then its stages
+    while True:
         regs = dict(maxnreg=launch['maxnreg']) if launch.get('maxnreg') else {}
         try:
             kernel = _sparse_decode_kernel[(T, triton.cdiv(H, BH), S)](
-                q, q.stride(0), q.stride(1), window.cache, _half_view(window.cache), ws, ws.stride(0), _as_i32(idx.window_lens),
-                comp.cache, _half_view(comp.cache), tk, tk.stride(0), _as_i32(idx.topk_lens if K else torch.zeros_like(idx.topk_lens)),
+                q, q.stride(0), q.stride(1),
+                window.cache, _half_view(window.cache), ws, ws.stride(0), _as_i32(idx.window_lens),
+                comp.cache, _half_view(comp.cache), tk, tk.stride(0),
+                _as_i32(idx.topk_lens if K else torch.zeros_like(idx.topk_lens)),
                 bt, bt.stride(0), _as_i32(idx.rows), idx.per_block, sk, scale * math.log2(math.e),
-                out, out.stride(0), out.stride(1), lse, po, pl, H, S, D=D, BLOCK_H=BH, BLOCK_N=launch['BLOCK_N'], ONE_SPLIT=S == 1,
-                SCALE_TILE=launch['SCALE_TILE'], SEPARATE=launch['SEPARATE'], **_format_meta(window.codec, D, 'W'),
-                **_format_meta(comp.codec, D, 'C'), HW_CVT=not triton_interpreting(), F32_DOT=triton_interpreting(),
-                num_warps=launch['num_warps'], num_stages=launch['num_stages'], **regs, **pdl_launch(q.device))
+                out, out.stride(0), out.stride(1), lse, po, pl, H, S,
+                D=D, BLOCK_H=BH, BLOCK_N=launch['BLOCK_N'], ONE_SPLIT=S == 1,
+                SCALE_TILE=launch['SCALE_TILE'], SEPARATE=launch['SEPARATE'],
+                **_format_meta(window.codec, D, 'W'), **_format_meta(comp.codec, D, 'C'),
+                HW_CVT=not triton_interpreting(), F32_DOT=triton_interpreting(),
+                num_warps=launch['num_warps'], num_stages=launch['num_stages'], **regs,
+                **pdl_launch(q.device))
             break
         except OutOfResources:
             if launch['BLOCK_N'] > 16: launch = dict(launch, BLOCK_N=launch['BLOCK_N'] // 2)
@@ -365,86 +462,119 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_r
             else: raise
     if S > 1:
         inv, pos = out_rope or (out, out)
-        _combine_kernel[(T, H)](po, pl, sk, out, out.stride(0), out.stride(1), lse, H, S, inv, pos, D=D,
-                                SPLITS_P2=triton.next_power_of_2(S), HALF=inv.numel() if out_rope else 0,
-                                HW=not triton_interpreting(), **pdl_launch(q.device))
+        _combine_kernel[(T, H)](po, pl, sk, out, out.stride(0), out.stride(1), lse, H, S, inv, pos,
+                                D=D, SPLITS_P2=triton.next_power_of_2(S),
+                                HALF=inv.numel() if out_rope else 0, HW=not triton_interpreting(),
+                                **pdl_launch(q.device))
     elif out_rope: out = rope(out, *out_rope, inverse=True)
     return out, lse, kernel
 
 # %% ../nbs/06_sparse_decode.ipynb #cb8e53d2
 def sparse_decode(q: torch.Tensor,                  # (T, H, D) bf16 queries (RoPE'd)
                   window: PagedRecords,             # the layer's window cache (FP8 or FP4 records)
-                  compressed: PagedRecords | None,  # its KV source's compressed cache (None: window only)
+                  # its KV source's compressed cache (None: window only)
+                  compressed: PagedRecords | None,
                   idx: SparseIndices,               # what each token reads
                   sink: torch.Tensor | None,        # (H,) per-head sink logits (None: no sink)
                   scale: float,                     # softmax scale
-                  num_splits: int | None = None,    # splits per token (default: enough programs to fill the GPU)
-                  launch: dict | None = None,       # launch shape over DECODE_TUNING's (block_h, block_n, num_warps, ...)
+                  # splits per token (default: enough programs to fill the GPU)
+                  num_splits: int | None = None,
+                  # launch shape over DECODE_TUNING's (block_h, block_n, num_warps, ...)
+                  launch: dict | None = None,
                   check_indices: bool = True,       # range-check the indices (a device sync)
-                  out_rope: tuple | None = None,    # (inv_freq, positions): out rotated back, `rope(out, ..., inverse=True)`
+                  # (inv_freq, positions): out rotated back, `rope(out, ..., inverse=True)`
+                  out_rope: tuple | None = None,
                  ) -> tuple:
-    "(out (T, H, D) bf16, lse (T, H) fp32): `sparse_attention_reference`, by a split-K Triton kernel that decodes records on the fly"
+    ("(out (T, H, D) bf16, lse (T, H) fp32): `sparse_attention_reference`, "
+     "by a split-K Triton kernel that decodes records on the fly")
     check_attention_inputs(q, window, compressed, idx, sink, scale, check_indices)
     if out_rope is not None:
-        if not isinstance(out_rope, tuple) or len(out_rope) != 2: raise TypeError(f"out_rope: expected (inv_freq, positions), got {out_rope!r}")
+        if not isinstance(out_rope, tuple) or len(out_rope) != 2:
+            raise TypeError(f"out_rope: expected (inv_freq, positions), got {out_rope!r}")
         out_rope = (out_rope[0], _check_rope(q, *out_rope))
     if num_splits is not None: check_int('sparse_decode', 'num_splits', num_splits, 1)
     if launch is not None: _check_launch(launch)
     if kernel_backend(q, window.cache, idx.window_slots) == 'torch':
-        out, lse = sparse_attention_reference(q, window, compressed, idx, sink, scale, check_indices=False)
+        out, lse = sparse_attention_reference(q, window, compressed, idx, sink, scale,
+                                              check_indices=False)
         return (rope(out, *out_rope, inverse=True) if out_rope else out), lse
-    if q.dtype != torch.bfloat16 or q.stride(-1) != 1: raise TypeError(f"q: the kernel takes bf16 queries with unit last stride, got {q.dtype}")
-    if q.shape[-1] & (q.shape[-1] - 1) or q.shape[-1] < 16: raise ValueError(f"q: head_dim {q.shape[-1]} must be a power of two >= 16")
+    if q.dtype != torch.bfloat16 or q.stride(-1) != 1:
+        raise TypeError(f"q: the kernel takes bf16 queries with unit last stride, got {q.dtype}")
+    if q.shape[-1] & (q.shape[-1] - 1) or q.shape[-1] < 16:
+        raise ValueError(f"q: head_dim {q.shape[-1]} must be a power of two >= 16")
     T, H, _ = q.shape
-    L = decode_launch(T, H, idx.window_slots.shape[1], idx.topk.shape[1], q.device, num_splits, launch)
-    if L['BLOCK_H'] == L['BLOCK_N'] == 16 and any(isinstance(c.codec, FP4Record) for c in (window, compressed) if c is not None):
-        raise ValueError("launch: tiles of 16 records with 16 heads a program compile (Triton 3.6, H200) into a kernel that "
-                         "decodes FP4 records wrongly; use block_n >= 32")
+    L = decode_launch(T, H, idx.window_slots.shape[1], idx.topk.shape[1], q.device, num_splits,
+                      launch)
+    if L['BLOCK_H'] == L['BLOCK_N'] == 16 and any(isinstance(c.codec, FP4Record)
+                                                  for c in (window, compressed) if c is not None):
+        raise ValueError("launch: tiles of 16 records with 16 heads a program compile "
+                         "(Triton 3.6, H200) into a kernel that decodes FP4 records wrongly; "
+                         "use block_n >= 32")
     return _sparse_decode_triton(q, window, compressed, idx, sink, scale, L, out_rope)[:2]
 
 # %% ../nbs/06_sparse_decode.ipynb #704da2bd
 def random_records(codec: RecordCodec, shape: tuple, device=None, generator=None) -> torch.Tensor:
     "Random valid records (no NaN codes, scales that keep values near unit size): for timing and large caches"
-    r = torch.randint(0, 256, (*shape, codec.record_bytes), dtype=torch.uint8, device=device, generator=generator)
+    r = torch.randint(0, 256, (*shape, codec.record_bytes), dtype=torch.uint8, device=device,
+                      generator=generator)
     sc = r[..., codec.scale_offset:codec.scale_offset + codec.n_scales]
-    if isinstance(codec, FP4Record) and codec.scale_format == 'e4m3': sc.copy_(sc % 16 + 0x28)     # E4M3 scales 2^-2 .. 2^-1 x 1.875
+    # E4M3 scales 2^-2 .. 2^-1 x 1.875
+    if isinstance(codec, FP4Record) and codec.scale_format == 'e4m3': sc.copy_(sc % 16 + 0x28)
     else:
-        sc.copy_(sc % 8 + 119)                                                                    # UE8M0 scales 2^-8 .. 2^-1
+        # UE8M0 scales 2^-8 .. 2^-1
+        sc.copy_(sc % 8 + 119)
         if isinstance(codec, FP8Record):
             v = r[..., :codec.qdim]
-            v.copy_(torch.where((v & 0x7F) == 0x7F, v ^ 1, v))                                      # no NaN codes
+            # no NaN codes
+            v.copy_(torch.where((v & 0x7F) == 0x7F, v ^ 1, v))
             if codec.rope_dim:
-                tail = torch.randn(*shape, codec.rope_dim, device=device, generator=generator).bfloat16()
-                r[..., codec.qdim:codec.scale_offset] = tail.view(torch.uint8).view(*shape, 2 * codec.rope_dim)
-    r[..., codec.scale_offset + codec.n_scales:] = 0                                              # padding
+                tail = torch.randn(*shape, codec.rope_dim, device=device,
+                                   generator=generator).bfloat16()
+                tail = tail.view(torch.uint8).view(*shape, 2 * codec.rope_dim)
+                r[..., codec.qdim:codec.scale_offset] = tail
+    # padding
+    r[..., codec.scale_offset + codec.n_scales:] = 0
     return r
 
 # %% ../nbs/06_sparse_decode.ipynb #0cd4336b
-def decode_inputs(cfg: ModelConfig, batch: int, context: int, n_topk: int, window_format: str = 'window_fp8',
-                  main_format: str = 'ds_fp4', ratio: int = 1, heads: int | None = None, ragged: bool = False,
-                  exact: bool = True, swa_block_size: int = 64, block_size: int = 128, device=None, seed: int = 0) -> tuple:
-    "(q, window, compressed, idx, sink, scale): one decode token per request at position context - 1, paged caches"
+def decode_inputs(cfg: ModelConfig, batch: int, context: int, n_topk: int,
+                  window_format: str = 'window_fp8', main_format: str = 'ds_fp4', ratio: int = 1,
+                  heads: int | None = None, ragged: bool = False, exact: bool = True,
+                  swa_block_size: int = 64, block_size: int = 128, device=None,
+                  seed: int = 0) -> tuple:
+    ("(q, window, compressed, idx, sink, scale): "
+     "one decode token per request at position context - 1, paged caches")
     g = torch.Generator(device=device).manual_seed(seed)
     H, D, W = heads or cfg.n_heads, cfg.head_dim, cfg.window_size
     wc, cc = cache_format(cfg, window_format), cache_format(cfg, main_format)
     pos = torch.full((batch,), context - 1, device=device)
     nw_blocks, visible = triton.cdiv(context, swa_block_size), context // ratio
-    swa_bt = torch.zeros(batch, nw_blocks, dtype=torch.int32, device=device)                 # released blocks: the null block
+    # released blocks: the null block
+    swa_bt = torch.zeros(batch, nw_blocks, dtype=torch.int32, device=device)
     live_blocks = min(nw_blocks, triton.cdiv(W, swa_block_size) + 1)
-    swa_bt[:, -live_blocks:] = random_block_tables(batch, live_blocks, batch * live_blocks + 1, generator=g, device=device)
+    swa_bt[:, -live_blocks:] = random_block_tables(batch, live_blocks, batch * live_blocks + 1,
+                                                   generator=g, device=device)
     per = block_size // ratio
-    bt = random_block_tables(batch, max(1, triton.cdiv(visible, per)), batch * max(1, triton.cdiv(visible, per)) + 1, g, device)
-    make = ((lambda c, n: c.pack(torch.randn(n, c.dim, device=device, generator=g))) if exact     # codec-made records
-            else (lambda c, n: random_records(c, (n,), device, g)))                                   # random valid bytes
-    window = PagedRecords(make(wc, (batch * live_blocks + 1) * swa_block_size).view(-1, swa_block_size, wc.record_bytes), wc)
+    n_blocks = max(1, triton.cdiv(visible, per))
+    bt = random_block_tables(batch, n_blocks, batch * n_blocks + 1, g, device)
+    def make(c, n):
+        # codec-made records, else random valid bytes
+        if exact: return c.pack(torch.randn(n, c.dim, device=device, generator=g))
+        return random_records(c, (n,), device, g)
+    window = PagedRecords(make(wc, (batch * live_blocks + 1) * swa_block_size)
+                          .view(-1, swa_block_size, wc.record_bytes), wc)
     compressed = PagedRecords(make(cc, (bt.numel() + 1) * per).view(-1, per, cc.record_bytes), cc)
-    step = CSA2Step(pos, torch.arange(batch, dtype=torch.int32, device=device), swa_bt, bt, swa_block_size, block_size,
-                    torch.zeros(0, device=device), {}, None)
+    step = CSA2Step(pos, torch.arange(batch, dtype=torch.int32, device=device), swa_bt, bt,
+                    swa_block_size, block_size, torch.zeros(0, device=device), {}, None)
     w_slots, w_lens = window_indices(step, W)
     k = min(n_topk, visible)
-    topk = torch.stack([torch.randperm(visible, device=device, generator=g)[:k].sort().values for _ in range(batch)]).int() if k else \
-        torch.zeros(batch, 0, dtype=torch.int32, device=device)
-    idx = SparseIndices(w_slots, w_lens, topk, torch.full((batch,), k, dtype=torch.int32, device=device), step.rows, bt, per)
+    if k:
+        topk = torch.stack([torch.randperm(visible, device=device, generator=g)[:k].sort().values
+                            for _ in range(batch)]).int()
+    else: topk = torch.zeros(batch, 0, dtype=torch.int32, device=device)
+    idx = SparseIndices(w_slots, w_lens, topk,
+                        torch.full((batch,), k, dtype=torch.int32, device=device), step.rows, bt,
+                        per)
     if ragged: idx = _raggedise(idx, g)
     q = torch.randn(batch, H, D, device=device, generator=g).bfloat16()
     return q, window, compressed, idx, torch.randn(H, device=device, generator=g), D ** -0.5
@@ -455,61 +585,86 @@ def _raggedise(idx: SparseIndices, g) -> SparseIndices:
     T, dev = idx.rows.shape[0], idx.rows.device
     rand = lambda hi: torch.randint(0, hi + 1, (T,), device=dev, generator=g).int()
     holes = lambda x: torch.where(torch.rand(x.shape, device=dev, generator=g) < 0.2, -1, x)
-    return SparseIndices(holes(idx.window_slots).int(), torch.minimum(rand(idx.window_slots.shape[1]), idx.window_lens),
-                         holes(idx.topk).int(), torch.minimum(rand(idx.topk.shape[1]), idx.topk_lens), idx.rows, idx.block_table, idx.per_block)
+    return SparseIndices(holes(idx.window_slots).int(),
+                         torch.minimum(rand(idx.window_slots.shape[1]), idx.window_lens),
+                         holes(idx.topk).int(),
+                         torch.minimum(rand(idx.topk.shape[1]), idx.topk_lens), idx.rows,
+                         idx.block_table, idx.per_block)
 
 # %% ../nbs/06_sparse_decode.ipynb #bd752279
-def decode_tolerance(window: PagedRecords, compressed: PagedRecords | None, idx: SparseIndices, out_ref: torch.Tensor) -> tuple:
-    "(out bound (T, H, D), lse bound (T, 1)) on |kernel - reference|: BF16 probabilities and BF16 outputs, fp32 sums"
+def decode_tolerance(window: PagedRecords, compressed: PagedRecords | None, idx: SparseIndices,
+                     out_ref: torch.Tensor) -> tuple:
+    ("(out bound (T, H, D), lse bound (T, 1)) on |kernel - reference|: "
+     "BF16 probabilities and BF16 outputs, fp32 sums")
     keys, live = gather_keys(window, compressed, idx)
-    vmax = keys.abs().amax(1)                                                    # (T, D) largest |v| each token reads, per dim
+    # (T, D) largest |v| each token reads, per dim
+    vmax = keys.abs().amax(1)
     n = live.sum(1, keepdim=True).float()
     return 2 ** -7 * vmax[:, None, :] + 2 ** -6 * out_ref.float().abs(), (n + 8) * 2 ** -22
 
 def check_decode(args, **kw) -> tuple:
-    "Run `sparse_decode` and the reference on the same inputs and assert the kernel is within `decode_tolerance`"
+    ("Run `sparse_decode` and the reference on the same inputs "
+     "and assert the kernel is within `decode_tolerance`")
     with use_kernels('torch'): ref, ref_lse = sparse_decode(*args)
     out, lse = sparse_decode(*args, **kw)
     tol, lse_tol = decode_tolerance(args[1], args[2], args[3], ref)
     err = (out.float() - ref.float()).abs()
     assert (err <= tol).all(), f"out off by {(err - tol).max().item():.3g} past the bound"
-    same_inf = (lse.isinf() == ref_lse.isinf()).all() and (lse[lse.isinf()] == ref_lse[ref_lse.isinf()]).all()
-    assert same_inf and ((lse - ref_lse).abs()[~lse.isinf()] <= lse_tol.expand_as(lse)[~lse.isinf()]).all(), 'lse differs'
+    inf = lse.isinf()
+    same_inf = (inf == ref_lse.isinf()).all() and (lse[inf] == ref_lse[ref_lse.isinf()]).all()
+    assert same_inf and ((lse - ref_lse).abs()[~inf]
+                         <= lse_tol.expand_as(lse)[~inf]).all(), 'lse differs'
     return (err / tol.clamp_min(1e-30)).max().item(), out, lse
 
 # %% ../nbs/06_sparse_decode.ipynb #302940f3
 def decode_variants() -> list:
-    "The launch shapes the sweep times, each a launch of the same kernel; the first is the default's shape"
+    ("The launch shapes the sweep times, each a launch of the same kernel; "
+     "the first is the default's shape")
     base = dict(block_h=64, block_n=32, num_warps=8, num_stages=2, scale_tile=True, separate=True)
-    v = [dict(base, block_n=n, num_stages=s) for n in (32, 16, 64) for s in (2, 1, 3)]             # tile depth, pipelining
-    v += [dict(base, num_warps=16), dict(base, num_warps=16, block_n=64)]                          # the accumulator over 512 threads
-    v += [dict(base, scale_tile=False), dict(base, block_n=16, scale_tile=False),                # a scale byte per value
-          dict(base, separate=False), dict(base, separate=False, scale_tile=False)]              # both passes in one function
-    v += [dict(base, block_h=32), dict(base, block_h=32, block_n=64), dict(base, block_h=32, num_stages=1),   # 32 heads a program
-          dict(base, block_h=32, maxnreg=168), dict(base, block_h=32, maxnreg=128), dict(base, block_h=32, num_warps=4),
+    # tile depth, pipelining
+    v = [dict(base, block_n=n, num_stages=s) for n in (32, 16, 64) for s in (2, 1, 3)]
+    # the accumulator over 512 threads
+    v += [dict(base, num_warps=16), dict(base, num_warps=16, block_n=64)]
+    # a scale byte per value; both passes in one function
+    v += [dict(base, scale_tile=False), dict(base, block_n=16, scale_tile=False),
+          dict(base, separate=False), dict(base, separate=False, scale_tile=False)]
+    # 32 heads a program
+    v += [dict(base, block_h=32), dict(base, block_h=32, block_n=64),
+          dict(base, block_h=32, num_stages=1), dict(base, block_h=32, maxnreg=168),
+          dict(base, block_h=32, maxnreg=128), dict(base, block_h=32, num_warps=4),
           dict(base, block_h=16, num_warps=4)]
     return v
 
 def launch_name(launch: dict) -> str:
-    "A short label for a launch shape: heads and records per program, warps, stages, then what else differs from the default"
+    ("A short label for a launch shape: heads and records per program, warps, stages, "
+     "then what else differs from the default")
     s = f"h{launch['block_h']} n{launch['block_n']} w{launch['num_warps']} s{launch['num_stages']}"
     if not launch.get('scale_tile', True): s += ' value-scales'
     if not launch.get('separate', True): s += ' one-function'
-    return s + (f" r{launch['maxnreg']}" if launch.get('maxnreg') else '') + (f" x{launch['splits']}" if launch.get('splits') else '')
+    return (s + (f" r{launch['maxnreg']}" if launch.get('maxnreg') else '')
+            + (f" x{launch['splits']}" if launch.get('splits') else ''))
 
-def decode_kernel_resources(args: tuple, num_splits: int | None = None, launch: dict | None = None) -> dict:
-    "Registers per thread, spilled bytes and shared memory of the compiled kernel for these inputs (empty in the interpreter)"
+def decode_kernel_resources(args: tuple, # (q, window, compressed, idx, sink, scale)
+                            num_splits: int | None = None, # as `sparse_decode`'s
+                            launch: dict | None = None, # as `sparse_decode`'s
+                           ) -> dict:
+    ("Registers per thread, spilled bytes and shared memory of the compiled kernel "
+     "for these inputs (empty in the interpreter)")
     q, window, compressed, idx, sink, scale = args
-    L = decode_launch(q.shape[0], q.shape[1], idx.window_slots.shape[1], idx.topk.shape[1], q.device, num_splits, launch)
+    L = decode_launch(q.shape[0], q.shape[1], idx.window_slots.shape[1], idx.topk.shape[1],
+                      q.device, num_splits, launch)
     k = _sparse_decode_triton(q, window, compressed, idx, sink, scale, L)[2]
     if k is None or not hasattr(k, 'n_regs'): return {}
-    return dict(registers=k.n_regs, local_bytes=4 * k.n_spills, shared_bytes=k.metadata.shared)    # local: spilled, per thread
+    # local: spilled, per thread
+    return dict(registers=k.n_regs, local_bytes=4 * k.n_spills, shared_bytes=k.metadata.shared)
 
 # %% ../nbs/06_sparse_decode.ipynb #3511547c
 def distinct_kernels(variants: list) -> list:
-    "The first launch shape of each compiled-in difference (heads and records per program, scales, passes): what the interpreter can tell apart"
+    ("The first launch shape of each compiled-in difference "
+     "(heads and records per program, scales, passes): what the interpreter can tell apart")
     seen = {}
-    for v in variants: seen.setdefault((v['block_h'], v['block_n'], v['scale_tile'], v['separate']), v)
+    for v in variants:
+        seen.setdefault((v['block_h'], v['block_n'], v['scale_tile'], v['separate']), v)
     return list(seen.values())
 
 # %% ../nbs/06_sparse_decode.ipynb #a7541a14
@@ -518,68 +673,118 @@ def check_decode_grid(device,                                          # where t
                       main_formats=('ds_fp4', 'fp8_ds_mla'),           # compressed record formats
                       heads=(16, 64, 128), batches=(1, 7, 64, 256),    # head counts, query tokens
                       context: int = 2048, seed: int = 0) -> list:
-    "`check_decode` on every combination at the full width: ragged lists with -1 entries, the last token's top-k list empty; result rows"
+    ("`check_decode` on every combination at the full width: ragged lists with -1 entries, "
+     "the last token's top-k list empty; result rows")
     cfg, rows = ModelConfig.full(), []
     for wf, mf, H, B in itertools.product(window_formats, main_formats, heads, batches):
-        q, window, compressed, idx, sink, scale = decode_inputs(cfg, B, context, cfg.index_topk, wf, mf, heads=H, ragged=True,
-                                                                device=device, seed=seed + B * 1000 + H)
-        if B > 1: idx = replace(idx, topk_lens=torch.where(torch.arange(B, device=idx.rows.device) == B - 1, 0, idx.topk_lens))
+        inputs = decode_inputs(cfg, B, context, cfg.index_topk, wf, mf, heads=H, ragged=True,
+                               device=device, seed=seed + B * 1000 + H)
+        q, window, compressed, idx, sink, scale = inputs
+        if B > 1:
+            last = torch.arange(B, device=idx.rows.device) == B - 1
+            idx = replace(idx, topk_lens=torch.where(last, 0, idx.topk_lens))
         worst, *_ = check_decode((q, window, compressed, idx, sink, scale))
-        rows.append(dict(window=wf, main=mf, heads=H, batch=B, worst=worst,
-                         splits=decode_launch(B, H, idx.window_slots.shape[1], idx.topk.shape[1], device)['SPLITS']))
+        splits = decode_launch(B, H, idx.window_slots.shape[1], idx.topk.shape[1], device)['SPLITS']
+        rows.append(dict(window=wf, main=mf, heads=H, batch=B, worst=worst, splits=splits))
     return rows
 
 # %% ../nbs/06_sparse_decode.ipynb #7fd91ef8
-def input_sets(cfg: ModelConfig, batch: int, context: int, n_topk: int, window_format: str = 'window_fp8', main_format: str = 'ds_fp4',
-               device='cuda', max_sets: int = 8, max_bytes: float = 8e9) -> list:
-    "Enough independent decode steps (random valid records) that one pass over them reads at least twice the L2, within `max_bytes`"
+def input_sets(cfg: ModelConfig, # the model's shapes
+               batch: int, # query tokens per step
+               context: int, # tokens of context each request holds
+               n_topk: int, # selected compressed records per token
+               window_format: str = 'window_fp8', # the window records' format
+               main_format: str = 'ds_fp4', # the compressed records' format
+               device='cuda',
+               max_sets: int = 8, # at most this many steps
+               max_bytes: float = 8e9, # at most this many bytes of caches in all
+              ) -> list:
+    ("Enough independent decode steps (random valid records) that one pass over them reads "
+     "at least twice the L2, within `max_bytes`")
     cc, wc = cache_format(cfg, main_format), cache_format(cfg, window_format)
-    per_set = batch * (n_topk * cc.record_bytes + cfg.window_size * wc.record_bytes)           # bytes of records one step reads
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if torch.device(device).type == 'cuda' else 1
-    cache = batch * context * cc.record_bytes                                                 # what one set allocates, about
+    # bytes of records one step reads
+    per_set = batch * (n_topk * cc.record_bytes + cfg.window_size * wc.record_bytes)
+    is_cuda = torch.device(device).type == 'cuda'
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if is_cuda else 1
+    # what one set allocates, about
+    cache = batch * context * cc.record_bytes
     n = max(1, min(max_sets, math.ceil(2 * l2 / per_set), int(max_bytes // max(cache, 1))))
-    return [decode_inputs(cfg, batch, context, n_topk, window_format, main_format, exact=False, device=device, seed=s) for s in range(n)]
+    return [decode_inputs(cfg, batch, context, n_topk, window_format, main_format, exact=False,
+                          device=device, seed=s) for s in range(n)]
 
 # %% ../nbs/06_sparse_decode.ipynb #e06e10ed
-def benchmark_sparse_decode(cfg: ModelConfig, batch: int, bandwidth: float, peak: float, context: int = 32768,
-                            n_topk: int | None = None, window_format: str = 'window_fp8', main_format: str = 'ds_fp4',
-                            reference: bool = True, device='cuda', rep: int = 100, num_splits: int | None = None,
-                            launch: dict | None = None) -> dict:
-    "One decode step of `batch` tokens, per query token per layer: kernel (graph-replayed, and one eager call) and reference, against the floor"
+def benchmark_sparse_decode(cfg: ModelConfig, # the model's shapes
+                            batch: int, # query tokens per step
+                            bandwidth: float, # bytes/s the floor assumes
+                            peak: float, # FLOP/s the floor assumes
+                            context: int = 32768, # tokens of context each request holds
+                            # selected records per token (None: the config's)
+                            n_topk: int | None = None,
+                            window_format: str = 'window_fp8', # the window records' format
+                            main_format: str = 'ds_fp4', # the compressed records' format
+                            reference: bool = True, # also time `sparse_attention_reference`
+                            device='cuda',
+                            rep: int = 100, # timed repetitions of the eager call
+                            num_splits: int | None = None, # as `sparse_decode`'s
+                            launch: dict | None = None, # as `sparse_decode`'s
+                           ) -> dict:
+    ("One decode step of `batch` tokens, per query token per layer: "
+     "kernel (graph-replayed, and one eager call) and reference, against the floor")
     k = cfg.index_topk if n_topk is None else n_topk
     sets = input_sets(cfg, batch, context, k, window_format, main_format, device)
     idx = sets[0][3]
-    cost = decode_cost(cfg, idx.window_slots.shape[1], idx.topk.shape[1], sets[0][1].codec, sets[0][2].codec)
-    call = lambda i: sparse_decode(*sets[i % len(sets)], num_splits=num_splits, launch=launch, check_indices=False)
+    cost = decode_cost(cfg, idx.window_slots.shape[1], idx.topk.shape[1], sets[0][1].codec,
+                       sets[0][2].codec)
+    def call(i):
+        return sparse_decode(*sets[i % len(sets)], num_splits=num_splits, launch=launch,
+                             check_indices=False)
     t = graph_time(call, calls=max(8, len(sets)))
     eager = median_time(lambda: call(0), rep=rep) if torch.cuda.is_available() else t
-    ref = median_time(lambda: sparse_attention_reference(*sets[0], check_indices=False), warmup=2, rep=5) \
-        if reference else float('nan')    # eager: the reference copies its decode tables to the GPU, which a graph cannot capture
+    # eager: the reference copies its decode tables to the GPU, which a graph cannot capture
+    ref = (median_time(lambda: sparse_attention_reference(*sets[0], check_indices=False), warmup=2,
+                       rep=5)
+           if reference else float('nan'))
     floor_b, floor_f = cost['bytes'] / bandwidth, cost['flops'] / peak
-    return dict(batch=batch, context=context, records=idx.window_slots.shape[1] + idx.topk.shape[1], us=t / batch * 1e6,
-                eager_us=eager / batch * 1e6, floor_us=max(floor_b, floor_f) * 1e6, bound='bytes' if floor_b >= floor_f else 'FLOPs',
+    return dict(batch=batch, context=context, records=idx.window_slots.shape[1] + idx.topk.shape[1],
+                us=t / batch * 1e6, eager_us=eager / batch * 1e6,
+                floor_us=max(floor_b, floor_f) * 1e6,
+                bound='bytes' if floor_b >= floor_f else 'FLOPs',
                 of_floor=max(floor_b, floor_f) * batch / t, TBps=cost['bytes'] * batch / t / 1e12,
-                TFLOPs=cost['flops'] * batch / t / 1e12, ref_us=ref / batch * 1e6, vs_ref=ref / t, sets=len(sets))
+                TFLOPs=cost['flops'] * batch / t / 1e12, ref_us=ref / batch * 1e6, vs_ref=ref / t,
+                sets=len(sets))
 
 def format_decode_benchmark(rows) -> str:
     "Rows of `benchmark_sparse_decode` as a table: microseconds per query token per layer"
-    head = (f"{'batch':>6} {'context':>8} {'records':>8} {'us/token':>9} {'eager':>8} {'floor':>7} {'bound':>6} {'of floor':>9} "
-            f"{'TB/s':>6} {'TFLOP/s':>8} {'ref us':>8} {'vs ref':>7}")
-    line = lambda r: (f"{r['batch']:>6d} {r['context']:>8d} {r['records']:>8d} {r['us']:>9.3f} {r['eager_us']:>8.2f} {r['floor_us']:>7.3f} "
-                      f"{r['bound']:>6s} {r['of_floor']:>9.0%} {r['TBps']:>6.2f} {r['TFLOPs']:>8.1f} {r['ref_us']:>8.2f} {r['vs_ref']:>6.1f}x")
+    head = (f"{'batch':>6} {'context':>8} {'records':>8} {'us/token':>9} {'eager':>8} {'floor':>7} "
+            f"{'bound':>6} {'of floor':>9} {'TB/s':>6} {'TFLOP/s':>8} {'ref us':>8} {'vs ref':>7}")
+    def line(r):
+        return (f"{r['batch']:>6d} {r['context']:>8d} {r['records']:>8d} {r['us']:>9.3f} "
+                f"{r['eager_us']:>8.2f} {r['floor_us']:>7.3f} {r['bound']:>6s} "
+                f"{r['of_floor']:>9.0%} "
+                f"{r['TBps']:>6.2f} {r['TFLOPs']:>8.1f} {r['ref_us']:>8.2f} {r['vs_ref']:>6.1f}x")
     return '\n'.join([head] + [line(r) for r in rows])
 
 # %% ../nbs/06_sparse_decode.ipynb #d5909adb
-def benchmark_context(cfg: ModelConfig, context: int, bandwidth: float, peak: float, batch: int = 16, device='cuda', rep: int = 20,
-                      indexer: bool = True,  # also time the indexer's full scan (04's logits kernel)
+def benchmark_context(cfg: ModelConfig, # the model's shapes
+                      context: int, # tokens of context each request holds
+                      bandwidth: float, # bytes/s the floor assumes
+                      peak: float, # FLOP/s the floor assumes
+                      batch: int = 16, # query tokens per step
+                      device='cuda',
+                      rep: int = 20, # timed repetitions of the eager calls
+                      indexer: bool = True, # also time the indexer's full scan (04's logits kernel)
                      ) -> dict:
-    "Time per query token per layer at `context`: sparse attention, dense attention over every entry, the indexer's full scan"
+    ("Time per query token per layer at `context`: sparse attention, "
+     "dense attention over every entry, the indexer's full scan")
     from dsv41_nb.indexer import benchmark_index_logits
-    sparse = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, reference=False, device=device, rep=rep)
-    dense = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, n_topk=context, reference=False, device=device, rep=rep)
-    scan = (benchmark_index_logits(cfg, context, batch, device=device, bandwidth=bandwidth, rep=rep) if indexer
-            else dict(us_per_query=0.0))
-    return dict(context=context, batch=batch, sparse_us=sparse['us'], dense_us=dense['us'], indexer_us=scan['us_per_query'] if indexer else float('nan'),
+    sparse = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, reference=False,
+                                     device=device, rep=rep)
+    dense = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, n_topk=context,
+                                    reference=False, device=device, rep=rep)
+    scan = (benchmark_index_logits(cfg, context, batch, device=device, bandwidth=bandwidth, rep=rep)
+            if indexer else dict(us_per_query=0.0))
+    return dict(context=context, batch=batch, sparse_us=sparse['us'], dense_us=dense['us'],
+                indexer_us=scan['us_per_query'] if indexer else float('nan'),
                 sparse_of_floor=sparse['of_floor'], dense_of_floor=dense['of_floor'],
                 dense_vs_sparse=dense['us'] / (sparse['us'] + scan['us_per_query']))
 
@@ -588,14 +793,23 @@ def profile_summary(prof: dict) -> str:
     "The kernel's Nsight Compute numbers that say what limits it, and the next step that points to"
     if 'error' in prof: return f"no profile: {prof['error'][:300]}"
     m = prof['metrics']
-    pick = lambda name: next((float(v.replace(',', '')) for k, v in m.items() if k.split(' / ')[-1].startswith(name)), float('nan'))
-    sm, mem, dram = pick('Compute (SM) Throughput'), pick('Memory Throughput'), pick('DRAM Throughput')
-    keys = ('device', 'date', 'us per query token', 'achieved TFLOP/s', 'achieved TB/s (bytes the kernel must move)')
+    def pick(name):
+        return next((float(v.replace(',', '')) for k, v in m.items()
+                     if k.split(' / ')[-1].startswith(name)), float('nan'))
+    sm, mem = pick('Compute (SM) Throughput'), pick('Memory Throughput')
+    dram = pick('DRAM Throughput')
+    keys = ('device', 'date', 'us per query token', 'achieved TFLOP/s',
+            'achieved TB/s (bytes the kernel must move)')
     lines = [f"{k}: {prof[k]}" for k in keys if k in prof]
-    lines += [f"SM throughput {sm:.0f}% of peak, memory throughput {mem:.0f}% (DRAM {dram:.0f}%), registers per thread "
-              f"{pick('Registers Per Thread'):.0f}, achieved occupancy {pick('Achieved Occupancy'):.1f}%"]
-    if sm >= mem: lines.append('limiter: the SMs. Decoding records and rescaling the accumulator share issue slots with the tensor '
-                               'cores; next: decode each tile once into shared memory in a producer warp group, and rescale '
-                               'only when the running max moves.')
-    else: lines.append('limiter: memory. Next: more records in flight per SM (pipeline stages, larger tiles) so the gathers overlap the math.')
+    lines += [f"SM throughput {sm:.0f}% of peak, memory throughput {mem:.0f}% (DRAM {dram:.0f}%), "
+              f"registers per thread {pick('Registers Per Thread'):.0f}, "
+              f"achieved occupancy {pick('Achieved Occupancy'):.1f}%"]
+    if sm >= mem:
+        lines.append('limiter: the SMs. Decoding records and rescaling the accumulator '
+                     'share issue slots with the tensor cores; next: decode each tile once '
+                     'into shared memory in a producer warp group, and rescale only when '
+                     'the running max moves.')
+    else:
+        lines.append('limiter: memory. Next: more records in flight per SM '
+                     '(pipeline stages, larger tiles) so the gathers overlap the math.')
     return '\n'.join(lines)

@@ -24,9 +24,9 @@ __all__ = ['SKIP_MODULES', 'CORPUS_VERSION', 'stdlib_modules', 'module_documents
            'evaluate', 'make_optimizer', 'train']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
-SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle', 'turtledemo', 'readline',
-                          'rlcompleter', 'test', 'lib2to3', 'distutils', 'ensurepip', 'venv', 'webbrowser',
-                          'encodings', 'pydoc_data'})
+SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle', 'turtledemo',
+                          'readline', 'rlcompleter', 'test', 'lib2to3', 'distutils', 'ensurepip',
+                          'venv', 'webbrowser', 'encodings', 'pydoc_data'})
 
 def _quiet_import(name: str):
     "The module `name`, or None when importing it fails; what it prints or warns is swallowed"
@@ -57,13 +57,15 @@ class _Elided:
     "A default value shown as `...`"
     def __repr__(self): return '...'
 
-def _literal(v) -> bool: return isinstance(v, (bool, int, float, str, bytes, type(None))) and len(repr(v)) <= 40
+def _literal(v) -> bool:
+    return isinstance(v, (bool, int, float, str, bytes, type(None))) and len(repr(v)) <= 40
 
 def _signature(obj) -> str:
     "`(a, b=1, c=...)`: defaults that are not short literals elided"
     try: sig = inspect.signature(obj)
     except (TypeError, ValueError): return '(...)'
-    params = [p.replace(default=_Elided()) if p.default is not p.empty and not _literal(p.default) else p
+    params = [p.replace(default=_Elided())
+              if p.default is not p.empty and not _literal(p.default) else p
               for p in sig.parameters.values()]
     return _ADDRESS.sub('', str(sig.replace(parameters=params)))
 
@@ -75,7 +77,8 @@ def _document(header: str, doc: str) -> str:
 
 def module_documents(name: str) -> list[tuple[str, str]]:
     "(docstring, document) of a module, then of its public classes and functions and their methods"
-    if not isinstance(name, str): raise TypeError(f"module_documents: name must be a str, got {type(name).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"module_documents: name must be a str, got {type(name).__name__}")
     m, out = sys.modules.get(name) or _quiet_import(name), []
     if m is None: raise ModuleNotFoundError(f"module_documents: no importable module {name!r}")
     if (doc := inspect.getdoc(m)): out.append((doc, f'"""{name}\n\n{_ADDRESS.sub("", doc)}\n"""'))
@@ -83,9 +86,11 @@ def module_documents(name: str) -> list[tuple[str, str]]:
         if key.startswith('_') or getattr(obj, '__module__', None) != name: continue
         if inspect.isclass(obj):
             bases = ', '.join(b.__name__ for b in obj.__bases__ if b is not object)
-            if (doc := inspect.getdoc(obj)): out.append((doc, _document(f'class {key}({bases}):', doc)))
+            if (doc := inspect.getdoc(obj)):
+                out.append((doc, _document(f'class {key}({bases}):', doc)))
             for mk, meth in sorted(vars(obj).items()):
-                if mk.startswith('_') or not callable(meth) or not (doc := inspect.getdoc(meth)): continue
+                if mk.startswith('_') or not callable(meth) or not (doc := inspect.getdoc(meth)):
+                    continue
                 out.append((doc, _document(f'def {mk}{_signature(meth)}:', doc)))
         elif (inspect.isfunction(obj) or inspect.isbuiltin(obj)) and (doc := inspect.getdoc(obj)):
             out.append((doc, _document(f'def {key}{_signature(obj)}:', doc)))
@@ -93,11 +98,13 @@ def module_documents(name: str) -> list[tuple[str, str]]:
 
 # %% ../nbs/11_train.ipynb #7f3bd56c
 def corpus_documents() -> list[str]:
-    "The reference-manual topics, then every stdlib docstring as a document, each docstring once, in a fixed order"
+    ("The reference-manual topics, then every stdlib docstring as a document, "
+     "each docstring once, in a fixed order")
     from pydoc_data.topics import topics
     docs, seen = [], set()
     pairs = [(topics[key], topics[key].strip()) for key in sorted(topics)]
-    with warnings.catch_warnings():              # reading some docstrings warns (typing.io is deprecated)
+    # reading some docstrings warns (typing.io is deprecated)
+    with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         for name in stdlib_modules(): pairs += module_documents(name)
     for doc, text in pairs:
@@ -108,13 +115,15 @@ def corpus_documents() -> list[str]:
 CORPUS_VERSION = 1  # bump when the corpus recipe changes: the cache file name carries it
 
 def cache_dir() -> Path:
-    "Where the corpus is cached: $DSV41_CACHE, else $XDG_CACHE_HOME/dsv41_nb, else ~/.cache/dsv41_nb"
+    ("Where the corpus is cached: "
+     "$DSV41_CACHE, else $XDG_CACHE_HOME/dsv41_nb, else ~/.cache/dsv41_nb")
     if os.environ.get('DSV41_CACHE'): return Path(os.environ['DSV41_CACHE'])
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'dsv41_nb'
 
 def load_corpus(directory=None) -> list[str]:
     "The corpus documents, read from the cache (built and written there the first time)"
-    path = Path(directory or cache_dir()) / f'corpus-v{CORPUS_VERSION}-py{sys.version_info[0]}.{sys.version_info[1]}.json'
+    path = (Path(directory or cache_dir())
+            / f'corpus-v{CORPUS_VERSION}-py{sys.version_info[0]}.{sys.version_info[1]}.json')
     if path.exists(): return json.loads(path.read_text())['documents']
     docs = corpus_documents()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,31 +137,39 @@ def split_documents(docs: list[str],       # the corpus
                     val_fraction: float = 0.05,  # share of documents held out
                     seed: int = 0,          # salts the hash: another seed, another split
                    ) -> tuple[list[str], list[str]]:
-    "(train, validation): a document is held out when the seeded SHA-256 of its text falls below `val_fraction`"
+    ("(train, validation): "
+     "a document is held out when the seeded SHA-256 of its text falls below `val_fraction`")
     if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
         raise TypeError("split_documents: docs must be a list of str")
     if not (isinstance(val_fraction, (int, float)) and 0 < val_fraction < 1):
-        raise ValueError(f"split_documents: val_fraction = {val_fraction!r}; expected a number in (0, 1)")
+        raise ValueError(f"split_documents: val_fraction = {val_fraction!r}; "
+                         "expected a number in (0, 1)")
     check_int('split_documents', 'seed', seed, 0)
-    draw = lambda d: int.from_bytes(hashlib.sha256(f'{seed}:{d}'.encode()).digest()[:8], 'big') / 2**64
+    def draw(d):
+        digest = hashlib.sha256(f'{seed}:{d}'.encode()).digest()
+        return int.from_bytes(digest[:8], 'big') / 2**64
     held = [draw(d) < val_fraction for d in docs]
     return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
 
 # %% ../nbs/11_train.ipynb #45d8cb5c
 def small_config() -> ModelConfig:
-    "`tiny`'s layer map at twice its width, 16 experts per layer: every structural feature, a few million parameters"
+    ("`tiny`'s layer map at twice its width, 16 experts per layer: "
+     "every structural feature, a few million parameters")
     return replace(ModelConfig.tiny(), dim=128, q_lora_rank=64, o_lora_rank=64, moe_inter_dim=64,
                    n_routed_experts=16, n_activated_experts=2)
 
 def trained_param_count(cfg: ModelConfig) -> int:
-    "Parameters the language-model loss trains: the backbone (drafter blocks and router biases excluded)"
+    ("Parameters the language-model loss trains: "
+     "the backbone (drafter blocks and router biases excluded)")
     return sum(s.numel for s in checkpoint_manifest(expect_config(cfg, 'trained_param_count'))
-               if s.group != 'scales' and not s.name.startswith('mtp.') and not s.name.endswith('gate.bias'))
+               if s.group != 'scales' and not s.name.startswith('mtp.')
+               and not s.name.endswith('gate.bias'))
 
 # %% ../nbs/11_train.ipynb #d90876e0
 @dataclass
 class ByteData:
-    "Training and validation token streams (each document's bytes, then EOS) and the BOS opening every window"
+    ("Training and validation token streams (each document's bytes, then EOS) "
+     "and the BOS opening every window")
     train: torch.Tensor  # (train tokens,) int16 ids
     val: torch.Tensor  # (validation tokens,) int16 ids
     bos: int  # the id in front of every window
@@ -177,30 +194,37 @@ def windows(self: ByteData,
             starts: torch.Tensor,  # (batch,) int64 where each window starts in the stream
             seq_len: int,  # tokens per window
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    "(inputs, targets), each (batch, seq_len) int64: BOS then the window's first seq_len-1 tokens; the window"
+    ("(inputs, targets), each (batch, seq_len) int64: "
+     "BOS then the window's first seq_len-1 tokens; the window")
     stream = getattr(self, split) if split in ('train', 'val') else None
     if stream is None: raise ValueError(f"windows: split = {split!r}; expected 'train' or 'val'")
     check_int('windows', 'seq_len', seq_len, 2)
     if seq_len > len(stream):
-        raise ValueError(f"windows: seq_len = {seq_len} is longer than the {split} stream ({len(stream)})")
-    targets = stream[starts[:, None] + torch.arange(seq_len)].long()                   # (batch, seq_len)
-    inputs = torch.cat([torch.full_like(targets[:, :1], self.bos), targets[:, :-1]], 1)  # (batch, seq_len)
+        raise ValueError(f"windows: seq_len = {seq_len} is longer than the {split} stream "
+                         f"({len(stream)})")
+    # (batch, seq_len)
+    targets = stream[starts[:, None] + torch.arange(seq_len)].long()
+    # (batch, seq_len)
+    inputs = torch.cat([torch.full_like(targets[:, :1], self.bos), targets[:, :-1]], 1)
     return inputs, targets
 
 # %% ../nbs/11_train.ipynb #9522b304
 @patch
-def batch(self: ByteData, batch_size: int, seq_len: int, generator: torch.Generator | None = None) -> tuple:
+def batch(self: ByteData, batch_size: int, seq_len: int,
+          generator: torch.Generator | None = None) -> tuple:
     "A training batch: `batch_size` windows at random starts"
     check_int('batch', 'batch_size', batch_size, 1); check_int('batch', 'seq_len', seq_len, 2)
     if seq_len > len(self.train):
-        raise ValueError(f"batch: seq_len = {seq_len} is longer than the train stream ({len(self.train)})")
+        raise ValueError(f"batch: seq_len = {seq_len} is longer than the train stream "
+                         f"({len(self.train)})")
     starts = torch.randint(0, len(self.train) - seq_len + 1, (batch_size,), generator=generator)
     return self.windows('train', starts, seq_len)
 
 @patch
 def eval_batches(self: ByteData, n_batches: int, batch_size: int, seq_len: int) -> list[tuple]:
     "Fixed validation batches: windows at evenly spaced starts over the whole validation stream"
-    check_int('eval_batches', 'n_batches', n_batches, 1); check_int('eval_batches', 'batch_size', batch_size, 1)
+    check_int('eval_batches', 'n_batches', n_batches, 1)
+    check_int('eval_batches', 'batch_size', batch_size, 1)
     starts = torch.linspace(0, len(self.val) - seq_len, n_batches * batch_size).long()
     return [self.windows('val', s, seq_len) for s in starts.split(batch_size)]
 
@@ -217,9 +241,12 @@ class DenseBlock(nn.Module):
 
     def forward(self, x, cos, sin):  # x (batch, seq, dim); cos, sin (seq, head_dim/2)
         B, T, D = x.shape
-        q, k, v = self.wqkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, -1).unbind(2)  # (B, T, heads, hd)
-        q, k = (apply_rope(t, cos[:, None], sin[:, None]).transpose(1, 2) for t in (q, k))  # (B, heads, T, hd)
-        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)        # (B, heads, T, hd)
+        # (B, T, heads, hd)
+        q, k, v = self.wqkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, -1).unbind(2)
+        # (B, heads, T, hd)
+        q, k = (apply_rope(t, cos[:, None], sin[:, None]).transpose(1, 2) for t in (q, k))
+        # (B, heads, T, hd)
+        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
         x = x + self.wo(o.transpose(1, 2).reshape(B, T, D))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
@@ -230,15 +257,18 @@ class DenseBaseline(nn.Module):
     def __init__(self, vocab_size: int, dim: int, n_layers: int, n_heads: int, ffn_dim: int,
                  rope_theta: float = 10000.0, seed: int = 0):
         super().__init__()
-        for name, v in dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, ffn_dim=ffn_dim).items():
+        for name, v in dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                            ffn_dim=ffn_dim).items():
             check_int('DenseBaseline', name, v, 1)
         if dim % n_heads or (dim // n_heads) % 2:
-            raise ValueError(f"DenseBaseline: dim = {dim} must split into {n_heads} heads of an even width")
+            raise ValueError(f"DenseBaseline: dim = {dim} must split into {n_heads} heads "
+                             "of an even width")
         self.vocab_size = vocab_size
         self.embed = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(DenseBlock(dim, n_heads, ffn_dim) for _ in range(n_layers))
         self.norm, self.head = nn.RMSNorm(dim, eps=1e-6), nn.Linear(dim, vocab_size, bias=False)
-        self.register_buffer('inv_freq', rope_inv_freq(dim // n_heads, rope_theta), persistent=False)
+        self.register_buffer('inv_freq', rope_inv_freq(dim // n_heads, rope_theta),
+                             persistent=False)
         self._init(seed, n_layers)
 
 # %% ../nbs/11_train.ipynb #18a30f36
@@ -253,29 +283,37 @@ def _init(self: DenseBaseline, seed: int, n_layers: int):
 @patch
 def forward(self: DenseBaseline, input_ids: torch.Tensor) -> torch.Tensor:
     "(batch, seq) int64 ids -> (batch, seq, vocab) fp32 logits"
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64 or input_ids.ndim != 2:
+    if (not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64
+            or input_ids.ndim != 2):
         got = getattr(input_ids, 'dtype', type(input_ids))
         raise TypeError(f"DenseBaseline: input_ids must be int64 (batch, seq), got {got}")
-    cos, sin = rope_cos_sin(self.inv_freq, torch.arange(input_ids.shape[1], device=input_ids.device))
+    cos, sin = rope_cos_sin(self.inv_freq,
+                            torch.arange(input_ids.shape[1], device=input_ids.device))
     x = self.embed(input_ids)                                     # (batch, seq, dim)
     for layer in self.layers: x = layer(x, cos, sin)
     return self.head(self.norm(x)).float()                        # (batch, seq, vocab)
 
 # %% ../nbs/11_train.ipynb #ee96bac5
 def dense_param_count(vocab_size: int, dim: int, n_layers: int, ffn_dim: int) -> int:
-    "Parameters of a `DenseBaseline`: embedding and head, per block qkv + out (4 dim²), the MLP (3 dim · ffn), 2 norms"
+    ("Parameters of a `DenseBaseline`: embedding and head, "
+     "per block qkv + out (4 dim²), the MLP (3 dim · ffn), 2 norms")
     for name, v in dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, ffn_dim=ffn_dim).items():
         check_int('dense_param_count', name, v, 0)
     return 2 * vocab_size * dim + n_layers * (4 * dim * dim + 3 * dim * ffn_dim + 2 * dim) + dim
 
 @patch(cls_method=True)
-def matching(cls: DenseBaseline, cfg: ModelConfig, n_params: int | None = None, head_dim: int = 64, seed: int = 0):
-    "A baseline with `cfg`'s vocabulary and depth and `n_params` parameters (default `trained_param_count(cfg)`)"
-    n_params = trained_param_count(cfg) if n_params is None else check_int('matching', 'n_params', n_params, 1)
+def matching(cls: DenseBaseline, cfg: ModelConfig, n_params: int | None = None,
+             head_dim: int = 64, seed: int = 0):
+    ("A baseline with `cfg`'s vocabulary and depth and `n_params` parameters "
+     "(default `trained_param_count(cfg)`)")
+    n_params = (trained_param_count(cfg) if n_params is None
+                else check_int('matching', 'n_params', n_params, 1))
     V, L = cfg.vocab_size, cfg.n_layers
     fits = lambda d: dense_param_count(V, d, L, 32 * round(8 * d / 96)) <= n_params
     dim = max((d for d in range(head_dim, 64 * head_dim, head_dim) if fits(d)), default=None)
-    if dim is None: raise ValueError(f"matching: {n_params:,} parameters cannot hold {L} layers of width {head_dim}")
+    if dim is None:
+        raise ValueError(f"matching: {n_params:,} parameters cannot hold {L} layers "
+                         f"of width {head_dim}")
     ffn = round((n_params - dense_param_count(V, dim, L, 0)) / (3 * dim * L) / 8) * 8
     return cls(V, dim, L, dim // head_dim, ffn, seed=seed)
 
@@ -286,23 +324,28 @@ def lr_at(step: int,  # 0-based step
           warmup: int,  # steps of linear warmup
           min_ratio: float = 0.1,  # the decay ends at min_ratio * lr
          ) -> float:
-    "Learning rate of `step`: linear warmup to `lr`, then a cosine decay to `min_ratio * lr` at the last step"
-    check_int('lr_at', 'steps', steps, 1); check_int('lr_at', 'step', step, 0); check_int('lr_at', 'warmup', warmup, 0)
+    ("Learning rate of `step`: "
+     "linear warmup to `lr`, then a cosine decay to `min_ratio * lr` at the last step")
+    check_int('lr_at', 'steps', steps, 1); check_int('lr_at', 'step', step, 0)
+    check_int('lr_at', 'warmup', warmup, 0)
     if step < warmup: return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - 1 - warmup)                 # 0 .. 1
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 # %% ../nbs/11_train.ipynb #576e12bf
-def balance_router_bias(bias: torch.Tensor,  # (n_experts,) a router's selection bias, updated in place
-                        counts: torch.Tensor,  # (n_experts,) tokens each expert received this step
-                        gamma: float = 1e-3,  # the bias update speed γ
-                       ) -> torch.Tensor:
-    "The auxiliary-loss-free step: bias - γ for experts above the mean load, + γ below it; returns `bias`"
+def balance_router_bias(
+    bias: torch.Tensor,  # (n_experts,) a router's selection bias, updated in place
+    counts: torch.Tensor,  # (n_experts,) tokens each expert received this step
+    gamma: float = 1e-3,  # the bias update speed γ
+) -> torch.Tensor:
+    ("The auxiliary-loss-free step: "
+     "bias - γ for experts above the mean load, + γ below it; returns `bias`")
     if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.ndim != 1:
-        raise TypeError(f"balance_router_bias: bias must be a 1-D float tensor, got {getattr(bias, 'shape', type(bias))}")
+        raise TypeError(f"balance_router_bias: bias must be a 1-D float tensor, "
+                        f"got {getattr(bias, 'shape', type(bias))}")
     if not isinstance(counts, torch.Tensor) or counts.shape != bias.shape:
-        raise ValueError(f"balance_router_bias: counts must have the bias's shape {tuple(bias.shape)}, "
-                         f"got {getattr(counts, 'shape', type(counts))}")
+        raise ValueError(f"balance_router_bias: counts must have the bias's shape "
+                         f"{tuple(bias.shape)}, got {getattr(counts, 'shape', type(counts))}")
     if not (isinstance(gamma, (int, float)) and 0 <= gamma < math.inf):
         raise ValueError(f"balance_router_bias: gamma = {gamma!r}; expected a finite number >= 0")
     load = counts.to(bias.device, torch.float32)
@@ -319,12 +362,14 @@ def max_violation(counts: torch.Tensor) -> float:
 
 # %% ../nbs/11_train.ipynb #1f05f089
 class ExpertLoad:
-    "Counts, per router (`*.ffn.gate` module with a `bias`), the tokens each expert received since the last reset"
+    ("Counts, per router (`*.ffn.gate` module with a `bias`), "
+     "the tokens each expert received since the last reset")
     def __init__(self, model: nn.Module):
         if not isinstance(model, nn.Module):
             raise TypeError(f"ExpertLoad: expected an nn.Module, got {type(model).__name__}")
         self.gates = {n: m for n, m in model.named_modules()
-                      if n.split('.')[-2:] == ['ffn', 'gate'] and isinstance(getattr(m, 'bias', None), torch.Tensor)}
+                      if n.split('.')[-2:] == ['ffn', 'gate']
+                      and isinstance(getattr(m, 'bias', None), torch.Tensor)}
         self.counts: dict[str, torch.Tensor] = {}
         self.handles = [g.register_forward_hook(self._hook(n)) for n, g in self.gates.items()]
 
@@ -338,7 +383,8 @@ class ExpertLoad:
 # %% ../nbs/11_train.ipynb #20e9ca7d
 @patch
 def balance(self: ExpertLoad, gamma: float) -> float:
-    "Apply the bias rule to every router that saw tokens, reset the counts; the mean max violation seen"
+    ("Apply the bias rule to every router that saw tokens, reset the counts; "
+     "the mean max violation seen")
     vio = [max_violation(c) for c in self.counts.values()]
     for name, c in self.counts.items(): balance_router_bias(self.gates[name].bias, c, gamma)
     self.counts = {}
@@ -351,59 +397,70 @@ def remove(self: ExpertLoad):
     self.handles = []
 
 # %% ../nbs/11_train.ipynb #74c26066
-def attention_mass(attn: nn.Module,  # an index-source `Attention` of the model (10_model)
-                   x: torch.Tensor,  # (B, S, dim) its normalised input
-                   run,  # the forward pass's `DenseRun` (after the layer ran: compressed KV and index keys filled)
-                  ) -> torch.Tensor:
-    "(B, S, L) fp32, no gradient: full attention's weight on each compressed entry, summed over heads, normalised"
+def attention_mass(
+    attn: nn.Module,  # an index-source `Attention` of the model (10_model)
+    x: torch.Tensor,  # (B, S, dim) its normalised input
+    run,  # the forward pass's `DenseRun` (after the layer ran: compressed KV and index keys filled)
+) -> torch.Tensor:
+    ("(B, S, L) fp32, no gradient: "
+     "full attention's weight on each compressed entry, summed over heads, normalised")
     with torch.no_grad():
-        q, _ = attn.query(x, run)                                                    # (B, S, H, D)
-        window, compressed = attn.window_kv(x, run), run.compressed[attn.info.kv_source]   # (B, S, D), (B, L, D)
+        q, _ = attn.query(x, run)  # (B, S, H, D)
+        # (B, S, D), (B, L, D)
+        window, compressed = attn.window_kv(x, run), run.compressed[attn.info.kv_source]
         p, L = run.positions, compressed.shape[1]
-        in_window = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - attn.window)   # (S, S)
-        seen = torch.arange(L, device=p.device) < run.visible(attn.ratio)[:, None]          # (S, L)
-        keys = torch.cat([window, compressed], 1).float()                                   # (B, S + L, D)
-        s = torch.einsum('bshd,bnd->bshn', q.float(), keys) * attn.scale                    # (B, S, H, S + L)
+        in_window = (p[None, :] <= p[:, None]) & (p[None, :] > p[:, None] - attn.window)  # (S, S)
+        seen = torch.arange(L, device=p.device) < run.visible(attn.ratio)[:, None]  # (S, L)
+        keys = torch.cat([window, compressed], 1).float()  # (B, S + L, D)
+        s = torch.einsum('bshd,bnd->bshn', q.float(), keys) * attn.scale  # (B, S, H, S + L)
         s = s.masked_fill(~torch.cat([in_window, seen], 1)[:, None], -torch.inf)
-        sink = attn.attn_sink.float()[:, None].expand(*s.shape[:-1], 1)                     # (B, S, H, 1)
-        w = torch.softmax(torch.cat([s, sink], -1), -1)[..., -L - 1:-1].sum(2)              # (B, S, L)
+        sink = attn.attn_sink.float()[:, None].expand(*s.shape[:-1], 1)  # (B, S, H, 1)
+        w = torch.softmax(torch.cat([s, sink], -1), -1)[..., -L - 1:-1].sum(2)  # (B, S, L)
         return w / w.sum(-1, keepdim=True).clamp_min(1e-30)
 
 # %% ../nbs/11_train.ipynb #cffb86df
 def indexer_log_probs(attn: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
-    "(B, S, L) log-softmax of the indexer's scores over each query's visible compressed entries (-inf elsewhere)"
+    ("(B, S, L) log-softmax of the indexer's scores "
+     "over each query's visible compressed entries (-inf elsewhere)")
     idx, x = attn.indexer, x.detach()
     with torch.no_grad():
         _, qr = attn.query(x, run)
         latent = attn.compress(x, run)[0] if attn.role == 'Full' else None
-    keys = idx.keys(latent, run) if latent is not None else run.index_keys[idx.kv_source].detach()   # (B, L, hd)
-    scores = index_scores(*idx.queries(x, qr, run), keys, run.visible(attn.ratio))                    # (B, S, L)
+    # (B, L, hd)
+    keys = idx.keys(latent, run) if latent is not None else run.index_keys[idx.kv_source].detach()
+    scores = index_scores(*idx.queries(x, qr, run), keys, run.visible(attn.ratio))  # (B, S, L)
     return scores.log_softmax(-1)
 
 def indexer_kl(target: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    "Mean over queries that see an entry of KL(target ‖ q): Σ_t p_t (log p_t − log q_t), 0 · log 0 taken as 0"
+    ("Mean over queries that see an entry of KL(target ‖ q): "
+     "Σ_t p_t (log p_t − log q_t), 0 · log 0 taken as 0")
     p = target
-    terms = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - log_q), torch.zeros_like(p)).sum(-1)   # (B, S)
+    # (B, S)
+    terms = torch.where(p > 0, p * (p.clamp_min(1e-30).log() - log_q), torch.zeros_like(p)).sum(-1)
     seen = p.sum(-1) > 0
     return terms[seen].mean() if seen.any() else terms.sum() * 0
 
 # %% ../nbs/11_train.ipynb #2a7d84d5
 def indexer_layers(model: nn.Module) -> dict:
     "{name: attention module} of every layer that runs an indexer (Full and Reindex roles)"
-    return {n: m for n, m in model.named_modules() if getattr(m, 'indexer', None) is not None and hasattr(m, 'query')}
+    return {n: m for n, m in model.named_modules()
+            if getattr(m, 'indexer', None) is not None and hasattr(m, 'query')}
 
 class IndexerDistillation:
-    "Per training forward, the KL from full attention's compressed-entry weights to each indexer's distribution"
+    ("Per training forward, "
+     "the KL from full attention's compressed-entry weights to each indexer's distribution")
     def __init__(self, model: nn.Module):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"IndexerDistillation: expected an nn.Module, got {type(model).__name__}")
+            raise TypeError(f"IndexerDistillation: expected an nn.Module, "
+                            f"got {type(model).__name__}")
         self.layers = indexer_layers(model)
         self.terms: list[torch.Tensor] = []
         self.handles = [m.register_forward_hook(self._hook) for m in self.layers.values()]
 
     def _hook(self, module, args, output):
         if torch.is_grad_enabled():                                    # training forwards only
-            self.terms.append(indexer_kl(attention_mass(module, *args), indexer_log_probs(module, *args)))
+            self.terms.append(indexer_kl(attention_mass(module, *args),
+                                         indexer_log_probs(module, *args)))
 
     def take(self) -> torch.Tensor | None:
         "The sum of the KL terms since the last call (None if there were none), and forget them"
@@ -418,20 +475,23 @@ class IndexerDistillation:
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     "Mean next-token cross-entropy (nats) of `model` on (batch, seq) inputs and targets"
     if not isinstance(targets, torch.Tensor) or targets.shape != getattr(inputs, 'shape', None):
-        raise ValueError(f"lm_loss: targets {getattr(targets, 'shape', type(targets))} must match inputs "
-                         f"{getattr(inputs, 'shape', type(inputs))}")
+        raise ValueError(f"lm_loss: targets {getattr(targets, 'shape', type(targets))} "
+                         f"must match inputs {getattr(inputs, 'shape', type(inputs))}")
     logits = model(inputs)                                                   # (batch, seq, vocab)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 def _autocast(device: torch.device):
     "BF16 autocast on a GPU; nothing on the CPU (fp32 there)"
-    return torch.autocast('cuda', torch.bfloat16) if device.type == 'cuda' else contextlib.nullcontext()
+    return (torch.autocast('cuda', torch.bfloat16) if device.type == 'cuda'
+            else contextlib.nullcontext())
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple], device=None) -> float:
     "Mean loss of `model` over `batches` (from `ByteData.eval_batches`), in eval mode"
-    if not isinstance(batches, list) or not batches or not all(isinstance(b, tuple) and len(b) == 2 for b in batches):
-        raise TypeError("evaluate: batches must be a non-empty list of (inputs, targets) pairs (ByteData.eval_batches)")
+    if (not isinstance(batches, list) or not batches
+            or not all(isinstance(b, tuple) and len(b) == 2 for b in batches)):
+        raise TypeError("evaluate: batches must be a non-empty list of (inputs, targets) pairs "
+                        "(ByteData.eval_batches)")
     device = torch.device(device or next(model.parameters()).device)
     was_training = model.training
     model.eval()
@@ -444,7 +504,8 @@ def evaluate(model: nn.Module, batches: list[tuple], device=None) -> float:
 def _is_router_bias(name: str) -> bool: return name.endswith(('ffn.gate.bias', 'ffn.gate.bias_vl'))
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    "AdamW over `model`'s parameters: matrices decayed, vectors not, router selection biases left out"
+    ("AdamW over `model`'s parameters: "
+     "matrices decayed, vectors not, router selection biases left out")
     if not isinstance(model, nn.Module):
         raise TypeError(f"make_optimizer: expected an nn.Module, got {type(model).__name__}")
     decay, keep = [], []
@@ -456,10 +517,12 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.op
 
 # %% ../nbs/11_train.ipynb #e0d5d7e6
 def _check_train_args(model, data, steps, lr, batch_size, seq_len, eval_every, clip):
-    if not isinstance(model, nn.Module): raise TypeError(f"train: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(data, ByteData): raise TypeError(f"train: data must be a ByteData, got {type(data).__name__}")
-    for name, v, low in (('steps', steps, 1), ('batch_size', batch_size, 1), ('seq_len', seq_len, 2),
-                         ('eval_every', eval_every, 1)):
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"train: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(data, ByteData):
+        raise TypeError(f"train: data must be a ByteData, got {type(data).__name__}")
+    for name, v, low in (('steps', steps, 1), ('batch_size', batch_size, 1),
+                         ('seq_len', seq_len, 2), ('eval_every', eval_every, 1)):
         check_int('train', name, v, low)
     for name, v in (('lr', lr), ('clip', clip)):
         if not (isinstance(v, (int, float)) and 0 < v < math.inf):
@@ -469,40 +532,46 @@ def _check_train_args(model, data, steps, lr, batch_size, seq_len, eval_every, c
                          f"({len(data.train)} training, {len(data.val)} validation tokens)")
 
 # %% ../nbs/11_train.ipynb #43aff07d
-def train(model: nn.Module,  # any LM: (batch, seq) int64 ids -> (batch, seq, vocab) logits; MoE routers at `*.ffn.gate`
-          data: ByteData,  # token streams
-          steps: int,  # optimizer steps
-          lr: float = 2e-3,  # peak learning rate
-          batch_size: int = 16, seq_len: int = 256,  # windows per step, tokens per window
-          warmup: int | None = None,  # warmup steps (default: 5% of the run, at least 1)
-          weight_decay: float = 0.1, clip: float = 1.0,  # AdamW decay; gradient-norm clip
-          eval_every: int = 50, eval_batches: int = 8,  # evaluate every so many steps, on so many batches
-          gamma: float = 1e-2,  # router bias update speed γ (DeepSeek-V3: 1e-3 over a far longer run)
-          seed: int = 0, device=None,  # batches and init of the random state; default CUDA if present
-          log=None,  # called with a progress line at each evaluation (e.g. `print`)
-         ) -> dict:
+def train(
+    # any LM: (batch, seq) int64 ids -> (batch, seq, vocab) logits; MoE routers at `*.ffn.gate`
+    model: nn.Module,
+    data: ByteData,  # token streams
+    steps: int,  # optimizer steps
+    lr: float = 2e-3,  # peak learning rate
+    batch_size: int = 16, seq_len: int = 256,  # windows per step, tokens per window
+    warmup: int | None = None,  # warmup steps (default: 5% of the run, at least 1)
+    weight_decay: float = 0.1, clip: float = 1.0,  # AdamW decay; gradient-norm clip
+    eval_every: int = 50, eval_batches: int = 8,  # evaluate every so many steps, on so many batches
+    gamma: float = 1e-2,  # router bias update speed γ (DeepSeek-V3: 1e-3 over a far longer run)
+    seed: int = 0, device=None,  # batches and init of the random state; default CUDA if present
+    log=None,  # called with a progress line at each evaluation (e.g. `print`)
+) -> dict:
     "Train `model` in place; the history of losses at each evaluation"
     _check_train_args(model, data, steps, lr, batch_size, seq_len, eval_every, clip)
     device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     warmup = max(1, steps // 20) if warmup is None else check_int('train', 'warmup', warmup, 0)
     torch.manual_seed(seed)
-    gen, val = torch.Generator().manual_seed(seed), data.eval_batches(eval_batches, batch_size, seq_len)
+    gen, val = (torch.Generator().manual_seed(seed),
+                data.eval_batches(eval_batches, batch_size, seq_len))
     dtypes, quant = {n: p.dtype for n, p in model.named_parameters()}, getattr(model, 'quant', None)
     model.to(device).float().train()
     if quant is not None: model.quant = False
-    opt, load, distill = make_optimizer(model, lr, weight_decay), ExpertLoad(model), IndexerDistillation(model)
-    try: return _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, batch_size, seq_len,
-                      clip, eval_every, gamma, log)
+    opt, load, distill = (make_optimizer(model, lr, weight_decay), ExpertLoad(model),
+                          IndexerDistillation(model))
+    try: return _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup,
+                      batch_size, seq_len, clip, eval_every, gamma, log)
     finally:
         load.remove(); distill.remove()
         for n, p in model.named_parameters(): p.data = p.data.to(dtypes[n])
         if quant is not None: model.quant = quant
 
 # %% ../nbs/11_train.ipynb #c0e772d4
-def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, batch_size, seq_len, clip,
-          eval_every, gamma, log) -> dict:
-    keys = ('step', 'tokens', 'seconds', 'lr', 'train_loss', 'val_loss', 'max_violation', 'index_kl')
-    hist, (losses, vios, kls), t0, t_eval = {k: [] for k in keys}, ([], [], []), time.perf_counter(), 0.0
+def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, batch_size,
+          seq_len, clip, eval_every, gamma, log) -> dict:
+    keys = ('step', 'tokens', 'seconds', 'lr', 'train_loss', 'val_loss', 'max_violation',
+            'index_kl')
+    hist, (losses, vios, kls), t0, t_eval = ({k: [] for k in keys}, ([], [], []),
+                                             time.perf_counter(), 0.0)
     indexer = [p for n, p in model.named_parameters() if '.indexer.' in n]
     rest = [p for n, p in model.named_parameters() if '.indexer.' not in n]
     for step in range(steps):
@@ -512,15 +581,18 @@ def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, 
         kl = distill.take()
         opt.zero_grad(set_to_none=True)
         (loss if kl is None else loss + kl).backward()
-        for group in (indexer, rest):                         # the distillation's gradients do not shrink the LM's
+        # the distillation's gradients do not shrink the LM's
+        for group in (indexer, rest):
             if group: nn.utils.clip_grad_norm_(group, clip)
         opt.step()
         vios.append(load.balance(gamma)); losses.append(loss.item())
         if kl is not None: kls.append(kl.item() / len(distill.layers))
-        if not math.isfinite(losses[-1]): raise FloatingPointError(f"train: the loss is {losses[-1]} at step {step}")
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"train: the loss is {losses[-1]} at step {step}")
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             t1 = time.perf_counter()
-            row = dict(step=step + 1, tokens=(step + 1) * batch_size * seq_len, seconds=t1 - t0 - t_eval,
+            row = dict(step=step + 1, tokens=(step + 1) * batch_size * seq_len,
+                       seconds=t1 - t0 - t_eval,
                        lr=lr_at(step, steps, lr, warmup), train_loss=sum(losses) / len(losses),
                        val_loss=evaluate(model, val, device), max_violation=sum(vios) / len(vios),
                        index_kl=sum(kls) / len(kls) if kls else 0.0)
@@ -531,6 +603,7 @@ def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, 
     return hist
 
 def _progress_line(r: dict) -> str:
-    line = (f"step {r['step']:5d}  train {r['train_loss']:.3f}  val {r['val_loss']:.3f}  lr {r['lr']:.1e}  "
-            f"{r['tokens'] / r['seconds']:,.0f} tok/s")
-    return line + (f"  max violation {r['max_violation']:.2f}  index KL {r['index_kl']:.3f}" if r['index_kl'] else '')
+    line = (f"step {r['step']:5d}  train {r['train_loss']:.3f}  val {r['val_loss']:.3f}  "
+            f"lr {r['lr']:.1e}  {r['tokens'] / r['seconds']:,.0f} tok/s")
+    return line + (f"  max violation {r['max_violation']:.2f}  index KL {r['index_kl']:.3f}"
+                   if r['index_kl'] else '')
