@@ -16,7 +16,7 @@ from .config import (ModelConfig, expect_config, topology_table, role_counts,
 from .accounting import accounting_rows, format_rows, ROW_HEADER, SOURCES
 from .dispatch import machine_name, triton_interpreting
 from .model import init_random
-from .engine import LLM, SamplingParams, RequestOutput
+from .engine import EngineArgs, LLM, SamplingParams, RequestOutput
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
 
@@ -176,7 +176,8 @@ def generate_command(
 
 # %% ../nbs/99_cli.ipynb #c4bacdad
 def bench_command(
-    # parsed: checkpoint, num_prompts, prompt_len, max_tokens, max_num_seqs, speculative, seed, device, json
+    # parsed: checkpoint, num_prompts, prompt_len, max_tokens, max_num_seqs,
+    # max_num_batched_tokens, speculative, async_scheduling, seed, device, json
     args,
     error) -> int: # called with a message on bad input
     "A load test of the engine; one line of throughput and latency (and a JSON file with `--json`)"
@@ -187,6 +188,7 @@ def bench_command(
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
         llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   num_speculative_tokens=args.speculative,
                   async_scheduling=args.async_scheduling, kernels=args.kernels)
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
@@ -233,7 +235,8 @@ def _serving_args(p: argparse.ArgumentParser):
     p.add_argument('--speculative', type=int, default=0, metavar='K',
                    help='n-gram speculative decoding with K drafts (default: off)')
     p.add_argument('--async-scheduling', action='store_true',
-                   help="plan and launch each step before the last one's tokens are back")
+                   help="plan and launch each step before the last one's tokens are back "
+                        "(default: off, as in EngineArgs; not with --speculative)")
     p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
     p.add_argument('--device', default='cpu', help='where the model runs (default: cpu)')
     p.add_argument('--threads', type=int, default=1,
@@ -262,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument('--num-prompts', type=int, default=8, help='requests (default: 8)')
     b.add_argument('--prompt-len', type=int, default=16, help='tokens per prompt (default: 16)')
     b.add_argument('--max-tokens', type=int, default=16, help='tokens per request (default: 16)')
-    b.add_argument('--max-num-seqs', type=int, default=256,
-                   help='most requests running at once (default: 256)')
+    b.add_argument('--max-num-seqs', type=int, default=EngineArgs.max_num_seqs,
+                   help='most requests running at once (default: %(default)s)')
+    b.add_argument('--max-num-batched-tokens', type=int,
+                   default=EngineArgs.max_num_batched_tokens,
+                   help='token budget of one step (default: %(default)s)')
     b.add_argument('--json', help='also write the results to this file')
     _serving_args(b); b.set_defaults(func=bench_command, error=b.error)
     s = sub.add_parser('serve',

@@ -12,11 +12,12 @@ from .config import ModelConfig, expect_config, check_int
 from .formats import CACHE_FORMATS, record_bytes
 
 # %% auto #0
-__all__ = ['SOURCES', 'DTYPE_BYTES', 'GROUPS', 'PHASES', 'GiB', 'MEMORY_ROWS', 'HARDWARE', 'ROW_HEADER', 'record_saving',
-           'compressed_entries_per_token', 'global_kv_bytes_per_token', 'swa_bytes_per_sequence', 'TensorSpec',
-           'checkpoint_manifest', 'params_by_group', 'expert_params', 'active_params_per_token', 'memory_table',
-           'engram_gathers_per_token', 'engram_bytes_per_token', 'Hardware', 'expert_touch_fraction', 'decode_floor',
-           'agreement', 'accounting_rows', 'format_rows']
+__all__ = ['SOURCES', 'DTYPE_BYTES', 'GROUPS', 'PHASES', 'GiB', 'MEMORY_ROWS', 'HARDWARE', 'LAYOUTS', 'ENGRAM_PLACES',
+           'UTILIZATION', 'ROW_HEADER', 'record_saving', 'compressed_entries_per_token', 'global_kv_bytes_per_token',
+           'swa_bytes_per_sequence', 'gqa_kv_bytes_per_token', 'TensorSpec', 'checkpoint_manifest', 'params_by_group',
+           'expert_params', 'active_params_per_token', 'memory_table', 'engram_gathers_per_token',
+           'engram_bytes_per_token', 'Hardware', 'expert_touch_fraction', 'decode_floor', 'rank_weight_gib',
+           'vram_minimum_gb', 'agreement', 'accounting_rows', 'format_rows']
 
 # %% ../nbs/01a_accounting.ipynb #e20faa0f
 SOURCES = {
@@ -50,6 +51,21 @@ def swa_bytes_per_sequence(c: ModelConfig, window: str = 'window_fp8') -> int:
     "Window-cache bytes of one sequence: `window_size` records of format `window` in every layer"
     expect_config(c, 'swa_bytes_per_sequence')
     return c.window_size * len(c.compress_ratios) * record_bytes(c, window)
+
+# %% ../nbs/01a_accounting.ipynb #8ade98f4
+def gqa_kv_bytes_per_token(n_layers: int,  # attention layers
+                           n_kv_heads: int,  # key/value heads per layer
+                           head_dim: int,  # channels per head
+                           bytes_per_value: float = 2,  # BF16
+                          ) -> float:
+    "KV bytes one token adds to a dense grouped-query-attention model: a key and a value per head"
+    for name, v in (('n_layers', n_layers), ('n_kv_heads', n_kv_heads), ('head_dim', head_dim)):
+        check_int('gqa_kv_bytes_per_token', name, v, 1)
+    if isinstance(bytes_per_value, bool) or not isinstance(bytes_per_value, (int, float)) \
+            or not bytes_per_value > 0:
+        raise ValueError(f"gqa_kv_bytes_per_token: bytes_per_value = {bytes_per_value!r}; "
+                         f"expected a positive number")
+    return 2 * n_layers * n_kv_heads * head_dim * bytes_per_value
 
 # %% ../nbs/01a_accounting.ipynb #1bb26be6
 DTYPE_BYTES = {'fp4': 0.5, 'fp8': 1, 'e8m0': 1, 'bf16': 2, 'fp32': 4}
@@ -346,22 +362,57 @@ def decode_floor(c: ModelConfig,
     return dict(dense_bytes=dense, expert_bytes=touched, seconds=(dense + touched) / hw.bandwidth,
                 dense_seconds=dense / hw.bandwidth, expert_seconds=touched / hw.bandwidth)
 
+# %% ../nbs/01a_accounting.ipynb #dc5864b8
+LAYOUTS, ENGRAM_PLACES = ('dp', 'tp'), ('device', 'host')
+UTILIZATION = 0.92  # the serving briefing: vLLM's default share of device memory it may use
+
+def rank_weight_gib(c: ModelConfig,
+                    ranks: int,  # GPUs the model is spread over
+                    layout: str = 'dp',  # 'dp': all but the experts replicated; 'tp': all split
+                    engram: str = 'host',  # Engram tables split over the GPUs, or in host memory
+                   ) -> dict:
+    "GiB of the checkpoint one GPU holds: its share of the experts, the rest, and the Engram tables"
+    expect_config(c, 'rank_weight_gib'); check_int('rank_weight_gib', 'ranks', ranks, 1)
+    if layout not in LAYOUTS:
+        raise ValueError(f"rank_weight_gib: layout = {layout!r}; expected one of {LAYOUTS}")
+    if engram not in ENGRAM_PLACES:
+        raise ValueError(f"rank_weight_gib: engram = {engram!r}; expected one of {ENGRAM_PLACES}")
+    m = memory_table(c)
+    experts = m['routed + DSpark experts'] + m['expert scales']
+    tables = m['Engram tables (values)'] + m['Engram scales']
+    rest = m['total'] - experts - tables
+    out = dict(experts=experts / ranks, rest=rest / ranks if layout == 'tp' else rest,
+               engram=tables / ranks if engram == 'device' else 0.0)
+    return out | {'total': sum(out.values())}
+
+# %% ../nbs/01a_accounting.ipynb #8e202c19
+def vram_minimum_gb(c: ModelConfig, headroom: float = 1.2) -> int:
+    "The model card's `vram_minimum_gb`: checkpoint bytes times `headroom`, in GB, rounded up"
+    expect_config(c, 'vram_minimum_gb')
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)) or not headroom >= 1:
+        raise ValueError(f"vram_minimum_gb: headroom = {headroom!r}; expected a number >= 1")
+    return math.ceil(headroom * sum(s.nbytes for s in checkpoint_manifest(c)) / 1e9)
+
 # %% ../nbs/01a_accounting.ipynb #4f482052
 def _quoted_range(quoted: str) -> tuple:
     ("(low, high, unit of the last digit) of a figure as a source prints it: "
-     "'1,530', '~12', '63%', '4-5'")
+     "'1,530', '~12', '63%', '4-5', '>100' (no upper end)")
     pct, text = quoted.endswith('%'), quoted.lstrip('~').rstrip('%').replace(',', '')
-    m = re.fullmatch(r'(-?\d+(?:\.\d*)?)(?:-(\d+(?:\.\d*)?))?', text)   # a number, or a range 'a-b'
-    if not m: raise ValueError(f"agreement: cannot read {quoted!r} as a number or a range a-b")
-    last, scale = m[2] or m[1], 0.01 if pct else 1
-    return float(m[1]) * scale, float(last) * scale, 10 ** -len(last.partition('.')[2]) * scale
+    # a number, a range 'a-b', or '>a'
+    m = re.fullmatch(r'(>?)(-?\d+(?:\.\d*)?)(?:-(\d+(?:\.\d*)?))?', text)
+    if not m or (m[1] and m[3]):
+        raise ValueError(f"agreement: cannot read {quoted!r} as a number, a range a-b or >a")
+    last, scale = m[3] or m[2], 0.01 if pct else 1
+    hi = math.inf if m[1] else float(last) * scale
+    return float(m[2]) * scale, hi, 10 ** -len(last.partition('.')[2]) * scale
 
 def agreement(computed: float, shown: str, quoted: str) -> str:
     "How a computed figure (printed as `shown`) compares with a source's `quoted` one"
     if not quoted: return ''
     lo, hi, unit = _quoted_range(quoted)
-    # a range: no slack
-    if lo < hi: return 'same' if lo <= computed <= hi else 'differs: see notebook'
+    if lo < hi:   # a range, or a lower bound: no slack
+        inside = lo < computed if hi == math.inf else lo <= computed <= hi
+        return 'same' if inside else 'differs: see notebook'
     if shown == quoted.lstrip('~'): return 'same'
     return 'rounding' if abs(computed - lo) <= unit else 'differs: see notebook'
 
@@ -403,6 +454,8 @@ def _cache_rows(c: ModelConfig) -> list[tuple]:
          _BRIEFING),
         ('window caches per sequence, any length (MB)', swa_bytes_per_sequence(c) / 1e6, '{:.2f}',
          '', ''),
+        ('main KV per token, SM100 FlashMLA fallback, 528-B records (B)',
+         global_kv_bytes_per_token(c, 'window_fp8'), '{:,.0f}', '', ''),
     ]
 
 # %% ../nbs/01a_accounting.ipynb #b57d0ddb
@@ -450,13 +503,41 @@ def _checkpoint_and_floor_rows(c: ModelConfig) -> list[tuple]:
         ('experts touched at B = 64 / 256', touch, '{:.0%}', '63% / 98%', _BRIEFING),
     ]
 
+# %% ../nbs/01a_accounting.ipynb #ca637156
+def _budget_rows(c: ModelConfig) -> list[tuple]:
+    "(quantity, computed, format, source's figure, source) for what one GPU holds"
+    b300, h200, vl = HARDWARE['B300'], HARDWARE['H200'], global_kv_bytes_per_token(c, 'fp8_ds_mla')
+    dp8 = rank_weight_gib(c, 8, 'dp')['total']
+    room = b300.hbm_bytes / GiB * UTILIZATION - dp8
+    engram = tuple(rank_weight_gib(c, n, engram='device')['engram'] for n in (8, 4, 2))
+    llama = gqa_kv_bytes_per_token(80, 8, 128)        # Llama 3 70B: 80 layers, 8 KV heads of 128
+    return [
+        ('B300 HBM / weights per GPU before Engram, DP8 + EP (GiB)',
+         (b300.hbm_bytes / GiB, dp8), '{:.0f}', '268 / ~47', _BRIEFING),
+        ('left per B300 at 0.92 utilization (GiB)', room, '{:.0f}', '~190', _BRIEFING),
+        ('1M-token sequences in it at vLLM main KV', room * GiB / (2**20 * vl), '{:.0f}', '>100',
+         _BRIEFING),
+        ('vram_minimum_gb / 8-GPU H200 node (GB)', (vram_minimum_gb(c), 8 * h200.hbm_bytes / 1e9),
+         '{:,.0f}', '614 / 1,128', _CARD),
+        ('Engram per GPU over 8 / 4 / 2 GPUs (GiB)', engram, '{:.1f}', '23.6 / 47.2 / 94.4',
+         f'{_BRIEFING}; {_CARD}'),
+        ('Engram the H200 TP4 offload moves off each GPU (GiB)', engram[1], '{:.1f}', '23.6',
+         _CARD),
+        ('resident weights per GPU, TP4 / TP2, Engram on the host (GiB)',
+         tuple(rank_weight_gib(c, n, 'tp')['total'] for n in (4, 2)), '{:.1f}', '81.2 / ~145',
+         _CARD),
+        ('Llama 3 70B BF16 KV per token (KiB) / times vLLM main KV', (llama / 1024, llama / vl),
+         '{:.0f}', '320 / >200', _BRIEFING),
+    ]
+
 # %% ../nbs/01a_accounting.ipynb #22a78502
 def accounting_rows(c: ModelConfig) -> list[tuple]:
     ("(quantity, computed, source says, source, check) for the headline figures of `c` "
      "(see `ROW_HEADER`)")
     # the sources describe the release
     compare = expect_config(c, 'accounting_rows') == ModelConfig.full()
-    figures = _cache_rows(c) + _parameter_rows(c) + _checkpoint_and_floor_rows(c)
+    figures = (_cache_rows(c) + _parameter_rows(c) + _checkpoint_and_floor_rows(c)
+               + _budget_rows(c))
     return [_row(*r, compare=compare) for r in figures]
 
 def format_rows(rows, header=ROW_HEADER) -> str:

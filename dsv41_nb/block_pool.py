@@ -11,9 +11,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 from fastcore.basics import patch
+from .config import is_int
 
-def _is_int(v) -> bool: return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-def _positive_int(v) -> bool: return _is_int(v) and v > 0
+def _positive_int(v) -> bool: return is_int(v) and v > 0
 
 # %% auto #0
 __all__ = ['PAD_SLOT_ID', 'NULL_BLOCK_ID', 'NONE_HASH', 'TOKEN_ID_LIMIT', 'KVCacheBlock', 'FreeKVCacheBlockQueue', 'BlockPool',
@@ -101,7 +101,7 @@ def popleft(self: FreeKVCacheBlockQueue) -> KVCacheBlock:
 @patch
 def popleft_n(self: FreeKVCacheBlockQueue, n: int) -> list: # how many blocks, 0 <= n <= len(self)
     "Take the first `n` blocks, head first"
-    if not (_is_int(n) and n >= 0):
+    if not (is_int(n) and n >= 0):
         raise ValueError(f"popleft_n: n = {n!r}; expected an integer >= 0")
     if n > self.num_free_blocks:
         raise ValueError(f"asked for {n} free blocks; the free queue holds {self.num_free_blocks}")
@@ -119,7 +119,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, # pool size, the null block included
                  enable_caching: bool = True, # register and look up prefix hashes
                  enable_kv_cache_events: bool = False): # queue events for take_events()
-        if not (_is_int(num_blocks) and num_blocks >= 2):
+        if not (is_int(num_blocks) and num_blocks >= 2):
             raise ValueError(f"num_blocks = {num_blocks!r}; "
                              f"the pool needs the null block plus at least one more")
         self.num_blocks, self.enable_caching = int(num_blocks), enable_caching
@@ -145,7 +145,7 @@ class BlockPool:
 def get_new_blocks(self: BlockPool, num_blocks: int) -> list: # how many blocks, >= 0
     ("Take `num_blocks` blocks from the head of the free queue, "
      "dropping any cached identity they had")
-    if not (_is_int(num_blocks) and num_blocks >= 0):
+    if not (is_int(num_blocks) and num_blocks >= 0):
         raise ValueError(f"get_new_blocks: num_blocks = {num_blocks!r}; expected an integer >= 0")
     if num_blocks > self.free_block_queue.num_free_blocks:
         raise ValueError(f"cannot get {num_blocks} free blocks from the pool: "
@@ -381,7 +381,7 @@ class ImageSpan:
     length: int  # number of placeholder tokens
     mm_hash: str  # content hash of the image (also the encoder-cache key)
     def __post_init__(self):
-        if not (_is_int(self.offset) and self.offset >= 0 and _positive_int(self.length)):
+        if not (is_int(self.offset) and self.offset >= 0 and _positive_int(self.length)):
             raise ValueError(f"ImageSpan(offset={self.offset!r}, length={self.length!r}); "
                              f"expected offset >= 0 and length >= 1")
         if not isinstance(self.mm_hash, str):
@@ -417,7 +417,7 @@ class Request:
                              f"a request needs at least one token")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a str or None, got {cache_salt!r}")
-        if not (_is_int(max_tokens) and max_tokens >= 0):
+        if not (is_int(max_tokens) and max_tokens >= 0):
             raise ValueError(f"max_tokens = {max_tokens!r}; expected an integer >= 0")
         if not all(isinstance(f, ImageSpan) for f in mm_features):
             raise TypeError("mm_features must be ImageSpans")

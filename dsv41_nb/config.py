@@ -5,14 +5,15 @@
 # %% ../nbs/00_config.ipynb #af3d9e26
 from __future__ import annotations
 import json, math
+import numpy as np
 from dataclasses import dataclass, fields, asdict, replace
 from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['HALVES', 'TOPOLOGY_COLUMNS', 'ROLE_COLORS', 'ModelConfig', 'ConfigError', 'expect_config', 'check_int', 'validate',
-           'source_layer', 'is_prime', 'engram_bucket_primes', 'engram_table_rows', 'LayerInfo', 'layer_topology',
-           'role_counts', 'topology_table', 'plot_layer_map']
+__all__ = ['HALVES', 'TOPOLOGY_COLUMNS', 'ROLE_COLORS', 'ModelConfig', 'is_int', 'check_int', 'require', 'ConfigError',
+           'expect_config', 'validate', 'source_layer', 'is_prime', 'engram_bucket_primes', 'engram_table_rows',
+           'LayerInfo', 'layer_topology', 'role_counts', 'topology_table', 'plot_layer_map']
 
 # %% ../nbs/00_config.ipynb #a3ece8d7
 @dataclass(frozen=True)
@@ -108,6 +109,27 @@ class ModelConfig(_AttentionFields):
             object.__setattr__(self, 'engram_num_embeddings', engram_table_rows(self))
         validate(self)
 
+# %% ../nbs/00_config.ipynb #4a220756
+def is_int(v) -> bool:
+    "`v` is an integer, Python's or NumPy's, and not a bool"
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+def check_int(caller: str, name: str, value, low: int | None = None):
+    "`value` if `is_int` and at least `low`; else a TypeError or ValueError naming `caller`, `name`"
+    if not is_int(value): raise TypeError(f"{caller}: {name} must be an int, got {value!r}")
+    if low is not None:
+        if not is_int(low): raise TypeError(f"check_int: low must be an int or None, got {low!r}")
+        if value < low: raise ValueError(f"{caller}: {name} = {value}; expected at least {low}")
+    return value
+
+# %% ../nbs/00_config.ipynb #5271da62
+def require(ok, msg: str, exc: type = ValueError):
+    "Raise `exc(msg)` unless `ok`: the one-line form of every other argument check"
+    if ok: return
+    if not (isinstance(exc, type) and issubclass(exc, Exception)):
+        raise TypeError(f"require: exc must be an exception class, got {exc!r}")
+    raise exc(msg)
+
 # %% ../nbs/00_config.ipynb #742cea09
 class ConfigError(ValueError):
     "A model config that cannot describe a working V4.1 model; the message names the field and the value"
@@ -119,23 +141,12 @@ def _rule(f):
     _RULES[f.__name__] = f
     return f
 
-def _require(ok, msg):
-    if not ok: raise ConfigError(msg)
-
 # %% ../nbs/00_config.ipynb #43ec450c
 def expect_config(c, caller: str) -> ModelConfig:
     "`c` if it is a `ModelConfig`, else a TypeError naming `caller`"
     if not isinstance(c, ModelConfig):
         raise TypeError(f"{caller}: expected a ModelConfig, got {type(c).__name__}")
     return c
-
-def check_int(caller: str, name: str, value, low: int | None = None) -> int:
-    "`value` if it is an int (not a bool) of at least `low`; else an error naming `caller` and `name`"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{caller}: {name} must be an int, got {value!r}")
-    if low is not None and value < low:
-        raise ValueError(f"{caller}: {name} = {value}; expected at least {low}")
-    return value
 
 def validate(c: ModelConfig):
     "Raise `ConfigError` naming the first thing that makes `c` unworkable"
@@ -156,9 +167,10 @@ def _check_types(c):
             if v is None: continue
             kind = kind[:-len(' | None')]
         types, what = _TYPES[kind]
-        _require(isinstance(v, types) and not isinstance(v, bool),
-                 f"{f.name} = {v!r} is a {type(v).__name__}; expected {what}")
-        if kind == 'float': _require(math.isfinite(v), f"{f.name} = {v!r}; expected a finite number")
+        require(isinstance(v, types) and not isinstance(v, bool),
+                f"{f.name} = {v!r} is a {type(v).__name__}; expected {what}", ConfigError)
+        if kind == 'float':
+            require(math.isfinite(v), f"{f.name} = {v!r}; expected a finite number", ConfigError)
         if kind == 'tuple':
             bad = [x for x in v if not isinstance(x, int) or isinstance(x, bool)]
             if bad:
@@ -180,47 +192,53 @@ _NON_NEGATIVE = """n_mtp_layers n_shared_experts engram_max_ngram_size vision_n_
 @_rule
 def _check_sizes(c):
     for name in _POSITIVE:
-        _require(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; it must be positive")
+        require(getattr(c, name) > 0, f"{name} = {getattr(c, name)}; it must be positive",
+                ConfigError)
     for name in _NON_NEGATIVE:
-        _require(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; it must not be negative")
-    _require(c.candidate_source_layer >= -1,
-             f"candidate_source_layer = {c.candidate_source_layer}; "
-             f"expected a layer id, or -1 for none")
-    _require(c.vision_max_wh_ratio is None or c.vision_max_wh_ratio > 0,
-             f"vision_max_wh_ratio = {c.vision_max_wh_ratio}; expected None or > 0")
-    _require(c.n_layers % 2 == 0,
-             f"n_layers = {c.n_layers} cannot split into a causal encoder and a decoder "
-             f"of equal depth")
+        require(getattr(c, name) >= 0, f"{name} = {getattr(c, name)}; it must not be negative",
+                ConfigError)
+    require(c.candidate_source_layer >= -1,
+            f"candidate_source_layer = {c.candidate_source_layer}; "
+            f"expected a layer id, or -1 for none", ConfigError)
+    require(c.vision_max_wh_ratio is None or c.vision_max_wh_ratio > 0,
+            f"vision_max_wh_ratio = {c.vision_max_wh_ratio}; expected None or > 0", ConfigError)
+    require(c.n_layers % 2 == 0,
+            f"n_layers = {c.n_layers} cannot split into a causal encoder and a decoder "
+            f"of equal depth", ConfigError)
 
 # %% ../nbs/00_config.ipynb #de822d49
 @_rule
 def _check_blocks(c):
     for name in ('dim', 'head_dim', 'q_lora_rank', 'o_lora_rank', 'moe_inter_dim', 'index_head_dim'):
-        _require(getattr(c, name) % 32 == 0,
-                 f"{name} = {getattr(c, name)} is not a multiple of 32, "
-                 f"the FP8/FP4 quantisation block")
-    _require(c.rope_head_dim % 2 == 0 and c.rope_head_dim <= min(c.head_dim, c.index_head_dim),
-             f"rope_head_dim = {c.rope_head_dim}; expected an even number <= head_dim ({c.head_dim}) "
-             f"and index_head_dim ({c.index_head_dim})")
-    _require(c.n_heads % c.o_groups == 0,
-             f"n_heads = {c.n_heads} is not divisible by o_groups = {c.o_groups}")
+        require(getattr(c, name) % 32 == 0,
+                f"{name} = {getattr(c, name)} is not a multiple of 32, "
+                f"the FP8/FP4 quantisation block", ConfigError)
+    require(c.rope_head_dim % 2 == 0 and c.rope_head_dim <= min(c.head_dim, c.index_head_dim),
+            f"rope_head_dim = {c.rope_head_dim}; expected an even number <= head_dim ({c.head_dim}) "
+            f"and index_head_dim ({c.index_head_dim})", ConfigError)
+    require(c.n_heads % c.o_groups == 0,
+            f"n_heads = {c.n_heads} is not divisible by o_groups = {c.o_groups}", ConfigError)
 
 # %% ../nbs/00_config.ipynb #eaaca7fc
 @_rule
 def _check_choices(c):
-    _require(c.n_activated_experts <= c.n_routed_experts,
-             f"n_activated_experts = {c.n_activated_experts} > "
-             f"n_routed_experts = {c.n_routed_experts}")
-    _require(c.n_shared_experts == 1,
-             f"n_shared_experts = {c.n_shared_experts}; V4.1 has exactly one shared expert")
-    _require(c.score_func in ('sqrtsoftplus', 'sigmoid', 'softmax'),
-             f"score_func = {c.score_func!r} is not one of sqrtsoftplus, sigmoid, softmax")
-    _require(c.dtype in ('fp8', 'bf16'), f"dtype = {c.dtype!r}; expected 'fp8' or 'bf16'")
-    _require(c.expert_dtype in ('fp4', 'fp8', None),
-             f"expert_dtype = {c.expert_dtype!r}; expected 'fp4', 'fp8' or None")
+    require(c.n_activated_experts <= c.n_routed_experts,
+            f"n_activated_experts = {c.n_activated_experts} > "
+            f"n_routed_experts = {c.n_routed_experts}", ConfigError)
+    require(c.n_shared_experts == 1,
+            f"n_shared_experts = {c.n_shared_experts}; V4.1 has exactly one shared expert",
+            ConfigError)
+    require(c.score_func in ('sqrtsoftplus', 'sigmoid', 'softmax'),
+            f"score_func = {c.score_func!r} is not one of sqrtsoftplus, sigmoid, softmax",
+            ConfigError)
+    require(c.dtype in ('fp8', 'bf16'), f"dtype = {c.dtype!r}; expected 'fp8' or 'bf16'",
+            ConfigError)
+    require(c.expert_dtype in ('fp4', 'fp8', None),
+            f"expert_dtype = {c.expert_dtype!r}; expected 'fp4', 'fp8' or None", ConfigError)
     for name in ('engram_pad_id', 'dspark_noise_token_id', 'image_token_id'):
-        _require(0 <= getattr(c, name) < c.vocab_size,
-                 f"{name} = {getattr(c, name)} is outside the vocabulary 0..{c.vocab_size - 1}")
+        require(0 <= getattr(c, name) < c.vocab_size,
+                f"{name} = {getattr(c, name)} is outside the vocabulary 0..{c.vocab_size - 1}",
+                ConfigError)
 
 # %% ../nbs/00_config.ipynb #25620c61
 def source_layer(sources, layer: int) -> int | None:
@@ -236,24 +254,27 @@ def source_layer(sources, layer: int) -> int | None:
 @_rule
 def _check_sources(c):
     n_total = c.n_layers + c.n_mtp_layers
-    _require(len(c.compress_ratios) == n_total,
-             f"compress_ratios has {len(c.compress_ratios)} entries; "
-             f"expected n_layers + n_mtp_layers = {n_total}")
+    require(len(c.compress_ratios) == n_total,
+            f"compress_ratios has {len(c.compress_ratios)} entries; "
+            f"expected n_layers + n_mtp_layers = {n_total}", ConfigError)
     for i, r in enumerate(c.compress_ratios):
-        _require(r in (0, 1, 2),
-                 f"compress_ratios[{i}] = {r}; V4.1 uses only 0 (window only), 1 and 2")
+        require(r in (0, 1, 2),
+                f"compress_ratios[{i}] = {r}; V4.1 uses only 0 (window only), 1 and 2", ConfigError)
     for name in ('kv_source_layers', 'index_source_layers'):
         s = getattr(c, name)
-        _require(list(s) == sorted(set(s)), f"{name} = {s} must be strictly increasing")
+        require(list(s) == sorted(set(s)), f"{name} = {s} must be strictly increasing",
+                ConfigError)
         for l in s:
-            _require(0 <= l < c.n_layers,
-                     f"{name} contains {l}, outside the backbone layers 0..{c.n_layers - 1}")
-            _require(c.compress_ratios[l] > 0,
-                     f"{name} contains layer {l}, whose compress_ratio is 0: a source must compress")
+            require(0 <= l < c.n_layers,
+                    f"{name} contains {l}, outside the backbone layers 0..{c.n_layers - 1}",
+                    ConfigError)
+            require(c.compress_ratios[l] > 0,
+                    f"{name} contains layer {l}, whose compress_ratio is 0: a source must compress",
+                    ConfigError)
     for l in range(c.n_layers, n_total):
-        _require(c.compress_ratios[l] == 0,
-                 f"drafter layer {l} has compress_ratio {c.compress_ratios[l]}; "
-                 "DSpark blocks attend over their window only")
+        require(c.compress_ratios[l] == 0,
+                f"drafter layer {l} has compress_ratio {c.compress_ratios[l]}; "
+                "DSpark blocks attend over their window only", ConfigError)
 
 # %% ../nbs/00_config.ipynb #c9742e02
 @_rule
@@ -262,38 +283,39 @@ def _check_bindings(c):
         r = c.compress_ratios[l]
         if r == 0: continue
         kv, ix = source_layer(c.kv_source_layers, l), source_layer(c.index_source_layers, l)
-        _require(kv is not None,
-                 f"layer {l} (compress_ratio {r}) has no KV source at or below it; "
-                 f"kv_source_layers = {c.kv_source_layers}")
-        _require(ix is not None,
-                 f"layer {l} (compress_ratio {r}) has no index source at or below it; "
-                 f"index_source_layers = {c.index_source_layers}")
-        _require(c.compress_ratios[kv] == r,
-                 f"layer {l} has compress_ratio {r} but its KV source, layer {kv}, "
-                 f"has compress_ratio {c.compress_ratios[kv]}")
-        _require(ix >= kv,
-                 f"layer {l} reads KV source {kv} but index source {ix}, whose top-k points into "
-                 "another layer's cache; an index source must sit at or above its consumer's "
-                 "KV source")
+        require(kv is not None,
+                f"layer {l} (compress_ratio {r}) has no KV source at or below it; "
+                f"kv_source_layers = {c.kv_source_layers}", ConfigError)
+        require(ix is not None,
+                f"layer {l} (compress_ratio {r}) has no index source at or below it; "
+                f"index_source_layers = {c.index_source_layers}", ConfigError)
+        require(c.compress_ratios[kv] == r,
+                f"layer {l} has compress_ratio {r} but its KV source, layer {kv}, "
+                f"has compress_ratio {c.compress_ratios[kv]}", ConfigError)
+        require(ix >= kv,
+                f"layer {l} reads KV source {kv} but index source {ix}, whose top-k points into "
+                "another layer's cache; an index source must sit at or above its consumer's "
+                "KV source", ConfigError)
 
 # %% ../nbs/00_config.ipynb #cd9c7a9a
 @_rule
 def _check_candidates(c):
     cs = c.candidate_source_layer
     if cs < 0: return
-    _require(cs in c.index_source_layers,
-             f"candidate_source_layer = {cs} is not an index source {c.index_source_layers}")
+    require(cs in c.index_source_layers,
+            f"candidate_source_layer = {cs} is not an index source {c.index_source_layers}",
+            ConfigError)
     pool = c.candidate_topk_blocks * c.candidate_block_size
-    _require(c.index_topk <= pool,
-             f"index_topk = {c.index_topk} exceeds the candidate pool of "
-             f"{c.candidate_topk_blocks} blocks x {c.candidate_block_size} = "
-             f"{pool} entries")
+    require(c.index_topk <= pool,
+            f"index_topk = {c.index_topk} exceeds the candidate pool of "
+            f"{c.candidate_topk_blocks} blocks x {c.candidate_block_size} = "
+            f"{pool} entries", ConfigError)
     for l in c.index_source_layers:
         if l > cs:
-            _require(source_layer(c.kv_source_layers, l) == source_layer(c.kv_source_layers, cs),
-                     f"index source {l} filters by layer {cs}'s candidate pool but reads KV source "
-                     f"{source_layer(c.kv_source_layers, l)}, "
-                     f"not {source_layer(c.kv_source_layers, cs)}")
+            require(source_layer(c.kv_source_layers, l) == source_layer(c.kv_source_layers, cs),
+                    f"index source {l} filters by layer {cs}'s candidate pool but reads KV source "
+                    f"{source_layer(c.kv_source_layers, l)}, "
+                    f"not {source_layer(c.kv_source_layers, cs)}", ConfigError)
 
 # %% ../nbs/00_config.ipynb #00a3875b
 def is_prime(n: int) -> bool:
@@ -338,30 +360,34 @@ def engram_table_rows(c: ModelConfig) -> tuple:
 # %% ../nbs/00_config.ipynb #028ba0b8
 @_rule
 def _check_engram_and_drafter(c):
-    _require(len(c.engram_num_embeddings) == len(c.engram_layer_ids),
-             f"engram_num_embeddings has {len(c.engram_num_embeddings)} entries "
-             f"for {len(c.engram_layer_ids)} engram_layer_ids")
-    _require(list(c.engram_layer_ids) == sorted(set(c.engram_layer_ids)),
-             f"engram_layer_ids = {c.engram_layer_ids} must be strictly increasing")
+    require(len(c.engram_num_embeddings) == len(c.engram_layer_ids),
+            f"engram_num_embeddings has {len(c.engram_num_embeddings)} entries "
+            f"for {len(c.engram_layer_ids)} engram_layer_ids", ConfigError)
+    require(list(c.engram_layer_ids) == sorted(set(c.engram_layer_ids)),
+            f"engram_layer_ids = {c.engram_layer_ids} must be strictly increasing", ConfigError)
     for l in c.engram_layer_ids:
-        _require(0 <= l < c.n_layers,
-                 f"engram_layer_ids contains {l}, outside the backbone layers 0..{c.n_layers - 1}")
+        require(0 <= l < c.n_layers,
+                f"engram_layer_ids contains {l}, outside the backbone layers 0..{c.n_layers - 1}",
+                ConfigError)
     if c.engram_layer_ids:
-        _require(c.engram_max_ngram_size >= 2,
-                 f"engram_max_ngram_size = {c.engram_max_ngram_size}; n-grams start at order 2")
-        _require(c.engram_head_dim % 32 == 0,
-                 f"engram_head_dim = {c.engram_head_dim} is not a multiple of 32, "
-                 f"the FP8 scale block")
+        require(c.engram_max_ngram_size >= 2,
+                f"engram_max_ngram_size = {c.engram_max_ngram_size}; n-grams start at order 2",
+                ConfigError)
+        require(c.engram_head_dim % 32 == 0,
+                f"engram_head_dim = {c.engram_head_dim} is not a multiple of 32, "
+                f"the FP8 scale block", ConfigError)
         for l, rows, need in zip(c.engram_layer_ids, c.engram_num_embeddings, engram_table_rows(c)):
-            _require(rows >= need, f"engram_num_embeddings for layer {l} is {rows}, "
-                                   f"fewer than the {need} hash buckets its primes address")
+            require(rows >= need, f"engram_num_embeddings for layer {l} is {rows}, "
+                                  f"fewer than the {need} hash buckets its primes address",
+                    ConfigError)
     if c.n_mtp_layers:
-        _require(c.dspark_n_activated_experts <= c.dspark_n_routed_experts,
-                 f"dspark_n_activated_experts = {c.dspark_n_activated_experts} must be in "
-                 f"1..dspark_n_routed_experts ({c.dspark_n_routed_experts})")
+        require(c.dspark_n_activated_experts <= c.dspark_n_routed_experts,
+                f"dspark_n_activated_experts = {c.dspark_n_activated_experts} must be in "
+                f"1..dspark_n_routed_experts ({c.dspark_n_routed_experts})", ConfigError)
         for l in c.dspark_target_layer_ids:
-            _require(0 <= l < c.n_layers, f"dspark_target_layer_ids contains {l}, "
-                                          f"outside the backbone layers 0..{c.n_layers - 1}")
+            require(0 <= l < c.n_layers, f"dspark_target_layer_ids contains {l}, "
+                                         f"outside the backbone layers 0..{c.n_layers - 1}",
+                    ConfigError)
 
 # %% ../nbs/00_config.ipynb #504a6158
 @patch(cls_method=True)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .config import ModelConfig, check_int
+from .config import ModelConfig, check_int, require
 from .compressor import layer_inv_freq, rope_cos_sin, apply_rope
 from .mhc import hc_expand, hc_pre, hc_post, _rms_norm
 from .model import Transformer, DenseRun, dense_attention, act_qdq
@@ -26,22 +26,18 @@ __all__ = ['Drafter', 'window_positions', 'reference_draft', 'sample_tokens', 'D
            'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov']
 
 # %% ../nbs/14_dspark.ipynb #b37c1511
-def _need(ok: bool, msg: str, exc=ValueError):
-    "Raise `exc(msg)` unless `ok`: the argument checks of every public entry point"
-    if not ok: raise exc(msg)
-
 class Drafter:
     ("DSpark's drafter on a target `Transformer`: "
      "the `mtp.*` blocks, with the target's embedding and LM head")
     def __init__(self,
                  model: Transformer):  # the target; the drafter's weights are its `mtp.*` blocks
-        _need(isinstance(model, Transformer),
-              f"Drafter: expected a Transformer, got {type(model).__name__}", TypeError)
+        require(isinstance(model, Transformer),
+                f"Drafter: expected a Transformer, got {type(model).__name__}", TypeError)
         cfg = model.cfg
-        _need(cfg.n_mtp_layers > 0 and len(cfg.dspark_target_layer_ids) > 0,
-              f"Drafter: n_mtp_layers = {cfg.n_mtp_layers}, "
-              f"dspark_target_layer_ids = {cfg.dspark_target_layer_ids}; "
-              "DSpark needs drafter blocks and target layers")
+        require(cfg.n_mtp_layers > 0 and len(cfg.dspark_target_layer_ids) > 0,
+                f"Drafter: n_mtp_layers = {cfg.n_mtp_layers}, "
+                f"dspark_target_layer_ids = {cfg.dspark_target_layer_ids}; "
+                "DSpark needs drafter blocks and target layers")
         self.model, self.cfg, self.blocks = model, cfg, model.mtp
         self.block_size, self.window, self.noise = (cfg.dspark_block_size, cfg.window_size,
                                                     cfg.dspark_noise_token_id)
@@ -61,8 +57,8 @@ def context(self: Drafter,
      "source of every drafter layer's window KV")
     ok = (isinstance(hidden, torch.Tensor) and hidden.ndim >= 2
           and hidden.shape[-1] == self.hidden_dim)
-    _need(ok, f"context: expected hidden states (..., S, {self.hidden_dim}), "
-              f"got {tuple(getattr(hidden, 'shape', ()))}")
+    require(ok, f"context: expected hidden states (..., S, {self.hidden_dim}), "
+                f"got {tuple(getattr(hidden, 'shape', ()))}")
     b0 = self.blocks[0]
     return b0.main_norm(b0.main_proj(hidden, self.model.quant))
 
@@ -120,9 +116,9 @@ def trunk(
 ) -> torch.Tensor:  # (N, B, dim) the collapsed stream at every block slot, before the final norm
     "The drafter blocks over one block per draft: the known token, then noise tokens"
     cfg, (N, W), B = self.cfg, ctx_pos.shape, self.block_size
-    _need(main_x.shape == (N, W, cfg.dim) and valid.shape == (N, W) and tokens.shape == (N,),
-          f"trunk: main_x {tuple(main_x.shape)}, valid {tuple(valid.shape)}, "
-          f"tokens {tuple(tokens.shape)} do not fit positions {(N, W)} and dim {cfg.dim}")
+    require(main_x.shape == (N, W, cfg.dim) and valid.shape == (N, W) and tokens.shape == (N,),
+            f"trunk: main_x {tuple(main_x.shape)}, valid {tuple(valid.shape)}, "
+            f"tokens {tuple(tokens.shape)} do not fit positions {(N, W)} and dim {cfg.dim}")
     ids = torch.full((N, B), self.noise, dtype=torch.int64, device=tokens.device)
     ids[:, 0] = tokens
     pos = ctx_pos[:, -1:] + 1 + torch.arange(B, device=tokens.device)                   # (N, B)
@@ -206,8 +202,8 @@ class Draft:
 def draft(self: Drafter, main_x, ctx_pos, valid, tokens,   # as `trunk`
           temperature: float = 0.0, generator=None) -> Draft:
     "A block of drafts per request: one trunk pass, then the Markov head slot by slot"
-    _need(isinstance(temperature, (int, float)) and temperature >= 0,
-          f"draft: temperature = {temperature!r}; expected >= 0")
+    require(isinstance(temperature, (int, float)) and temperature >= 0,
+            f"draft: temperature = {temperature!r}; expected >= 0")
     x = self.trunk(main_x, ctx_pos, valid, tokens)
     base = self.base_logits(x)  # (N, B, vocab)
     prev, out, logits, embeds = tokens, [], [], []
@@ -249,9 +245,9 @@ def accept_greedy(
     target: torch.Tensor,
 ) -> torch.Tensor:         # (N,) drafts accepted
     "Length of the prefix on which the drafts equal the target's greedy choices"
-    _need(drafts.ndim == 2 and target.shape == (drafts.shape[0], drafts.shape[1] + 1),
-          f"accept_greedy: drafts {tuple(drafts.shape)} and target {tuple(target.shape)}; "
-          "expected (N, k) and (N, k + 1)")
+    require(drafts.ndim == 2 and target.shape == (drafts.shape[0], drafts.shape[1] + 1),
+            f"accept_greedy: drafts {tuple(drafts.shape)} and target {tuple(target.shape)}; "
+            "expected (N, k) and (N, k + 1)")
     return (drafts == target[:, :-1]).long().cumprod(1).sum(1)
 
 # %% ../nbs/14_dspark.ipynb #03f78ed0
@@ -285,9 +281,9 @@ def accept_sampled(
     ("Speculative sampling: accept draft i with probability min(1, p/q); "
      "at the first rejection draw from norm(max(0, p - q))")
     N, k = drafts.shape
-    _need(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
-          f"accept_sampled: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, p {tuple(p.shape)}; "
-          "expected (N, k), (N, k, V), (N, k + 1, V)")
+    require(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
+            f"accept_sampled: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, "
+            f"p {tuple(p.shape)}; expected (N, k), (N, k, V), (N, k + 1, V)")
     dev = generator.device if generator is not None else drafts.device
     if u is None: u = torch.rand(N, k, generator=generator, device=dev).to(drafts.device)
     if v is None: v = torch.rand(N, generator=generator, device=dev).to(drafts.device)
@@ -303,9 +299,9 @@ def accept_sampled(
 # %% ../nbs/14_dspark.ipynb #f6bfe278
 def prefix_survival(a: torch.Tensor) -> torch.Tensor:
     "(..., B): S_k = a_1 ⋯ a_k, the probability that the first k drafts are all accepted"
-    _need(isinstance(a, torch.Tensor) and a.ndim >= 1 and bool(((a >= 0) & (a <= 1)).all()),
-          f"acceptance probabilities must be a tensor (..., B) of values in [0, 1], "
-          f"got {a if not isinstance(a, torch.Tensor) else tuple(a.shape)}")
+    require(isinstance(a, torch.Tensor) and a.ndim >= 1 and bool(((a >= 0) & (a <= 1)).all()),
+            f"acceptance probabilities must be a tensor (..., B) of values in [0, 1], "
+            f"got {a if not isinstance(a, torch.Tensor) else tuple(a.shape)}")
     return a.cumprod(-1)
 
 def expected_accepted(a: torch.Tensor) -> torch.Tensor:
@@ -317,9 +313,9 @@ def best_verify_length(
     cost: torch.Tensor,  # (B + 1,) seconds of its step when verifying k = 0 … B drafts
 ) -> int:
     "The k maximising (E(k) + 1) / c(k)"
-    _need(a.ndim == 1 and cost.shape == (a.shape[0] + 1,) and bool((cost > 0).all()),
-          f"best_verify_length: a {tuple(a.shape)} and cost {tuple(cost.shape)}; "
-          "expected (B,) and (B + 1,) positive")
+    require(a.ndim == 1 and cost.shape == (a.shape[0] + 1,) and bool((cost > 0).all()),
+            f"best_verify_length: a {tuple(a.shape)} and cost {tuple(cost.shape)}; "
+            "expected (B,) and (B + 1,) positive")
     return int(((expected_accepted(a) + 1) / cost).argmax())
 
 # %% ../nbs/14_dspark.ipynb #a198c32e
@@ -331,15 +327,15 @@ def roofline_step_cost(cfg: ModelConfig,  # the model (usually `full`)
                       ):
     ("c(T): seconds of a decode step carrying T tokens per GPU: "
      "fixed + max(bytes read / bandwidth, FLOPs / flops)")
-    _need(isinstance(flops, (int, float)) and flops > 0,
-          f"roofline_step_cost: flops = {flops!r}; expected > 0")
-    _need(isinstance(fixed, (int, float)) and fixed >= 0,
-          f"roofline_step_cost: fixed = {fixed!r}; expected >= 0")
+    require(isinstance(flops, (int, float)) and flops > 0,
+            f"roofline_step_cost: flops = {flops!r}; expected > 0")
+    require(isinstance(fixed, (int, float)) and fixed >= 0,
+            f"roofline_step_cost: fixed = {fixed!r}; expected >= 0")
     check_int('roofline_step_cost', 'ranks', ranks, 1)
     two_n = 2 * active_params_per_token(cfg, 'decode')['total']
     def cost(T) -> torch.Tensor:
         T = torch.as_tensor(T, dtype=torch.int64)
-        _need(bool((T >= 1).all()), f"step cost: token counts must be >= 1, got {T.min().item()}")
+        require(bool((T >= 1).all()), f"step cost: token counts must be >= 1, got {T.min().item()}")
         mem = torch.tensor([decode_floor(cfg, hw, int(t) * ranks, ranks)['seconds']
                             for t in T.flatten().tolist()])
         return fixed + torch.maximum(mem.view(T.shape).double(), two_n * T.double() / flops)
@@ -352,14 +348,15 @@ def choose_verify_lengths(
 ) -> torch.Tensor:    # (N,) int64 drafts to verify per request
     ("Drafts per request maximising the step's expected tokens per second, "
      "(N + Σ E_r(k_r)) / c(N + Σ k_r)")
-    _need(a.ndim == 2, f"choose_verify_lengths: a must be (requests, block), got {tuple(a.shape)}")
+    require(a.ndim == 2,
+            f"choose_verify_lengths: a must be (requests, block), got {tuple(a.shape)}")
     N, B = a.shape
     S = prefix_survival(a).flatten().cpu()
     order = S.argsort(descending=True, stable=True)  # ties: earlier request, earlier slot
     gain = F.pad(S[order].cumsum(0), (1, 0)).double()  # (N*B + 1,) with the m best
     cost = torch.as_tensor(step_cost(N + torch.arange(N * B + 1)), dtype=torch.double)
-    _need(cost.shape == gain.shape and bool((cost > 0).all()),
-          "choose_verify_lengths: step_cost must give positive seconds per T")
+    require(cost.shape == gain.shape and bool((cost > 0).all()),
+            "choose_verify_lengths: step_cost must give positive seconds per T")
     k = torch.zeros(N * B, dtype=torch.int64)
     k[order[:int(((N + gain) / cost).argmax())]] = 1
     return k.view(N, B).sum(1)
@@ -389,16 +386,16 @@ class DSparkProposer:
         temperature: float = 0.0,  # 0: greedy drafts
         max_model_len: int | None = None,  # never draft past this many tokens
         generator=None):
-        _need(isinstance(drafter, Drafter),
-              f"DSparkProposer: expected a Drafter, got {type(drafter).__name__}", TypeError)
+        require(isinstance(drafter, Drafter),
+                f"DSparkProposer: expected a Drafter, got {type(drafter).__name__}", TypeError)
         k = drafter.block_size if num_speculative_tokens is None else num_speculative_tokens
-        _need(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= drafter.block_size,
-              f"DSparkProposer: num_speculative_tokens = {k!r}; "
-              f"expected 1..{drafter.block_size} (the block size)")
-        _need(not adaptive or callable(step_cost),
-              "DSparkProposer: adaptive verification needs a step_cost c(T), a callable")
-        _need(isinstance(temperature, (int, float)) and temperature >= 0,
-              f"DSparkProposer: temperature = {temperature!r}; expected >= 0")
+        require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= drafter.block_size,
+                f"DSparkProposer: num_speculative_tokens = {k!r}; "
+                f"expected 1..{drafter.block_size} (the block size)")
+        require(not adaptive or callable(step_cost),
+                "DSparkProposer: adaptive verification needs a step_cost c(T), a callable")
+        require(isinstance(temperature, (int, float)) and temperature >= 0,
+                f"DSparkProposer: temperature = {temperature!r}; expected >= 0")
         self.drafter, self.num_speculative_tokens = drafter, k
         self.adaptive, self.step_cost = adaptive, step_cost
         self.hidden_fn, self.temperature = hidden_fn, temperature
@@ -427,9 +424,9 @@ def _contexts(self: DSparkProposer, ids: list, hidden) -> torch.Tensor:
     out = []
     for i, t in enumerate(ids):
         n, h = len(t) - 1, hidden[i]
-        _need(h is None or (isinstance(h, torch.Tensor) and h.shape == (n, d.hidden_dim)),
-              f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; "
-              f"expected ({n}, {d.hidden_dim})")
+        require(h is None or (isinstance(h, torch.Tensor) and h.shape == (n, d.hidden_dim)),
+                f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; "
+                f"expected ({n}, {d.hidden_dim})")
         mx = (d.context(h[-d.window:]) if n
               else torch.zeros(0, d.cfg.dim, device=dev, dtype=d.model.embed.weight.dtype))
         out.append(F.pad(mx, (0, 0, d.window - len(mx), 0)))
@@ -446,14 +443,14 @@ def propose_with_probs(
     ("Drafts per request and the distributions they were drawn from "
      "(what probabilistic verification needs)")
     d, dev = self.drafter, self.drafter.model.embed.weight.device
-    _need(hidden is None or len(hidden) == len(requests),
-          f"propose: {len(hidden or ())} hidden tensors for {len(requests)} requests")
+    require(hidden is None or len(hidden) == len(requests),
+            f"propose: {len(hidden or ())} hidden tensors for {len(requests)} requests")
     if not len(requests): return [], []
     ids = [torch.as_tensor(np.asarray(r, dtype=np.int64), device=dev) for r in requests]
-    _need(all(len(t) > 0 for t in ids), "propose: every request needs at least one token")
+    require(all(len(t) > 0 for t in ids), "propose: every request needs at least one token")
     V = d.cfg.vocab_size
-    _need(all(int(t.min()) >= 0 and int(t.max()) < V for t in ids),
-          f"propose: token ids must be in 0..{V - 1}")
+    require(all(int(t.min()) >= 0 and int(t.max()) < V for t in ids),
+            f"propose: token ids must be in 0..{V - 1}")
     pos, valid = window_positions(torch.tensor([len(t) - 2 for t in ids], device=dev),
                                   d.window)
     dr = d.draft(self._contexts(ids, hidden), pos, valid, torch.stack([t[-1] for t in ids]),
@@ -523,15 +520,15 @@ def speculative_generate(
     ("Every prompt followed by `n` tokens; "
      "each step the target verifies every live request's drafts in one forward")
     check_int('speculative_generate', 'n', n, 0)
-    _need(isinstance(temperature, (int, float)) and temperature >= 0,
-          f"speculative_generate: temperature = {temperature!r}; expected >= 0")
-    _need(len(prompts) > 0 and all(len(p) > 0 for p in prompts),
-          "speculative_generate: expected non-empty prompts")
+    require(isinstance(temperature, (int, float)) and temperature >= 0,
+            f"speculative_generate: temperature = {temperature!r}; expected >= 0")
+    require(len(prompts) > 0 and all(len(p) > 0 for p in prompts),
+            "speculative_generate: expected non-empty prompts")
     dev, st = model.embed.weight.device, stats if stats is not None else SpecStats()
     seqs, V = [[int(t) for t in p] for p in prompts], model.cfg.vocab_size
     bad = [t for p in seqs for t in p if not 0 <= t < V]
-    _need(not bad,
-          f"speculative_generate: token id {bad[:1]} is outside the vocabulary 0..{V - 1}")
+    require(not bad,
+            f"speculative_generate: token id {bad[:1]} is outside the vocabulary 0..{V - 1}")
     want, drafts, qs = [len(s) + n for s in seqs], [[] for _ in seqs], [None] * len(seqs)
     while live := [i for i, s in enumerate(seqs) if len(s) < want[i]]:
         rows = [seqs[i] + drafts[i] for i in live]
@@ -573,9 +570,9 @@ def greedy_training_data(model: Transformer,
 def drafter_anchors(rows: int, seq_len: int, prompt_len: int, block: int) -> torch.Tensor:
     ("(A, 2) int64 (row, newest context position p) of every anchor "
      "whose labels p + 2 … p + 1 + block are generated")
-    _need(seq_len - 1 - block > max(prompt_len - 2, 0),
-          f"drafter_anchors: sequences of {seq_len} tokens after a {prompt_len}-token prompt "
-          f"hold no full block of {block}")
+    require(seq_len - 1 - block > max(prompt_len - 2, 0),
+            f"drafter_anchors: sequences of {seq_len} tokens after a {prompt_len}-token prompt "
+            f"hold no full block of {block}")
     p = torch.arange(max(prompt_len - 2, 0), seq_len - 1 - block)
     grid = torch.broadcast_tensors(torch.arange(rows)[:, None], p[None])
     return torch.stack(grid, -1).flatten(0, 1)
@@ -658,7 +655,7 @@ def load_drafter(drafter: Drafter, path) -> Drafter:
     got, want = load_file(str(path)), drafter_state(drafter)
     bad = (sorted(set(got) ^ set(want))
            + [k for k in got.keys() & want.keys() if got[k].shape != want[k].shape])
-    _need(not bad, f"load_drafter: {path} does not fit this model's drafter: {bad[:4]}")
+    require(not bad, f"load_drafter: {path} does not fit this model's drafter: {bad[:4]}")
     with torch.no_grad():
         for k, v in want.items(): v.copy_(got[k])
     return drafter

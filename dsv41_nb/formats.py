@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from .config import ModelConfig
+from .config import ModelConfig, is_int, check_int, require
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
                                use_kernels, capturing)
 
@@ -69,29 +69,24 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
 
 # %% ../nbs/01_formats.ipynb #c4e5a001
-def _require_int(fn: str, name: str, v, lo: int = 1) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ValueError(f"{fn}: {name} must be an int >= {lo}, got {v!r}")
-    return v
-
 def _require_floats(fn: str, x) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim == 0:
-        raise TypeError(f"{fn}: expected a floating-point tensor (..., n), "
-                        f"got {getattr(x, 'dtype', type(x).__name__)}")
+    ok = isinstance(x, torch.Tensor) and x.is_floating_point() and x.ndim > 0
+    require(ok, f"{fn}: expected a floating-point tensor (..., n), "
+                f"got {getattr(x, 'dtype', type(x).__name__)}", TypeError)
     return x
 
 def _require_bytes(fn: str, name: str, t, width: int | None = None) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.ndim == 0:
-        raise TypeError(f"{fn}: {name} must be a uint8 tensor (..., k), "
-                        f"got {getattr(t, 'dtype', type(t).__name__)}")
-    if width is not None and t.shape[-1] != width:
-        raise ValueError(f"{fn}: {name} has last dimension {t.shape[-1]}, expected {width}")
+    ok = isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.ndim > 0
+    require(ok, f"{fn}: {name} must be a uint8 tensor (..., k), "
+                f"got {getattr(t, 'dtype', type(t).__name__)}", TypeError)
+    require(width is None or t.shape[-1] == width,
+            f"{fn}: {name} has last dimension {t.shape[-1]}, expected {width}")
     return t
 
 SCALE_FORMATS = ('e4m3', 'ue8m0')
 def _require_scale_format(fn: str, scale_format) -> str:
-    if scale_format not in SCALE_FORMATS:
-        raise ValueError(f"{fn}: scale_format {scale_format!r}; expected one of {SCALE_FORMATS}")
+    require(scale_format in SCALE_FORMATS,
+            f"{fn}: scale_format {scale_format!r}; expected one of {SCALE_FORMATS}")
     return scale_format
 
 # %% ../nbs/01_formats.ipynb #6554c7d9
@@ -112,7 +107,7 @@ def _amax(xg):
 
 def quantize_fp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     "x (..., n) -> (E4M3 codes (..., n) uint8, UE8M0 scale codes (..., ceil(n/block)) uint8)"
-    _require_floats('quantize_fp8', x); _require_int('quantize_fp8', 'block', block)
+    _require_floats('quantize_fp8', x); check_int('quantize_fp8', 'block', block, 1)
     n, xg = x.shape[-1], _groups(x, block)
     bad = _poisoned(xg)
     exp = ue8m0_codes(_amax(xg).clamp_min(1e-4), FP8_MAX)
@@ -123,7 +118,7 @@ def quantize_fp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
 
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
     "Inverse of `quantize_fp8`, fp32"
-    _require_int('dequantize_fp8', 'block', block); _require_bytes('dequantize_fp8', 'codes', codes)
+    check_int('dequantize_fp8', 'block', block, 1); _require_bytes('dequantize_fp8', 'codes', codes)
     n = codes.shape[-1]
     _require_bytes('dequantize_fp8', 'scales', scales, triton.cdiv(n, block))
     v = _groups(e4m3_values(codes), block) * ue8m0_values(scales)[..., None]
@@ -136,7 +131,7 @@ def quantize_fp4(x: torch.Tensor, # (..., n) values
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     ("x (..., n) -> (packed E2M1 (..., n/2) uint8, scale codes (..., n/block) uint8); "
      "scale_format 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)")
-    _require_floats('quantize_fp4', x); _require_int('quantize_fp4', 'block', block, 2)
+    _require_floats('quantize_fp4', x); check_int('quantize_fp4', 'block', block, 2)
     _require_scale_format('quantize_fp4', scale_format)
     if block % 2: raise ValueError(f"quantize_fp4: block {block} must be even (two values per byte)")
     if x.shape[-1] % block:
@@ -161,7 +156,7 @@ def dequantize_fp4(packed: torch.Tensor, # (..., n/2) packed E2M1 codes
                    scale_format: str, # 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)
                   ) -> torch.Tensor:
     "Inverse of `quantize_fp4`, fp32"
-    _require_int('dequantize_fp4', 'block', block, 2)
+    check_int('dequantize_fp4', 'block', block, 2)
     _require_scale_format('dequantize_fp4', scale_format)
     _require_bytes('dequantize_fp4', 'packed', packed)
     if 2 * packed.shape[-1] % block:
@@ -236,12 +231,11 @@ class FP8Record(RecordCodec):
                  fp32_scale: bool = False,
                  pad_to: int = 1, # record bytes rounded up to a multiple of this
                 ):
-        _require_int(f'FP8Record {name!r}', 'dim', dim)
-        _require_int(f'FP8Record {name!r}', 'block', block)
-        _require_int(f'FP8Record {name!r}', 'pad_to', pad_to)
-        if not isinstance(rope_dim, int) or not 0 <= rope_dim < dim:
-            raise ValueError(f"FP8Record {name!r}: rope_dim must be an int in [0, {dim}), "
-                             f"got {rope_dim!r}")
+        check_int(f'FP8Record {name!r}', 'dim', dim, 1)
+        check_int(f'FP8Record {name!r}', 'block', block, 1)
+        check_int(f'FP8Record {name!r}', 'pad_to', pad_to, 1)
+        require(is_int(rope_dim) and 0 <= rope_dim < dim,
+                f"FP8Record {name!r}: rope_dim must be an int in [0, {dim}), got {rope_dim!r}")
         self.name, self.dim, self.block = name, dim, block
         self.rope_dim, self.fp32_scale = rope_dim, bool(fp32_scale)
         self.qdim = dim - rope_dim
@@ -293,8 +287,8 @@ class FP8Record(RecordCodec):
 class FP4Record(RecordCodec):
     "Packed E2M1 values with one E4M3 (DS-FP4) or UE8M0 (MXFP4) scale per block"
     def __init__(self, name: str, dim: int, block: int, scale_format: str):
-        _require_int(f'FP4Record {name!r}', 'dim', dim)
-        _require_int(f'FP4Record {name!r}', 'block', block, 2)
+        check_int(f'FP4Record {name!r}', 'dim', dim, 1)
+        check_int(f'FP4Record {name!r}', 'block', block, 2)
         _require_scale_format(f'FP4Record {name!r}', scale_format)
         if dim % block or block & (block - 1):
             raise ValueError(f"{name}: dim {dim} must be a multiple of the block {block}, "

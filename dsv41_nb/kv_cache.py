@@ -8,11 +8,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 from fastcore.basics import patch
-from .config import ModelConfig, layer_topology
+from .config import ModelConfig, layer_topology, is_int
 from .formats import CACHE_FORMATS, record_bytes
 from .accounting import GiB
 from dsv41_nb.block_pool import (
-    BlockPool, KVCacheBlock, Request, _is_int, _positive_int,
+    BlockPool, KVCacheBlock, Request, _positive_int,
     PAD_SLOT_ID, NULL_BLOCK_ID, slot_mapping, compressed_slot_mapping, compressed_state_slots,
     ring_slot_mapping)
 # the slot arithmetic of one block table lives with the pool; the cache's users find it here too
@@ -84,7 +84,7 @@ def _validate(self: CacheConfig):
             raise ValueError(f"{name} = {getattr(self, name)!r}; expected one of {allowed}")
     n, a, r = (self.num_gpu_blocks_override, self.resume_alignment,
                self.prefix_cache_retention_interval)
-    if n is not None and not (_is_int(n) and n >= 2):
+    if n is not None and not (is_int(n) and n >= 2):
         raise ValueError(f"num_gpu_blocks_override = {n!r}; "
                          "the pool needs the null block plus at least one more")
     if a > self.max_resume_alignment:
@@ -94,7 +94,7 @@ def _validate(self: CacheConfig):
                          f"a prefix hit must end on a multiple of {a}, "
                          "so realistic prompts would rarely or never hit; "
                          "choose sizes where one divides the other")
-    if not (_is_int(r) and r >= 0):
+    if not (is_int(r) and r >= 0):
         raise ValueError(f"prefix_cache_retention_interval = {r!r}; "
                          "expected 0 (a checkpoint near the prompt boundary only) "
                          f"or a positive multiple of the resume alignment {a}")

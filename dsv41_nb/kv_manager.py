@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .block_pool import (BlockPool, Request, RequestBlockHasher, pool_snapshot, _is_int,
+from .config import is_int
+from .block_pool import (BlockPool, Request, RequestBlockHasher, pool_snapshot,
                                  PAD_SLOT_ID, NULL_BLOCK_ID)
 from .kv_cache import KVCacheConfig, KVCacheCoordinator
 
@@ -164,7 +165,7 @@ def allocate_slots(
 
 # %% ../nbs/02c_kv_manager.ipynb #d262fc36
 # the common case in one test
-def _at_least(v, low: int) -> bool: return (type(v) is int or _is_int(v)) and v >= low
+def _at_least(v, low: int) -> bool: return (type(v) is int or is_int(v)) and v >= low
 
 @patch
 def _check_allocation(self: KVCacheManager, request, num_new_tokens, num_new_computed_tokens,

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 import triton.language as tl
-from .config import ModelConfig
+from .config import ModelConfig, require
 from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels,
                                triton_interpreting, cuda_graph, sm_count, pdl_launch, pdl_wait)
 from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
@@ -23,19 +23,15 @@ __all__ = ['STREAM_DTYPES', 'MHC_TUNING', 'hc_mixes', 'sinkhorn', 'hc_split', 'h
            'format_hc_benchmark']
 
 # %% ../nbs/07_mhc.ipynb #11b1476c
-def _need(ok: bool, msg: str, exc=ValueError):
-    "Raise `exc(msg)` unless `ok`"
-    if not ok: raise exc(msg)
-
 def hc_mixes(x: torch.Tensor,   # (T, n, dim) the residual copies entering a sublayer
              fn: torch.Tensor,  # ((2+n)*n, n*dim) the sublayer's `hc_*_fn`
              norm_eps: float,   # RMSNorm epsilon (`ModelConfig.norm_eps`)
             ) -> torch.Tensor:  # (T, (2+n)*n) fp32 raw coefficients
     "Project the flattened copies with `fn` and divide by one root-mean-square per token"
-    _need(isinstance(x, torch.Tensor) and x.ndim == 3,
-          f"x: expected streams (T, n, dim), got {getattr(x, 'shape', type(x))}")
+    require(isinstance(x, torch.Tensor) and x.ndim == 3,
+            f"x: expected streams (T, n, dim), got {getattr(x, 'shape', type(x))}")
     want = ((2 + x.shape[1]) * x.shape[1], x.shape[1] * x.shape[2])
-    _need(tuple(fn.shape) == want, f"fn: expected shape {want}, got {tuple(fn.shape)}")
+    require(tuple(fn.shape) == want, f"fn: expected shape {want}, got {tuple(fn.shape)}")
     xf = x.flatten(1).float()                                               # (T, n*dim)
     rsqrt = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)      # (T, 1)
     return torch.nn.functional.linear(xf, fn.float()) * rsqrt                # (T, (2+n)*n)
@@ -46,10 +42,10 @@ def sinkhorn(logits: torch.Tensor,  # (..., n, n) comb logits, any float dtype
              eps: float,            # `hc_eps`
             ) -> torch.Tensor:      # (..., n, n) fp32, columns summing to 1
     "Row softmax + eps, one column normalisation, then `iters`-1 row/column normalisation pairs"
-    _need(isinstance(logits, torch.Tensor) and logits.ndim >= 2
-          and logits.shape[-1] == logits.shape[-2],
-          f"logits: expected (..., n, n), got {getattr(logits, 'shape', type(logits))}")
-    _need(int(iters) == iters and iters >= 1, f"iters = {iters}; expected an integer >= 1")
+    require(isinstance(logits, torch.Tensor) and logits.ndim >= 2
+            and logits.shape[-1] == logits.shape[-2],
+            f"logits: expected (..., n, n), got {getattr(logits, 'shape', type(logits))}")
+    require(int(iters) == iters and iters >= 1, f"iters = {iters}; expected an integer >= 1")
     z = logits.float()
     m = z.amax(-1, keepdim=True)                                            # (..., n, 1)
     e = torch.exp(z - m)
@@ -70,11 +66,11 @@ def hc_split(mixes: torch.Tensor,  # (T, (2+n)*n) raw coefficients from `hc_mixe
              # pre (T, n), post (T, n), comb (T, n, n), fp32
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "pre = σ + eps, post = 2σ, comb = Sinkhorn of the last n² raw values"
-    _need(mixes.shape[-1] == (2 + n) * n,
-          f"mixes: expected last dimension {(2 + n) * n} for n = {n}, got {tuple(mixes.shape)}")
-    _need(tuple(scale.shape) == (3,) and tuple(base.shape) == ((2 + n) * n,),
-          f"scale/base: expected shapes (3,) and ({(2 + n) * n},), "
-          f"got {tuple(scale.shape)} and {tuple(base.shape)}")
+    require(mixes.shape[-1] == (2 + n) * n,
+            f"mixes: expected last dimension {(2 + n) * n} for n = {n}, got {tuple(mixes.shape)}")
+    require(tuple(scale.shape) == (3,) and tuple(base.shape) == ((2 + n) * n,),
+            f"scale/base: expected shapes (3,) and ({(2 + n) * n},), "
+            f"got {tuple(scale.shape)} and {tuple(base.shape)}")
     m, scale, base = mixes.float(), scale.float(), base.float()
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -86,8 +82,8 @@ def hc_pre(x: torch.Tensor,    # (T, n, dim) copies
            pre: torch.Tensor,  # (T, n) input-mix weights
           ) -> torch.Tensor:   # (T, dim) in x's dtype
     "Input mix: Σ_i pre_i · x_i, in fp32, rounded to x's dtype"
-    _need(pre.shape == x.shape[:-1],
-          f"pre: expected shape {tuple(x.shape[:-1])}, got {tuple(pre.shape)}")
+    require(pre.shape == x.shape[:-1],
+            f"pre: expected shape {tuple(x.shape[:-1])}, got {tuple(pre.shape)}")
     return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
 
 def hc_post(f: torch.Tensor,     # (T, dim) the sublayer's output
@@ -97,9 +93,9 @@ def hc_post(f: torch.Tensor,     # (T, dim) the sublayer's output
            ) -> torch.Tensor:    # (T, n, dim) in x's dtype
     "Residual update: out_j = post_j · f + Σ_i comb[i, j] · x_i"
     T, n, dim = x.shape
-    _need(f.shape == (T, dim) and post.shape == (T, n) and comb.shape == (T, n, n),
-          f"f/post/comb: expected {(T, dim)}, {(T, n)}, {(T, n, n)}; "
-          f"got {tuple(f.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
+    require(f.shape == (T, dim) and post.shape == (T, n) and comb.shape == (T, n, n),
+            f"f/post/comb: expected {(T, dim)}, {(T, n)}, {(T, n, n)}; "
+            f"got {tuple(f.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}")
     out = (post.unsqueeze(-1) * f.float().unsqueeze(-2)
            + (comb.unsqueeze(-1) * x.float().unsqueeze(-2)).sum(-3))
     return out.to(x.dtype)
@@ -144,9 +140,9 @@ def hc_expand(h: torch.Tensor,  # (T, dim) embeddings
               # copies (T, n, dim), first input-mix weights (T, n) fp32
              ) -> tuple[torch.Tensor, torch.Tensor]:
     "The residual copies at the embedding, and the one-hot input mix of the first sublayer"
-    _need(isinstance(h, torch.Tensor) and h.ndim == 2,
-          f"h: expected embeddings (T, dim), got {getattr(h, 'shape', type(h))}")
-    _need(int(n) == n and n >= 1, f"n = {n}; expected a positive integer")
+    require(isinstance(h, torch.Tensor) and h.ndim == 2,
+            f"h: expected embeddings (T, dim), got {getattr(h, 'shape', type(h))}")
+    require(int(n) == n and n >= 1, f"n = {n}; expected a positive integer")
     pre = torch.zeros(h.shape[0], n, dtype=torch.float32, device=h.device)
     pre[:, 0] = 1.0
     return h.unsqueeze(1).repeat(1, n, 1), pre
@@ -186,39 +182,40 @@ def mhc_seam_torch(x, f=None, post=None, comb=None, pre=None, hc=None, norm_weig
 STREAM_DTYPES = (torch.bfloat16, torch.float32)
 
 def _check_tensor(name, t, shape, dtypes=None):
-    _need(isinstance(t, torch.Tensor),
-          f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}", TypeError)
-    _need(t.is_floating_point(),
-          f"{name}: expected a floating-point tensor, got {t.dtype}", TypeError)
-    _need(dtypes is None or t.dtype in dtypes,
-          f"{name}: expected dtype {' or '.join(map(str, dtypes or ()))}, got {t.dtype}", TypeError)
-    _need(tuple(t.shape) == tuple(shape),
-          f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    require(isinstance(t, torch.Tensor),
+            f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}", TypeError)
+    require(t.is_floating_point(),
+            f"{name}: expected a floating-point tensor, got {t.dtype}", TypeError)
+    require(dtypes is None or t.dtype in dtypes,
+            f"{name}: expected dtype {' or '.join(map(str, dtypes or ()))}, got {t.dtype}",
+            TypeError)
+    require(tuple(t.shape) == tuple(shape),
+            f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
 def _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8):
-    _need(isinstance(cfg, ModelConfig),
-          f"cfg: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
+    require(isinstance(cfg, ModelConfig),
+            f"cfg: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
     n, dim = cfg.hc_mult, cfg.dim
-    _need(isinstance(x, torch.Tensor) and x.ndim == 3,
-          f"x: expected copies of shape (tokens, {n}, {dim}), got {getattr(x, 'shape', type(x))}")
+    require(isinstance(x, torch.Tensor) and x.ndim == 3,
+            f"x: expected copies of shape (tokens, {n}, {dim}), got {getattr(x, 'shape', type(x))}")
     T = x.shape[0]
     _check_tensor('x', x, (T, n, dim), STREAM_DTYPES)
-    _need((f is None) == (post is None) == (comb is None),
-          "f, post and comb come together (the previous sublayer's output and coefficients): "
-          "pass all three or none")
+    require((f is None) == (post is None) == (comb is None),
+            "f, post and comb come together (the previous sublayer's output and coefficients): "
+            "pass all three or none")
     if f is not None:
         _check_tensor('f', f, (T, dim), (x.dtype,))
         _check_tensor('post', post, (T, n))
         _check_tensor('comb', comb, (T, n, n))
     if pre is None:
-        _need(norm_weight is None and not fp8,
-              "norm_weight and fp8 shape the next sublayer's input, which needs pre")
+        require(norm_weight is None and not fp8,
+                "norm_weight and fp8 shape the next sublayer's input, which needs pre")
     else:
         _check_tensor('pre', pre, (T, n))
         _check_tensor('norm_weight', norm_weight, (dim,))
     if hc is not None:
-        _need(isinstance(hc, HCWeights),
-              f"hc: expected HCWeights, got {type(hc).__name__}", TypeError)
+        require(isinstance(hc, HCWeights),
+                f"hc: expected HCWeights, got {type(hc).__name__}", TypeError)
         mix = (2 + n) * n
         for name, t, shape in (('hc.fn', hc.fn, (mix, n * dim)), ('hc.base', hc.base, (mix,)),
                                ('hc.scale', hc.scale, (3,))):
@@ -270,9 +267,9 @@ def run_hc_layers(x: torch.Tensor,        # (T, n, dim) copies entering the firs
                   # last seam, last sublayer output, every sublayer's input
                  ) -> tuple[SeamOut, torch.Tensor, list]:
     "Run hyper-connected blocks; return what the head seam needs and the inputs each sublayer saw"
-    _need(form in ('single', 'multi'), f"form {form!r}; expected 'single' or 'multi'")
-    _need(len(sublayers) == 2 * len(layers),
-          f"{len(sublayers)} sublayers for {len(layers)} blocks; expected two per block")
+    require(form in ('single', 'multi'), f"form {form!r}; expected 'single' or 'multi'")
+    require(len(sublayers) == 2 * len(layers),
+            f"{len(sublayers)} sublayers for {len(layers)} blocks; expected two per block")
     seams = [(w, nw) for l in layers for w, nw in ((l.attn, l.attn_norm), (l.ffn, l.ffn_norm))]
     s, f, inputs = SeamOut(x, None, None, None, pre, None, None), None, []
     for (w, nw), sub in zip(seams, sublayers):
@@ -584,10 +581,10 @@ def _marked(name: str):
 def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOut:
     "The Triton path of `mhc_seam` (arguments already checked)"
     T, n, dim = x.shape
-    _need(n >= 4 and n & (n - 1) == 0,
-          f"hc_mult = {n}: the fused kernel needs a power of two >= 4 "
-          "(its tl.dot tiles are at least 16 wide); run the reference with use_kernels('torch')",
-          NotImplementedError)
+    require(n >= 4 and n & (n - 1) == 0,
+            f"hc_mult = {n}: the fused kernel needs a power of two >= 4 "
+            "(its tl.dot tiles are at least 16 wide); run the reference with use_kernels('torch')",
+            NotImplementedError)
     has_prev, predict, mix = f is not None, hc is not None, pre is not None
     new = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=x.device)
     x = x.contiguous()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 import numpy as np
 from fastcore.basics import patch
-from .block_pool import _is_int
+from .config import is_int
 
 # %% auto #0
 __all__ = ['reference_ngram_propose', 'Proposer', 'NgramProposer']
@@ -39,9 +39,9 @@ class NgramProposer:
                  max_model_len: int | None = None): # never draft past this many tokens
         for name, v in (('num_speculative_tokens', num_speculative_tokens),
                         ('prompt_lookup_min', prompt_lookup_min)):
-            if not (_is_int(v) and v >= 1):
+            if not (is_int(v) and v >= 1):
                 raise ValueError(f"NgramProposer: {name} = {v!r}; expected an integer >= 1")
-        if not (_is_int(prompt_lookup_max) and prompt_lookup_max >= prompt_lookup_min):
+        if not (is_int(prompt_lookup_max) and prompt_lookup_max >= prompt_lookup_min):
             raise ValueError(f"NgramProposer: prompt_lookup_max = {prompt_lookup_max!r}; "
                              f"expected an integer >= prompt_lookup_min = {prompt_lookup_min}")
         self.num_speculative_tokens = num_speculative_tokens

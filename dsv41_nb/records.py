@@ -9,8 +9,9 @@ import triton
 import triton.language as tl
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
                                use_kernels, capturing, pdl_launch, pdl_wait)
+from .config import check_int
 from .formats import (FP8_MAX, FP4_MAX, RecordCodec, FP8Record, FP4Record, e4m3_values,
-                              _require_int, _hw_cvt, _e4m3_code, _e4m3_value, _ue8m0_code, _pow2,
+                              _hw_cvt, _e4m3_code, _e4m3_value, _ue8m0_code, _pow2,
                               _ue8m0_value, _e2m1_code, _e2m1_value, _bf16_bits, _zero_tail)
 
 # %% auto #0
@@ -763,7 +764,7 @@ def benchmark_store_gather(codecs: dict,             # {name: codec}
      "fraction of copy bandwidth and the reference's time")
     if order not in ('random', 'sequential'):
         raise ValueError(f"order {order!r}; expected 'random' or 'sequential'")
-    _require_int('benchmark_store_gather', 'n_records', n_records)
+    check_int('benchmark_store_gather', 'n_records', n_records, 1)
     bw, rows = bandwidth or copy_bandwidth(device=device), []
     for codec in codecs.values():
         x = torch.randn(n_records, codec.dim, device=device, dtype=torch.bfloat16)

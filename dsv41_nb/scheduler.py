@@ -11,7 +11,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .block_pool import Request, PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids, _is_int
+from .config import is_int
+from .block_pool import Request, PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
 from .kv_cache import KVCacheConfig
 from .kv_manager import KVCacheManager, KVCacheBlocks, SlotMappings, CacheCapacityError
 from .proposer import Proposer
@@ -59,19 +60,19 @@ def _validate(self: SamplingParams):
         raise ValueError(f"temperature = {t!r}; expected a number >= 0 (0 = greedy)")
     if not (_real(p) and 0 < p <= 1):
         raise ValueError(f"top_p = {p!r}; expected a number in (0, 1]")
-    if not (_is_int(k) and (k == -1 or k >= 1)):
+    if not (is_int(k) and (k == -1 or k >= 1)):
         raise ValueError(f"top_k = {k!r}; expected -1 (all tokens) or an integer >= 1")
     if not (_real(mp) and 0 <= mp <= 1):
         raise ValueError(f"min_p = {mp!r}; expected a number in [0, 1]")
-    if not (_is_int(mt) and mt >= 1):
+    if not (is_int(mt) and mt >= 1):
         raise ValueError(f"max_tokens = {mt!r}; expected an integer >= 1")
-    if not (_is_int(mn) and 0 <= mn <= mt):
+    if not (is_int(mn) and 0 <= mn <= mt):
         raise ValueError(f"min_tokens = {mn!r}; expected an integer in [0, max_tokens = {mt!r}]")
-    if self.seed is not None and not _is_int(self.seed):
+    if self.seed is not None and not is_int(self.seed):
         raise TypeError(f"seed = {self.seed!r}; expected an int or None")
     if not isinstance(self.ignore_eos, bool):
         raise TypeError(f"ignore_eos = {self.ignore_eos!r}; expected a bool")
-    bad = [i for i in self.stop_token_ids if not (_is_int(i) and i >= 0)]
+    bad = [i for i in self.stop_token_ids if not (is_int(i) and i >= 0)]
     if bad: raise ValueError(f"stop_token_ids holds {bad[0]!r}; expected token ids (integers >= 0)")
 
 @patch
@@ -191,11 +192,11 @@ class SchedulerConfig:
     def __post_init__(self):
         for name in ('max_num_seqs', 'max_num_batched_tokens'):
             v = getattr(self, name)
-            if not (_is_int(v) and v >= 1):
+            if not (is_int(v) and v >= 1):
                 raise ValueError(f"{name} = {v!r}; expected an integer >= 1")
         for name in ('long_prefill_token_threshold', 'num_speculative_tokens'):
             v = getattr(self, name)
-            if not (_is_int(v) and v >= 0):
+            if not (is_int(v) and v >= 0):
                 raise ValueError(f"{name} = {v!r}; expected an integer >= 0")
         for name in ('enable_chunked_prefill', 'async_scheduling', 'bounded_replay'):
             if not isinstance(getattr(self, name), bool):
@@ -322,7 +323,7 @@ def add_request(self: Scheduler, request_id: str, # unique among unfinished requ
         raise ValueError(f"request id {request_id!r} is already in the scheduler; "
                          "ids must be unique")
     if (eos_token_id is not None
-            and not (_is_int(eos_token_id) and 0 <= eos_token_id < self.vocab_size)):
+            and not (is_int(eos_token_id) and 0 <= eos_token_id < self.vocab_size)):
         raise ValueError(f"eos_token_id = {eos_token_id!r}; "
                          f"expected a token id in 0..{self.vocab_size - 1}")
     sp.check_vocab(self.vocab_size)
@@ -571,7 +572,7 @@ class ToyRunner:
         if not (glob and swa):
             raise ValueError("ToyRunner needs a global group with a ratio-1 KV source "
                              "and a window group")
-        if not (_is_int(vocab_size) and 1 <= vocab_size <= kv_cache_config.vocab_size):
+        if not (is_int(vocab_size) and 1 <= vocab_size <= kv_cache_config.vocab_size):
             raise ValueError(f"vocab_size = {vocab_size!r}; "
                              f"expected 1..{kv_cache_config.vocab_size}")
         (g,), (s,) = glob, swa

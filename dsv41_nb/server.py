@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from .config import check_int
-from .engine import LLM, RequestOutput, CompletionOutput
+from .engine import EngineArgs, LLM, RequestOutput, CompletionOutput
 from .kv_manager import CacheCapacityError
 from .scheduler import SamplingParams
 from .serving import percentiles, served_checkpoint, serving_problem
@@ -846,9 +846,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--port', type=int, default=8000, help='port to listen on; 0: a free one (default: 8000)')
     a('--device', default='cpu', help='where the model runs: cpu, cuda or cuda:N (default: cpu)')
     a('--served-model-name', help="the name clients pass as 'model' (default: dsv41-<checkpoint>)")
-    a('--max-num-seqs', type=int, default=256, help='most requests running at once (default: 256)')
+    a('--max-num-seqs', type=int, default=EngineArgs.max_num_seqs,
+      help='most requests running at once (default: %(default)s)')
+    a('--max-num-batched-tokens', type=int, default=EngineArgs.max_num_batched_tokens,
+      help='token budget of one step (default: %(default)s)')
     a('--max-model-len', type=int, help="longest prompt plus output (default: the model's)")
-    a('--async-scheduling', action='store_true', help="plan a step before the last one's tokens")
+    a('--async-scheduling', action='store_true',
+      help="plan a step before the last one's tokens are back (default: off, as in EngineArgs)")
     a('--kernels', choices=('triton', 'torch'), help='force the Triton kernels or the references')
     a('--threads', type=int, default=1, help='CPU threads (default: 1)')
     a('--seed', type=int, default=0, help='the seed of requests that give none (default: 0)')
@@ -866,6 +870,7 @@ def _engine(args, error) -> tuple:
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
         return LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, kernels=args.kernels,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
                    seed=args.seed), ckpt
     except (TypeError, ValueError, OSError) as e: error(str(e))

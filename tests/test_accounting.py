@@ -12,7 +12,8 @@ from dsv41_nb.accounting import (compressed_entries_per_token, global_kv_bytes_p
                                  record_saving, checkpoint_manifest, params_by_group, expert_params, active_params_per_token,
                                  memory_table, engram_gathers_per_token, engram_bytes_per_token, expert_touch_fraction,
                                  decode_floor, Hardware, HARDWARE, TensorSpec, agreement, accounting_rows, format_rows,
-                                 ROW_HEADER, GiB)
+                                 ROW_HEADER, GiB, gqa_kv_bytes_per_token, rank_weight_gib, vram_minimum_gb,
+                                 UTILIZATION)
 from test_config import topologies
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
@@ -56,7 +57,7 @@ def test_nvfp4_saving_and_flags_in_rows():
     assert rows['KV per 1M-token sequence, DeepSeek / vLLM (MB)'][4] == 'rounding'
     assert rows['checkpoint size (GiB)'][1:3] == ('474.3', '476') and rows['checkpoint size (GiB)'][4].startswith('differs')
     for r in rows.values():                                     # a row whose figures print differently is never 'same'
-        if r[2] and r[4] == 'same' and '-' not in r[2]: assert r[1] == r[2].replace('~', '')
+        if r[2] and r[4] == 'same' and not {'-', '>'} & set(r[2]): assert r[1] == r[2].replace('~', '')
     assert {r[4] for r in accounting_rows(TINY)} == {''}        # the sources' figures describe the released model only
     assert 'rounding' in format_rows(accounting_rows(FULL))
 
@@ -68,6 +69,7 @@ def test_agreement(x, d):
     assert agreement(q, quoted, quoted) == 'same'
     assert agreement(q + 0.6 * unit, f'{q + 0.6 * unit:.{d + 1}f}', quoted) == 'rounding'
     assert agreement(q - 3 * unit, f'{q - 3 * unit:.{d}f}', quoted) == 'differs: see notebook'
+    assert agreement(q + unit, '', f'>{quoted}') == 'same' and agreement(q, '', f'>{quoted}') == 'differs: see notebook'
 
 @given(st.integers(0, 5000), st.integers(1, 512), st.data())
 def test_expert_touch_against_combinations(batch, n, data):
@@ -120,6 +122,28 @@ def test_active_params_halve_in_prefill():
         assert dec['routed'] == 2 * pre['routed'] and dec['shared'] == 2 * pre['shared']
         assert dec['total'] == sum(v for k, v in dec.items() if k != 'total')
 
+def test_rank_weights_add_up_to_the_checkpoint():
+    "Every GPU's share, times the GPUs, is the whole checkpoint: split parts once, replicated parts on every GPU"
+    for c in (TINY, FULL):
+        total, mem = sum(s.nbytes for s in checkpoint_manifest(c)) / GiB, memory_table(c)
+        tables = mem['Engram tables (values)'] + mem['Engram scales']
+        for n in (1, 3, 8):
+            tp, dp = rank_weight_gib(c, n, 'tp', 'device'), rank_weight_gib(c, n, 'dp', 'host')
+            assert tp['total'] * n == pytest.approx(total, rel=1e-12)
+            assert (dp['experts'] * n + dp['rest'] + tables) == pytest.approx(total, rel=1e-12)
+            assert dp['engram'] == 0 and rank_weight_gib(c, n, 'dp', 'device')['engram'] * n == pytest.approx(tables)
+
+def test_memory_figures_of_the_sources():
+    rows = {r[0]: r for r in accounting_rows(FULL)}
+    assert rows['Engram per GPU over 8 / 4 / 2 GPUs (GiB)'][1:3] == ('23.6 / 47.2 / 94.4',) * 2
+    assert rows['Engram the H200 TP4 offload moves off each GPU (GiB)'][4].startswith('differs')
+    assert rows['1M-token sequences in it at vLLM main KV'][4] == 'same'
+    assert vram_minimum_gb(FULL) == math.ceil(1.2 * sum(s.nbytes for s in checkpoint_manifest(FULL)) / 1e9)
+    assert gqa_kv_bytes_per_token(80, 8, 128) == 320 * 1024                     # Llama 3 70B at BF16
+    assert rows['main KV per token, SM100 FlashMLA fallback, 528-B records (B)'][1] == '1,320'
+    room = HARDWARE['B300'].hbm_bytes / GiB * UTILIZATION - rank_weight_gib(FULL, 8)['total']
+    assert rows['left per B300 at 0.92 utilization (GiB)'][1] == f'{room:.0f}'
+
 # (call, exception type, words the message must contain): every public function of dsv41_nb.accounting, given bad input
 BAD_INPUTS = [
     (lambda: expert_touch_fraction(-3), ValueError, 'batch = -3; a token count cannot be negative'),
@@ -159,6 +183,18 @@ BAD_INPUTS = [
     (lambda: agreement(1.0, '1', 'about 1'), ValueError, "cannot read 'about 1'"),
     (lambda: accounting_rows('full'), TypeError, 'accounting_rows: expected a ModelConfig, got str'),
     (lambda: format_rows([('a', 'b')]), ValueError, 'format_rows: every row needs 5 entries'),
+    (lambda: agreement(1.0, '1', '>1-2'), ValueError, "cannot read '>1-2'"),
+    (lambda: rank_weight_gib('full', 8), TypeError, 'rank_weight_gib: expected a ModelConfig, got str'),
+    (lambda: rank_weight_gib(FULL, 0), ValueError, 'rank_weight_gib: ranks = 0; expected at least 1'),
+    (lambda: rank_weight_gib(FULL, 4.0), TypeError, 'rank_weight_gib: ranks must be an int'),
+    (lambda: rank_weight_gib(FULL, 4, 'ep'), ValueError, "layout = 'ep'; expected one of ('dp', 'tp')"),
+    (lambda: rank_weight_gib(FULL, 4, 'tp', 'hbm'), ValueError, "engram = 'hbm'; expected one of ('device', 'host')"),
+    (lambda: vram_minimum_gb(None), TypeError, 'vram_minimum_gb: expected a ModelConfig'),
+    (lambda: vram_minimum_gb(FULL, 0.8), ValueError, 'headroom = 0.8; expected a number >= 1'),
+    (lambda: vram_minimum_gb(FULL, True), ValueError, 'headroom = True'),
+    (lambda: gqa_kv_bytes_per_token(0, 8, 128), ValueError, 'n_layers = 0; expected at least 1'),
+    (lambda: gqa_kv_bytes_per_token(80, 8.0, 128), TypeError, 'n_kv_heads must be an int'),
+    (lambda: gqa_kv_bytes_per_token(80, 8, 128, 0), ValueError, 'bytes_per_value = 0; expected a positive number'),
 ]
 
 @pytest.mark.parametrize('call, exc, words', BAD_INPUTS, ids=[w[:40] for _, _, w in BAD_INPUTS])

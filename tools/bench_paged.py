@@ -5,10 +5,12 @@
 
 Builds `bench` with `PagedModel.init_random` directly on the GPU (one layer's BF16 masters at a time: routed experts MXFP4,
 shared experts FP8, Engram tables FP8, attention projections as BF16 values of their FP8 grid) and prints what it holds
-by kind next to the checkpoint's bytes from the accounting. One 2,048-token prefill compiles every kernel; then one request
-of each size is prefilled in chunks of `--chunk` rows, full stack and with bounded replay (the decoder over the last
-`window` tokens only), each with fresh caches sized by `context_blocks`. A row per run: seconds, tokens per second,
-peak memory, the cache tensors' bytes by group; per size the speed-up and whether both modes pick the same first token.
+by kind next to the checkpoint's bytes from the accounting. Every size is first prefilled once in each mode, untimed, so
+that no timed run pays for a kernel compiled or tuned, or memory reserved, for a shape met for the first time (a single
+short warm-up left that to the first timed size). Then one request of each size is prefilled in chunks of `--chunk`
+rows, full stack and with bounded replay (the decoder over the last `window` tokens only), each with fresh caches sized
+by `context_blocks`. A row per run: seconds, tokens per second, peak memory, the cache tensors' bytes by group; per
+size the speed-up and whether both modes pick the same first token.
 The largest context's caches are checked: every group's tensors hold exactly its layout bytes per block, and the global
 group's bytes per context token equal the accounting's `global_kv_bytes_per_token`. The JSON is rewritten after every
 size, so a run cut short keeps what it measured. `--quick` runs tiny on the CPU (Triton's interpreter when
@@ -67,9 +69,9 @@ def main():
 
     out = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__, config='tiny' if args.quick else 'bench',
                chunk=args.chunk, seed=args.seed, build_s=build_s, weights=held, checkpoint_backbone_bytes=ckpt, rows=[])
-    if not args.quick:
-        t0 = time.perf_counter(); benchmark_prefill(pm, sizes=(2048,), chunk=args.chunk, seed=args.seed)
-        print(f'compiled the kernels in one 2,048-token prefill per mode: {time.perf_counter() - t0:.1f} s', flush=True)
+    t0 = time.perf_counter(); benchmark_prefill(pm, sizes=args.sizes, chunk=args.chunk, seed=args.seed)
+    out['warmup_s'] = time.perf_counter() - t0
+    print(f'warmed up: every size prefilled once per mode, untimed, in {out["warmup_s"]:.1f} s', flush=True)
     print(f"{'tokens':>8} {'mode':15s} {'seconds':>8} {'tokens/s':>10} {'peak GiB':>9} {'global MiB':>11} {'window MiB':>11}  "
           f"speed-up, same first token, max |logit diff|")
     for n in args.sizes:
