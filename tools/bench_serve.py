@@ -7,8 +7,8 @@ concurrency, beside the offline engine (`LLM.generate`) serving the same load in
 
 Two processes, as with `vllm serve` and `vllm bench serve`: one Python process for both would make the client and the
 server take turns on one interpreter lock. The server process builds the engine of tools/bench_engine.py (the paged
-model with random weights, CUDA graphs, async scheduling), measures it offline at every level (`load_test`: all of a
-level's prompts given to `LLM.generate` at once), then serves that same engine (`OpenAIServer` under uvicorn, access log
+model with random weights, CUDA graphs, async scheduling), measures it offline at every level with that script's
+`concurrency_rows` (all of a level's prompts given to `LLM.generate` at once), then serves that same engine (`OpenAIServer` under uvicorn, access log
 off). The client process waits for it, then at every level streams completions of the same number of prompts with at
 most that many in flight (`run_bench`, `ignore_eos`, so every request gets `--max-tokens` tokens). Every level is warmed
 up first with prompts of three tokens (new batch sizes compile kernels and capture CUDA graphs). Prompts are random
@@ -22,11 +22,10 @@ from pathlib import Path
 import httpx, torch, triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import paged_llm, git_commit                       # noqa: E402  (the engine bench_engine measures)
+from bench_engine import paged_llm, git_commit, concurrency_rows     # noqa: E402  (the engine bench_engine measures)
 from dsv41_nb.config import ModelConfig                              # noqa: E402
 from dsv41_nb.dispatch import machine_name                           # noqa: E402
-from dsv41_nb.scheduler import SamplingParams                        # noqa: E402
-from dsv41_nb.__main__ import load_test, random_prompts              # noqa: E402
+from dsv41_nb.__main__ import random_prompts                         # noqa: E402
 from dsv41_nb.server import OpenAIServer, UvicornServer, bind_socket, run_bench, run_sync  # noqa: E402
 
 MODEL = 'dsv41-bench'
@@ -42,27 +41,13 @@ def build(args) -> tuple:
     return llm, device, cfg
 
 
-def offline_rows(llm, args) -> list:
-    "The engine alone: every level's prompts given to `LLM.generate` at once"
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    warm = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    rows = []
-    for c in args.concurrency:
-        load_test(llm, random_prompts(c, args.prompt_len, seed=args.seed + 10**6 + c), warm)
-        s = load_test(llm, random_prompts(c, args.prompt_len, seed=args.seed + c), sp)
-        rows.append(dict(concurrency=c, **s))
-        print(f"offline {c:5d}: {s['output_tokens_per_s']:9.1f} tok/s, TPOT p50 {1e3 * s['tpot_s'][50]:7.2f} ms",
-              flush=True)
-    return rows
-
-
 def server_main(args):
     "The server process: build, measure offline, write `--offline-out`, then serve until SIGTERM or SIGINT"
     sock = bind_socket('127.0.0.1', 0)
     t0 = time.perf_counter()
     llm, device, cfg = build(args)
     built = time.perf_counter() - t0
-    rows = offline_rows(llm, args)
+    rows = concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed, {}, None)
     e = llm.llm_engine
     info = dict(build_s=built, runner=type(e.runner.model).__name__, offline=rows, port=sock.getsockname()[1],
                 max_num_seqs=e.scheduler.config.max_num_seqs)
