@@ -23,6 +23,7 @@ from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
 # %% ../nbs/99_cli.ipynb #c871927b
 PRESETS = {'full': ModelConfig.full, 'bench': ModelConfig.bench, 'tiny': ModelConfig.tiny}
 
+# %% ../nbs/99_cli.ipynb #72288628
 def load_config(
     name_or_path: str, # a preset name ('full', 'bench', 'tiny') or the path of a config.json
     ) -> ModelConfig:
@@ -116,12 +117,14 @@ def random_prompts(n: int, length: int, vocab: int = 256, seed: int = 0) -> list
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
+# %% ../nbs/99_cli.ipynb #66c5c681
 def load_test(llm: LLM, prompts: list, sampling_params: SamplingParams) -> dict:
     "Generate for all prompts at once; `load_summary` of the run"
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sampling_params, use_tqdm=False)
     return load_summary(outs, time.perf_counter() - t0)
 
+# %% ../nbs/99_cli.ipynb #aed2ef8b
 def format_load(s: dict) -> str:
     "One line of a load test's numbers"
     ms = lambda d: '/'.join(f"{1e3 * v:.0f}" for v in d.values())
@@ -229,6 +232,7 @@ def accounting_command(args, error) -> int:
     report(cfg, layers, args.config, args.layers)
     return 0
 
+# %% ../nbs/99_cli.ipynb #5ae52c11
 def _serving_args(p: argparse.ArgumentParser):
     p.add_argument('--checkpoint',
                    help='checkpoint directory (default: the shipped checkpoints/small)')

@@ -47,6 +47,7 @@ def global_kv_bytes_per_token(c: ModelConfig, main: str, index: str | None = Non
     per_entry = record_bytes(c, main) + (record_bytes(c, index) if index is not None else 0)
     return compressed_entries_per_token(c) * per_entry
 
+# %% ../nbs/01a_accounting.ipynb #7c08224d
 def swa_bytes_per_sequence(c: ModelConfig, window: str = 'window_fp8') -> int:
     "Window-cache bytes of one sequence: `window_size` records of format `window` in every layer"
     expect_config(c, 'swa_bytes_per_sequence')
@@ -72,6 +73,7 @@ DTYPE_BYTES = {'fp4': 0.5, 'fp8': 1, 'e8m0': 1, 'bf16': 2, 'fp32': 4}
 GROUPS = ('attention', 'routed_experts', 'shared_expert', 'dense', 'embedding', 'engram', 'hc',
           'norm', 'router', 'dspark', 'dspark_experts', 'scales')
 
+# %% ../nbs/01a_accounting.ipynb #4a7faada
 @dataclass(frozen=True)
 class TensorSpec:
     "One checkpoint tensor: logical shape (unpacked), storage dtype, and which budget it belongs to"
@@ -177,6 +179,7 @@ def _engram_tensors(c: ModelConfig, l: int, p: str):
     return t + [TensorSpec(f'{p}.engram.q_weight', (c.hc_mult, c.dim), 'bf16', 'norm'),
                 TensorSpec(f'{p}.engram.k_weight', (c.hc_mult, c.dim), 'bf16', 'norm')]
 
+# %% ../nbs/01a_accounting.ipynb #cdfc4de5
 def _drafter_tensors(c: ModelConfig, k: int):
     ("DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): "
      "a block with its own experts, plus the heads")
@@ -212,6 +215,7 @@ def _manifest(c):
     for k in range(c.n_mtp_layers): t += _drafter_tensors(c, k)
     return tuple(t)
 
+# %% ../nbs/01a_accounting.ipynb #7d919992
 def params_by_group(manifest) -> dict:
     "Parameter count per group (scale tensors are not parameters)"
     if isinstance(manifest, ModelConfig) or not all(isinstance(s, TensorSpec) for s in manifest):
@@ -230,6 +234,7 @@ def expert_params(c: ModelConfig) -> int:
     expect_config(c, 'expert_params')
     return 3 * c.dim * c.moe_inter_dim
 
+# %% ../nbs/01a_accounting.ipynb #30a4d650
 def active_params_per_token(c: ModelConfig, phase: str = 'decode') -> dict:
     ("Parameters one token touches: decode runs every layer and the LM head; "
      "prefill (CED) the encoder half")
@@ -271,6 +276,7 @@ MEMORY_ROWS = {  # the model card's rows, as predicates on a TensorSpec
         lambda s: s.group == 'scales' and not ('.experts.' in s.name or 'engram.embed' in s.name),
 }
 
+# %% ../nbs/01a_accounting.ipynb #0692b851
 def memory_table(c: ModelConfig) -> dict:
     "Checkpoint GiB by the model card's rows, from the manifest, and their total"
     man = checkpoint_manifest(c)
@@ -283,6 +289,7 @@ def engram_gathers_per_token(c: ModelConfig) -> int:
     expect_config(c, 'engram_gathers_per_token')
     return (c.engram_max_ngram_size - 1) * c.engram_n_heads
 
+# %% ../nbs/01a_accounting.ipynb #731a4cc1
 def engram_bytes_per_token(c: ModelConfig, with_scales: bool = True) -> int:
     "Bytes all Engram modules gather per token (FP8 rows, plus their UE8M0 scales)"
     expect_config(c, 'engram_bytes_per_token')
@@ -340,23 +347,33 @@ def expert_touch_fraction(batch,  # tokens per step: an int, or an array of ints
 def decode_floor(c: ModelConfig,
                  hw: Hardware,  # the accelerator: its bandwidth sets the floor
                  batch: int = 1,  # tokens per decode step
-                 ranks: int = 8,  # GPUs: attention data-parallel (replicated), experts split evenly
+                 # GPUs: attention data-parallel (replicated), experts split evenly
+                 world_size: int = 8,
                  # FP8 + a UE8M0 per 32, as the briefing counts
                  dense_bytes_per_param: float = 1 + 1 / 32,
+                 # the LM head's; None: its checkpoint dtype's (BF16)
+                 head_bytes_per_param: float | None = None,
                 ) -> dict:
     "Seconds per decode step one rank needs to read its weights (DP attention + EP experts)"
     if not isinstance(hw, Hardware):
         raise TypeError(f"decode_floor: hw must be a Hardware (see HARDWARE), got {hw!r}")
-    check_int('decode_floor', 'batch', batch, 0); check_int('decode_floor', 'ranks', ranks, 1)
+    check_int('decode_floor', 'batch', batch, 0)
+    check_int('decode_floor', 'world_size', world_size, 1)
     if not dense_bytes_per_param > 0:
         raise ValueError(f"decode_floor: dense_bytes_per_param = {dense_bytes_per_param}; "
                          f"expected > 0")
+    if head_bytes_per_param is not None and not head_bytes_per_param > 0:
+        raise ValueError(f"decode_floor: head_bytes_per_param = {head_bytes_per_param}; "
+                         f"expected > 0 or None")
     act = active_params_per_token(c, 'decode')
-    # replicated on each rank
-    dense = (act['attention_and_dense'] + act['shared']) * dense_bytes_per_param
+    head = next(s for s in checkpoint_manifest(c) if s.name == 'head.weight')
+    head_bpp = DTYPE_BYTES[head.dtype] if head_bytes_per_param is None else head_bytes_per_param
+    # replicated on each rank: the LM head at its own density, the rest at the dense one
+    dense = ((act['attention_and_dense'] + act['shared'] - head.numel) * dense_bytes_per_param
+             + head.numel * head_bpp)
     # MXFP4 + one UE8M0 per 32
     expert_bytes = expert_params(c) * (0.5 + 1 / 32)
-    experts_per_rank = c.n_routed_experts * c.n_layers * expert_bytes / ranks
+    experts_per_rank = c.n_routed_experts * c.n_layers * expert_bytes / world_size
     touched = experts_per_rank * expert_touch_fraction(batch, c.n_activated_experts,
                                                        c.n_routed_experts)
     return dict(dense_bytes=dense, expert_bytes=touched, seconds=(dense + touched) / hw.bandwidth,
@@ -366,13 +383,14 @@ def decode_floor(c: ModelConfig,
 LAYOUTS, ENGRAM_PLACES = ('dp', 'tp'), ('device', 'host')
 UTILIZATION = 0.92  # the serving briefing: vLLM's default share of device memory it may use
 
+# %% ../nbs/01a_accounting.ipynb #af713ed4
 def rank_weight_gib(c: ModelConfig,
-                    ranks: int,  # GPUs the model is spread over
+                    world_size: int,  # GPUs the model is spread over
                     layout: str = 'dp',  # 'dp': all but the experts replicated; 'tp': all split
                     engram: str = 'host',  # Engram tables split over the GPUs, or in host memory
                    ) -> dict:
     "GiB of the checkpoint one GPU holds: its share of the experts, the rest, and the Engram tables"
-    expect_config(c, 'rank_weight_gib'); check_int('rank_weight_gib', 'ranks', ranks, 1)
+    expect_config(c, 'rank_weight_gib'); check_int('rank_weight_gib', 'world_size', world_size, 1)
     if layout not in LAYOUTS:
         raise ValueError(f"rank_weight_gib: layout = {layout!r}; expected one of {LAYOUTS}")
     if engram not in ENGRAM_PLACES:
@@ -381,8 +399,8 @@ def rank_weight_gib(c: ModelConfig,
     experts = m['routed + DSpark experts'] + m['expert scales']
     tables = m['Engram tables (values)'] + m['Engram scales']
     rest = m['total'] - experts - tables
-    out = dict(experts=experts / ranks, rest=rest / ranks if layout == 'tp' else rest,
-               engram=tables / ranks if engram == 'device' else 0.0)
+    out = dict(experts=experts / world_size, rest=rest / world_size if layout == 'tp' else rest,
+               engram=tables / world_size if engram == 'device' else 0.0)
     return out | {'total': sum(out.values())}
 
 # %% ../nbs/01a_accounting.ipynb #8e202c19
@@ -406,6 +424,7 @@ def _quoted_range(quoted: str) -> tuple:
     hi = math.inf if m[1] else float(last) * scale
     return float(m[2]) * scale, hi, 10 ** -len(last.partition('.')[2]) * scale
 
+# %% ../nbs/01a_accounting.ipynb #e48f59a8
 def agreement(computed: float, shown: str, quoted: str) -> str:
     "How a computed figure (printed as `shown`) compares with a source's `quoted` one"
     if not quoted: return ''
@@ -420,6 +439,7 @@ def agreement(computed: float, shown: str, quoted: str) -> str:
 ROW_HEADER = ('quantity', 'computed', 'source says', 'source', 'check')
 _WORST = ('differs: see notebook', 'rounding', 'same')
 
+# %% ../nbs/01a_accounting.ipynb #343f308d
 def _row(quantity, values, fmt, quoted, source, compare=True):
     ("A table row: `values` (one or a tuple) printed with `fmt`; "
      "`quoted` as the source prints it ('a / b')")
@@ -433,6 +453,7 @@ def _row(quantity, values, fmt, quoted, source, compare=True):
 # %% ../nbs/01a_accounting.ipynb #322547fb
 _BRIEFING, _CARD = 'serving briefing', 'model card'
 
+# %% ../nbs/01a_accounting.ipynb #eca4f6d4
 def _cache_rows(c: ModelConfig) -> list[tuple]:
     "(quantity, computed, format, source's figure, source) for cache bytes"
     ds = global_kv_bytes_per_token(c, 'ds_fp4', 'index_mxfp4')
@@ -540,6 +561,7 @@ def accounting_rows(c: ModelConfig) -> list[tuple]:
                + _budget_rows(c))
     return [_row(*r, compare=compare) for r in figures]
 
+# %% ../nbs/01a_accounting.ipynb #313afb00
 def format_rows(rows, header=ROW_HEADER) -> str:
     "A plain text table"
     if any(len(r) != len(header) for r in rows):

@@ -80,6 +80,7 @@ def append(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in t
     block.next_free_block, self.fake_tail.prev_free_block = self.fake_tail, block
     self.num_free_blocks += 1
 
+# %% ../nbs/02a_block_pool.ipynb #fc13f602
 @patch
 def prepend(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
     "Put `block` at the head: reused first"
@@ -98,6 +99,7 @@ def popleft(self: FreeKVCacheBlockQueue) -> KVCacheBlock:
     if b is self.fake_tail: raise ValueError("no free blocks: the free queue is empty")
     self.remove(b); return b
 
+# %% ../nbs/02a_block_pool.ipynb #ebc6be34
 @patch
 def popleft_n(self: FreeKVCacheBlockQueue, n: int) -> list: # how many blocks, 0 <= n <= len(self)
     "Take the first `n` blocks, head first"
@@ -132,13 +134,22 @@ class BlockPool:
         self.enable_kv_cache_events, self.kv_event_queue, self._subscribers = (
             enable_kv_cache_events, [], [])
 
-    def get_num_free_blocks(self) -> int: return self.free_block_queue.num_free_blocks
-    @property
-    def num_usable_blocks(self) -> int: return self.num_blocks - 1
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_usable_blocks - self.free_block_queue.num_free_blocks
-    def get_usage(self) -> float: return self.num_used_blocks / self.num_usable_blocks
+# %% ../nbs/02a_block_pool.ipynb #8171bfa6
+@patch
+def get_num_free_blocks(self: BlockPool) -> int: return self.free_block_queue.num_free_blocks
+
+# %% ../nbs/02a_block_pool.ipynb #e30156ab
+@patch(as_prop=True)
+def num_usable_blocks(self: BlockPool) -> int: return self.num_blocks - 1
+
+# %% ../nbs/02a_block_pool.ipynb #60db9c17
+@patch(as_prop=True)
+def num_used_blocks(self: BlockPool) -> int:
+    return self.num_usable_blocks - self.free_block_queue.num_free_blocks
+
+# %% ../nbs/02a_block_pool.ipynb #4257d20a
+@patch
+def get_usage(self: BlockPool) -> float: return self.num_used_blocks / self.num_usable_blocks
 
 # %% ../nbs/02a_block_pool.ipynb #3d23ff6b
 @patch
@@ -214,6 +225,7 @@ def _check_geometry(fn, block_size, ratio=1):
         raise ValueError(f"{fn}: block_size {block_size} is not a multiple of ratio {ratio}: "
                          f"a block must hold whole states")
 
+# %% ../nbs/02a_block_pool.ipynb #923f17f8
 def _index_tensor(fn, name, x, lowest=0) -> torch.Tensor:
     t = torch.as_tensor(x if isinstance(x, (torch.Tensor, np.ndarray)) else list(x))
     if t.numel() == 0: return t.long().reshape(0)
@@ -224,6 +236,7 @@ def _index_tensor(fn, name, x, lowest=0) -> torch.Tensor:
         raise ValueError(f"{fn}: {name} contains {int(t.min())}; expected values >= {lowest}")
     return t.long()
 
+# %% ../nbs/02a_block_pool.ipynb #c3835650
 def _check_table(bt, idx, what):
     if len(idx) == 0: return
     hi = int(idx.max())
@@ -246,6 +259,7 @@ def slot_mapping(block_ids, # (blocks,) a block table
     _check_table(bt, idx, 'slot_mapping')
     return bt[idx] * block_size + pos % block_size    # (tokens,)
 
+# %% ../nbs/02a_block_pool.ipynb #b058a39d
 def compressed_state_slots(block_ids, # (blocks,) a block table
                            # (n,) compressed-state indices (top-k selections); -1 = none
                            state_indices,
@@ -274,6 +288,7 @@ def compressed_slot_mapping(block_ids, # (blocks,) a block table
     state = torch.where((pos + 1) % ratio == 0, pos // ratio, -1)
     return compressed_state_slots(block_ids, state, block_size, ratio)   # (tokens,)
 
+# %% ../nbs/02a_block_pool.ipynb #761a0200
 def ring_slot_mapping(ring_block_id: int, # the request's one ring block
                       positions, # (tokens,) positions being computed, >= 0
                       ratio: int) -> torch.Tensor:
@@ -341,6 +356,7 @@ def pack_extra_keys(extra_keys: Sequence = (), # image hashes, cache salt: str, 
                             f"expected str, bytes or int")
     return b''.join(out)
 
+# %% ../nbs/02a_block_pool.ipynb #432fc760
 def hash_block_tokens(
     parent_block_hash: bytes | None, # the previous block's hash; None for the first block
     token_ids: Sequence[int], # the block's token ids
@@ -429,16 +445,24 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self._append(prompt_token_ids)
 
-    @property
-    def num_tokens(self) -> int: return len(self._all_token_ids)
-    @property
-    def num_output_tokens(self) -> int: return self.num_tokens - self.num_prompt_tokens
-    # read-only by convention: append through append_output_token_ids
-    @property
-    def all_token_ids(self) -> list: return self._all_token_ids
-    def __repr__(self):
-        return (f"Request({self.request_id!r}, {self.num_tokens} tokens, "
-                f"{self.num_computed_tokens} computed, {len(self.block_hashes)} hashes)")
+# %% ../nbs/02a_block_pool.ipynb #ccb4669f
+@patch(as_prop=True)
+def num_tokens(self: Request) -> int: return len(self._all_token_ids)
+
+# %% ../nbs/02a_block_pool.ipynb #52b43f33
+@patch(as_prop=True)
+def num_output_tokens(self: Request) -> int: return self.num_tokens - self.num_prompt_tokens
+
+# %% ../nbs/02a_block_pool.ipynb #ba181224
+# read-only by convention: append through append_output_token_ids
+@patch(as_prop=True)
+def all_token_ids(self: Request) -> list: return self._all_token_ids
+
+# %% ../nbs/02a_block_pool.ipynb #ca8694a8
+@patch
+def __repr__(self: Request):
+    return (f"Request({self.request_id!r}, {self.num_tokens} tokens, "
+            f"{self.num_computed_tokens} computed, {len(self.block_hashes)} hashes)")
 
 # %% ../nbs/02a_block_pool.ipynb #eb2bab77
 @patch
@@ -458,6 +482,7 @@ def _append(self: Request, token_ids):
     self._token_bytes += ids.tobytes()
     if hasher is not None: self.block_hashes.extend(hasher(self))
 
+# %% ../nbs/02a_block_pool.ipynb #841aca20
 @patch
 def append_output_token_ids(self: Request, token_ids): # one sampled id, or a sequence of them
     "Append sampled token(s); hashes of blocks they complete are computed now"
@@ -471,6 +496,7 @@ def append_output_token_ids(self: Request, token_ids): # one sampled id, or a se
     if hasher is not None and len(self._all_token_ids) % hasher.hash_block_size == 0:
         self.block_hashes.extend(hasher(self))
 
+# %% ../nbs/02a_block_pool.ipynb #607e15b6
 @patch
 def block_extra_keys(self: Request,
                      start: int, end: int, # the block covers tokens [start, end)
@@ -521,12 +547,14 @@ class BlockStored:
     block_size: int  # tokens per block
     group_id: int  # which cache group
 
+# %% ../nbs/02a_block_pool.ipynb #cc416256
 @dataclass(frozen=True)
 class BlockRemoved:
     "A registered block lost its identity (it is being reused for other content)"
     block_hashes: tuple  # the hash it had
     group_id: int  # which cache group
 
+# %% ../nbs/02a_block_pool.ipynb #581611a6
 @dataclass(frozen=True)
 class AllBlocksCleared:
     "The prefix cache was reset"
@@ -538,14 +566,17 @@ def subscribe(self: BlockPool, fn: Callable) -> Callable: # called with each eve
     if not callable(fn): raise TypeError(f"subscribe: {fn!r} is not callable")
     self._subscribers.append(fn); return fn
 
+# %% ../nbs/02a_block_pool.ipynb #88c531b7
 @patch
 def _events_on(self: BlockPool) -> bool: return self.enable_kv_cache_events or bool(self._subscribers)
 
+# %% ../nbs/02a_block_pool.ipynb #159b04e6
 @patch
 def _emit(self: BlockPool, ev):
     if self.enable_kv_cache_events: self.kv_event_queue.append(ev)
     for fn in self._subscribers: fn(ev)
 
+# %% ../nbs/02a_block_pool.ipynb #1cdca14c
 @patch
 def take_events(self: BlockPool) -> list:
     "Drain the queued events"
@@ -583,6 +614,7 @@ def cache_full_blocks(self: BlockPool, request: Request, # owner of the hashes a
         if stored is not None: stored.append(i)
     if stored: self._emit_stored(request, stored, block_size, hash_stride, group_id)
 
+# %% ../nbs/02a_block_pool.ipynb #f1c7e60c
 @patch
 def _emit_stored(self: BlockPool, request, idx, block_size, stride, group_id):
     hashes, toks = request.block_hashes, request.all_token_ids

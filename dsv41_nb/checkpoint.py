@@ -31,12 +31,14 @@ class CheckpointError(ValueError):
     ("A checkpoint file, directory or state that does not match its config; "
      "the message names the file or tensor")
 
+# %% ../nbs/10a_checkpoint.ipynb #77faf671
 def _listing(names, k: int = 4) -> str:
     "'a, b, c, d and 7 more (11)': the first few of a list of names, and how many there are"
     names = list(names)
     more = f" and {len(names) - k} more ({len(names)})" if len(names) > k else ''
     return ', '.join(names[:k]) + more
 
+# %% ../nbs/10a_checkpoint.ipynb #f30b79a2
 def load_config(path_or_dir) -> ModelConfig:
     ("The `ModelConfig` of a `config.json`, or of the checkpoint directory holding one; "
      "every public field required")
@@ -58,6 +60,7 @@ def load_config(path_or_dir) -> ModelConfig:
     try: return ModelConfig.from_dict(d)
     except ConfigError as e: raise CheckpointError(f"{p}: {e}") from e
 
+# %% ../nbs/10a_checkpoint.ipynb #6138c1b3
 def save_config(cfg: ModelConfig, directory) -> Path:
     "Write `cfg` to `directory/config.json` (public field names); returns the path"
     d = Path(directory); d.mkdir(parents=True, exist_ok=True)
@@ -74,10 +77,12 @@ STORAGE_DTYPES = {'fp4': torch.float4_e2m1fn_x2, 'fp8': torch.float8_e4m3fn,
 HEADER_DTYPES = {'fp4': ('F4', 'U8', 'I8'), 'fp8': ('F8_E4M3',), 'e8m0': ('F8_E8M0', 'U8'),
                  'bf16': ('BF16',), 'fp32': ('F32',)}
 
+# %% ../nbs/10a_checkpoint.ipynb #5a4067e7
 def stored_shape(spec: TensorSpec) -> tuple:
     "Shape of the torch tensor in the file: FP4 packs two values per byte along the last (K) dimension"
     return spec.shape[:-1] + (spec.shape[-1] // 2,) if spec.dtype == 'fp4' else spec.shape
 
+# %% ../nbs/10a_checkpoint.ipynb #b75974af
 @lru_cache(maxsize=8)
 def _specs(cfg: ModelConfig) -> tuple[dict, dict]:
     "({name: spec} of every file tensor, {weight name: spec of its `.scale`})"
@@ -85,6 +90,7 @@ def _specs(cfg: ModelConfig) -> tuple[dict, dict]:
     return ({s.name: s for s in man},
             {s.name[:-len('scale')] + 'weight': s for s in man if s.dtype == 'e8m0'})
 
+# %% ../nbs/10a_checkpoint.ipynb #a161fcc9
 def master_specs(cfg: ModelConfig) -> dict:
     "{name: spec} of the model's state dict: the manifest without the `.scale` entries"
     specs = _specs(expect_config(cfg, 'master_specs'))[0]
@@ -109,11 +115,13 @@ def fp8_tile_rows(weight: TensorSpec, scale: TensorSpec) -> int:
     "Rows one UE8M0 scale covers: 32 (32x32 tiles of a linear) or 1 (32 values of a row: the Engram tables)"
     return 1 if scale.shape[0] == weight.shape[0] else 32
 
+# %% ../nbs/10a_checkpoint.ipynb #7c6e9fbc
 def _tiles(w: torch.Tensor, tile: int) -> torch.Tensor:
     "(R, C) -> (ceil(R/tile), ceil(C/32), tile*32): each tile's values in one row, zero-padded"
     w = torch.nn.functional.pad(w, (0, -w.shape[1] % 32, 0, -w.shape[0] % tile))
     return w.unflatten(0, (-1, tile)).unflatten(-1, (-1, 32)).transpose(1, 2).flatten(2)
 
+# %% ../nbs/10a_checkpoint.ipynb #27bd3f1f
 def _untiles(t: torch.Tensor, tile: int, R: int, C: int) -> torch.Tensor:
     "Inverse of `_tiles`: (R/tile, C/32, tile*32) -> (R, C)"
     return t.unflatten(2, (tile, 32)).transpose(1, 2).flatten(0, 1).flatten(1)[:R, :C]
@@ -162,6 +170,7 @@ def _problems(what: str, missing: list, extra: list, note: str = '') -> Checkpoi
              for k, v in (('missing', missing), ('unexpected', extra)) if v]
     return CheckpointError(f"{what}: " + '; '.join(parts) + note)
 
+# %% ../nbs/10a_checkpoint.ipynb #041c8050
 def _check_state(state, cfg: ModelConfig, what: str) -> dict:
     "Names and shapes of master weights against the manifest; returns {name: spec}"
     if not isinstance(state, dict):
@@ -183,6 +192,7 @@ def _finite(t: torch.Tensor) -> bool:
     "No NaN and no infinity among `t`'s values (one-byte float types widened first: not every op takes them)"
     return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
 
+# %% ../nbs/10a_checkpoint.ipynb #fb2112d1
 def _quantize_entry(name: str, t: torch.Tensor, spec: TensorSpec, scale: TensorSpec | None) -> dict:
     ("The file tensors of one master tensor: itself in its storage dtype, "
      "or a quantised weight and its `.scale`")
@@ -192,6 +202,7 @@ def _quantize_entry(name: str, t: torch.Tensor, spec: TensorSpec, scale: TensorS
     q, s = quantize_weight(t.detach(), spec.dtype, fp8_tile_rows(spec, scale))
     return {name: q, scale.name: s}
 
+# %% ../nbs/10a_checkpoint.ipynb #15d59f11
 def quantize_state(state: dict, cfg: ModelConfig) -> dict:
     ("Master weights -> the checkpoint's tensors "
      "(FP8/FP4 weights with UE8M0 `.scale`s, BF16, FP32), manifest order")
@@ -213,6 +224,7 @@ def _header_entry(t) -> tuple:
     if t.dtype == torch.float4_e2m1fn_x2: shape = shape[:-1] + (2 * shape[-1],)
     return _HEADER_NAMES.get(t.dtype, str(t.dtype)), shape
 
+# %% ../nbs/10a_checkpoint.ipynb #3f422859
 def _check_file_tensors(found: dict, cfg: ModelConfig, where: str, files: dict | None = None):
     "`found` = {name: (safetensors dtype, header shape)} against the manifest: names, then dtypes and shapes"
     specs = _specs(cfg)[0]
@@ -237,6 +249,7 @@ def _as_storage(t: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     raw = t.dtype in (torch.uint8, torch.int8)
     return t.view(torch.uint8).view(STORAGE_DTYPES[spec.dtype]) if raw else t
 
+# %% ../nbs/10a_checkpoint.ipynb #054a0591
 def dequantize_state(ckpt: dict, cfg: ModelConfig) -> dict:
     "Checkpoint tensors -> master weights (bf16, fp32 where the checkpoint holds fp32); exact"
     if not isinstance(ckpt, dict):
@@ -265,6 +278,7 @@ def shard_plan(cfg: ModelConfig, shard_bytes: int) -> list[list[str]]:
         shards[-1].append(k); size += n
     return shards
 
+# %% ../nbs/10a_checkpoint.ipynb #bb3a0a3a
 def shard_name(i: int, n: int) -> str:  # shard i (from 0) of n
     return f'model-{i + 1:05d}-of-{n:05d}.safetensors'
 
@@ -290,6 +304,7 @@ def save_state(state: dict, # master weights, named and shaped as `master_specs(
     (d / INDEX_NAME).write_text(json.dumps(index, indent=2))
     return d
 
+# %% ../nbs/10a_checkpoint.ipynb #89ce4ea0
 def save_model(model: torch.nn.Module,
                directory, # created if missing
                shard_bytes: int = 4 << 30, # as `save_state`'s
@@ -310,6 +325,7 @@ def _open(path: Path):
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
 
+# %% ../nbs/10a_checkpoint.ipynb #cac7fccb
 def weight_map(directory) -> dict:
     "{tensor name: shard file} from the index, or from a single `model.safetensors`"
     d = Path(directory)
@@ -345,6 +361,7 @@ def check_checkpoint(directory, cfg: ModelConfig | None = None) -> dict:
     _check_file_tensors(found, cfg, str(d), wm)
     return wm
 
+# %% ../nbs/10a_checkpoint.ipynb #7ff88998
 def load_state(directory, cfg: ModelConfig | None = None) -> dict:
     ("Every checkpoint tensor as stored (FP8, FP4, UE8M0, BF16, FP32), in manifest order, "
      "after `check_checkpoint`")
@@ -364,6 +381,7 @@ def shard_header(path) -> dict:
     return {k: (v['dtype'], tuple(v['shape']), tuple(8 + n + o for o in v['data_offsets']))
             for k, v in head.items() if k != '__metadata__'}
 
+# %% ../nbs/10a_checkpoint.ipynb #5c9eb301
 def _read_rows(fh, entry: tuple, spec: TensorSpec, r0: int, r1: int) -> torch.Tensor:
     "Rows r0:r1 of a file tensor by plain reads (no memory map), as the manifest's storage dtype"
     _, shape, (first, end) = entry
@@ -375,12 +393,14 @@ def _read_rows(fh, entry: tuple, spec: TensorSpec, r0: int, r1: int) -> torch.Te
     t = torch.frombuffer(buf, dtype=torch.uint8).view(STORAGE_DTYPES[spec.dtype])
     return t.view(r1 - r0, *stored_shape(spec)[1:])
 
+# %% ../nbs/10a_checkpoint.ipynb #124e5cad
 def _row_chunks(rows: int, row_values: int, chunk_bytes: int, align: int = 32) -> list:
     ("Row ranges of about `chunk_bytes` of fp32 values each, "
      "starting on multiples of `align` rows (a scale tile)")
     step = max(align, chunk_bytes // max(1, 4 * row_values) // align * align)
     return [(r, min(r + step, rows)) for r in range(0, rows, step)]
 
+# %% ../nbs/10a_checkpoint.ipynb #bc4fc8c5
 @torch.no_grad()
 def _fill(dest: torch.Tensor, # the tensor to fill
           read, # read(r0, r1): stored rows r0:r1
@@ -445,6 +465,7 @@ def module_from_state(state: dict) -> torch.nn.Module:
         m.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     return root
 
+# %% ../nbs/10a_checkpoint.ipynb #8c1415ba
 def load_model(directory, engram_map=None, device='cpu'):
     "The `Transformer` of a checkpoint directory, built from its config.json on `device`, weights streamed in"
     cfg = load_config(directory)

@@ -74,6 +74,7 @@ def rope_cos_sin(inv_freq: torch.Tensor,   # (rope_dim/2,) from `rope_inv_freq`
         raise ValueError(f"positions: holds {int(pos.min())}; expected >= 0")
     return _cos_sin(inv_freq, pos)
 
+# %% ../nbs/03_compressor.ipynb #a090c99b
 def _cos_sin(inv_freq, pos):
     "`rope_cos_sin` without the checks (they read the positions back: a device sync)"
     # (n, rope_dim/2), the fp32 angle held exactly
@@ -112,6 +113,7 @@ def rms_norm(x: torch.Tensor,      # (..., d)
     inv = (1 / torch.sqrt(xf.double().square().sum(-1, keepdim=True) / x.shape[-1] + eps32)).float()
     return (weight.float() * (xf * inv)).to(x.dtype)
 
+# %% ../nbs/03_compressor.ipynb #b14c6431
 class RMSNorm(nn.Module):
     "RMSNorm with a learned per-channel weight (see `rms_norm`)"
     def __init__(self, dim: int, eps: float):
@@ -159,8 +161,10 @@ class Compressor(nn.Module):
         self.register_buffer('inv_freq', layer_inv_freq(cfg, self.ratio), persistent=False)
         self.journal = None                  # a `RingJournal` while one records (ratio > 1)
 
-    def __repr__(self):
-        return f"Compressor(layer {self.layer}, ratio {self.ratio}, {self.codec.name} records)"
+# %% ../nbs/03_compressor.ipynb #88a284e5
+@patch
+def __repr__(self: Compressor):
+    return f"Compressor(layer {self.layer}, ratio {self.ratio}, {self.codec.name} records)"
 
 # %% ../nbs/03_compressor.ipynb #ea9d8ed5
 @patch
@@ -187,6 +191,7 @@ def new_ring(self: Compressor, num_blocks: int, device=None) -> torch.Tensor:
     ring[:, 1] = -torch.inf
     return ring
 
+# %% ../nbs/03_compressor.ipynb #365c50a2
 def new_record_cache(codec: RecordCodec, num_blocks: int, block_size: int, ratio: int,
                      device=None) -> torch.Tensor:
     ("A paged cache of `codec` records, one per compressed entry: "
@@ -199,6 +204,7 @@ def new_record_cache(codec: RecordCodec, num_blocks: int, block_size: int, ratio
     return torch.zeros(num_blocks, block_size // ratio, codec.record_bytes, dtype=torch.uint8,
                        device=device)
 
+# %% ../nbs/03_compressor.ipynb #305cbedc
 @patch
 def new_cache(self: Compressor, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
     ("This layer's compressed cache for `num_blocks` blocks of `block_size` tokens "
@@ -287,47 +293,49 @@ def _bf16_round(v):
     r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     return tl.where(v != v, v, r)
 
+# %% ../nbs/03_compressor.ipynb #eca7c124
 @triton.jit
-def _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, offset, n_tokens, RATIO: tl.constexpr):
+def _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, offset, num_tokens, RATIO: tl.constexpr):
     ("Row of the token `offset` positions after token i in the same request, "
      "or -1 when this step does not hold it")
     j = i + offset
-    jj = tl.minimum(tl.maximum(j, 0), n_tokens - 1)
-    same = (j >= 0) & (j < n_tokens) & (tl.load(pos_ptr + jj).to(tl.int64) == pos + offset)
+    jj = tl.minimum(tl.maximum(j, 0), num_tokens - 1)
+    same = (j >= 0) & (j < num_tokens) & (tl.load(pos_ptr + jj).to(tl.int64) == pos + offset)
     if RATIO > 1:
         rj = tl.load(rslot_ptr + jj).to(tl.int64)
         same = same & (rj >= 0) & (rj // RATIO == rs // RATIO)  # one ring block = one request
     return tl.where(same, jj, -1)
 
+# %% ../nbs/03_compressor.ipynb #3aa437f5
 @triton.jit
-def _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, n_tokens,
+def _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k, num_tokens,
                  D: tl.constexpr, RATIO: tl.constexpr):
     ("Pointers to the latent and gate-score rows of entry k of token i's group: "
      "this step's row if the step holds it, else the ring's")
-    j = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, k - RATIO + 1, n_tokens, RATIO)
+    j = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, k - RATIO + 1, num_tokens, RATIO)
     entry = ring_ptr + (rs - RATIO + 1 + k) * 2 * D
     return tl.where(j >= 0, kv_ptr + j * D, entry), tl.where(j >= 0, score_ptr + j * D, entry + D)
 
 # %% ../nbs/03_compressor.ipynb #ac173a40
 @triton.jit
-def _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, n_tokens, col, cm,
+def _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, num_tokens, col, cm,
                D: tl.constexpr, RATIO: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
     ("Token i's group pooled by the per-channel softmax of its gate scores "
      "(fp64 weights rounded to fp32), as `pool_group`")
     m = tl.full((GROUPS, BLOCK), -float('inf'), tl.float64)
     for k in tl.static_range(RATIO):
         kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
-                              n_tokens, D, RATIO)
+                              num_tokens, D, RATIO)
         m = tl.maximum(m, tl.load(sp + col, mask=cm, other=0.0).to(tl.float64))
     den = tl.zeros((GROUPS, BLOCK), tl.float64)
     for k in tl.static_range(RATIO):
         kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
-                              n_tokens, D, RATIO)
+                              num_tokens, D, RATIO)
         den += tl.exp(tl.load(sp + col, mask=cm, other=0.0).to(tl.float64) - m)
     x = tl.zeros((GROUPS, BLOCK), tl.float32)
     for k in tl.static_range(RATIO):
         kp, sp = _group_entry(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs, k,
-                              n_tokens, D, RATIO)
+                              num_tokens, D, RATIO)
         w = (tl.exp(tl.load(sp + col, mask=cm, other=0.0).to(tl.float64) - m) / den).to(tl.float32)
         x += tl.load(kp + col, mask=cm, other=0.0) * w
     return x
@@ -341,6 +349,7 @@ def _normalise(x, w_ptr, col, cm, D: tl.constexpr, eps):
     inv = (1.0 / tl.sqrt(tl.sum(tl.sum(xd * xd, axis=1), axis=0) / D + eps)).to(tl.float32)
     return _bf16_round(tl.load(w_ptr + col, mask=cm, other=0.0).to(tl.float32) * (x * inv))
 
+# %% ../nbs/03_compressor.ipynb #b5114f46
 @triton.jit
 def _rotate_tail(z, inv_ptr, at, g, D: tl.constexpr, ROPE: tl.constexpr, GROUPS: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -427,7 +436,7 @@ def _compress_kernel(
     w_ptr,             # (D,) norm weight
     # (ROPE/2,) fp32 inverse frequencies: each entry is rotated at its group's first position
     inv_ptr,
-    n_tokens, eps,     # T, and the norm's epsilon (fp32)
+    num_tokens, eps,   # T, and the norm's epsilon (fp32)
     # False: emit every completed group; True: save the open groups into the ring
     SAVE: tl.constexpr,
     RATIO: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
@@ -446,7 +455,7 @@ def _compress_kernel(
     cm = col < D
     if SAVE:                                        # launch 2: the ring keeps each open group
         closes = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, RATIO - 1 - pos % RATIO,
-                                   n_tokens, RATIO)
+                                   num_tokens, RATIO)
         if (rs >= 0) & (closes < 0):
             tl.store(ring_ptr + rs * 2 * D + col, tl.load(kv_ptr + i * D + col, mask=cm), mask=cm)
             tl.store(ring_ptr + rs * 2 * D + D + col, tl.load(score_ptr + i * D + col, mask=cm),
@@ -456,7 +465,7 @@ def _compress_kernel(
         if (cs >= 0) & ((pos + 1) % RATIO == 0) & (rs >= 0):
             if RATIO == 1: x = tl.load(kv_ptr + i * D + col, mask=cm, other=0.0).to(tl.float32)
             else: x = _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs,
-                                 n_tokens, col, cm, D, RATIO, GROUPS, BLOCK)
+                                 num_tokens, col, cm, D, RATIO, GROUPS, BLOCK)
             # the pooled latent in BF16, normalised
             z = _normalise(_bf16_round(x), w_ptr, col, cm, D, eps)
             tl.store(latent_ptr + i * D + col, z.to(tl.bfloat16), mask=cm)
@@ -484,6 +493,7 @@ def _record_meta(codec: RecordCodec) -> dict:
     raise ValueError(f"the compressor kernel stores FP4 records or FP8 records with UE8M0 scales, "
                      f"not {codec!r}")
 
+# %% ../nbs/03_compressor.ipynb #055d2818
 def compress_triton(c: Compressor, kv, score, positions, ring_slots, compressed_slots, ring,
                     cache) -> torch.Tensor:
     ("The fused kernel (same arguments and result as `compress_reference`): "
@@ -516,9 +526,11 @@ def _check_slots(name, slots, T, limit):
             raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, "
                              f"outside 0..{limit - 1} (-1 = none)")
 
+# %% ../nbs/03_compressor.ipynb #c09ee3e3
 def _describe(t):
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
+# %% ../nbs/03_compressor.ipynb #e905fa6d
 @patch
 def check_inputs(self: Compressor, kv, score, positions, ring_slots, compressed_slots, ring, cache,
                  check_slots=True):
@@ -582,6 +594,7 @@ def emit(
     fn = compress_triton if kernel_backend(*tensors) == 'triton' else compress_torch
     return fn(self, kv, score, positions, ring_slots, compressed_slots, ring, cache)
 
+# %% ../nbs/03_compressor.ipynb #43850ed4
 @patch
 def forward(self: Compressor, x, positions, ring_slots, compressed_slots, ring, cache,
             check_slots=True):
@@ -604,30 +617,36 @@ class RingJournal:
         self.ratio, self.rows = ratio, {}
         self.before = {b: ring[b * ratio:(b + 1) * ratio].clone() for b in blocks}
 
-    def record(self, kv, score, positions, ring_slots):
-        ("Keep, per journaled block, the (positions, fp32 latents, fp32 scores) "
-         "of the rows of this `emit` call there")
-        for b in self.before:
-            m = (ring_slots >= 0) & (ring_slots // self.ratio == b)
-            self.rows[b] = (positions[m].long(), kv[m].float(), score[m].float())
+# %% ../nbs/03_compressor.ipynb #a7839885
+@patch
+def record(self: RingJournal, kv, score, positions, ring_slots):
+    ("Keep, per journaled block, the (positions, fp32 latents, fp32 scores) "
+     "of the rows of this `emit` call there")
+    for b in self.before:
+        m = (ring_slots >= 0) & (ring_slots // self.ratio == b)
+        self.rows[b] = (positions[m].long(), kv[m].float(), score[m].float())
 
-    def first_position(self, block: int):
-        "The first position the step computed in `block`, or None"
-        pos = self.rows.get(block, (torch.zeros(0),))[0]
-        return int(pos.min()) if len(pos) else None
+# %% ../nbs/03_compressor.ipynb #51084b76
+@patch
+def first_position(self: RingJournal, block: int):
+    "The first position the step computed in `block`, or None"
+    pos = self.rows.get(block, (torch.zeros(0),))[0]
+    return int(pos.min()) if len(pos) else None
 
-    def rewind(self, ring: torch.Tensor, block: int, p: int):
-        ("Ring block `block` as a step ending at position p leaves it: "
-         "as before the step, plus its rows of the group open at p")
-        if block not in self.before:
-            raise KeyError(f"rewind: block {block} was not journaled "
-                           f"(blocks {sorted(self.before)})")
-        R, view = self.ratio, ring[block * self.ratio:(block + 1) * self.ratio]
-        view.copy_(self.before[block])
-        if block in self.rows:
-            pos, kv, score = self.rows[block]
-            keep = (pos >= p - p % R) & (pos < p)      # the open group's rows the step computed
-            view[pos[keep] % R, 0], view[pos[keep] % R, 1] = kv[keep], score[keep]
+# %% ../nbs/03_compressor.ipynb #b1d04e75
+@patch
+def rewind(self: RingJournal, ring: torch.Tensor, block: int, p: int):
+    ("Ring block `block` as a step ending at position p leaves it: "
+     "as before the step, plus its rows of the group open at p")
+    if block not in self.before:
+        raise KeyError(f"rewind: block {block} was not journaled "
+                       f"(blocks {sorted(self.before)})")
+    R, view = self.ratio, ring[block * self.ratio:(block + 1) * self.ratio]
+    view.copy_(self.before[block])
+    if block in self.rows:
+        pos, kv, score = self.rows[block]
+        keep = (pos >= p - p % R) & (pos < p)      # the open group's rows the step computed
+        view[pos[keep] % R, 0], view[pos[keep] % R, 1] = kv[keep], score[keep]
 
 # %% ../nbs/03_compressor.ipynb #e30d61d6
 def _bench_inputs(c: Compressor, mode: str, tokens: int, device):
@@ -638,15 +657,15 @@ def _bench_inputs(c: Compressor, mode: str, tokens: int, device):
         pos = torch.arange(tokens, device=device)
         ring_slots = (r + pos % r) if r > 1 else None                       # ring block 1
         cslots = torch.where((pos + 1) % r == 0, pos // r, -1)
-        n_blocks = 2
+        num_blocks = 2
     else:
         pos = torch.randint(1 << 15, 1 << 17, (tokens,), device=device)
         ring_slots = (torch.arange(tokens, device=device) + 1) * r + pos % r if r > 1 else None
         cslots = torch.where((pos + 1) % r == 0, torch.randperm(tokens, device=device), -1)
-        n_blocks = tokens + 1
+        num_blocks = tokens + 1
     x = torch.randn(tokens, c.wkv.in_features, device=device)
     with torch.no_grad(): kv, score = c.project(x)
-    ring = c.new_ring(n_blocks, device) if r > 1 else None
+    ring = c.new_ring(num_blocks, device) if r > 1 else None
     cache = torch.zeros(max(tokens, 1), c.codec.record_bytes, dtype=torch.uint8, device=device)
     return kv, score, pos, ring_slots, cslots, ring, cache
 
@@ -675,6 +694,7 @@ def benchmark_compressor(cfg: ModelConfig, layer: int, mode: str, tokens: int, f
                 floor_ns_per_entry=moved / bw / n_emit * 1e9, of_floor=moved / bw / t,
                 ref_us=t_ref * 1e6, speedup=t_ref / t)
 
+# %% ../nbs/03_compressor.ipynb #deda6b9a
 def format_compressor_benchmark(rows) -> str:
     "The rows of `benchmark_compressor` as a text table"
     cols = [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('step', 'mode', '8s'),

@@ -114,6 +114,7 @@ def is_int(v) -> bool:
     "`v` is an integer, Python's or NumPy's, and not a bool"
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
+# %% ../nbs/00_config.ipynb #0a7fa65c
 def check_int(caller: str, name: str, value, low: int | None = None):
     "`value` if `is_int` and at least `low`; else a TypeError or ValueError naming `caller`, `name`"
     if not is_int(value): raise TypeError(f"{caller}: {name} must be an int, got {value!r}")
@@ -136,6 +137,7 @@ class ConfigError(ValueError):
 
 _RULES = {}  # name -> rule(c), run in order by `validate`
 
+# %% ../nbs/00_config.ipynb #58b42cd2
 def _rule(f):
     "Register a validation rule"
     _RULES[f.__name__] = f
@@ -148,6 +150,7 @@ def expect_config(c, caller: str) -> ModelConfig:
         raise TypeError(f"{caller}: expected a ModelConfig, got {type(c).__name__}")
     return c
 
+# %% ../nbs/00_config.ipynb #38c7abca
 def validate(c: ModelConfig):
     "Raise `ConfigError` naming the first thing that makes `c` unworkable"
     expect_config(c, 'validate')
@@ -158,6 +161,7 @@ def validate(c: ModelConfig):
 _TYPES = {'int': ((int,), 'an int'), 'float': ((int, float), 'a number'), 'str': ((str,), 'a str'),
           'tuple': ((tuple,), 'a tuple')}
 
+# %% ../nbs/00_config.ipynb #9e896fa2
 @_rule
 def _check_types(c):
     for f in fields(c):
@@ -189,6 +193,7 @@ _NON_NEGATIVE = """n_mtp_layers n_shared_experts engram_max_ngram_size vision_n_
     vision_n_heads vision_inter_dim vision_patch_size vision_downsample_ratio vision_max_n_token
     vision_min_pixels""".split()
 
+# %% ../nbs/00_config.ipynb #2b2c8409
 @_rule
 def _check_sizes(c):
     for name in _POSITIVE:
@@ -353,6 +358,7 @@ def engram_bucket_primes(c: ModelConfig) -> tuple:
         layers.append(tuple(orders))
     return tuple(layers)
 
+# %% ../nbs/00_config.ipynb #1be35287
 def engram_table_rows(c: ModelConfig) -> tuple:
     "Rows of each Engram table: the sum of its bucket primes"
     return tuple(sum(sum(o) for o in layer) for layer in engram_bucket_primes(c))
@@ -395,6 +401,7 @@ def full(cls: ModelConfig):
     "The released DeepSeek-V4.1-Flash geometry"
     return cls()
 
+# %% ../nbs/00_config.ipynb #9a48150b
 @patch(cls_method=True)
 def bench(cls: ModelConfig):
     "`full` topology and attention; 64 routed experts and ~1/64 of the Engram rows, to fit one H200"
@@ -424,6 +431,7 @@ def to_dict(self: ModelConfig) -> dict:
     "The public `config.json` form: same keys, lists for tuples"
     return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
+# %% ../nbs/00_config.ipynb #f5ad2999
 @patch(cls_method=True)
 def from_dict(cls: ModelConfig, d: dict):
     "A config from a dict with the public `config.json` keys"
@@ -443,6 +451,7 @@ def to_json(self: ModelConfig, path=None) -> str:
     if path is not None: Path(path).write_text(text)
     return text
 
+# %% ../nbs/00_config.ipynb #ee96da32
 @patch(cls_method=True)
 def from_json(cls: ModelConfig, path):
     "Read a `config.json` (public key names)"
@@ -507,6 +516,7 @@ TOPOLOGY_COLUMNS = {
     'rope': "'yarn': theta compress_rope_theta with YaRN; 'base': theta rope_theta",
 }
 
+# %% ../nbs/00_config.ipynb #588f8dd4
 def topology_table(c: ModelConfig) -> str:
     "The layer map as a text table (columns explained in `TOPOLOGY_COLUMNS`)"
     rows = ['layer  half     ratio  role     kv_src  idx_src  candidates  engram  dspark_tap  rope']

@@ -29,6 +29,7 @@ __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2
 # %% ../nbs/05_csa2.ipynb #8a20c70f
 CSA2_ROLES = ('SWA', 'Full', 'Reindex', 'Reuse')
 
+# %% ../nbs/05_csa2.ipynb #7dc50eea
 def layer_writes(info: LayerInfo) -> tuple:
     ("What a layer writes for itself or others: its window always; "
      "compressed KV, index keys, top-k, the candidate pool by role")
@@ -38,6 +39,7 @@ def layer_writes(info: LayerInfo) -> tuple:
     if info.candidates == 'source': w.append('candidate pool')
     return tuple(w)
 
+# %% ../nbs/05_csa2.ipynb #9fbe5806
 def layer_reads(info: LayerInfo, cfg: ModelConfig) -> dict:
     "What a layer reads that another layer wrote: {kind: source layer}"
     r = {}
@@ -99,10 +101,12 @@ class CSA2State:
         self.window, self.compressed, self.rings, self.index_keys = {}, {}, {}, {}
         self.published = {}                         # (kind, layer) -> (step, tensor)
 
-    def __repr__(self):
-        return (f"CSA2State(window caches of {sorted(self.window)}, "
-                f"compressed KV of {sorted(self.compressed)}, "
-                f"index keys of {sorted(self.index_keys)})")
+# %% ../nbs/05_csa2.ipynb #ec5aaab5
+@patch
+def __repr__(self: CSA2State):
+    return (f"CSA2State(window caches of {sorted(self.window)}, "
+            f"compressed KV of {sorted(self.compressed)}, "
+            f"index keys of {sorted(self.index_keys)})")
 
 # %% ../nbs/05_csa2.ipynb #0c2d17e3
 @patch
@@ -128,6 +132,7 @@ def publish(self: CSA2State, kind: str, layer: int, step, value: torch.Tensor):
         raise ValueError(f"layer {layer} reads {kind!r} from layer {src}; it cannot publish one")
     self.published[kind, layer] = (step, value)
 
+# %% ../nbs/05_csa2.ipynb #1b37e36a
 @patch
 def read(self: CSA2State, kind: str, layer: int, step) -> torch.Tensor:
     "The `kind` that `layer`'s source published in this same step"
@@ -317,6 +322,7 @@ def _int_tensor(name, t, shape):
                         f"{getattr(t, 'dtype', type(t).__name__)} "
                         f"{tuple(getattr(t, 'shape', ()))}")
 
+# %% ../nbs/05_csa2.ipynb #3733ae3b
 def _check_ranges(*checks):
     "Each (name, t, lo, hi): t within lo..hi-1, else an IndexError naming it; one read back to the host for them all"
     checks = [c for c in checks if c[1].numel() and not capturing()]
@@ -457,9 +463,11 @@ class CSA2Attention(nn.Module):
         self.register_buffer('inv_freq', layer_inv_freq(cfg, self.ratio), persistent=False)
         self.attend = attend or sparse_attention_reference
 
-    def __repr__(self):
-        return (f"CSA2Attention(layer {self.layer}, {self.role}, ratio {self.ratio}, "
-                f"{self.n_heads} heads)")
+# %% ../nbs/05_csa2.ipynb #011d569b
+@patch
+def __repr__(self: CSA2Attention):
+    return (f"CSA2Attention(layer {self.layer}, {self.role}, ratio {self.ratio}, "
+            f"{self.n_heads} heads)")
 
 # %% ../nbs/05_csa2.ipynb #bc6b1f6c
 @patch
@@ -469,6 +477,7 @@ def query(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> tupl
     q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))      # (T, H, D)
     return rope(q, self.inv_freq, positions), qr
 
+# %% ../nbs/05_csa2.ipynb #e11a654c
 @patch
 def window_kv(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     "(T, D) this step's window latents, rotated at their positions (key and value at once)"

@@ -22,12 +22,14 @@ __all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'pad_decode_batch', 'CUDAGraphM
 # %% ../nbs/12c_cuda_graphs.ipynb #86ef8c0e
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes with a graph each
 
+# %% ../nbs/12c_cuda_graphs.ipynb #1ddaf946
 def padded_batch_size(n: int, sizes: Sequence[int] = CAPTURE_SIZES) -> int | None:
     ("The smallest capture size >= n; "
      "None when n is larger than all of them (that step runs eagerly)")
     return next((s for s in sorted(sizes) if s >= check_int('padded_batch_size', 'n', n, 1)),
                 None)
 
+# %% ../nbs/12c_cuda_graphs.ipynb #a347cab2
 def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per request, each sampled
                      size: int, # requests after padding
                      widths: Sequence[int], # block-table width per cache group
@@ -78,9 +80,14 @@ class CUDAGraphModel:
         self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size)
                        for g in kv_cache_config.groups]
         self.graphs, self.pool, self.stats = {}, None, dict(replayed=0, eager=0, captured=0)
-    def release(self, request_ids): self.model.release(request_ids)
-    def __repr__(self):
-        return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
+
+# %% ../nbs/12c_cuda_graphs.ipynb #bfc4b290
+@patch
+def release(self: CUDAGraphModel, request_ids): self.model.release(request_ids)
+
+@patch
+def __repr__(self: CUDAGraphModel):
+    return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
 
 # %% ../nbs/12c_cuda_graphs.ipynb #a103ee85
 def _tensors(x) -> list:
@@ -94,6 +101,7 @@ def _tensors(x) -> list:
     if isinstance(x, SimpleNamespace): return _tensors(vars(x))
     return []
 
+# %% ../nbs/12c_cuda_graphs.ipynb #bfe18169
 def _map_tensors(x, fn):
     ("`x` rebuilt with fn(t) in place of every tensor t inside it, called in `_tensors`'s order; "
      "everything else kept")
@@ -109,7 +117,6 @@ def _map_tensors(x, fn):
         return out
     if isinstance(x, SimpleNamespace): return SimpleNamespace(**_map_tensors(vars(x), fn))
     return x
-
 
 # %% ../nbs/12c_cuda_graphs.ipynb #d9858844
 class StagedInputs:
@@ -136,10 +143,14 @@ class StagedInputs:
         self.inputs = _map_tensors(like, lambda t: view(self.buffer, next(it), t))
         self.sent = torch.cuda.Event() if dev.type == 'cuda' else None
         self.load(like)
-    def __repr__(self):
-        return (f"StagedInputs({len(self.host_views)} tensors, "
-                f"{self.buffer.numel()} bytes on {self.buffer.device})")
 
+# %% ../nbs/12c_cuda_graphs.ipynb #2c4b703f
+@patch
+def __repr__(self: StagedInputs):
+    return (f"StagedInputs({len(self.host_views)} tensors, "
+            f"{self.buffer.numel()} bytes on {self.buffer.device})")
+
+# %% ../nbs/12c_cuda_graphs.ipynb #9c9eb682
 @patch
 def load(self: StagedInputs, src) -> None:
     ("Copy the tensors of `src` (structured as the one staged) into the device copies: "
@@ -155,7 +166,6 @@ def load(self: StagedInputs, src) -> None:
     self.buffer.copy_(self.host, non_blocking=True)
     if self.sent is not None: self.sent.record()
 
-
 # %% ../nbs/12c_cuda_graphs.ipynb #74aaf283
 def fill_token_ids(
     token_ids: torch.Tensor, # (T,) the ids of a batch's rows, where the model reads them
@@ -169,6 +179,7 @@ def fill_token_ids(
             raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
         token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
 
+# %% ../nbs/12c_cuda_graphs.ipynb #3b47a91d
 def _sent(v: Sequence[int], device) -> torch.Tensor:
     ("An int64 tensor of `v` on `device`; to a GPU from pinned memory, queued: "
      "from pageable memory CUDA would first wait for the stream")
@@ -183,6 +194,7 @@ def _parts(self: CUDAGraphModel) -> tuple:
     return (getattr(self.model, 'prepare', lambda b: b),
             getattr(self.model, 'run', self.model.forward))
 
+# %% ../nbs/12c_cuda_graphs.ipynb #47f7c392
 @patch
 def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) -> torch.Tensor:
     ("`run` on prepared host inputs moved to the device, "
@@ -195,6 +207,7 @@ def _eager(self: CUDAGraphModel, inputs, token_ids: torch.Tensor, fill: list) ->
     if fill: fill_token_ids(self._token_view(moved.get(id(token_ids))), fill)
     return self._parts()[1](inputs)
 
+# %% ../nbs/12c_cuda_graphs.ipynb #641f2e6a
 @patch
 def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
     ("The device copy of the batch's token ids that device fills go into, "
@@ -205,6 +218,7 @@ def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
                            "(async execution) cannot be filled")
     return t
 
+# %% ../nbs/12c_cuda_graphs.ipynb #8b419a34
 @patch
 def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
     ("(replay, staged inputs, static logits, the captured token ids or None) for one padded size, "
@@ -231,7 +245,6 @@ def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
     replay = cuda_graph(step, warmup=1, pool=self.pool)
     self.stats['captured'] += 1
     return replay, staged, out['logits'], tokens
-
 
 # %% ../nbs/12c_cuda_graphs.ipynb #85ca80fd
 @patch

@@ -12,10 +12,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 BACKENDS = ('triton', 'torch')
 _forced: str | None = None
 
+# %% auto #0
+__all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
+           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_cell_note', 'skip_gpu_cells', 'save_figure', 'capturing',
+           'as_captured', 'HostReads', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
+
+# %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
     "Is Triton running kernels in its CPU interpreter (`TRITON_INTERPRET=1`)?"
     return os.environ.get('TRITON_INTERPRET', '0') not in ('', '0')
 
+# %% ../nbs/00a_dispatch.ipynb #22354e93
 def kernel_backend(*tensors: torch.Tensor) -> str:
     ("'triton' or 'torch': which implementation runs for `tensors` "
      "(forced by `use_kernels` or `DSV41_KERNELS`)")
@@ -36,6 +43,7 @@ def kernel_backend(*tensors: torch.Tensor) -> str:
     if forced: return forced
     return 'triton' if triton_ok else 'torch'
 
+# %% ../nbs/00a_dispatch.ipynb #9f47f0d6
 @contextmanager
 def use_kernels(backend: str | None):
     "Force 'triton' or 'torch' inside the block (None restores the automatic choice)"
@@ -46,15 +54,11 @@ def use_kernels(backend: str | None):
     try: yield
     finally: _forced = prev
 
+# %% ../nbs/00a_dispatch.ipynb #a4cf8df3
 def check_device() -> torch.device:
     ("The device notebook checks run on: CUDA when present (compiled kernels), "
      "else the CPU (interpreter or reference)")
     return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-
-# %% auto #0
-__all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_cell_note', 'skip_gpu_cells', 'save_figure', 'capturing',
-           'as_captured', 'HostReads', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #5cc46ab1
 def median_time(fn, # the call to time, with no arguments
@@ -77,6 +81,7 @@ def median_time(fn, # the call to time, with no arguments
         t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
     return statistics.median(times)
 
+# %% ../nbs/00a_dispatch.ipynb #3fa45f00
 def copy_bandwidth(nbytes: int = 2 * 2**30, # bytes in the source buffer (the copy moves twice that)
                    device='cuda', # where to measure
                   ) -> float:
@@ -99,6 +104,7 @@ def machine_name(device='cuda') -> str:
 @functools.lru_cache(None)
 def _sm_count(index: int) -> int: return torch.cuda.get_device_properties(index).multi_processor_count
 
+# %% ../nbs/00a_dispatch.ipynb #c8ff5dc1
 def sm_count(device, # a torch.device or its name
              default: int = 1, # what a device that is not a GPU counts as
             ) -> int:
@@ -135,6 +141,7 @@ def skip_gpu_cells() -> bool:
     if gpu_cell_note not in cleanup: cleanup.append(gpu_cell_note)
     return True
 
+# %% ../nbs/00a_dispatch.ipynb #62f93b68
 skip_gpu_cells();
 
 # %% ../nbs/00a_dispatch.ipynb #45053db6
@@ -153,10 +160,12 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
 _as_captured = False
 
 def capturing() -> bool:
-    ("Is this code being captured into a CUDA graph (or run as one would be, inside `as_captured`)? "
-     "Then it may not read device values")
-    return _as_captured or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    ("Is this code being captured into a CUDA graph (or run as one would be, inside `as_captured`), "
+     "or traced by `torch.compile`? Then it may not read device values")
+    return (_as_captured or torch.compiler.is_compiling()
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
+# %% ../nbs/00a_dispatch.ipynb #0aa5b8bc
 @contextmanager
 def as_captured():
     ("Inside the block, run as a CUDA graph capture does: no read-backs of device values, "
@@ -177,6 +186,7 @@ def _caller() -> str:
             return f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
     return '?'
 
+# %% ../nbs/00a_dispatch.ipynb #02cc4732
 class HostReads(TorchDispatchMode):
     ("Inside the block, count the operator calls that read tensor values back to the host "
      "(a sync on a GPU), by call site")
@@ -246,6 +256,7 @@ PDL = dict(enabled=True)
 @functools.lru_cache(None)
 def _capability(index: int) -> tuple: return torch.cuda.get_device_capability(index)
 
+# %% ../nbs/00a_dispatch.ipynb #04d008ee
 def pdl_launch(device, # the device the kernel runs on: a torch.device or its name
               ) -> dict:
     ("Launch keywords for a kernel that starts with `pdl_wait(PDL)`: "
@@ -262,6 +273,7 @@ def pdl_launch(device, # the device the kernel runs on: a torch.device or its na
         return dict(PDL=False)
     return dict(PDL=True, launch_pdl=True)
 
+# %% ../nbs/00a_dispatch.ipynb #226cfb98
 @triton.jit
 def pdl_wait(ON: tl.constexpr):
     ("A kernel's first step: wait until the previous kernel's writes are visible, "

@@ -34,65 +34,71 @@ __all__ = ['BACKENDS', 'DISPATCH_META', 'free_port', 'rank_device', 'rank_thread
 # %% ../nbs/15_distributed.ipynb #fd4ad52c
 BACKENDS = ('gloo', 'nccl')
 
+# %% ../nbs/15_distributed.ipynb #4853d5b6
 def free_port() -> int:
     "A TCP port on this machine that nothing listens on now (the OS picks it), for the ranks' rendezvous"
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
+# %% ../nbs/15_distributed.ipynb #e077015d
 def rank_device(group=None) -> torch.device:
     "Where this rank computes: its own GPU under NCCL, the CPU under gloo"
     if dist.get_backend(group) == 'nccl': return torch.device('cuda', torch.cuda.current_device())
     return torch.device('cpu')
 
+# %% ../nbs/15_distributed.ipynb #59f173ec
 @contextlib.contextmanager
-def rank_threads(world: int):
-    "Inside the block, compute with one gloo rank's share of the CPU cores (of `world` ranks), as `run_ranks` does"
+def rank_threads(world_size: int):
+    ("Inside the block, compute with one gloo rank's share of the CPU cores "
+     "(of `world_size` ranks), as `run_ranks` does")
     before = torch.get_num_threads()
-    share = (os.cpu_count() or 1) // check_int('rank_threads', 'world', world, 1)
+    share = (os.cpu_count() or 1) // check_int('rank_threads', 'world_size', world_size, 1)
     torch.set_num_threads(max(1, share))
     try: yield
     finally: torch.set_num_threads(before)
 
 # %% ../nbs/15_distributed.ipynb #163bab31
-def _rank_main(rank, world, backend, port, jobs, out_dir, timeout_s):
+def _rank_main(rank, world_size, backend, port, jobs, out_dir, timeout_s):
     "One spawned rank: join the group, run the jobs in order, save their results for the parent"
     if backend == 'nccl': torch.cuda.set_device(rank)
     # a share of the cores
-    with rank_threads(world) if backend == 'gloo' else contextlib.nullcontext():
+    with rank_threads(world_size) if backend == 'gloo' else contextlib.nullcontext():
         dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s))
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
         try: torch.save([fn(*args) for fn, args in jobs], os.path.join(out_dir, f'rank{rank}.pt'))
         finally: dist.destroy_process_group()
 
 # %% ../nbs/15_distributed.ipynb #7ddff7aa
 def run_ranks(
     jobs: list,  # (function, args) pairs: module-level functions, run in order on every rank
-    world: int = 2,  # processes, one per rank
+    world_size: int = 2,  # processes, one per rank
     backend: str = 'gloo',  # 'gloo' (CPU) or 'nccl' (one GPU per rank)
     timeout_s: int = 120,  # a collective that waits longer fails instead of hanging
 ) -> list[list]:
-    "Spawn `world` ranks in one process group and run `jobs` on each: results[job][rank], on the CPU"
-    check_int('run_ranks', 'world', world, 1); check_int('run_ranks', 'timeout_s', timeout_s, 1)
+    ("Spawn `world_size` ranks in one process group and run `jobs` on each: "
+     "results[job][rank], on the CPU")
+    check_int('run_ranks', 'world_size', world_size, 1)
+    check_int('run_ranks', 'timeout_s', timeout_s, 1)
     if backend not in BACKENDS:
         raise ValueError(f"run_ranks: backend {backend!r}; expected one of {BACKENDS}")
     def is_job(j): return (isinstance(j, tuple) and len(j) == 2 and callable(j[0])
                            and isinstance(j[1], tuple))
     if not isinstance(jobs, (list, tuple)) or not all(is_job(j) for j in jobs):
         raise TypeError("run_ranks: jobs must be a list of (function, args tuple) pairs")
-    if backend == 'nccl' and world > torch.cuda.device_count():
-        raise ValueError(f"run_ranks: {world} NCCL ranks need {world} GPUs, "
+    if backend == 'nccl' and world_size > torch.cuda.device_count():
+        raise ValueError(f"run_ranks: {world_size} NCCL ranks need {world_size} GPUs, "
                          f"this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank_main, args=(world, backend, free_port(), list(jobs), d, timeout_s),
-                 nprocs=world)
+        mp.spawn(_rank_main, args=(world_size, backend, free_port(), list(jobs), d, timeout_s),
+                 nprocs=world_size)
         done = [torch.load(os.path.join(d, f'rank{r}.pt'), map_location='cpu', weights_only=False)
-                for r in range(world)]
-    return [[done[r][j] for r in range(world)] for j in range(len(jobs))]
+                for r in range(world_size)]
+    return [[done[r][j] for r in range(world_size)] for j in range(len(jobs))]
 
 # %% ../nbs/15_distributed.ipynb #4c1fbd30
 def _group(caller: str, group=None) -> tuple[int, int]:
-    "(rank, world) in `group`, or a clear error outside a process group"
+    "(rank, world_size) in `group`, or a clear error outside a process group"
     if not dist.is_initialized():
         raise RuntimeError(f"{caller}: torch.distributed is not initialised; "
                            "run it on ranks (`run_ranks`) or after `init_process_group`")
@@ -106,10 +112,10 @@ def exchange(
     group=None,
 ) -> torch.Tensor:
     "All-to-all along dim 0 with split sizes: what every rank sent here, in rank order, (sum(recv_counts), ...)"
-    _, world = _group('exchange', group)
-    if len(send_counts) != world or len(recv_counts) != world:
+    _, world_size = _group('exchange', group)
+    if len(send_counts) != world_size or len(recv_counts) != world_size:
         raise ValueError(f"exchange: {len(send_counts)} send and {len(recv_counts)} receive counts "
-                         f"for {world} ranks")
+                         f"for {world_size} ranks")
     if sum(send_counts) != rows.shape[0]:
         raise ValueError(f"exchange: send counts add up to {sum(send_counts)}, "
                          f"rows has {rows.shape[0]}")
@@ -121,48 +127,50 @@ def exchange(
 # %% ../nbs/15_distributed.ipynb #679411d8
 def exchange_job(counts: list[list[int]]) -> torch.Tensor:
     "Worker: rank s sends counts[s][r] rows (s, r, i) to rank r; returns the rows it received"
-    rank, world = _group('exchange_job')
-    rows = [(rank, r, i) for r in range(world) for i in range(counts[rank][r])]
+    rank, world_size = _group('exchange_job')
+    rows = [(rank, r, i) for r in range(world_size) for i in range(counts[rank][r])]
     rows = torch.tensor(rows, dtype=torch.int64, device=rank_device()).view(-1, 3)     # (sent, 3)
-    return exchange(rows, counts[rank], [counts[s][rank] for s in range(world)]).cpu()
+    return exchange(rows, counts[rank], [counts[s][rank] for s in range(world_size)]).cpu()
 
 # %% ../nbs/15_distributed.ipynb #d1e480d8
-def expert_range(n_experts: int, rank: int, world: int) -> tuple[int, int]:
-    "Routed experts [first, end) that `rank` of `world` holds: contiguous, n_experts / world each"
-    check_int('expert_range', 'world', world, 1)
+def expert_range(n_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    ("Routed experts [first, end) that `rank` of `world_size` holds: contiguous, "
+     "n_experts / world_size each")
+    check_int('expert_range', 'world_size', world_size, 1)
     check_int('expert_range', 'n_experts', n_experts, 1)
-    if n_experts % world:
+    if n_experts % world_size:
         raise ValueError(f"expert_range: {n_experts} routed experts do not split evenly "
-                         f"over {world} ranks")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise IndexError(f"expert_range: rank {rank!r} outside 0..{world - 1}")
-    per = n_experts // world
+                         f"over {world_size} ranks")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise IndexError(f"expert_range: rank {rank!r} outside 0..{world_size - 1}")
+    per = n_experts // world_size
     return rank * per, (rank + 1) * per
 
 # %% ../nbs/15_distributed.ipynb #5b893bad
 def local_experts(
     W: MoEWeights,  # the layer with all routed experts, or already this rank's slice of them
     rank: int,
-    world: int,
+    world_size: int,
 ) -> MoEWeights:
     "This rank's copy of a MoE layer: router (gate, biases) and shared expert whole, routed experts its range only"
     if not isinstance(W, MoEWeights):
         raise TypeError(f"local_experts: expected MoEWeights, got {type(W).__name__}")
     E, held = W.n_experts, W.w1.shape[0]
-    lo, hi = expert_range(E, rank, world)
+    lo, hi = expert_range(E, rank, world_size)
     if held == hi - lo: return W  # already this rank's slice
     if held != E:
         raise ValueError(f"local_experts: world size mismatch: "
                          f"the weights hold {held} of {E} routed experts; "
-                         f"a rank of {world} holds {hi - lo} (or pass all {E})")
+                         f"a rank of {world_size} holds {hi - lo} (or pass all {E})")
     cut = lambda q: QuantWeight(q.codes[lo:hi].clone(), q.scales[lo:hi].clone(), q.fmt)
     return replace(W, w1=cut(W.w1), w2=cut(W.w2), w3=cut(W.w3))
 
 # %% ../nbs/15_distributed.ipynb #d30af24a
 def dispatch_order(ids: torch.Tensor,  # (tokens, k) global expert ids
-                   n_experts: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    "Assignments (t*k + j) sorted by the rank owning their expert (stable), and the count for each rank (world,)"
-    lo, hi = expert_range(n_experts, 0, world)
+                   n_experts: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ("Assignments (t*k + j) sorted by the rank owning their expert (stable), "
+     "and the count for each rank (world_size,)")
+    lo, hi = expert_range(n_experts, 0, world_size)
     if (not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64)
             or ids.ndim != 2):
         raise TypeError(f"dispatch_order: expected int expert ids (tokens, k), "
@@ -171,11 +179,12 @@ def dispatch_order(ids: torch.Tensor,  # (tokens, k) global expert ids
         raise IndexError(f"dispatch_order: expert ids {int(ids.min())}..{int(ids.max())} "
                          f"outside 0..{n_experts - 1}")
     owner = ids.flatten() // (hi - lo)                                              # (tokens*k,)
-    return torch.argsort(owner, stable=True), torch.bincount(owner, minlength=world)
+    return torch.argsort(owner, stable=True), torch.bincount(owner, minlength=world_size)
 
 # %% ../nbs/15_distributed.ipynb #5caefc44
 DISPATCH_META = 8  # bytes after the FP8 row: int32 expert id on its owner, fp32 routing weight
 
+# %% ../nbs/15_distributed.ipynb #e17d43b8
 def dispatch_codec(dim: int) -> FP8Record:
     "A token row as it travels: E4M3 values and one UE8M0 scale per 32, the quantisation its experts apply anyway"
     if check_int('dispatch_codec', 'dim', dim, 32) % 32:
@@ -271,16 +280,16 @@ def ep_combine(back: torch.Tensor,  # (tokens*k, dim) BF16 expert outputs in dis
 def ep_moe_simulated(xs: list,  # one (tokens, dim) batch per simulated rank
                      W: MoEWeights, cfg: ModelConfig) -> dict:
     "Expert parallelism over len(xs) ranks in one process, the all-to-alls as lists: outputs and (src, dst) counts"
-    world, limit = len(xs), cfg.swiglu_limit
-    shards = [local_experts(W, r, world) for r in range(world)]
+    world_size, limit = len(xs), cfg.swiglu_limit
+    shards = [local_experts(W, r, world_size) for r in range(world_size)]
     routes = [route_layer(x, W, cfg) for x in xs]
-    plans = [dispatch_order(ids, W.n_experts, world) for _, ids in routes]
+    plans = [dispatch_order(ids, W.n_experts, world_size) for _, ids in routes]
     # sent[s][r]: s -> r
-    sent = [pack_dispatch(x, w, ids, order, W.n_experts // world).split(counts.tolist())
+    sent = [pack_dispatch(x, w, ids, order, W.n_experts // world_size).split(counts.tolist())
             for x, (w, ids), (order, counts) in zip(xs, routes, plans)]
-    back = [[None] * world for _ in range(world)]  # back[s][r]: r -> s
-    for r in range(world):
-        got = [sent[s][r] for s in range(world)]
+    back = [[None] * world_size for _ in range(world_size)]  # back[s][r]: r -> s
+    for r in range(world_size):
+        got = [sent[s][r] for s in range(world_size)]
         out = local_expert_outputs(*unpack_dispatch(torch.cat(got), W.dim), shards[r], limit)
         for s, piece in enumerate(out.split([len(p) for p in got])): back[s][r] = piece
     outs = [ep_combine(torch.cat(back[s]), plans[s][0], routes[s][1],
@@ -298,12 +307,12 @@ def ep_moe_forward(
     info: dict | None = None,  # when given, filled with the routing and the row counts
 ) -> torch.Tensor:
     "The MoE layer with its experts spread over ranks: route, all-to-all, local experts, all-to-all back, combine"
-    rank, world = _group('ep_moe_forward', group)
-    W = local_experts(W, rank, world)
+    rank, world_size = _group('ep_moe_forward', group)
+    W = local_experts(W, rank, world_size)
     weights, ids = route_layer(x, W, cfg, token_ids)  # (tokens, k) each
-    order, send = dispatch_order(ids, W.n_experts, world)
+    order, send = dispatch_order(ids, W.n_experts, world_size)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # (world,) rows from each
+    dist.all_to_all_single(recv, send, group=group)  # (world_size,) rows from each
     send_counts, recv_counts = send.tolist(), recv.tolist()
     records = pack_dispatch(x, weights, ids, order, W.w1.shape[0])  # (tokens*k, dim + dim/32 + 8)
     got = exchange(records, send_counts, recv_counts, group)  # (received, ...)
@@ -323,13 +332,14 @@ def _moe_to(W: MoEWeights, device) -> MoEWeights:
         return v
     return MoEWeights(**{f: move(getattr(W, f)) for f in W.__dataclass_fields__})
 
+# %% ../nbs/15_distributed.ipynb #944cf765
 def ep_moe_job(xs: list, W: MoEWeights, cfg: ModelConfig, kernels: str | None = None) -> dict:
     "Worker: rank r runs xs[r] through `ep_moe_forward` (kernels forced to `kernels` if given): output and routing"
-    rank, world = _group('ep_moe_job')
+    rank, world_size = _group('ep_moe_job')
     dev, info = rank_device(), {}
     with use_kernels(kernels):
-        out = ep_moe_forward(xs[rank].to(dev), local_experts(_moe_to(W, dev), rank, world), cfg,
-                             info=info)
+        mine = local_experts(_moe_to(W, dev), rank, world_size)
+        out = ep_moe_forward(xs[rank].to(dev), mine, cfg, info=info)
     return dict(out=out.cpu(), ids=info['ids'].cpu(), send_counts=info['send_counts'],
                 recv_counts=info['recv_counts'])
 
@@ -352,6 +362,7 @@ def dp_steps(
         outs.append(step(batches[i]) if i < len(batches) else dummy())
         log.append(len(batches[i]) if i < len(batches) else 'dummy')
 
+# %% ../nbs/15_distributed.ipynb #5fa018f4
 def dp_moe_steps(batches: list,  # this rank's (tokens, dim) batches, one per step
                  W: MoEWeights, cfg: ModelConfig, group=None) -> tuple[list, list]:
     "`dp_steps` of the MoE layer, the dummy batch empty: (outputs of this rank's batches, log)"
@@ -364,32 +375,33 @@ def dp_moe_steps(batches: list,  # this rank's (tokens, dim) batches, one per st
 # %% ../nbs/15_distributed.ipynb #e977c70e
 def dp_moe_job(batches: list, W: MoEWeights, cfg: ModelConfig, kernels: str | None = None) -> dict:
     "Worker: rank r serves batches[r], its list of per-step batches, through `dp_moe_steps` (kernels as `ep_moe_job`)"
-    rank, world = _group('dp_moe_job')
+    rank, world_size = _group('dp_moe_job')
     dev = rank_device()
     with use_kernels(kernels):
         outs, log = dp_moe_steps([b.to(dev) for b in batches[rank]],
-                                 local_experts(_moe_to(W, dev), rank, world), cfg)
+                                 local_experts(_moe_to(W, dev), rank, world_size), cfg)
     return dict(outs=[o.cpu() for o in outs], log=log)
 
 # %% ../nbs/15_distributed.ipynb #66729fad
 def gather_rows(rows: torch.Tensor,  # (n, ...) this rank's rows; ranks may have different n
                 group=None) -> tuple[torch.Tensor, list[int]]:
     "Every rank's rows, in rank order, and how many came from each (an all-gather of uneven sizes)"
-    _, world = _group('gather_rows', group)
-    counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(world)]
+    _, world_size = _group('gather_rows', group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=rows.device) for _ in range(world_size)]
     dist.all_gather(counts, torch.tensor([rows.shape[0]], device=rows.device), group=group)
     counts = [int(c) for c in counts]
-    copies = rows.repeat(world, *[1] * (rows.ndim - 1))
-    return exchange(copies, [rows.shape[0]] * world, counts, group), counts
+    copies = rows.repeat(world_size, *[1] * (rows.ndim - 1))
+    return exchange(copies, [rows.shape[0]] * world_size, counts, group), counts
 
 # %% ../nbs/15_distributed.ipynb #fbba11e8
-def check_engram_plan(shard: EngramTable, plan: list, rank: int, world: int):
-    "Raise unless `plan` (`head_shards(cfg, world)[layer]`) has `world` ranks and gives `rank` the rows `shard` holds"
+def check_engram_plan(shard: EngramTable, plan: list, rank: int, world_size: int):
+    ("Raise unless `plan` (`head_shards(cfg, world_size)[layer]`) has `world_size` ranks "
+     "and gives `rank` the rows `shard` holds")
     if not isinstance(shard, EngramTable):
         raise TypeError(f"Engram shard: expected an EngramTable, got {type(shard).__name__}")
-    if not isinstance(plan, (list, tuple)) or len(plan) != world:
+    if not isinstance(plan, (list, tuple)) or len(plan) != world_size:
         raise ValueError(f"Engram plan: it splits the table over {len(plan)} ranks, "
-                         f"the group has {world}")
+                         f"the group has {world_size}")
     c0, c1, r0, r1 = plan[rank]
     if (shard.row_start, shard.row_start + shard.rows) != (r0, r1):
         raise ValueError(f"Engram plan: rank {rank} holds rows "
@@ -400,12 +412,12 @@ def check_engram_plan(shard: EngramTable, plan: list, rank: int, world: int):
 def sharded_engram_lookup(
     shard: EngramTable,  # this rank's rows: whole hash heads (`head_shards`)
     ids: torch.Tensor,  # (tokens, cols) row ids of this rank's tokens, every head
-    plan: list,  # head_shards(cfg, world)[layer]: (first col, end col, first row, end row)
+    plan: list,  # head_shards(cfg, world_size)[layer]: (first col, end col, first row, end row)
     group=None,
 ) -> torch.Tensor:
     "(tokens, cols, head_dim) BF16 rows: each rank looks up its heads for every rank's tokens; FP8 records travel"
-    rank, world = _group('sharded_engram_lookup', group)
-    check_engram_plan(shard, plan, rank, world)
+    rank, world_size = _group('sharded_engram_lookup', group)
+    check_engram_plan(shard, plan, rank, world_size)
     cols = plan[-1][1]
     if (not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64)
             or ids.shape[1:] != (cols,)):
@@ -467,7 +479,7 @@ class ShardedEngram(nn.Module):
     def __init__(self,
                  dense: DenseEngram,  # the whole module, whose table this rank no longer keeps
                  shard: EngramTable,  # this rank's rows: plan[rank]'s hash heads, FP8 records
-                 plan: list, group=None):  # plan: head_shards(cfg, world)[engram layer]
+                 plan: list, group=None):  # plan: head_shards(cfg, world_size)[engram layer]
         super().__init__()
         self.index, self.hc, self.dim, self.eps = dense.index, dense.hc, dense.dim, dense.eps
         self.wkv, self.q_weight, self.k_weight = dense.wkv, dense.q_weight, dense.k_weight
@@ -494,7 +506,7 @@ class ShardedEngram(nn.Module):
 # %% ../nbs/15_distributed.ipynb #afe0ebc3
 def shard_model_(model: Transformer, group=None) -> Transformer:
     "`model`, in place, as one rank of `group` holds it: each MoE an `EPMoE`, each Engram module a `ShardedEngram`"
-    rank, world = _group('shard_model_', group)
+    rank, world_size = _group('shard_model_', group)
     if not isinstance(model, Transformer):
         raise TypeError(f"shard_model_: expected a Transformer, got {type(model).__name__}")
     if any(isinstance(l.ffn, EPMoE) for l in model.layers):
@@ -503,9 +515,9 @@ def shard_model_(model: Transformer, group=None) -> Transformer:
         raise ValueError("shard_model_: Engram rows travel as FP8 records (the quantised path); "
                          "set model.quant = True")
     cfg = model.cfg
-    plans = head_shards(cfg, world) if cfg.engram_layer_ids else []
+    plans = head_shards(cfg, world_size) if cfg.engram_layer_ids else []
     for layer in model.layers:
-        layer.ffn = EPMoE(local_experts(moe_weights(layer.ffn, cfg), rank, world), cfg, group)
+        layer.ffn = EPMoE(local_experts(moe_weights(layer.ffn, cfg), rank, world_size), cfg, group)
         if layer.engram is not None:
             plan = plans[layer.engram.index]
             *_, r0, r1 = plan[rank]
@@ -514,6 +526,7 @@ def shard_model_(model: Transformer, group=None) -> Transformer:
             layer.engram = ShardedEngram(layer.engram, shard, plan, group)
     return model
 
+# %% ../nbs/15_distributed.ipynb #e561c4d5
 def dummy_step(model: Transformer) -> dict:
     "An idle rank's share of a step: each layer's Engram lookup and MoE with no tokens. {'routes': each MoE's `info`}"
     if (not isinstance(model, Transformer)
@@ -553,19 +566,20 @@ def dp_model_job(model: Transformer, requests: list, kernels: str | None = 'torc
     return dict(steps=steps, log=log)                     # `run_ranks` loads them onto the CPU
 
 # %% ../nbs/15_distributed.ipynb #1db9f561
-def ep_traffic(cfg: ModelConfig, world: int, batch: int) -> dict:
+def ep_traffic(cfg: ModelConfig, world_size: int, batch: int) -> dict:
     "Per rank and decode step over all layers, routing uniform: bytes the all-to-alls send, expert weights read"
     E, k, D, L = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.n_layers
-    lo, hi = expert_range(E, 0, world)
-    per, remote = hi - lo, (world - 1) / world
+    lo, hi = expert_range(E, 0, world_size)
+    per, remote = hi - lo, (world_size - 1) / world_size
     check_int('ep_traffic', 'batch', batch, 0)
     out_row, back_row = dispatch_codec(D).record_bytes + DISPATCH_META, 2 * D
     hit = 1 - math.comb(E - per, k) / math.comb(E, k)  # a given rank owns >= 1 of a token's experts
     # every rank's tokens reach every rank
-    touched = per * float(expert_touch_fraction(world * batch, k, E))
-    return dict(world=world, batch=batch, dispatch_bytes=L * batch * k * remote * out_row,
+    touched = per * float(expert_touch_fraction(world_size * batch, k, E))
+    return dict(world_size=world_size, batch=batch, dispatch_bytes=L * batch * k * remote * out_row,
                 combine_bytes=L * batch * k * remote * back_row,
-                once_per_rank_bytes=(L * batch * (world - 1) * hit
+                once_per_rank_bytes=(L * batch * (world_size - 1) * hit
                                      * (out_row - DISPATCH_META + back_row)),
-                remote_ranks_per_token=(world - 1) * hit, experts_held=per, experts_touched=touched,
+                remote_ranks_per_token=(world_size - 1) * hit, experts_held=per,
+                experts_touched=touched,
                 expert_bytes=L * touched * expert_params(cfg) * (0.5 + 1 / 32))

@@ -322,7 +322,7 @@ def best_verify_length(
 def roofline_step_cost(cfg: ModelConfig,  # the model (usually `full`)
                        hw: Hardware,      # the GPU's bandwidth
                        flops: float,      # its dense FLOP/s
-                       ranks: int = 8,    # GPUs: attention data-parallel, experts split evenly
+                       world_size: int = 8,  # GPUs: attention data-parallel, experts split evenly
                        fixed: float = 0.0,  # seconds every step pays regardless of size
                       ):
     ("c(T): seconds of a decode step carrying T tokens per GPU: "
@@ -331,12 +331,12 @@ def roofline_step_cost(cfg: ModelConfig,  # the model (usually `full`)
             f"roofline_step_cost: flops = {flops!r}; expected > 0")
     require(isinstance(fixed, (int, float)) and fixed >= 0,
             f"roofline_step_cost: fixed = {fixed!r}; expected >= 0")
-    check_int('roofline_step_cost', 'ranks', ranks, 1)
+    check_int('roofline_step_cost', 'world_size', world_size, 1)
     two_n = 2 * active_params_per_token(cfg, 'decode')['total']
     def cost(T) -> torch.Tensor:
         T = torch.as_tensor(T, dtype=torch.int64)
         require(bool((T >= 1).all()), f"step cost: token counts must be >= 1, got {T.min().item()}")
-        mem = torch.tensor([decode_floor(cfg, hw, int(t) * ranks, ranks)['seconds']
+        mem = torch.tensor([decode_floor(cfg, hw, int(t) * world_size, world_size)['seconds']
                             for t in T.flatten().tolist()])
         return fixed + torch.maximum(mem.view(T.shape).double(), two_n * T.double() / flops)
     return cost

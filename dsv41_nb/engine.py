@@ -65,9 +65,13 @@ class RecomputeModel:
             raise TypeError(f"RecomputeModel: expected a Transformer, got {type(model).__name__}")
         # history: request id -> its ids
         self.model, self.history, self.device = model, {}, model.embed.weight.device
-    def release(self, request_ids):
-        self.history = {k: v for k, v in self.history.items() if k not in request_ids}
 
+# %% ../nbs/13_engine.ipynb #fab2d005
+@patch
+def release(self: RecomputeModel, request_ids):
+    self.history = {k: v for k, v in self.history.items() if k not in request_ids}
+
+# %% ../nbs/13_engine.ipynb #91a54376
 @patch
 @torch.no_grad()
 def forward(self: RecomputeModel, batch: InputBatch) -> torch.Tensor:
@@ -119,6 +123,7 @@ class ModelRunner:
             check_int('ModelRunner', 'seed', seed, 0))
         self.requests, self.generators, self.kernels, self.filled_rows = {}, {}, kernels, 0
 
+# %% ../nbs/13_engine.ipynb #86d4e977
 @patch
 def _start(self: ModelRunner, sr) -> SimpleNamespace:
     ("(Re)start what the runner keeps of a request: every id it knows "
@@ -133,6 +138,7 @@ def _start(self: ModelRunner, sr) -> SimpleNamespace:
         pending=None, filled=[])   # (tensor, index) of its newest id, not back yet
     return st
 
+# %% ../nbs/13_engine.ipynb #aed42e11
 @patch
 def _rows(self: ModelRunner, sr, st: SimpleNamespace) -> tuple:
     ("(ids of a request's rows: its own tokens where they are known, then the drafts; "
@@ -211,6 +217,7 @@ def _stop_mask(self: ModelRunner, logits: torch.Tensor, plan: list):
         n = min(len(drafts) + 1, sp.min_tokens - (keep - st.num_prompt_tokens))
         if stop and n > 0: logits[o:o + n, stop] = -torch.inf
 
+# %% ../nbs/13_engine.ipynb #1f9018d0
 @patch
 def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
     "(accepted, token) of the step's sampling rows, as tensors on the device (accepted None: nothing to verify)"
@@ -223,6 +230,7 @@ def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
     return draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device),
                 sb, self.generator)
 
+# %% ../nbs/13_engine.ipynb #0ba750bc
 @patch
 def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
     "request id -> its new tokens (accepted drafts, then one drawn token); the runner's tokens updated"
@@ -248,6 +256,7 @@ def _forget(self: ModelRunner, so: SchedulerOutput):
     for rid in so.finished_req_ids: self.generators.pop(rid, None)
     if gone: self.model.release(gone)
 
+# %% ../nbs/13_engine.ipynb #c0491382
 @patch
 def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
     "(sample plan, logits) of a step: the batch built and the model run"
@@ -259,6 +268,7 @@ def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
                            f"expected ({len(batch.logits_indices)}, {self.vocab_size})")
     return plan, logits
 
+# %% ../nbs/13_engine.ipynb #61bad4c6
 @patch
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
@@ -279,6 +289,7 @@ class StepFuture:
         if self._out is None: self._out, self._fn = self._fn(), None
         return self._out
 
+# %% ../nbs/13_engine.ipynb #a7a3744b
 @patch
 def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
     "Launch one step and return without waiting: its sampled ids come back, and join the runner's, on `result()`"
@@ -310,7 +321,6 @@ def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
         return ModelRunnerOutput(out, {})
     return StepFuture(result)
 
-
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
 class CompletionOutput:
@@ -321,6 +331,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # 'stop', 'length' or 'abort'; None while it runs
     stop_reason: int | None = None  # the stop id that ended it
 
+# %% ../nbs/13_engine.ipynb #f995052e
 @dataclass
 class RequestOutput:
     "A request's output (vLLM's RequestOutput)"
@@ -332,19 +343,25 @@ class RequestOutput:
     # arrival, first_token, finished: time.perf_counter() seconds; steps
     metrics: dict = field(default_factory=dict)
 
+# %% ../nbs/13_engine.ipynb #aefb41f6
 class IncrementalDetokenizer:
     "The text of a growing list of byte-tokenizer ids: bytes decoded as they come, a split character held back"
     def __init__(self):
         self._utf8, self.text = codecs.getincrementaldecoder('utf-8')(errors='replace'), ''
-    def add(self, ids: Sequence[int], # new ids (ids >= 256 are special tokens and print nothing)
-            final: bool = False) -> str: # the last ids: flush a trailing partial character
-        "The new text piece"
-        self.text += (piece := self._utf8.decode(bytes(i for i in ids if i < 256), final=final))
-        return piece
+
+# %% ../nbs/13_engine.ipynb #5222b954
+@patch
+def add(self: IncrementalDetokenizer,
+        ids: Sequence[int], # new ids (ids >= 256 are special tokens and print nothing)
+        final: bool = False) -> str: # the last ids: flush a trailing partial character
+    "The new text piece"
+    self.text += (piece := self._utf8.decode(bytes(i for i in ids if i < 256), final=final))
+    return piece
 
 # %% ../nbs/13_engine.ipynb #6e6a8a4e
 RUNNERS = ('auto', 'paged', 'recompute')
 
+# %% ../nbs/13_engine.ipynb #f29732a4
 @dataclass(frozen=True)
 class EngineArgs:
     "The engine's knobs (a few of vLLM's EngineArgs)"
@@ -376,6 +393,7 @@ class EngineArgs:
             raise ValueError("async_scheduling with num_speculative_tokens > 0 "
                              "is not supported here")
 
+# %% ../nbs/13_engine.ipynb #93d2e5bb
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
     "The model the runner calls: the paged path (runner 'auto' or 'paged'), or the reference that recomputes"
     if runner not in RUNNERS: raise ValueError(f"runner = {runner!r}; expected one of {RUNNERS}")
@@ -391,6 +409,7 @@ class _Tracked:
         self.detok, self.finish_reason, self.stop_reason = IncrementalDetokenizer(), None, None
         self.sent = (0, 0)
 
+# %% ../nbs/13_engine.ipynb #bc1227cc
 class LLMEngine:
     ("Scheduler, model runner and tokenizer in one loop (vLLM's LLMEngine, one process): "
      "add requests, step, read outputs")
@@ -441,6 +460,7 @@ def _cache_layout(self: LLMEngine) -> KVCacheConfig:
         cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
         enable_prefix_caching=a.enable_prefix_caching))
 
+# %% ../nbs/13_engine.ipynb #7f9c096a
 @patch
 def _proposer(self: LLMEngine, proposer) -> Proposer | None:
     "The proposer: the one given, or the n-gram proposer for num_speculative_tokens > 0"
@@ -485,6 +505,7 @@ def process_prompt(self: LLMEngine, prompt) -> tuple:
                          f"more than max_model_len = {self.max_model_len:,}")
     return text, ids
 
+# %% ../nbs/13_engine.ipynb #b14ee2cb
 @patch
 def add_request(self: LLMEngine,
                 request_id: str, # unique among unfinished requests
@@ -495,6 +516,7 @@ def add_request(self: LLMEngine,
     self.scheduler.add_request(request_id, ids, sampling_params, eos_token_id=self.tokenizer.EOS)
     self.tracked[request_id] = _Tracked(text, ids, time.perf_counter())
 
+# %% ../nbs/13_engine.ipynb #e564c68e
 @patch
 def has_unfinished_requests(self: LLMEngine) -> bool:
     return self.scheduler.has_unfinished_requests() or self._pending is not None
@@ -510,6 +532,7 @@ def _output(self: LLMEngine, rid: str, delta: bool = False) -> RequestOutput:
     return RequestOutput(rid, t.prompt, t.prompt_token_ids, [out], t.finish_reason is not None,
                          dict(t.metrics))
 
+# %% ../nbs/13_engine.ipynb #f4ed6e5a
 @patch
 def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput, delta: bool) -> list:
     "Apply one step's sampled tokens; outputs of the requests that got tokens"
@@ -536,6 +559,7 @@ def step(self: LLMEngine, delta: bool = False) -> list:
     prev, self._pending = self._pending, ((so, fut) if so.requests else None)
     return self._apply(prev[0], prev[1].result(), delta) if prev is not None else []
 
+# %% ../nbs/13_engine.ipynb #13545732
 @patch
 def abort_request(self: LLMEngine, request_id: str) -> RequestOutput:
     "Finish an unfinished request now ('abort'): its blocks go back to the pool"
@@ -560,6 +584,7 @@ def prefix_gap(model: Transformer, ids: torch.Tensor) -> float:
     return max((whole[:, :L] - model(ids[:, :L]).float()).abs().max().item()
                for L in range(1, ids.shape[1]))
 
+# %% ../nbs/13_engine.ipynb #ebb67496
 @torch.no_grad()
 def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence[int]) -> list:
     "Per token of a continuation of `prompt`: how far its logit falls below the reference's best given the same prefix"
@@ -570,6 +595,7 @@ def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence
         out.append((logits.max() - logits[int(t)]).item()); seq.append(int(t))
     return out
 
+# %% ../nbs/13_engine.ipynb #0412b22a
 def assert_greedy_match(
     model: Transformer,
     prompts: Sequence,
@@ -608,6 +634,7 @@ class LLM:
         engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args), proposer, step_model)
         self.llm_engine, self._ids = engine, itertools.count()
 
+# %% ../nbs/13_engine.ipynb #abfd5b0c
 def _as_list(prompts) -> list:
     "One prompt (text, a dict, or a flat list of ids) as a list of one; a list of prompts as it is"
     if isinstance(prompts, (str, dict)): return [prompts]
@@ -616,6 +643,7 @@ def _as_list(prompts) -> list:
     flat_ids = prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts)
     return [prompts] if flat_ids else list(prompts)
 
+# %% ../nbs/13_engine.ipynb #9597ce52
 @patch
 def _add_requests(self: LLM, prompts, sampling_params) -> list:
     "Check every prompt and its parameters, then queue them all; request ids in order"
@@ -656,6 +684,7 @@ def _run(self: LLM, rids: list, delta: bool) -> Iterator[RequestOutput]:
         for r in [r for r in rids if r not in done and r in self.llm_engine.tracked]:
             self.llm_engine.abort_request(r)
 
+# %% ../nbs/13_engine.ipynb #86e79b8a
 @patch
 def generate(
     self: LLM,

@@ -29,6 +29,7 @@ _WHITE_SPACE = ('\t\n\x0b\x0c\r \x85\xa0\u1680' + ''.join(map(chr, range(0x2000,
                 + '\u2028\u2029\u202f\u205f\u3000')
 _LONE_SPACE = '\ue000'   # private-use sentinel for a token that is one space
 
+# %% ../nbs/09_engram.ipynb #03db2fc1
 def normalize_token(text: str) -> str:
     ("The public normalisation of a token's text: "
      "NFKC, NFD, strip accents, lowercase, collapse white space, strip")
@@ -149,6 +150,7 @@ def _check_ids(name: str, ids, low: int, high: int):
         bad = ids[(ids < low) | (ids >= high)].flatten()[0].item()
         raise ValueError(f"{name}: id {bad} is out of range; expected {low}..{high - 1}")
 
+# %% ../nbs/09_engram.ipynb #5adf2584
 class NgramHasher:
     "Table rows of the n-grams ending at each position, for every Engram layer"
     def __init__(
@@ -179,11 +181,13 @@ class NgramHasher:
         return (f"NgramHasher({len(self.lookup):,} tokens -> "
                 f"{c.engram_compressed_vocab_size:,} ids, layers {c.engram_layer_ids})")
 
-    def to(self, device):
-        "Move the map and the hash constants to `device`"
-        for k in ('lookup', 'multipliers', 'primes', 'offsets'):
-            setattr(self, k, getattr(self, k).to(device))
-        return self
+# %% ../nbs/09_engram.ipynb #418b2870
+@patch
+def to(self: NgramHasher, device):
+    "Move the map and the hash constants to `device`"
+    for k in ('lookup', 'multipliers', 'primes', 'offsets'):
+        setattr(self, k, getattr(self, k).to(device))
+    return self
 
 # %% ../nbs/09_engram.ipynb #e138e252
 @patch
@@ -236,6 +240,7 @@ def hashes(self: NgramHasher,
         out.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])    # (..., layers, heads)
     return torch.cat(out, -1) + self.offsets                         # (..., layers, cols)
 
+# %% ../nbs/09_engram.ipynb #44bee68a
 @patch
 def __call__(
     self: NgramHasher,
@@ -274,6 +279,7 @@ def engram_row_codec(cfg: ModelConfig) -> FP8Record:
     "One table row: `engram_head_dim` E4M3 values, then one UE8M0 scale per 32 (264 B at head_dim 256)"
     return FP8Record('engram_row', expect_config(cfg, 'engram_row_codec').engram_head_dim, 32)
 
+# %% ../nbs/09_engram.ipynb #3aff3708
 class EngramTable:
     "One Engram module's table, or a shard of it: FP8 row records in GPU or host memory"
     def __init__(self, records: torch.Tensor,  # (rows, head_dim + head_dim / 32) uint8 records
@@ -297,10 +303,13 @@ class EngramTable:
     @property
     def placement(self) -> str:
         return 'gpu' if self.records.is_cuda else 'pinned host' if self.pinned else 'host'
-    def __repr__(self):
-        gib = self.records.numel() / 2**30
-        return (f"EngramTable({self.rows:,} rows x {self.codec.record_bytes} B = {gib:.3f} GiB, "
-                f"first row {self.row_start:,}, {self.placement} memory)")
+
+# %% ../nbs/09_engram.ipynb #782049f9
+@patch
+def __repr__(self: EngramTable):
+    gib = self.records.numel() / 2**30
+    return (f"EngramTable({self.rows:,} rows x {self.codec.record_bytes} B = {gib:.3f} GiB, "
+            f"first row {self.row_start:,}, {self.placement} memory)")
 
 # %% ../nbs/09_engram.ipynb #82402966
 @patch(cls_method=True)
@@ -312,6 +321,7 @@ def from_values(cls: EngramTable, values: torch.Tensor, row_start: int = 0):
     records = FP8Record('engram_row', values.shape[-1], 32).pack(values)
     return cls(records, values.shape[-1], row_start)
 
+# %% ../nbs/09_engram.ipynb #fc386df8
 @patch(cls_method=True)
 def from_checkpoint(cls: EngramTable, weight: torch.Tensor, scale: torch.Tensor):
     ("A table from `engram.embed.weight` (rows, head_dim) float8_e4m3fn "
@@ -326,6 +336,7 @@ def from_checkpoint(cls: EngramTable, weight: torch.Tensor, scale: torch.Tensor)
                          f"needs scale {need}, got {tuple(scale.shape)}")
     return cls(torch.cat([weight.view(torch.uint8), scale.view(torch.uint8)], -1), weight.shape[1])
 
+# %% ../nbs/09_engram.ipynb #e09233b1
 @patch
 def to_checkpoint(self: EngramTable) -> tuple[torch.Tensor, torch.Tensor]:
     ("The checkpoint's two tensors: weight (rows, head_dim) float8_e4m3fn, "
@@ -346,6 +357,7 @@ def placed(self: EngramTable, where: str, device='cuda'):
                            self.row_start)
     raise ValueError(f"EngramTable.placed: placement {where!r}; expected 'gpu' or 'host'")
 
+# %% ../nbs/09_engram.ipynb #d6f4e940
 @patch
 def shard(self: EngramTable, row_start: int, row_stop: int):
     "Global rows [row_start, row_stop) as a table of their own, sharing memory"
@@ -407,6 +419,7 @@ def _engram_gather_kernel(
 # the FP8 gather shape 01b_records' sweep picked
 ENGRAM_TUNING = dict(values_per_program=2048, num_warps=4)
 
+# %% ../nbs/09_engram.ipynb #885403a0
 def engram_lookup(
     table: EngramTable,    # the table, or this rank's shard of it
     ids: torch.Tensor,     # (...) int32/int64 global row ids, e.g. (tokens, cols) from `NgramHasher`
@@ -513,17 +526,19 @@ class Engram(torch.nn.Module):
         frozen = lambda t: torch.nn.Parameter(t, requires_grad=False)
         self.wkv, self.q_weight, self.k_weight = frozen(wkv), frozen(q_weight), frozen(k_weight)
 
-    def forward(
-        self,
-        h: torch.Tensor,                         # (..., hc_mult, dim) residual stream copies
-        hash_ids: torch.Tensor,                  # (..., cols) rows: hasher(...)[..., layer_index, :]
-        token_mask: torch.Tensor | None = None,  # (...) False for image tokens
-    ):
-        rows = engram_lookup(self.table, hash_ids)   # (..., cols, head_dim)
-        key, value = engram_kv(rows, self.wkv, self.cfg.hc_mult)
-        # (..., hc_mult)
-        gate = engram_gate(h, key, self.q_weight, self.k_weight, self.cfg.norm_eps)
-        return engram_update(h, gate, value, token_mask)
+# %% ../nbs/09_engram.ipynb #0b7f4f38
+@patch
+def forward(
+    self: Engram,
+    h: torch.Tensor,                         # (..., hc_mult, dim) residual stream copies
+    hash_ids: torch.Tensor,                  # (..., cols) rows: hasher(...)[..., layer_index, :]
+    token_mask: torch.Tensor | None = None,  # (...) False for image tokens
+):
+    rows = engram_lookup(self.table, hash_ids)   # (..., cols, head_dim)
+    key, value = engram_kv(rows, self.wkv, self.cfg.hc_mult)
+    # (..., hc_mult)
+    gate = engram_gate(h, key, self.q_weight, self.k_weight, self.cfg.norm_eps)
+    return engram_update(h, gate, value, token_mask)
 
 # %% ../nbs/09_engram.ipynb #9acb8c2c
 @patch(cls_method=True)
@@ -539,30 +554,31 @@ def random(cls: Engram, cfg: ModelConfig, layer_id: int, seed: int = 0):
     return cls(cfg, layer_id, table, wkv.to(torch.bfloat16), q, k)
 
 # %% ../nbs/09_engram.ipynb #1e115f89
-def head_shards(cfg: ModelConfig, ranks: int) -> list[list[tuple[int, int, int, int]]]:
+def head_shards(cfg: ModelConfig, world_size: int) -> list[list[tuple[int, int, int, int]]]:
     ("[engram layer][rank] (first column, end column, first row, end row): "
      "each rank holds whole hash heads")
     cols = (expect_config(cfg, 'head_shards').engram_max_ngram_size - 1) * cfg.engram_n_heads
-    check_int('head_shards', 'ranks', ranks, 1)
-    if ranks > cols:
-        raise ValueError(f"head_shards: {ranks} ranks for {cols} hash heads; "
+    check_int('head_shards', 'world_size', world_size, 1)
+    if world_size > cols:
+        raise ValueError(f"head_shards: {world_size} ranks for {cols} hash heads; "
                          f"a rank holds at least one head")
     # (layers, cols)
     ends = torch.tensor(engram_bucket_primes(cfg), dtype=torch.int64).flatten(1).cumsum(-1).tolist()
-    bounds = [r * cols // ranks for r in range(ranks + 1)]   # balanced head counts
+    bounds = [r * cols // world_size for r in range(world_size + 1)]   # balanced head counts
     return [[(a, b, ([0] + e)[a], ([0] + e)[b]) for a, b in zip(bounds, bounds[1:])] for e in ends]
 
 # %% ../nbs/09_engram.ipynb #b3e6108c
-def sharding_traffic(cfg: ModelConfig, ranks: int, batch: int) -> dict:
+def sharding_traffic(cfg: ModelConfig, world_size: int, batch: int) -> dict:
     ("Per rank, all Engram layers: table rows and GiB under head sharding, "
      "bytes sent per decode step by each collective")
-    shards, cols = head_shards(cfg, ranks), (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-    rec, share = engram_row_codec(cfg).record_bytes, (ranks - 1) / ranks
+    shards = head_shards(cfg, world_size)
+    cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+    rec, share = engram_row_codec(cfg).record_bytes, (world_size - 1) / world_size
     # the largest shard of each table
     rows = [max(r1 - r0 for *_, r0, r1 in layer) for layer in shards]
     # rows per step, all modules
     lookups = len(shards) * check_int('sharding_traffic', 'batch', batch, 0) * cols
-    return dict(ranks=ranks, batch=batch, rows_per_rank=sum(rows),
+    return dict(world_size=world_size, batch=batch, rows_per_rank=sum(rows),
                 gib_per_rank=sum(rows) * rec / 2**30,
                 # ring all-reduce of bf16 rows
                 allreduce_bytes=2 * share * lookups * cfg.engram_head_dim * 2,

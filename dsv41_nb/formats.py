@@ -5,6 +5,7 @@
 # %% ../nbs/01_formats.ipynb #ca5bbf0e
 from __future__ import annotations
 from dataclasses import dataclass
+from fastcore.basics import patch
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +26,7 @@ def e4m3_codes(x: torch.Tensor) -> torch.Tensor:
     "fp32 -> E4M3 codes (uint8), round to nearest even, saturating at +-448"
     return x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
+# %% ../nbs/01_formats.ipynb #4fc8a538
 def e4m3_values(codes: torch.Tensor) -> torch.Tensor:
     "E4M3 codes (uint8) -> fp32"
     return codes.view(torch.float8_e4m3fn).float()
@@ -37,6 +39,7 @@ def ue8m0_codes(amax: torch.Tensor, max_value: float) -> torch.Tensor:
     bits = x.view(torch.int32)
     return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
 
+# %% ../nbs/01_formats.ipynb #8ac4a5e4
 def ue8m0_values(codes: torch.Tensor) -> torch.Tensor:
     "UE8M0 codes -> fp32 powers of two (0xFF -> NaN)"
     return codes.to(torch.uint8).view(torch.float8_e8m0fnu).float()
@@ -52,6 +55,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
             + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
     return (code | (torch.signbit(x).int() << 3)).to(torch.uint8)
 
+# %% ../nbs/01_formats.ipynb #7c7ee293
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     "4-bit E2M1 codes -> fp32"
     table = _E2M1_ON.get(codes.device)
@@ -60,10 +64,12 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     mag = table[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 
+# %% ../nbs/01_formats.ipynb #08032677
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     "(..., 2k) 4-bit codes -> (..., k) bytes, even element in the low nibble"
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
+# %% ../nbs/01_formats.ipynb #bd0d7163
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     "(..., k) bytes -> (..., 2k) 4-bit codes"
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
@@ -75,6 +81,7 @@ def _require_floats(fn: str, x) -> torch.Tensor:
                 f"got {getattr(x, 'dtype', type(x).__name__)}", TypeError)
     return x
 
+# %% ../nbs/01_formats.ipynb #c98416eb
 def _require_bytes(fn: str, name: str, t, width: int | None = None) -> torch.Tensor:
     ok = isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.ndim > 0
     require(ok, f"{fn}: {name} must be a uint8 tensor (..., k), "
@@ -83,6 +90,7 @@ def _require_bytes(fn: str, name: str, t, width: int | None = None) -> torch.Ten
             f"{fn}: {name} has last dimension {t.shape[-1]}, expected {width}")
     return t
 
+# %% ../nbs/01_formats.ipynb #a291490a
 SCALE_FORMATS = ('e4m3', 'ue8m0')
 def _require_scale_format(fn: str, scale_format) -> str:
     require(scale_format in SCALE_FORMATS,
@@ -97,14 +105,17 @@ def _groups(x, block):
     if pad: x = torch.nn.functional.pad(x, (0, pad))
     return x.unflatten(-1, (-1, block))
 
+# %% ../nbs/01_formats.ipynb #2006403c
 def _poisoned(xg):
     "(..., groups, block) -> (..., groups) bool: the group holds a NaN or an infinity"
     return ~torch.isfinite(xg).all(-1)
 
+# %% ../nbs/01_formats.ipynb #3a20626b
 def _amax(xg):
     "Largest finite magnitude per group (non-finite values ignored; their group is poisoned anyway)"
     return torch.where(torch.isfinite(xg), xg.abs(), 0).amax(-1)
 
+# %% ../nbs/01_formats.ipynb #919cf57c
 def quantize_fp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     "x (..., n) -> (E4M3 codes (..., n) uint8, UE8M0 scale codes (..., ceil(n/block)) uint8)"
     _require_floats('quantize_fp8', x); check_int('quantize_fp8', 'block', block, 1)
@@ -116,6 +127,7 @@ def quantize_fp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.
     codes = torch.where(bad[..., None], 0, codes).flatten(-2)[..., :n]
     return codes, torch.where(bad, 255, exp).to(torch.uint8)
 
+# %% ../nbs/01_formats.ipynb #02f83d0f
 def dequantize_fp8(codes: torch.Tensor, scales: torch.Tensor, block: int = 32) -> torch.Tensor:
     "Inverse of `quantize_fp8`, fp32"
     check_int('dequantize_fp8', 'block', block, 1); _require_bytes('dequantize_fp8', 'codes', codes)
@@ -150,6 +162,7 @@ def quantize_fp4(x: torch.Tensor, # (..., n) values
     codes = torch.where(bad[..., None], 0, codes).flatten(-2)
     return pack_nibbles(codes), torch.where(bad, bad_code, scode.int()).to(torch.uint8)
 
+# %% ../nbs/01_formats.ipynb #c8c5de6f
 def dequantize_fp4(packed: torch.Tensor, # (..., n/2) packed E2M1 codes
                    scales: torch.Tensor, # (..., n/block) scale codes
                    block: int, # values sharing one scale
@@ -176,26 +189,11 @@ class Field:
     stop: int
     encoding: str
 
+# %% ../nbs/01_formats.ipynb #a3a58266
 class RecordCodec:
     ("Fixed-width byte records for `dim`-wide vectors: "
      "`pack` (..., dim) -> (..., record_bytes) uint8, `unpack` back")
     name: str; dim: int; record_bytes: int; fields: tuple
-
-    def _check_vectors(self, x):
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"{self.name}: expected a floating-point tensor (..., {self.dim}), "
-                            f"got {getattr(x, 'dtype', type(x))}")
-        if x.ndim == 0 or x.shape[-1] != self.dim:
-            raise ValueError(f"{self.name}: expected last dimension {self.dim}, "
-                             f"got shape {tuple(x.shape)}")
-
-    def _check_records(self, r):
-        if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8:
-            raise TypeError(f"{self.name}: expected uint8 records, "
-                            f"got {getattr(r, 'dtype', type(r))}")
-        if r.ndim == 0 or r.shape[-1] != self.record_bytes:
-            raise ValueError(f"{self.name}: expected records of {self.record_bytes} bytes "
-                             f"(last dimension), got shape {tuple(r.shape)}")
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         self._check_vectors(x); return self._pack(x)
@@ -203,8 +201,30 @@ class RecordCodec:
     def unpack(self, records: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         self._check_records(records); return self._unpack(records).to(dtype)
 
-    def __repr__(self):
-        return f"{type(self).__name__}({self.name}: {self.dim} values -> {self.record_bytes} B)"
+# %% ../nbs/01_formats.ipynb #cbbe6c73
+@patch
+def _check_vectors(self: RecordCodec, x):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{self.name}: expected a floating-point tensor (..., {self.dim}), "
+                        f"got {getattr(x, 'dtype', type(x))}")
+    if x.ndim == 0 or x.shape[-1] != self.dim:
+        raise ValueError(f"{self.name}: expected last dimension {self.dim}, "
+                         f"got shape {tuple(x.shape)}")
+
+# %% ../nbs/01_formats.ipynb #3465bdd8
+@patch
+def _check_records(self: RecordCodec, r):
+    if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8:
+        raise TypeError(f"{self.name}: expected uint8 records, "
+                        f"got {getattr(r, 'dtype', type(r))}")
+    if r.ndim == 0 or r.shape[-1] != self.record_bytes:
+        raise ValueError(f"{self.name}: expected records of {self.record_bytes} bytes "
+                         f"(last dimension), got shape {tuple(r.shape)}")
+
+# %% ../nbs/01_formats.ipynb #2d20bc3b
+@patch
+def __repr__(self: RecordCodec):
+    return f"{type(self).__name__}({self.name}: {self.dim} values -> {self.record_bytes} B)"
 
 # %% ../nbs/01_formats.ipynb #db6008fa
 def _fresh(t: torch.Tensor) -> torch.Tensor:
@@ -212,14 +232,17 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return out.copy_(t)
 
+# %% ../nbs/01_formats.ipynb #a5f80444
 def _bytes_as(b: torch.Tensor, dtype) -> torch.Tensor:
     "Reinterpret the last dimension of a byte slice as `dtype`"
     return _fresh(b).view(dtype)
 
+# %% ../nbs/01_formats.ipynb #a2c6ea00
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     "The bytes of `t`, last dimension widened by the element size"
     return _fresh(t).view(torch.uint8)
 
+# %% ../nbs/01_formats.ipynb #cd23d8d8
 class FP8Record(RecordCodec):
     "E4M3 values with UE8M0 (or one fp32) block scales, optional BF16 tail"
     def __init__(self,
@@ -252,36 +275,40 @@ class FP8Record(RecordCodec):
         if raw < self.record_bytes: f.append(Field('pad', raw, self.record_bytes, 'zero'))
         self.fields = tuple(f)
 
-    def _pack(self, x):
-        lead = x.shape[:-1]
-        out = torch.zeros(*lead, self.record_bytes, dtype=torch.uint8, device=x.device)
-        codes, exps = quantize_fp8(x[..., :self.qdim], self.block)
-        out[..., :self.qdim] = codes
-        if self.rope_dim:
-            rope = _fresh(x[..., self.qdim:].to(torch.bfloat16)).view(torch.int16)
-            # one NaN pattern, whatever torch emits
-            rope = torch.where(torch.isnan(rope.view(torch.bfloat16)), 0x7FC0, rope)
-            out[..., self.qdim:self.scale_offset] = _as_bytes(rope)
-        if self.fp32_scale:
-            scale = torch.where(exps == 255, float('nan'), ue8m0_values(exps.clamp(1, 254)))
-            out[..., self.scale_offset:self.scale_offset + 4] = _as_bytes(scale.float())
-        else:
-            out[..., self.scale_offset:self.scale_offset + self.n_scales] = exps
-        return out
+# %% ../nbs/01_formats.ipynb #08dded3f
+@patch
+def _pack(self: FP8Record, x):
+    lead = x.shape[:-1]
+    out = torch.zeros(*lead, self.record_bytes, dtype=torch.uint8, device=x.device)
+    codes, exps = quantize_fp8(x[..., :self.qdim], self.block)
+    out[..., :self.qdim] = codes
+    if self.rope_dim:
+        rope = _fresh(x[..., self.qdim:].to(torch.bfloat16)).view(torch.int16)
+        # one NaN pattern, whatever torch emits
+        rope = torch.where(torch.isnan(rope.view(torch.bfloat16)), 0x7FC0, rope)
+        out[..., self.qdim:self.scale_offset] = _as_bytes(rope)
+    if self.fp32_scale:
+        scale = torch.where(exps == 255, float('nan'), ue8m0_values(exps.clamp(1, 254)))
+        out[..., self.scale_offset:self.scale_offset + 4] = _as_bytes(scale.float())
+    else:
+        out[..., self.scale_offset:self.scale_offset + self.n_scales] = exps
+    return out
 
-    def _unpack(self, r):
-        codes = r[..., :self.qdim]
-        if self.fp32_scale:
-            # (..., 1)
-            scale = _bytes_as(r[..., self.scale_offset:self.scale_offset + 4], torch.float32)
-            v = e4m3_values(codes) * scale
-        else:
-            v = dequantize_fp8(codes, r[..., self.scale_offset:self.scale_offset + self.n_scales],
-                               self.block)
-        if self.rope_dim:
-            rope = _bytes_as(r[..., self.qdim:self.scale_offset], torch.bfloat16).float()
-            v = torch.cat([v, rope], -1)
-        return v
+# %% ../nbs/01_formats.ipynb #cf99db29
+@patch
+def _unpack(self: FP8Record, r):
+    codes = r[..., :self.qdim]
+    if self.fp32_scale:
+        # (..., 1)
+        scale = _bytes_as(r[..., self.scale_offset:self.scale_offset + 4], torch.float32)
+        v = e4m3_values(codes) * scale
+    else:
+        v = dequantize_fp8(codes, r[..., self.scale_offset:self.scale_offset + self.n_scales],
+                           self.block)
+    if self.rope_dim:
+        rope = _bytes_as(r[..., self.qdim:self.scale_offset], torch.bfloat16).float()
+        v = torch.cat([v, rope], -1)
+    return v
 
 # %% ../nbs/01_formats.ipynb #772fe922
 class FP4Record(RecordCodec):
@@ -299,13 +326,17 @@ class FP4Record(RecordCodec):
         self.fields = (Field('values', 0, self.scale_offset, 'E2M1 x2'),
                        Field('scales', self.scale_offset, self.record_bytes, scale_format.upper()))
 
-    def _pack(self, x):
-        packed, scales = quantize_fp4(x, self.block, self.scale_format)
-        return torch.cat([packed, scales], -1)
+# %% ../nbs/01_formats.ipynb #4a6098f2
+@patch
+def _pack(self: FP4Record, x):
+    packed, scales = quantize_fp4(x, self.block, self.scale_format)
+    return torch.cat([packed, scales], -1)
 
-    def _unpack(self, r):
-        return dequantize_fp4(r[..., :self.scale_offset], r[..., self.scale_offset:], self.block,
-                              self.scale_format)
+# %% ../nbs/01_formats.ipynb #f0c89d48
+@patch
+def _unpack(self: FP4Record, r):
+    return dequantize_fp4(r[..., :self.scale_offset], r[..., self.scale_offset:], self.block,
+                          self.scale_format)
 
 # %% ../nbs/01_formats.ipynb #7c411294
 _FORMAT_BUILDERS = dict(
@@ -321,6 +352,7 @@ _FORMAT_BUILDERS = dict(
     index_fp8=lambda c, n: FP8Record(n, c.index_head_dim, c.index_head_dim, fp32_scale=True))
 CACHE_FORMATS = tuple(_FORMAT_BUILDERS)
 
+# %% ../nbs/01_formats.ipynb #63e6b308
 def cache_format(cfg: ModelConfig,  # model geometry (head and index-key widths)
                  name: str,         # one of `CACHE_FORMATS`
                 ) -> RecordCodec:
@@ -331,10 +363,12 @@ def cache_format(cfg: ModelConfig,  # model geometry (head and index-key widths)
         raise ValueError(f"unknown cache format {name!r}; expected one of {CACHE_FORMATS}")
     return _FORMAT_BUILDERS[name](cfg, name)
 
+# %% ../nbs/01_formats.ipynb #5402b3e0
 def record_bytes(cfg: ModelConfig, name: str) -> int:
     "Bytes of one record of cache format `name` under config `cfg`"
     return cache_format(cfg, name).record_bytes
 
+# %% ../nbs/01_formats.ipynb #020f3804
 def cache_codecs(cfg: ModelConfig) -> dict:
     "Every cache format's codec under config `cfg`, by name"
     return {name: cache_format(cfg, name) for name in CACHE_FORMATS}
@@ -345,6 +379,7 @@ def _hw_cvt() -> bool:
      "the interpreter's casts truncate")
     return not triton_interpreting()
 
+# %% ../nbs/01_formats.ipynb #9b27b2ce
 @triton.jit
 def _e4m3_code(v):
     "fp32 (finite, |v| <= 448) -> E4M3 code (int32), round to nearest even"
@@ -362,6 +397,7 @@ def _e4m3_code(v):
     sub = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
     return tl.where(exp >= 121, normal, sub) | sign
 
+# %% ../nbs/01_formats.ipynb #76399970
 @triton.jit
 def _e4m3_value(code):
     "E4M3 code (int32) -> fp32"
@@ -372,17 +408,20 @@ def _e4m3_value(code):
     mag = tl.where((code & 0x7F) == 0x7F, float('nan'), mag)
     return tl.where((code & 0x80) != 0, -mag, mag)
 
+# %% ../nbs/01_formats.ipynb #f6134904
 @triton.jit
 def _ue8m0_code(amax, inv_max):
     "Biased exponent of 2^ceil(log2(amax * inv_max))"
     bits = (amax * inv_max).to(tl.int32, bitcast=True)
     return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
 
+# %% ../nbs/01_formats.ipynb #e40a1bee
 @triton.jit
 def _pow2(biased_exp):
     "2^(biased_exp - 127) as fp32, for 1 <= biased_exp <= 254"
     return (biased_exp << 23).to(tl.float32, bitcast=True)
 
+# %% ../nbs/01_formats.ipynb #686b233f
 @triton.jit
 def _ue8m0_value(code):
     "UE8M0 code (int32) -> fp32: 2^(code-127), 0xFF -> NaN"
@@ -399,6 +438,7 @@ def _e2m1_code(v):
          + (a > 5.0).to(tl.int32))
     return c | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
+# %% ../nbs/01_formats.ipynb #ebfeb191
 @triton.jit
 def _e2m1_value(code):
     "4-bit E2M1 code (int32) -> fp32"
@@ -407,6 +447,7 @@ def _e2m1_value(code):
     mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
     return tl.where((code & 8) != 0, -mag, mag)
 
+# %% ../nbs/01_formats.ipynb #9853727c
 @triton.jit
 def _bf16_bits(v):
     "fp32 -> BF16 bit pattern (int32), round to nearest even, NaN -> 0x7FC0"
@@ -414,6 +455,7 @@ def _bf16_bits(v):
     h = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
     return tl.where(v != v, 0x7FC0, h)
 
+# %% ../nbs/01_formats.ipynb #5bf257fb
 @triton.jit
 def _zero_tail(cache_ptr, slot, live, REC: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr):
     "Zero the last PAD bytes of the records at `slot` (ROWS,) where `live`"

@@ -16,6 +16,7 @@ from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_qu
 from .compressor import _bf16_round
 from .rope_norm import rms_norm_fused, rope, _check_rope, _rotate_pairs
 import struct
+from fastcore.basics import patch
 from .config import check_int
 from .moe_gemv import _fp8_sums, _codes_f32
 
@@ -29,6 +30,7 @@ def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     "x as (T, G, K): a plain linear's (T, K) gets a group axis of one"
     return x[:, None] if x.ndim == 2 else x
 
+# %% ../nbs/09a_fp8_linear.ipynb #38442f98
 def fp8_linear_torch(
     x: torch.Tensor, # (T, K), or (T, G, K) for a grouped weight
     w: QuantWeight, # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
@@ -95,6 +97,7 @@ def _rope_tile(y, n0, t, inv_ptr, pos_ptr,
                          inv_ptr, ROPE_D, HALF, False, HW)
     return tl.reshape(tl.join(a, b), (W,))
 
+# %% ../nbs/09a_fp8_linear.ipynb #44b6c1ba
 @triton.jit
 def _slices_sum_kernel(part_ptr, y_ptr, stride_yt, stride_yg, T, G, inv_ptr, pos_ptr,
                        N: tl.constexpr, SPLIT: tl.constexpr, FB: tl.constexpr,
@@ -158,6 +161,8 @@ FP8_GEMV_TUNING = {
     2: dict(block_n=16, block_k=512, num_warps=4, programs=4),
 }
 SHORT_K = 2048          # rows this short take 64 columns a program and K steps of 256
+
+# %% ../nbs/09a_fp8_linear.ipynb #4eb8279f
 # tokens, at most -> the MMA kernel's tile and launch (32 output columns a program)
 FP8_LINEAR_TUNING = {
     16: dict(block_m=16, block_k=256, num_warps=4, num_stages=2),
@@ -168,6 +173,7 @@ FP8_LINEAR_TUNING = {
 FP8_LINEAR_MAX_T = 2
 SPLIT_MAX, SPLIT_PROGRAMS = 16, 4
 
+# %% ../nbs/09a_fp8_linear.ipynb #2aa0b2f5
 def _slices(steps: int, tiles: int, programs: int, sms: int, split: int | None) -> int:
     ("K slices: `split` if given, else doubled while the grid holds fewer than `programs` "
      "per multiprocessor, up to SPLIT_MAX and the K steps")
@@ -179,6 +185,7 @@ def _slices(steps: int, tiles: int, programs: int, sms: int, split: int | None) 
     while 2 * split <= min(SPLIT_MAX, steps) and tiles * split < programs * sms: split *= 2
     return split
 
+# %% ../nbs/09a_fp8_linear.ipynb #27f59e47
 def fp8_gemv_launch(
     T: int, G: int, N: int, K: int,  # tokens (1 or 2), groups, output columns, input columns
     sms: int,                        # multiprocessors of the device
@@ -199,6 +206,7 @@ def fp8_gemv_launch(
     return dict(entry, block_n=bn, block_k=bk, split=split, steps=triton.cdiv(steps, split),
                 grid=(N // bn, split, T * G))
 
+# %% ../nbs/09a_fp8_linear.ipynb #77dd98e6
 def fp8_linear_launch(
     T: int, G: int, N: int, K: int,  # tokens, groups, output columns, input columns
     sms: int,                        # multiprocessors of the device
@@ -213,7 +221,6 @@ def fp8_linear_launch(
     split = _slices(steps, tiles, SPLIT_PROGRAMS, sms, split)
     return dict(entry, block_m=bm, block_k=bk, split=split, steps=triton.cdiv(steps, split),
                 grid=(triton.cdiv(N, 32), split, triton.cdiv(max(T, 1), bm) * G))
-
 
 # %% ../nbs/09a_fp8_linear.ipynb #54d59e01
 def _check(x, w, act_quant):
@@ -234,6 +241,7 @@ def _check(x, w, act_quant):
     if not isinstance(act_quant, bool):
         raise TypeError(f"fp8_linear: act_quant must be a bool, got {act_quant!r}")
 
+# %% ../nbs/09a_fp8_linear.ipynb #22d09120
 def fp8_linear(
     x: torch.Tensor, # (T, K), or (T, G, K); |x| <= 2^118 (the GEMV's range)
     w: QuantWeight, # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
@@ -266,6 +274,7 @@ def fp8_linear(
             **pdl_launch(x.device))
     return y[:, 0] if x.ndim == 2 else y
 
+# %% ../nbs/09a_fp8_linear.ipynb #bdb6ea05
 def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None):
     ("The kernel for xg's T rows (the GEMV up to FP8_LINEAR_MAX_T, else the MMA kernel): "
      "y written (one slice), or (slices, T, G, N) fp32 sums")
@@ -324,34 +333,44 @@ class FP8Linear(nn.Module):
         self.scales = nn.Parameter(w.scales, requires_grad=False)
         self.act_quant = act_quant
 
-    @classmethod
-    def from_master(cls, weight: torch.Tensor, act_quant: bool = True,
-                    groups: int = 1) -> 'FP8Linear':
-        ("Quantise a master weight (out, in); "
-         "with `groups`, its rows are `groups` blocks, each applied to its own columns")
-        if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[0] % groups:
-            raise ValueError(f"FP8Linear.from_master: expected (out, in) "
-                             f"with out divisible by groups = {groups}, "
-                             f"got {tuple(getattr(weight, 'shape', ()))}")
-        w = quantize_weight(weight.detach().float().unflatten(0, (groups, -1)), 'fp8')
-        return cls(w, act_quant)
-
     @property
     def weight(self) -> QuantWeight: return QuantWeight(self.codes, self.scales, 'fp8')
-    def extra_repr(self):
-        G, N, K = self.weight.shape
-        return (f"{K} -> {N}{f' x {G} groups' if G > 1 else ''}, "
-                f"fp8 weight, act_quant={self.act_quant}")
-    def dense(self) -> torch.Tensor:
-        ("The weight's values in BF16 (G, N, K), built once per device: "
-         "what cuBLAS multiplies above FP8_LINEAR_MAX_T rows")
-        key = (self.codes.data_ptr(), self.codes._version, self.codes.device)
-        if getattr(self, '_dense_key', None) != key:
-            self._dense, self._dense_key = self.weight.dequantize().to(torch.bfloat16), key
-        return self._dense
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small = isinstance(x, torch.Tensor) and x.ndim >= 1 and 0 < x.shape[0] <= FP8_LINEAR_MAX_T
-        return fp8_linear(x, self.weight, self.act_quant, dense=None if small else self.dense())
+
+# %% ../nbs/09a_fp8_linear.ipynb #d9aed0c4
+@patch(cls_method=True)
+def from_master(cls: FP8Linear, weight: torch.Tensor, act_quant: bool = True,
+                groups: int = 1) -> 'FP8Linear':
+    ("Quantise a master weight (out, in); "
+     "with `groups`, its rows are `groups` blocks, each applied to its own columns")
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or weight.shape[0] % groups:
+        raise ValueError(f"FP8Linear.from_master: expected (out, in) "
+                         f"with out divisible by groups = {groups}, "
+                         f"got {tuple(getattr(weight, 'shape', ()))}")
+    w = quantize_weight(weight.detach().float().unflatten(0, (groups, -1)), 'fp8')
+    return cls(w, act_quant)
+
+# %% ../nbs/09a_fp8_linear.ipynb #d03b16c5
+@patch
+def extra_repr(self: FP8Linear):
+    G, N, K = self.weight.shape
+    return (f"{K} -> {N}{f' x {G} groups' if G > 1 else ''}, "
+            f"fp8 weight, act_quant={self.act_quant}")
+
+# %% ../nbs/09a_fp8_linear.ipynb #be866d8a
+@patch
+def dense(self: FP8Linear) -> torch.Tensor:
+    ("The weight's values in BF16 (G, N, K), built once per device: "
+     "what cuBLAS multiplies above FP8_LINEAR_MAX_T rows")
+    key = (self.codes.data_ptr(), self.codes._version, self.codes.device)
+    if getattr(self, '_dense_key', None) != key:
+        self._dense, self._dense_key = self.weight.dequantize().to(torch.bfloat16), key
+    return self._dense
+
+# %% ../nbs/09a_fp8_linear.ipynb #34fcfed2
+@patch
+def forward(self: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+    small = isinstance(x, torch.Tensor) and x.ndim >= 1 and 0 < x.shape[0] <= FP8_LINEAR_MAX_T
+    return fp8_linear(x, self.weight, self.act_quant, dense=None if small else self.dense())
 
 # %% ../nbs/09a_fp8_linear.ipynb #c1017a94
 @triton.jit
@@ -490,6 +509,7 @@ def _head_kernel(y_ptr, h_ptr, o_ptr, T, V,
     tl.store(o_ptr + rows[:, None].to(tl.int64) * V + v[None, :], acc,
              mask=rm[:, None] & vm[None, :])
 
+# %% ../nbs/09a_fp8_linear.ipynb #e54f0516
 # rows the kernel takes; more go to the fp32 GEMM (at 4 rows it only matched it on the H200)
 HEAD_MAX_T = 2
 

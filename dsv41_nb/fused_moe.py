@@ -41,10 +41,11 @@ class ExpertAlignment:
                 else self.block_expert.numel())
 
     @classmethod
-    def identity(cls, n_tokens: int, block_m: int):
+    def identity(cls, num_tokens: int, block_m: int):
         "Every token once, in order, one 'expert': the shared expert's rows"
-        return cls(None, None, n_tokens, 1, block_m)
+        return cls(None, None, num_tokens, 1, block_m)
 
+# %% ../nbs/08b_fused_moe.ipynb #6eaa52c4
 def _max_blocks(n_assign, n_experts, block_m):
     return triton.cdiv(n_assign + min(n_experts, n_assign) * (block_m - 1), block_m)
 
@@ -70,10 +71,10 @@ def align_by_expert_torch(topk_ids: torch.Tensor, n_experts: int, block_m: int) 
 def _align_kernel(
     ids_ptr,            # (n_assign,) expert id of each assignment
     n_assign,           # tokens * k
-    sorted_ptr,         # (n_blocks * BM,) int32 out: assignment ids grouped by expert,
+    sorted_ptr,         # (num_blocks * BM,) int32 out: assignment ids grouped by expert,
                         # n_assign = padding
-    block_expert_ptr,   # (n_blocks,) int32 out: expert of each row block, -1 = unused
-    n_blocks,           # row blocks allocated (an upper bound)
+    block_expert_ptr,   # (num_blocks,) int32 out: expert of each row block, -1 = unused
+    num_blocks,         # row blocks allocated (an upper bound)
     E: tl.constexpr,    # experts (one program each)
     BINS: tl.constexpr, # power of two > E: bin E catches the masked tail
     BM: tl.constexpr,   # rows per block
@@ -101,10 +102,10 @@ def _align_kernel(
         tl.store(block_expert_ptr + start // BM + b0 + off, e, mask=b0 + off < my_rows // BM)
     if e == 0:   # label the blocks past the last group
         used = tl.sum(padded, 0) // BM
-        for b0 in range(used, n_blocks, CHUNK):
-            tl.store(block_expert_ptr + b0 + off, -1, mask=b0 + off < n_blocks)
-        for p0 in range(used * BM, n_blocks * BM, CHUNK):
-            tl.store(sorted_ptr + p0 + off, n_assign, mask=p0 + off < n_blocks * BM)
+        for b0 in range(used, num_blocks, CHUNK):
+            tl.store(block_expert_ptr + b0 + off, -1, mask=b0 + off < num_blocks)
+        for p0 in range(used * BM, num_blocks * BM, CHUNK):
+            tl.store(sorted_ptr + p0 + off, n_assign, mask=p0 + off < num_blocks * BM)
 
 # %% ../nbs/08b_fused_moe.ipynb #d74ea205
 def align_by_expert(topk_ids: torch.Tensor,  # (tokens, k) expert ids
@@ -139,6 +140,7 @@ def _round_bf16(v, HW_CVT: tl.constexpr):
     if HW_CVT: return v.to(tl.bfloat16).to(tl.float32)
     else: return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
 
+# %% ../nbs/08b_fused_moe.ipynb #13fd748e
 @triton.jit
 def _fp8_qdq_groups(v, HW_CVT: tl.constexpr):
     "(R, G, 32) fp32 -> the same values quantised to E4M3 with one UE8M0 scale per 32, and back"
@@ -148,6 +150,7 @@ def _fp8_qdq_groups(v, HW_CVT: tl.constexpr):
     else: q = _e4m3_value(_e4m3_code(q))
     return q * _pow2(exp)[:, :, None]
 
+# %% ../nbs/08b_fused_moe.ipynb #14693377
 @triton.jit
 def _mxfp4_pair(byte, scale):
     ("Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` "
@@ -180,6 +183,7 @@ def _act_quant_kernel(
     x = _round_bf16(tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32), HW_CVT)
     tl.store(y_ptr + off, _fp8_qdq_groups(x, HW_CVT).to(y_ptr.dtype.element_ty), mask=m)
 
+# %% ../nbs/08b_fused_moe.ipynb #e15c0ca7
 def fp8_act_quant(x: torch.Tensor,  # (tokens, dim) activations, dim a multiple of 32
                  ) -> torch.Tensor:
     ("BF16 (tokens, dim): the values of `x` quantised to E4M3 with one UE8M0 scale per 32 "
@@ -215,6 +219,7 @@ def _mxfp4_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0, BK: tl.constexpr, DOT: t
     v, _ = _mxfp4_pair(nibble, _pow2(s + 14))
     return v.to(DOT)
 
+# %% ../nbs/08b_fused_moe.ipynb #aa7d9b40
 @triton.jit
 def _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0,
               BK: tl.constexpr, DOT: tl.constexpr, HW_CVT: tl.constexpr):
@@ -229,7 +234,6 @@ def _fp8_tile(w_ptr, s_ptr, w_row, s_row, n_mask, k0,
     else: v = _e4m3_value(codes.to(tl.int32))
     return (v * _pow2(s)).to(DOT)
 
-
 # %% ../nbs/08b_fused_moe.ipynb #e6fd0e3b
 @triton.jit
 def _weight_rows(expert, n, K: tl.constexpr, N: tl.constexpr, W_FP4: tl.constexpr):
@@ -242,6 +246,7 @@ def _weight_rows(expert, n, K: tl.constexpr, N: tl.constexpr, W_FP4: tl.constexp
         s_row = (n // 32).to(tl.int64) * (K // 32)   # one scale row per 32 weight rows
     return w_row, s_row
 
+# %% ../nbs/08b_fused_moe.ipynb #12935fc3
 @triton.jit
 def _gemm_dequantised(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
                       K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, W_FP4: tl.constexpr,
@@ -280,6 +285,7 @@ def _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
             acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e4m3', acc)
     return acc
 
+# %% ../nbs/08b_fused_moe.ipynb #170b2329
 @triton.jit
 def _expert_gemm(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
                  K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr, W_FP4: tl.constexpr,
@@ -322,12 +328,14 @@ def _swiglu(gate, up, limit, CLAMP: tl.constexpr, HW_CVT: tl.constexpr):
         up = tl.minimum(tl.maximum(up, -limit), limit)
     return gate / (1.0 + tl.exp(-gate)) * up
 
+# %% ../nbs/08b_fused_moe.ipynb #d9a8918e
 @triton.jit
 def _fp8_quant_tile(h, R: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
     "(R, C) fp32 -> rounded to BF16, then FP8-quantised in groups of 32 along C (act_quant), as fp32"
     return tl.reshape(_fp8_qdq_groups(tl.reshape(_round_bf16(h, HW_CVT), (R, C // 32, 32)), HW_CVT),
                       (R, C))
 
+# %% ../nbs/08b_fused_moe.ipynb #397fd9f0
 @triton.jit
 def _gate_up_kernel(
     x_ptr,              # (tokens, K) BF16 activations, FP8-quantised
@@ -367,11 +375,13 @@ MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, 
                   mid=dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   large=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3))
 
+# %% ../nbs/08b_fused_moe.ipynb #9b2d6f73
 def moe_launch_shape(n_assign: int, n_experts: int) -> dict:
     "The `MOE_TUNING` entry for `n_assign` assignments over `n_experts` experts"
     rows = n_assign / max(1, min(n_experts, n_assign))
     return dict(MOE_TUNING['decode' if rows <= 16 else 'mid' if rows <= 64 else 'large'])
 
+# %% ../nbs/08b_fused_moe.ipynb #64ef8eea
 def _check_shape(shape):
     "A launch shape: `MOE_TUNING`'s keys, and known weight tiles"
     keys = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
@@ -381,6 +391,7 @@ def _check_shape(shape):
     if shape.get('tiles', MOE_TILES[0]) not in MOE_TILES:
         raise ValueError(f"tiles = {shape['tiles']!r}; expected one of {MOE_TILES}")
 
+# %% ../nbs/08b_fused_moe.ipynb #020f00f7
 def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device) -> tuple[dict, tuple]:
     "Meta-parameters and grid for a GEMM of N output columns over K"
     _check_shape(shape)
@@ -404,6 +415,7 @@ def _expert_rows(align: ExpertAlignment):
     real = align.sorted_ids < align.n_assign
     for e in be[real].unique().tolist(): yield e, align.sorted_ids[(be == e) & real].long()
 
+# %% ../nbs/08b_fused_moe.ipynb #ad482ba2
 def expert_gate_up_torch(xq, w1, w3, align, topk_weights, swiglu_limit) -> torch.Tensor:
     "PyTorch `expert_gate_up`"
     h = torch.zeros(align.n_assign, w1.shape[1], dtype=torch.bfloat16, device=xq.device)
@@ -430,6 +442,7 @@ def _check_stage(name, q: QuantWeight, a: torch.Tensor, align: ExpertAlignment, 
     if a.shape[0] != rows:
         raise ValueError(f"activations: expected {rows} rows for this alignment, got {a.shape[0]}")
 
+# %% ../nbs/08b_fused_moe.ipynb #b8a327c1
 def expert_gate_up(
     xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
     w1: QuantWeight, w3: QuantWeight, # gate and up weights: routed MXFP4, or the shared FP8
@@ -521,6 +534,7 @@ def expert_down_torch(h, w2, align, routed=None) -> torch.Tensor:
     k = routed.shape[0] // out.shape[0]
     return (routed.float().view(out.shape[0], k, -1).sum(1) + out.float()).to(torch.bfloat16)
 
+# %% ../nbs/08b_fused_moe.ipynb #c17ce099
 def expert_down(
     h: torch.Tensor, # (n_assign, inter) BF16 output of `expert_gate_up`
     w2: QuantWeight, # down weights: routed MXFP4, or the shared FP8
@@ -559,6 +573,7 @@ def _abs_propagate(d: torch.Tensor, w: QuantWeight, align: ExpertAlignment) -> t
         out[a] = (d[a].double().abs() @ w.dequantize(e).double().abs().T).float()
     return out
 
+# %% ../nbs/08b_fused_moe.ipynb #275b2e38
 def assert_bf16_close(
     got: torch.Tensor, want: torch.Tensor,
     abs_sum: torch.Tensor, # Σ|w||h| of each output: what the fp32 accumulation error scales with
@@ -597,6 +612,7 @@ def fused_moe_experts(
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
     return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up)['y']
 
+# %% ../nbs/08b_fused_moe.ipynb #1c2e92d9
 def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
                   shape: dict | None = None, gate_up=None) -> dict:
     "The six launches; every intermediate, by name"
@@ -663,6 +679,7 @@ def bf16_matmul_rate(n: int = 8192, device='cuda') -> float:
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     return 2 * n ** 3 / median_time(lambda: a @ b)
 
+# %% ../nbs/08b_fused_moe.ipynb #f6ee137d
 def benchmark_moe(
     cfg: ModelConfig, sizes=(1, 64, 1024, 8192), device='cuda', seed: int = 0,
     tiles: str = MOE_TILES[0], # the weight tiles: 'scaled' (version 2) or 'dequantised' (version 1)

@@ -60,12 +60,14 @@ class Indexer(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.register_buffer('inv_freq', layer_inv_freq(cfg, self.ratio), persistent=False)
 
-    def __repr__(self):
-        role = 'Full' if self.owns_keys else 'Reindex'
-        cand = (', candidate source' if self.is_candidate_source
-                else (', scores the candidate pool' if self.uses_candidates else ''))
-        return (f"Indexer(layer {self.layer}, {role}, keys of layer {self.kv_source}, "
-                f"ratio {self.ratio}{cand}, {self.codec.name})")
+# %% ../nbs/04_indexer.ipynb #d51f6bea
+@patch
+def __repr__(self: Indexer):
+    role = 'Full' if self.owns_keys else 'Reindex'
+    cand = (', candidate source' if self.is_candidate_source
+            else (', scores the candidate pool' if self.uses_candidates else ''))
+    return (f"Indexer(layer {self.layer}, {role}, keys of layer {self.kv_source}, "
+            f"ratio {self.ratio}{cand}, {self.codec.name})")
 
 # %% ../nbs/04_indexer.ipynb #4492f214
 @patch
@@ -77,12 +79,14 @@ def keys(self: Indexer, latent: torch.Tensor, positions: torch.Tensor) -> torch.
     k = norm_layer(self.k_norm, self.wk(latent.to(torch.bfloat16)))
     return rope(k, self.inv_freq, (positions + 1 - self.ratio).clamp_min(0))
 
+# %% ../nbs/04_indexer.ipynb #29f35c2c
 @patch
 def new_key_cache(self: Indexer, num_blocks: int, block_size: int, device=None) -> torch.Tensor:
     ("An index-key cache for `num_blocks` blocks of `block_size` tokens: "
      "(num_blocks, block_size // ratio, record_bytes) uint8")
     return new_record_cache(self.codec, num_blocks, block_size, self.ratio, device)
 
+# %% ../nbs/04_indexer.ipynb #74ac962e
 @patch
 def store_keys(self: Indexer,
                latent,                  # (T, d) unrotated latents
@@ -131,6 +135,7 @@ def _qdq_mxfp4_kernel(x_ptr, y_ptr, n_groups, ROWS: tl.constexpr, BF16_BITS: tl.
         # exact in BF16: 3 significant bits
         tl.store(y_ptr + off, y.to(y_ptr.dtype.element_ty), mask=gm)
 
+# %% ../nbs/04_indexer.ipynb #825655e6
 def qdq_mxfp4_fused(x: torch.Tensor) -> torch.Tensor:
     "`qdq_mxfp4` in one Triton launch (GPU, interpreter), else the reference"
     if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.ndim == 0
@@ -191,11 +196,14 @@ class IndexBatch:
     def visible(self) -> torch.Tensor:
         "(T,) entries each query may see, (p + 1) // ratio; 0 for padding (computed once per batch)"
         return torch.where(self.rows >= 0, (self.positions + 1) // self.ratio, 0)
-    def slots(self, row: int, entries) -> torch.Tensor:
-        "Cache slots of entries `entries` of the request in block-table row `row`"
-        e = torch.as_tensor(entries, device=self.block_table.device)
-        return (self.block_table[row, e // self.per_block].long() * self.per_block
-                + e % self.per_block)
+
+# %% ../nbs/04_indexer.ipynb #a05f799d
+@patch
+def slots(self: IndexBatch, row: int, entries) -> torch.Tensor:
+    "Cache slots of entries `entries` of the request in block-table row `row`"
+    e = torch.as_tensor(entries, device=self.block_table.device)
+    return (self.block_table[row, e // self.per_block].long() * self.per_block
+            + e % self.per_block)
 
 # %% ../nbs/04_indexer.ipynb #e6e4a5c8
 def index_logits_reference(q: torch.Tensor,         # (T, H, DH) index queries
@@ -245,6 +253,7 @@ def candidate_pool_reference(logits: torch.Tensor,  # (T, L) fp32 logits of the 
     scores[live, (visible[live] - 1) // block_size] = torch.inf
     return topk_reference(scores, (visible + block_size - 1) // block_size, topk_blocks)
 
+# %% ../nbs/04_indexer.ipynb #b891d3cb
 def pool_mask(pool: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
     "(T, width) bool: the entries inside each query's candidate blocks"
     keep = torch.zeros(pool.shape[0], triton.cdiv(width, block_size) + 1, dtype=torch.bool,
@@ -280,6 +289,7 @@ def _record_rows(cache_ptr, slot, zero, REC: tl.constexpr):
     return cache_ptr + tl.multiple_of(slot * REC + zero,
                                       REC & -REC if REC & -REC < 16 else 16)[:, None]
 
+# %% ../nbs/04_indexer.ipynb #c8ee35ca
 @triton.jit
 def _fp4_key_halves(rec, valid, DH: tl.constexpr):
     "(even dims, odd dims) of MXFP4 keys, (BLOCK_T, DH/2) fp32 each: one contiguous load of the code bytes, no reshape"
@@ -290,6 +300,7 @@ def _fp4_key_halves(rec, valid, DH: tl.constexpr):
                               other=127).to(tl.int32))
     return _e2m1_value(b & 15) * sc, _e2m1_value(b >> 4) * sc
 
+# %% ../nbs/04_indexer.ipynb #a0e40038
 @triton.jit
 def _fp8_key_tile(rec, valid, DH: tl.constexpr):
     "((BLOCK_T, DH) E4M3 values, exact in bf16, and (BLOCK_T,) their fp32 scale, which is not)"
@@ -298,12 +309,12 @@ def _fp8_key_tile(rec, valid, DH: tl.constexpr):
     return (_e4m3_value(c),
             tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True))
 
+# %% ../nbs/04_indexer.ipynb #210c08ae
 @triton.jit
 def _dot_t(a, k, BF16_DOT: tl.constexpr):
     "a @ k^T in fp32: bf16 operands on the tensor cores (exact here), fp32 in the interpreter"
     if BF16_DOT: return tl.dot(a, tl.trans(k.to(tl.bfloat16)))
     return tl.dot(a.to(tl.float32), tl.trans(k))
-
 
 # %% ../nbs/04_indexer.ipynb #40f66b92
 @triton.jit
@@ -426,6 +437,7 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
 # entries per tile, tiles per program, warps (compiled)
 LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4)
 
+# %% ../nbs/04_indexer.ipynb #37097157
 def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
                  w: torch.Tensor,          # (T, H) fp32 head weights
                  key_cache: torch.Tensor,  # uint8 index-key records of the KV source
@@ -492,6 +504,7 @@ def _order_key(x):
     bits = (x + 0.0).to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
+# %% ../nbs/04_indexer.ipynb #076fe718
 @triton.jit
 def _radix_threshold(row, n, K: tl.constexpr, BLOCK: tl.constexpr):
     ("(order key of the K-th largest of row[:n], "
@@ -523,6 +536,7 @@ def _pool_prefix(pool, P, visible, CBS: tl.constexpr, P_P2: tl.constexpr):
     fill = visible - tl.maximum(visible - 1, 0) // CBS * CBS
     return tl.where(blocks > 0, (blocks - 1) * CBS + fill, 0)
 
+# %% ../nbs/04_indexer.ipynb #23ece659
 @triton.jit
 def _pool_entry(pool, t, live, CBS: tl.constexpr):
     "Positions t of a sparse row as the entries they stand for (CBS > 0: through the pool's blocks), else t itself"
@@ -599,6 +613,7 @@ def ragged_topk(x: torch.Tensor,        # (T, L) fp32 scores
             num_warps=8)
     return out
 
+# %% ../nbs/04_indexer.ipynb #9184ef7f
 def _check_pool(pool, T: int, block_size):
     if (not isinstance(pool, torch.Tensor) or pool.dtype != torch.int32 or pool.ndim != 2
         or pool.shape[0] != T):
@@ -608,7 +623,6 @@ def _check_pool(pool, T: int, block_size):
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise ValueError(f"ragged_topk: block_size = {block_size!r}; "
                          "expected an int >= 1 with a pool")
-
 
 # %% ../nbs/04_indexer.ipynb #8f9cfeaf
 @triton.jit
@@ -656,6 +670,7 @@ def pool_entries(pool: torch.Tensor, visible: torch.Tensor, block_size: int) -> 
     newest_fill = visible - (visible - 1).clamp_min(0) // block_size * block_size
     return torch.where(blocks > 0, (blocks - 1) * block_size + newest_fill, 0)
 
+# %% ../nbs/04_indexer.ipynb #59a6cab6
 def sparse_topk(q,                   # (T, H, DH) bf16 index queries
                 w,                   # (T, H) fp32 head weights
                 key_cache,           # uint8 index-key records of the KV source

@@ -15,22 +15,25 @@ from dsv41_nb.block_pool import (
     BlockPool, KVCacheBlock, Request, _positive_int,
     PAD_SLOT_ID, NULL_BLOCK_ID, slot_mapping, compressed_slot_mapping, compressed_state_slots,
     ring_slot_mapping)
+
+# %% auto #0
+__all__ = ['WINDOW_FORMAT', 'MAIN_KV_FORMATS', 'INDEX_KEY_FORMATS', 'MANAGER_KINDS', 'KV_LAYOUTS', 'MANAGER_CLASSES', 'cdiv',
+           'CacheConfig', 'CacheMember', 'CacheGroupSpec', 'ring_entry_bytes', 'get_kv_cache_groups', 'KVCacheConfig',
+           'get_kv_cache_config', 'kv_cache_layout_table', 'kv_bytes_per_token', 'SingleTypeKVCacheManager',
+           'GlobalAttentionManager', 'SlidingWindowManager', 'CompressorStateManager', 'KVCacheCoordinator',
+           'reference_longest_hit', 'PAD_SLOT_ID', 'NULL_BLOCK_ID', 'slot_mapping', 'compressed_slot_mapping',
+           'compressed_state_slots', 'ring_slot_mapping']
+
+# %% ../nbs/02b_kv_cache.ipynb #5270027b
 # the slot arithmetic of one block table lives with the pool; the cache's users find it here too
 _all_ = ['PAD_SLOT_ID', 'NULL_BLOCK_ID', 'slot_mapping', 'compressed_slot_mapping',
          'compressed_state_slots', 'ring_slot_mapping']
 
+# %% ../nbs/02b_kv_cache.ipynb #a41ae20c
 def cdiv(a: int, b: int) -> int:
     ("Ceiling division of integers (called per request per step: a plain function, "
      "`triton.cdiv` costs ~20x more from Python)")
     return (a + b - 1) // b
-
-# %% auto #0
-__all__ = ['WINDOW_FORMAT', 'MAIN_KV_FORMATS', 'INDEX_KEY_FORMATS', 'MANAGER_KINDS', 'MANAGER_CLASSES', 'cdiv', 'CacheConfig',
-           'CacheMember', 'CacheGroupSpec', 'ring_entry_bytes', 'get_kv_cache_groups', 'KVCacheConfig',
-           'get_kv_cache_config', 'kv_cache_layout_table', 'SingleTypeKVCacheManager', 'GlobalAttentionManager',
-           'SlidingWindowManager', 'CompressorStateManager', 'KVCacheCoordinator', 'reference_longest_hit',
-           'PAD_SLOT_ID', 'NULL_BLOCK_ID', 'slot_mapping', 'compressed_slot_mapping', 'compressed_state_slots',
-           'ring_slot_mapping']
 
 # %% ../nbs/02b_kv_cache.ipynb #b9ec5b6b
 WINDOW_FORMAT = 'window_fp8'  # the sliding-window record of every layer (528 B at head_dim 512)
@@ -40,6 +43,7 @@ MAIN_KV_FORMATS = ('ds_fp4', 'fp8_ds_mla')
 INDEX_KEY_FORMATS = ('index_mxfp4', 'index_fp8')
 assert {WINDOW_FORMAT, *MAIN_KV_FORMATS, *INDEX_KEY_FORMATS} <= set(CACHE_FORMATS)
 
+# %% ../nbs/02b_kv_cache.ipynb #9541d19a
 @dataclass(frozen=True)
 class CacheConfig:
     ("Serving choices for the paged KV cache (vLLM's `CacheConfig`), "
@@ -60,16 +64,20 @@ class CacheConfig:
     max_resume_alignment: int = 4096
 
     def __post_init__(self): self._validate()
-    @property
-    def hash_block_size(self) -> int:
-        ("Tokens per chained hash: gcd of the block sizes, "
-         "so that every block boundary is a hash boundary")
-        return math.gcd(self.swa_block_size, self.global_block_size)
-    @property
-    def resume_alignment(self) -> int:
-        ("A prefix hit ends on a multiple of this: lcm of the block sizes, "
-         "a boundary every group can resume from")
-        return math.lcm(self.swa_block_size, self.global_block_size)
+
+# %% ../nbs/02b_kv_cache.ipynb #51516374
+@patch(as_prop=True)
+def hash_block_size(self: CacheConfig) -> int:
+    ("Tokens per chained hash: gcd of the block sizes, "
+     "so that every block boundary is a hash boundary")
+    return math.gcd(self.swa_block_size, self.global_block_size)
+
+# %% ../nbs/02b_kv_cache.ipynb #28caea4b
+@patch(as_prop=True)
+def resume_alignment(self: CacheConfig) -> int:
+    ("A prefix hit ends on a multiple of this: lcm of the block sizes, "
+     "a boundary every group can resume from")
+    return math.lcm(self.swa_block_size, self.global_block_size)
 
 # %% ../nbs/02b_kv_cache.ipynb #da10067b
 @patch
@@ -104,6 +112,7 @@ def _validate(self: CacheConfig):
                          f"lcm({self.swa_block_size}, {self.global_block_size}) = {a}: "
                          "a checkpoint there could never be a resume point")
 
+# %% ../nbs/02b_kv_cache.ipynb #f32804fb
 @patch(cls_method=True)
 def for_model(cls: CacheConfig, cfg: ModelConfig, **changes):
     ("The block sizes of the full model scaled to `cfg`: "
@@ -126,15 +135,20 @@ class CacheMember:
     ratio: int  # tokens per stored state (1 for window records)
     record_bytes: int  # bytes of one stored state
 
-    def states_per_block(self, block_size: int) -> int:
-        "Records this member keeps in one block of `block_size` tokens"
-        # the ring: one entry per pending token
-        if self.kind == 'compressor_state': return self.ratio
-        return block_size // self.ratio
+# %% ../nbs/02b_kv_cache.ipynb #eedb7c96
+@patch
+def states_per_block(self: CacheMember, block_size: int) -> int:
+    "Records this member keeps in one block of `block_size` tokens"
+    # the ring: one entry per pending token
+    if self.kind == 'compressor_state': return self.ratio
+    return block_size // self.ratio
 
-    def bytes_per_block(self, block_size: int) -> int:
-        return self.states_per_block(block_size) * self.record_bytes
+# %% ../nbs/02b_kv_cache.ipynb #96aebd55
+@patch
+def bytes_per_block(self: CacheMember, block_size: int) -> int:
+    return self.states_per_block(block_size) * self.record_bytes
 
+# %% ../nbs/02b_kv_cache.ipynb #c4dbe4c2
 @dataclass(frozen=True)
 class CacheGroupSpec:
     "A bucket of caches that share one block table (vLLM's KV cache group)"
@@ -147,22 +161,31 @@ class CacheGroupSpec:
     members: tuple  # the CacheMembers packed into each block
     sliding_window: int = 0  # window length in tokens ('sliding_window' only)
 
-    @property
-    def prefix_cacheable(self) -> bool: return self.manager != 'ring'
-    @property
-    def prefix_caching(self) -> str:
-        return {'global': 'yes', 'sliding_window': 'retained tails only',
-                'ring': 'never'}[self.manager]
-    @property
-    def bytes_per_block(self) -> int:
-        return sum(m.bytes_per_block(self.block_size) for m in self.members)
-    @property
-    def ratios(self) -> tuple: return tuple(sorted({m.ratio for m in self.members}))
+# %% ../nbs/02b_kv_cache.ipynb #4088b89b
+@patch(as_prop=True)
+def prefix_cacheable(self: CacheGroupSpec) -> bool: return self.manager != 'ring'
+
+# %% ../nbs/02b_kv_cache.ipynb #eec1e4a6
+@patch(as_prop=True)
+def prefix_caching(self: CacheGroupSpec) -> str:
+    return {'global': 'yes', 'sliding_window': 'retained tails only',
+            'ring': 'never'}[self.manager]
+
+# %% ../nbs/02b_kv_cache.ipynb #e883397f
+@patch(as_prop=True)
+def bytes_per_block(self: CacheGroupSpec) -> int:
+    return sum(m.bytes_per_block(self.block_size) for m in self.members)
+
+# %% ../nbs/02b_kv_cache.ipynb #74e7c1bb
+@patch(as_prop=True)
+def ratios(self: CacheGroupSpec) -> tuple: return tuple(sorted({m.ratio for m in self.members}))
 
 # %% ../nbs/02b_kv_cache.ipynb #ca32889a
 def ring_entry_bytes(cfg: ModelConfig) -> int:
     "One compressor ring entry: fp32 kv_state + score_state, 2 x head_dim values"
     return 2 * cfg.head_dim * 4
+
+# %% ../nbs/02b_kv_cache.ipynb #212e2be2
 def get_kv_cache_groups(cfg: ModelConfig, # the model geometry
                         cc: CacheConfig) -> tuple: # the serving choices
     ("The cache buckets of `cfg`: A global main KV + index K, B the window of every layer, "
@@ -204,6 +227,7 @@ class KVCacheConfig:
     @property
     def num_usable_blocks(self) -> int: return self.num_blocks - 1
 
+# %% ../nbs/02b_kv_cache.ipynb #0b75242b
 def get_kv_cache_config(
     cfg: ModelConfig,              # the model geometry
     cc: CacheConfig | None = None  # serving choices (default: CacheConfig.for_model(cfg))
@@ -250,6 +274,22 @@ def kv_cache_layout_table(kc: KVCacheConfig) -> str:
              f"retention interval {cc.prefix_cache_retention_interval}"]
     return '\n'.join(rows)
 
+# %% ../nbs/02b_kv_cache.ipynb #93e39873
+KV_LAYOUTS = ('shared_pool', 'per_group')
+
+def kv_bytes_per_token(kc: KVCacheConfig,
+                       # 'shared_pool': every block a page of `page_bytes` (vLLM's one pool);
+                       # 'per_group': each group's blocks as wide as its own block
+                       layout: str = 'shared_pool',
+                      ) -> dict:
+    "Bytes a token's slot takes in each cacheable group of `kc` under `layout`, by group name"
+    if not isinstance(kc, KVCacheConfig):
+        raise TypeError(f"kv_bytes_per_token: expected a KVCacheConfig, got {type(kc).__name__}")
+    if layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_bytes_per_token: layout = {layout!r}; expected one of {KV_LAYOUTS}")
+    return {g.name: (kc.page_bytes if layout == 'shared_pool' else g.bytes_per_block) / g.block_size
+            for g in kc.groups if g.prefix_cacheable}
+
 # %% ../nbs/02b_kv_cache.ipynb #1dfdb952
 class SingleTypeKVCacheManager:
     "Block tables and rules of one cache group"
@@ -266,26 +306,6 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict = {}
         self.num_cached_block: dict = {}  # request id -> table entries already registered / checked
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: Sequence = ()) -> int:
-        ("Blocks this group must take from the free queue to give `request_id` `num_tokens` slots "
-         "(free cached hits count)")
-        n = (cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request_id, ()))
-             - len(new_computed_blocks))
-        if not new_computed_blocks: return n if n > 0 else 0
-        # hit blocks still in the free queue
-        claim = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return max(n, 0) + claim
-
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list:
-        "Extend the request's table to cover `num_tokens` slots; returns the new blocks"
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        n = cdiv(num_tokens, self.block_size) - len(blocks)
-        if n <= 0: return []
-        new = self.block_pool.get_new_blocks(n)
-        blocks.extend(new)
-        return new
-
     # what the subclasses override: early release, registration for reuse, hit search
     def get_num_blocks_freed_by_skip(self, request_id: str, num_computed_tokens: int) -> int:
         return 0
@@ -293,6 +313,30 @@ class SingleTypeKVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int): pass
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes], max_length: int) -> list:
         return []
+
+# %% ../nbs/02b_kv_cache.ipynb #6e0bdbf3
+@patch
+def get_num_blocks_to_allocate(self: SingleTypeKVCacheManager, request_id: str, num_tokens: int,
+                               new_computed_blocks: Sequence = ()) -> int:
+    ("Blocks this group must take from the free queue to give `request_id` `num_tokens` slots "
+     "(free cached hits count)")
+    n = (cdiv(num_tokens, self.block_size) - len(self.req_to_blocks.get(request_id, ()))
+         - len(new_computed_blocks))
+    if not new_computed_blocks: return n if n > 0 else 0
+    # hit blocks still in the free queue
+    claim = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+    return max(n, 0) + claim
+
+# %% ../nbs/02b_kv_cache.ipynb #db0d8964
+@patch
+def allocate_new_blocks(self: SingleTypeKVCacheManager, request_id: str, num_tokens: int) -> list:
+    "Extend the request's table to cover `num_tokens` slots; returns the new blocks"
+    blocks = self.req_to_blocks.setdefault(request_id, [])
+    n = cdiv(num_tokens, self.block_size) - len(blocks)
+    if n <= 0: return []
+    new = self.block_pool.get_new_blocks(n)
+    blocks.extend(new)
+    return new
 
 # %% ../nbs/02b_kv_cache.ipynb #32511f9d
 @patch
@@ -306,6 +350,7 @@ def save_new_computed_blocks(self: SingleTypeKVCacheManager, request_id: str,
     self.req_to_blocks[request_id] = list(new_computed_blocks)
     self.num_cached_block[request_id] = len(new_computed_blocks)
 
+# %% ../nbs/02b_kv_cache.ipynb #e5c37511
 @patch
 def free(self: SingleTypeKVCacheManager, request_id: str):
     "Release the request's blocks, tail first"
@@ -313,11 +358,13 @@ def free(self: SingleTypeKVCacheManager, request_id: str):
     self.num_cached_block.pop(request_id, None)
     if blocks: self.block_pool.free_blocks(reversed(blocks))
 
+# %% ../nbs/02b_kv_cache.ipynb #3340b4c9
 @patch
 def min_blocks(self: SingleTypeKVCacheManager, num_tokens: int) -> int:
     "The fewest blocks a request of `num_tokens` tokens must hold at once to finish"
     return cdiv(num_tokens, self.block_size)
 
+# %% ../nbs/02b_kv_cache.ipynb #c38af2d6
 @patch
 def _lookup(self: SingleTypeKVCacheManager, block_hashes, i):
     "The cached block for table entry i of this group, or None"
@@ -342,18 +389,21 @@ class GlobalAttentionManager(SingleTypeKVCacheManager):
         del out[len(out) - len(out) % per:]
         return out
 
-    def cache_blocks(self, request: Request, num_tokens: int): # tokens whose content is known
-        "Register every full block whose tokens are known"
-        rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        if not blocks: return
-        n_full = min(num_tokens // self.block_size, len(request.block_hashes) // self.hash_stride,
-                     len(blocks))
-        done = self.num_cached_block.get(rid, 0)
-        if n_full > done:
-            self.block_pool.cache_full_blocks(request, blocks, range(done, n_full), self.block_size,
-                                              self.hash_stride, self.group_id)
-            self.num_cached_block[rid] = n_full
+# %% ../nbs/02b_kv_cache.ipynb #8861cecc
+@patch
+def cache_blocks(self: GlobalAttentionManager, request: Request,
+                 num_tokens: int): # tokens whose content is known
+    "Register every full block whose tokens are known"
+    rid = request.request_id
+    blocks = self.req_to_blocks.get(rid)
+    if not blocks: return
+    n_full = min(num_tokens // self.block_size, len(request.block_hashes) // self.hash_stride,
+                 len(blocks))
+    done = self.num_cached_block.get(rid, 0)
+    if n_full > done:
+        self.block_pool.cache_full_blocks(request, blocks, range(done, n_full), self.block_size,
+                                          self.hash_stride, self.group_id)
+        self.num_cached_block[rid] = n_full
 
 # %% ../nbs/02b_kv_cache.ipynb #0d84a599
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -403,6 +453,7 @@ def _skipped_run(self: SlidingWindowManager, request_id, num_computed_tokens) ->
     while i >= 0 and not blocks[i].is_null: i -= 1
     return blocks, range(n - 1, i, -1)
 
+# %% ../nbs/02b_kv_cache.ipynb #297302ee
 @patch
 def get_num_blocks_freed_by_skip(self: SlidingWindowManager, request_id: str,
                                  num_computed_tokens: int) -> int:
@@ -410,6 +461,7 @@ def get_num_blocks_freed_by_skip(self: SlidingWindowManager, request_id: str,
     blocks, run = self._skipped_run(request_id, num_computed_tokens)
     return sum(1 for i in run if blocks[i].ref_cnt == 1) if run else 0
 
+# %% ../nbs/02b_kv_cache.ipynb #4901ab33
 @patch
 def remove_skipped_blocks(self: SlidingWindowManager, request_id: str,
                           num_computed_tokens: int):
@@ -433,6 +485,7 @@ def checkpoints(self: SlidingWindowManager, request: Request, lo: int, hi: int) 
     if lo < p <= hi and p not in out: out.append(p); out.sort()
     return out
 
+# %% ../nbs/02b_kv_cache.ipynb #990a0ac7
 @patch
 def cache_blocks(self: SlidingWindowManager,
                  request: Request,
@@ -488,6 +541,7 @@ class CompressorStateManager(SingleTypeKVCacheManager):
         return new
     def min_blocks(self, num_tokens): return 1
 
+# %% ../nbs/02b_kv_cache.ipynb #d61baaef
 MANAGER_CLASSES = {'global': GlobalAttentionManager, 'sliding_window': SlidingWindowManager,
                    'ring': CompressorStateManager}
 assert tuple(MANAGER_CLASSES) == MANAGER_KINDS
@@ -505,27 +559,30 @@ class KVCacheCoordinator:
             self.managers.append(MANAGER_CLASSES[g.manager](g, block_pool, kc.hash_block_size,
                                                             kc.resume_alignment, **kw))
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], # the request's chained hashes
-                               max_cache_hit_length: int # never hit beyond this many tokens
-                              ) -> tuple:
-        ("(blocks per group, hit length): "
-         "the longest aligned prefix that every cacheable group can resume from")
-        hit = max_cache_hit_length // self.alignment * self.alignment
-        found = [[] for _ in self.managers]
-        glob = [m for m in self.managers if m.spec.manager == 'global']
-        window = [m for m in self.managers if m.spec.manager == 'sliding_window']
-        for m in glob:                                   # left to right, once
+# %% ../nbs/02b_kv_cache.ipynb #0563ea31
+@patch
+def find_longest_cache_hit(self: KVCacheCoordinator,
+                           block_hashes: Sequence[bytes], # the request's chained hashes
+                           max_cache_hit_length: int # never hit beyond this many tokens
+                          ) -> tuple:
+    ("(blocks per group, hit length): "
+     "the longest aligned prefix that every cacheable group can resume from")
+    hit = max_cache_hit_length // self.alignment * self.alignment
+    found = [[] for _ in self.managers]
+    glob = [m for m in self.managers if m.spec.manager == 'global']
+    window = [m for m in self.managers if m.spec.manager == 'sliding_window']
+    for m in glob:                                   # left to right, once
+        found[m.group_id] = m.find_longest_cache_hit(block_hashes, hit)
+        hit = min(hit, len(found[m.group_id]) * m.block_size)
+    changed = True
+    while changed:                                   # right to left, until every window agrees
+        changed = False
+        for m in window:
             found[m.group_id] = m.find_longest_cache_hit(block_hashes, hit)
-            hit = min(hit, len(found[m.group_id]) * m.block_size)
-        changed = True
-        while changed:                                   # right to left, until every window agrees
-            changed = False
-            for m in window:
-                found[m.group_id] = m.find_longest_cache_hit(block_hashes, hit)
-                got = len(found[m.group_id]) * m.block_size
-                if got < hit: hit, changed = got, True
-        for m in glob: del found[m.group_id][hit // m.block_size:]
-        return tuple(found), hit
+            got = len(found[m.group_id]) * m.block_size
+            if got < hit: hit, changed = got, True
+    for m in glob: del found[m.group_id][hit // m.block_size:]
+    return tuple(found), hit
 
 # %% ../nbs/02b_kv_cache.ipynb #1f96b009
 def reference_longest_hit(coordinator: KVCacheCoordinator, # the groups to ask

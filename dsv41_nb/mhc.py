@@ -86,6 +86,7 @@ def hc_pre(x: torch.Tensor,    # (T, n, dim) copies
             f"pre: expected shape {tuple(x.shape[:-1])}, got {tuple(pre.shape)}")
     return (pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
 
+# %% ../nbs/07_mhc.ipynb #4a19316c
 def hc_post(f: torch.Tensor,     # (T, dim) the sublayer's output
             x: torch.Tensor,     # (T, n, dim) the copies that entered the sublayer
             post: torch.Tensor,  # (T, n)
@@ -108,6 +109,7 @@ class HCWeights:
     base: torch.Tensor   # ((2+n)*n,)
     scale: torch.Tensor  # (3,): pre, post, comb
 
+# %% ../nbs/07_mhc.ipynb #2dc7beb4
 @dataclass
 class HCLayer:
     "A block's two seams: attention then FFN, each with its coefficients and its pre-norm weight"
@@ -116,6 +118,7 @@ class HCLayer:
     ffn: HCWeights
     ffn_norm: torch.Tensor   # (dim,)
 
+# %% ../nbs/07_mhc.ipynb #b9acc0e9
 def random_hc_weights(cfg: ModelConfig, # hc_mult and dim
                       strength: float = 1.0, # how much the coefficients depend on the stream
                       generator=None, # a `torch.Generator`, for reproducible draws
@@ -127,6 +130,7 @@ def random_hc_weights(cfg: ModelConfig, # hc_mult and dim
     scale = strength * (0.5 + torch.rand(3, generator=generator))
     return HCWeights(fn.to(device), base.to(device), scale.to(device))
 
+# %% ../nbs/07_mhc.ipynb #d70813cf
 def random_hc_layer(cfg: ModelConfig, strength: float = 1.0, generator=None, device='cpu',
                     dtype=torch.bfloat16) -> HCLayer:
     "Random `HCLayer`: two `random_hc_weights` and norm weights near one"
@@ -158,6 +162,7 @@ class SeamOut(NamedTuple):
     post: torch.Tensor | None        # (T, n) fp32: this seam's sublayer's output weights
     comb: torch.Tensor | None        # (T, n, n) fp32: the copies' mixing at the next seam
 
+# %% ../nbs/07_mhc.ipynb #4435832f
 def _rms_norm(y, weight, eps):
     "RMSNorm in fp32, rounded to y's dtype, as the public `RMSNorm`"
     v = y.float()
@@ -192,6 +197,7 @@ def _check_tensor(name, t, shape, dtypes=None):
     require(tuple(t.shape) == tuple(shape),
             f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
+# %% ../nbs/07_mhc.ipynb #90e7341a
 def _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8):
     require(isinstance(cfg, ModelConfig),
             f"cfg: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
@@ -303,6 +309,7 @@ def _round(v, BF16: tl.constexpr, HW_CVT: tl.constexpr):
         else: v = (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
     return v
 
+# %% ../nbs/07_mhc.ipynb #e9e2d458
 @triton.jit
 def _fp8_block_codes(v, G: tl.constexpr, BLOCK_T: tl.constexpr, inv_max, HW_CVT: tl.constexpr):
     "(BLOCK_T, G*32) fp32 -> E4M3 codes (BLOCK_T, G*32) and UE8M0 codes (BLOCK_T, G), as `quantize_fp8`"
@@ -405,6 +412,7 @@ def _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_p
         _seam_norm(y_ss, t64, tm, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, inv_max, col0, col_step, D,
                    BLOCK_T, BLOCK_D, FP8, BF16, HW_CVT)
 
+# %% ../nbs/07_mhc.ipynb #02168542
 @triton.jit
 def _update_tile(x_ptr, f_ptr, comb_ptr, post, t64, tm, col, m2,
                  D: tl.constexpr, HC: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr):
@@ -423,6 +431,7 @@ def _update_tile(x_ptr, f_ptr, comb_ptr, post, t64, tm, col, m2,
         xn += ci[:, :, None] * xi[:, None, :]
     return _round(xn, BF16, HW_CVT)
 
+# %% ../nbs/07_mhc.ipynb #c44672e7
 @triton.jit
 def _project_tile(xn, fn_ptr, d0, D: tl.constexpr, HC: tl.constexpr, NPP: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -545,6 +554,7 @@ def _mhc_finish_kernel(
 MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2,
                   small_warps=1, small_block_d=32, small_finish_sb=256)
 
+# %% ../nbs/07_mhc.ipynb #d4d3d85a
 def _block_t(T: int) -> tuple[int, int]:
     ("(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, "
      "without `tl.dot`")
@@ -552,11 +562,13 @@ def _block_t(T: int) -> tuple[int, int]:
         return triton.next_power_of_2(max(T, 1)), MHC_TUNING['small_warps']
     return MHC_TUNING['block_t'], MHC_TUNING['num_warps']
 
+# %% ../nbs/07_mhc.ipynb #bf77012c
 def _block_d(T: int) -> int:
     ("Columns per program: `small_block_d` for `small_t` tokens or fewer "
      "(more programs for a lone token), else `block_d`")
     return MHC_TUNING['small_block_d' if T <= MHC_TUNING['small_t'] else 'block_d']
 
+# %% ../nbs/07_mhc.ipynb #a73a689c
 def _split(T, dim, device) -> int:
     "Column splits: enough programs to fill the GPU at small T, 1 (a single launch) at large T"
     chunks, s = triton.cdiv(dim, _block_d(T)), MHC_TUNING['split']
@@ -564,12 +576,14 @@ def _split(T, dim, device) -> int:
         s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, _block_t(T)[0])
     return max(1, min(int(s), chunks))
 
+# %% ../nbs/07_mhc.ipynb #95deb471
 def _finish_sb(T: int, split: int) -> int:
     ("Partial sums the finish kernel loads at once: `small_finish_sb` (all of them, in one go) "
      "for `small_t` tokens or fewer")
     return min(MHC_TUNING['small_finish_sb' if T <= MHC_TUNING['small_t'] else 'finish_sb'],
                triton.next_power_of_2(split))
 
+# %% ../nbs/07_mhc.ipynb #13fe44ac
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()
 
 def _marked(name: str):
@@ -623,6 +637,7 @@ def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
     "One BF16 ulp at |v| (2^(e-7) for |v| in [2^e, 2^(e+1)))"
     return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -126))) - 7)
 
+# %% ../nbs/07_mhc.ipynb #b828da59
 def check_seam(got: SeamOut, x, f=None, post=None, comb=None, pre=None, hc=None, norm_weight=None,
                cfg=None, fp8=False):
     "Assert that `got` matches `mhc_seam_torch` on the same arguments within the derived bounds"
@@ -683,6 +698,7 @@ _NO_KERNEL = {f'aten::{op}' for op in (
 # a kernel only if they copy
 _COPY_IF_CHILDREN = {'aten::to', 'aten::contiguous', 'aten::reshape', 'aten::type_as'}
 
+# %% ../nbs/07_mhc.ipynb #30feed92
 def count_launches(fn: Callable) -> int:
     "Kernel launches of one call of `fn` (after a warm-up call)"
     from torch.profiler import profile, ProfilerActivity

@@ -24,7 +24,7 @@ __all__ = ['WEIGHT_FMTS', 'ByteTokenizer', 'master_dtype', 'Weight', 'Norm', 'st
            'mxfp4_qdq', 'Linear', 'DenseCompressor', 'DenseIndexer', 'Attention', 'Expert', 'Router', 'MoE',
            'DenseEngram', 'Block', 'DrafterBlock', 'Transformer', 'manifest_mismatches', 'init_value', 'init_module_',
            'init_random', 'DenseRun', 'index_scores', 'select_topk', 'candidate_pool_mask', 'dense_attention',
-           'layer_rms', 'streamed_layer_rms', 'generate_greedy']
+           'sort_by_expert', 'layer_rms', 'streamed_layer_rms', 'generate_greedy']
 
 # %% ../nbs/10_model.ipynb #50d0de5e
 class ByteTokenizer:
@@ -258,6 +258,7 @@ class MoE(nn.Module):
         fmt = cfg.expert_dtype or cfg.dtype
         self.experts = nn.ModuleList(Expert(cfg, fmt, device) for _ in range(n))
         self.shared_experts = Expert(cfg, cfg.dtype, device)
+        self.grouped = False  # the routed experts as grouped matmuls (training, `quant` off)
 
 # %% ../nbs/10_model.ipynb #f5bb112d
 class DenseEngram(nn.Module):
@@ -289,6 +290,7 @@ class Block(nn.Module):
         self.ffn_norm = Norm(cfg.dim, cfg.norm_eps, device)
         self.attn, self.ffn = Attention(cfg, layer, device), MoE(cfg, layer, device)
         self.engram = DenseEngram(cfg, layer, device) if layer in cfg.engram_layer_ids else None
+        self.hc_split = hc_split  # mHC's Sinkhorn split; training swaps in a compiled copy
 
 class DrafterBlock(Block):
     ("DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): "
@@ -510,10 +512,10 @@ def select_topk(scores: torch.Tensor,        # (..., S, L) fp32, -inf where not 
 
 def candidate_pool_mask(scores: torch.Tensor,   # (..., S, L) fp32, -inf where not visible
                         visible: torch.Tensor,  # (S,) entries each query sees (a prefix of its row)
-                        n_blocks: int,          # blocks to keep
+                        num_blocks: int,        # blocks to keep
                         block_size: int,        # entries per block
                        ) -> torch.Tensor:
-    ("(..., S, L) bool: the entries of each query's `n_blocks` best blocks "
+    ("(..., S, L) bool: the entries of each query's `num_blocks` best blocks "
      "(best entry per block, the newest pinned)")
     L = scores.shape[-1]
     nb = -(-L // block_size)
@@ -522,7 +524,7 @@ def candidate_pool_mask(scores: torch.Tensor,   # (..., S, L) fp32, -inf where n
     newest = ((torch.arange(nb, device=scores.device) == ((visible - 1) // block_size)[:, None])
               & (visible > 0)[:, None])
     keep = select_topk(best.masked_fill(newest, torch.inf),
-                       (visible + block_size - 1) // block_size, n_blocks)
+                       (visible + block_size - 1) // block_size, num_blocks)
     return keep.repeat_interleave(block_size, -1)[..., :L]
 
 # %% ../nbs/10_model.ipynb #18fc8bdc
@@ -602,8 +604,8 @@ def forward(self: Expert,
     return self.w2((h if weights is None else weights * h).to(x.dtype), quant)
 
 @patch
-def forward(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
-    "(B, S, dim): routed experts and the shared expert on normalised inputs x (B, S, dim)"
+def routed_loop(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
+    "(B, S, dim): routed experts, one at a time, and the shared expert on normalised inputs x"
     xf = x.flatten(0, 1)                                  # (T, dim)
     weights, ids = self.gate(xf, None if run.image_mask is None else run.image_mask.flatten())
     xq = act_qdq(xf) if run.quant else xf                 # rounded once for every expert
@@ -613,6 +615,50 @@ def forward(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
         y = y.index_add(0, rows,
                         self.experts[e](xq[rows], run.quant, weights[rows, slot, None]).float())
     return (y + self.shared_experts(xq, run.quant).float()).to(x.dtype).view_as(x)
+
+@patch
+def forward(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
+    "(B, S, dim): routed experts and the shared expert on normalised inputs x (B, S, dim)"
+    if not self.grouped or run.quant: return self.routed_loop(x, run)
+    xf = x.flatten(0, 1)
+    weights, ids = self.gate(xf, None if run.image_mask is None else run.image_mask.flatten())
+    y = self.routed_grouped(xf, weights, ids)
+    return (y + self.shared_experts(xf, False).float()).to(x.dtype).view_as(x)
+
+# %% ../nbs/10_model.ipynb #e27487f3
+@patch
+def expert_stack(self: MoE, name: str) -> torch.Tensor:
+    "(E, in, out) view of projection `name` ('w1', 'w2', 'w3') of every routed expert, for `_grouped_mm`"
+    return torch.stack([getattr(e, name).weight for e in self.experts]).transpose(1, 2)
+
+# %% ../nbs/10_model.ipynb #671b01f3
+def sort_by_expert(ids: torch.Tensor,  # (T, k) chosen experts
+                   n_experts: int,
+                  ) -> tuple:
+    "(order, offs): assignments t*k+j sorted by expert (stable), and int32 cumulative counts (E,)"
+    flat = ids.flatten()
+    counts = F.one_hot(flat, n_experts).sum(0)            # a fixed shape: no read-back
+    return flat.argsort(stable=True), counts.cumsum(0).to(torch.int32)
+
+# %% ../nbs/10_model.ipynb #c5533ddb
+@patch
+def routed_grouped(self: MoE,
+                   x: torch.Tensor,        # (T, dim) normalised inputs
+                   weights: torch.Tensor,  # (T, k) routing weights
+                   ids: torch.Tensor,      # (T, k) chosen experts
+                  ) -> torch.Tensor:
+    "(T, dim) fp32: the routed experts' sum, as grouped matmuls over the sorted assignments"
+    order, offs = sort_by_expert(ids, len(self.experts))
+    rows = order // ids.shape[1]                          # the token of each sorted assignment
+    # the GPU kernel (and the compiler's model of it) takes BF16; the CPU's eager one fp32 too
+    dt = torch.bfloat16 if x.is_cuda or torch.compiler.is_compiling() else x.dtype
+    mm = lambda a, name: torch._grouped_mm(a.to(dt), self.expert_stack(name).to(dt), offs=offs)
+    xs = x[rows]
+    gate, up = mm(xs, 'w1').float(), mm(xs, 'w3').float()
+    lim = self.experts[0].swiglu_limit
+    if lim > 0: gate, up = gate.clamp(max=lim), up.clamp(-lim, lim)
+    h = F.silu(gate) * up * weights.flatten()[order, None]
+    return torch.zeros(x.shape, device=x.device).index_add(0, rows, mm(h, 'w2').float())
 
 # %% ../nbs/10_model.ipynb #71dda425
 @patch
@@ -633,7 +679,7 @@ def coefficients(self: Block, x: torch.Tensor, sub: str) -> tuple:
     "(pre, post, comb) of sublayer `sub` ('attn' or 'ffn') predicted from the copies x (T, hc, dim)"
     c = self.cfg
     fn, scale, base = (getattr(self, f'hc_{sub}_{p}') for p in ('fn', 'scale', 'base'))
-    return hc_split(hc_mixes(x, fn, c.norm_eps), scale, base,
+    return self.hc_split(hc_mixes(x, fn, c.norm_eps), scale, base,
                     c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
 
 @patch

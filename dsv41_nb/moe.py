@@ -19,6 +19,7 @@ __all__ = ['WEIGHT_FORMATS', 'check_route_args', 'route', 'QuantWeight', 'quanti
 # %% ../nbs/08_moe.ipynb #f4519332
 def _shape(t): return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
+# %% ../nbs/08_moe.ipynb #2baed955
 def _check_x(x, dim: int, name: str = 'x'):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = getattr(x, 'dtype', type(x).__name__)
@@ -26,6 +27,7 @@ def _check_x(x, dim: int, name: str = 'x'):
     if x.ndim != 2 or x.shape[1] != dim:
         raise ValueError(f"{name}: expected shape (tokens, {dim}), got {_shape(x)}")
 
+# %% ../nbs/08_moe.ipynb #526e1480
 def _check_vector(v, n: int, name: str):
     if not isinstance(v, torch.Tensor) or v.shape != (n,) or not v.is_floating_point():
         raise ValueError(f"{name}: expected a float tensor of shape ({n},), got {_shape(v)}")
@@ -88,12 +90,14 @@ class QuantWeight:
     @property
     def nbytes(self) -> int: return self.codes.numel() + self.scales.numel()
 
-    def dequantize(self, expert=slice(None)) -> torch.Tensor:
-        "fp32 weights (experts, out, in), or (out, in) of one `expert`"
-        codes, scales = self.codes[expert], self.scales[expert]
-        if self.fmt == 'mxfp4': return dequantize_fp4(codes, scales, 32, 'ue8m0')
-        return e4m3_values(codes) * (ue8m0_values(scales).repeat_interleave(32, -2)
-                                     .repeat_interleave(32, -1))
+# %% ../nbs/08_moe.ipynb #3b2d41af
+@patch
+def dequantize(self: QuantWeight, expert=slice(None)) -> torch.Tensor:
+    "fp32 weights (experts, out, in), or (out, in) of one `expert`"
+    codes, scales = self.codes[expert], self.scales[expert]
+    if self.fmt == 'mxfp4': return dequantize_fp4(codes, scales, 32, 'ue8m0')
+    return e4m3_values(codes) * (ue8m0_values(scales).repeat_interleave(32, -2)
+                                 .repeat_interleave(32, -1))
 
 # %% ../nbs/08_moe.ipynb #58cc27a6
 def quantize_weight(w: torch.Tensor,  # (experts, out, in) float weights, out and in multiples of 32
@@ -182,6 +186,7 @@ def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
     "The public code's activation quantisation: BF16, then E4M3 with one UE8M0 scale per 32; returns the values (fp32)"
     return dequantize_fp8(*quantize_fp8(x.to(torch.bfloat16), 32), 32)
 
+# %% ../nbs/08_moe.ipynb #2d2e1c7b
 def _gemm_bf16(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     "a @ wᵀ as a GEMM with a BF16 output: exact sum rounded once (fp32 weights), or a BF16 GEMM (BF16 weights)"
     if w.dtype == torch.bfloat16: return a.to(torch.bfloat16) @ w.T
@@ -203,19 +208,20 @@ def expert_hidden(xq: torch.Tensor,  # (n, dim) FP8-quantised activations (value
     if weights is not None: h = weights * h
     return fp8_qdq(h)
 
+# %% ../nbs/08_moe.ipynb #c5b4472e
 def expert_output(hq: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     "(n, dim) BF16: the down projection of FP8-quantised `hq` (n, inter)"
     return _gemm_bf16(hq, w2)
 
 # %% ../nbs/08_moe.ipynb #98fde2fe
-def _check_routing(topk_weights, topk_ids, n_tokens: int, n_experts: int, check_ids: bool = True):
+def _check_routing(topk_weights, topk_ids, num_tokens: int, n_experts: int, check_ids: bool = True):
     if (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype not in (torch.int32, torch.int64)
         or topk_ids.ndim != 2):
         got = getattr(topk_ids, 'dtype', type(topk_ids).__name__)
         raise TypeError(f"topk_ids: expected an int32/int64 tensor (tokens, k), "
                         f"got {got} of shape {_shape(topk_ids)}")
-    if topk_ids.shape[0] != n_tokens or topk_ids.shape[1] < 1:
-        raise ValueError(f"topk_ids: expected shape ({n_tokens}, k >= 1), got {_shape(topk_ids)}")
+    if topk_ids.shape[0] != num_tokens or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids: expected shape ({num_tokens}, k >= 1), got {_shape(topk_ids)}")
     tw = topk_weights
     if not isinstance(tw, torch.Tensor) or not tw.is_floating_point() or tw.shape != topk_ids.shape:
         raise ValueError(f"topk_weights: expected a float tensor of shape {_shape(topk_ids)}, "
@@ -282,7 +288,7 @@ def moe_reference(x, W: MoEWeights, cfg: ModelConfig, token_ids=None,
 
 # %% ../nbs/08_moe.ipynb #b73a3062
 def moe_bytes_flops(cfg: ModelConfig,  # geometry: dim, moe_inter_dim, experts per token
-                    n_tokens: int,  # tokens in the batch
+                    num_tokens: int,  # tokens in the batch
                     experts_touched: int,  # routed experts the batch touches
                     n_activated: int | None = None,  # default cfg.n_activated_experts
                    ) -> tuple:
@@ -290,4 +296,4 @@ def moe_bytes_flops(cfg: ModelConfig,  # geometry: dim, moe_inter_dim, experts p
     k = n_activated or cfg.n_activated_experts
     per_expert = 3 * cfg.dim * cfg.moe_inter_dim
     weight_bytes = experts_touched * per_expert * (0.5 + 1 / 32) + per_expert * (1 + 1 / 1024)
-    return weight_bytes + 2 * 2 * n_tokens * cfg.dim, 2 * per_expert * n_tokens * (k + 1)
+    return weight_bytes + 2 * 2 * num_tokens * cfg.dim, 2 * per_expert * num_tokens * (k + 1)

@@ -29,6 +29,7 @@ def _e4m3_round(q, HW_CVT: tl.constexpr):
     if HW_CVT: return q.to(tl.float8e4nv).to(tl.float32)
     else: return _e4m3_value(_e4m3_code(q))
 
+# %% ../nbs/08e_moe_gemv.ipynb #c40d5522
 @triton.jit
 def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
     ("BF16 activations k0..k0+32G as (G, 16) even and odd columns in fp32, "
@@ -46,6 +47,7 @@ def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
         od = _e4m3_round(tl.minimum(tl.maximum(od * inv, -448.0), 448.0), HW_CVT) * sc
     return ev, od
 
+# %% ../nbs/08e_moe_gemv.ipynb #86b85d94
 @triton.jit
 def _x_groups(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
     "BF16 activations k0..k0+32G as (G, 32) fp32, rounded to FP8 in groups of 32 (act_quant) if QUANT"
@@ -67,12 +69,14 @@ def _fp4_sums(w_ptr, s_ptr, w_row, s_row, k0, ev, od, G: tl.constexpr):
     sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
     return part * _pow2(sc + 14)
 
+# %% ../nbs/08e_moe_gemv.ipynb #64590f1a
 @triton.jit
 def _codes_f32(codes, HW_CVT: tl.constexpr):
     "E4M3 codes (uint8) -> their values (fp32)"
     if HW_CVT: return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else: return _e4m3_value(codes.to(tl.int32))
 
+# %% ../nbs/08e_moe_gemv.ipynb #0954952c
 @triton.jit
 def _fp8_sums(w_ptr, s_ptr, w_row, s_row, k0, x, G: tl.constexpr, HW_CVT: tl.constexpr):
     ("(BN, G): each group of 32 of the FP8 rows at `w_row` dotted with the activations x (G, 32), "
@@ -155,6 +159,7 @@ GEMV_TUNING = dict(gate_up=dict(block_n=16, block_k=256, num_warps=4, programs=3
 # (faster than 08c's path up to 4 in the benchmark below)
 GEMV_MAX_TOKENS = 4
 
+# %% ../nbs/08e_moe_gemv.ipynb #74e10236
 def gemv_split(steps: int,     # K steps of a row (K / block_k)
                tiles: int,     # programs of one slice: rows x column blocks
                sms: int,       # multiprocessors of the device
@@ -176,6 +181,7 @@ def _check_tuning(tuning, N: int, K: int):
     if bn & (bn - 1) or N % bn:
         raise ValueError(f"tuning: block_n = {bn}; expected a power of two dividing {N}")
 
+# %% ../nbs/08e_moe_gemv.ipynb #3d69a7c8
 def _gemv_launch(x, ids, ra, rb, sa, sb, n_assign: int, R: int, per_token: bool, quant: bool,
                  tuning: dict, split):
     "One GEMV stage: (split, R, 1 or 2, N) fp32 partial sums and the slices used"
@@ -282,6 +288,7 @@ def moe_gemv_experts(
     h = gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False)
     return gemv_down(h, topk_ids, W, split)
 
+# %% ../nbs/08e_moe_gemv.ipynb #1e7a8aff
 def moe_gemv_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None,
                      router=None) -> torch.Tensor:
     "The MoE layer: route, then `moe_gemv_experts` (arguments as `08b`'s `moe_forward`)"

@@ -110,6 +110,7 @@ def _swiglu_finish_kernel(
 SPLIT_MAX = 8           # most K slices per tile
 SPLIT_PROGRAMS = 16     # split while the grid stays within this many programs per multiprocessor
 
+# %% ../nbs/08c_moe_split.ipynb #59774fbf
 def split_count(tiles: int,  # output tiles of the launch (row blocks x column blocks)
                 steps: int,  # K steps of a tile (K / block_k)
                 sms: int,    # multiprocessors of the device
@@ -130,6 +131,7 @@ def _check_split(split, steps: int):
         raise ValueError(f"split = {split!r}; "
                          f"expected an int >= 1 dividing the {steps} K steps of a tile")
 
+# %% ../nbs/08c_moe_split.ipynb #5860a746
 def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, align: ExpertAlignment,
                          topk_weights: torch.Tensor | None, swiglu_limit: float,
                          shape: dict | None = None,

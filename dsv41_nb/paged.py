@@ -59,14 +59,19 @@ class PagedLinear(nn.Linear):
         self.register_parameter('bias', None)
         self.fp8_act, self.fp32_out = fp8_act, fp32_out
 
-    def extra_repr(self):
-        return (f"{self.in_features} -> {self.out_features}, "
-                f"fp8_act={self.fp8_act}, fp32_out={self.fp32_out}")
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one launch on a GPU
-        if self.fp8_act: x = fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
-        y = F.linear(x, self.weight.to(x.dtype))
-        return y.float() if self.fp32_out else y
+# %% ../nbs/10b_paged.ipynb #2193ba6c
+@patch
+def extra_repr(self: PagedLinear):
+    return (f"{self.in_features} -> {self.out_features}, "
+            f"fp8_act={self.fp8_act}, fp32_out={self.fp32_out}")
+
+# %% ../nbs/10b_paged.ipynb #f5561803
+@patch
+def forward(self: PagedLinear, x: torch.Tensor) -> torch.Tensor:
+    # one launch on a GPU
+    if self.fp8_act: x = fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
+    y = F.linear(x, self.weight.to(x.dtype))
+    return y.float() if self.fp32_out else y
 
 # %% ../nbs/10b_paged.ipynb #f340ee39
 def truncate_window(idx: SparseIndices,        # what each token reads (`CSA2Attention.select`)
@@ -85,6 +90,7 @@ def truncate_window(idx: SparseIndices,        # what each token reads (`CSA2Att
     return replace(idx, window_slots=slots.to(idx.window_slots.dtype),
                    window_lens=keep.to(idx.window_lens.dtype))
 
+# %% ../nbs/10b_paged.ipynb #3c588205
 @dataclass
 class PagedCSA2Step(CSA2Step):
     ("A `CSA2Step` that also says where each token's window starts "
@@ -92,46 +98,60 @@ class PagedCSA2Step(CSA2Step):
     # (T,) first position whose window record each token may read (None: any)
     window_floor: torch.Tensor | None = None
 
+# %% ../nbs/10b_paged.ipynb #7022e6ca
 class PagedAttention(CSA2Attention):
     ("`CSA2Attention` with its projections' fused forms at decode "
      "(its window floors come with the step: `step_window` reads them)")
     def _fused(self, x, *lins) -> bool:
         "Decode-sized: the projections' fused forms (`fp8_linear_norm`, `fp8_linear_rope`) take x"
         return 0 < x.shape[0] <= FP8_LINEAR_MAX_T and all(isinstance(l, FP8Linear) for l in lins)
-    def query(self, x, positions):
-        ("As `CSA2Attention.query`; at decode `wq_a` with `q_norm`, and `wq_b` with the rotation, "
-         "in two launches each")
-        if not self._fused(x, self.wq_a, self.wq_b): return CSA2Attention.query(self, x, positions)
-        qr = fp8_linear_norm(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps,
-                             self.wq_a.act_quant)
-        q = fp8_linear_rope(qr, self.wq_b.weight, self.inv_freq, positions, self.head_dim,
-                            self.wq_b.act_quant)
-        return q.unflatten(-1, (self.n_heads, self.head_dim)), qr
-    def window_kv(self, x, positions):
-        ("As `CSA2Attention.window_kv`; at decode `wkv`, `kv_norm` and the rotation "
-         "in two launches (`fp8_linear_norm`)")
-        if not self._fused(x, self.wkv): return CSA2Attention.window_kv(self, x, positions)
-        return fp8_linear_norm(x, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps,
-                               self.wkv.act_quant, self.inv_freq, positions)
-    def forward(self, x, step, state, topk=None):
-        ("As `CSA2Attention.forward`; at decode the output's inverse rotation happens "
-         "in `sparse_decode`'s last launch")
-        if self.attend is not sparse_decode or not self._fused(x, self.wo_a):
-            return CSA2Attention.forward(self, x, step, state, topk)
-        o = self.attention(x, step, state, topk, out_rope=(self.inv_freq, step.positions))[0]
-        return self.wo_b(self.wo_a(o.flatten(1).unflatten(1, (self.n_groups, -1))).flatten(1))
-    def project_out(self, o, positions):
-        "(T, dim): as `CSA2Attention.project_out`, its grouped `wo_a` a grouped `FP8Linear`"
-        o = rope(o, self.inv_freq, positions, inverse=True)
-        o = o.flatten(1).unflatten(1, (self.n_groups, -1))  # (T, G, H*D/G)
-        return self.wo_b(self.wo_a(o).flatten(1))
     def __repr__(self):
         return 'PagedAttention' + CSA2Attention.__repr__(self)[len('CSA2Attention'):]
+
+# %% ../nbs/10b_paged.ipynb #abfac580
+@patch
+def query(self: PagedAttention, x, positions):
+    ("As `CSA2Attention.query`; at decode `wq_a` with `q_norm`, and `wq_b` with the rotation, "
+     "in two launches each")
+    if not self._fused(x, self.wq_a, self.wq_b): return CSA2Attention.query(self, x, positions)
+    qr = fp8_linear_norm(x, self.wq_a.weight, self.q_norm.weight, self.q_norm.eps,
+                         self.wq_a.act_quant)
+    q = fp8_linear_rope(qr, self.wq_b.weight, self.inv_freq, positions, self.head_dim,
+                        self.wq_b.act_quant)
+    return q.unflatten(-1, (self.n_heads, self.head_dim)), qr
+
+# %% ../nbs/10b_paged.ipynb #468c8bfd
+@patch
+def window_kv(self: PagedAttention, x, positions):
+    ("As `CSA2Attention.window_kv`; at decode `wkv`, `kv_norm` and the rotation "
+     "in two launches (`fp8_linear_norm`)")
+    if not self._fused(x, self.wkv): return CSA2Attention.window_kv(self, x, positions)
+    return fp8_linear_norm(x, self.wkv.weight, self.kv_norm.weight, self.kv_norm.eps,
+                           self.wkv.act_quant, self.inv_freq, positions)
+
+# %% ../nbs/10b_paged.ipynb #2cdab1ca
+@patch
+def forward(self: PagedAttention, x, step, state, topk=None):
+    ("As `CSA2Attention.forward`; at decode the output's inverse rotation happens "
+     "in `sparse_decode`'s last launch")
+    if self.attend is not sparse_decode or not self._fused(x, self.wo_a):
+        return CSA2Attention.forward(self, x, step, state, topk)
+    o = self.attention(x, step, state, topk, out_rope=(self.inv_freq, step.positions))[0]
+    return self.wo_b(self.wo_a(o.flatten(1).unflatten(1, (self.n_groups, -1))).flatten(1))
+
+# %% ../nbs/10b_paged.ipynb #7602ec28
+@patch
+def project_out(self: PagedAttention, o, positions):
+    "(T, dim): as `CSA2Attention.project_out`, its grouped `wo_a` a grouped `FP8Linear`"
+    o = rope(o, self.inv_freq, positions, inverse=True)
+    o = o.flatten(1).unflatten(1, (self.n_groups, -1))  # (T, G, H*D/G)
+    return self.wo_b(self.wo_a(o).flatten(1))
 
 # %% ../nbs/10b_paged.ipynb #4c45c577
 def _frozen(t: torch.Tensor, dtype=None) -> nn.Parameter:
     return nn.Parameter(t.detach().to(dtype or t.dtype), requires_grad=False)
 
+# %% ../nbs/10b_paged.ipynb #4857af0d
 def paged_attention(att: Attention,           # a reference layer's attention (master weights)
                     cfg: ModelConfig,
                     kc: KVCacheConfig,        # the cache layout: its record formats
@@ -179,11 +199,13 @@ def moe_weights(moe: MoE, cfg: ModelConfig) -> MoEWeights:
     return MoEWeights(g.weight.detach(), g.bias.detach().float(), bias_vl,
                       *routed, *shared).check(cfg, len(moe.experts))
 
+# %% ../nbs/10b_paged.ipynb #95eb005c
 def paged_engram(e: DenseEngram, cfg: ModelConfig, layer: int) -> Engram:
     "A reference Engram module as served: its table as FP8 records, `wkv` on its FP8 grid"
     return Engram(cfg, layer, EngramTable.from_values(e.embed.weight.detach()),
                   e.wkv.grid_weight().detach(), e.q_weight.detach(), e.k_weight.detach())
 
+# %% ../nbs/10b_paged.ipynb #20566c2a
 class PagedLayer(nn.Module):
     ("One backbone layer on the serving path: Engram, the attention seam, CSA2 attention, "
      "the FFN seam, the fused MoE")
@@ -235,10 +257,12 @@ class PagedModel(nn.Module):
                                  f"would not be complete after the encoder and "
                                  f"layer {self.first_decoder}'s compressor")
 
-    def __repr__(self):
-        halves = (f"encoder 0..{self.first_decoder - 1}, "
-                  f"decoder {self.first_decoder}..{self.cfg.n_layers - 1}")
-        return f"PagedModel({self.cfg.n_layers} layers: {halves}; cache groups {list(self.groups)})"
+# %% ../nbs/10b_paged.ipynb #25763a05
+@patch
+def __repr__(self: PagedModel):
+    halves = (f"encoder 0..{self.first_decoder - 1}, "
+              f"decoder {self.first_decoder}..{self.cfg.n_layers - 1}")
+    return f"PagedModel({self.cfg.n_layers} layers: {halves}; cache groups {list(self.groups)})"
 
 # %% ../nbs/10b_paged.ipynb #6ded7207
 def _layout(cfg, kc):
@@ -247,6 +271,7 @@ def _layout(cfg, kc):
         raise TypeError(f"expected a KVCacheConfig, got {type(kc).__name__}")
     return kc or get_kv_cache_config(cfg)
 
+# %% ../nbs/10b_paged.ipynb #5c655d49
 @patch(cls_method=True)
 def from_model(cls: PagedModel, model: Transformer,
                # the cache layout (default `get_kv_cache_config(cfg)`)
@@ -263,6 +288,7 @@ def from_model(cls: PagedModel, model: Transformer,
     return cls(cfg, kc, layers, model.embed.weight, model.norm.weight, model.head.weight,
                model.hasher)
 
+# %% ../nbs/10b_paged.ipynb #4f68ab99
 @patch(cls_method=True)
 def init_random(cls: PagedModel, cfg: ModelConfig,
                 seed: int = 0,         # seeds each parameter's generator, with its name
@@ -318,6 +344,7 @@ def allocate(self: PagedModel,
     self.state, self.num_blocks = st, counts
     return st
 
+# %% ../nbs/10b_paged.ipynb #ab07021f
 @patch
 def cache_bytes(self: PagedModel) -> dict:
     "Bytes of the allocated cache tensors, by group"
@@ -351,6 +378,7 @@ class PagedStep:
     # one row per request, each running the decoder and returning logits: nothing read back
     decode_only: bool = False
 
+# %% ../nbs/10b_paged.ipynb #f5769572
 def _tensor(name, t, shape, dtypes):
     if (not isinstance(t, torch.Tensor) or t.dtype not in dtypes
             or (shape is not None and tuple(t.shape) != tuple(shape))):
@@ -358,6 +386,7 @@ def _tensor(name, t, shape, dtypes):
                         f"of shape {shape}, got {getattr(t, 'dtype', type(t).__name__)} "
                         f"{tuple(getattr(t, 'shape', ()))}")
 
+# %% ../nbs/10b_paged.ipynb #1db7e9ab
 @patch
 def check(self: PagedModel, s: PagedStep) -> PagedStep:
     "`s` if this model can run it; else an error naming the field (one device sync: the values are checked)"
@@ -400,6 +429,7 @@ def csa2_step(self: PagedModel, s: PagedStep) -> PagedCSA2Step:
                          dict(s.slots.compressed), s.slots.ring,
                          window_floor=s.window_start.long()[s.rows.long()])
 
+# %% ../nbs/10b_paged.ipynb #d42232d8
 def decoder_step(step: PagedCSA2Step, rows: torch.Tensor, floor: torch.Tensor) -> PagedCSA2Step:
     ("The step of `rows` alone, window floors `floor`, "
      "with nothing left to emit into the global caches or rings")
@@ -420,6 +450,7 @@ def _enter(self: PagedModel, l: PagedLayer, x, f, post, comb, pre, hashes, mask)
         x = l.engram(x, hashes[:, l.engram.layer_index], mask)
     return mhc_seam(x, f, post, comb, pre, l.hc_attn, l.attn_norm, self.cfg)
 
+# %% ../nbs/10b_paged.ipynb #9fa2b4f7
 @patch
 def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -> tuple:
     "Layer `l` from its attention input on: (copies, pending MoE output, its post, comb, the next input mix)"
@@ -427,6 +458,7 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
     sf = mhc_seam(sa.x, f, sa.post, sa.comb, sa.pre, l.hc_ffn, l.ffn_norm, self.cfg)
     return sf.x, self._moe(l, sf.y), sf.post, sf.comb, sf.pre
 
+# %% ../nbs/10b_paged.ipynb #abc165d7
 @patch
 def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
     ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K "
@@ -458,6 +490,7 @@ def _emit_global(self: PagedModel, l: PagedLayer, y: torch.Tensor, step: PagedCS
                           s.rings.get(a.layer), s.compressed[a.layer])
     a.indexer.store_keys(latent, step.positions, slots, s.index_keys[a.layer])
 
+# %% ../nbs/10b_paged.ipynb #f8b517b8
 @patch
 def _hashes(self: PagedModel, s: PagedStep, mask) -> torch.Tensor | None:
     "(T, Engram layers, cols) table rows of each row's n-grams (image tokens break an n-gram)"
@@ -508,6 +541,7 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
                          f"(its request replays the decoder from {int(s.replay_start[r[i]])})")
     return self._logits(x, pre, f, post, comb, lr)
 
+# %% ../nbs/10b_paged.ipynb #beabf23a
 @patch
 def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
     "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
@@ -517,6 +551,7 @@ def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
         return head_logits(y.float(), self.head)  # reads the BF16 head itself
     return F.linear(y.float(), self._head_fp32())
 
+# %% ../nbs/10b_paged.ipynb #cd79776d
 @patch
 def _head_fp32(self: PagedModel) -> torch.Tensor:
     ("The head's BF16 values in fp32, converted once per device rather than at every step "
@@ -534,6 +569,7 @@ def token_history(token_ids: torch.Tensor,  # (L,) int64 a request's tokens so f
     idx = positions.long()[:, None] + torch.arange(-n, 0, device=positions.device)
     return torch.where(idx >= 0, token_ids.to(positions.device)[idx.clamp_min(0)], -1)
 
+# %% ../nbs/10b_paged.ipynb #922207cc
 class PagedRunner:
     ("Greedy generation on a `PagedModel` with a `KVCacheManager` of its layout: "
      "chunked prefill, then one token per step")
@@ -618,10 +654,12 @@ def _attend_fp64(q, keys, allowed, sink, scale) -> tuple:
     lse = torch.logsumexp(torch.cat([s, sinks], -1), -1, keepdim=True)
     return torch.einsum('bshn,bnd->bshd', torch.exp(s - lse), keys.double()), lse[..., 0]
 
+# %% ../nbs/10b_paged.ipynb #6dc7f8eb
 def dense_attention_fp64(q, keys, allowed, sink, scale) -> torch.Tensor:
     "The reference path's `dense_attention` summed in fp64 (same arguments)"
     return _attend_fp64(q, keys, allowed, sink, scale)[0].to(q.dtype)
 
+# %% ../nbs/10b_paged.ipynb #3d7c82e1
 def attention_fp64(q, window, compressed, idx, sink, scale, check_indices: bool = True) -> tuple:
     ("`sparse_attention_reference` summed in fp64 (same arguments): "
      "its result no longer depends on the order of its sums")
@@ -629,6 +667,7 @@ def attention_fp64(q, window, compressed, idx, sink, scale, check_indices: bool 
     out, lse = _attend_fp64(q[:, None], keys, live[:, None], sink, scale)
     return out[:, 0].to(torch.bfloat16), lse[:, 0].float()
 
+# %% ../nbs/10b_paged.ipynb #2a4dbebe
 @contextlib.contextmanager
 def fp64_attention(paged: PagedModel):
     ("Inside the block, the reference path and `paged`'s layers attend in fp64 "
@@ -641,6 +680,7 @@ def fp64_attention(paged: PagedModel):
         reference.dense_attention = before[0]
         for l, a in zip(paged.layers, before[1]): l.attn.attend = a
 
+# %% ../nbs/10b_paged.ipynb #bfd3750d
 def logits_tolerance(paged: PagedModel) -> float:
     ("Largest difference two fp32 LM-head products of the same BF16 input may show "
      "(the dot-product rounding bound, twice)")
@@ -659,6 +699,7 @@ class BF16Record(RecordCodec):
     def _pack(self, x): return x.to(torch.bfloat16).contiguous().view(torch.uint8)
     def _unpack(self, r): return r.contiguous().view(torch.bfloat16).float()
 
+# %% ../nbs/10b_paged.ipynb #71c5dd05
 @patch
 def exact_caches(self: PagedModel) -> PagedModel:
     "This model with BF16 window and compressed-KV records in every layer (allocate after calling it)"
@@ -718,6 +759,7 @@ def single_request_steps(model: PagedModel,
                         torch.zeros(len(pos), dtype=torch.int32, device=dev), sm, tuple(tables),
                         torch.zeros(1, dtype=torch.long, device=dev), replay, last)
 
+# %% ../nbs/10b_paged.ipynb #361d711b
 @patch
 def prefill(self: PagedModel,
             token_ids: torch.Tensor,      # (L,) int64 the prompt
@@ -756,6 +798,7 @@ WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers',
                 'attention (FP8, some BF16)', 'Engram tables (FP8)', 'Engram projections',
                 'mHC and norms', 'embedding, head, final norm (BF16)')
 
+# %% ../nbs/10b_paged.ipynb #f9d59075
 @patch
 def weight_bytes(self: PagedModel) -> dict:
     "Bytes of the weights this model holds, by kind (`WEIGHT_KINDS`)"

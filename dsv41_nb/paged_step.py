@@ -34,12 +34,17 @@ class PagedStepModel:
         # the last speculative step's rings, restores made
         self._journal, self.ring_restores = {}, 0
         if model.state is None: model.allocate(device=self.device)
-    def release(self, request_ids):
-        for r in request_ids:
-            for d in (self.tokens, self.window_start, self.replay_start, self._journal):
-                d.pop(r, None)
     def __repr__(self): return f"PagedStepModel({len(self.tokens)} requests)"
 
+# %% ../nbs/10c_paged_step.ipynb #8c6b7671
+@patch
+def release(self: PagedStepModel, request_ids):
+    "Forget what later steps of `request_ids` would have needed"
+    for r in request_ids:
+        for d in (self.tokens, self.window_start, self.replay_start, self._journal):
+            d.pop(r, None)
+
+# %% ../nbs/10c_paged_step.ipynb #78d83cde
 def step_model(model: Transformer, kv_cache_config: KVCacheConfig) -> PagedStepModel:
     ("The paged path of `model` on the layout `kv_cache_config`, "
      "its caches allocated on the model's device (the engine's hook)")
@@ -93,6 +98,7 @@ class PagedInputs:
     @property
     def replayable(self) -> bool: return self.step.decode_only          # a CUDA graph may replay it
 
+# %% ../nbs/10c_paged_step.ipynb #caba745d
 @patch
 def prepare(self: PagedStepModel, batch) -> PagedInputs:
     ("The `PagedStep` of an engine input batch "
@@ -154,6 +160,7 @@ def run(self: PagedStepModel, inputs: PagedInputs) -> torch.Tensor:
      "(what a CUDA graph captures for a decode step)")
     with self._journaling(inputs.ring_blocks): return self.model(inputs.step)
 
+# %% ../nbs/10c_paged_step.ipynb #60e586f6
 @patch
 def forward(self: PagedStepModel, batch) -> torch.Tensor:
     "Logits (len(batch.logits_indices), vocab) of an engine input batch"

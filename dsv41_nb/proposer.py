@@ -31,6 +31,7 @@ class Proposer(Protocol):
     num_speculative_tokens: int
     def propose(self, requests: Sequence[Sequence[int]]) -> list: ...
 
+# %% ../nbs/11a_ngram.ipynb #f22b0461
 class NgramProposer:
     "vLLM's n-gram (prompt lookup) proposer"
     def __init__(self, num_speculative_tokens: int, # k: most drafts per request
@@ -67,6 +68,7 @@ def propose_one(self: NgramProposer, tokens: Sequence[int]) -> list: # one reque
     start = ends[np.argmax(length == length.max())] + 1   # the earliest of the longest
     return t[start:start + k].tolist()
 
+# %% ../nbs/11a_ngram.ipynb #1ffb0da6
 @patch
 def propose(self: NgramProposer,
             requests: Sequence[Sequence[int]]) -> list: # each request's tokens so far

@@ -34,6 +34,7 @@ def _check_cache(codec: RecordCodec, cache: torch.Tensor) -> int:
                          f"(records are addressed as slot * {codec.record_bytes} bytes)")
     return cache.numel() // codec.record_bytes
 
+# %% ../nbs/01b_records.ipynb #40b3fcdb
 def _check_slots(name: str, # what the message calls the tensor
                  slots: torch.Tensor, # the slots
                  n: int | None, # entries expected (None: any number)
@@ -55,12 +56,14 @@ def _check_slots(name: str, # what the message calls the tensor
             raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, "
                              f"outside the cache's slots 0..{num_slots - 1} (-1 = skip)")
 
+# %% ../nbs/01b_records.ipynb #2b903b5b
 def store_records_torch(codec: RecordCodec, x: torch.Tensor, cache: torch.Tensor,
                         slot_mapping: torch.Tensor):
     "Reference: pack `x` (n, dim) and write row i to slot `slot_mapping[i]` (skip -1)"
     keep = slot_mapping >= 0
     cache.view(-1, codec.record_bytes)[slot_mapping[keep].long()] = codec.pack(x[keep])
 
+# %% ../nbs/01b_records.ipynb #733048fa
 def gather_records_torch(codec: RecordCodec, cache: torch.Tensor, indices: torch.Tensor,
                          dtype=torch.bfloat16) -> torch.Tensor:
     "Reference: read the records at `indices` (m,) and unpack them; -1 gives zeros"
@@ -288,6 +291,7 @@ def _load_f32(ptr, mask, X_BITS: tl.constexpr):
         return (tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else: return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
+# %% ../nbs/01b_records.ipynb #3aa42941
 @triton.jit
 def _block_amax(x):
     ("(R, G, B) fp32 -> (R, G) largest magnitude, (R, G) poisoned (a NaN or an Inf in the block): "
@@ -295,6 +299,7 @@ def _block_amax(x):
     m = tl.max(x.to(tl.uint32, bitcast=True) << 1, axis=2)  # the magnitude bits, sign shifted out
     return (m >> 1).to(tl.float32, bitcast=True), m >= 0xFF000000
 
+# %% ../nbs/01b_records.ipynb #6013ccb3
 @triton.jit
 def _e2m1_code_bits(q, x):
     ("4-bit E2M1 code (int32) of |q|, round to nearest even, saturating at 6; the sign bit is x's. "
@@ -312,6 +317,7 @@ def _e2m1_code_bits(q, x):
     sign = tl.umulhi(x.to(tl.uint32, bitcast=True), 16) & 8
     return (tl.where(qa < 1.0, small, big) | sign.to(tl.int32))
 
+# %% ../nbs/01b_records.ipynb #42961a74
 @triton.jit
 def _pack(codes, BITS: tl.constexpr, PER_WORD: tl.constexpr):
     ("(R, G, N) codes of BITS bits -> (R, G, N // PER_WORD) words of PER_WORD codes, "
@@ -559,15 +565,18 @@ KERNEL_TUNING = {1: dict(fp8=dict(values_per_program=2048, num_warps=4),
                          fp4=dict(values_per_program=4096, num_warps=4),
                          fp8_ds_mla=dict(values_per_program=4096, num_warps=4))}
 
+# %% ../nbs/01b_records.ipynb #cf2a2a2c
 def _tuning(codec, version: int, family: str) -> dict:
     return KERNEL_TUNING[version].get(codec.name) or KERNEL_TUNING[version][family]
 
+# %% ../nbs/01b_records.ipynb #aa968362
 def _rows(codec, version: int, family: str, tile: int) -> int:
     ("Vectors per program: about `values_per_program` values, "
      "in whole vectors of `tile` (padded) values")
     return triton.next_power_of_2(max(1, _tuning(codec, version, family)['values_per_program']
                                          // tile))
 
+# %% ../nbs/01b_records.ipynb #7931d1b7
 def _fp8_meta(codec: FP8Record, version: int) -> dict:
     groups = triton.next_power_of_2(triton.cdiv(codec.qdim, codec.block))
     block_p2 = triton.next_power_of_2(codec.block)
@@ -577,6 +586,7 @@ def _fp8_meta(codec: FP8Record, version: int) -> dict:
                 REC=codec.record_bytes, ROWS=_rows(codec, version, 'fp8', groups * block_p2),
                 HW_CVT=_hw_cvt(), num_warps=_tuning(codec, version, 'fp8')['num_warps'])
 
+# %% ../nbs/01b_records.ipynb #b0be1d98
 def _fp4_meta(codec: FP4Record, version: int) -> dict:
     groups = triton.next_power_of_2(codec.dim // codec.block)
     return dict(DIM=codec.dim, BLOCK=codec.block, GROUPS=groups,
@@ -589,6 +599,7 @@ def _fp4_nibs(codec: FP4Record) -> int:
     "E2M1 codes per stored word: 8 (int32) when records and blocks are whole words, else 2 (bytes)"
     return 8 if codec.record_bytes % 4 == 0 and codec.dim % 8 == 0 and codec.block % 8 == 0 else 2
 
+# %% ../nbs/01b_records.ipynb #8c4a7a92
 def _v2_handles(codec: RecordCodec) -> bool:
     ("Version 2 addresses the BF16 tail as int16 and an fp32 scale as int32: "
      "it needs those fields aligned")
@@ -597,11 +608,13 @@ def _v2_handles(codec: RecordCodec) -> bool:
     return tail_ok and (not codec.fp32_scale
                         or (codec.record_bytes % 4 == 0 and codec.scale_offset % 4 == 0))
 
+# %% ../nbs/01b_records.ipynb #3a2a0c62
 def kernel_version(codec: RecordCodec, version: int = 2) -> int:
     ("The kernel version that runs for `codec` when `version` is asked for: "
      "2 falls back to 1 on unaligned fields")
     return version if _v2_handles(codec) else 1
 
+# %% ../nbs/01b_records.ipynb #ba11cfc1
 def _store_launch(codec, x, cache, slots, version):
     n, bits = x.shape[0], version == 2 and x.dtype == torch.bfloat16
     if isinstance(codec, FP8Record):
@@ -628,6 +641,7 @@ def _store_launch(codec, x, cache, slots, version):
                                        X_BITS=pairs, HW_CVT=_hw_cvt(), enable_fp_fusion=False,
                                        **meta, **pdl_launch(x.device))
 
+# %% ../nbs/01b_records.ipynb #7bd37538
 def _gather_launch(codec, cache, indices, out, version):
     m, bits = indices.numel(), version == 2 and out.dtype == torch.bfloat16
     if isinstance(codec, FP8Record):
@@ -651,6 +665,7 @@ def _check_version(version) -> int:
         raise ValueError(f"kernel version {version!r}; expected one of {KERNEL_VERSIONS}")
     return version
 
+# %% ../nbs/01b_records.ipynb #a19e1bc1
 def _check_out(codec: RecordCodec, out, m: int, dtype, device) -> None:
     ("`out` must be exactly what the gather would allocate: (m, dim), `dtype`, "
      "on the cache's device, contiguous")
@@ -665,6 +680,7 @@ def _check_out(codec: RecordCodec, out, m: int, dtype, device) -> None:
         raise ValueError(f"{codec.name} gather: out is on {out.device}, the cache on {device}")
     if not out.is_contiguous(): raise ValueError(f"{codec.name} gather: out must be contiguous")
 
+# %% ../nbs/01b_records.ipynb #00e95e02
 def store_records(codec: RecordCodec,         # the record format
                   x: torch.Tensor,            # (n, dim) vectors, any float dtype
                   # uint8 paged cache, (num_blocks, block_size, record_bytes)
@@ -690,6 +706,7 @@ def store_records(codec: RecordCodec,         # the record format
     if x.stride(-1) != 1: x = x.contiguous()
     _store_launch(codec, x, cache, slot_mapping, kernel_version(codec, version))
 
+# %% ../nbs/01b_records.ipynb #f961fb52
 def gather_records(codec: RecordCodec,        # the record format
                    cache: torch.Tensor,       # uint8 paged cache
                    indices: torch.Tensor,     # (m,) int32/int64 slots to read, -1 = a zero vector
@@ -738,6 +755,7 @@ def edge_case_vectors(n: int, dim: int, dtype=torch.bfloat16, seed: int = 0) -> 
     for i, row in enumerate(rows[:n]): x[i] = row
     return x.to(dtype)
 
+# %% ../nbs/01b_records.ipynb #0fb07cf2
 def every_value_blocks(dtype=torch.bfloat16, block: int = 16, scales=None) -> torch.Tensor:
     ("(m, block) blocks: for each E4M3 scale s, first value 6s (so the block's scale is s), "
      "then every finite `dtype` value within +-6s")
@@ -799,6 +817,7 @@ def format_benchmark(rows: list[dict]) -> str:
                                f"{r['GBps']:6.0f} {r['of_copy']:8.0%} {r['ref_ms']:9.3f} "
                                f"{r['speedup']:7.1f}x" for r in rows])
 
+# %% ../nbs/01b_records.ipynb #cb4b4216
 def before_after(rows: list[dict]) -> str:
     ("Version 1 -> version 2 per codec, operation and slot order: "
      "fraction of copy bandwidth and speed-up")

@@ -88,6 +88,7 @@ def _check_rope(x, inv_freq, positions):
         raise ValueError(f"rope: positions holds {int(positions.min())}; expected >= 0")
     return positions
 
+# %% ../nbs/03a_rope_norm.ipynb #c82ede35
 def rope(
     x: torch.Tensor,         # (T, ..., d): the last 2 * len(inv_freq) dims of each row are rotated
     inv_freq: torch.Tensor,  # (rope_dim/2,) fp32 frequencies (`layer_inv_freq`)
@@ -121,6 +122,7 @@ def _mul_rn(a, b, HW: tl.constexpr):
                                             dtype=tl.float32, is_pure=True, pack=1)
     else: return a * b
 
+# %% ../nbs/03a_rope_norm.ipynb #c9c3c0b8
 @triton.jit
 def _rotate_pairs(a, b, col, pos, inv_ptr, HEAD_D: tl.constexpr, HALF: tl.constexpr,
                   INVERSE: tl.constexpr, HW: tl.constexpr):
@@ -155,6 +157,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr,
     if BF16: y = _bf16_round(y)
     tl.store(y_ptr + r * D + c, y.to(y_ptr.dtype.element_ty), mask=m)
 
+# %% ../nbs/03a_rope_norm.ipynb #e95081c3
 def rms_norm_fused(x: torch.Tensor,       # (..., d)
                    weight: torch.Tensor,  # (d,)
                    eps: float,
@@ -181,6 +184,7 @@ def rms_norm_fused(x: torch.Tensor,       # (..., d)
                                          **pdl_launch(x.device))
     return y
 
+# %% ../nbs/03a_rope_norm.ipynb #415c9d02
 def norm_layer(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
     "An `RMSNorm` module applied through `rms_norm_fused`"
     return rms_norm_fused(x, norm.weight, norm.eps)

@@ -25,6 +25,7 @@ def _log1p(y):
     one = u == 1.0
     return tl.where(one, y, tl.log(u) * (y / tl.where(one, 1.0, u - 1.0)))
 
+# %% ../nbs/08d_router.ipynb #8c9b861f
 @triton.jit
 def _softplus(z, LIBDEVICE: tl.constexpr):
     ("PyTorch's softplus (beta 1, threshold 20): z above 20, else log1p(exp(z)), "
@@ -41,6 +42,7 @@ def _softplus_kernel(z_ptr, out_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.const
     tl.store(out_ptr + i, _softplus(tl.load(z_ptr + i, mask=i < n, other=0.0), LIBDEVICE),
              mask=i < n)
 
+# %% ../nbs/08d_router.ipynb #35e860fd
 def softplus_errors(z: torch.Tensor,  # (n,) fp32 points, on a GPU or (interpreter) the CPU
                    ) -> dict:
     ("The router's device-function softplus against `F.softplus` at `z`: max relative error "
@@ -150,6 +152,7 @@ TILE_ELEMS = 16384  # fp32 products a program holds per K step: BLOCK_T x BLOCK_
 # columns of x and the gate a program of `_route_logits_kernel` takes (`fused_route(split_k=True)`)
 ROUTE_SLICE = 128
 
+# %% ../nbs/08d_router.ipynb #8f7acaac
 @triton.jit
 def _route_logits_kernel(
     # (T, D) x; (E, D) gate; (SPLIT, T, E) fp32 out
@@ -167,6 +170,7 @@ def _route_logits_kernel(
     tl.store(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + e[None, :], logit,
              mask=t_ok[:, None] & e_ok[None, :])
 
+# %% ../nbs/08d_router.ipynb #f9400bcb
 def _route_blocks(T: int, E: int, D: int) -> tuple[int, int, int]:
     ("BLOCK_T (tokens per program), BLOCK_E (experts, padded to a power of two), "
      "BLOCK_K (columns per step)")
@@ -184,6 +188,7 @@ def _check_route_args(x, gate_weight, bias, n_activated, route_scale, bias_image
     if not finite_real:
         raise ValueError(f"route_scale = {route_scale!r}; expected a finite real number")
 
+# %% ../nbs/08d_router.ipynb #3d8100d1
 def _operand(t: torch.Tensor) -> torch.Tensor:
     "`t` as the kernel loads it: fp32, BF16 or fp16, unit stride along `dim`"
     if t.dtype not in (torch.float32, torch.bfloat16, torch.float16): t = t.float()

@@ -97,12 +97,14 @@ def sampling_probs(logits: torch.Tensor, # (N, vocab) logits of the sampled rows
 # logits per chunk of `argmax_rows`'s first pass (or the first size above it that divides the row)
 ARGMAX_CHUNK = 1024
 
+# %% ../nbs/12b_sampler.ipynb #341a7bd7
 @functools.lru_cache(maxsize=None)
 def _argmax_chunk(V: int, least: int) -> int:
     ("The first chunk size from `least` up to twice it that divides V (no padding copy), "
      "else `least`: found once per vocabulary")
     return next((c for c in range(least, 2 * least) if V % c == 0), least)
 
+# %% ../nbs/12b_sampler.ipynb #93a24ff1
 def argmax_rows(logits: torch.Tensor, # (N, vocab) float logits
                 chunk: int | None = None, # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
                ) -> torch.Tensor: # (N,) int64: each row's first maximum, as `logits.argmax(-1)`
@@ -122,7 +124,6 @@ def argmax_rows(logits: torch.Tensor, # (N, vocab) float logits
     best, at = x.view(N, G, chunk).max(-1)   # first maximum of each chunk
     g = best.argmax(-1, keepdim=True)        # first chunk holding the row's maximum
     return (g * chunk + at.gather(1, g))[:, 0]
-
 
 # %% ../nbs/12b_sampler.ipynb #cafd12fa
 def draw(probs: torch.Tensor, # (N, vocab) fp32 sampling distributions

@@ -27,6 +27,7 @@ def _real(v) -> bool:
     return (isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
             and math.isfinite(v))
 
+# %% ../nbs/12_scheduler.ipynb #0a8b5569
 @dataclass(frozen=True)
 class SamplingParams:
     ("How a request samples and when it stops "
@@ -75,6 +76,7 @@ def _validate(self: SamplingParams):
     bad = [i for i in self.stop_token_ids if not (is_int(i) and i >= 0)]
     if bad: raise ValueError(f"stop_token_ids holds {bad[0]!r}; expected token ids (integers >= 0)")
 
+# %% ../nbs/12_scheduler.ipynb #2e2f3a2a
 @patch
 def check_vocab(self: SamplingParams, vocab_size: int): # the model's vocabulary size
     "Raise if a stop token id lies outside the vocabulary"
@@ -91,6 +93,7 @@ class RequestStatus(enum.Enum):
 
 FINISH_REASONS = ('stop', 'length', 'abort')
 
+# %% ../nbs/12_scheduler.ipynb #a3a627a2
 class SchedulerRequest(Request):
     "The cache's Request plus what the scheduler tracks: sampling, status, drafts, steps in flight"
     def __init__(self, request_id: str, # unique among unfinished requests
@@ -140,6 +143,7 @@ def _toy_weights(n: int) -> np.ndarray:
     "Fixed, nonzero weights of positions 0..n-1 in the toy model's hash"
     return (np.arange(n, dtype=np.int64) * 40503 + 12345) % 65521 + 1
 
+# %% ../nbs/12_scheduler.ipynb #25a90eb6
 def toy_next_token(history: Sequence[int], # token ids so far, at least one
                    vocab_size: int) -> int: # the toy model's vocabulary
     ("The toy model: usually the last token + 1; "
@@ -208,6 +212,7 @@ class SchedulerConfig:
 # %% ../nbs/12_scheduler.ipynb #4adbd4a1
 PLACEHOLDER = -1  # a row whose token id only the runner knows yet
 
+# %% ../nbs/12_scheduler.ipynb #d4a1da68
 @dataclass
 class ScheduledRequest:
     "One request's share of a step"
@@ -256,6 +261,7 @@ class SchedulerOutput:
         for i, b in enumerate(rows): out[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
         return out
 
+# %% ../nbs/12_scheduler.ipynb #addbe06a
 @dataclass
 class ModelRunnerOutput:
     "What the runner returns for one step"
@@ -264,6 +270,7 @@ class ModelRunnerOutput:
     # request id -> drafts for its next step (synchronous scheduling)
     draft_token_ids: dict = field(default_factory=dict)
 
+# %% ../nbs/12_scheduler.ipynb #0232732e
 @dataclass
 class EngineCoreOutput:
     "New tokens of one request after a step, and why it finished (None: still going)"
@@ -301,10 +308,14 @@ class Scheduler:
         self.stats = dict(preemptions=0, prefix_hit_tokens=0, replayed_tokens=0, draft_tokens=0,
                           accepted_tokens=0)
 
-    def has_unfinished_requests(self) -> bool: return bool(self.requests)
-    def __repr__(self):
-        return (f"Scheduler(step {self.step}: {len(self.running)} running, "
-                f"{len(self.waiting)} waiting)")
+# %% ../nbs/12_scheduler.ipynb #e32335fa
+@patch
+def has_unfinished_requests(self: Scheduler) -> bool: return bool(self.requests)
+
+@patch
+def __repr__(self: Scheduler):
+    return (f"Scheduler(step {self.step}: {len(self.running)} running, "
+            f"{len(self.waiting)} waiting)")
 
 # %% ../nbs/12_scheduler.ipynb #ea5523bd
 @patch
@@ -383,6 +394,7 @@ def preempt(self: Scheduler, request_id: str): # a running request
     req.num_preemptions += 1; self.stats['preemptions'] += 1
     self.waiting.appendleft(req); self._preempted_ids.add(request_id)
 
+# %% ../nbs/12_scheduler.ipynb #1a4acc46
 @patch
 def _allocate(self: Scheduler, req: SchedulerRequest, n: int, d: int = 0, hit=None, skip: int = 0,
               may_preempt: bool = True):
@@ -407,6 +419,7 @@ def _chunk(self: Scheduler, n: int, budget: int) -> int:
     "Prefill tokens of one request this step: capped by the long-prefill threshold and the budget"
     return min(n, self.config.long_prefill_token_threshold or n, budget)
 
+# %% ../nbs/12_scheduler.ipynb #7c8c4440
 @patch
 def _schedule_running(self: Scheduler, plan: list, budget: int) -> int:
     ("Rows for the running line in order: "
@@ -483,6 +496,7 @@ def _build_output(self: Scheduler, plan: list) -> SchedulerOutput:
     self.step, self._finished_ids, self._preempted_ids = self.step + 1, set(), set()
     return out
 
+# %% ../nbs/12_scheduler.ipynb #72981cba
 @patch
 def schedule(self: Scheduler) -> SchedulerOutput:
     ("Plan one step: the running line first, "
@@ -515,6 +529,7 @@ def _checked_tokens(self: Scheduler, sr: ScheduledRequest, mro: ModelRunnerOutpu
         if not all(type(t) is int and 0 <= t < V for t in ids): check_token_ids(ids, V)
     return got
 
+# %% ../nbs/12_scheduler.ipynb #fe0dc009
 @patch
 def _finish(self: Scheduler, req: SchedulerRequest, reason: str, stop_reason: int | None = None):
     (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
@@ -522,6 +537,7 @@ def _finish(self: Scheduler, req: SchedulerRequest, reason: str, stop_reason: in
     req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop_reason
     del self.requests[req.request_id]; self._finished_ids.add(req.request_id)
 
+# %% ../nbs/12_scheduler.ipynb #016b7a12
 @patch
 def abort(self: Scheduler, request_id: str) -> EngineCoreOutput: # an unfinished request
     "Finish a request now ('abort') and free its blocks; outputs of its steps in flight are dropped"
@@ -605,6 +621,7 @@ def _inputs(self: ToyRunner, sr: ScheduledRequest) -> tuple:
                            f"{st['written']} tokens and the newest sampled one is {st['last']}")
     return list(sr.token_ids), sr.start
 
+# %% ../nbs/12_scheduler.ipynb #412b08ad
 @patch
 def _write(self: ToyRunner, sr: ScheduledRequest, ids: list, start: int, sm: SlotMappings,
            row: int | None):
@@ -644,6 +661,7 @@ def _history(self: ToyRunner, sr: ScheduledRequest, n: int, first_row: int) -> n
                            f"the window cache does not hold positions {w[0]}..{n - 1}")
     return hist
 
+# %% ../nbs/12_scheduler.ipynb #1561b500
 @patch
 def _sample(self: ToyRunner, sr: ScheduledRequest, ids: list, start: int) -> tuple:
     ("(sampled ids, next drafts): the toy model after each of the last 1 + d rows; "

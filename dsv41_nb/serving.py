@@ -69,14 +69,23 @@ def serving_problem(device: str, # --device
     return None
 
 # %% ../nbs/13b_serving.ipynb #49e73626
-def percentiles(xs, # numbers
+def percentiles(xs, # a 1-D sequence of numbers: a list, or a 1-D tensor or array
                 qs=(50, 90, 99)) -> dict: # which percentiles
     "{q: the q-th percentile of xs} (linear interpolation; NaN for no values)"
     for q in qs:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
             raise ValueError(f"percentiles: q = {q!r}: expected a number in [0, 100]")
-    try: t = torch.tensor(list(xs), dtype=torch.double)
+    shape = getattr(xs, 'shape', None)                                   # a tensor or an array
+    if shape is not None and len(shape) != 1:
+        raise ValueError(f"percentiles: expected a 1-D sequence of numbers, "
+                         f"got shape {tuple(shape)}")
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, '__iter__'):
+        raise TypeError(f"percentiles: expected a 1-D sequence of numbers, got {type(xs).__name__}")
+    xs = list(xs)
+    try: t = torch.tensor(xs, dtype=torch.double)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"percentiles: expected a flat list of numbers, "
-                        f"got {list(xs)[:3]!r}") from None
+        raise TypeError(f"percentiles: expected a flat list of numbers, got {xs[:3]!r}") from None
+    if t.ndim != 1:                                                       # rows of equal length
+        raise ValueError(f"percentiles: expected a 1-D sequence of numbers, "
+                         f"got shape {tuple(t.shape)}")
     return {q: (t.quantile(q / 100).item() if len(t) else float('nan')) for q in qs}

@@ -116,6 +116,7 @@ def _format_meta(codec: RecordCodec, D: int, prefix: str) -> dict:
                          f"in whole power-of-two blocks (and an aligned BF16 tail)")
     return {f'{prefix}_{k}': v for k, v in dict(m, REC=codec.record_bytes).items()}
 
+# %% ../nbs/06_sparse_decode.ipynb #d12ac765
 def _half_view(cache: torch.Tensor) -> torch.Tensor:
     "The cache as int16 elements (how the kernel reads a BF16 tail) when its record width allows, else itself"
     return cache.view(torch.int16) if cache.shape[-1] % 2 == 0 else cache
@@ -140,6 +141,7 @@ def _mm(a, b, F32_DOT: tl.constexpr):
     if F32_DOT: return tl.dot(a.to(tl.float32), b.to(tl.float32))
     else: return tl.dot(a, b)
 
+# %% ../nbs/06_sparse_decode.ipynb #5ad1a8ee
 @triton.jit
 def _attend_tile(q, kv, live, m_i, l_i, acc, scale_log2, F32_DOT: tl.constexpr):
     "One online-softmax step over a (BLOCK_N, D) tile used as keys and values; returns the new (max, sum, accumulator)"
@@ -156,15 +158,16 @@ def _attend_tile(q, kv, live, m_i, l_i, acc, scale_log2, F32_DOT: tl.constexpr):
 
 # %% ../nbs/06_sparse_decode.ipynb #27c9b86c
 @triton.jit
-def _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N: tl.constexpr):
+def _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N: tl.constexpr):
     ("(lo, hi, nw): this program's share [lo, hi) of its token's tiles, window tiles first, "
      "and how many are window tiles")
     t, split = tl.program_id(0), tl.program_id(2)
     nw, nk = tl.cdiv(tl.load(w_len_ptr + t), BLOCK_N), tl.cdiv(tl.load(k_len_ptr + t), BLOCK_N)
-    share = tl.cdiv(nw + nk, splits)
+    share = tl.cdiv(nw + nk, num_splits)
     lo = split * share
     return lo, tl.minimum(lo + share, nw + nk), nw
 
+# %% ../nbs/06_sparse_decode.ipynb #4b188abd
 @triton.jit
 def _store_partial(m_i, l_i, acc, part, hm, col, po_ptr, pl_ptr, D: tl.constexpr):
     ("A softmax state as (acc / l, base-2 log-sum-exp): "
@@ -174,6 +177,7 @@ def _store_partial(m_i, l_i, acc, part, hm, col, po_ptr, pl_ptr, D: tl.constexpr
     tl.store(pl_ptr + part,
              tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), -float('inf')), mask=hm)
 
+# %% ../nbs/06_sparse_decode.ipynb #5b5b88b0
 @triton.jit
 def _load_partial(part, hm, col, po_ptr, pl_ptr, D: tl.constexpr):
     "The state `_store_partial` wrote, as (max, sum, accumulator): max = lse, sum = 1"
@@ -203,13 +207,13 @@ def _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_
 # %% ../nbs/06_sparse_decode.ipynb #971d3ab3
 @triton.jit
 def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
-                 k_len_ptr, scale_log2, po_ptr, pl_ptr, H, splits, D: tl.constexpr,
+                 k_len_ptr, scale_log2, po_ptr, pl_ptr, H, num_splits, D: tl.constexpr,
                  BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_TILE: tl.constexpr,
                  W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr,
                  W_ROPE: tl.constexpr, W_SCALE_OFF: tl.constexpr, W_REC: tl.constexpr,
                  W_E4M3: tl.constexpr, HW_CVT: tl.constexpr, F32_DOT: tl.constexpr):
     "The program's window tiles, from an empty state; the state goes to its partial slot for `_topk_pass`"
-    lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N)
+    lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
     if lo < nw:
         t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
@@ -225,25 +229,25 @@ def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_
             kv = _kv_tile(w_ptr, w_half, slot, slot >= 0, D, W_FP4, W_QDIM, W_BLOCK, W_ROPE,
                           W_SCALE_OFF, W_REC, W_E4M3, HW_CVT, SCALE_TILE)
             m_i, l_i, acc = _attend_tile(q, kv, slot >= 0, m_i, l_i, acc, scale_log2, F32_DOT)
-        _store_partial(m_i, l_i, acc, (t64 * splits + split) * H + heads, hm, col,
+        _store_partial(m_i, l_i, acc, (t64 * num_splits + split) * H + heads, hm, col,
                        po_ptr, pl_ptr, D)
 
 # %% ../nbs/06_sparse_decode.ipynb #a74c4d87
 @triton.jit
 def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
                k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
-               stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D: tl.constexpr,
+               stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
                SCALE_TILE: tl.constexpr, C_FP4: tl.constexpr, C_QDIM: tl.constexpr,
                C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
                C_REC: tl.constexpr, C_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
                F32_DOT: tl.constexpr):
     "The program's top-k tiles, from the window pass's state (if it had window tiles); then `_finish`"
-    lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, splits, BLOCK_N)
+    lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
     t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
     hm = heads < H
-    part = (t64 * splits + split) * H + heads
+    part = (t64 * num_splits + split) * H + heads
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
                 mask=hm[:, None], other=0.0)
     if lo < nw:
@@ -272,7 +276,7 @@ _window_call = triton.jit(_window_pass.fn, noinline=True)
 _topk_call = triton.jit(_topk_pass.fn, noinline=True)
 
 # %% ../nbs/06_sparse_decode.ipynb #d578db13
-@triton.jit(do_not_specialize=['stride_ws', 'stride_kt', 'stride_bt', 'splits'])
+@triton.jit(do_not_specialize=['stride_ws', 'stride_kt', 'stride_bt', 'num_splits'])
 def _sparse_decode_kernel(
     q_ptr, stride_qt, stride_qh,              # (T, H, D) bf16 queries; token and head strides
     # window cache (bytes, int16); (T, W) int32 slots, row stride; (T,) lengths
@@ -285,10 +289,10 @@ def _sparse_decode_kernel(
     sink_ptr, scale_log2,
     # (T, H, D) bf16 output, (T, H) fp32 log-sum-exp (one split)
     out_ptr, stride_ot, stride_oh, lse_ptr,
-    # (T, splits, H, D) fp32 partial outputs, (T, splits, H) partial lse (base 2)
+    # (T, num_splits, H, D) fp32 partial outputs, (T, num_splits, H) partial lse (base 2)
     po_ptr, pl_ptr,
-    H, splits,                                # heads; splits per token
-    # ONE_SPLIT: splits == 1
+    H, num_splits,                            # heads; splits per token
+    # ONE_SPLIT: num_splits == 1
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
     # scales per block (else per value); passes as functions of their own
     SCALE_TILE: tl.constexpr, SEPARATE: tl.constexpr,
@@ -307,28 +311,28 @@ def _sparse_decode_kernel(
     # nor tells apart twins passed as arguments
     if SEPARATE:
         _window_call(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
-                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
+                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H, BLOCK_N,
                      SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
                      F32_DOT)
         _topk_call(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
                    k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
-                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
-                   ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC,
-                   C_E4M3, HW_CVT, F32_DOT)
+                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H,
+                   BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF,
+                   C_REC, C_E4M3, HW_CVT, F32_DOT)
     else:
         _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
-                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
+                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H, BLOCK_N,
                      SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
                      F32_DOT)
         _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
                    k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
-                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, splits, D, BLOCK_H, BLOCK_N,
-                   ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF, C_REC,
-                   C_E4M3, HW_CVT, F32_DOT)
+                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H,
+                   BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF,
+                   C_REC, C_E4M3, HW_CVT, F32_DOT)
 
 # %% ../nbs/06_sparse_decode.ipynb #7f755515
 @triton.jit
-def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, splits,
+def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, num_splits,
                     inv_ptr, pos_ptr, D: tl.constexpr, SPLITS_P2: tl.constexpr,
                     # HALF > 0: the output rotated back (`out_rope`)
                     HALF: tl.constexpr = 0, HW: tl.constexpr = False,
@@ -336,15 +340,15 @@ def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse
     pdl_wait(PDL)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s, col = tl.arange(0, SPLITS_P2), tl.arange(0, D)
-    part = (t * splits + s) * H + h
+    part = (t * num_splits + s) * H + h
     # (SPLITS_P2,) base-2
-    lse2 = tl.load(pl_ptr + part, mask=s < splits, other=-float('inf'))
+    lse2 = tl.load(pl_ptr + part, mask=s < num_splits, other=-float('inf'))
     sink = tl.load(sink_ptr + h) * 1.4426950408889634
     m = tl.maximum(tl.max(lse2, 0), sink)
     m_use = tl.where(m == -float('inf'), 0.0, m)
     w = tl.exp2(lse2 - m_use)
     den = tl.sum(w, 0) + tl.exp2(sink - m_use)
-    o = tl.sum(tl.load(po_ptr + part[:, None] * D + col[None, :], mask=(s < splits)[:, None],
+    o = tl.sum(tl.load(po_ptr + part[:, None] * D + col[None, :], mask=(s < num_splits)[:, None],
                        other=0.0) * w[:, None], 0)
     ob = (o / tl.where(den > 0, den, 1.0)).to(tl.bfloat16)
     if HALF > 0:
@@ -372,6 +376,7 @@ DECODE_TUNING = {
 _LAUNCH_KEYS = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, scale_tile=None,
                     separate=None, maxnreg=1, splits=1)
 
+# %% ../nbs/06_sparse_decode.ipynb #3668209b
 def _check_launch(launch: dict) -> dict:
     "`launch` if its keys are launch keys and its values make sense, else an error naming the problem"
     if not isinstance(launch, dict):
@@ -422,6 +427,7 @@ def _as_i32(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
     if width == 0: return torch.full((t.shape[0], 1), -1, dtype=torch.int32, device=t.device)
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
+# %% ../nbs/06_sparse_decode.ipynb #0934ff26
 def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_rope=None) -> tuple:
     "(out, lse, compiled kernel or None): the kernel, and the combine step when the records are split"
     T, H, D = q.shape
@@ -555,8 +561,8 @@ def decode_inputs(cfg: ModelConfig, batch: int, context: int, n_topk: int,
     swa_bt[:, -live_blocks:] = random_block_tables(batch, live_blocks, batch * live_blocks + 1,
                                                    generator=g, device=device)
     per = block_size // ratio
-    n_blocks = max(1, triton.cdiv(visible, per))
-    bt = random_block_tables(batch, n_blocks, batch * n_blocks + 1, g, device)
+    num_blocks = max(1, triton.cdiv(visible, per))
+    bt = random_block_tables(batch, num_blocks, batch * num_blocks + 1, g, device)
     def make(c, n):
         # codec-made records, else random valid bytes
         if exact: return c.pack(torch.randn(n, c.dim, device=device, generator=g))
@@ -602,6 +608,7 @@ def decode_tolerance(window: PagedRecords, compressed: PagedRecords | None, idx:
     n = live.sum(1, keepdim=True).float()
     return 2 ** -7 * vmax[:, None, :] + 2 ** -6 * out_ref.float().abs(), (n + 8) * 2 ** -22
 
+# %% ../nbs/06_sparse_decode.ipynb #237278a8
 def check_decode(args, **kw) -> tuple:
     ("Run `sparse_decode` and the reference on the same inputs "
      "and assert the kernel is within `decode_tolerance`")
@@ -635,6 +642,7 @@ def decode_variants() -> list:
           dict(base, block_h=16, num_warps=4)]
     return v
 
+# %% ../nbs/06_sparse_decode.ipynb #81869561
 def launch_name(launch: dict) -> str:
     ("A short label for a launch shape: heads and records per program, warps, stages, "
      "then what else differs from the default")
@@ -644,6 +652,7 @@ def launch_name(launch: dict) -> str:
     return (s + (f" r{launch['maxnreg']}" if launch.get('maxnreg') else '')
             + (f" x{launch['splits']}" if launch.get('splits') else ''))
 
+# %% ../nbs/06_sparse_decode.ipynb #c471d807
 def decode_kernel_resources(args: tuple, # (q, window, compressed, idx, sink, scale)
                             num_splits: int | None = None, # as `sparse_decode`'s
                             launch: dict | None = None, # as `sparse_decode`'s
@@ -684,8 +693,9 @@ def check_decode_grid(device,                                          # where t
             last = torch.arange(B, device=idx.rows.device) == B - 1
             idx = replace(idx, topk_lens=torch.where(last, 0, idx.topk_lens))
         worst, *_ = check_decode((q, window, compressed, idx, sink, scale))
-        splits = decode_launch(B, H, idx.window_slots.shape[1], idx.topk.shape[1], device)['SPLITS']
-        rows.append(dict(window=wf, main=mf, heads=H, batch=B, worst=worst, splits=splits))
+        num_splits = decode_launch(B, H, idx.window_slots.shape[1], idx.topk.shape[1],
+                                   device)['SPLITS']
+        rows.append(dict(window=wf, main=mf, heads=H, batch=B, worst=worst, num_splits=num_splits))
     return rows
 
 # %% ../nbs/06_sparse_decode.ipynb #7fd91ef8
@@ -753,6 +763,7 @@ def benchmark_sparse_decode(cfg: ModelConfig, # the model's shapes
                 TFLOPs=cost['flops'] * batch / t / 1e12, ref_us=ref / batch * 1e6, vs_ref=ref / t,
                 sets=len(sets))
 
+# %% ../nbs/06_sparse_decode.ipynb #cef89e74
 def format_decode_benchmark(rows) -> str:
     "Rows of `benchmark_sparse_decode` as a table: microseconds per query token per layer"
     head = (f"{'batch':>6} {'context':>8} {'records':>8} {'us/token':>9} {'eager':>8} {'floor':>7} "

@@ -13,7 +13,7 @@ from dsv41_nb.accounting import (compressed_entries_per_token, global_kv_bytes_p
                                  memory_table, engram_gathers_per_token, engram_bytes_per_token, expert_touch_fraction,
                                  decode_floor, Hardware, HARDWARE, TensorSpec, agreement, accounting_rows, format_rows,
                                  ROW_HEADER, GiB, gqa_kv_bytes_per_token, rank_weight_gib, vram_minimum_gb,
-                                 UTILIZATION)
+                                 UTILIZATION, DTYPE_BYTES)
 from test_config import topologies
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
@@ -95,10 +95,28 @@ def test_decode_floor_properties():
     assert f0['expert_bytes'] < f1['expert_bytes'] < f_big['expert_bytes']
     slice_ = TINY.n_routed_experts * TINY.n_layers * expert_params(TINY) * (0.5 + 1 / 32) / 8
     assert f_big['expert_bytes'] == pytest.approx(slice_)                # every expert touched: the whole slice
-    assert decode_floor(TINY, hw, 10_000, ranks=4)['expert_bytes'] == pytest.approx(2 * slice_)
+    assert decode_floor(TINY, hw, 10_000, world_size=4)['expert_bytes'] == pytest.approx(2 * slice_)
     assert f1['seconds'] == pytest.approx((f1['dense_bytes'] + f1['expert_bytes']) / hw.bandwidth)
     slow = replace(hw, bandwidth=hw.bandwidth / 3)
     assert decode_floor(TINY, slow, 1)['seconds'] == pytest.approx(3 * f1['seconds'])
+
+
+@pytest.mark.parametrize('c', [TINY, FULL])
+def test_decode_floor_prices_the_head_at_its_checkpoint_dtype(c):
+    "The LM head is read at the manifest's dtype (BF16); every other dense weight at dense_bytes_per_param"
+    hw, d = HARDWARE['H200'], 1 + 1 / 32
+    head = {s.name: s for s in checkpoint_manifest(c)}['head.weight']
+    assert head.dtype == 'bf16'
+    act = active_params_per_token(c, 'decode')
+    f = decode_floor(c, hw, 1, world_size=1)
+    rest = act['attention_and_dense'] + act['shared'] - head.numel
+    assert f['dense_bytes'] == pytest.approx(rest * d + head.numel * DTYPE_BYTES['bf16'])
+    as_fp8 = decode_floor(c, hw, 1, world_size=1, head_bytes_per_param=d)           # the briefing's count
+    assert as_fp8['dense_bytes'] == pytest.approx((act['attention_and_dense'] + act['shared']) * d)
+    assert f['seconds'] - as_fp8['seconds'] == pytest.approx(head.numel * (2 - d) / hw.bandwidth)
+    assert f['expert_bytes'] == as_fp8['expert_bytes']
+    if c is FULL:                       # bench/full, batch 1, one H200 at the engine record's copy rate: ~0.15 ms
+        assert head.numel * (2 - d) / 4.239e12 * 1e3 == pytest.approx(0.151, abs=0.002)
 
 def test_memory_table_adds_up():
     for c in (TINY, FULL):
@@ -156,8 +174,9 @@ BAD_INPUTS = [
     (lambda: expert_touch_fraction(64, 6.0), TypeError, 'n_activated must be an int'),
     (lambda: decode_floor(FULL, 'B300'), TypeError, 'hw must be a Hardware'),
     (lambda: decode_floor(FULL, HARDWARE['B300'], -1), ValueError, 'batch = -1; expected at least 0'),
-    (lambda: decode_floor(FULL, HARDWARE['B300'], 1, ranks=0), ValueError, 'ranks = 0; expected at least 1'),
+    (lambda: decode_floor(FULL, HARDWARE['B300'], 1, world_size=0), ValueError, 'world_size = 0; expected at least 1'),
     (lambda: decode_floor(FULL, HARDWARE['B300'], 1, dense_bytes_per_param=0), ValueError, 'dense_bytes_per_param = 0'),
+    (lambda: decode_floor(FULL, HARDWARE['B300'], 1, head_bytes_per_param=-2), ValueError, 'head_bytes_per_param = -2'),
     (lambda: decode_floor('full', HARDWARE['B300']), TypeError, 'active_params_per_token: expected a ModelConfig'),
     (lambda: Hardware('x', 1e9, 0, ''), ValueError, 'bandwidth = 0; expected a positive number'),
     (lambda: Hardware('x', '141e9', 1e12, ''), ValueError, "hbm_bytes = '141e9'"),
@@ -185,8 +204,8 @@ BAD_INPUTS = [
     (lambda: format_rows([('a', 'b')]), ValueError, 'format_rows: every row needs 5 entries'),
     (lambda: agreement(1.0, '1', '>1-2'), ValueError, "cannot read '>1-2'"),
     (lambda: rank_weight_gib('full', 8), TypeError, 'rank_weight_gib: expected a ModelConfig, got str'),
-    (lambda: rank_weight_gib(FULL, 0), ValueError, 'rank_weight_gib: ranks = 0; expected at least 1'),
-    (lambda: rank_weight_gib(FULL, 4.0), TypeError, 'rank_weight_gib: ranks must be an int'),
+    (lambda: rank_weight_gib(FULL, 0), ValueError, 'rank_weight_gib: world_size = 0; expected at least 1'),
+    (lambda: rank_weight_gib(FULL, 4.0), TypeError, 'rank_weight_gib: world_size must be an int'),
     (lambda: rank_weight_gib(FULL, 4, 'ep'), ValueError, "layout = 'ep'; expected one of ('dp', 'tp')"),
     (lambda: rank_weight_gib(FULL, 4, 'tp', 'hbm'), ValueError, "engram = 'hbm'; expected one of ('device', 'host')"),
     (lambda: vram_minimum_gb(None), TypeError, 'vram_minimum_gb: expected a ModelConfig'),

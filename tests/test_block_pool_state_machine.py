@@ -36,9 +36,9 @@ def chain_hash(salt, tokens, hbs, memo={}):
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    @initialize(n_blocks=st.integers(24, 120), interval=st.sampled_from([0, 0, 16, 16, 48]), caching=st.sampled_from([True] * 5 + [False]))
-    def setup(self, n_blocks, interval, caching):
-        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=n_blocks, prefix_cache_retention_interval=interval,
+    @initialize(num_blocks=st.integers(24, 120), interval=st.sampled_from([0, 0, 16, 16, 48]), caching=st.sampled_from([True] * 5 + [False]))
+    def setup(self, num_blocks, interval, caching):
+        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=num_blocks, prefix_cache_retention_interval=interval,
                                    enable_prefix_caching=caching)
         self.kv = KVCacheManager(get_kv_cache_config(TINY, cc))
         self.pool = self.kv.block_pool

@@ -55,7 +55,7 @@ SCENARIOS = dict(default=(dd.ep_moe_job, (XS, W, TINY)), torch=(dd.ep_moe_job, (
 @pytest.fixture(scope='module')
 def ranks():
     "Every scenario on two gloo ranks, spawned once: {name: [rank 0 result, rank 1 result]}"
-    return dict(zip(SCENARIOS, dd.run_ranks(list(SCENARIOS.values()), world=2)))
+    return dict(zip(SCENARIOS, dd.run_ranks(list(SCENARIOS.values()), world_size=2)))
 
 @pytest.fixture(scope='module')
 def one_process():
@@ -151,38 +151,38 @@ def test_sharded_model_world_of_one(one_process):
 @settings(max_examples=examples(15), deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 6]), st.lists(st.integers(0, 6), min_size=8, max_size=8),
        st.integers(0, 2**31))
-def test_simulated_exchange_equals_reference(world, k, sizes, seed):
+def test_simulated_exchange_equals_reference(world_size, k, sizes, seed):
     "Any world size, experts per token and batch sizes (zeros included): the exchange gives moe_reference's bits"
     cfg, g = replace(TINY, n_activated_experts=k), torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, TINY.dim, generator=g).bfloat16() for n in sizes[:world]]
+    xs = [torch.randn(n, TINY.dim, generator=g).bfloat16() for n in sizes[:world_size]]
     with use_kernels('torch'):
         sim = dd.ep_moe_simulated(xs, W, cfg)
         for got, x in zip(sim['outs'], xs): _same(got, moe_reference(x, W, cfg))
-    assert sim['counts'].sum().item() == k * sum(sizes[:world])
+    assert sim['counts'].sum().item() == k * sum(sizes[:world_size])
 
 @settings(max_examples=examples(40), deadline=None)
 @given(st.integers(0, 20), st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**31))
-def test_dispatch_order_and_records(T, world, seed):
+def test_dispatch_order_and_records(T, world_size, seed):
     "Sorted by owner, stable within an owner, counted per owner; records carry FP8 rows, local ids and weights"
     g = torch.Generator().manual_seed(seed)
     ids = torch.rand(T, 8, generator=g).topk(2).indices                             # (T, 2) distinct experts
     weights, x = torch.rand(T, 2, generator=g), torch.randn(T, TINY.dim, generator=g)
-    order, counts = dd.dispatch_order(ids, 8, world)
-    owner = (ids.flatten() // (8 // world))[order]
-    assert owner.tolist() == sorted(owner.tolist()) and counts.tolist() == torch.bincount(owner, minlength=world).tolist()
-    for r in range(world): assert order[owner == r].tolist() == sorted(order[owner == r].tolist())
-    xq, expert, weight = dd.unpack_dispatch(dd.pack_dispatch(x, weights, ids, order, 8 // world), TINY.dim)
+    order, counts = dd.dispatch_order(ids, 8, world_size)
+    owner = (ids.flatten() // (8 // world_size))[order]
+    assert owner.tolist() == sorted(owner.tolist()) and counts.tolist() == torch.bincount(owner, minlength=world_size).tolist()
+    for r in range(world_size): assert order[owner == r].tolist() == sorted(order[owner == r].tolist())
+    xq, expert, weight = dd.unpack_dispatch(dd.pack_dispatch(x, weights, ids, order, 8 // world_size), TINY.dim)
     _same(xq.float(), fp8_qdq(x)[order // 2])
-    _same(expert, ids.flatten()[order] % (8 // world)); _same(weight, weights.flatten()[order])
+    _same(expert, ids.flatten()[order] % (8 // world_size)); _same(weight, weights.flatten()[order])
 
-@pytest.mark.parametrize('world', [1, 2, 4, 8])
-def test_traffic_formulas_by_enumeration(world):
+@pytest.mark.parametrize('world_size', [1, 2, 4, 8])
+def test_traffic_formulas_by_enumeration(world_size):
     "Every set of k of E experts and every own rank: the mean rows leaving a rank and ranks reached, exactly"
-    E, k, per, L = TINY.n_routed_experts, TINY.n_activated_experts, TINY.n_routed_experts // world, TINY.n_layers
+    E, k, per, L = TINY.n_routed_experts, TINY.n_activated_experts, TINY.n_routed_experts // world_size, TINY.n_layers
     sets = list(itertools.combinations(range(E), k))
-    off = [sum(e // per != own for e in s) for s in sets for own in range(world)]
-    reached = [len({e // per for e in s} - {own}) for s in sets for own in range(world)]
-    t = dd.ep_traffic(TINY, world, 3)
+    off = [sum(e // per != own for e in s) for s in sets for own in range(world_size)]
+    reached = [len({e // per for e in s} - {own}) for s in sets for own in range(world_size)]
+    t = dd.ep_traffic(TINY, world_size, 3)
     out_row = dd.dispatch_codec(TINY.dim).record_bytes + dd.DISPATCH_META
     assert math.isclose(t['dispatch_bytes'], L * 3 * sum(off) / len(off) * out_row, rel_tol=1e-12)
     assert math.isclose(t['combine_bytes'], L * 3 * sum(off) / len(off) * 2 * TINY.dim, rel_tol=1e-12)
@@ -203,7 +203,7 @@ def test_bad_inputs():
             (lambda: dd.local_experts(None, 0, 2), 'expected MoEWeights'),
             (lambda: dd.run_ranks([], backend='mpi'), "backend 'mpi'"),
             (lambda: dd.run_ranks([dd.exchange_job]), 'jobs must be a list of (function, args tuple) pairs'),
-            (lambda: dd.run_ranks([], world=0), 'world = 0'),
+            (lambda: dd.run_ranks([], world_size=0), 'world_size = 0'),
             (lambda: dd.ep_moe_forward(x, half, TINY), 'world size mismatch'),
             (lambda: dd.ep_moe_forward(x[:, :32], W, TINY), 'x: expected shape (tokens, 64)'),
             (lambda: dd.ep_moe_forward(x, W, TINY, token_ids=torch.zeros(3, dtype=torch.int64)), 'token_ids'),
@@ -227,7 +227,7 @@ def test_bad_inputs():
             (lambda: dd.shard_model_(sharded), 'the model is already sharded'),
             (lambda: dd.shard_model_(unquantised), 'set model.quant = True'),
             (lambda: dd.dummy_step(MODEL), 'expected a sharded model'),
-            (lambda: dd.rank_threads(-1).__enter__(), 'world = -1'),
+            (lambda: dd.rank_threads(-1).__enter__(), 'world_size = -1'),
         ]
         for f, msg in cases: fails_with(f, contains=msg)
     finally: dist.destroy_process_group()

@@ -179,7 +179,7 @@ def test_choose_verify_lengths_is_optimal(seed, n, b, slope, curve, fixed):
 
 def test_roofline_step_cost_is_the_larger_of_bytes_and_flops():
     full, hw = ModelConfig.full(), HARDWARE['H200 (measured copy)']
-    cost = roofline_step_cost(full, hw, 790e12, ranks=8, fixed=1e-3)
+    cost = roofline_step_cost(full, hw, 790e12, world_size=8, fixed=1e-3)
     T = torch.tensor([1, 5, 50, 500, 5000])
     flops = 2 * active_params_per_token(full, 'decode')['total']
     want = [1e-3 + max(decode_floor(full, hw, int(t) * 8, 8)['seconds'], flops * int(t) / 790e12) for t in T]
@@ -306,7 +306,7 @@ BAD = [
     (lambda: best_verify_length(torch.ones(3), torch.zeros(4)), ValueError, '(B + 1,) positive'),
     (lambda: choose_verify_lengths(torch.ones(2, 3), lambda T: T * 0.0), ValueError, 'positive seconds'),
     (lambda: roofline_step_cost(TINY, HARDWARE['H200'], 1e12, fixed=-1), ValueError, 'fixed = -1'),
-    (lambda: roofline_step_cost(TINY, HARDWARE['H200'], 1e12, ranks=0), ValueError, 'ranks = 0'),
+    (lambda: roofline_step_cost(TINY, HARDWARE['H200'], 1e12, world_size=0), ValueError, 'world_size = 0'),
     (lambda: DSparkProposer(_drafter(), 0), ValueError, 'num_speculative_tokens = 0; expected 1..5'),
     (lambda: DSparkProposer(_drafter(), True), ValueError, 'num_speculative_tokens = True'),
     (lambda: DSparkProposer(_drafter(), temperature=-0.5), ValueError, 'temperature = -0.5'),

@@ -20,7 +20,7 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
                              greedy_shortfall, assert_greedy_match)
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
-from dsv41_nb.serving import random_checkpoint
+from dsv41_nb.serving import random_checkpoint, percentiles
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig.tiny()
@@ -81,6 +81,13 @@ BAD = [
     (lambda: StagedInputs({'a': 1}, 'cpu'), ValueError, 'holds no tensors'),
     (lambda: StagedInputs(SimpleNamespace(a=torch.zeros(2)), 'cpu').load(SimpleNamespace(a=torch.zeros(3))), ValueError,
      'shaped and typed as the staged ones'),
+    (lambda: percentiles([[1, 2], [3, 4]]), ValueError, 'expected a 1-D sequence of numbers, got shape (2, 2)'),
+    (lambda: percentiles(torch.ones(2, 3)), ValueError, 'expected a 1-D sequence of numbers, got shape (2, 3)'),
+    (lambda: percentiles(torch.ones(2, 3).numpy()), ValueError, 'got shape (2, 3)'),
+    (lambda: percentiles(torch.tensor(3.0)), ValueError, 'got shape ()'),
+    (lambda: percentiles(3), TypeError, 'expected a 1-D sequence of numbers, got int'),
+    (lambda: percentiles(['a', 'b']), TypeError, "expected a flat list of numbers, got ['a', 'b']"),
+    (lambda: percentiles([1.0], qs=(101,)), ValueError, 'q = 101: expected a number in [0, 100]'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])

@@ -149,8 +149,8 @@ def test_shards_reassemble_the_table():
     ids = NgramHasher(TINY, *TINY_MAP)(torch.randint(0, TINY.vocab_size, (2, 11)))[:, :, 0]
     with use_kernels('torch'):
         whole = engram_lookup(m.table, ids)
-        for ranks in (1, 2, 3, 6):
-            plan = head_shards(TINY, ranks)[0]
+        for world_size in (1, 2, 3, 6):
+            plan = head_shards(TINY, world_size)[0]
             assert sum(r1 - r0 for *_, r0, r1 in plan) == m.table.rows
             summed = sum(engram_lookup(m.table.shard(r0, r1), ids).float() for *_, r0, r1 in plan)
             torch.testing.assert_close(summed.bfloat16(), whole, rtol=0, atol=0)
@@ -209,7 +209,7 @@ BAD_INPUT = [  # (call, part of the message)
     (lambda: Engram(TINY, 1, _TABLE, torch.zeros(3, 3), torch.zeros(4, 64), torch.zeros(4, 64)),
      'wkv has shape (3, 3), expected (320, 192)'),
     (lambda: head_shards(TINY, 7), '7 ranks for 6 hash heads'),
-    (lambda: head_shards(TINY, 0), 'ranks = 0; expected at least 1'),
+    (lambda: head_shards(TINY, 0), 'world_size = 0; expected at least 1'),
     (lambda: sharding_traffic(TINY, 2, -1), 'batch = -1; expected at least 0'),
 ]
 

@@ -9,16 +9,18 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import BlockPool, Request, RequestBlockHasher, BlockStored, AllBlocksCleared, reference_slot_mapping, ring_slot_mapping
-from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit
+from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit,
+                               kv_bytes_per_token)
+from dsv41_nb.accounting import global_kv_bytes_per_token
 from dsv41_nb.kv_manager import KVCacheManager, CacheCapacityError, cache_snapshot
 
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
 GLOBAL, SWA, RING = 0, 1, 2
 
 
-def tiny_kv(n_blocks=64, events=False, **cc):
+def tiny_kv(num_blocks=64, events=False, **cc):
     "A tiny-config manager: global blocks of 16 tokens, SWA blocks of 4 (window 16), one ring per request"
-    return KVCacheManager(get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=n_blocks, **cc)),
+    return KVCacheManager(get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=num_blocks, **cc)),
                           enable_kv_cache_events=events)
 
 
@@ -58,6 +60,24 @@ def test_full_layout_matches_the_blog_post():
     fp8 = get_kv_cache_config(FULL, CacheConfig(main_kv_format='fp8_ds_mla', index_key_format='index_fp8'))
     assert fp8.groups[0].bytes_per_block == 64 * 3 * (584 + 132) + 128 * (584 + 132)
 
+
+
+@pytest.mark.parametrize('cfg', [FULL, TINY])
+@pytest.mark.parametrize('main,index', [('ds_fp4', 'index_mxfp4'), ('fp8_ds_mla', 'index_fp8')])
+def test_kv_bytes_per_token(cfg, main, index):
+    "The shared pool charges every block a page of the widest group; per-group blocks cost the accounting's bytes"
+    kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, main_kv_format=main, index_key_format=index))
+    g, s, _ = kc.groups
+    shared, own = kv_bytes_per_token(kc), kv_bytes_per_token(kc, 'per_group')
+    assert set(shared) == set(own) == {'global', 'swa'}                     # the ring is no per-token cost
+    assert own['global'] == global_kv_bytes_per_token(cfg, main, index) == g.bytes_per_block / g.block_size
+    for x in (g, s):
+        assert shared[x.name] == kc.page_bytes / x.block_size >= own[x.name]
+        assert (shared[x.name] == own[x.name]) == (x.bytes_per_block == kc.page_bytes)   # only the widest fills its page
+    if cfg is FULL and main == 'ds_fp4':
+        assert own['global'] == 890 and shared['global'] == 43 * 32 * 528 / 128      # ~890 B vs ~5.7 KB
+    with pytest.raises(ValueError, match="layout = 'packed'"): kv_bytes_per_token(kc, 'packed')
+    with pytest.raises(TypeError, match='expected a KVCacheConfig'): kv_bytes_per_token(cfg)
 
 @pytest.mark.parametrize('kw,msg', [
     (dict(prefix_cache_retention_interval=-1), 'expected 0'),

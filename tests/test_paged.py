@@ -18,6 +18,8 @@ from dsv41_nb.csa2 import SparseIndices
 from dsv41_nb.paged import (PagedModel, PagedRunner, PagedLinear, fp64_attention, logits_tolerance, truncate_window,
                             context_blocks, single_request_steps)
 from dsv41_nb.paged_step import PagedStepModel, step_model
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, kv_bytes_per_token
+from dsv41_nb.accounting import global_kv_bytes_per_token
 
 TINY = ModelConfig.tiny()
 
@@ -61,6 +63,24 @@ def test_greedy_parity_with_the_reference(models):
             assert want.argmax(-1).tolist() == s[len(p):]
             assert (want - lg).abs().max().item() <= logits_tolerance(pm)
 
+
+
+@pytest.mark.parametrize('main,index', [('ds_fp4', 'index_mxfp4'), ('fp8_ds_mla', 'index_fp8')])
+def test_allocated_bytes_per_token_are_the_layouts(models, main, index):
+    "allocate's tensors charge each group its own block bytes: kv_bytes_per_token's 'per_group', not the shared pool"
+    model, _ = models
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, main_kv_format=main, index_key_format=index))
+    pm = PagedModel.from_model(model, kc)
+    counts = {'global': 9, 'swa': 7, 'compressor': 3}
+    pm.allocate(counts)
+    got, want, shared = pm.cache_bytes(), kv_bytes_per_token(kc, 'per_group'), kv_bytes_per_token(kc)
+    for g in kc.groups:
+        assert got[g.name] == counts[g.name] * g.bytes_per_block
+        if g.name in want:
+            measured = got[g.name] / (counts[g.name] * g.block_size)
+            assert measured == want[g.name]
+    assert want['global'] == global_kv_bytes_per_token(TINY, main, index) <= shared['global']
+    assert (want['global'] < shared['global']) == (main == 'ds_fp4')      # fp8 records: the global group is the widest
 
 @exact_cpu
 @settings(max_examples=examples(3), deadline=None)

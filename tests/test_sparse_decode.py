@@ -53,31 +53,31 @@ def test_record_tiles_decode_exactly(cfg, name, per_block):
 @given(st.sampled_from(FORMATS[:2]), st.sampled_from(FORMATS), st.sampled_from([4, 8, 16, 32, 64]), st.integers(1, 4),
        st.booleans(), st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from([1, 2]), st.booleans(), st.sampled_from(KERNELS),
        st.integers(0, 2**31))
-def test_kernel_against_the_reference(wfmt, cfmt, heads, T, ragged, splits, ratio, with_sink, launch, seed):
+def test_kernel_against_the_reference(wfmt, cfmt, heads, T, ragged, num_splits, ratio, with_sink, launch, seed):
     args = list(decode_inputs(SMALL, T, 200 + seed % 50, 40, wfmt, cfmt, ratio=ratio, heads=heads, ragged=ragged,
                               device=DEV, seed=seed))
     if not with_sink: args[4] = None
     if cfmt == 'ds_fp4' and launch['block_n'] == 16 and min(launch['block_h'], max(16, triton.next_power_of_2(heads))) == 16:
         launch = dict(launch, block_n=32)                                   # a shape sparse_decode refuses (test_bad_arguments)
-    check_decode(tuple(args), num_splits=splits, launch=launch)
+    check_decode(tuple(args), num_splits=num_splits, launch=launch)
 
 
 @needs_triton
 @pytest.mark.parametrize('launch', KERNELS, ids=launch_name)
 def test_every_distinct_kernel_one_split_and_several(launch):
     small = replace(FULL, window_size=16)                       # 40 heads: a partial block of 64, or 32 + 8, or 16 + 16 + 8
-    for splits, (wf, cf) in zip((1, 3), (('fp8_ds_mla', 'ds_fp4'), ('window_fp8', 'fp8_ds_mla'))):
-        check_decode(decode_inputs(small, 2, 100, 24, wf, cf, heads=40, ragged=True, device=DEV, seed=7), num_splits=splits, launch=launch)
+    for num_splits, (wf, cf) in zip((1, 3), (('fp8_ds_mla', 'ds_fp4'), ('window_fp8', 'fp8_ds_mla'))):
+        check_decode(decode_inputs(small, 2, 100, 24, wf, cf, heads=40, ragged=True, device=DEV, seed=7), num_splits=num_splits, launch=launch)
 
 
 @needs_triton
 def test_empty_lists_window_only_and_one_record():
     q, window, compressed, idx, sink, scale = decode_inputs(SMALL, 3, 100, 30, heads=8, device=DEV, seed=2)
     nothing = replace(idx, window_lens=torch.zeros_like(idx.window_lens), topk_lens=torch.zeros_like(idx.topk_lens))
-    for splits in (1, 3):
-        out, lse = sparse_decode(q, window, compressed, nothing, sink, scale, num_splits=splits)
+    for num_splits in (1, 3):
+        out, lse = sparse_decode(q, window, compressed, nothing, sink, scale, num_splits=num_splits)
         assert not out.float().abs().any() and ((lse - sink).abs() <= 2 ** -21 * sink.abs()).all()
-        assert sparse_decode(q, window, compressed, nothing, None, scale, num_splits=splits)[1].isneginf().all()
+        assert sparse_decode(q, window, compressed, nothing, None, scale, num_splits=num_splits)[1].isneginf().all()
     swa_only = replace(idx, topk=idx.topk[:, :0], topk_lens=torch.zeros_like(idx.topk_lens))
     check_decode((q, window, None, swa_only, sink, scale), num_splits=2)
     one = replace(idx, window_slots=torch.where(torch.arange(24, device=DEV) == 5, idx.window_slots, -1),
@@ -166,11 +166,11 @@ def test_bad_arguments():
 
 
 @needs_triton
-@pytest.mark.parametrize('splits', [1, 3])
-def test_out_rope_is_the_inverse_rotation_of_the_output(splits):
+@pytest.mark.parametrize('num_splits', [1, 3])
+def test_out_rope_is_the_inverse_rotation_of_the_output(num_splits):
     "out_rope: the output rotated back in the combining launch (or, with one split, by `rope`), bit for bit; lse unchanged"
     q, window, compressed, idx, sink, scale = decode_inputs(SMALL, 2, 100, 30, heads=4, device=DEV)
     inv, pos = (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)).float().to(DEV), torch.tensor([99, 99], device=DEV)
-    o, lse = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=splits)
-    o_r, lse_r = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=splits, out_rope=(inv, pos))
+    o, lse = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=num_splits)
+    o_r, lse_r = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=num_splits, out_rope=(inv, pos))
     assert torch.equal(o_r, rope(o, inv, pos, inverse=True)) and torch.equal(lse_r, lse)

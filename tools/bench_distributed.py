@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Time the expert-parallel MoE of 15_distributed on two GPUs (NCCL): the all-to-alls, the layer, and one GPU alone.
 
-    python tools/bench_distributed.py [--world 2] [--config bench] [--sizes 1 64 1024 8192] [--json PATH] [--quick]
+    python tools/bench_distributed.py [--world-size 2] [--config bench] [--sizes 1 64 1024 8192] [--json PATH] [--quick]
 
-One row per batch size (tokens per rank), all measured in one run of `world` processes, one GPU each: the dispatch
+One row per batch size (tokens per rank), all measured in one run of `world_size` processes, one GPU each: the dispatch
 all-to-all (FP8 token records with expert id and weight) and the combine all-to-all (BF16 expert outputs) timed alone,
 with the bytes each rank sends to the others and the bandwidth that implies; the expert-parallel layer
 (`ep_moe_forward`); and 08b_fused_moe's `moe_forward` on one GPU holding every expert, for the same per-rank batch and for
@@ -50,13 +50,13 @@ def max_over_ranks(v: float) -> float:
 
 def bench_rank(config: str, sizes: list, reps: int, warmup: int, seed: int = 0) -> list:
     "Job run on every rank: one row per size (identical on every rank after the reductions)"
-    rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
+    rank, world_size, dev = dist.get_rank(), dist.get_world_size(), rank_device()
     cfg = getattr(ModelConfig, config)()
     W = MoEWeights.random(cfg, seed, dev)                 # one seed: the same layer on every rank
-    mine = local_experts(W, rank, world)
+    mine = local_experts(W, rank, world_size)
     rows = []
     for B in sizes:
-        gens = [torch.Generator(device=dev).manual_seed(seed + 7919 * r + B) for r in range(world)]
+        gens = [torch.Generator(device=dev).manual_seed(seed + 7919 * r + B) for r in range(world_size)]
         xs = [torch.randn(B, cfg.dim, generator=g, device=dev).to(torch.bfloat16) for g in gens]   # every rank's batch
         x = xs[rank]
         y = ep_moe_forward(x, mine, cfg)
@@ -64,7 +64,7 @@ def bench_rank(config: str, sizes: list, reps: int, warmup: int, seed: int = 0) 
         one = moe_forward(x, W, cfg).float()
         rel = max_over_ranks((y.float() - one).abs().max().item() / max(one.abs().max().item(), 1e-30) if B else 0.0)
         weights, ids = route_layer(x, W, cfg)
-        order, send = dispatch_order(ids, cfg.n_routed_experts, world)
+        order, send = dispatch_order(ids, cfg.n_routed_experts, world_size)
         recv = torch.empty_like(send); dist.all_to_all_single(recv, send)
         sc, rc = send.tolist(), recv.tolist()
         records = pack_dispatch(x, weights, ids, order, mine.w1.shape[0])
@@ -99,7 +99,7 @@ def format_table(rows) -> str:
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--world', type=int, default=2, help='ranks, one GPU each')
+    ap.add_argument('--world-size', '--world', type=int, default=2, help='ranks, one GPU each')
     ap.add_argument('--config', default='bench', choices=('bench', 'tiny'))
     ap.add_argument('--sizes', type=int, nargs='+', default=[1, 64, 1024, 8192], help='tokens per rank')
     ap.add_argument('--reps', type=int, default=20)
@@ -110,21 +110,22 @@ if __name__ == '__main__':
     if args.quick: args.config, args.sizes, args.reps = 'tiny', [1, 8, 32], 2
     elif not torch.cuda.is_available():
         sys.exit('this benchmark needs GPUs (use --quick to check the script on a CPU)')
-    elif torch.cuda.device_count() < args.world:       # a one-GPU machine has nothing to measure here: not a failure
-        print(f'expert parallelism over {args.world} ranks needs {args.world} GPUs, this machine has '
+    elif torch.cuda.device_count() < args.world_size:  # a one-GPU machine has nothing to measure here: not a failure
+        print(f'expert parallelism over {args.world_size} ranks needs {args.world_size} GPUs, this machine has '
               f'{torch.cuda.device_count()}: nothing measured')
         sys.exit(0)
     cfg = getattr(ModelConfig, args.config)()
     machine = machine_name('cuda' if backend == 'nccl' else 'cpu')
-    print(f'{machine} x{args.world} ({backend})  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
+    print(f'{machine} x{args.world_size} ({backend})  {datetime.datetime.now():%Y-%m-%d %H:%M}  '
+          f'torch {torch.__version__}  '
           f'triton {triton.__version__}  config {args.config}: {cfg.n_routed_experts} experts, '
           f'top {cfg.n_activated_experts}, dim {cfg.dim}, inter {cfg.moe_inter_dim}')
     rows = run_ranks([(bench_rank, (args.config, args.sizes, args.reps, 1 if args.quick else 5))],
-                     world=args.world, backend=backend, timeout_s=600)[0][0]
+                     world_size=args.world_size, backend=backend, timeout_s=600)[0][0]
     table = format_table(rows)
     print(table)
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(machine=machine, world=args.world, backend=backend, date=str(datetime.date.today()),
+            json.dump(dict(machine=machine, world=args.world_size, backend=backend, date=str(datetime.date.today()),
                            torch=torch.__version__, triton=triton.__version__, config=args.config, table=table,
                            rows=rows), f, indent=1)

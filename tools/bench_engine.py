@@ -95,7 +95,7 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
     eng = llm.llm_engine
     bw = copy_bandwidth(device=device) if torch.device(device).type == 'cuda' else HARDWARE['H200 (measured copy)'].bandwidth
     hw = Hardware(machine_name(device), HARDWARE['H200'].hbm_bytes, bw, 'copy_bandwidth on this machine')
-    weights = decode_floor(cfg, hw, batch=1, ranks=1)
+    weights = decode_floor(cfg, hw, batch=1, world_size=1)
     context = prompt_len + max_tokens // 2                                                        # the mean context of the run
     kv = kv_read_bytes(cfg, eng.kv_cache_config, context)
     floor = weights['seconds'] + kv / bw

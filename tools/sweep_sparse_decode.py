@@ -82,12 +82,13 @@ def time_shapes(cfg, batch, variants, checks, floor_us, device, quick, context):
     counts = {1, 2, 4, 8, 12, 16, tiles} if batch <= 8 else {1, 2, 3, 4}             # the default shape at fixed split counts
     if checks[0]['ok']: plans += [(variants[0], s) for s in sorted(counts) if s <= tiles]
     rows = []
-    for launch, splits in plans:
-        call = lambda i: sd.sparse_decode(*sets[i % len(sets)], num_splits=splits, launch=launch, check_indices=False)
+    for launch, num_splits in plans:
+        call = lambda i: sd.sparse_decode(*sets[i % len(sets)], num_splits=num_splits, launch=launch,
+                                          check_indices=False)
         t = sd.graph_time(call, calls=2 if quick else max(8, len(sets)), reps=2 if quick else 10)
-        res = sd.decode_kernel_resources(sets[0], splits, launch)
-        L = sd.decode_launch(batch, sets[0][0].shape[1], cfg.window_size, k, device, splits, launch)
-        rows.append(dict(batch=batch, name=sd.launch_name(launch), launch=launch, splits=L['SPLITS'], auto_splits=splits is None,
+        res = sd.decode_kernel_resources(sets[0], num_splits, launch)
+        L = sd.decode_launch(batch, sets[0][0].shape[1], cfg.window_size, k, device, num_splits, launch)
+        rows.append(dict(batch=batch, name=sd.launch_name(launch), launch=launch, splits=L['SPLITS'], auto_splits=num_splits is None,
                          us=t / batch * 1e6, of_floor=floor_us * batch / (t * 1e6), registers=res.get('registers', -1),
                          local_bytes=res.get('local_bytes', -1), shared_bytes=res.get('shared_bytes', -1)))
         print(f"  batch {batch:>4} {rows[-1]['name']:<36} splits {rows[-1]['splits']:>3}: {rows[-1]['us']:8.3f} us/token", flush=True)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.train import (load_corpus, split_documents, byte_data, small_config, trained_param_count, DenseBaseline,
-                            train, evaluate, lm_loss, make_optimizer, IndexerDistillation)
+                            train, evaluate, lm_loss, make_optimizer, IndexerDistillation, fast_path,
+                            held_out_prompts, corpus_words, text_quality)
 from dsv41_nb.model import ByteTokenizer, init_random
 from dsv41_nb.checkpoint import save_model
 
@@ -26,6 +27,14 @@ def seconds_per_step(make, data, batch_size, seq_len, device, steps=4):
     model = make().to(device).float().train()
     if hasattr(model, 'quant'): model.quant = False
     opt, distill, times = make_optimizer(model, 1e-4, 0.0), IndexerDistillation(model), []
+    with fast_path(model, compile=device.type == 'cuda'):
+        step_times(model, data, batch_size, seq_len, device, steps, opt, distill, times)
+    distill.remove(); del model, opt
+    if device.type == 'cuda': torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+def step_times(model, data, batch_size, seq_len, device, steps, opt, distill, times):
+    "Time `steps` training steps after one warm-up step (which compiles, on the fast path)"
     for i in range(steps + 1):
         x, y = (t.to(device) for t in data.batch(batch_size, seq_len))
         if device.type == 'cuda': torch.cuda.synchronize()
@@ -35,8 +44,6 @@ def seconds_per_step(make, data, batch_size, seq_len, device, steps=4):
         (loss if kl is None else loss + kl).backward(); opt.step(); opt.zero_grad(set_to_none=True)
         if device.type == 'cuda': torch.cuda.synchronize()
         if i: times.append(time.perf_counter() - t0)
-    distill.remove()
-    return sorted(times)[len(times) // 2]
 
 @torch.no_grad()
 def samples(model, tok, device, n):
@@ -54,20 +61,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--out', default='checkpoints/small', help='checkpoint directory')
     ap.add_argument('--steps', type=int, help='optimizer steps (default: sized by --minutes)')
-    ap.add_argument('--minutes', type=float, default=4.0, help='training time for both models together')
+    ap.add_argument('--minutes', type=float, default=6.0, help='training time for both models together')
     ap.add_argument('--baseline', action='store_true', help='also train the dense baseline on the same batches')
     ap.add_argument('--json', help='also write the training record here')
-    ap.add_argument('--batch-size', type=int, default=32)
+    ap.add_argument('--batch-size', type=int, default=256)
     ap.add_argument('--seq-len', type=int, default=256)
     ap.add_argument('--lr', type=float, default=2e-3)
     ap.add_argument('--gamma', type=float, default=1e-2, help='router bias update speed')
-    ap.add_argument('--eval-every', type=int, default=50)
+    ap.add_argument('--eval-every', type=int, default=25)
     ap.add_argument('--eval-batches', type=int, default=4, help='validation batches per evaluation')
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--shard-mb', type=float, default=4096, help='largest checkpoint shard, MiB')
+    ap.add_argument('--prompts', type=int, default=20, help='held-out prompts whose continuations are measured')
     ap.add_argument('--quick', action='store_true', help='6 steps of 2 x 64 tokens on the CPU: checks the script')
     args = ap.parse_args()
     device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
-    if args.quick: args.steps, args.batch_size, args.seq_len, args.eval_every = 6, 2, 64, 3
+    if args.quick: args.steps, args.batch_size, args.seq_len, args.eval_every, args.prompts = 6, 2, 64, 3, 2
     elif device.type == 'cpu': sys.exit('training the small model needs a GPU (use --quick to check the script on a CPU)')
     cfg, t_start = small_config(), time.perf_counter()
     docs = load_corpus()
@@ -90,9 +99,13 @@ def main():
           f'({tokens / len(data.train):.1f} passes over the training text)')
     record = dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__,
                   python=sys.version.split()[0], config='small_config()', steps=args.steps, batch_size=args.batch_size,
-                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma, seed=args.seed, corpus=dict(documents=len(docs),
+                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma, seed=args.seed, fast_path=device.type == 'cuda',
+                  corpus=dict(documents=len(docs), megabytes=sum(len(d.encode()) for d in docs) / 1e6,
                   train_tokens=len(data.train), val_tokens=len(data.val)), models={})
-    final_batches = data.eval_batches(32 if not args.quick else 2, args.batch_size, args.seq_len)
+    final_batches = data.eval_batches(32 if not args.quick else 2, min(args.batch_size, 32), args.seq_len)
+    prompts, vocabulary = held_out_prompts(val_docs, args.prompts, 64, args.seed), corpus_words(train_docs)
+    record['quality_settings'] = dict(prompts=args.prompts, prompt_bytes=64, new_bytes=128 if not args.quick else 8,
+                                      sampled=dict(temperature=0.8, top_p=0.95))
     for name, make in makers.items():
         model = make()
         print(f'--- {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters')
@@ -104,14 +117,19 @@ def main():
         val_loss = evaluate(model, final_batches, device)
         if hasattr(model, 'quant'): model.quant = True     # as served: FP8/FP4 weights and activations
         val_served = evaluate(model, final_batches, device) if hasattr(model, 'quant') else val_loss
+        quality = text_quality(model, tok, prompts, vocabulary, 128 if not args.quick else 8, args.seed)
         record['models'][name] = dict(params=sum(p.numel() for p in model.parameters()), history=hist,
                                       val_loss=val_loss, val_ppl=math.exp(val_loss), val_loss_served=val_served,
-                                      seconds=hist['seconds'][-1], samples=samples(model, tok, device, 48))
+                                      seconds=hist['seconds'][-1], samples=samples(model, tok, device, 48),
+                                      quality=quality)
         print(f'{name}: validation loss {val_loss:.3f} nats/byte (perplexity {math.exp(val_loss):.2f}), '
               f'{val_served:.3f} as served; {hist["seconds"][-1]:.0f} s')
         for p, s in record['models'][name]['samples'].items(): print(f'  {p!r} -> {s!r}')
+        for mode, q in quality.items():
+            print(f"  {mode}: distinct word 4-grams {q['distinct_4grams']:.3f}, known words {q['known_words']:.3f}; "
+                  f"e.g. {q['texts'][0]!r}")
         if name == 'moe':
-            save_model(model.cpu(), args.out)
+            save_model(model.cpu(), args.out, int(args.shard_mb * 2**20))
             size = sum(f.stat().st_size for f in Path(args.out).iterdir())
             print(f'checkpoint: {args.out} ({size / 2**20:.1f} MiB)')
     record['total_seconds'] = time.perf_counter() - t_start
