@@ -203,23 +203,24 @@ class RecordCodec:
 
 # %% ../nbs/01_formats.ipynb #cbbe6c73
 @patch
-def _check_vectors(self: RecordCodec, x):
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"{self.name}: expected a floating-point tensor (..., {self.dim}), "
-                        f"got {getattr(x, 'dtype', type(x))}")
-    if x.ndim == 0 or x.shape[-1] != self.dim:
-        raise ValueError(f"{self.name}: expected last dimension {self.dim}, "
-                         f"got shape {tuple(x.shape)}")
+def _check_tensor(self: RecordCodec, t, ok, want: str, last: int, shape_want: str):
+    "Raise, naming the codec, unless t is a tensor `ok` accepts whose last dimension is `last`"
+    if not isinstance(t, torch.Tensor) or not ok(t):
+        raise TypeError(f"{self.name}: expected {want}, got {getattr(t, 'dtype', type(t))}")
+    if t.ndim == 0 or t.shape[-1] != last:
+        raise ValueError(f"{self.name}: expected {shape_want}, got shape {tuple(t.shape)}")
 
 # %% ../nbs/01_formats.ipynb #3465bdd8
 @patch
+def _check_vectors(self: RecordCodec, x):
+    self._check_tensor(x, torch.Tensor.is_floating_point,
+                       f"a floating-point tensor (..., {self.dim})", self.dim,
+                       f"last dimension {self.dim}")
+
+@patch
 def _check_records(self: RecordCodec, r):
-    if not isinstance(r, torch.Tensor) or r.dtype != torch.uint8:
-        raise TypeError(f"{self.name}: expected uint8 records, "
-                        f"got {getattr(r, 'dtype', type(r))}")
-    if r.ndim == 0 or r.shape[-1] != self.record_bytes:
-        raise ValueError(f"{self.name}: expected records of {self.record_bytes} bytes "
-                         f"(last dimension), got shape {tuple(r.shape)}")
+    self._check_tensor(r, lambda t: t.dtype == torch.uint8, "uint8 records", self.record_bytes,
+                       f"records of {self.record_bytes} bytes (last dimension)")
 
 # %% ../nbs/01_formats.ipynb #2d20bc3b
 @patch

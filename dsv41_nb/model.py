@@ -636,6 +636,9 @@ def sort_by_expert(ids: torch.Tensor,  # (T, k) chosen experts
                    n_experts: int,
                   ) -> tuple:
     "(order, offs): assignments t*k+j sorted by expert (stable), and int32 cumulative counts (E,)"
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype != torch.int64:
+        raise ValueError(f"sort_by_expert: ids must be an int64 (tokens, k) tensor, "
+                         f"got {getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}")
     flat = ids.flatten()
     counts = F.one_hot(flat, n_experts).sum(0)            # a fixed shape: no read-back
     return flat.argsort(stable=True), counts.cumsum(0).to(torch.int32)

@@ -25,7 +25,7 @@ __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'CORPUS_VERSION', 'stdlib_modules', 'm
            'balance_router_bias', 'max_violation', 'ExpertLoad', 'attention_mass', 'indexer_log_probs', 'indexer_kl',
            'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train',
            'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
-           'corpus_words', 'known_words', 'text_quality']
+           'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
 SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle', 'turtledemo',
@@ -730,6 +730,11 @@ def known_words(text: bytes, vocabulary: set) -> float:
     w = _WORD.findall(text)
     return sum(x in vocabulary for x in w) / len(w) if w else 1.0
 
+def ends_in_loop(text: bytes, n: int = 64) -> bool:
+    "Do the last n bytes of `text` repeat one unit of at most n/2 bytes?"
+    tail = text[-n:]
+    return len(tail) == n and any(tail == (tail[:k] * (n // k + 1))[:n] for k in range(1, n // 2 + 1))
+
 # %% ../nbs/11_train.ipynb #78eae497
 def text_quality(model: nn.Module, tok, prompts: list[bytes], vocabulary: set, n: int = 128,
                  seed: int = 0) -> dict:
@@ -741,6 +746,7 @@ def text_quality(model: nn.Module, tok, prompts: list[bytes], vocabulary: set, n
             texts = continue_prompts(model, tok, prompts, n, t, p, seed)
             out[mode] = dict(distinct_4grams=sum(map(distinct_4grams, texts)) / len(texts),
                              known_words=sum(known_words(x, vocabulary) for x in texts) / len(texts),
+                             loops=sum(map(ends_in_loop, texts)) / len(texts),
                              texts=[x.decode('utf-8', 'replace') for x in texts])
     finally: model.train(was_training)
     return out

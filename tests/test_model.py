@@ -11,7 +11,7 @@ from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.accounting import checkpoint_manifest
 from dsv41_nb.indexer import topk_reference, candidate_pool_reference, sparse_topk_reference
-from dsv41_nb.model import (ByteTokenizer, Transformer, init_random, generate_greedy, manifest_mismatches, master_dtype,
+from dsv41_nb.model import (sort_by_expert, ByteTokenizer, Transformer, init_random, generate_greedy, manifest_mismatches, master_dtype,
                             select_topk, candidate_pool_mask, layer_rms, streamed_layer_rms, mxfp4_qdq, weight_qdq,
                             Linear)
 
@@ -221,6 +221,8 @@ def test_bad_inputs(model):
     emap = tok.engram_map()
     BAD = [
         (lambda: model(torch.zeros(1, 4)), 'expected an int64 tensor'),
+        (lambda: sort_by_expert(torch.zeros(4, 2), 8),
+         'ids must be an int64 (tokens, k) tensor'),
         (lambda: model(torch.zeros(1, 4, dtype=torch.int32)), 'got torch.int32'),
         (lambda: model([[1, 2]]), 'got list'),
         (lambda: model(torch.zeros(2, 3, 4, dtype=torch.int64)), 'got shape (2, 3, 4)'),

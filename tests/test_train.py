@@ -12,7 +12,9 @@ from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
                             module_documents, byte_data, lm_loss,
                             trained_param_count, DenseBaseline, dense_param_count, lr_at, balance_router_bias,
-                            max_violation, ExpertLoad, evaluate, train)
+                            max_violation, ExpertLoad, evaluate, train, fast_path, source_files,
+                            held_out_prompts, sample_next, continue_prompts, distinct_4grams, known_words,
+                            ends_in_loop, corpus_words)
 
 def _gen(seed): return torch.Generator().manual_seed(seed)
 
@@ -157,6 +159,12 @@ def test_bad_inputs():
         (lambda: byte_data(['a'], ['b'], object()), 'tokenizer must have encode, BOS and EOS'),
         (lambda: byte_data([], ['b'], None), 'train_docs must be a non-empty list of str'),
         (lambda: lm_loss(m, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)), 'must match inputs'),
+        (lambda: train(m, data, steps=2, fast='yes'), "fast = 'yes'"),
+        (lambda: fast_path('model').__enter__(), 'expected an nn.Module'),
+        (lambda: source_files('/no/such/folder'), 'no directory /no/such/folder'),
+        (lambda: held_out_prompts(['some text'] * 3, n=0), 'n'),
+        (lambda: held_out_prompts(['short'] * 3, n=2, length=64), 'no document is longer than 128 bytes'),
+        (lambda: continue_prompts(m, None, [b'ab', b'abc'], 2), 'the prompts must all have one length'),
     ]
     for f, msg in cases: fct.test_fail(f, contains=msg)
 
@@ -209,3 +217,52 @@ def test_indexer_distillation_trains_only_the_indexer():
         opt.step()
     d.remove()
     assert kls[-1] < kls[0] and not d.handles
+
+
+def test_text_measures():
+    "distinct word 4-grams, known words and loops on texts whose answers are known by hand"
+    assert distinct_4grams(b'a string is a string is a string is a string') == 3 / 8
+    assert distinct_4grams(b'Return the list of the keys.') == 1.0 and distinct_4grams(b'') == 1.0
+    assert known_words(b'Return teh list', {b'Return', b'list'}) == 2 / 3
+    assert corpus_words(['Return the list', 'x = 1']) == {b'Return', b'the', b'list'}
+    assert ends_in_loop(b'def f():' + b' ' * 64) and ends_in_loop(b'x' + b'the string is a string ' * 4)
+    assert not ends_in_loop(b'Return the list of the keys, in the order they were added to the mapping.')
+    assert not ends_in_loop(b' ' * 63)   # too short to tell
+
+def test_sample_next():
+    "temperature 0 is the argmax; a tiny top-p keeps only the most likely id; sampling follows the softmax"
+    g = _gen(0)
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+    assert sample_next(logits, 0.0, 1.0).tolist() == [1, 0]
+    assert sample_next(logits, 1.0, 1e-6, g).tolist() == [1, 0]
+    draws = torch.stack([sample_next(logits[:1], 1.0, 1.0, g) for _ in range(4000)]).flatten()
+    freq = torch.bincount(draws, minlength=3).float() / len(draws)
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+
+def test_held_out_prompts_start_lines():
+    docs = ['line one\nline two is longer\n' * 20, 'x' * 300 + '\nend']
+    ps = held_out_prompts(docs, n=6, length=16, seed=3)
+    assert len(ps) == 6 and all(len(p) == 16 for p in ps)
+    assert all(any(d.encode().startswith(p) or (b'\n' + p) in d.encode() for d in docs) for p in ps)
+    assert held_out_prompts(docs, n=6, length=16, seed=3) == ps
+
+def test_fast_path_matches_the_reference_and_restores():
+    "The grouped experts give the reference's loss and gradients on a tiny model; the switch is undone after"
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.model import init_random, MoE, Block
+    from dsv41_nb.mhc import hc_split
+    m = init_random(ModelConfig.tiny(), 0).float(); m.quant = False
+    x = torch.randint(0, 256, (2, 40), generator=_gen(1)); y = torch.randint(0, 256, (2, 40), generator=_gen(2))
+    def run():
+        m.zero_grad(); loss = lm_loss(m, x, y); loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    ref_loss, ref = run()
+    with fast_path(m, compile=False):
+        assert all(mod.grouped for mod in m.modules() if isinstance(mod, MoE))
+        loss, got = run()
+    assert abs(loss - ref_loss) < 1e-5
+    for n, g in got.items():
+        if n in ref: torch.testing.assert_close(g, ref[n], rtol=1e-4, atol=1e-6)
+        else: assert g.eq(0).all(), n        # an expert no token chose
+    assert not any(mod.grouped for mod in m.modules() if isinstance(mod, MoE))
+    assert all(b.hc_split is hc_split for b in m.modules() if isinstance(b, Block))

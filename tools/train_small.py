@@ -105,6 +105,7 @@ def main():
     final_batches = data.eval_batches(32 if not args.quick else 2, min(args.batch_size, 32), args.seq_len)
     prompts, vocabulary = held_out_prompts(val_docs, args.prompts, 64, args.seed), corpus_words(train_docs)
     record['quality_settings'] = dict(prompts=args.prompts, prompt_bytes=64, new_bytes=128 if not args.quick else 8,
+                                      prompt_texts=[q.decode('utf-8', 'replace') for q in prompts],
                                       sampled=dict(temperature=0.8, top_p=0.95))
     for name, make in makers.items():
         model = make()
