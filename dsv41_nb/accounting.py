@@ -8,7 +8,7 @@ import math, re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 import numpy as np
-from .config import ModelConfig, expect_config, check_int
+from .config import ModelConfig, expect_config, check_int, layer_topology
 from .formats import CACHE_FORMATS, record_bytes
 
 # %% auto #0
@@ -16,8 +16,9 @@ __all__ = ['SOURCES', 'DTYPE_BYTES', 'GROUPS', 'PHASES', 'GiB', 'MEMORY_ROWS', '
            'UTILIZATION', 'ROW_HEADER', 'record_saving', 'compressed_entries_per_token', 'global_kv_bytes_per_token',
            'swa_bytes_per_sequence', 'gqa_kv_bytes_per_token', 'TensorSpec', 'checkpoint_manifest', 'params_by_group',
            'expert_params', 'active_params_per_token', 'memory_table', 'engram_gathers_per_token',
-           'engram_bytes_per_token', 'Hardware', 'expert_touch_fraction', 'decode_floor', 'rank_weight_gib',
-           'vram_minimum_gb', 'agreement', 'accounting_rows', 'format_rows']
+           'engram_bytes_per_token', 'Hardware', 'expert_touch_fraction', 'decode_floor', 'decode_kv_read_bytes',
+           'decode_flops_per_token', 'step_floor', 'rank_weight_gib', 'vram_minimum_gb', 'agreement', 'accounting_rows',
+           'format_rows']
 
 # %% ../nbs/01a_accounting.ipynb #e20faa0f
 SOURCES = {
@@ -306,6 +307,7 @@ class Hardware:
     hbm_bytes: float  # device memory
     bandwidth: float  # bytes/s used for floors
     source: str
+    matmul_flops: float | None = None  # dense BF16 tensor-core FLOP/s, where the source gives it
 
     def __post_init__(self):
         for k in ('hbm_bytes', 'bandwidth'):
@@ -317,11 +319,12 @@ HARDWARE = {
     'B300': Hardware('NVIDIA B300', 288e9, 8e12,
                      'the serving briefing: 288 GB of HBM at 8 TB/s per GPU'),
     'H200': Hardware('NVIDIA H200', 141e9, 4.8e12,
-                     "NVIDIA's H200 datasheet: 141 GB of HBM3e at 4.8 TB/s"),
+                     "NVIDIA's H200 datasheet: 141 GB of HBM3e at 4.8 TB/s, 989 TFLOP/s dense BF16",
+                     989e12),
     'H200 (measured copy)': Hardware('NVIDIA H200, measured copy', 141e9, 4.3e12,
                                      'device-to-device copy timed by `copy_bandwidth` '
                                      'on one NVIDIA H200, '
-                                     'torch 2.11, Triton 3.6, 2026-11-29'),
+                                     'torch 2.11, Triton 3.6, 2026-11-29', 989e12),
 }
 
 # %% ../nbs/01a_accounting.ipynb #37d8421c
@@ -378,6 +381,59 @@ def decode_floor(c: ModelConfig,
                                                        c.n_routed_experts)
     return dict(dense_bytes=dense, expert_bytes=touched, seconds=(dense + touched) / hw.bandwidth,
                 dense_seconds=dense / hw.bandwidth, expert_seconds=touched / hw.bandwidth)
+
+# %% ../nbs/01a_accounting.ipynb #ef232aa4
+def decode_kv_read_bytes(c: ModelConfig,
+                         context: int,  # tokens the request has
+                         # the cache manager's defaults (02b)
+                         main_fmt: str = 'ds_fp4', index_fmt: str = 'index_mxfp4',
+                         window_fmt: str = 'window_fp8') -> int:
+    "Cache bytes one decode token reads: its window, its top-k compressed records, its index keys"
+    expect_config(c, 'decode_kv_read_bytes'); check_int('decode_kv_read_bytes', 'context', context, 0)
+    win, main, idx = (record_bytes(c, f) for f in (window_fmt, main_fmt, index_fmt))
+    total = 0
+    for info in layer_topology(c)[:c.n_layers]:
+        total += min(context, c.window_size) * win
+        if info.ratio:
+            visible = context // info.ratio
+            total += (min(c.index_topk, visible) * main
+                      + (visible * idx if info.role in ('Full', 'Reindex') else 0))
+    return total
+
+# %% ../nbs/01a_accounting.ipynb #bc091585
+def decode_flops_per_token(c: ModelConfig, context: int) -> float:
+    "FLOPs of one decode token: 2 per active parameter, attention over what it reads, index scores"
+    expect_config(c, 'decode_flops_per_token'); check_int('decode_flops_per_token', 'context', context, 0)
+    flops = 2 * active_params_per_token(c, 'decode')['total']
+    for info in layer_topology(c)[:c.n_layers]:
+        keys = min(context, c.window_size)
+        if info.ratio:
+            visible = context // info.ratio
+            keys += min(c.index_topk, visible)
+            if info.role in ('Full', 'Reindex'):
+                flops += 2 * c.index_n_heads * c.index_head_dim * visible
+        flops += 4 * c.n_heads * c.head_dim * keys   # scores, then the weighted sum
+    return flops
+
+# %% ../nbs/01a_accounting.ipynb #f4aa563d
+def step_floor(c: ModelConfig,
+               hw: Hardware,     # its bandwidth and, if given, its matmul rate
+               batch: int,       # requests decoding one token each
+               context: int,     # tokens each request has
+               world_size: int = 1,
+               **formats,        # the cache formats, as `decode_kv_read_bytes` takes them
+              ) -> dict:
+    "One rank's decode step: bytes over bandwidth, FLOPs over the matmul rate, and the larger"
+    check_int('step_floor', 'batch', batch, 1)
+    w = decode_floor(c, hw, batch, world_size)
+    kv = batch * decode_kv_read_bytes(c, context, **formats)
+    nbytes = w['dense_bytes'] + w['expert_bytes'] + kv + batch * engram_bytes_per_token(c)
+    flops = batch * decode_flops_per_token(c, context)
+    memory_s = nbytes / hw.bandwidth
+    compute_s = flops / hw.matmul_flops if hw.matmul_flops else 0.0
+    return dict(bytes=nbytes, kv_bytes=kv, flops=flops, memory_s=memory_s, compute_s=compute_s,
+                seconds=max(memory_s, compute_s),
+                bound='compute' if compute_s > memory_s else 'memory')
 
 # %% ../nbs/01a_accounting.ipynb #dc5864b8
 LAYOUTS, ENGRAM_PLACES = ('dp', 'tp'), ('device', 'host')

@@ -8,7 +8,7 @@ import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.formats import cache_format, CACHE_FORMATS
-from dsv41_nb.accounting import (compressed_entries_per_token, global_kv_bytes_per_token, swa_bytes_per_sequence,
+from dsv41_nb.accounting import (step_floor, decode_kv_read_bytes, decode_flops_per_token, compressed_entries_per_token, global_kv_bytes_per_token, swa_bytes_per_sequence,
                                  record_saving, checkpoint_manifest, params_by_group, expert_params, active_params_per_token,
                                  memory_table, engram_gathers_per_token, engram_bytes_per_token, expert_touch_fraction,
                                  decode_floor, Hardware, HARDWARE, TensorSpec, agreement, accounting_rows, format_rows,
@@ -214,8 +214,29 @@ BAD_INPUTS = [
     (lambda: gqa_kv_bytes_per_token(0, 8, 128), ValueError, 'n_layers = 0; expected at least 1'),
     (lambda: gqa_kv_bytes_per_token(80, 8.0, 128), TypeError, 'n_kv_heads must be an int'),
     (lambda: gqa_kv_bytes_per_token(80, 8, 128, 0), ValueError, 'bytes_per_value = 0; expected a positive number'),
+    (lambda: step_floor(FULL, HARDWARE['H200'], 0, 128), ValueError, 'step_floor: batch = 0'),
+    (lambda: decode_kv_read_bytes(FULL, -1), ValueError, 'decode_kv_read_bytes: context = -1'),
+    (lambda: decode_kv_read_bytes(FULL, 64, 'fp8'), ValueError, "unknown cache format 'fp8'"),
+    (lambda: decode_flops_per_token('full', 64), TypeError, 'decode_flops_per_token: expected a ModelConfig'),
 ]
 
 @pytest.mark.parametrize('call, exc, words', BAD_INPUTS, ids=[w[:40] for _, _, w in BAD_INPUTS])
 def test_bad_inputs(call, exc, words):
     fct.test_fail(call, contains=words, exc=exc)
+
+
+def test_step_floor_adds_up():
+    "The step floor is decode_floor's weights plus each request's cache reads and Engram rows over the bandwidth;"
+    " FLOPs grow with the batch, bytes stop growing once every expert is touched, so large batches turn compute-bound"
+    from dsv41_nb.accounting import engram_bytes_per_token
+    bench, hw = ModelConfig.bench(), HARDWARE['H200']
+    for B in (1, 7, 64):
+        s, w = step_floor(bench, hw, B, 300), decode_floor(bench, hw, B, world_size=1)
+        want = w['dense_bytes'] + w['expert_bytes'] + B * (decode_kv_read_bytes(bench, 300) + engram_bytes_per_token(bench))
+        assert math.isclose(s['bytes'], want) and math.isclose(s['memory_s'], want / hw.bandwidth)
+        assert math.isclose(s['flops'], B * decode_flops_per_token(bench, 300))
+    assert decode_flops_per_token(bench, 300) > 2 * active_params_per_token(bench)['total']
+    assert decode_kv_read_bytes(bench, 0) == 0 and decode_kv_read_bytes(bench, 2000) > decode_kv_read_bytes(bench, 200)
+    big = step_floor(bench, hw, 65536, 300)
+    assert big['bound'] == 'compute' and big['seconds'] == big['compute_s']
+    assert step_floor(bench, replace(hw, matmul_flops=None), 65536, 300)['bound'] == 'memory'

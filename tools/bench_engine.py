@@ -34,9 +34,9 @@ import argparse, dataclasses, datetime, json, os, subprocess, sys, time, traceba
 from contextlib import contextmanager
 from pathlib import Path
 import torch, triton
-from dsv41_nb.config import ModelConfig, layer_topology
+from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL
-from dsv41_nb.accounting import decode_floor, record_bytes, Hardware, HARDWARE
+from dsv41_nb.accounting import decode_floor, decode_kv_read_bytes, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
@@ -45,18 +45,6 @@ from dsv41_nb.paged import PagedModel
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts
 from dsv41_nb.checkpoint import load_model
-
-
-def kv_read_bytes(cfg: ModelConfig, kc, context: int) -> int:
-    "Bytes of cache one decode token reads at `context` tokens: window records, selected compressed records, index keys"
-    cc, total = kc.cache_config, 0
-    win, main, idx = (record_bytes(cfg, f) for f in ('window_fp8', cc.main_kv_format, cc.index_key_format))
-    for info in layer_topology(cfg)[:cfg.n_layers]:
-        total += min(context, cfg.window_size) * win
-        if info.ratio:
-            visible = context // info.ratio
-            total += min(cfg.index_topk, visible) * main + (visible * idx if info.role in ('Full', 'Reindex') else 0)
-    return total
 
 
 def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
@@ -97,7 +85,8 @@ def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens:
     hw = Hardware(machine_name(device), HARDWARE['H200'].hbm_bytes, bw, 'copy_bandwidth on this machine')
     weights = decode_floor(cfg, hw, batch=1, world_size=1)
     context = prompt_len + max_tokens // 2                                                        # the mean context of the run
-    kv = kv_read_bytes(cfg, eng.kv_cache_config, context)
+    cc = eng.kv_cache_config.cache_config
+    kv = decode_kv_read_bytes(cfg, context, cc.main_kv_format, cc.index_key_format)
     floor = weights['seconds'] + kv / bw
     inner = eng.runner.model
     graphs, args0, config0 = (inner if isinstance(inner, CUDAGraphModel) else None), eng.args, eng.scheduler.config
