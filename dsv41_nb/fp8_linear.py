@@ -255,6 +255,8 @@ def fp8_linear(
     _check(x, w, act_quant)
     if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 64):
         raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..64")
+    if split is not None and (not isinstance(split, int) or isinstance(split, bool) or split < 1):
+        raise ValueError(f"fp8_linear: split = {split!r}; expected an int >= 1")   # on every path
     T, (G, N, K) = x.shape[0], w.shape
     if (kernel_backend(x, w.codes) == 'torch' or T == 0
         or (not act_quant and x.dtype != torch.bfloat16)):
