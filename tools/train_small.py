@@ -27,23 +27,19 @@ def seconds_per_step(make, data, batch_size, seq_len, device, steps=4):
     model = make().to(device).float().train()
     if hasattr(model, 'quant'): model.quant = False
     opt, distill, times = make_optimizer(model, 1e-4, 0.0), IndexerDistillation(model), []
-    with fast_path(model, compile=device.type == 'cuda'):
-        step_times(model, data, batch_size, seq_len, device, steps, opt, distill, times)
+    with fast_path(model, compile=device.type == 'cuda'):      # the warm-up step compiles
+        for i in range(steps + 1):
+            x, y = (t.to(device) for t in data.batch(batch_size, seq_len))
+            if device.type == 'cuda': torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast('cuda', torch.bfloat16, enabled=device.type == 'cuda'): loss = lm_loss(model, x, y)
+            kl = distill.take()
+            (loss if kl is None else loss + kl).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+            if device.type == 'cuda': torch.cuda.synchronize()
+            if i: times.append(time.perf_counter() - t0)
     distill.remove(); del model, opt
     if device.type == 'cuda': torch.cuda.empty_cache()
     return sorted(times)[len(times) // 2]
-
-def step_times(model, data, batch_size, seq_len, device, steps, opt, distill, times):
-    "Time `steps` training steps after one warm-up step (which compiles, on the fast path)"
-    for i in range(steps + 1):
-        x, y = (t.to(device) for t in data.batch(batch_size, seq_len))
-        if device.type == 'cuda': torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast('cuda', torch.bfloat16, enabled=device.type == 'cuda'): loss = lm_loss(model, x, y)
-        kl = distill.take()
-        (loss if kl is None else loss + kl).backward(); opt.step(); opt.zero_grad(set_to_none=True)
-        if device.type == 'cuda': torch.cuda.synchronize()
-        if i: times.append(time.perf_counter() - t0)
 
 @torch.no_grad()
 def samples(model, tok, device, n):
