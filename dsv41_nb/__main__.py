@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'load_summary', 'random_prompts',
-           'load_test', 'format_load', 'write_problem', 'generate_command', 'bench_command', 'program_name',
-           'accounting_command', 'build_parser', 'main']
+           'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'write_problem',
+           'generate_command', 'bench_command', 'program_name', 'accounting_command', 'build_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from .config import (ModelConfig, expect_config, topology_table, role_counts,
                              TOPOLOGY_COLUMNS, HALVES, check_int)
-from .accounting import accounting_rows, format_rows, ROW_HEADER, SOURCES
-from .dispatch import machine_name, triton_interpreting
+from .accounting import (accounting_rows, format_rows, ROW_HEADER, SOURCES, Hardware,
+                                  HARDWARE, step_floor)
+from .dispatch import machine_name, triton_interpreting, copy_bandwidth
 from .model import init_random
 from .engine import EngineArgs, LLM, SamplingParams, RequestOutput
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
@@ -118,10 +119,11 @@ def random_prompts(n: int, length: int, vocab: int = 256, seed: int = 0) -> list
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 # %% ../nbs/99_cli.ipynb #66c5c681
-def load_test(llm: LLM, prompts: list, sampling_params: SamplingParams) -> dict:
+def load_test(llm: LLM, prompts: list, sampling_params: SamplingParams,
+              progress: bool = False) -> dict: # a bar over finished requests (standard error)
     "Generate for all prompts at once; `load_summary` of the run"
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    outs = llm.generate(prompts, sampling_params, use_tqdm=progress)
     return load_summary(outs, time.perf_counter() - t0)
 
 # %% ../nbs/99_cli.ipynb #aed2ef8b
@@ -132,6 +134,47 @@ def format_load(s: dict) -> str:
             f"{s['output_tokens_per_s']:.1f} tokens/s; "
             f"TTFT p50/p90/p99 {ms(s['ttft_s'])} ms, TPOT {ms(s['tpot_s'])} ms, "
             f"end to end {ms(s['e2e_s'])} ms")
+
+# %% ../nbs/99_cli.ipynb #43025911
+def measured_hardware(device='cpu') -> Hardware:
+    "This machine as `step_floor` takes it: copy bandwidth timed now, a known GPU's matmul rate"
+    dev, name = torch.device(device), machine_name(device)
+    if dev.type == 'cuda': mem, nbytes = torch.cuda.get_device_properties(dev).total_memory, 2 << 30
+    else: mem, nbytes = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), 256 << 20
+    rate = next((h.matmul_flops for h in HARDWARE.values() if h.name == name), None)
+    return Hardware(name, mem, copy_bandwidth(nbytes, dev), 'copy timed now', rate)
+
+# %% ../nbs/99_cli.ipynb #5fa0d3cf
+def concurrency_sweep(llm: LLM,
+                      levels: list, # requests sent at once, one load test each
+                      prompt_len: int, max_tokens: int, # tokens in and out per request
+                      hw: Hardware | None = None, # for each level's step floor (None: no floor)
+                      seed: int = 0, progress: bool = False) -> list:
+    "A warmed-up load test at each level of concurrency; each level's step floor beside it"
+    for c in levels: check_int('concurrency_sweep', 'level', c, 1)
+    check_int('concurrency_sweep', 'max_tokens', max_tokens, 1)
+    cfg, rows = llm.llm_engine.model.cfg, []
+    for c in levels:
+        warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        load_test(llm, random_prompts(c, min(3, prompt_len), seed=seed + 1), warm)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        s = load_test(llm, random_prompts(c, prompt_len, seed=seed), sp, progress)
+        ctx = prompt_len + max_tokens // 2  # the mean context of a decode step
+        s['floor_s'] = step_floor(cfg, hw, c, ctx)['seconds'] if hw else float('nan')
+        rows.append(dict(concurrency=c, **s))
+    return rows
+
+# %% ../nbs/99_cli.ipynb #3342b5d3
+def format_sweep(rows: list) -> str:
+    "A sweep as a table: tokens/s, TTFT and TPOT (ms), and TPOT p50 over the step floor"
+    cols = ('requests', 'tok/s', 'TTFT p50', 'TTFT p99', 'TPOT p50', 'TPOT p99', 'floor', 'x floor')
+    lines = [' '.join(f'{c:>9}' for c in cols)]
+    for r in rows:
+        t, p, f = r['ttft_s'], r['tpot_s'], r['floor_s']
+        ms = [1e3 * v for v in (t[50], t[99], p[50], p[99], f)]
+        lines.append(f"{r['concurrency']:>9} {r['output_tokens_per_s']:>9.1f} "
+                     + ' '.join(f'{v:>9.2f}' for v in ms) + f" {p[50] / f:>9.1f}")
+    return '\n'.join(lines)
 
 # %% ../nbs/99_cli.ipynb #46d97109
 def write_problem(path) -> str | None:
@@ -190,7 +233,8 @@ def bench_command(
     if note: print(note, file=sys.stderr)
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
-        llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs,
+        levels = [check_int('--concurrency', 'level', c, 1) for c in args.concurrency or []]
+        llm = LLM(ckpt, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   num_speculative_tokens=args.speculative,
                   async_scheduling=args.async_scheduling, kernels=args.kernels)
@@ -200,14 +244,19 @@ def bench_command(
                              f"(max_model_len {m:,})")
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     except (TypeError, ValueError, OSError) as e: error(str(e))
-    # warm-up
-    load_test(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    s = load_test(llm, prompts, sp)
     machine, date = machine_name(args.device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
-    runner = type(llm.llm_engine.runner.model).__name__
+    runner, progress = type(llm.llm_engine.runner.model).__name__, not args.no_progress
     print(f"{machine}, torch {torch.__version__}, {date}; {ckpt.name}, {runner}, "
-          f"at most {args.max_num_seqs} running")
-    print(format_load(s))
+          f"at most {llm.llm_engine.args.max_num_seqs} running", flush=True)
+    if levels:
+        rows = concurrency_sweep(llm, levels, args.prompt_len, args.max_tokens,
+                                 measured_hardware(args.device), args.seed, progress)
+        print(format_sweep(rows)); s = dict(levels=rows)
+    else:
+        # warm-up
+        load_test(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        s = load_test(llm, prompts, sp, progress)
+        print(format_load(s))
     if args.json:
         # not the callables
         kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}
@@ -274,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument('--max-num-batched-tokens', type=int,
                    default=EngineArgs.max_num_batched_tokens,
                    help='token budget of one step (default: %(default)s)')
+    b.add_argument('--concurrency', type=int, nargs='+', metavar='N',
+                   help='a load test at each level, each against its step floor (a table)')
+    b.add_argument('--no-progress', action='store_true', help='no progress bar on standard error')
     b.add_argument('--json', help='also write the results to this file')
     _serving_args(b); b.set_defaults(func=bench_command, error=b.error)
     s = sub.add_parser('serve',
