@@ -71,25 +71,27 @@ def remove(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block now in t
 
 # %% ../nbs/02a_block_pool.ipynb #88a02822
 @patch
-def append(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
-    "Put `block` at the tail: evicted last"
+def _link_after(self: FreeKVCacheBlockQueue,
+                prev: KVCacheBlock, # a block in the queue, or the fake head
+                block: KVCacheBlock): # a block not in the queue
+    "Put `block` right after `prev`: four pointers change"
     if block.prev_free_block is not None:
         raise ValueError(f"block {block.block_id} is already in the free queue")
-    last = self.fake_tail.prev_free_block
-    last.next_free_block, block.prev_free_block = block, last
-    block.next_free_block, self.fake_tail.prev_free_block = self.fake_tail, block
+    nxt = prev.next_free_block
+    prev.next_free_block, block.prev_free_block = block, prev
+    block.next_free_block, nxt.prev_free_block = nxt, block
     self.num_free_blocks += 1
+
+@patch
+def append(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
+    "Put `block` at the tail: evicted last"
+    self._link_after(self.fake_tail.prev_free_block, block)
 
 # %% ../nbs/02a_block_pool.ipynb #fc13f602
 @patch
 def prepend(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
     "Put `block` at the head: reused first"
-    if block.prev_free_block is not None:
-        raise ValueError(f"block {block.block_id} is already in the free queue")
-    first = self.fake_head.next_free_block
-    self.fake_head.next_free_block, block.prev_free_block = block, self.fake_head
-    block.next_free_block, first.prev_free_block = first, block
-    self.num_free_blocks += 1
+    self._link_after(self.fake_head, block)
 
 # %% ../nbs/02a_block_pool.ipynb #09ad0e65
 @patch

@@ -358,10 +358,10 @@ def cache_format(cfg: ModelConfig,  # model geometry (head and index-key widths)
                  name: str,         # one of `CACHE_FORMATS`
                 ) -> RecordCodec:
     "The record codec of cache format `name` under config `cfg`; its `.name` is `name`"
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"cache_format: expected a ModelConfig, got {type(cfg).__name__}")
-    if name not in _FORMAT_BUILDERS:
-        raise ValueError(f"unknown cache format {name!r}; expected one of {CACHE_FORMATS}")
+    require(isinstance(cfg, ModelConfig),
+            f"cache_format: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
+    require(name in _FORMAT_BUILDERS,
+            f"unknown cache format {name!r}; expected one of {CACHE_FORMATS}")
     return _FORMAT_BUILDERS[name](cfg, name)
 
 # %% ../nbs/01_formats.ipynb #5402b3e0

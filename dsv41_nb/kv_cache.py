@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 from fastcore.basics import patch
-from .config import ModelConfig, layer_topology, is_int
+from .config import ModelConfig, layer_topology, is_int, require
 from .formats import CACHE_FORMATS, record_bytes
 from .accounting import GiB
 from dsv41_nb.block_pool import (
@@ -283,10 +283,10 @@ def kv_bytes_per_token(kc: KVCacheConfig,
                        layout: str = 'shared_pool',
                       ) -> dict:
     "Bytes a token's slot takes in each cacheable group of `kc` under `layout`, by group name"
-    if not isinstance(kc, KVCacheConfig):
-        raise TypeError(f"kv_bytes_per_token: expected a KVCacheConfig, got {type(kc).__name__}")
-    if layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_bytes_per_token: layout = {layout!r}; expected one of {KV_LAYOUTS}")
+    require(isinstance(kc, KVCacheConfig),
+            f"kv_bytes_per_token: expected a KVCacheConfig, got {type(kc).__name__}", TypeError)
+    require(layout in KV_LAYOUTS,
+            f"kv_bytes_per_token: layout = {layout!r}; expected one of {KV_LAYOUTS}")
     return {g.name: (kc.page_bytes if layout == 'shared_pool' else g.bytes_per_block) / g.block_size
             for g in kc.groups if g.prefix_cacheable}
 

@@ -465,9 +465,8 @@ def _fp4_scale_and_divide(xe, xo, amax, bad, inv_max, E4M3_SCALE: tl.constexpr,
 # %% ../nbs/01b_records.ipynb #c4e5a018
 @triton.jit
 def _store_fp4_kernel_v2(
-    x_ptr, x_stride, slot_ptr,  # (n, dim) vectors, their row stride, (n,) slots (-1 = skip)
-    cache_ptr,                  # uint8 paged cache, REC bytes per slot
-    n_rows, inv_max,            # number of vectors, fp32(1 / 6)
+    # as `_store_fp8_kernel_v2`'s, with inv_max = fp32(1 / 6)
+    x_ptr, x_stride, slot_ptr, cache_ptr, n_rows, inv_max,
     DIM: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr, E4M3_SCALE: tl.constexpr,
     REC: tl.constexpr, ROWS: tl.constexpr,
     NIBS: tl.constexpr,         # codes per stored word: 8 (int32 words) or 2 (bytes)

@@ -89,14 +89,10 @@ def _check_rope(x, inv_freq, positions):
     return positions
 
 # %% ../nbs/03a_rope_norm.ipynb #c82ede35
-def rope(
-    x: torch.Tensor,         # (T, ..., d): the last 2 * len(inv_freq) dims of each row are rotated
-    inv_freq: torch.Tensor,  # (rope_dim/2,) fp32 frequencies (`layer_inv_freq`)
-    positions: torch.Tensor, # (T,) integer positions >= 0
-    inverse: bool = False,   # rotate by minus the angle
-) -> torch.Tensor:
-    ("`rope_torch` in one Triton launch (GPU, interpreter), else the reference; "
-     "same shape and dtype as x")
+def rope(x: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor,
+         inverse: bool = False) -> torch.Tensor:
+    ("`rope_torch` (the same arguments) in one Triton launch (GPU, interpreter), else the "
+     "reference; same shape and dtype as x")
     positions = _check_rope(x, inv_freq, positions)
     if (kernel_backend(x, inv_freq, positions) == 'torch' or x.numel() == 0 or x.requires_grad
             or x.dtype not in (torch.bfloat16, torch.float32) or inv_freq.dtype != torch.float32):
