@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'load_summary', 'random_prompts',
            'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'write_problem',
-           'generate_command', 'bench_command', 'program_name', 'accounting_command', 'build_parser', 'main']
+           'generate_command', 'bench_command', 'program_name', 'accounting_command', 'serve_one_rank', 'build_parser',
+           'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
@@ -20,6 +21,7 @@ from .model import init_random
 from .engine import EngineArgs, LLM, SamplingParams, RequestOutput
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
+from .dp_engine import dp_generate, dp_bench, is_torchrun
 
 # %% ../nbs/99_cli.ipynb #c871927b
 PRESETS = {'full': ModelConfig.full, 'bench': ModelConfig.bench, 'tiny': ModelConfig.tiny}
@@ -193,6 +195,7 @@ def generate_command(
     error) -> int:
     "Stream a completion of `args.prompt` to standard output; its speed to standard error"
     if not args.prompt: error("the prompt is empty")
+    if args.data_parallel_size != 1 or is_torchrun(): return dp_generate(args, error)
     if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)
@@ -228,6 +231,7 @@ def bench_command(
     error) -> int: # called with a message on bad input
     "A load test of the engine; one line of throughput and latency (and a JSON file with `--json`)"
     if args.json and (why := write_problem(args.json)): error(f"--json: {why}")
+    if args.data_parallel_size != 1 or is_torchrun(): return dp_bench(args, error)
     if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)
@@ -296,11 +300,23 @@ def _serving_args(p: argparse.ArgumentParser):
                    help='CPU threads (default: 1; the small model gains nothing from more)')
     p.add_argument('--kernels', choices=('triton', 'torch'),
                    help='force the Triton kernels or their PyTorch references')
+    p.add_argument('--data-parallel-size', type=int, default=1, metavar='N',
+                   help='N ranks, one engine core each, the experts and Engram tables split over '
+                        'them (default: 1; under torchrun: the processes it started)')
+
+# %% ../nbs/99_cli.ipynb #5704f4e6
+def serve_one_rank(args, error) -> int:
+    "`serve`, which steps one engine core in this process: more ranks, or torchrun, refused"
+    from dsv41_nb.server import serve
+    if args.data_parallel_size != 1 or is_torchrun():
+        error("serve: --data-parallel-size above 1 (or torchrun) is not supported: the server "
+              "steps one engine core in its own process; `generate` and `bench` run across ranks")
+    return serve(args, error)
 
 # %% ../nbs/99_cli.ipynb #b7d760e2
 def build_parser() -> argparse.ArgumentParser:
     "The parser: subcommands generate, bench, serve, bench serve and accounting"
-    from dsv41_nb.server import add_serve_arguments, serve, add_bench_serve_arguments, bench_serve
+    from dsv41_nb.server import add_serve_arguments, add_bench_serve_arguments, bench_serve
     p = argparse.ArgumentParser(prog=program_name(),
                                 description='DeepSeek-V4.1-Flash, notebook by notebook')
     sub = p.add_subparsers(dest='command', metavar='{generate,bench,serve,accounting}')
@@ -330,7 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     _serving_args(b); b.set_defaults(func=bench_command, error=b.error)
     s = sub.add_parser('serve',
                        help='an OpenAI-compatible HTTP server on the engine (Ctrl-C stops it)')
-    add_serve_arguments(s); s.set_defaults(func=serve, error=s.error)
+    add_serve_arguments(s)
+    s.add_argument('--data-parallel-size', type=int, default=1, metavar='N',
+                   help='1 only: the server steps one engine core in its own process')
+    s.set_defaults(func=serve_one_rank, error=s.error)
     # `bench serve`, as vLLM spells it
     bs = sub.add_parser('bench-serve', prog=f'{program_name()} bench serve',
                         help='(also spelt `bench serve`) a load test of a running '
