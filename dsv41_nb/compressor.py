@@ -4,21 +4,24 @@
 
 # %% ../nbs/03_compressor.ipynb #cfa56a5f
 from __future__ import annotations
-import math, struct
+import contextlib, functools, math, struct
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig
-from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels, capturing
+from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels, capturing,
+                               cuda_graph, HostReads, pdl_launch, pdl_wait)
+from .accounting import HARDWARE
 from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_code,
                               _e4m3_value, _e2m1_code, _ue8m0_code, _pow2, _bf16_bits)
 
 # %% auto #0
-__all__ = ['rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope', 'rms_norm', 'RMSNorm', 'pool_group', 'Compressor',
-           'new_record_cache', 'compress_reference', 'compress_torch', 'compress_triton', 'RingJournal',
-           'benchmark_compressor', 'format_compressor_benchmark']
+__all__ = ['COMPRESS_VERSIONS', 'COMPRESS_KERNEL', 'rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope', 'rms_norm',
+           'RMSNorm', 'pool_group', 'Compressor', 'new_record_cache', 'compress_reference', 'compress_torch',
+           'compress_triton', 'compress_step', 'compress_version', 'RingJournal', 'step_bytes', 'benchmark_compressor',
+           'format_compressor_benchmark', 'benchmark_decode_step', 'format_decode_benchmark']
 
 # %% ../nbs/03_compressor.ipynb #71a4b226
 def rope_inv_freq(
@@ -422,6 +425,52 @@ def _store_fp8_record(y, rec, g, col, D: tl.constexpr, BLOCK: tl.constexpr, QDIM
         p = tl.arange(0, PAD_P2)
         tl.store(rec + REC - PAD + p, tl.zeros((PAD_P2,), tl.uint8), mask=p < PAD)
 
+# %% ../nbs/03_compressor.ipynb #d62b75db
+@triton.jit
+def _token(pos_ptr, rslot_ptr, i, D: tl.constexpr, RATIO: tl.constexpr, BLOCK: tl.constexpr,
+           GROUPS: tl.constexpr):
+    ("Row i's position and ring entry (0 at ratio 1), and the (GROUPS, BLOCK) tile of channels "
+     "its program works on, with their mask")
+    pos = tl.load(pos_ptr + i).to(tl.int64)
+    rs = pos * 0
+    if RATIO > 1: rs = tl.load(rslot_ptr + i).to(tl.int64)
+    g = tl.arange(0, GROUPS)
+    col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK) channel of each lane
+    return pos, rs, g, col, col < D
+
+# %% ../nbs/03_compressor.ipynb #33717a10
+@triton.jit
+def _emit_row(kv_ptr, score_ptr, pos_ptr, rslot_ptr, cslot_ptr, ring_ptr, cache_ptr, latent_ptr,
+              w_ptr, inv_ptr, i, pos, rs, num_tokens, eps, g, col, cm, RATIO: tl.constexpr,
+              D: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+              FP4: tl.constexpr, E4M3_SCALE: tl.constexpr, QDIM: tl.constexpr,
+              SCALE_OFF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr, REC: tl.constexpr):
+    ("Token i: if it completes a group and has a slot, pool, normalise, store the latent, rotate, "
+     "quantise and store the record; else store a zero latent")
+    cs = tl.load(cslot_ptr + i).to(tl.int64)
+    if (cs >= 0) & ((pos + 1) % RATIO == 0) & (rs >= 0):
+        if RATIO == 1: x = tl.load(kv_ptr + i * D + col, mask=cm, other=0.0).to(tl.float32)
+        else: x = _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs,
+                             num_tokens, col, cm, D, RATIO, GROUPS, BLOCK)
+        # the pooled latent in BF16, normalised
+        z = _normalise(_bf16_round(x), w_ptr, col, cm, D, eps)
+        tl.store(latent_ptr + i * D + col, z.to(tl.bfloat16), mask=cm)
+        ye, yo = _rotate_tail(z, inv_ptr, tl.maximum(pos + 1 - RATIO, 0), g, D, ROPE, GROUPS, BLOCK)
+        rec = cache_ptr + cs * REC
+        if FP4: _store_fp4_record(ye, yo, rec, g, D, BLOCK, E4M3_SCALE)
+        else: _store_fp8_record(tl.reshape(tl.join(ye, yo), (GROUPS, BLOCK)), rec, g, col,
+                                D, BLOCK, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
+    else:
+        tl.store(latent_ptr + i * D + col, tl.zeros((GROUPS, BLOCK), tl.bfloat16), mask=cm)
+
+# %% ../nbs/03_compressor.ipynb #b11fcec5
+@triton.jit
+def _save_row(kv_ptr, score_ptr, ring_ptr, row, slot, col, cm, D: tl.constexpr):
+    "Ring entry `slot` := this step's latent and gate score of `row`"
+    tl.store(ring_ptr + slot * 2 * D + col, tl.load(kv_ptr + row * D + col, mask=cm), mask=cm)
+    tl.store(ring_ptr + slot * 2 * D + D + col, tl.load(score_ptr + row * D + col, mask=cm),
+             mask=cm)
+
 # %% ../nbs/03_compressor.ipynb #09a5e5e2
 @triton.jit
 def _compress_kernel(
@@ -447,36 +496,15 @@ def _compress_kernel(
     PAD: tl.constexpr, PAD_P2: tl.constexpr, REC: tl.constexpr,
 ):
     i = tl.program_id(0)
-    pos = tl.load(pos_ptr + i).to(tl.int64)
-    rs = pos * 0
-    if RATIO > 1: rs = tl.load(rslot_ptr + i).to(tl.int64)
-    g = tl.arange(0, GROUPS)
-    col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK) channel of each lane
-    cm = col < D
+    pos, rs, g, col, cm = _token(pos_ptr, rslot_ptr, i, D, RATIO, BLOCK, GROUPS)
     if SAVE:                                        # launch 2: the ring keeps each open group
         closes = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, RATIO - 1 - pos % RATIO,
                                    num_tokens, RATIO)
-        if (rs >= 0) & (closes < 0):
-            tl.store(ring_ptr + rs * 2 * D + col, tl.load(kv_ptr + i * D + col, mask=cm), mask=cm)
-            tl.store(ring_ptr + rs * 2 * D + D + col, tl.load(score_ptr + i * D + col, mask=cm),
-                     mask=cm)
+        if (rs >= 0) & (closes < 0): _save_row(kv_ptr, score_ptr, ring_ptr, i, rs, col, cm, D)
     else:                                           # launch 1: emit
-        cs = tl.load(cslot_ptr + i).to(tl.int64)
-        if (cs >= 0) & ((pos + 1) % RATIO == 0) & (rs >= 0):
-            if RATIO == 1: x = tl.load(kv_ptr + i * D + col, mask=cm, other=0.0).to(tl.float32)
-            else: x = _pool_tile(kv_ptr, score_ptr, ring_ptr, pos_ptr, rslot_ptr, i, pos, rs,
-                                 num_tokens, col, cm, D, RATIO, GROUPS, BLOCK)
-            # the pooled latent in BF16, normalised
-            z = _normalise(_bf16_round(x), w_ptr, col, cm, D, eps)
-            tl.store(latent_ptr + i * D + col, z.to(tl.bfloat16), mask=cm)
-            ye, yo = _rotate_tail(z, inv_ptr, tl.maximum(pos + 1 - RATIO, 0), g,
-                                  D, ROPE, GROUPS, BLOCK)
-            rec = cache_ptr + cs * REC
-            if FP4: _store_fp4_record(ye, yo, rec, g, D, BLOCK, E4M3_SCALE)
-            else: _store_fp8_record(tl.reshape(tl.join(ye, yo), (GROUPS, BLOCK)), rec, g, col,
-                                    D, BLOCK, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
-        else:
-            tl.store(latent_ptr + i * D + col, tl.zeros((GROUPS, BLOCK), tl.bfloat16), mask=cm)
+        _emit_row(kv_ptr, score_ptr, pos_ptr, rslot_ptr, cslot_ptr, ring_ptr, cache_ptr, latent_ptr,
+                  w_ptr, inv_ptr, i, pos, rs, num_tokens, eps, g, col, cm, RATIO, D, ROPE, BLOCK,
+                  GROUPS, FP4, E4M3_SCALE, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
 
 # %% ../nbs/03_compressor.ipynb #deb611c9
 def _record_meta(codec: RecordCodec) -> dict:
@@ -511,6 +539,117 @@ def compress_triton(c: Compressor, kv, score, positions, ring_slots, compressed_
                                RATIO=r, D=D, ROPE=c.rope_dim, GROUPS=groups, **meta,
                                num_warps=4, enable_fp_fusion=False)
     return latent
+
+# %% ../nbs/03_compressor.ipynb #657bd8c8
+@triton.jit
+def _chunk_end(pos_ptr, rslot_ptr, i, pos, rs, num_tokens, RATIO: tl.constexpr):
+    "Rows from token i to the last of its chunk (its request's rows in this step): gallop, bisect"
+    lo, step = pos * 0, pos * 0 + 1                  # int64 scalars, as the loops carry them
+    while _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, lo + step, num_tokens, RATIO) >= 0:
+        lo += step
+        step *= 2
+    hi = lo + step                                   # lo is in the chunk, hi is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        inside = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, mid, num_tokens, RATIO) >= 0
+        lo, hi = tl.where(inside, mid, lo), tl.where(inside, hi, mid)
+    return lo
+
+# %% ../nbs/03_compressor.ipynb #9875cff0
+@triton.jit
+def _save_open(kv_ptr, score_ptr, pos_ptr, rslot_ptr, ring_ptr, i, pos, rs, num_tokens, col, cm,
+               D: tl.constexpr, RATIO: tl.constexpr):
+    ("Token i's share of keeping its chunk's open group: its own row if its group is open and the "
+     "chunk's first; the whole open group if it closes the chunk's first group")
+    k = pos % RATIO
+    first = _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, -(k + 1), num_tokens, RATIO) < 0
+    if _same_request_row(pos_ptr, rslot_ptr, i, pos, rs, RATIO - 1 - k, num_tokens, RATIO) < 0:
+        if first: _save_row(kv_ptr, score_ptr, ring_ptr, i, rs, col, cm, D)
+    elif (k == RATIO - 1) & first:
+        end = pos + _chunk_end(pos_ptr, rslot_ptr, i, pos, rs, num_tokens, RATIO)
+        if end % RATIO != RATIO - 1:                 # the chunk ends in an open group
+            tl.debug_barrier()                       # after this program's reads of the ring
+            for kk in tl.static_range(RATIO - 1):
+                if kk <= end % RATIO:
+                    _save_row(kv_ptr, score_ptr, ring_ptr, i + (end - end % RATIO + kk - pos),
+                              rs - k + kk, col, cm, D)
+
+# %% ../nbs/03_compressor.ipynb #90e978aa
+@triton.jit
+def _compress_step_kernel(
+    kv_ptr, score_ptr, pos_ptr, rslot_ptr, cslot_ptr, ring_ptr, cache_ptr, latent_ptr, w_ptr,
+    inv_ptr,           # as `_compress_kernel`
+    order_ptr,         # (T,) the row each program takes (PERMUTED): a test of order-freedom
+    num_tokens, eps,
+    PERMUTED: tl.constexpr, RATIO: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK: tl.constexpr, GROUPS: tl.constexpr, FP4: tl.constexpr, E4M3_SCALE: tl.constexpr,
+    QDIM: tl.constexpr, SCALE_OFF: tl.constexpr, PAD: tl.constexpr, PAD_P2: tl.constexpr,
+    REC: tl.constexpr,
+    PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
+):
+    pdl_wait(PDL)
+    i = tl.program_id(0).to(tl.int64)
+    if PERMUTED: i = tl.load(order_ptr + i).to(tl.int64)
+    pos, rs, g, col, cm = _token(pos_ptr, rslot_ptr, i, D, RATIO, BLOCK, GROUPS)
+    _emit_row(kv_ptr, score_ptr, pos_ptr, rslot_ptr, cslot_ptr, ring_ptr, cache_ptr, latent_ptr,
+              w_ptr, inv_ptr, i, pos, rs, num_tokens, eps, g, col, cm, RATIO, D, ROPE, BLOCK,
+              GROUPS, FP4, E4M3_SCALE, QDIM, SCALE_OFF, PAD, PAD_P2, REC)
+    if RATIO > 1:
+        if rs >= 0:
+            _save_open(kv_ptr, score_ptr, pos_ptr, rslot_ptr, ring_ptr, i, pos, rs, num_tokens,
+                       col, cm, D, RATIO)
+
+# %% ../nbs/03_compressor.ipynb #ef6cfd96
+@functools.lru_cache(maxsize=None)
+def _step_meta(codec: RecordCodec, D: int) -> dict:
+    ("`_record_meta` and the tile's GROUPS, once per format: a decode step's launch is host-bound, "
+     "and Triton's own integer helpers cost microseconds a call outside a kernel")
+    meta = _record_meta(codec)
+    return dict(meta, GROUPS=1 << (-(-D // meta['BLOCK']) - 1).bit_length())
+
+# %% ../nbs/03_compressor.ipynb #507808a4
+def _check_order(order, T: int, device):
+    "`order` must be a permutation of 0..T-1 on `device` (read back: a test's argument)"
+    if (not isinstance(order, torch.Tensor) or order.dtype not in (torch.int32, torch.int64)
+            or order.shape != (T,) or order.device != torch.device(device)):
+        raise ValueError(f"order: expected a ({T},) int32/int64 tensor on {device}, "
+                         f"got {getattr(order, 'dtype', type(order))} "
+                         f"of shape {tuple(getattr(order, 'shape', ()))}")
+    if not torch.equal(order.sort().values.cpu(), torch.arange(T, dtype=order.dtype)):
+        raise ValueError(f"order: expected a permutation of 0..{T - 1}")
+
+# %% ../nbs/03_compressor.ipynb #e77ce605
+def compress_step(c: Compressor, kv, score, positions, ring_slots, compressed_slots, ring, cache,
+                  order: torch.Tensor | None = None, # (T,) a permutation of the rows, for tests
+                 ) -> torch.Tensor:
+    "The one-launch kernel (same arguments and result as `compress_reference`)"
+    T, D, r, norm = positions.shape[0], c.head_dim, c.ratio, c.norm
+    latent = torch.empty(T, D, dtype=torch.bfloat16, device=kv.device)
+    if T == 0: return latent
+    if order is not None: _check_order(order, T, kv.device)
+    # ratio 1 never reads these
+    rs, sc, rg = (ring_slots, score, ring) if r > 1 else (positions, kv, kv)
+    _compress_step_kernel[(T,)](
+        kv, sc, positions, rs, compressed_slots, rg, cache, latent, norm.weight, c.inv_freq,
+        positions if order is None else order, T, float(norm.eps), PERMUTED=order is not None,
+        RATIO=r, D=D, ROPE=c.rope_dim, **_step_meta(c.codec, D), num_warps=4,
+        enable_fp_fusion=False, **pdl_launch(kv.device))
+    return latent
+
+# %% ../nbs/03_compressor.ipynb #38335757
+# the kernel `emit` launches: 2 `compress_step` (one launch), 1 `compress_triton` (two at ratio > 1)
+COMPRESS_VERSIONS = {1: compress_triton, 2: compress_step}
+COMPRESS_KERNEL = dict(version=2)
+
+@contextlib.contextmanager
+def compress_version(version: int):
+    "Inside the block, `emit` on the kernels launches version `version` (`COMPRESS_VERSIONS`)"
+    if version not in COMPRESS_VERSIONS:
+        raise ValueError(f"compressor kernel version {version!r}; "
+                         f"expected one of {sorted(COMPRESS_VERSIONS)}")
+    old, COMPRESS_KERNEL['version'] = COMPRESS_KERNEL['version'], version
+    try: yield
+    finally: COMPRESS_KERNEL['version'] = old
 
 # %% ../nbs/03_compressor.ipynb #96d701be
 def _check_slots(name, slots, T, limit):
@@ -590,8 +729,9 @@ def emit(
     self.check_inputs(kv, score, positions, ring_slots, compressed_slots, ring, cache, check_slots)
     if self.journal is not None and ring_slots is not None:
         self.journal.record(kv, score, positions, ring_slots)
-    tensors = [t for t in (kv, positions, compressed_slots, cache) if t is not None]
-    fn = compress_triton if kernel_backend(*tensors) == 'triton' else compress_torch
+    # check_inputs has put every tensor on kv's device
+    fn = (COMPRESS_VERSIONS[COMPRESS_KERNEL['version']] if kernel_backend(kv) == 'triton'
+          else compress_torch)
     return fn(self, kv, score, positions, ring_slots, compressed_slots, ring, cache)
 
 # %% ../nbs/03_compressor.ipynb #43850ed4
@@ -669,6 +809,17 @@ def _bench_inputs(c: Compressor, mode: str, tokens: int, device):
     cache = torch.zeros(max(tokens, 1), c.codec.record_bytes, dtype=torch.uint8, device=device)
     return kv, score, pos, ring_slots, cslots, ring, cache
 
+# %% ../nbs/03_compressor.ipynb #0810eed2
+def step_bytes(c: Compressor, mode: str, kv, score, positions, ring_slots, compressed_slots, ring,
+               cache) -> int:
+    ("Bytes a step must move: latents (and gate scores) in, latents out, the records, the slot "
+     "mappings and rotation tables, and in decode one ring entry per token")
+    T, D = len(positions), c.head_dim
+    moved = (kv.numel() * kv.element_size() + (score.numel() * 4 if score is not None else 0)
+             + T * D * 2 + int((compressed_slots >= 0).sum()) * c.codec.record_bytes + T * 8 * 3
+             + T * c.rope_dim * 4)
+    return moved + (T * 2 * D * 4 if mode == 'decode' and c.ratio > 1 else 0)
+
 # %% ../nbs/03_compressor.ipynb #eddbf652
 def benchmark_compressor(cfg: ModelConfig, layer: int, mode: str, tokens: int, fmt: str = 'ds_fp4',
                          device='cuda', bandwidth: float | None = None, rep: int = 100) -> dict:
@@ -676,32 +827,100 @@ def benchmark_compressor(cfg: ModelConfig, layer: int, mode: str, tokens: int, f
      "or a decode step of `tokens` requests; floor from bytes moved")
     c = Compressor(cfg, layer, fmt).to(device)
     args = _bench_inputs(c, mode, tokens, device)
-    kv, score, pos, rs, cs, ring, cache = args
-    n_emit = int((cs >= 0).sum())
-    D, r = c.head_dim, c.ratio
-    moved = (kv.numel() * kv.element_size() + (score.numel() * 4 if score is not None else 0)
-             + tokens * D * 2 + n_emit * c.codec.record_bytes + tokens * 8 * 3
-             + tokens * c.rope_dim * 4)
-    # each token reads or saves one ring entry
-    if mode == 'decode' and r > 1: moved += tokens * 2 * D * 4
+    n_emit, moved = int((args[4] >= 0).sum()), step_bytes(c, mode, *args)
     bw = bandwidth or copy_bandwidth(device=device)
     with use_kernels('triton'): t = median_time(lambda: c.emit(*args, check_slots=False), rep=rep)
     with use_kernels('torch'):
         t_ref = median_time(lambda: c.emit(*args, check_slots=False), warmup=3,
                             rep=max(rep // 10, 1))
-    return dict(layer=layer, ratio=r, mode=mode, tokens=tokens, emitted=n_emit, format=c.codec.name,
-                us=t * 1e6, ns_per_entry=t / n_emit * 1e9,
+    return dict(layer=layer, ratio=c.ratio, mode=mode, tokens=tokens, emitted=n_emit,
+                format=c.codec.name, us=t * 1e6, ns_per_entry=t / n_emit * 1e9,
                 floor_ns_per_entry=moved / bw / n_emit * 1e9, of_floor=moved / bw / t,
                 ref_us=t_ref * 1e6, speedup=t_ref / t)
 
 # %% ../nbs/03_compressor.ipynb #deda6b9a
-def format_compressor_benchmark(rows) -> str:
-    "The rows of `benchmark_compressor` as a text table"
-    cols = [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('step', 'mode', '8s'),
-            ('tokens', 'tokens', '7d'), ('entries', 'emitted', '7d'), ('time us', 'us', '9.1f'),
-            ('ns/entry', 'ns_per_entry', '9.2f'), ('floor ns', 'floor_ns_per_entry', '8.2f'),
-            ('of floor', 'of_floor', '8.0%'), ('torch us', 'ref_us', '9.1f'),
-            ('speed-up', 'speedup', '8.1f')]
+def _table(rows, cols, keys: int = 0) -> str:
+    ("Rows as a text table: `cols` are (header, key, format); a row with an 'error' shows "
+     "its first `keys` columns and the error")
     width = lambda f: int(f.split('.')[0].rstrip('dsf%'))
     head = ' '.join(f"{h:>{width(f)}s}" for h, _, f in cols)
-    return '\n'.join([head] + [' '.join(format(r[k], f) for _, k, f in cols) for r in rows])
+    cells = lambda r, cs: ' '.join(format(r[k], f) for _, k, f in cs)
+    return '\n'.join([head] + [cells(r, cols[:keys]) + f"  {r['error']}" if 'error' in r
+                               else cells(r, cols) for r in rows])
+
+def format_compressor_benchmark(rows) -> str:
+    "The rows of `benchmark_compressor` as a text table"
+    return _table(rows, [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('step', 'mode', '8s'),
+                         ('tokens', 'tokens', '7d'), ('entries', 'emitted', '7d'),
+                         ('time us', 'us', '9.1f'), ('ns/entry', 'ns_per_entry', '9.2f'),
+                         ('floor ns', 'floor_ns_per_entry', '8.2f'),
+                         ('of floor', 'of_floor', '8.0%'), ('torch us', 'ref_us', '9.1f'),
+                         ('speed-up', 'speedup', '8.1f')])
+
+# %% ../nbs/03_compressor.ipynb #707367a8
+def _step_mismatch(c: Compressor, args) -> str | None:
+    "What `emit` on the kernels leaves unlike `compress_reference` does, on copies of the caches"
+    kv, score, pos, rs, cs, ring, cache = args
+    fresh = lambda: (ring.clone() if ring is not None else None, cache.clone())
+    (ra, ca), (rb, cb) = fresh(), fresh()
+    la = compress_reference(c, kv, score, pos, rs, cs, ra, ca)
+    with use_kernels('triton'): lb = c.emit(kv, score, pos, rs, cs, rb, cb)
+    if not torch.equal(ca, cb): return 'cache bytes differ'
+    if not torch.equal(la.view(torch.int16), lb.view(torch.int16)): return 'latents differ'
+    if ring is not None:                             # the ring entries of the open groups
+        e = rs[(rs >= 0) & ((pos + 1) % c.ratio != 0)]
+        if not torch.equal(ra[e], rb[e]): return 'open groups differ'
+
+# %% ../nbs/03_compressor.ipynb #32dfe90a
+def _time_step(c: Compressor, args, rep: int, graphs: bool, count=None) -> dict:
+    ("One decode step's host reads, launches (by construction, and by `count` if given) and times "
+     "on the kernels, after a check")
+    problem = _step_mismatch(c, args)
+    if problem: raise AssertionError(f'{c}: {problem}')
+    run = lambda: c.emit(*args, check_slots=False)
+    with use_kernels('triton'):
+        with HostReads() as reads: run()
+        us = median_time(run, warmup=max(1, rep // 4), rep=rep) * 1e6
+        graph_us = (median_time(cuda_graph(run), warmup=max(1, rep // 4), rep=rep) * 1e6
+                    if graphs else float('nan'))
+        counted = dict(profiled_launches=count(run)) if count else {}
+    launches = 1 if COMPRESS_KERNEL['version'] == 2 or c.ratio == 1 else 2
+    return dict(host_reads=reads.count, launches=launches, us=us, graph_us=graph_us, **counted)
+
+# %% ../nbs/03_compressor.ipynb #4913828b
+def _attempt(fn) -> dict:
+    "fn()'s dict, or {'error': ...} if it raises: a failed check or launch is recorded, not fatal"
+    try: return fn()
+    except Exception as e: return dict(error=f'{type(e).__name__}: {e}'[:400])
+
+# %% ../nbs/03_compressor.ipynb #a088efb8
+def benchmark_decode_step(cfg: ModelConfig, layer: int, batches=(1, 16, 64, 256), versions=(1, 2),
+                          fmt: str = 'ds_fp4', device='cuda', bandwidth: float | None = None,
+                          rep: int = 100, count=None) -> list[dict]:
+    ("A decode step of each batch of requests on each kernel version: checked against the "
+     "reference, then its host reads, launches (`count`: a launch counter) and times, against "
+     "the byte floor")
+    c = Compressor(cfg, layer, fmt).to(device)
+    bw = bandwidth or HARDWARE['H200 (measured copy)'].bandwidth
+    graphs, rows = torch.device(device).type == 'cuda', []
+    for B in batches:
+        args = _bench_inputs(c, 'decode', B, device)
+        moved = step_bytes(c, 'decode', *args)
+        for v in versions:
+            with compress_version(v):
+                got = _attempt(lambda: _time_step(c, args, rep, graphs, count))
+            seconds = got.get('graph_us' if graphs else 'us', float('nan')) / 1e6
+            rows.append(dict(layer=layer, ratio=c.ratio, batch=B, version=v, bytes=moved, **got,
+                             gb_per_s=moved / seconds / 1e9, of_floor=moved / bw / seconds))
+    return rows
+
+# %% ../nbs/03_compressor.ipynb #dbcad2e0
+def format_decode_benchmark(rows: list[dict]) -> str:
+    "`benchmark_decode_step`'s rows as a text table (a failed check: its error instead of times)"
+    return _table([dict(r, kb=r['bytes'] / 1e3) for r in rows],
+                  [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('batch', 'batch', '5d'),
+                   ('version', 'version', '7d'), ('reads', 'host_reads', '5d'),
+                   ('launches', 'launches', '8d'), ('us', 'us', '8.1f'),
+                   ('graph us', 'graph_us', '8.1f'), ('KB', 'kb', '7.1f'),
+                   ('GB/s', 'gb_per_s', '6.1f'), ('of floor', 'of_floor', '8.1%')],
+                  keys=4)

@@ -13,14 +13,16 @@ import triton.language as tl
 from .config import ModelConfig, require
 from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels,
                                triton_interpreting, cuda_graph, sm_count, pdl_launch, pdl_wait)
+from .accounting import HARDWARE
 from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
                               _hw_cvt)
 
 # %% auto #0
-__all__ = ['STREAM_DTYPES', 'MHC_TUNING', 'hc_mixes', 'sinkhorn', 'hc_split', 'hc_pre', 'hc_post', 'HCWeights', 'HCLayer',
-           'random_hc_weights', 'random_hc_layer', 'hc_expand', 'SeamOut', 'mhc_seam_torch', 'mhc_seam', 'hc_collapse',
-           'run_hc_layers', 'run_hc_stack', 'check_seam', 'count_launches', 'hc_layer_floor', 'benchmark_hc_layers',
-           'format_hc_benchmark']
+__all__ = ['STREAM_DTYPES', 'MHC_TUNING', 'SEAM_VERSIONS', 'PROJECTIONS', 'hc_mixes', 'sinkhorn', 'hc_split', 'hc_pre', 'hc_post',
+           'HCWeights', 'HCLayer', 'random_hc_weights', 'random_hc_layer', 'hc_expand', 'SeamOut', 'mhc_seam_torch',
+           'mhc_seam', 'hc_collapse', 'run_hc_layers', 'run_hc_stack', 'seam_version', 'seam_floor', 'seam_plan',
+           'check_seam', 'count_launches', 'hc_layer_floor', 'benchmark_hc_layers', 'format_hc_benchmark',
+           'seam_inputs', 'benchmark_seam', 'format_seam_benchmark']
 
 # %% ../nbs/07_mhc.ipynb #11b1476c
 def hc_mixes(x: torch.Tensor,   # (T, n, dim) the residual copies entering a sublayer
@@ -187,23 +189,25 @@ def mhc_seam_torch(x, f=None, post=None, comb=None, pre=None, hc=None, norm_weig
 STREAM_DTYPES = (torch.bfloat16, torch.float32)
 
 def _check_tensor(name, t, shape, dtypes=None):
-    require(isinstance(t, torch.Tensor),
-            f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}", TypeError)
-    require(t.is_floating_point(),
-            f"{name}: expected a floating-point tensor, got {t.dtype}", TypeError)
-    require(dtypes is None or t.dtype in dtypes,
-            f"{name}: expected dtype {' or '.join(map(str, dtypes or ()))}, got {t.dtype}",
-            TypeError)
-    require(tuple(t.shape) == tuple(shape),
-            f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    "A floating-point tensor of `shape` (and one of `dtypes`); the message is built only on failure"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor of shape {shape}, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.shape != shape:
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
 # %% ../nbs/07_mhc.ipynb #90e7341a
 def _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8):
-    require(isinstance(cfg, ModelConfig),
-            f"cfg: expected a ModelConfig, got {type(cfg).__name__}", TypeError)
+    "`mhc_seam`'s arguments, checked (a seam runs 80 times a token: messages are built on failure)"
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg: expected a ModelConfig, got {type(cfg).__name__}")
     n, dim = cfg.hc_mult, cfg.dim
-    require(isinstance(x, torch.Tensor) and x.ndim == 3,
-            f"x: expected copies of shape (tokens, {n}, {dim}), got {getattr(x, 'shape', type(x))}")
+    if not (isinstance(x, torch.Tensor) and x.ndim == 3):
+        raise ValueError(f"x: expected copies of shape (tokens, {n}, {dim}), "
+                         f"got {getattr(x, 'shape', type(x))}")
     T = x.shape[0]
     _check_tensor('x', x, (T, n, dim), STREAM_DTYPES)
     require((f is None) == (post is None) == (comb is None),
@@ -220,8 +224,8 @@ def _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8):
         _check_tensor('pre', pre, (T, n))
         _check_tensor('norm_weight', norm_weight, (dim,))
     if hc is not None:
-        require(isinstance(hc, HCWeights),
-                f"hc: expected HCWeights, got {type(hc).__name__}", TypeError)
+        if not isinstance(hc, HCWeights):
+            raise TypeError(f"hc: expected HCWeights, got {type(hc).__name__}")
         mix = (2 + n) * n
         for name, t, shape in (('hc.fn', hc.fn, (mix, n * dim)), ('hc.base', hc.base, (mix,)),
                                ('hc.scale', hc.scale, (3,))):
@@ -412,6 +416,18 @@ def _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_p
         _seam_norm(y_ss, t64, tm, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, inv_max, col0, col_step, D,
                    BLOCK_T, BLOCK_D, FP8, BF16, HW_CVT)
 
+# %% ../nbs/07_mhc.ipynb #fbee22e2
+@triton.jit
+def _store_partials(ws_ptr, acc_c, acc_p, x_ss, y_ss, t64, tm, SPLIT, HC: tl.constexpr,
+                    NPP: tl.constexpr):
+    "A program's partial sums: row (token, program_id(1)) of the (T, SPLIT, HC*HC + NPP + 2) table"
+    ws = ws_ptr + (t64[:, None] * SPLIT + tl.program_id(1)) * (HC * HC + NPP + 2)
+    tl.store(ws + tl.arange(0, HC * HC)[None, :], acc_c, mask=tm[:, None])
+    tl.store(ws + HC * HC + tl.arange(0, NPP)[None, :], acc_p, mask=tm[:, None])
+    two = tl.arange(0, 2)[None, :]
+    tl.store(ws + HC * HC + NPP + two, tl.where(two == 0, x_ss[:, None], y_ss[:, None]),
+             mask=tm[:, None])
+
 # %% ../nbs/07_mhc.ipynb #02168542
 @triton.jit
 def _update_tile(x_ptr, f_ptr, comb_ptr, post, t64, tm, col, m2,
@@ -505,13 +521,21 @@ def _mhc_seam_kernel(
         _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr,
                      comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, True, 0,
                      BLOCK_D, D, HC, ITERS, NPP, BLOCK_T, BLOCK_D, PREDICT, MIX, FP8, BF16, HW_CVT)
-    else:
-        ws = ws_ptr + (t64[:, None] * SPLIT + tl.program_id(1)) * (HC * HC + NPP + 2)
-        tl.store(ws + tl.arange(0, HC * HC)[None, :], acc_c, mask=tm[:, None])
-        tl.store(ws + HC * HC + tl.arange(0, NPP)[None, :], acc_p, mask=tm[:, None])
-        two = tl.arange(0, 2)[None, :]
-        tl.store(ws + HC * HC + NPP + two, tl.where(two == 0, x_ss[:, None], y_ss[:, None]),
-                 mask=tm[:, None])
+    else: _store_partials(ws_ptr, acc_c, acc_p, x_ss, y_ss, t64, tm, SPLIT, HC, NPP)
+
+# %% ../nbs/07_mhc.ipynb #033d1b2e
+@triton.jit
+def _sum_partials(ws_ptr, t64, tm, SPLIT, OFF: tl.constexpr, WIDTH: tl.constexpr,
+                  W: tl.constexpr, BLOCK_T: tl.constexpr, SB: tl.constexpr):
+    "(BT, WIDTH): columns OFF .. OFF+WIDTH-1 of each token's SPLIT partial sums (of W), added"
+    sb, cols = tl.arange(0, SB), tl.arange(0, WIDTH)
+    acc = tl.zeros((BLOCK_T, WIDTH), tl.float32)
+    for s0 in range(0, SPLIT, SB):
+        row = (t64[:, None] * SPLIT + s0 + sb[None, :]) * W + OFF                    # (BT, SB)
+        m = tm[:, None] & (s0 + sb < SPLIT)[None, :]
+        acc += tl.sum(tl.load(ws_ptr + row[:, :, None] + cols[None, None, :], mask=m[:, :, None],
+                              other=0.0), axis=1)
+    return acc
 
 # %% ../nbs/07_mhc.ipynb #a2fe2c23
 @triton.jit
@@ -521,6 +545,8 @@ def _mhc_finish_kernel(
     base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr,
     T, norm_eps, hc_eps, inv_max,
     SPLIT,            # partial sums per token
+    NORMS,            # programs sharing the norm's columns
+    NORM0,            # the first of them on grid axis 1 (1 when program 0 makes the coefficients)
     D: tl.constexpr, HC: tl.constexpr, ITERS: tl.constexpr, NPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr,
     FP8: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr,
@@ -529,59 +555,220 @@ def _mhc_finish_kernel(
 ):
     pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tm, t64 = t < T, t.to(tl.int64)
-    nc, npp, two, sb = tl.arange(0, HC * HC), tl.arange(0, NPP), tl.arange(0, 2), tl.arange(0, SB)
-    acc_c, acc_p = tl.zeros((BLOCK_T, HC * HC), tl.float32), tl.zeros((BLOCK_T, NPP), tl.float32)
+    tm, t64, c, two = t < T, t.to(tl.int64), tl.program_id(1), tl.arange(0, 2)[None, :]
+    W: tl.constexpr = HC * HC + NPP + 2
     # sums of squares: copies, y
-    ss = tl.zeros((BLOCK_T, 2), tl.float32)
-    # SB partial sums per step: (BT, SB, width) tiles
-    for s0 in range(0, SPLIT, SB):
-        ws = ws_ptr + ((t64[:, None] * SPLIT + s0 + sb[None, :]) * (HC * HC + NPP + 2))[:, :, None]
-        m = (tm[:, None] & (s0 + sb < SPLIT)[None, :])[:, :, None]
-        acc_c += tl.sum(tl.load(ws + nc[None, None, :], mask=m, other=0.0), axis=1)
-        acc_p += tl.sum(tl.load(ws + HC * HC + npp[None, None, :], mask=m, other=0.0), axis=1)
-        ss += tl.sum(tl.load(ws + HC * HC + NPP + two[None, None, :], mask=m, other=0.0), axis=1)
-    x_ss = tl.sum(tl.where(two[None, :] == 0, ss, 0.0), axis=1)
-    y_ss = tl.sum(tl.where(two[None, :] == 1, ss, 0.0), axis=1)
-    # column programs share the norm; the first also writes the coefficients
-    c = tl.program_id(1)
-    _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr,
-                 comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, c == 0,
-                 c * BLOCK_D, tl.num_programs(1) * BLOCK_D, D, HC, ITERS, NPP, BLOCK_T, BLOCK_D,
-                 PREDICT, MIX, FP8, BF16, HW_CVT)
+    ss = _sum_partials(ws_ptr, t64, tm, SPLIT, HC * HC + NPP, 2, W, BLOCK_T, SB)
+    if PREDICT:
+        if c == 0:       # the coefficients alone: Sinkhorn is the longest chain of the seam
+            acc_c = _sum_partials(ws_ptr, t64, tm, SPLIT, 0, HC * HC, W, BLOCK_T, SB)
+            acc_p = _sum_partials(ws_ptr, t64, tm, SPLIT, HC * HC, NPP, W, BLOCK_T, SB)
+            _seam_coefficients(acc_c, acc_p, tl.sum(tl.where(two == 0, ss, 0.0), axis=1), t64, tm,
+                               base_ptr, scale_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, norm_eps,
+                               hc_eps, D, HC, ITERS, NPP, BLOCK_T)
+    if MIX:
+        if c >= NORM0:   # the others: the norm and FP8 cast of every NORMS-th column tile
+            _seam_norm(tl.sum(tl.where(two == 1, ss, 0.0), axis=1), t64, tm, w_ptr, y_ptr, q_ptr,
+                       qs_ptr, norm_eps, inv_max, (c - NORM0) * BLOCK_D, NORMS * BLOCK_D, D,
+                       BLOCK_T, BLOCK_D, FP8, BF16, HW_CVT)
+
+# %% ../nbs/07_mhc.ipynb #1dc84504
+@triton.jit
+def _bf16_pieces(w, HW_CVT: tl.constexpr):
+    "fp32 w -> (hi, mid, lo): three BF16 values, held in fp32, that add up to w exactly"
+    hi = _round(w, True, HW_CVT)
+    mid = _round(w - hi, True, HW_CVT)
+    return hi, mid, w - hi - mid
+
+# %% ../nbs/07_mhc.ipynb #2ec0e15f
+@triton.jit
+def _dot_bf16x3(a, w, acc, HW_CVT: tl.constexpr):
+    ("acc + a @ w for a tile `a` of BF16 values (held in fp32) and fp32 `w`: "
+     "three BF16 tensor-core products, each exact, summed in fp32")
+    hi, mid, lo = _bf16_pieces(w, HW_CVT)
+    if HW_CVT:
+        a16 = a.to(tl.bfloat16)
+        acc = tl.dot(a16, hi.to(tl.bfloat16), acc)
+        acc = tl.dot(a16, mid.to(tl.bfloat16), acc)
+        return tl.dot(a16, lo.to(tl.bfloat16), acc)
+    # the interpreter multiplies BF16 tiles as integers: there the same products run in fp32
+    acc = tl.dot(a, hi, acc, input_precision='ieee')
+    acc = tl.dot(a, mid, acc, input_precision='ieee')
+    return tl.dot(a, lo, acc, input_precision='ieee')
+
+# %% ../nbs/07_mhc.ipynb #cc9ed7ac
+@triton.jit
+def _four(ptr, t64, tm, k0, step, W: tl.constexpr):
+    "(BT,) each: columns k0, k0 + step, k0 + 2·step, k0 + 3·step of a (T, W) fp32 table"
+    row = ptr + t64 * W + k0
+    return (tl.load(row, mask=tm, other=0.0), tl.load(row + step, mask=tm, other=0.0),
+            tl.load(row + 2 * step, mask=tm, other=0.0),
+            tl.load(row + 3 * step, mask=tm, other=0.0))
+
+# %% ../nbs/07_mhc.ipynb #fe438f31
+@triton.jit
+def _mix4(w0, w1, w2, w3, x0, x1, x2, x3):
+    "Σ_i w_i x_i for (BT,) weights and (BT, BD) tiles"
+    return w0[:, None] * x0 + w1[:, None] * x1 + w2[:, None] * x2 + w3[:, None] * x3
+
+# %% ../nbs/07_mhc.ipynb #f82427a4
+@triton.jit
+def _project_copy(xj, fn_ptr, k0, d0, acc, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PROJ: tl.constexpr, HW_CVT: tl.constexpr):
+    ("acc (BT, 32) plus one copy's tile xj (BT, BD) times its rows k0 + d0 ... of hc_*_fn: "
+     "column 2m of acc is comb logit m, column 2m + 1 pre/post logit m (m < 8)")
+    kk, m = tl.arange(0, BLOCK_D), tl.arange(0, 32)
+    row = tl.where(m % 2 == 0, 8 + m // 2, m // 2)                     # hc_*_fn's row of column m
+    live = (m % 2 == 0) | (m // 2 < 8)
+    w = tl.load(fn_ptr + row[None, :].to(tl.int64) * (4 * D) + (k0 + d0 + kk)[:, None],
+                mask=((d0 + kk) < D)[:, None] & live[None, :], other=0.0)     # (BD, 32)
+    if PROJ == 2: return _dot_bf16x3(xj, w, acc, HW_CVT)
+    if PROJ == 1: return tl.dot(xj, w, acc, input_precision='ieee')
+    return acc + tl.sum(xj[:, :, None] * w[None, :, :], axis=1)
+
+# %% ../nbs/07_mhc.ipynb #c12fde5c
+@triton.jit
+def _mhc_seam2_kernel(
+    # as _mhc_seam_kernel, with HC = 4: copies, output, post, comb, pre, updated copies, fn, base,
+    # scale, norm weight, input, its FP8 codes and scales, predicted pre/post/comb, partial sums
+    x_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, xo_ptr, fn_ptr, base_ptr, scale_ptr, w_ptr,
+    y_ptr, q_ptr, qs_ptr, pre_o_ptr, post_o_ptr, comb_o_ptr, ws_ptr,
+    T, norm_eps, hc_eps, inv_max, SPLIT, CHUNKS,
+    D: tl.constexpr, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    NORM_D: tl.constexpr,         # columns per tile of the norm and FP8 cast (a multiple of 32)
+    HAS_PREV: tl.constexpr, PREDICT: tl.constexpr, MIX: tl.constexpr, FP8: tl.constexpr,
+    BF16: tl.constexpr, HW_CVT: tl.constexpr,
+    PROJ: tl.constexpr,           # the projection: 0 FMAs, 1 fp32 tl.dot, 2 three BF16 tl.dots
+    PDL: tl.constexpr = False,    # launched by `pdl_launch`: wait for the previous kernel first
+):
+    pdl_wait(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tm, t64, dd = t < T, t.to(tl.int64), tl.arange(0, BLOCK_D)
+    if HAS_PREV:                   # post_j and comb[i, j], once per program
+        p0, p1, p2, p3 = _four(post_ptr, t64, tm, 0, 1, 4)
+        c00, c01, c02, c03 = _four(comb_ptr, t64, tm, 0, 1, 16)
+        c10, c11, c12, c13 = _four(comb_ptr, t64, tm, 4, 1, 16)
+        c20, c21, c22, c23 = _four(comb_ptr, t64, tm, 8, 1, 16)
+        c30, c31, c32, c33 = _four(comb_ptr, t64, tm, 12, 1, 16)
+    if MIX: q0, q1, q2, q3 = _four(pre_ptr, t64, tm, 0, 1, 4)
+    x_ss, y_ss = tl.zeros((BLOCK_T,), tl.float32), tl.zeros((BLOCK_T,), tl.float32)
+    acc = tl.zeros((BLOCK_T, 32), tl.float32)
+    lo = tl.program_id(1) * CHUNKS * BLOCK_D
+    for d0 in range(lo, tl.minimum(lo + CHUNKS * BLOCK_D, D), BLOCK_D):
+        col = d0 + dd
+        m2 = tm[:, None] & (col < D)[None, :]                                     # (BT, BD)
+        xoff = t64[:, None] * (4 * D) + col[None, :]                              # copy 0's
+        n0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
+        n1 = tl.load(x_ptr + xoff + D, mask=m2, other=0.0).to(tl.float32)
+        n2 = tl.load(x_ptr + xoff + 2 * D, mask=m2, other=0.0).to(tl.float32)
+        n3 = tl.load(x_ptr + xoff + 3 * D, mask=m2, other=0.0).to(tl.float32)
+        if HAS_PREV:               # out_j = post_j f + Σ_i comb[i, j] x_i, rounded like the copies
+            f = tl.load(f_ptr + t64[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+            x0, x1, x2, x3 = n0, n1, n2, n3
+            n0 = _round(p0[:, None] * f + _mix4(c00, c10, c20, c30, x0, x1, x2, x3), BF16, HW_CVT)
+            n1 = _round(p1[:, None] * f + _mix4(c01, c11, c21, c31, x0, x1, x2, x3), BF16, HW_CVT)
+            n2 = _round(p2[:, None] * f + _mix4(c02, c12, c22, c32, x0, x1, x2, x3), BF16, HW_CVT)
+            n3 = _round(p3[:, None] * f + _mix4(c03, c13, c23, c33, x0, x1, x2, x3), BF16, HW_CVT)
+            tl.store(xo_ptr + xoff, n0.to(xo_ptr.dtype.element_ty), mask=m2)
+            tl.store(xo_ptr + xoff + D, n1.to(xo_ptr.dtype.element_ty), mask=m2)
+            tl.store(xo_ptr + xoff + 2 * D, n2.to(xo_ptr.dtype.element_ty), mask=m2)
+            tl.store(xo_ptr + xoff + 3 * D, n3.to(xo_ptr.dtype.element_ty), mask=m2)
+        if MIX:                    # the input mix, not yet normalised
+            y = _round(_mix4(q0, q1, q2, q3, n0, n1, n2, n3), BF16, HW_CVT)
+            y_ss += tl.sum(y * y, axis=1)
+            tl.store(y_ptr + t64[:, None] * D + col[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+        if PREDICT:
+            x_ss += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
+            acc = _project_copy(n0, fn_ptr, 0, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+            acc = _project_copy(n1, fn_ptr, D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+            acc = _project_copy(n2, fn_ptr, 2 * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+            acc = _project_copy(n3, fn_ptr, 3 * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+    acc_c, acc_p = tl.split(tl.reshape(acc, (BLOCK_T, 16, 2)))           # comb, pre/post logits
+    if SPLIT == 1:
+        tl.debug_barrier()         # the y just written is re-read by other threads
+        _seam_finish(acc_c, acc_p, x_ss, y_ss, t64, tm, base_ptr, scale_ptr, pre_o_ptr, post_o_ptr,
+                     comb_o_ptr, w_ptr, y_ptr, q_ptr, qs_ptr, norm_eps, hc_eps, inv_max, True, 0,
+                     NORM_D, D, 4, ITERS, 16, BLOCK_T, NORM_D, PREDICT, MIX, FP8, BF16, HW_CVT)
+    else: _store_partials(ws_ptr, acc_c, acc_p, x_ss, y_ss, t64, tm, SPLIT, 4, 16)
 
 # %% ../nbs/07_mhc.ipynb #3f221c29
-MHC_TUNING = dict(block_t=16, block_d=64, num_warps=4, split='auto', finish_sb=16, small_t=2,
-                  small_warps=1, small_block_d=32, small_finish_sb=256)
+MHC_TUNING = dict(kernel=2, projection='bf16x3', split='auto', small_t=2, small_warps=1,
+                  small_block_d=32, small_finish_sb=256, block_t=16, block_d=32, num_warps=4,
+                  finish_sb=16, big_t=256, big_block_t=64, big_block_d=16, big_warps=4,
+                  norm_block_d=64)
+
+# %% ../nbs/07_mhc.ipynb #3af3b30f
+# version 1: its kernel, 16 x 64 tiles from three tokens on; 2: MHC_TUNING as it stands
+SEAM_VERSIONS = {1: dict(kernel=1, block_d=64, big_t=None), 2: {}}
+
+@contextlib.contextmanager
+def seam_version(version: int):
+    "Inside the block, `mhc_seam` launches version `version` of the kernel (`SEAM_VERSIONS`)"
+    require(version in SEAM_VERSIONS,
+            f"seam version {version!r}; expected one of {sorted(SEAM_VERSIONS)}")
+    old = dict(MHC_TUNING)
+    MHC_TUNING.update(SEAM_VERSIONS[version])
+    try: yield
+    finally: MHC_TUNING.clear(); MHC_TUNING.update(old)
+
+# %% ../nbs/07_mhc.ipynb #8547ae13
+# the launcher's integer arithmetic in plain Python: Triton's `cdiv` and `next_power_of_2` cost
+# microseconds a call outside a kernel, and a seam makes several
+def _ceil_div(a: int, b: int) -> int: return -(-a // b)
+def _next_pow2(n: int) -> int: return 1 << max(int(n) - 1, 0).bit_length()
 
 # %% ../nbs/07_mhc.ipynb #d4d3d85a
+def _big(T: int) -> bool: return MHC_TUNING['big_t'] is not None and T >= MHC_TUNING['big_t']
+
 def _block_t(T: int) -> tuple[int, int]:
     ("(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, "
-     "without `tl.dot`")
+     "without `tl.dot`; `big_t` or more the big tiles")
     if T <= MHC_TUNING['small_t']:
-        return triton.next_power_of_2(max(T, 1)), MHC_TUNING['small_warps']
+        return _next_pow2(max(T, 1)), MHC_TUNING['small_warps']
+    if _big(T): return MHC_TUNING['big_block_t'], MHC_TUNING['big_warps']
     return MHC_TUNING['block_t'], MHC_TUNING['num_warps']
 
 # %% ../nbs/07_mhc.ipynb #bf77012c
-def _block_d(T: int) -> int:
-    ("Columns per program: `small_block_d` for `small_t` tokens or fewer "
-     "(more programs for a lone token), else `block_d`")
-    return MHC_TUNING['small_block_d' if T <= MHC_TUNING['small_t'] else 'block_d']
+def _block_d(T: int, version: int = 2) -> int:
+    ("Columns per tile, by the same three ranges of T as `_block_t` "
+     "(version 1 normalises in its tiles: at least 32 columns)")
+    if T <= MHC_TUNING['small_t']: bd = MHC_TUNING['small_block_d']
+    else: bd = MHC_TUNING['big_block_d' if _big(T) else 'block_d']
+    return bd if version == 2 else max(bd, 32)
+
+# %% ../nbs/07_mhc.ipynb #2aff500a
+PROJECTIONS = {'fp32': 1, 'bf16x3': 2}
+
+def _kernel_version(n: int) -> int:
+    "The kernel `MHC_TUNING['kernel']` asks for, if it handles `n` copies (version 2: four), else 1"
+    v = MHC_TUNING['kernel']
+    require(v in (1, 2), f"MHC_TUNING['kernel'] = {v!r}; expected 1 or 2")
+    return 2 if v == 2 and n == 4 else 1
+
+def _projection(block_t: int, dtype: torch.dtype, version: int = 2) -> int:
+    ("The kernel's PROJ: 0 (FMAs) below 16 tokens a tile, else version 2's choice for BF16 copies "
+     "(`MHC_TUNING['projection']`) and the fp32 `tl.dot` otherwise")
+    name = MHC_TUNING['projection']
+    require(name in PROJECTIONS,
+            f"MHC_TUNING['projection'] = {name!r}; expected one of {sorted(PROJECTIONS)}")
+    if block_t < 16: return 0
+    return PROJECTIONS[name] if version == 2 and dtype == torch.bfloat16 else 1
 
 # %% ../nbs/07_mhc.ipynb #a73a689c
-def _split(T, dim, device) -> int:
-    "Column splits: enough programs to fill the GPU at small T, 1 (a single launch) at large T"
-    chunks, s = triton.cdiv(dim, _block_d(T)), MHC_TUNING['split']
-    if s == 'auto':
-        s = 1 if device.type != 'cuda' else 2 * sm_count(device) // triton.cdiv(T, _block_t(T)[0])
-    return max(1, min(int(s), chunks))
+def _split(T: int, dim: int, sms: int, version: int = 2) -> tuple[int, int]:
+    ("(column splits, column tiles per split): about two programs per SM for `sms` multiprocessors "
+     "(0: no split), 1 split (one launch) once the token blocks fill the GPU")
+    chunks, s = _ceil_div(dim, _block_d(T, version)), MHC_TUNING['split']
+    if s == 'auto': s = 2 * sms // _ceil_div(T, _block_t(T)[0])
+    per = _ceil_div(chunks, max(1, min(int(s), chunks)))
+    return _ceil_div(chunks, per), per               # every split gets columns
 
 # %% ../nbs/07_mhc.ipynb #95deb471
 def _finish_sb(T: int, split: int) -> int:
     ("Partial sums the finish kernel loads at once: `small_finish_sb` (all of them, in one go) "
      "for `small_t` tokens or fewer")
     return min(MHC_TUNING['small_finish_sb' if T <= MHC_TUNING['small_t'] else 'finish_sb'],
-               triton.next_power_of_2(split))
+               _next_pow2(split))
 
 # %% ../nbs/07_mhc.ipynb #13fe44ac
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()
@@ -595,10 +782,10 @@ def _marked(name: str):
 def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOut:
     "The Triton path of `mhc_seam` (arguments already checked)"
     T, n, dim = x.shape
-    require(n >= 4 and n & (n - 1) == 0,
-            f"hc_mult = {n}: the fused kernel needs a power of two >= 4 "
-            "(its tl.dot tiles are at least 16 wide); run the reference with use_kernels('torch')",
-            NotImplementedError)
+    if n < 4 or n & (n - 1):
+        raise NotImplementedError(f"hc_mult = {n}: the fused kernel needs a power of two >= 4 (its "
+                                  "tl.dot tiles are at least 16 wide); run the reference with "
+                                  "use_kernels('torch')")
     has_prev, predict, mix = f is not None, hc is not None, pre is not None
     new = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device=x.device)
     x = x.contiguous()
@@ -609,28 +796,60 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
                   new(T, dim // 32, dtype=u8) if fp8 else None,
                   *((new(T, n), new(T, n), new(T, n, n)) if predict else (None, None, None)))
     if T == 0: return out
-    (bt, warps), bd, split = _block_t(T), _block_d(T), _split(T, dim, x.device)
-    npp = max(16, triton.next_power_of_2(2 * n))
+    (bt, warps), version = _block_t(T), _kernel_version(n)
+    bd, blocks = _block_d(T, version), _ceil_div(T, bt)
+    split, chunks = _split(T, dim, sm_count(x.device, default=0), version)
+    npp = max(16, _next_pow2(2 * n))
     ws = new(T, split, n * n + npp + 2) if split > 1 else x
     p = lambda t: _ptr(t.float() if t is not None and t.dtype != torch.float32 else t, x)
     outs = [_ptr(t, x) for t in out[1:]]
-    meta = dict(D=dim, HC=n, ITERS=cfg.hc_sinkhorn_iters, NPP=npp, BLOCK_T=bt, BLOCK_D=bd,
-                PREDICT=predict, MIX=mix, FP8=fp8, BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(),
-                num_warps=warps)
+    # the finish kernel's columns: version 2's norm tiles
+    nd = MHC_TUNING['norm_block_d'] if version == 2 else bd
+    meta = dict(D=dim, ITERS=cfg.hc_sinkhorn_iters, BLOCK_T=bt, PREDICT=predict, MIX=mix, FP8=fp8,
+                BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(), num_warps=warps,
+                **pdl_launch(x.device))
     scalars = (T, cfg.norm_eps, cfg.hc_eps, 1.0 / FP8_MAX)
     hcw = (p(hc.fn), p(hc.base), p(hc.scale)) if predict else (x, x, x)
+    args = (x, _ptr(f, x), p(post), p(comb), p(pre), out.x, *hcw, _ptr(norm_weight, x), *outs, ws,
+            *scalars, split, chunks)
     with _marked('mhc_seam'):
-        _mhc_seam_kernel[(triton.cdiv(T, bt), split)](
-            x, _ptr(f, x), p(post), p(comb), p(pre), out.x, *hcw, _ptr(norm_weight, x), *outs, ws,
-            *scalars, split, triton.cdiv(triton.cdiv(dim, bd), split), HAS_PREV=has_prev, **meta,
-            **pdl_launch(x.device))
+        if version == 2:
+            _mhc_seam2_kernel[(blocks, split)](*args, BLOCK_D=bd, NORM_D=nd, HAS_PREV=has_prev,
+                                               PROJ=_projection(bt, x.dtype), **meta)
+        else: _mhc_seam_kernel[(blocks, split)](*args, HC=n, NPP=npp, BLOCK_D=bd, HAS_PREV=has_prev,
+                                                **meta)
     if split > 1 and (predict or mix):
+        norms = min(split, _ceil_div(dim, nd)) if mix else 0     # programs sharing the norm
         with _marked('mhc_finish'):
-            # the norm spread over `split` programs
-            _mhc_finish_kernel[(triton.cdiv(T, bt), split if mix else 1)](
-                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split,
-                SB=_finish_sb(T, split), **meta, **pdl_launch(x.device))
+            # program 0 the coefficients, the others the norm
+            _mhc_finish_kernel[(blocks, int(predict) + norms)](
+                ws, *hcw[1:], *outs[3:], _ptr(norm_weight, x), *outs[:3], *scalars, split, norms,
+                int(predict), HC=n, NPP=npp, BLOCK_D=nd, SB=_finish_sb(T, split), **meta)
     return out
+
+# %% ../nbs/07_mhc.ipynb #44f1e273
+def seam_floor(cfg: ModelConfig, T: int, fp8: bool = True) -> int:
+    "Bytes a seam must move for T tokens: copies in and out, sublayer output, input (FP8), hc_*_fn"
+    n, dim = cfg.hc_mult, cfg.dim
+    per_token = (2 * n + 2) * dim * 2 + ((dim + dim // 32) if fp8 else 0)
+    return T * per_token + (2 + n) * n * n * dim * 4
+
+# %% ../nbs/07_mhc.ipynb #d352a9fd
+def seam_plan(cfg: ModelConfig, T: int, sms: int = 132) -> dict:
+    ("A full seam under `MHC_TUNING` on `sms` multiprocessors: its kernel and launch shape, its "
+     "reads of hc_*_fn, the bytes it moves against the floor, its projection and that one's FLOPs")
+    n, dim = cfg.hc_mult, cfg.dim
+    (bt, warps), version = _block_t(T), _kernel_version(n)
+    bd, (split, _), blocks = _block_d(T, version), _split(T, dim, sms, version), _ceil_div(T, bt)
+    npp, proj = max(16, _next_pow2(2 * n)), _projection(bt, torch.bfloat16, version)
+    # beyond the floor: the input read back and written again for the norm, the partial sums
+    extra = 2 * T * dim * 2 + (2 * T * split * (n * n + npp + 2) * 4 if split > 1 else 0)
+    return dict(tokens=T, kernel=version, block_t=bt, block_d=bd, warps=warps, split=split,
+                programs=blocks * split, launches=1 + (split > 1),
+                fn_reads=blocks * (2 + n) * n * n * dim * 4, floor=seam_floor(cfg, T),
+                moved=seam_floor(cfg, T) + extra,
+                projection=('FMA', 'fp32 tl.dot', 'BF16 tl.dot x3')[proj],
+                flops=2 * T * n * dim * (n * n + npp) * (3 if proj == 2 else 1))
 
 # %% ../nbs/07_mhc.ipynb #0bab1db3
 def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:
@@ -678,7 +897,8 @@ def check_seam(got: SeamOut, x, f=None, post=None, comb=None, pre=None, hc=None,
         mixes = hc_mixes(ref.x, hc.fn, cfg.norm_eps)
         ss = xf.square().sum(-1, keepdim=True).clamp_min(1e-30)
         rel_r = 4 * n * dim * u + tr + 2 * (bx.flatten(1) * xf.abs()).sum(-1, keepdim=True) / ss
-        b_mix = (r * (2 * n * dim * u * (xf.abs() @ fa.T) + bx.flatten(1) @ fa.T)
+        # K·u·S for the reference's sum, 3K·u·S for version 2's three exact products a term
+        b_mix = (r * (4 * n * dim * u * (xf.abs() @ fa.T) + bx.flatten(1) @ fa.T)
                  + mixes.abs() * rel_r)
         s = hc.scale.float().abs()
         close('pre', got.pre, ref.pre, s[0] * b_mix[:, :n] / 4 + 2 * tr)
@@ -719,10 +939,8 @@ def count_launches(fn: Callable) -> int:
 
 # %% ../nbs/07_mhc.ipynb #30b1f769
 def hc_layer_floor(cfg: ModelConfig, T: int, fp8: bool = True) -> int:
-    "Bytes one block's two seams must move for T tokens: copies, sublayer outputs and inputs, hc_*_fn"
-    n, dim = cfg.hc_mult, cfg.dim
-    per_token = (2 * n + 2) * dim * 2 + ((dim + dim // 32) if fp8 else 0)
-    return 2 * (T * per_token + (2 + n) * n * n * dim * 4)
+    "Bytes one block's two seams must move for T tokens (twice `seam_floor`)"
+    return 2 * seam_floor(cfg, T, fp8)
 
 # %% ../nbs/07_mhc.ipynb #c5f570e5
 def benchmark_hc_layers(cfg: ModelConfig, # the model's shapes
@@ -772,3 +990,65 @@ def format_hc_benchmark(rows: list[dict]) -> str:
                       f"{r['graph_us']:14.1f} {r['floor_us']:9.2f} {r['of_floor']:8.1%} "
                       f"{r['max_rel_diff']:12.1e}" for r in rows]
     return '\n'.join(lines)
+
+# %% ../nbs/07_mhc.ipynb #1f60d81b
+def seam_inputs(cfg: ModelConfig, T: int, device='cuda', seed: int = 0) -> dict:
+    "`mhc_seam`'s arguments for a full seam (update, prediction, mix, FP8) on random BF16 copies"
+    g, gd = torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed)
+    n, dim = cfg.hc_mult, cfg.dim
+    layer = random_hc_layer(cfg, 1.0, g, device)
+    bf16 = lambda *shape: torch.randn(*shape, generator=gd, device=device).bfloat16()
+    comb = sinkhorn(torch.randn(T, n, n, generator=g) * 2, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    post, pre = 2 * torch.rand(T, n, generator=g), torch.rand(T, n, generator=g)
+    return dict(x=bf16(T, n, dim), f=bf16(T, dim), post=post.to(device), comb=comb.to(device),
+                pre=pre.to(device), hc=layer.attn, norm_weight=layer.attn_norm, cfg=cfg, fp8=True)
+
+# %% ../nbs/07_mhc.ipynb #a85ff4f3
+def _time_seam(args: dict, graphs: bool, rep: int) -> dict:
+    "One seam's timings and launches, on the kernels and launch table in force, after a check"
+    run = lambda: mhc_seam(**args)
+    with use_kernels('triton'):
+        check_seam(run(), **args)                          # right first, then fast
+        us = median_time(run, warmup=max(1, rep // 4), rep=rep) * 1e6
+        graph_us = (median_time(cuda_graph(run), warmup=max(1, rep // 4), rep=rep) * 1e6
+                    if graphs else float('nan'))
+        try: launches = count_launches(run)
+        except Exception: launches = -1                      # no profiler here: the plan's count
+        return dict(us=us, graph_us=graph_us, launches=launches)
+
+# %% ../nbs/07_mhc.ipynb #a17d2992
+def benchmark_seam(cfg: ModelConfig, tokens=(1, 16, 64, 256, 1024, 4096, 8192), versions=(1, 2),
+                   device='cuda', bandwidth: float | None = None, graphs: bool = True,
+                   rep: int = 100) -> list[dict]:
+    ("A full seam per token count and kernel version, checked against the reference, then timed "
+     "launched and from a CUDA graph, against the byte floor at `bandwidth` bytes/s")
+    bw = bandwidth or HARDWARE['H200 (measured copy)'].bandwidth
+    graphs, rows = graphs and torch.device(device).type == 'cuda', []
+    sms = sm_count(device, default=0)
+    for T in tokens:
+        args = seam_inputs(cfg, T, device)
+        for v in versions:
+            with seam_version(v):
+                plan = seam_plan(cfg, T, sms)
+                row = dict(tokens=T, version=v, bytes=plan['floor'],
+                           planned_launches=plan['launches'],
+                           **{k: plan[k] for k in ('kernel', 'block_t', 'block_d', 'split',
+                                                   'programs')})
+                try: row.update(_time_seam(args, graphs, rep))
+                except Exception as e: row['error'] = f'{type(e).__name__}: {e}'[:400]
+            # graph replay when there is one
+            s = row.get('graph_us' if graphs else 'us', float('nan')) / 1e6
+            rows.append(dict(row, gb_per_s=row['bytes'] / s / 1e9, of_floor=row['bytes'] / bw / s))
+    return rows
+
+# %% ../nbs/07_mhc.ipynb #ddba972f
+def format_seam_benchmark(rows: list[dict]) -> str:
+    "`benchmark_seam`'s rows as a text table (a failed check or launch: its error instead of times)"
+    head = (f"{'tokens':>6} {'version':>7} {'launches':>8} {'us':>9} {'graph us':>9} {'MB':>8} "
+            f"{'GB/s':>7} {'of floor':>8}")
+    def line(r):
+        if 'error' in r: return f"{r['tokens']:6d} {r['version']:7d}  {r['error']}"
+        return (f"{r['tokens']:6d} {r['version']:7d} {r['launches']:8d} {r['us']:9.1f} "
+                f"{r['graph_us']:9.1f} {r['bytes'] / 1e6:8.2f} {r['gb_per_s']:7.0f} "
+                f"{r['of_floor']:8.1%}")
+    return '\n'.join([head] + [line(r) for r in rows])

@@ -12,8 +12,10 @@ from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
+import dsv41_nb.compressor as comp
+from dsv41_nb.dispatch import HostReads
 from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm, pool_group, Compressor,
-                                 compress_reference, compress_torch, RingJournal)
+                                 compress_reference, compress_torch, compress_step, compress_version, RingJournal)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -147,12 +149,29 @@ def test_torch_path_equals_reference(sched, layer, fmt, seed):
     h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, compress_torch)
     assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
 
+def in_order(how):
+    "`compress_step` with its programs taking the rows in natural, reversed or shuffled order"
+    def fn(c, kv, sc, pos, rs, cs, ring, cache):
+        n = len(pos)
+        order = {'natural': None, 'reversed': torch.arange(n - 1, -1, -1), 'shuffled': torch.randperm(n)}[how]
+        return compress_step(c, kv, sc, pos, rs, cs, ring, cache, None if order is None else order.to(pos.device))
+    return fn
+
+def version_emit(v):
+    def fn(c, *args):
+        with compress_version(v): return kernel_emit(c, *args)
+    return fn
+
+KERNELS = {'v1': version_emit(1), 'v2': version_emit(2), 'v2 reversed': in_order('reversed'), 'v2 shuffled': in_order('shuffled')}
+
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
-@given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31))
+@given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31),
+       st.sampled_from(list(KERNELS)))
 @settings(max_examples=examples(8))
-def test_kernel_equals_reference(sched, layer, fmt, seed):
+def test_kernel_equals_reference(sched, layer, fmt, seed, kernel):
+    "Both versions, and version 2 with its programs in any order (the interpreter runs them in index order otherwise)"
     lengths = sched[0]
-    h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, kernel_emit)
+    h, (ca, ra, la), (cb, rb, lb) = run_both(sched, layer, fmt, seed, KERNELS[kernel])
     assert same_bits(ca, cb), 'cache bytes differ'
     assert all(same_bits(a, b) for a, b in zip(la, lb)), 'latents differ'
     r = h.c.ratio
@@ -237,3 +256,53 @@ def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, back
 def test_ring_journal_bad_input(f, exc, msg):
     ring = Compressor(TINY, 2).new_ring(2)
     with pytest.raises(exc, match=msg): f(ring)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
+@pytest.mark.parametrize('how', ['reversed', 'shuffled'])
+def test_step_kernel_chunks_that_straddle_groups(how):
+    "Chunks that start inside a group and end inside another (the hazard one launch must survive), in any program order"
+    steps = [[(0, 0, 5), (1, 0, 3)], [(0, 5, 4), (None, 0, 2), (1, 3, 1)], [(0, 9, 1), (1, 4, 6)], [(0, 10, 3), (1, 10, 1)]]
+    for layer in (2, 6):
+        h, (ca, ra, la), (cb, rb, lb) = run_both(([13, 11], steps), layer, 'ds_fp4', 3, in_order(how))
+        assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
+        if h.c.ratio > 1:
+            for q, n in enumerate([13, 11]):
+                e = torch.arange(n - n % 2, n) % 2 + h.rings[q] * 2
+                assert same_bits(ra[e], rb[e])
+
+class _Counting:
+    "A stand-in for a Triton kernel that counts its launches"
+    def __init__(self, kernel): self.kernel, self.launches = kernel, 0
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+@pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
+@pytest.mark.parametrize('layer', [2, 6])
+def test_emit_is_one_launch_and_reads_nothing(layer, monkeypatch):
+    "A decode step of eight requests: version 2 launches one kernel (version 1 two at ratio 2), neither reads the device"
+    h = Harness(compressor(layer, 'ds_fp4', 0), [2] * 8, 0)
+    cache, ring = h.caches()
+    args = h.step([(q, q % 2, 1) for q in range(8)])             # half open a pair, half close one
+    for version, want in ((2, 1), (1, 2 if h.c.ratio > 1 else 1)):
+        step, two = _Counting(comp._compress_step_kernel), _Counting(comp._compress_kernel)
+        monkeypatch.setattr(comp, '_compress_step_kernel', step)
+        monkeypatch.setattr(comp, '_compress_kernel', two)
+        with use_kernels('triton'), compress_version(version), HostReads() as reads:
+            h.c.emit(*args, ring, cache, check_slots=False)
+        assert step.launches + two.launches == want and reads.count == 0, (version, step.launches, two.launches, reads.sites)
+        monkeypatch.undo()
+
+def test_step_bad_inputs():
+    c = Compressor(TINY, 2)
+    kv, sc, pos = torch.randn(4, 64), torch.randn(4, 64), torch.arange(4)
+    rs, cs, ring, cache = torch.tensor([2, 3, 2, 3]), torch.tensor([-1, 0, -1, 1]), c.new_ring(2), c.new_cache(2, 16)
+    for fn, msg in [
+        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.arange(5)), 'order: expected a (4,) int32/int64'),
+        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.tensor([1, 1, 2, 3])), 'a permutation of 0..3'),
+        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.arange(4.0)), 'int32/int64'),
+    ]: fct.test_fail(fn, contains=msg)
+    with pytest.raises(ValueError, match=r'compressor kernel version 0; expected one of \[1, 2\]'):
+        with compress_version(0): pass
+    assert comp.COMPRESS_KERNEL['version'] == 2

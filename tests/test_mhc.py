@@ -9,8 +9,10 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
-from dsv41_nb.mhc import (MHC_TUNING, HCWeights, check_seam, hc_expand, hc_collapse, hc_mixes, mhc_seam, random_hc_layer, random_hc_weights,
-                          run_hc_stack, sinkhorn, _rms_norm)
+import triton, triton.language as tl
+from dsv41_nb.formats import _hw_cvt
+from dsv41_nb.mhc import (MHC_TUNING, SEAM_VERSIONS, HCWeights, check_seam, hc_expand, hc_collapse, hc_mixes, mhc_seam, random_hc_layer,
+                          random_hc_weights, run_hc_stack, seam_plan, seam_version, sinkhorn, _bf16_pieces, _rms_norm)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -118,17 +120,22 @@ def seam_args(cfg, T, dtype, has_prev, predict, mix, fp8, strength, seed):
 # Compiled, every new width, stream count, block or step pattern is a new kernel (seconds each): on a GPU the fuzz draws
 # the tuning's own blocks and two widths, and the GPU tier's test_mhc_every_token_program covers the shapes served.
 GPU = DEV.type == 'cuda'
+# launch tables the fuzz draws from: version 1 (16-token tiles, fp32 tl.dot), version 2 as tuned, and big tiles from a few tokens on
+TILES = {'v1': SEAM_VERSIONS[1], 'v2': SEAM_VERSIONS[2], 'v2 fp32 dot': dict(projection='fp32'),
+         'big32': dict(big_t=5, big_block_t=32, big_block_d=64, big_warps=4), 'big64': dict(big_t=3, big_block_t=64, big_block_d=16)}
 
 @needs_triton
 @settings(max_examples=examples(12 if GPU else 40))
 @given(T=st.integers(0, 40), dim=st.sampled_from([64, 160] if GPU else [32, 64, 96, 160]), n=st.sampled_from([4] if GPU else [4, 8]),
        dtype=st.sampled_from([torch.bfloat16, torch.float32]), steps=st.sampled_from([(1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (0, 0, 1), (1, 0, 0)]),
        fp8=st.booleans(), strength=st.floats(0, 10), block_d=st.sampled_from([64] if GPU else [32, 64]),
-       split=st.sampled_from([1, 2, 3, 5, 'auto']), finish_sb=st.sampled_from([16] if GPU else [2, 16]), seed=st.integers(0, 2**31))
-def test_seam_kernel_matches_reference(T, dim, n, dtype, steps, fp8, strength, block_d, split, finish_sb, seed):
+       split=st.sampled_from([1, 2, 3, 5, 'auto']), finish_sb=st.sampled_from([16] if GPU else [2, 16]),
+       tiles=st.sampled_from(list(TILES)), seed=st.integers(0, 2**31))
+def test_seam_kernel_matches_reference(T, dim, n, dtype, steps, fp8, strength, block_d, split, finish_sb, tiles, seed):
     cfg = replace(TINY, dim=dim, hc_mult=n)
     args = seam_args(cfg, T, dtype, *map(bool, steps), fp8, strength, seed)
     old = dict(MHC_TUNING)
+    MHC_TUNING.update(TILES[tiles])
     MHC_TUNING.update(block_d=block_d, split=split, finish_sb=finish_sb, small_finish_sb=finish_sb)
     try:
         with use_kernels('triton'): got = mhc_seam(**args)
@@ -174,3 +181,54 @@ def test_seam_kernel_sinkhorn_exact_logits(dim, dtype):
     torch.testing.assert_close(sinkhorn(z, ITERS, EPS), ref.comb, rtol=0, atol=0)      # a GPU's exp differs from the CPU's
     step = max((sinkhorn(z, ITERS + k, EPS) - ref.comb).abs().max().item() for k in (-1, 1))
     assert step > 2.0 ** -10, step
+
+
+@triton.jit
+def _pieces_kernel(w_ptr, out_ptr, N: tl.constexpr, HW_CVT: tl.constexpr):
+    i = tl.arange(0, N)
+    hi, mid, lo = _bf16_pieces(tl.load(w_ptr + i), HW_CVT)
+    tl.store(out_ptr + i, hi); tl.store(out_ptr + N + i, mid); tl.store(out_ptr + 2 * N + i, lo)
+
+@needs_triton
+def test_bf16_pieces_are_bf16_and_add_up_exactly():
+    "The split behind the three BF16 products: every piece a BF16 value, hi + mid + lo == w bit for bit, at every magnitude"
+    g = torch.Generator().manual_seed(3)
+    N = 4096
+    w = torch.randn(N, generator=g) * torch.exp2(torch.randint(-100, 100, (N,), generator=g).float())
+    w[:4] = torch.tensor([1.0, -3.0, 2.0 ** -126, 1 + 2.0 ** -23])   # exact in one piece, the smallest normal, the last bit
+    out = torch.empty(3 * N, device=DEV)
+    _pieces_kernel[(1,)](w.to(DEV), out, N, _hw_cvt())
+    hi, mid, lo = out.cpu().view(3, N)
+    for p in (hi, mid, lo): assert torch.equal(p.bfloat16().float(), p)
+    assert torch.equal((hi + mid) + lo, w)
+    assert torch.equal(hi, w.bfloat16().float())                      # hi is round-to-nearest-even, as the GPU converts
+
+@needs_triton
+@pytest.mark.parametrize('version,tiles,T', [(1, {}, 1), (1, {}, 17), (2, {}, 1), (2, {}, 3), (2, {}, 17), (2, dict(big_t=3), 65),
+                                             (2, dict(big_t=3, big_block_t=32, big_block_d=64), 33), (2, dict(projection='fp32'), 17)])
+def test_seam_versions_at_edge_sizes(version, tiles, T):
+    "Both versions at one token, odd counts, and counts that leave a partial tile (17 of 16, 65 of 64 or 32), full seam with FP8"
+    cfg = replace(TINY, dim=96)                                     # a width that is not a multiple of the column tiles
+    args = seam_args(cfg, T, torch.bfloat16, True, True, True, True, 3.0, seed=T + version)
+    with seam_version(version):
+        old = dict(MHC_TUNING); MHC_TUNING.update(tiles, split=2)
+        try:
+            with use_kernels('triton'): got = mhc_seam(**args)
+        finally: MHC_TUNING.clear(); MHC_TUNING.update(old)
+    check_seam(got, **args)
+
+def test_seam_plan_and_versions():
+    "The plan follows the launch table: one launch once token blocks fill the machine, big tiles cut the reads of hc_*_fn"
+    full = ModelConfig.full()
+    with seam_version(1): v1 = seam_plan(full, 8192)
+    with seam_version(2): v2 = seam_plan(full, 8192)
+    assert v1['launches'] == 1 and v1['programs'] == 512 and v1['projection'] == 'fp32 tl.dot'
+    assert v2['fn_reads'] * 4 == v1['fn_reads'] and v2['projection'] == 'BF16 tl.dot x3'
+    assert seam_plan(full, 1)['launches'] == 2 and seam_plan(full, 1, sms=0)['launches'] == 1
+    assert MHC_TUNING['projection'] == 'bf16x3'                     # the context restored the table
+    with pytest.raises(ValueError, match=r'seam version 3; expected one of \[1, 2\]'):
+        with seam_version(3): pass
+    MHC_TUNING['projection'] = 'tf32'
+    try:
+        with pytest.raises(ValueError, match="expected one of \\['bf16x3', 'fp32'\\]"): seam_plan(full, 64)
+    finally: MHC_TUNING['projection'] = 'bf16x3'

@@ -2,9 +2,12 @@
 """Time the hyper-connection seams of 07_mhc: the eager PyTorch reference against the fused Triton kernels, each launched
 op by op and replayed from a CUDA graph, per block (two seams), with kernel launches per block and the byte floor.
 
-    python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--json out.json] [--sweep] [--quick]
+    python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--version 2] [--json out.json] [--sweep] [--quick]
 
---sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps) and prints the best.
+--version picks the seam kernel (07_mhc's `SEAM_VERSIONS`; the default is the current one, 2).
+--sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps, set on the launch
+table's range that each token count falls in) and prints the best.
+tools/bench_layer_kernels.py times one seam on both versions side by side.
 --quick runs the tiny config on two small batches on whatever is there (the Triton interpreter on a CPU), to check the
 script itself; its times mean nothing."""
 import argparse, datetime, json, math, os
@@ -13,6 +16,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument('--config', default='bench', help='ModelConfig preset (full, bench, tiny)')
 ap.add_argument('--tokens', type=int, nargs='+', default=[1, 64, 1024, 8192])
 ap.add_argument('--layers', type=int, default=8, help='blocks in the timed stack')
+ap.add_argument('--version', type=int, default=2, help='seam kernel version (07_mhc SEAM_VERSIONS)')
 ap.add_argument('--json', help='write the rows here')
 ap.add_argument('--sweep', action='store_true')
 ap.add_argument('--quick', action='store_true')
@@ -25,7 +29,8 @@ if not torch.cuda.is_available():
 import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, use_kernels, machine_name
-from dsv41_nb.mhc import MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn
+from dsv41_nb.mhc import (MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn,
+                          seam_version, _big)
 
 def one_seam(cfg, T, device):
     "A full seam (update, prediction, mix, FP8) on random inputs, as a no-argument function on the fused path"
@@ -44,22 +49,24 @@ def sweep(cfg, tokens, device, grid):
     default, res = dict(MHC_TUNING), {}
     for T in tokens:
         run = one_seam(cfg, T, device)
-        for bt, bd, w in grid:
-            MHC_TUNING.update(block_t=bt, block_d=bd, num_warps=w)
+        for bt, bd, w in grid:                                         # the range of the table T falls in
+            if _big(T): MHC_TUNING.update(big_block_t=bt, big_block_d=bd, big_warps=w)
+            else: MHC_TUNING.update(block_t=bt, block_d=bd, num_warps=w)
             res.setdefault(T, []).append((median_time(run) * 1e6, bt, bd, w))
     MHC_TUNING.update(default)
     return res
 
-if __name__ == '__main__':
+def main():
     cfg = getattr(ModelConfig, 'tiny' if args.quick else args.config)()
     tokens, layers = ([1, 17] if args.quick else args.tokens), (2 if args.quick else args.layers)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     machine = machine_name(device)
     print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
-          f'config {"tiny" if args.quick else args.config} (dim {cfg.dim}, {cfg.hc_mult} copies), {layers} blocks, tuning {MHC_TUNING}')
+          f'config {"tiny" if args.quick else args.config} (dim {cfg.dim}, {cfg.hc_mult} copies), {layers} blocks, '
+          f'seam version {args.version}, tuning {MHC_TUNING}')
     sweep_rows = None
     if args.sweep:
-        grid = [(16, 64, 4), (32, 32, 4)] if args.quick else [(bt, bd, w) for bt in (16, 32) for bd in (32, 64, 128) for w in (4, 8)]
+        grid = [(16, 64, 4), (32, 32, 4)] if args.quick else [(bt, bd, w) for bt in (16, 32, 64) for bd in (16, 32, 64) for w in (4, 8)]
         sweep_rows = sweep(cfg, tokens, device, grid)
         print('one seam, µs by launch shape (tokens per program / columns per tile / warps):')
         print(f"{'tokens':>7s}  " + '  '.join(f'{bt}/{bd}/{w}'.rjust(9) for bt, bd, w in grid))
@@ -78,5 +85,10 @@ if __name__ == '__main__':
         rows = [{k: clean(v) for k, v in r.items()} for r in rows]
         with open(args.json, 'w') as fh:
             json.dump(dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
-                           config=args.config if not args.quick else 'tiny', layers=layers, tuning=MHC_TUNING, rows=rows,
+                           config=args.config if not args.quick else 'tiny', layers=layers, version=args.version,
+                           tuning=MHC_TUNING, rows=rows,
                            sweep={str(k): v for k, v in (sweep_rows or {}).items()}), fh, indent=1, default=str)
+
+
+if __name__ == '__main__':
+    with seam_version(args.version): main()
