@@ -159,6 +159,9 @@ def concurrency_sweep(llm: LLM,
     for c in levels:
         warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         load_test(llm, random_prompts(c, min(3, prompt_len), seed=seed + 1), warm)
+        model = llm.llm_engine.runner.model  # CUDA graphs: every padded size up to c captured now
+        if getattr(model, '_template', None) is not None:
+            model.capture_all([s for s in model.sizes if s <= c])
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         s = load_test(llm, random_prompts(c, prompt_len, seed=seed), sp, progress)
         ctx = prompt_len + max_tokens // 2  # the mean context of a decode step

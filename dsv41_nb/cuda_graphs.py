@@ -4,9 +4,10 @@
 
 # %% ../nbs/12c_cuda_graphs.ipynb #242d2dcc
 from __future__ import annotations
-import dataclasses
+import dataclasses, functools
 from types import SimpleNamespace
 from typing import Sequence
+import numpy as np
 import torch
 from fastcore.basics import patch
 from .config import check_int
@@ -14,13 +15,14 @@ from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
 from .dispatch import as_captured, cuda_graph
 from .kv_cache import KVCacheConfig, cdiv
 from .kv_manager import SlotMappings
-
+from .paged_step import pad_rows
 
 # %% auto #0
 __all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'pad_decode_batch', 'CUDAGraphModel', 'StagedInputs', 'fill_token_ids']
 
 # %% ../nbs/12c_cuda_graphs.ipynb #86ef8c0e
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # padded decode batch sizes with a graph each
+# padded decode batch sizes with a graph each: every size to 8, then steps of a quarter to a half
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 # %% ../nbs/12c_cuda_graphs.ipynb #1ddaf946
 def padded_batch_size(n: int, sizes: Sequence[int] = CAPTURE_SIZES) -> int | None:
@@ -39,11 +41,7 @@ def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per req
     ("`batch` padded to `size` requests of one row each: "
      "the pads read the null block and write nowhere")
     n, sm = len(batch.request_ids) if n is None else n, batch.slot_mappings
-    # (size,) or (size, w): t's first n rows, then `fill`
-    def pad(t, fill, w=None):
-        out = t.new_full((size,) if w is None else (size, w), fill)
-        out[(slice(n),) + (slice(t.shape[-1]),) * (t.dim() - 1)] = t[:n]
-        return out
+    pad = lambda t, fill, w=None: pad_rows(t[:n], size, fill, w)
     ar = torch.arange(size, device=batch.token_ids.device)
     return dataclasses.replace(
         batch, request_ids=batch.request_ids[:n] + [f'<pad {i}>' for i in range(n, size)],
@@ -57,9 +55,8 @@ def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per req
         logits_indices=ar, decoder_rows=ar, num_cached_tokens=pad(batch.num_cached_tokens, 0),
         # each pad a fresh one-token request
         new_request_ids={f'<pad {i}>' for i in range(n, size)}, prefix_token_ids={},
-        token_fill=[f for f in batch.token_fill if f[0] < n],
-        resolved_token_ids={r: v for r, v in batch.resolved_token_ids.items()
-                            if r in batch.request_ids[:n]})
+        token_fill=_fills_below(batch.token_fill, n),
+        history=None if batch.history is None else pad(batch.history, -1))
 
 # %% ../nbs/12c_cuda_graphs.ipynb #9c184d0d
 class CUDAGraphModel:
@@ -77,9 +74,14 @@ class CUDAGraphModel:
         for s in capture_sizes: check_int('CUDAGraphModel', 'capture size', s, 1)
         self.model, self.sizes, self.emulate = model, tuple(sorted(set(capture_sizes))), emulate
         self.device = getattr(model, 'device', None)
+        self.history_len = getattr(model, 'history_len', 0)  # ids before each row its model reads
         self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size)
                        for g in kv_cache_config.groups]
         self.graphs, self.pool, self.stats = {}, None, dict(replayed=0, eager=0, captured=0)
+        self._template = None  # the first decode batch captured: the structure of every graph
+        # requests -> padded size, looked up (None past the largest size)
+        self._pad_to = [None] + [padded_batch_size(n, self.sizes)
+                                 for n in range(1, self.sizes[-1] + 1)]
 
 # %% ../nbs/12c_cuda_graphs.ipynb #bfc4b290
 @patch
@@ -90,12 +92,15 @@ def __repr__(self: CUDAGraphModel):
     return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
 
 # %% ../nbs/12c_cuda_graphs.ipynb #a103ee85
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> tuple: return tuple(f.name for f in dataclasses.fields(cls))
+
 def _tensors(x) -> list:
     ("Every tensor inside `x` "
      "(a tensor, or a dataclass, tuple, list, dict or namespace holding them), in a fixed order")
     if isinstance(x, torch.Tensor): return [x]
     if dataclasses.is_dataclass(x):
-        return [t for f in dataclasses.fields(x) for t in _tensors(getattr(x, f.name))]
+        return [t for name in _field_names(type(x)) for t in _tensors(getattr(x, name))]
     if isinstance(x, (tuple, list)): return [t for v in x for t in _tensors(v)]
     if isinstance(x, dict): return [t for k in sorted(x, key=str) for t in _tensors(x[k])]
     if isinstance(x, SimpleNamespace): return _tensors(vars(x))
@@ -139,10 +144,15 @@ class StagedInputs:
         self.buffer = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
         view = lambda buf, o, t: buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         self.host_views, it = [view(self.host, o, t) for o, t in zip(offs, ts)], iter(offs)
+        # the same views as arrays (copying into one costs less than a tensor copy), and their shapes
+        self._arrays = [h.numpy() for h in self.host_views]
+        self._shapes = [(h.shape, h.dtype) for h in self.host_views]
         # what a graph captures
         self.inputs = _map_tensors(like, lambda t: view(self.buffer, next(it), t))
         self.sent = torch.cuda.Event() if dev.type == 'cuda' else None
         self.load(like)
+        # the first values: the padding `load_rows` puts back in the rows and columns it leaves
+        self._pad, self._rows = [a.copy() for a in self._arrays], 0
 
 # %% ../nbs/12c_cuda_graphs.ipynb #2c4b703f
 @patch
@@ -156,35 +166,80 @@ def load(self: StagedInputs, src) -> None:
     ("Copy the tensors of `src` (structured as the one staged) into the device copies: "
      "CPU copies, then one transfer")
     ts = _tensors(src)
-    if [(t.shape, t.dtype) for t in ts] != [(h.shape, h.dtype) for h in self.host_views]:
+    if [(t.shape, t.dtype) for t in ts] != self._shapes:
         raise ValueError(f"StagedInputs.load: expected {len(self.host_views)} tensors "
                          "shaped and typed as the staged ones, got "
                          f"{[(tuple(t.shape), t.dtype) for t in ts]}")
     # the last transfer has left the host buffer
     if self.sent is not None: self.sent.synchronize()
-    for h, t in zip(self.host_views, ts): h.copy_(t)
+    for a, t in zip(self._arrays, ts): a[...] = t.numpy()
+    self._rows = len(self._arrays[0]) if self._arrays else 0   # every row is the step's
+    self.buffer.copy_(self.host, non_blocking=True)
+    if self.sent is not None: self.sent.record()
+
+# %% ../nbs/12c_cuda_graphs.ipynb #341abbe9
+@patch
+def load_rows(self: StagedInputs,
+              src, # structured as the one staged, each tensor's first n rows (tables may be narrower)
+              n: int) -> None: # the rows that are the step's
+    ("Copy the first n rows of `src` into the device copies, with the staged padding everywhere "
+     "else: one transfer")
+    ts = _tensors(src)
+    if [(t.dtype, t.dim()) for t in ts] != [(dt, len(s)) for s, dt in self._shapes]:
+        raise ValueError(f"StagedInputs.load_rows: expected {len(self._shapes)} tensors typed as "
+                         f"the staged ones, got {[(t.dtype, t.dim()) for t in ts]}")
+    if self.sent is not None: self.sent.synchronize()
+    for a, p, t in zip(self._arrays, self._pad, ts):
+        x = t.numpy()
+        if len(x) != n or x.shape[1:] > a.shape[1:]:
+            raise ValueError(f"StagedInputs.load_rows: a tensor of shape {tuple(x.shape)} "
+                             f"in rows of {n}, staged as {tuple(a.shape)}")
+        if a.ndim == 1: a[:n] = x
+        else: w = x.shape[1]; a[:n, :w] = x; a[:n, w:] = p[:n, w:]
+        if n < self._rows: a[n:self._rows] = p[n:self._rows]   # rows of an earlier, larger step
+    self._rows = n
     self.buffer.copy_(self.host, non_blocking=True)
     if self.sent is not None: self.sent.record()
 
 # %% ../nbs/12c_cuda_graphs.ipynb #74aaf283
 def fill_token_ids(
     token_ids: torch.Tensor, # (T,) the ids of a batch's rows, where the model reads them
-    fill: list, # (row, tensor, index) per row: its id is tensor[index]
+    fill: list, # (rows, tensor, index): the id of rows[j] is tensor[index[j]] (ints, or int arrays)
 ) -> None:
-    ("token_ids[row] = tensor[index] for every entry of `fill`, "
+    ("token_ids[rows] = tensor[index] for every entry of `fill`, "
      "in place and on the tensors' device: nothing is read back")
     for src in {id(t): t for _, t, _ in fill}.values():
-        rows, idx = zip(*[(r, i) for r, t, i in fill if t is src])
-        if max(rows) >= len(token_ids) or min(rows) < 0:
-            raise IndexError(f"fill_token_ids: rows {rows} outside the batch's {len(token_ids)}")
-        token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
+        rows = np.concatenate([np.atleast_1d(r) for r, t, _ in fill if t is src]).astype(np.int64)
+        idx = np.concatenate([np.atleast_1d(i) for _, t, i in fill if t is src]).astype(np.int64)
+        if len(rows) and (rows.max() >= len(token_ids) or rows.min() < 0):
+            raise IndexError(f"fill_token_ids: rows {rows.tolist()} outside the batch's "
+                             f"{len(token_ids)}")
+        if _run_of(rows) and _run_of(idx):  # the common case: one copy, no index tensors
+            r0, i0, n = int(rows[0]), int(idx[0]), len(rows)
+            token_ids[r0:r0 + n] = src[i0:i0 + n].to(token_ids.device)
+        else:
+            token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
+
+def _run_of(v: np.ndarray) -> bool:
+    "v is k, k + 1, ..., k + len(v) - 1"
+    n = len(v)
+    return n > 0 and v[-1] - v[0] == n - 1 and (n < 3 or bool((np.diff(v) == 1).all()))
 
 # %% ../nbs/12c_cuda_graphs.ipynb #3b47a91d
-def _sent(v: Sequence[int], device) -> torch.Tensor:
+def _sent(v: np.ndarray, device) -> torch.Tensor:
     ("An int64 tensor of `v` on `device`; to a GPU from pinned memory, queued: "
      "from pageable memory CUDA would first wait for the stream")
-    cuda = torch.device(device).type == 'cuda'
-    return torch.tensor(v, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=cuda)
+    t = torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64))
+    if torch.device(device).type != 'cuda': return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+def _fills_below(fill: list, n: int) -> list:
+    "The entries of `fill` for rows below n"
+    out = []
+    for rows, t, idx in fill:
+        rows, idx = np.atleast_1d(rows), np.atleast_1d(idx)
+        if (keep := rows < n).any(): out.append((rows[keep], t, idx[keep]))
+    return out
 
 # %% ../nbs/12c_cuda_graphs.ipynb #7b33c85a
 @patch
@@ -224,6 +279,7 @@ def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
     ("(replay, staged inputs, static logits, the captured token ids or None) for one padded size, "
      "the buffers shaped as `batch`'s")
     prepare, run = self._parts()
+    if self._template is None: self._template = batch
     padded = pad_decode_batch(batch, size, self.widths, n=0)
     host = prepare(padded)
     staged, out = StagedInputs(host, self.device or 'cpu'), {}
@@ -253,20 +309,26 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
      "replayed from a graph for a decode batch of a captured size, else eager")
     R, b, fill = len(batch.request_ids), batch, batch.token_fill
     # ids to fill on the device: applied there, never staged
-    batch = dataclasses.replace(batch, token_fill=[])
+    if fill: batch = dataclasses.replace(batch, token_fill=[])
     # one sampled row each, none new
     decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids
-    size = padded_batch_size(R, self.sizes) if decode else None
+    size = (self._pad_to[R] if R < len(self._pad_to) else None) if decode else None
     prepare, run = self._parts()
     if size is None:
         self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, fill)
-    padded = pad_decode_batch(batch, size, self.widths)
-    inputs = prepare(padded)
-    if not getattr(inputs, 'replayable', True):
-        self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, fill)[:R]
+    inputs, rows = prepare(batch), R
+    if hasattr(inputs, 'pad'):    # prepared unpadded: the staged padding fills the other rows
+        if not getattr(inputs, 'replayable', True):
+            self.stats['eager'] += 1; return self._eager(inputs, batch.token_ids, fill)
+    else:                         # padded, then prepared
+        rows = None
+        padded = pad_decode_batch(batch, size, self.widths)
+        inputs = prepare(padded)
+        if not getattr(inputs, 'replayable', True):
+            self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, fill)[:R]
     if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
     replay, staged, logits, tokens = self.graphs[size]
-    try: staged.load(inputs)
+    try: staged.load(inputs) if rows is None else staged.load_rows(inputs, rows)
     except ValueError as e:
         raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch "
                            f"of {size} are not the ones captured for that size ({e})") from None
@@ -275,3 +337,17 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
     replay(); self.stats['replayed'] += 1
     return logits[:R].clone()
 
+# %% ../nbs/12c_cuda_graphs.ipynb #ef067b97
+@patch
+def capture_all(self: CUDAGraphModel,
+                sizes: Sequence[int] | None = None) -> list: # capture sizes (default: all of them)
+    "Capture the graphs of `sizes` not captured yet, largest first; the sizes captured"
+    if self._template is None:
+        raise RuntimeError("CUDAGraphModel.capture_all: no decode batch has been seen yet, so the "
+                           "structure of the inputs is not known (run one decode step first)")
+    sizes = self.sizes if sizes is None else tuple(sizes)
+    if bad := [s for s in sizes if s not in self.sizes]:
+        raise ValueError(f"CUDAGraphModel.capture_all: {bad} are not capture sizes {self.sizes}")
+    new = [s for s in sorted(set(sizes), reverse=True) if s not in self.graphs]
+    for s in new: self.graphs[s] = self._capture(s, self._template)
+    return new

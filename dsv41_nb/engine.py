@@ -5,11 +5,15 @@
 # %% ../nbs/13_engine.ipynb #9990ccac
 from __future__ import annotations
 import codecs, dataclasses, itertools, time
+from itertools import compress
+from operator import is_not
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator, Sequence
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
@@ -19,18 +23,20 @@ from .dispatch import BACKENDS, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
 from .kv_manager import SlotMappings
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
-                                ModelRunnerOutput, PLACEHOLDER)
+                                ModelRunnerOutput, EngineCoreOutput, DecodeCoreOutputs,
+                                PLACEHOLDER, table_slot_mappings)
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model
-from .paged_step import step_model as paged_step_model
+from .paged_step import step_model as paged_step_model, PagedStepModel
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
-from .cuda_graphs import CUDAGraphModel, fill_token_ids
+from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors
 
 # %% auto #0
-__all__ = ['RUNNERS', 'InputBatch', 'RecomputeModel', 'ModelRunner', 'StepFuture', 'CompletionOutput', 'RequestOutput',
-           'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'prefix_gap', 'greedy_shortfall',
-           'assert_greedy_match', 'LLM']
+__all__ = ['RING', 'RUNNERS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel', 'InputBuffers', 'ModelRunner', 'DecodePlan',
+           'StepFuture', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model',
+           'LLMEngine', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine',
+           'StepTimer', 'host_step_times']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -51,10 +57,12 @@ class InputBatch:
     new_request_ids: set = field(default_factory=set)
     # request id -> ids before its first row, for a (re)start past 0
     prefix_token_ids: dict = field(default_factory=dict)
-    # (row, tensor, index): rows whose id is tensor[index], still on the device
+    # (rows, tensor, index): the id of rows[j] is tensor[index[j]], still on the device
+    # (rows and index an int each, or int arrays)
     token_fill: list = field(default_factory=list)
-    # request id -> {position: id} of rows filled from the device before
-    resolved_token_ids: dict = field(default_factory=dict)
+    # (T, H) int64 the H ids before each row, -1 before the sequence: for a model that reads them
+    # (its `history_len` is H; Engram's n-grams)
+    history: torch.Tensor | None = None
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
@@ -98,6 +106,144 @@ def forward(self: RecomputeModel, batch: InputBatch) -> torch.Tensor:
                          f"the batch's {len(ids)} rows")
     return torch.cat(out) if out else torch.zeros(0, self.model.cfg.vocab_size, device=self.device)
 
+# %% ../nbs/13_engine.ipynb #9400738d
+RING = 8  # the newest ids of each request its row keeps, at position % RING
+
+# %% ../nbs/13_engine.ipynb #04a5bd56
+class InputBuffers:
+    ("The runner's rows of its requests, kept across steps (vLLM's persistent batch): "
+     "block tables, the newest ids, where an id still on the device is")
+    def __init__(self, groups: Sequence, # the cache layout's groups
+                 rows: int = 16): # rows to start with (doubled when they run out)
+        check_int('InputBuffers', 'rows', rows, 1)
+        self.groups, self.row_of, self.free, self.snap = tuple(groups), {}, [], []
+        self.tables = [np.zeros((0, 1), dtype=np.int32) for _ in self.groups]
+        z = lambda *shape: np.zeros(shape, dtype=np.int64)
+        # per row: blocks per table, the ring, prefix-hit length, ids known, generation
+        self.lens, self.ring, self.cached = z(len(self.groups), 0), z(0, RING), z(0)
+        self.ntok, self.gen = z(0), z(0)
+        # per row: the step whose sampled ids hold its newest id (-1: none), and its row there
+        self.late_step, self.late_idx = z(0), z(0)
+        self._last = None  # the last step's (request ids, rows, snapshots), reused while unchanged
+        # the last gather of tables (rows, tables), and the rows rewritten since
+        self._gathered, self._dirty = None, set()
+        self._grow(rows)
+
+# %% ../nbs/13_engine.ipynb #ecef804e
+@patch
+def _grow(self: InputBuffers, n: int):
+    "Room for n rows"
+    old = len(self.snap)
+    if n <= old: return
+    more = lambda a, fill=0: np.concatenate([a, np.full((n - old,) + a.shape[1:], fill, a.dtype)])
+    self.tables = [more(t) for t in self.tables]
+    self.lens = np.concatenate([self.lens, np.zeros((len(self.groups), n - old), np.int64)], 1)
+    self.ring, self.cached, self.ntok, self.gen = (more(self.ring, -1), more(self.cached),
+                                                   more(self.ntok), more(self.gen))
+    self.late_step, self.late_idx = more(self.late_step, -1), more(self.late_idx)
+    self.snap += [None] * (n - old); self.free += range(n - 1, old - 1, -1)
+
+# %% ../nbs/13_engine.ipynb #c61a8094
+@patch
+def put(self: InputBuffers, r: int, # a row
+        keep: int, # the position of the first id
+        ids: Sequence[int]): # the ids from `keep` on: the row then knows keep + len(ids) ids
+    "A request's ids from position `keep` on (the ring keeps the last RING)"
+    n, tail = len(ids), list(ids[-RING:])
+    self.ring[r, (keep + n - len(tail) + np.arange(len(tail))) % RING] = tail
+    self.ntok[r] = keep + n
+
+# %% ../nbs/13_engine.ipynb #20e8fa6d
+@patch
+def start(self: InputBuffers, rid: str, # a request (re)starting: its row, new or reused
+          tokens: Sequence[int], # every id known for it
+          num_cached: int) -> int: # its prefix-hit length
+    "Its row, (re)initialised: the newest ids, no table yet, a new generation"
+    r = self.row_of.get(rid)
+    if r is None:
+        if not self.free: self._grow(2 * len(self.snap))
+        r = self.row_of[rid] = self.free.pop()
+    self.gen[r] += 1; self.snap[r], self._last = None, None
+    self.late_step[r], self.cached[r] = -1, num_cached
+    self.put(r, 0, tokens)
+    return r
+
+@patch
+def release(self: InputBuffers, request_ids):
+    "Give the rows of finished or preempted requests back"
+    for rid in request_ids:
+        r = self.row_of.pop(rid, None)
+        if r is None: continue
+        self.free.append(r); self.gen[r] += 1; self.late_step[r] = -1
+        self.snap[r], self._last = None, None
+
+# %% ../nbs/13_engine.ipynb #8b9bee2b
+@patch
+def _write(self: InputBuffers, r: int, block_ids: tuple):
+    ("Row r's block tables from a snapshot, the groups that differ from the row's last one "
+     "(a table wider than the arrays widens them)")
+    old = self.snap[r]
+    for g, ids in enumerate(block_ids):
+        if old is not None and old[g] == ids: continue
+        t, n = self.tables[g], len(ids)
+        if n > t.shape[1]:
+            self.tables[g] = t = np.pad(t, ((0, 0), (0, max(n, 2 * t.shape[1]) - t.shape[1])))
+        t[r, :n] = ids; t[r, n:] = NULL_BLOCK_ID; self.lens[g, r] = n
+    self.snap[r] = block_ids; self._dirty.add(r)
+
+@patch
+def assign(self: InputBuffers, req_ids: list, # a step's requests, each started
+           block_ids: list) -> np.ndarray: # their snapshots (SchedulerOutput.block_ids)
+    "(R,) their rows, the tables rewritten where the snapshot is new"
+    last = self._last
+    if last is not None and last[0] == req_ids: rows, prev = last[1], last[2]
+    else:
+        try: rows = np.array([self.row_of[r] for r in req_ids], dtype=np.int64)
+        except KeyError as e:
+            raise RuntimeError(f"request {e.args[0]!r} was never started in this runner") from None
+        prev = [self.snap[r] for r in rows.tolist()]
+    for i in compress(range(len(req_ids)), map(is_not, block_ids, prev)):
+        self._write(int(rows[i]), block_ids[i])
+    self._last = (list(req_ids), rows, list(block_ids))
+    return rows
+
+# %% ../nbs/13_engine.ipynb #57bb70e9
+@patch
+def tables_of(self: InputBuffers, rows: np.ndarray) -> list:
+    ("(R, longest) int32 block tables per group of `rows`, padded with the null block: the last "
+     "step's, with the rows rewritten since copied in, when the rows are the same")
+    g, dirty = self._gathered, self._dirty
+    self._dirty = set()
+    if g is not None and g[0] is rows:
+        if not dirty: return g[1]
+        i = np.array([g[2][r] for r in dirty if r in g[2]], dtype=np.int64)
+        if all(self.lens[k, rows[i]].max(initial=0) <= t.shape[1] for k, t in enumerate(g[1])):
+            for k, t in enumerate(g[1]): t[i] = self.tables[k][rows[i], :t.shape[1]]
+            return g[1]
+    w = self.lens[:, rows].max(axis=1).tolist() if len(rows) else [0] * len(self.groups)
+    at = {r: i for i, r in enumerate(rows.tolist())}          # row -> its place in the step
+    self._gathered = (rows, [t[rows, :n] for t, n in zip(self.tables, w)], at)
+    return self._gathered[1]
+
+# %% ../nbs/13_engine.ipynb #e104480b
+@patch
+def history(self: InputBuffers, rows: np.ndarray, pos: np.ndarray, H: int) -> np.ndarray:
+    "(T, H) int64 the H ids before each position from the rows' rings, -1 before the sequence"
+    q = pos[:, None] + np.arange(-H, 0)
+    out = self.ring[rows[:, None], q % RING]
+    if len(pos) and pos.min() < H: out[q < 0] = -1              # before the sequence
+    return out
+
+@patch
+def settle(self: InputBuffers, rows: np.ndarray, keeps: np.ndarray, ids: list, gens: np.ndarray,
+           step: int):
+    ("A step's sampled ids are back: rows still held by the requests it sampled for take them "
+     "(at `keeps`); rows no longer wait for that step")
+    m, ids = self.gen[rows] == gens, np.asarray(ids, dtype=np.int64)
+    r, k = (rows, keeps) if m.all() else (rows[m], keeps[m])   # usually every row still its own
+    self.ring[r, k % RING] = ids if len(r) == len(ids) else ids[m]; self.ntok[r] = k + 1
+    self.late_step[r[self.late_step[r] == step]] = -1
+
 # %% ../nbs/13_engine.ipynb #3ea389bb
 class ModelRunner:
     ("SchedulerOutput -> InputBatch -> model -> sampled and verified tokens -> next drafts "
@@ -122,58 +268,74 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(
             check_int('ModelRunner', 'seed', seed, 0))
         self.requests, self.generators, self.kernels, self.filled_rows = {}, {}, kernels, 0
+        # the requests' rows, kept across steps; the ids a model wants before each row
+        self.buffers = InputBuffers(kv_cache_config.groups)
+        self.history_len = check_int('ModelRunner', "the model's history_len",
+                                     getattr(model, 'history_len', 0), 0)
+        if self.history_len > RING - 2:
+            raise ValueError(f"ModelRunner: the model's history_len = {self.history_len}; "
+                             f"the runner's rows keep at most {RING - 2} ids before a row")
+        # True: tables and slots from the persistent rows, and the all-decode path;
+        # False: rebuilt from the scheduler's plan every step (the reference)
+        self.fast = True
+        self._random, self._masking = set(), set()  # not greedy; stop ids masked (min_tokens)
+        self._sampled, self._sid = {}, 0  # step id -> its sampled ids on the device
 
 # %% ../nbs/13_engine.ipynb #86d4e977
 @patch
 def _start(self: ModelRunner, sr) -> SimpleNamespace:
-    ("(Re)start what the runner keeps of a request: every id it knows "
-     "(prompt, outputs, its newest sampled one), how it samples")
-    if ((seed := sr.request.sampling_params.seed) is not None
-            and sr.request_id not in self.generators):
-        self.generators[sr.request_id] = torch.Generator(self.device).manual_seed(seed)
-    r = sr.request
-    self.requests[sr.request_id] = st = SimpleNamespace(
-        tokens=list(r.all_token_ids), params=r.sampling_params,
-        num_prompt_tokens=r.num_prompt_tokens, eos=r.eos_token_id,
-        pending=None, filled=[])   # (tensor, index) of its newest id, not back yet
+    ("(Re)start what the runner keeps of a request: how it samples, and its row "
+     "(every id the scheduler knows, its prefix-hit length)")
+    r, rid = sr.request, sr.request_id
+    if (seed := r.sampling_params.seed) is not None and rid not in self.generators:
+        self.generators[rid] = torch.Generator(self.device).manual_seed(seed)
+    sp = r.sampling_params
+    self.requests[rid] = st = SimpleNamespace(request=r, params=sp, eos=r.eos_token_id,
+                                              num_prompt_tokens=r.num_prompt_tokens)
+    self.buffers.start(rid, r.all_token_ids, sr.num_cached_tokens)
+    (self._random.discard if sp.greedy else self._random.add)(rid)
+    stops = sp.stop_token_ids or (r.eos_token_id is not None and not sp.ignore_eos)
+    (self._masking.add if sp.min_tokens and stops else self._masking.discard)(rid)
     return st
 
 # %% ../nbs/13_engine.ipynb #aed42e11
 @patch
-def _rows(self: ModelRunner, sr, st: SimpleNamespace) -> tuple:
-    ("(ids of a request's rows: its own tokens where they are known, then the drafts; "
-     "the row whose id is still on the device)")
-    n, d = sr.num_tokens, sr.num_draft_tokens
-    known, drafts, late = st.tokens[sr.start:sr.start + n - d], list(sr.token_ids[n - d:]), None
-    # its newest id: sampled, not back yet
-    if st.pending is not None and n > d and len(st.tokens) == sr.start + n - d - 1:
-        late, known = n - d - 1, known + [0]
-    if len(known) != n - d or any(t != PLACEHOLDER and t != k for t, k in zip(sr.token_ids, known)):
-        raise RuntimeError(f"request {sr.request_id!r}: rows from position {sr.start} "
-                           f"disagree with the runner's {len(st.tokens)} tokens")
+def _rows(self: ModelRunner, sr, st: SimpleNamespace, row: int) -> tuple:
+    ("(ids of a request's rows: the ids it knows (the scheduler's, then its own newest), "
+     "then the drafts; the row whose id is still on the device, or None)")
+    B, n, d, start = self.buffers, sr.num_tokens, sr.num_draft_tokens, sr.start
+    known, toks, stop = int(B.ntok[row]), st.request.all_token_ids, sr.start + n - d
+    ids, late, drafts = list(toks[start:min(stop, len(toks))]), None, list(sr.token_ids[n - d:])
+    for p in range(max(start, len(toks)), stop):  # the newest rows: the scheduler lags behind
+        t = sr.token_ids[p - start]
+        if p < known and t in (PLACEHOLDER, k := int(B.ring[row, p % RING])): ids.append(k)
+        elif p == known == stop - 1 and B.late_step[row] >= 0: late = p - start; ids.append(0)
+        else:
+            raise RuntimeError(f"request {sr.request_id!r}: rows from position {start} "
+                               f"disagree with the runner's {known} tokens")
     if PLACEHOLDER in drafts:
         raise RuntimeError(f"request {sr.request_id!r}: "
                            f"draft rows whose drafts this runner never made")
-    return known + drafts, late
+    return ids + drafts, late
 
 # %% ../nbs/13_engine.ipynb #82fbbbed
 @patch
 def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
     "(InputBatch, sample plan: (request id, first logits row, drafts, tokens before the drafts) per sampling request)"
-    ids, new, prefix, plan, logits_rows, row, fill, resolved = [], set(), {}, [], [], 0, [], {}
+    if self.fast and so.all_decode and (got := self._prepare_decode(so)) is not None: return got
+    ids, new, prefix, plan, logits_rows, row, fill = [], set(), {}, [], [], 0, []
+    B = self.buffers
     for sr in so.requests:
         st = self._start(sr) if sr.new else self.requests.get(sr.request_id)
         if st is None:
             raise RuntimeError(f"request {sr.request_id!r} was never started in this runner")
         if sr.new:
             new.add(sr.request_id)
-            prefix.update({sr.request_id: st.tokens[:sr.start]} if sr.start else {})
-        # ids filled on the device before, now known
-        if back := {p: st.tokens[p] for p in st.filled if p < len(st.tokens)}:
-            resolved[sr.request_id], st.filled = back, [p for p in st.filled if p not in back]
-        rows, late = self._rows(sr, st)
-        if late is not None:
-            fill.append((row + late, *st.pending)); st.filled.append(sr.start + late)
+            if sr.start: prefix[sr.request_id] = st.request.all_token_ids[:sr.start]
+        r = B.row_of[sr.request_id]
+        rows, late = self._rows(sr, st, r)
+        if late is not None:  # its id: the step that sampled it, on the device
+            fill.append((row + late, self._sampled[int(B.late_step[r])], int(B.late_idx[r])))
             self.filled_rows += 1
         ids += rows
         n, d = sr.num_tokens, sr.num_draft_tokens
@@ -182,49 +344,164 @@ def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
                          sr.start + n - d))
             logits_rows += range(row + n - d - 1, row + n)
         row += n
-    dev = getattr(self.model, 'input_device', None) or self.device   # (a graph model: the host)
-    i32, sm = torch.int32, so.slot_mappings
-    sm = SlotMappings(sm.positions.to(dev), sm.swa.to(dev),
-                      {r: v.to(dev) for r, v in sm.compressed.items()},
-                      None if sm.ring is None else sm.ring.to(dev))
-    batch = InputBatch([sr.request_id for sr in so.requests],
-                       torch.tensor(ids, dtype=torch.int64, device=dev),
-                       sm.positions, so.query_start_loc.to(dev),
-                       torch.tensor([sr.start + sr.num_tokens for sr in so.requests],
-                                    dtype=i32, device=dev),
-                       tuple(so.block_table(g.group_id).to(dev)
-                             for g in self.kv_cache_config.groups),
-                       sm,
-                       torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-                       so.decoder_rows.to(dev),
-                       torch.tensor([sr.num_cached_tokens for sr in so.requests],
-                                    dtype=i32, device=dev),
-                       new, prefix, fill, resolved)
-    # a model fed on its device: fill the ids here
-    if fill and getattr(self.model, 'input_device', None) is None:
-        fill_token_ids(batch.token_ids, fill); batch.token_fill = []
-    return batch, plan
+    return self._batch(so, ids, new, prefix, logits_rows, fill), plan
+
+# %% ../nbs/13_engine.ipynb #7c1d76f8
+@dataclass
+class DecodePlan:
+    "The sample plan of an all-decode step as columns: request i samples logits row i"
+    req_ids: list  # (R,)
+    rows: np.ndarray  # (R,) their rows in the runner's buffers
+    starts: np.ndarray  # (R,) int64 each request's row position
+    def __len__(self): return len(self.req_ids)
+    def as_list(self) -> list:
+        "The general plan: (request id, logits row, drafts, tokens before the drafts) each"
+        starts = self.starts.tolist()
+        return [(r, i, [], s + 1) for i, (r, s) in enumerate(zip(self.req_ids, starts))]
+
+# %% ../nbs/13_engine.ipynb #8746596e
+@patch
+def _place(self: ModelRunner, batch: InputBatch) -> InputBatch:
+    "The batch on the model's input device; a model fed on its device gets the device ids filled in"
+    dev = getattr(self.model, 'input_device', None) or self.device
+    if dev.type != 'cpu': batch = _map_tensors(batch, lambda t: t.to(dev))
+    if batch.token_fill and getattr(self.model, 'input_device', None) is None:
+        fill_token_ids(batch.token_ids, batch.token_fill); batch.token_fill = []
+    return batch
+
+# %% ../nbs/13_engine.ipynb #823cca6e
+@patch
+def _history(self: ModelRunner, so: SchedulerOutput, ids: list) -> torch.Tensor:
+    ("(T, H) the H ids before each row: the request's earlier ids (the scheduler's, then the "
+     "runner's newest), then the step's own rows")
+    H, B, out, row = self.history_len, self.buffers, [], 0
+    for sr in so.requests:
+        n, r, toks = sr.num_tokens, B.row_of[sr.request_id], sr.request.all_token_ids
+        before = [-1 if q < 0 else toks[q] if q < len(toks) else int(B.ring[r, q % RING])
+                  for q in range(sr.start - H, sr.start)]
+        ctx = np.array(before + ids[row:row + n], dtype=np.int64)
+        out.append(sliding_window_view(ctx, H)[:n]); row += n
+    return torch.from_numpy(np.concatenate(out) if out else np.zeros((0, H), dtype=np.int64))
+
+# %% ../nbs/13_engine.ipynb #f4ecb516
+@patch
+def _batch(self: ModelRunner, so: SchedulerOutput, ids: list, new: set, prefix: dict,
+           logits_rows: list, fill: list) -> InputBatch:
+    ("The step's tensors: block tables and slot mappings from the persistent rows "
+     "(with `fast` off, rebuilt from the plan)")
+    reqs, B = so.requests, self.buffers
+    n = [sr.num_tokens for sr in reqs]
+    req = np.repeat(np.arange(len(n)), n)
+    pos = (np.asarray(so.starts, dtype=np.int64)[req] + np.arange(len(req))
+           - np.repeat(np.cumsum([0] + n)[:-1], n))                            # (T,)
+    rows = B.assign(so.req_ids, so.block_ids)
+    if self.fast:
+        tables = B.tables_of(rows)
+        cached = np.array([sr.num_cached_tokens for sr in reqs], dtype=np.int64)
+        sm = table_slot_mappings(self.kv_cache_config.groups, tables, req, pos, pos < cached[req])
+        tables = tuple(torch.from_numpy(t) for t in tables)
+        rs = np.array([sr.replay_start for sr in reqs], dtype=np.int64)
+        dec = torch.from_numpy(np.flatnonzero(pos >= rs[req]))
+    else:
+        sm, dec = so.slot_mappings, so.decoder_rows
+        tables = tuple(so.block_table(g.group_id) for g in self.kv_cache_config.groups)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    batch = InputBatch(list(so.req_ids), torch.tensor(ids, dtype=torch.int64), sm.positions,
+                       i32([0] + np.cumsum(n).tolist()),
+                       i32([sr.start + k for sr, k in zip(reqs, n)]),
+                       tables, sm, torch.tensor(logits_rows, dtype=torch.int64), dec,
+                       i32([sr.num_cached_tokens for sr in reqs]), new, prefix, fill,
+                       self._history(so, ids) if self.history_len else None)
+    return self._place(batch)
+
+# %% ../nbs/13_engine.ipynb #794896d1
+@patch
+def _late_fill(self: ModelRunner, late: np.ndarray, rows: np.ndarray) -> list:
+    ("token_fill of the batch rows `late`, whose ids are still on the device: "
+     "one entry per step that sampled them")
+    if not len(late): return []
+    B, steps = self.buffers, self.buffers.late_step[rows[late]]
+    self.filled_rows += len(late)
+    if (steps == steps[0]).all():                   # the common case: one step sampled them all
+        return [(late, self._sampled[int(steps[0])], B.late_idx[rows[late]])]
+    return [(late[m], self._sampled[int(s)], B.late_idx[rows[late[m]]])
+            for s in np.unique(steps).tolist() for m in [steps == s]]
+
+# %% ../nbs/13_engine.ipynb #2695375c
+@patch
+def _prepare_decode(self: ModelRunner, so) -> tuple | None:
+    ("(InputBatch, DecodePlan) of an all-decode step, a few array operations for the whole batch; "
+     "None: something only the general path handles (or names as an error)")
+    B, R = self.buffers, len(so.req_ids)
+    rows = B.assign(so.req_ids, so.block_ids)
+    starts, ids = np.array(so.starts, dtype=np.int64), np.array(so.token_ids, dtype=np.int64)
+    late, ntok = ids == PLACEHOLDER, B.ntok[rows]
+    # each row: the runner's newest id (checked), or an id still on the device
+    on_device = lambda: (ntok == starts) & (B.late_step[rows] >= 0)
+    known = lambda: (ntok == starts + 1) & (B.ring[rows, starts % RING] == ids)
+    if late.all(): ok = on_device().all()          # async: every id from the step before
+    elif not late.any(): ok = known().all()        # sync: every id known
+    else: ok = np.where(late, on_device(), known()).all()
+    if not ok: return None
+    ids[late] = 0
+    tables, ar, qsl = B.tables_of(rows), self._arange(R), self._arange(R + 1, torch.int32)
+    sm = table_slot_mappings(self.kv_cache_config.groups, tables, ar.numpy(), starts)
+    hist = (torch.from_numpy(B.history(rows, starts, self.history_len)) if self.history_len
+            else None)
+    batch = InputBatch(list(so.req_ids), torch.from_numpy(ids), sm.positions, qsl,
+                       torch.from_numpy((starts + 1).astype(np.int32)),
+                       tuple(torch.from_numpy(t) for t in tables), sm, ar, ar,
+                       torch.from_numpy(B.cached[rows].astype(np.int32)),
+                       token_fill=self._late_fill(np.flatnonzero(late), rows), history=hist)
+    return self._place(batch), DecodePlan(so.req_ids, rows, starts)
+
+@patch
+def _arange(self: ModelRunner, n: int, dtype=torch.int64) -> torch.Tensor:
+    "(n,) 0..n-1: a view of one tensor kept per dtype"
+    kept = self.__dict__.setdefault('_aranges', {})
+    have = len(kept.get(dtype, ()))
+    if have < n: kept[dtype] = torch.arange(max(n, 2 * have), dtype=dtype)
+    return kept[dtype][:n]
+
+# %% ../nbs/13_engine.ipynb #e9f5a7dd
+@patch
+def _tokens_decode(self: ModelRunner, logits: torch.Tensor, plan: DecodePlan) -> tuple:
+    "`_tokens` of an all-decode step: one argmax when every request is greedy and unmasked"
+    if self._random.isdisjoint(plan.req_ids) and self._masking.isdisjoint(plan.req_ids):
+        return None, argmax_rows(logits)
+    return self._tokens(logits, plan.as_list())
+
+@patch
+def _sample_decode(self: ModelRunner, logits: torch.Tensor, plan: DecodePlan) -> list:
+    "One token per request of an all-decode step (read back); the rows' newest ids updated"
+    toks = self._tokens_decode(logits, plan)[1].tolist()
+    B, keep = self.buffers, plan.starts + 1
+    B.ring[plan.rows, keep % RING] = toks; B.ntok[plan.rows] = keep + 1
+    return toks
 
 # %% ../nbs/13_engine.ipynb #73a45e3a
 @patch
 def _stop_mask(self: ModelRunner, logits: torch.Tensor, plan: list):
     "Stop ids to -inf on rows of requests below min_tokens outputs (vLLM's min-tokens processor), in place"
     for rid, o, drafts, keep in plan:
+        if rid not in self._masking: continue
         st = self.requests[rid]; sp = st.params
         stop = list(sp.stop_token_ids) + ([st.eos] if st.eos is not None and not sp.ignore_eos
                                           else [])
         # its rows still below min_tokens
         n = min(len(drafts) + 1, sp.min_tokens - (keep - st.num_prompt_tokens))
-        if stop and n > 0: logits[o:o + n, stop] = -torch.inf
+        if n > 0: logits[o:o + n, stop] = -torch.inf
+        else: self._masking.discard(rid)  # past min_tokens for good
 
 # %% ../nbs/13_engine.ipynb #1f9018d0
 @patch
 def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
     "(accepted, token) of the step's sampling rows, as tensors on the device (accepted None: nothing to verify)"
-    rows = [(self.requests[rid], rid, d) for rid, _, drafts, _ in plan for d in list(drafts) + [-1]]
     self._stop_mask(logits, plan)
-    # what `draw` gives, in two launches
-    if all(d == -1 and s.params.greedy for s, _, d in rows): return None, argmax_rows(logits)
+    # all greedy and no drafts: what `draw` gives, in two launches
+    if (self._random.isdisjoint(rid for rid, *_ in plan)
+            and not any(drafts for _, _, drafts, _ in plan)): return None, argmax_rows(logits)
+    rows = [(self.requests[rid], rid, d) for rid, _, drafts, _ in plan for d in list(drafts) + [-1]]
     sb = sampling_batch([s.params for s, _, _ in rows],
                         [self.generators.get(r) for _, r, _ in rows], self.vocab_size, self.device)
     return draw(sampling_probs(logits, sb), torch.tensor([d for *_, d in rows], device=self.device),
@@ -233,16 +510,16 @@ def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
 # %% ../nbs/13_engine.ipynb #0ba750bc
 @patch
 def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
-    "request id -> its new tokens (accepted drafts, then one drawn token); the runner's tokens updated"
+    "request id -> its new tokens (accepted drafts, then one drawn token); the runner's rows updated"
     accepted, token = self._tokens(logits, plan)
     accepted, token = ([False] * len(token) if accepted is None else accepted.tolist(),
                        token.tolist())
-    out = {}
+    out, B = {}, self.buffers
     for rid, o, drafts, keep in plan:
         a = 0
         while a < len(drafts) and accepted[o + a]: a += 1
         out[rid] = list(drafts[:a]) + [token[o + a]]
-        st = self.requests[rid]; del st.tokens[keep:]; st.tokens.extend(out[rid])
+        B.put(B.row_of[rid], keep, out[rid])
     return out
 
 # %% ../nbs/13_engine.ipynb #796ca063
@@ -252,9 +529,11 @@ def _forget(self: ModelRunner, so: SchedulerOutput):
     if not isinstance(so, SchedulerOutput):
         raise TypeError(f"execute_model: expected a SchedulerOutput, got {type(so).__name__}")
     gone = so.finished_req_ids | so.preempted_req_ids
+    if not gone: return
     for rid in gone: self.requests.pop(rid, None)
     for rid in so.finished_req_ids: self.generators.pop(rid, None)
-    if gone: self.model.release(gone)
+    self._random -= gone; self._masking -= gone
+    self.buffers.release(gone); self.model.release(gone)
 
 # %% ../nbs/13_engine.ipynb #c0491382
 @patch
@@ -273,11 +552,14 @@ def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
     self._forget(so)
-    if not so.requests: return ModelRunnerOutput({}, {})
+    if not so.req_ids: return ModelRunnerOutput({}, {})
     plan, logits = self._logits(so)
+    if isinstance(plan, DecodePlan):  # one token a request, as columns
+        return ModelRunnerOutput(req_ids=so.req_ids, token_ids=self._sample_decode(logits, plan))
     sampled = ({sr.request_id: [] for sr in so.requests}
                | (self._sample(logits, plan) if plan else {}))
-    drafts = (self.proposer.propose([self.requests[r].tokens for r, *_ in plan])
+    drafts = (self.proposer.propose([self.requests[r].request.all_token_ids + sampled[r]
+                                     for r, *_ in plan])
               if self.proposer is not None and plan else [])
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
 
@@ -297,14 +579,19 @@ def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
         raise ValueError("execute_model_async: a proposer needs each step's tokens "
                          "before the next step")
     self._forget(so)
-    empty = {sr.request_id: [] for sr in so.requests}
-    plan, logits = self._logits(so) if so.requests else ([], None)
-    if not plan: return StepFuture(lambda: ModelRunnerOutput(empty, {}))
-    if any(drafts for _, _, drafts, _ in plan):
+    plan, logits = self._logits(so) if so.req_ids else ([], None)
+    if not plan:
+        empty = {r: [] for r in so.req_ids}
+        return StepFuture(lambda: ModelRunnerOutput(empty, {}))
+    decode = isinstance(plan, DecodePlan)
+    if not decode and any(drafts for _, _, drafts, _ in plan):
         raise RuntimeError("execute_model_async: draft rows in an asynchronous step")
-    _, token = self._tokens(logits, plan)  # (rows,) on the device
-    states = {rid: self.requests[rid] for rid, *_ in plan}
-    for rid, o, *_ in plan: states[rid].pending = (token, o)
+    _, token = self._tokens_decode(logits, plan) if decode else self._tokens(logits, plan)
+    B, sid = self.buffers, self._sid
+    self._sid += 1; self._sampled[sid] = token  # (rows,) on the device
+    rows = plan.rows if decode else np.array([B.row_of[rid] for rid, *_ in plan], dtype=np.int64)
+    keeps = plan.starts + 1 if decode else np.array([k for *_, k in plan], dtype=np.int64)
+    B.late_step[rows], B.late_idx[rows], gens = sid, np.arange(len(rows)), B.gen[rows].copy()
     host, done = token, None
     if token.is_cuda:  # the read-back, queued behind the step
         host = torch.empty(token.shape, dtype=token.dtype, pin_memory=True).copy_(
@@ -312,13 +599,12 @@ def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
         done = torch.cuda.Event(); done.record()
     def result() -> ModelRunnerOutput:
         if done is not None: done.synchronize()
-        ids, out = host.tolist(), dict(empty)
-        for rid, o, _, keep in plan:
-            out[rid], st = [ids[o]], states[rid]
-            if self.requests.get(rid) is st:  # not finished, preempted or restarted since
-                del st.tokens[keep:]; st.tokens.append(ids[o])
-                if st.pending is not None and st.pending[0] is token: st.pending = None
-        return ModelRunnerOutput(out, {})
+        ids = host.tolist()
+        B.settle(rows, keeps, ids, gens, sid)
+        if not (B.late_step == sid).any(): self._sampled.pop(sid, None)
+        if decode: return ModelRunnerOutput(req_ids=so.req_ids, token_ids=ids)
+        return ModelRunnerOutput({r: [] for r in so.req_ids}
+                                 | {rid: [ids[o]] for rid, o, _, _ in plan}, {})
     return StepFuture(result)
 
 # %% ../nbs/13_engine.ipynb #9315d311
@@ -368,7 +654,7 @@ class EngineArgs:
     # longest sequence (default: the cache layout's, capped by the model's)
     max_model_len: int | None = None
     max_num_seqs: int = 256  # most requests running at once
-    max_num_batched_tokens: int = 8192  # token budget of one step
+    max_num_batched_tokens: int = 16384  # token budget of one step (vLLM's for this model)
     # KV pool size, null block included (default: from the cache memory budget)
     num_gpu_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -402,12 +688,15 @@ def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: 
 
 # %% ../nbs/13_engine.ipynb #98bf1d24
 class _Tracked:
-    "The engine's record of one unfinished request; `sent`: tokens and characters already streamed"
-    def __init__(self, prompt: str | None, ids: list, now: float):
-        self.prompt, self.prompt_token_ids = prompt, ids
-        self.metrics, self.token_ids = dict(arrival=now, steps=0), []
+    ("The engine's record of one unfinished request: its scheduler request (which holds its "
+     "tokens), metrics, text; `sent`: tokens and characters streamed; `decoded`: tokens decoded")
+    def __init__(self, prompt: str | None, ids: list, now: float, request):
+        self.prompt, self.prompt_token_ids, self.request = prompt, ids, request
+        self.metrics, self.steps, self.first = dict(arrival=now), 0, None
         self.detok, self.finish_reason, self.stop_reason = IncrementalDetokenizer(), None, None
-        self.sent = (0, 0)
+        self.sent, self.decoded = (0, 0), 0
+    @property
+    def token_ids(self) -> list: return self.request.output_token_ids
 
 # %% ../nbs/13_engine.ipynb #bc1227cc
 class LLMEngine:
@@ -513,8 +802,9 @@ def add_request(self: LLMEngine,
                 sampling_params: SamplingParams | None = None): # default SamplingParams()
     "Check a request and queue it"
     text, ids = self.process_prompt(prompt)
-    self.scheduler.add_request(request_id, ids, sampling_params, eos_token_id=self.tokenizer.EOS)
-    self.tracked[request_id] = _Tracked(text, ids, time.perf_counter())
+    req = self.scheduler.add_request(request_id, ids, sampling_params,
+                                     eos_token_id=self.tokenizer.EOS)
+    self.tracked[request_id] = _Tracked(text, ids, time.perf_counter(), req)
 
 # %% ../nbs/13_engine.ipynb #e564c68e
 @patch
@@ -523,41 +813,65 @@ def has_unfinished_requests(self: LLMEngine) -> bool:
 
 # %% ../nbs/13_engine.ipynb #3799cdc4
 @patch
-def _output(self: LLMEngine, rid: str, delta: bool = False) -> RequestOutput:
-    t = self.tracked[rid]
-    n, c = t.sent if delta else (0, 0)
-    if delta: t.sent = (len(t.token_ids), len(t.detok.text))
-    out = CompletionOutput(0, t.detok.text[c:], t.token_ids[n:], t.finish_reason, t.stop_reason)
-    if t.finish_reason is not None: del self.tracked[rid]     # a finished request's last output
-    return RequestOutput(rid, t.prompt, t.prompt_token_ids, [out], t.finish_reason is not None,
-                         dict(t.metrics))
+def _output(self: LLMEngine, rid: str, delta: bool | str = False) -> RequestOutput:
+    "Its RequestOutput now: whole, or (delta True) what is new; the text decoded up to here"
+    t = self.tracked[rid]; fin, ids = t.finish_reason is not None, t.token_ids
+    t.detok.add(ids[t.decoded:], final=fin); t.decoded = len(ids)
+    n, c = t.sent if delta is True else (0, 0)
+    if delta is True: t.sent = (len(ids), len(t.detok.text))
+    out = CompletionOutput(0, t.detok.text[c:], ids[n:], t.finish_reason, t.stop_reason)
+    if fin: del self.tracked[rid]     # a finished request's last output
+    return RequestOutput(rid, t.prompt, t.prompt_token_ids, [out], fin,
+                         dict(t.metrics, steps=t.steps))
 
 # %% ../nbs/13_engine.ipynb #f4ed6e5a
 @patch
-def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput, delta: bool) -> list:
-    "Apply one step's sampled tokens; outputs of the requests that got tokens"
-    now, outs = time.perf_counter(), []
-    for e in self.scheduler.update_from_output(so, mro):
-        t = self.tracked[e.request_id]
-        t.token_ids += e.new_token_ids; t.metrics['steps'] += 1
-        if e.new_token_ids: t.metrics.setdefault('first_token', now)
-        t.detok.add(e.new_token_ids, final=e.finish_reason is not None)
+def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput,
+           delta: bool | str) -> list:
+    ("Apply one step's sampled tokens; outputs of the requests that got tokens "
+     "(with delta 'final', of those that finished: vLLM's FINAL_ONLY)")
+    now, tracked = time.perf_counter(), self.tracked
+    got = self.scheduler.update_from_output(so, mro)
+    if isinstance(got, DecodeCoreOutputs):          # one token each, as columns
+        for rid in got.req_ids:
+            t = tracked[rid]; t.steps += 1
+            if t.first is None: t.first = t.metrics['first_token'] = now
+        # the requests that get an output: those that ended (delta 'final'), else all
+        ended = got.finished
+        got = ([EngineCoreOutput(r, [], *ended[r]) for r in ended] if delta == 'final'
+               else [EngineCoreOutput(r, [], *ended.get(r, (None, None))) for r in got.req_ids])
+    else:
+        for e in got:
+            t = tracked[e.request_id]; t.steps += 1
+            if e.new_token_ids and t.first is None: t.first = t.metrics['first_token'] = now
+    outs = []
+    for e in got:
+        t = tracked[e.request_id]
         if e.finish_reason is not None:
             t.finish_reason, t.stop_reason, t.metrics['finished'] = (e.finish_reason, e.stop_reason,
                                                                      now)
-        outs.append(self._output(e.request_id, delta))
+        if delta != 'final' or e.finish_reason is not None:
+            outs.append(self._output(e.request_id, delta))
     return outs
 
 # %% ../nbs/13_engine.ipynb #f582e725
 @patch
-def step(self: LLMEngine, delta: bool = False) -> list:
-    "One engine step; RequestOutputs of the requests that got tokens (whole, or only what is new with `delta`)"
+def step(self: LLMEngine,
+         # False: whole outputs; True: only what is new; 'final': finished requests only
+         delta: bool | str = False) -> list:
+    ("One engine step; RequestOutputs of the requests that got tokens "
+     "(whole, only what is new, or only the finished)")
     so = self.scheduler.schedule()
     if not self.args.async_scheduling: return self._apply(so, self.runner.execute_model(so), delta)
+    prev, self._pending, outs = self._pending, None, []
+    # a step with prefill rows runs eagerly and its launch waits on the GPU: the step before it
+    # is applied first, so that its tokens (a first token, often) are not held back a whole step
+    if prev is not None and so.req_ids and not so.all_decode:
+        outs, prev = self._apply(prev[0], prev[1].result(), delta), None
     fut = self.runner.execute_model_async(so)  # launched, not waited for
+    self._pending = (so, fut) if so.req_ids else None
     # apply the step before this one
-    prev, self._pending = self._pending, ((so, fut) if so.requests else None)
-    return self._apply(prev[0], prev[1].result(), delta) if prev is not None else []
+    return outs + (self._apply(prev[0], prev[1].result(), delta) if prev is not None else [])
 
 # %% ../nbs/13_engine.ipynb #13545732
 @patch
@@ -568,7 +882,6 @@ def abort_request(self: LLMEngine, request_id: str) -> RequestOutput:
     self.scheduler.abort(request_id)
     t = self.tracked[request_id]
     t.finish_reason, t.metrics['finished'] = 'abort', time.perf_counter()
-    t.detok.add([], final=True)
     return self._output(request_id)
 
 # %% ../nbs/13_engine.ipynb #9298606c
@@ -671,7 +984,7 @@ def _add_requests(self: LLM, prompts, sampling_params) -> list:
 
 # %% ../nbs/13_engine.ipynb #62b31bbc
 @patch
-def _run(self: LLM, rids: list, delta: bool) -> Iterator[RequestOutput]:
+def _run(self: LLM, rids: list, delta: bool | str) -> Iterator[RequestOutput]:
     "Step the engine until `rids` finish, yielding their outputs; those unfinished when it stops are aborted"
     mine, done = set(rids), set()
     try:
@@ -697,7 +1010,7 @@ def generate(
     from tqdm import tqdm
     rids, done = self._add_requests(prompts, sampling_params), {}
     with tqdm(total=len(rids), desc='Processed prompts', disable=not use_tqdm) as bar:
-        for o in self._run(rids, delta=False):
+        for o in self._run(rids, delta='final'):  # outputs of finished requests only
             if o.finished: done[o.request_id] = o; bar.update(1)
     return [done[r] for r in rids]
 
@@ -711,3 +1024,117 @@ def stream(
     ("Queue the prompts now; a generator of delta RequestOutputs as steps produce tokens "
      "(closing it aborts the rest)")
     return self._run(self._add_requests(prompts, sampling_params), delta=True)
+
+# %% ../nbs/13_engine.ipynb #ed62c90b
+class NullStepModel(PagedStepModel):
+    ("The paged step model's host part (`prepare` and what it keeps) with a `run` that returns "
+     "logits at once: an engine whose steps cost only the host's work")
+    def __init__(self, kv_cache_config: KVCacheConfig, # the cache layout
+                 cfg, # the ModelConfig whose bookkeeping `prepare` keeps
+                 vocab: int = 1): # columns of the logits `run` returns
+        self.model, self.device = SimpleNamespace(cfg=cfg), torch.device('cpu')
+        self.vocab_size = check_int('NullStepModel', 'vocab', vocab, 1)
+        self._host_state(cfg, kv_cache_config)
+        self._zeros = torch.zeros(0, vocab)
+    def run(self, inputs) -> torch.Tensor:
+        n = len(inputs.step.logits_rows)
+        if len(self._zeros) < n: self._zeros = torch.zeros(2 * n, self.vocab_size)
+        return self._zeros[:n]
+
+# %% ../nbs/13_engine.ipynb #df1b8788
+def host_engine(cfg, # a ModelConfig (only its cache layout and bookkeeping are used)
+                max_model_len: int, # the longest sequence
+                **engine_args) -> LLM: # more EngineArgs
+    ("An LLM whose steps are the host's work alone: `NullStepModel` (one-column logits) inside the "
+     "CUDA-graph wrapper, emulated (padding, staging, device fills; the replay is the null run)")
+    def build(kc):
+        return CUDAGraphModel(NullStepModel(kc, cfg), kc, max_model_len, emulate=True)
+    llm = LLM(Transformer(cfg, device='meta'), step_model=build, max_model_len=max_model_len,
+              **engine_args)
+    llm.llm_engine.runner.vocab_size = 1       # the logits' one column
+    return llm
+
+# %% ../nbs/13_engine.ipynb #9ae24af7
+HOST_PHASES = (  # (name, whose method, the method): a step's phases, in order
+    ('schedule', 'scheduler', 'schedule'), ('inputs', 'runner', 'prepare_inputs'),
+    ('model host', 'model', 'forward'), ('sample', 'runner', '_tokens_decode'),
+    ('update', 'scheduler', 'update_from_output'), ('outputs', 'engine', '_apply'))
+
+class StepTimer:
+    ("Microseconds per phase of an engine's steps (`HOST_PHASES`, timed around the engine's own "
+     "methods while inside `with`), plus the wait for a step's ids (async) and the rest")
+    def __init__(self, engine: LLMEngine,
+                 # nanoseconds now: wall time, or the thread's CPU time (`time.thread_time_ns`)
+                 clock=time.perf_counter_ns):
+        if not isinstance(engine, LLMEngine):
+            raise TypeError(f"StepTimer: expected an LLMEngine, got {type(engine).__name__}")
+        if not callable(clock): raise TypeError(f"StepTimer: clock must be callable, got {clock!r}")
+        self.engine, self.clock, self.times, self._undo = engine, clock, {}, []
+
+# %% ../nbs/13_engine.ipynb #3248a61b
+@patch
+def _timed(self: StepTimer, name: str, f):
+    def timed(*a, **k):
+        t = self.clock()
+        try: return f(*a, **k)
+        finally: self.times[name] = self.times.get(name, 0) + self.clock() - t
+    return timed
+
+@patch
+def __enter__(self: StepTimer):
+    e = self.engine
+    owners = dict(scheduler=e.scheduler, runner=e.runner, model=e.runner.model, engine=e)
+    for name, who, meth in HOST_PHASES + (('wait', StepFuture, 'result'),):
+        o = owners.get(who, who)
+        self._undo.append((o, meth, o.__dict__.get(meth)))
+        setattr(o, meth, self._timed(name, getattr(o, meth)))
+    return self
+
+@patch
+def __exit__(self: StepTimer, *exc):
+    for o, meth, old in reversed(self._undo):
+        if old is None: delattr(o, meth)
+        else: setattr(o, meth, old)
+    self._undo = []
+
+# %% ../nbs/13_engine.ipynb #0ebb48fa
+@patch
+def step(self: StepTimer, delta: bool | str = 'final') -> dict:
+    ("One engine step, timed: microseconds per phase ('outputs' less the update inside it), "
+     "'other', 'total'")
+    self.times = {}
+    t = self.clock(); self.engine.step(delta); total = (self.clock() - t) / 1e3
+    us = {name: self.times.get(name, 0) / 1e3 for name, *_ in HOST_PHASES + (('wait',),)}
+    us['outputs'] -= us['update']
+    return us | dict(other=total - sum(us.values()), total=total)
+
+# %% ../nbs/13_engine.ipynb #d6cbc2ca
+def host_step_times(llm: LLM, # an engine with nothing in it (`host_engine`, or a real one)
+                    n: int, # requests decoding at once
+                    steps: int = 40, # steps timed
+                    seed: int = 0,
+                    clock=time.perf_counter_ns) -> dict: # StepTimer's clock
+    ("Median microseconds per phase of `steps` decode steps of n requests: prompts of staggered "
+     "lengths (block boundaries spread over the steps, as in serving), greedy; aborted at the end")
+    eng = llm.llm_engine
+    check_int('host_step_times', 'n', n, 1); check_int('host_step_times', 'steps', steps, 1)
+    if eng.has_unfinished_requests():
+        raise ValueError("host_step_times: the engine already has unfinished requests")
+    L = eng.max_model_len
+    lo, span = L // 3, max(1, L // 4)
+    if lo + span + steps + 4 > L:
+        raise ValueError(f"host_step_times: {steps} steps after prompts of up to {lo + span} "
+                         f"tokens do not fit max_model_len = {L}")
+    g, sp = torch.Generator().manual_seed(seed), SamplingParams(temperature=0, max_tokens=L,
+                                                                ignore_eos=True)
+    for i in range(n):
+        prompt = torch.randint(0, 256, (lo + i % span,), generator=g).tolist()
+        eng.add_request(f'host-{i}', prompt, sp)
+    s = eng.scheduler
+    while s.waiting or any(r.num_computed_tokens < r.prefill_len for r in s.running):
+        eng.step('final')
+    for _ in range(3): eng.step('final')                   # the first decode steps: warm-up
+    with StepTimer(eng, clock) as timer: rows = [timer.step() for _ in range(steps)]
+    for rid in list(eng.tracked): eng.abort_request(rid)
+    while eng.has_unfinished_requests(): eng.step('final')
+    return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}

@@ -6,15 +6,18 @@
 from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
+from typing import Sequence
 import torch
 from fastcore.basics import patch
+from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
 from .kv_cache import KVCacheConfig
+from .kv_manager import SlotMappings
 from .compressor import RingJournal
 from .model import Transformer
 from .paged import PagedModel, PagedStep
 
 # %% auto #0
-__all__ = ['PagedStepModel', 'step_model', 'PagedInputs']
+__all__ = ['PagedStepModel', 'step_model', 'PagedInputs', 'pad_rows']
 
 # %% ../nbs/10c_paged_step.ipynb #482b8bd9
 class PagedStepModel:
@@ -26,22 +29,33 @@ class PagedStepModel:
         if not isinstance(model, PagedModel):
             raise TypeError(f"PagedStepModel: expected a PagedModel, got {type(model).__name__}")
         self.model, self.device, self.vocab_size = model, model.embed.device, model.cfg.vocab_size
-        # request id -> what later steps need
-        self.tokens, self.window_start, self.replay_start = {}, {}, {}
-        ring = [g for g in model.kv_cache_config.groups if g.manager == 'ring']
-        self.ring_group, self.ring_ratio = ((ring[0].group_id, ring[0].block_size) if ring
-                                            else (None, None))
-        # the last speculative step's rings, restores made
-        self._journal, self.ring_restores = {}, 0
+        self._host_state(model.cfg, model.kv_cache_config)
         if model.state is None: model.allocate(device=self.device)
-    def __repr__(self): return f"PagedStepModel({len(self.tokens)} requests)"
+    def __repr__(self): return f"PagedStepModel({len(self.written)} requests)"
+
+# %% ../nbs/10c_paged_step.ipynb #432df90a
+@patch
+def _host_state(self: PagedStepModel, cfg, kv_cache_config: KVCacheConfig):
+    "What `prepare` keeps between steps, empty"
+    # the ids before each row Engram reads: a batch may carry them (`history`)
+    self.history_len = cfg.engram_max_ngram_size - 1
+    # request id -> what later steps need: its ids (when no batch carries the history), the first
+    # position not computed yet, where its window and its decoder rows start
+    self.tokens, self.written, self.window_start, self.replay_start = {}, {}, {}, {}
+    ring = [g for g in kv_cache_config.groups if g.manager == 'ring']
+    self.ring_group, self.ring_ratio = ((ring[0].group_id, ring[0].block_size) if ring
+                                        else (None, None))
+    # the last speculative step's rings, restores made
+    self._journal, self.ring_restores = {}, 0
+    self._decode_last = None   # the last decode step's (request ids, next positions, starts)
 
 # %% ../nbs/10c_paged_step.ipynb #8c6b7671
 @patch
 def release(self: PagedStepModel, request_ids):
     "Forget what later steps of `request_ids` would have needed"
+    self._settle_decode()
     for r in request_ids:
-        for d in (self.tokens, self.window_start, self.replay_start, self._journal):
+        for d in (self.tokens, self.written, self.window_start, self.replay_start, self._journal):
             d.pop(r, None)
 
 # %% ../nbs/10c_paged_step.ipynb #78d83cde
@@ -98,44 +112,74 @@ class PagedInputs:
     @property
     def replayable(self) -> bool: return self.step.decode_only          # a CUDA graph may replay it
 
+# %% ../nbs/10c_paged_step.ipynb #da3e03eb
+def pad_rows(t: torch.Tensor, # (n, ...) rows
+             size: int, # rows after padding
+             fill, # the value of the new rows (and of new columns)
+             width: int | None = None, # columns after padding (a 2-D table)
+            ) -> torch.Tensor:
+    "(size,) or (size, width): the rows of `t`, then `fill` (`t` itself when it has that shape)"
+    if len(t) == size and (width is None or t.shape[-1] == width): return t
+    out = t.new_full((size,) + t.shape[1:] if width is None else (size, width), fill)
+    out[(slice(len(t)),) + (slice(t.shape[-1]),) * (t.dim() - 1)] = t
+    return out
+
+# %% ../nbs/10c_paged_step.ipynb #03194273
+@patch
+def pad(self: PagedInputs, size: int, # rows after padding
+        widths: Sequence[int]) -> PagedInputs: # block-table width per cache group
+    ("A decode step padded to `size` rows, each pad a fresh one-token request at position 0 "
+     "that reads the null block and writes nowhere")
+    s, R = self.step, len(self.step.token_ids)
+    sm = s.slots
+    slots = SlotMappings(pad_rows(sm.positions, size, 0), pad_rows(sm.swa, size, PAD_SLOT_ID),
+                         {r: pad_rows(v, size, PAD_SLOT_ID) for r, v in sm.compressed.items()},
+                         None if sm.ring is None else pad_rows(sm.ring, size, PAD_SLOT_ID))
+    ar = torch.arange(size, device=s.token_ids.device)
+    return PagedInputs(PagedStep(
+        pad_rows(s.token_ids, size, 0), pad_rows(s.history, size, -1),
+        ar.to(s.rows.dtype), slots,
+        tuple(pad_rows(t, size, NULL_BLOCK_ID, w) for t, w in zip(s.block_tables, widths)),
+        pad_rows(s.window_start, size, 0), pad_rows(s.replay_start, size, 0),
+        ar.to(s.logits_rows.dtype), True), self.ring_blocks)
+
 # %% ../nbs/10c_paged_step.ipynb #caba745d
 @patch
 def prepare(self: PagedStepModel, batch) -> PagedInputs:
     ("The `PagedStep` of an engine input batch "
      "(rows, positions, tables, slots, decoder rows, ...): the host's part of a step")
+    given = getattr(batch, 'history', None)
+    if given is not None and (fast := self._prepare_decode(batch)) is not None: return fast
+    self._settle_decode()
     # read back once each
     qsl, pos, ids = (batch.query_start_loc.tolist(), batch.positions.tolist(),
                      batch.token_ids.tolist())
-    dec, n, dev = ([False] * len(ids), self.model.cfg.engram_max_ngram_size - 1,
-                   batch.token_ids.device)
+    dec, n, dev = ([False] * len(ids), self.history_len, batch.token_ids.device)
     for j in batch.decoder_rows.tolist(): dec[j] = True
     cached = batch.num_cached_tokens.tolist() if batch.new_request_ids else None
     # blocks: ring blocks of multi-row decode requests
     hist, rows, ws, rs, blocks = [], [], [], [], {}
-    # ids an earlier step took on the device, now known
-    for rid, back in getattr(batch, 'resolved_token_ids', {}).items():
-        toks = self.tokens.get(rid, ())
-        for p, tok in back.items():
-            if p < len(toks): toks[p] = tok
     for i, rid in enumerate(batch.request_ids):
         a, b = qsl[i], qsl[i + 1]
         p0 = pos[a]
         if rid in batch.new_request_ids:
-            self.tokens[rid] = list(batch.prefix_token_ids.get(rid, ()))
+            if given is None: self.tokens[rid] = list(batch.prefix_token_ids.get(rid, ()))
+            self.written[rid] = p0 if given is not None else len(self.tokens[rid])
             # a replayed prefix hit starts there
             self.window_start[rid] = p0 if p0 < cached[i] else 0
             self.replay_start.pop(rid, None)
-        toks = self.tokens.get(rid)
-        if toks is None or len(toks) < p0:
+        w = self.written.get(rid)
+        if w is None or w < p0:
             raise RuntimeError(f"request {rid!r}: rows from position {p0}, but "
-                               f"{len(toks or ())} earlier tokens are known (start it first)")
+                               f"{w or 0} earlier tokens are known (start it first)")
         # rows from p0 on were rejected
-        if rid not in batch.new_request_ids and len(toks) > p0: self._restore_ring(rid, p0)
+        if rid not in batch.new_request_ids and w > p0: self._restore_ring(rid, p0)
         # only its last step's journal is ever needed
         self._journal.pop(rid, None)
-        del toks[p0:]; toks.extend(ids[a:b])
-        # Engram's n tokens before each row
-        hist += [[toks[q] if q >= 0 else -1 for q in range(p - n, p)] for p in pos[a:b]]
+        self.written[rid] = p0 + b - a
+        if given is None:                                 # Engram's n tokens before each row
+            toks = self.tokens[rid]; del toks[p0:]; toks.extend(ids[a:b])
+            hist += [[toks[q] if q >= 0 else -1 for q in range(p - n, p)] for p in pos[a:b]]
         first = next((j for j in range(a, b) if dec[j]), None)
         if rid not in self.replay_start and first is not None: self.replay_start[rid] = pos[first]
         rs.append(self.replay_start.get(rid, pos[b - 1] + 1)); ws.append(self.window_start[rid])
@@ -148,10 +192,45 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
     decode_only = (qsl == list(range(len(qsl))) and all(dec)
                    and batch.logits_indices.tolist() == list(range(len(ids))))
     t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
-    return PagedInputs(PagedStep(batch.token_ids, t(hist).view(len(ids), n), t(rows, torch.int32),
+    history = t(hist).view(len(ids), n) if given is None else given
+    return PagedInputs(PagedStep(batch.token_ids, history, t(rows, torch.int32),
                                  batch.slot_mappings, tuple(batch.block_tables), t(ws), t(rs),
                                  batch.logits_indices, decode_only),
                        blocks)
+
+# %% ../nbs/10c_paged_step.ipynb #d93bb661
+@patch
+def _settle_decode(self: PagedStepModel):
+    "Write the positions that decode steps left in `_decode_last` back into `written`"
+    if self._decode_last is None: return
+    rids, nxt, _ = self._decode_last
+    self.written.update(zip(rids, nxt.tolist())); self._decode_last = None
+
+# %% ../nbs/10c_paged_step.ipynb #3447d082
+@patch
+def _prepare_decode(self: PagedStepModel, batch) -> PagedInputs | None:
+    ("`prepare` of a decode step whose batch carries the history: one row per request, each going "
+     "on where its last step ended; None: the general way")
+    rids, R, pos = batch.request_ids, len(batch.request_ids), batch.positions
+    if (batch.new_request_ids or len(pos) != R or len(batch.logits_indices) != R
+            or len(batch.decoder_rows) != R or self._journal): return None
+    last = self._decode_last
+    if last is not None and last[0] == rids and torch.equal(pos, last[1]): starts = last[2]
+    else:
+        self._settle_decode()
+        w, j = self.written, self.replay_start
+        if list(map(w.get, rids)) != pos.tolist() or not all(map(j.__contains__, rids)):
+            return None
+        starts = tuple(torch.tensor([d[r] for r in rids]) for d in (self.window_start, j))
+        if not bool((pos >= starts[1]).all()): return None       # rows below the decoder's start
+    self._decode_last = (list(rids), pos + 1, starts)
+    if len(getattr(self, '_rows', ())) < R or self._rows.device != pos.device:
+        self._rows = torch.arange(max(R, 2 * len(getattr(self, '_rows', ()))), dtype=torch.int32,
+                                  device=pos.device)
+    rows = self._rows[:R]          # each row its own request
+    return PagedInputs(PagedStep(batch.token_ids, batch.history, rows, batch.slot_mappings,
+                                 tuple(batch.block_tables), *starts, batch.logits_indices, True),
+                       {})
 
 # %% ../nbs/10c_paged_step.ipynb #4baca0b8
 @patch

@@ -2,10 +2,11 @@
 plain greedy generation of the reference model (`generate_greedy`, no scheduler, no cache), the byte tokenizer's
 decode; the pool's free count around rejected and aborted requests; the command line in a subprocess; one table of bad
 inputs."""
-import os, subprocess, sys
+import os, random, subprocess, sys
 from types import SimpleNamespace
 from dataclasses import replace
 from pathlib import Path
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -14,13 +15,16 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.model import init_random, generate_greedy, ByteTokenizer
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
+from dsv41_nb.block_pool import PAD_SLOT_ID
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
-                             greedy_shortfall, assert_greedy_match)
+                             greedy_shortfall, assert_greedy_match, host_engine, host_step_times, HOST_PHASES, StepTimer,
+                             NullStepModel, InputBuffers)
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.serving import random_checkpoint, percentiles
+from dsv41_nb.__main__ import random_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ModelConfig.tiny()
@@ -88,6 +92,14 @@ BAD = [
     (lambda: percentiles(3), TypeError, 'expected a 1-D sequence of numbers, got int'),
     (lambda: percentiles(['a', 'b']), TypeError, "expected a flat list of numbers, got ['a', 'b']"),
     (lambda: percentiles([1.0], qs=(101,)), ValueError, 'q = 101: expected a number in [0, 100]'),
+    (lambda: StepTimer('engine'), TypeError, 'StepTimer: expected an LLMEngine, got str'),
+    (lambda: StepTimer(_LLM.llm_engine, clock=3), TypeError, 'clock must be callable'),
+    (lambda: host_step_times(_LLM, 0), ValueError, 'host_step_times: n = 0'),
+    (lambda: host_step_times(_LLM, 2, steps=60), ValueError, 'do not fit max_model_len = 64'),
+    (lambda: NullStepModel(_LLM.llm_engine.kv_cache_config, TINY, vocab=0), ValueError, 'vocab = 0'),
+    (lambda: InputBuffers(_LLM.llm_engine.kv_cache_config.groups, rows=0), ValueError, 'rows = 0'),
+    (lambda: InputBuffers(_LLM.llm_engine.kv_cache_config.groups).assign(['nope'], [None]), RuntimeError,
+     "request 'nope' was never started in this runner"),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -439,3 +451,129 @@ def test_all_greedy_short_path_equals_the_general_path(V, n, seed, ties):
     assert torch.equal(fast, slow) and torch.equal(fast.argmax(-1), logits.argmax(-1))
     accepted, token = draw(fast, torch.full((n,), -1), sb, g)
     assert not accepted.any() and torch.equal(token, logits.argmax(-1))
+
+
+# ---------------------------------------------------------------- the runner's persistent rows against a rebuild from the plan
+class Recorder:
+    "A step model that keeps every batch and picks (id + position) % V at each logits row: tokens follow from the inputs"
+    supports_cuda_graphs = False
+    def __init__(self, history_len=3): self.batches, self.history_len = [], history_len
+    def forward(self, b):
+        self.batches.append(b)
+        r = b.logits_indices
+        return torch.nn.functional.one_hot((b.token_ids[r] + b.positions[r]) % TINY.vocab_size, TINY.vocab_size).float()
+    def release(self, ids): pass
+
+def _same_batch(a, b):
+    "Every input of two InputBatches equal (tables compared where either holds a block)"
+    for f in ('request_ids', 'new_request_ids', 'prefix_token_ids'): assert getattr(a, f) == getattr(b, f), f
+    for f in ('token_ids', 'positions', 'query_start_loc', 'seq_lens', 'logits_indices', 'decoder_rows', 'num_cached_tokens',
+              'history'):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    for x, y in zip(a.block_tables, b.block_tables): assert torch.equal(x, y)
+    sa, sb = a.slot_mappings, b.slot_mappings
+    assert torch.equal(sa.positions, sb.positions) and torch.equal(sa.swa, sb.swa) and torch.equal(sa.ring, sb.ring)
+    assert sa.compressed.keys() == sb.compressed.keys() and all(torch.equal(sa.compressed[r], sb.compressed[r]) for r in sa.compressed)
+
+def _matches_the_cache(b, so, kv):
+    "The batch's tables and slots against the cache manager's own (`block_table`, `slot_mappings`), asked right after planning"
+    reqs = so.requests
+    for g in range(kv.num_groups): assert torch.equal(b.block_tables[g], kv.block_table(so.req_ids, g)), g
+    sm = kv.slot_mappings([(sr.request_id, sr.start, sr.num_tokens) for sr in reqs])
+    cached = torch.tensor([c for sr in reqs for c in [sr.num_cached_tokens] * sr.num_tokens], dtype=torch.long)
+    assert torch.equal(b.slot_mappings.swa, sm.swa) and torch.equal(b.slot_mappings.ring, sm.ring)
+    for r, v in sm.compressed.items():
+        assert torch.equal(b.slot_mappings.compressed[r], torch.where(sm.positions < cached, PAD_SLOT_ID, v)), r
+
+@pytest.mark.parametrize('asyn', [False, True], ids=['sync', 'async'])
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_persistent_rows_equal_a_rebuild(seed, asyn):
+    """Random arrivals, aborts and preemptions (a small pool): every step's inputs from the runner's persistent rows (tables rewritten
+    only where a snapshot changed, decode steps as arrays) equal the inputs rebuilt from the scheduler's plan, field by field, and the
+    tables and slots equal the cache manager's own"""
+    r = random.Random(seed)
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=40, max_model_len=256))
+    s = Scheduler(kc, SchedulerConfig(max_num_batched_tokens=r.choice([16, 64]), async_scheduling=asyn))
+    fast, plain = ModelRunner(Recorder(), kc), ModelRunner(Recorder(), kc)
+    plain.fast = False
+    pending, n, decode_steps = None, 0, 0
+    for step in range(120):
+        if r.random() < 0.25 or not s.has_unfinished_requests():
+            n += 1
+            s.add_request(f'q{n}', [r.randrange(1, 256) for _ in range(r.randrange(1, 40))],
+                          SamplingParams(temperature=0, max_tokens=r.randrange(1, 30), ignore_eos=True))
+        if s.requests and r.random() < 0.05: s.abort(r.choice(sorted(s.requests)))
+        so = s.schedule()
+        decode_steps += so.all_decode
+        if asyn:
+            fut, other = fast.execute_model_async(so), plain.execute_model_async(so)
+            done = pending; pending = (so, fut, other) if so.req_ids else None
+        else: done = (so, fast.execute_model(so), plain.execute_model(so))
+        if so.req_ids:
+            _same_batch(fast.model.batches[-1], plain.model.batches[-1])
+            _matches_the_cache(fast.model.batches[-1], so, s.kv)
+        if done is not None:
+            mro = done[1].result() if asyn else done[1]
+            assert mro.sampled_token_ids == (done[2].result() if asyn else done[2]).sampled_token_ids
+            s.update_from_output(done[0], mro)
+    assert decode_steps > 10 and s.stats['preemptions'] > 0
+
+
+def test_host_only_engine_times_its_phases():
+    "The host-only engine serves real steps (scheduler, runner, graph wrapper) with a null model; every phase is timed"
+    llm = host_engine(TINY, 256)
+    t = host_step_times(llm, 5, 4)
+    assert set(t) == {name for name, *_ in HOST_PHASES} | {'wait', 'other', 'total'} and t['total'] > 0
+    assert all(v >= 0 for k, v in t.items() if k != 'other') and not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.runner.model.stats['replayed'] > 0          # the decode steps went through the (emulated) graphs
+
+
+def test_a_prefill_step_applies_the_step_before_it_first():
+    "Async: a step with prefill rows is launched only after the previous step's tokens are applied (its first tokens not held back)"
+    llm = host_engine(TINY, 256, async_scheduling=True, max_num_batched_tokens=16)
+    eng, events = llm.llm_engine, []
+    launch, update = eng.runner.execute_model_async, eng.scheduler.update_from_output
+    eng.runner.execute_model_async = lambda so: (events.append(('launch', so.step, so.all_decode)), launch(so))[1]
+    eng.scheduler.update_from_output = lambda so, mro: (events.append(('apply', so.step, None)), update(so, mro))[1]
+    for i, p in enumerate(random_prompts(3, 16, vocab=200)): eng.add_request(str(i), p, GREEDY)
+    while eng.has_unfinished_requests(): eng.step('final')
+    for i, (kind, step, decode) in enumerate(events):
+        if kind == 'launch' and not decode and step > 0:       # a prefill step: the step before it applied already
+            assert ('apply', step - 1, None) in events[:i], events[:i + 1]
+
+
+def test_final_outputs_are_the_whole_outputs():
+    "delta='final' returns only finished requests, each exactly the whole (cumulative) output"
+    a, b = LLM(MODEL, **EXACT), LLM(MODEL, **EXACT)
+    for llm in (a, b):
+        for i, p in enumerate(PROMPTS): llm.llm_engine.add_request(str(i), p, GREEDY)
+    whole, final = {}, {}
+    while a.llm_engine.has_unfinished_requests():
+        whole.update({o.request_id: o for o in a.llm_engine.step() if o.finished})
+        outs = b.llm_engine.step('final'); assert all(o.finished for o in outs)
+        final.update({o.request_id: o for o in outs})
+    assert {k: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for k, o in whole.items()} == \
+           {k: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for k, o in final.items()}
+
+
+def test_capture_all_and_staged_rows():
+    "capture_all captures every size once a decode step was seen; load_rows puts the staged padding back in rows it leaves"
+    kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
+    cg = CUDAGraphModel(TensorOnly(), kc, 256, capture_sizes=(2, 4, 8), emulate=True)
+    with pytest.raises(RuntimeError, match='no decode batch has been seen'): cg.capture_all()
+    s, run = Scheduler(kc, SchedulerConfig()), ModelRunner(cg, kc)
+    for i in range(3): s.add_request(f'q{i}', PROMPTS[i][:4], SamplingParams(max_tokens=4))
+    o = s.schedule(); s.update_from_output(o, run.execute_model(o))
+    b, _ = run.prepare_inputs(s.schedule())
+    torch.testing.assert_close(cg.forward(b), cg.model.forward(b), rtol=0, atol=0)
+    assert cg.capture_all() == [8, 2] and sorted(cg.graphs) == [2, 4, 8] and cg.capture_all() == []
+    with pytest.raises(ValueError, match=r'\[3\] are not capture sizes'): cg.capture_all([3])
+    st_ = StagedInputs(SimpleNamespace(t=torch.full((4, 3), -1)), 'cpu')           # staged: all padding
+    st_.load_rows(SimpleNamespace(t=torch.ones(3, 2, dtype=torch.long)), 3)
+    st_.load_rows(SimpleNamespace(t=torch.full((1, 3), 5)), 1)
+    assert st_.inputs.t.tolist() == [[5, 5, 5], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]
+    with pytest.raises(ValueError, match='in rows of 2'): st_.load_rows(SimpleNamespace(t=torch.ones(3, 3, dtype=torch.long)), 2)
+    with pytest.raises(ValueError, match='typed as the staged ones'): st_.load_rows(SimpleNamespace(t=torch.ones(2, 3)), 2)
+    ids = torch.zeros(5, dtype=torch.long)
+    fill_token_ids(ids, [(np.array([1, 4]), torch.tensor([7, 8, 9]), np.array([2, 0])), (2, torch.tensor([3]), 0)])
+    assert ids.tolist() == [0, 9, 3, 0, 7]

@@ -9,9 +9,9 @@ from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
-from dsv41_nb.kv_manager import CacheCapacityError
+from dsv41_nb.kv_manager import CacheCapacityError, cache_snapshot
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
-                                toy_next_token, toy_next_tokens, toy_generate, run_until_done)
+                                toy_next_token, toy_next_tokens, toy_generate, run_until_done, table_slot_mappings)
 from dsv41_nb.proposer import NgramProposer, reference_ngram_propose
 
 TINY = ModelConfig.tiny()
@@ -71,6 +71,12 @@ BAD = [
     (lambda: _applied_twice(), ValueError, 'step 0 is not its oldest step in flight (applied twice, or out of order)'),
     (lambda: NgramProposer(2, 0), ValueError, 'prompt_lookup_min = 0'),
     (lambda: ToyRunner(tiny_cache(), 0), ValueError, 'vocab_size = 0'),
+    (lambda: ModelRunnerOutput(), ValueError, 'expected sampled_token_ids, or req_ids and token_ids'),
+    (lambda: ModelRunnerOutput(req_ids=['a', 'b'], token_ids=[1]), ValueError, 'of the same length'),
+    (lambda: table_slot_mappings(tiny_cache().groups, [np.ones((1, 2), np.int32)] * 3, np.zeros(1, int), np.array([40])),
+     ValueError, 'position 40 needs block 2'),
+    (lambda: table_slot_mappings(tiny_cache().groups, [np.zeros((1, 4), np.int32)] * 3, np.zeros(1, int), np.array([3])),
+     ValueError, 'position 3 falls in a released (null) block'),
 ]
 
 @pytest.mark.parametrize('f, exc, msg', BAD, ids=[m for _, _, m in BAD])
@@ -209,3 +215,62 @@ def test_bounded_replay_hits_where_hybrid_search_cannot():
         out = s.schedule()
         hits[bounded] = (out.requests[0].num_cached_tokens, out.requests[0].start)
     assert hits == {False: (0, 0), True: (48, 32)}
+
+
+# ---------------------------------------------------------------- the one-pass decode step against the general one
+def _cache_state(kv):
+    "The pool, every table, and what each group remembers per request"
+    return cache_snapshot(kv), repr([(getattr(m, 'num_cached_block', None), getattr(m, 'next_checkpoint', None),
+                                      getattr(m, 'last_checkpoint', None)) for m in kv.managers])
+
+def _plan(o):
+    sm = o.slot_mappings
+    return ([(r.request_id, r.token_ids, r.start, r.num_draft_tokens, r.block_ids, r.new, r.num_cached_tokens, r.replay_start,
+              r.sample) for r in o.requests], sm.positions.tolist(), sm.swa.tolist(),
+            {k: v.tolist() for k, v in sm.compressed.items()}, None if sm.ring is None else sm.ring.tolist(),
+            o.decoder_rows.tolist(), o.finished_req_ids, o.preempted_req_ids)
+
+@settings(max_examples=examples(25), deadline=None)
+@given(CONFIGS, st.integers(0, 10 ** 6), st.integers(1, 8))
+def test_fast_decode_plans_every_step_as_the_general_path(c, seed, n_req):
+    """A scheduler with the one-pass decode step and one without, side by side on the same workload: every step hands the runner
+    the same rows, tables, slots and decoder rows, the cache is in the same state after every step, and the outputs are equal"""
+    chunked = c['chunked'] or c['threshold'] > 0
+    cfg = SchedulerConfig(max_num_seqs=c['seqs'], max_num_batched_tokens=c['budget'] if chunked else 512,
+                          long_prefill_token_threshold=c['threshold'], enable_chunked_prefill=chunked,
+                          async_scheduling=c['asyn'], bounded_replay=c['bounded'])
+    pair = [Scheduler(tiny_cache(c['blocks'], enable_prefix_caching=c['caching']), cfg) for _ in range(2)]
+    pair[1].fast_decode = False
+    runners = [ToyRunner(s.kv.kv_cache_config, V) for s in pair]
+    for s in pair:
+        for rid, p, sp in make_workload(seed, n_req):
+            try: s.add_request(rid, p, sp, eos_token_id=EOS)
+            except CacheCapacityError: pass
+    pending, fast, outs = [None, None], 0, [{}, {}]
+    for _ in range(5000):
+        if not any(s.has_unfinished_requests() for s in pair) and pending[0] is None: break
+        o = [s.schedule() for s in pair]
+        assert _plan(o[0]) == _plan(o[1])
+        fast += o[0].all_decode
+        res = [r.execute_model(x) for r, x in zip(runners, o)]
+        for i, s in enumerate(pair):
+            done = pending[i] if cfg.async_scheduling else (o[i], res[i])
+            if done is not None:
+                for e in s.update_from_output(*done): outs[i].setdefault(e.request_id, []).extend(e.new_token_ids)
+            pending[i] = (o[i], res[i]) if cfg.async_scheduling and o[i].requests else None
+        assert _cache_state(pair[0].kv) == _cache_state(pair[1].kv)
+    assert outs[0] == outs[1] and not pair[0].has_unfinished_requests()
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(st.integers(1, 300), st.integers(0, 10 ** 6), st.booleans(), st.booleans())
+def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded):
+    "Below `alloc_until` a one-row allocation changes nothing in the cache; the horizon is met, not passed, by a real change"
+    r = random.Random(seed)
+    s = Scheduler(tiny_cache(200, enable_prefix_caching=caching), SchedulerConfig(bounded_replay=bounded))
+    req = s.add_request('h', [r.randrange(V) for _ in range(prompt_len)], SamplingParams(max_tokens=200))
+    s._allocate(req, prompt_len); req.num_computed_tokens = prompt_len
+    for c in range(prompt_len, min(prompt_len + 120, 511)):
+        req.num_computed_tokens, h, before = c, req.alloc_until, _cache_state(s.kv)
+        req.append_output_token_ids(r.randrange(V)); s._allocate(req, 1)
+        assert not (c < h and _cache_state(s.kv) != before), (c, h)

@@ -1,7 +1,8 @@
 """A hypothesis state machine over the scheduler driving the KV cache manager and the toy runner on a small pool.
 
 Random adds (some sharing prefixes), steps (synchronous, or async with one step in flight), aborts, forced finishes
-(the runner's next token for a request replaced by EOS) and preemptions, under a random configuration. After every
+(the runner's next token for a request replaced by EOS) and preemptions, under a random configuration, with the
+one-pass decode step on or off. After every
 rule: each unfinished request is in exactly one line, exactly the running ones hold blocks, the pool's free queue and
 the blocks held partition the usable blocks. At the end everything is drained: every request finished or was aborted,
 the pool is whole again, and every output is what plain generation gives (a prefix of it for aborted requests, that
@@ -24,12 +25,13 @@ V, EOS, MAX_LEN = 24, 0, 512
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(blocks=st.sampled_from([24, 32, 60, 200]), budget=st.sampled_from([8, 16, 48, 512]),
                 threshold=st.sampled_from([0, 0, 6]), asyn=st.booleans(), k=st.sampled_from([0, 0, 2]), bounded=st.booleans(),
-                caching=st.sampled_from([True, True, False]), seqs=st.sampled_from([2, 3, 64]))
-    def setup(self, blocks, budget, threshold, asyn, k, bounded, caching, seqs):
+                caching=st.sampled_from([True, True, False]), seqs=st.sampled_from([2, 3, 64]), fast=st.booleans())
+    def setup(self, blocks, budget, threshold, asyn, k, bounded, caching, seqs, fast):
         cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN, enable_prefix_caching=caching)
         cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
                               async_scheduling=asyn, num_speculative_tokens=k, bounded_replay=bounded)
         self.s = Scheduler(get_kv_cache_config(TINY, cc), cfg)
+        self.s.fast_decode = fast                      # the one-pass decode step, or the general path throughout
         self.runner = ToyRunner(self.s.kv.kv_cache_config, V, NgramProposer(k, 1, 3) if k else None)
         self.pending, self.n, self.prompts = None, 0, []
         self.want, self.got, self.aborted, self.forced, self.to_force = {}, {}, set(), set(), set()

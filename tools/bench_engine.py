@@ -4,16 +4,17 @@ byte floor (with and without CUDA graphs), and the engine against the naive loop
 
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--json out.json] [--quick]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
 `step_model` hook; `--experts N` scales the routed experts down if memory asks for it. Four measurements:
 
 1. concurrency: for each level c, c random byte prompts at once (`load_test` of the command line): output tokens/s and
-   TTFT / TPOT / end-to-end percentiles; one table row per level. Each level is warmed up first with c other prompts
-   of 3 tokens each (Triton compiles a kernel again for new argument specialisations, and the CUDA graph of the
-   level's batch size is captured), so the row times serving, not compiling.
+   TTFT / TPOT / end-to-end percentiles, and the step floor at c requests (`step_floor` of 01a_accounting) with TPOT p50
+   over it; one table row per level. After the first warm-up every CUDA graph a level can pad to is captured
+   (`capture_all`), and each level is warmed up first with c other prompts of 3 tokens each (Triton compiles a kernel
+   again for new argument specialisations), so the row times serving, not compiling or capturing.
 2. the decode step at batch 1: the engine's time per output token of one request (scheduler, runner, sampler included)
    against the floor of that step, with the runner waiting for each step's tokens and (async scheduling) not waiting: the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of
    01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL
-from dsv41_nb.accounting import decode_floor, decode_kv_read_bytes, Hardware, HARDWARE
+from dsv41_nb.accounting import decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
@@ -63,18 +64,29 @@ def sync(device):
     if torch.device(device).type == 'cuda': torch.cuda.synchronize(device)
 
 
-def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int, res: dict, path) -> list:
-    "One row per level; each row goes into `res['concurrency']` (and the JSON) as soon as it is measured"
+def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int, res: dict, path,
+                     cfg: ModelConfig | None = None, device='cpu') -> list:
+    """One row per level, with (given `cfg`) the step floor at that many requests (`step_floor` at the run's mean context and the
+    copy bandwidth measured on `device`); each row goes into `res['concurrency']` (and the JSON) as soon as it is measured"""
     sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
     warm = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     res['concurrency'] = rows
+    bw = copy_bandwidth(device=device) if torch.device(device).type == 'cuda' else HARDWARE['H200 (measured copy)'].bandwidth
+    hw, ctx = dataclasses.replace(HARDWARE['H200'], bandwidth=bw), prompt_len + max_tokens // 2
     load_test(llm, random_prompts(2, prompt_len, seed=seed), sp)                                   # warm-up: compile, fill
+    model = llm.llm_engine.runner.model
+    if isinstance(model, CUDAGraphModel) and model._template is not None:    # every size a level can pad to, before timing
+        t0 = time.perf_counter()
+        got = model.capture_all([s for s in model.sizes if s <= max(levels)])
+        print(f"captured the graphs of {got} in {time.perf_counter() - t0:.1f} s", flush=True)
     for c in levels:
         load_test(llm, random_prompts(c, prompt_len, seed=seed + 10**6 + c), warm)                     # this level's shapes
         s = load_test(llm, random_prompts(c, prompt_len, seed=seed + c), sp)
-        rows.append(dict(concurrency=c, **s))
+        floor = step_floor(cfg, hw, c, ctx)['seconds'] if cfg is not None else float('nan')
+        rows.append(dict(concurrency=c, **s, floor_s=floor, copy_bandwidth=bw))
         print(f"{c:6d} {s['output_tokens_per_s']:12.1f} {1e3 * s['ttft_s'][50]:9.1f} {1e3 * s['ttft_s'][99]:9.1f} "
-              f"{1e3 * s['tpot_s'][50]:9.2f} {1e3 * s['tpot_s'][99]:9.2f} {s['e2e_s'][50]:8.2f}", flush=True)
+              f"{1e3 * s['tpot_s'][50]:9.2f} {1e3 * s['tpot_s'][99]:9.2f} {s['e2e_s'][50]:8.2f} {1e3 * floor:9.2f} "
+              f"{s['tpot_s'][50] / floor:8.1f}", flush=True)
         if path: json.dump(res, open(path, 'w'), indent=1, default=str)
     return rows
 
@@ -241,6 +253,7 @@ def main():
     ap.add_argument('--naive-requests', type=int, default=32)
     ap.add_argument('--kernels', choices=('triton', 'torch'), help='force the kernels (default: Triton on the GPU)')
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--max-num-batched-tokens', type=int, help="the engine's token budget per step (default: EngineArgs')")
     ap.add_argument('--async-scheduling', action='store_true',
                     help="the engine's runner does not wait for each step's tokens (concurrency and naive sections)")
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
@@ -270,14 +283,18 @@ def main():
     else: stamps = {}
     if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         t0 = time.perf_counter()
+        budget = dict(max_num_batched_tokens=args.max_num_batched_tokens) if args.max_num_batched_tokens else {}
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
                         async_scheduling=args.async_scheduling,
-                        max_model_len=args.prompt_len + args.max_tokens + 64)
+                        max_model_len=args.prompt_len + args.max_tokens + 64, **budget)
         res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
         print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
     if 'concurrency' in args.sections:
-        print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8}   (ms, e2e s)")
-        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens, args.seed, res, args.json), stamps.get('concurrency'))
+        print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8} "
+              f"{'floor':>9} {'x floor':>8}   (ms; e2e s; the step floor at that many requests, TPOT p50 over it)")
+        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens,
+                                                                          args.seed, res, args.json, cfg, device),
+                stamps.get('concurrency'))
     if 'decode' in args.sections:
         print('decode step at batch 1:')
         section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed), stamps.get('decode'))
