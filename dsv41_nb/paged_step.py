@@ -221,7 +221,9 @@ def _prepare_decode(self: PagedStepModel, batch) -> PagedInputs | None:
         w, j = self.written, self.replay_start
         if list(map(w.get, rids)) != pos.tolist() or not all(map(j.__contains__, rids)):
             return None
-        starts = tuple(torch.tensor([d[r] for r in rids]) for d in (self.window_start, j))
+        dev = batch.token_ids.device  # as the general way's: on the step's device
+        starts = tuple(torch.tensor([d[r] for r in rids], dtype=torch.long, device=dev)
+                       for d in (self.window_start, j))
         if not bool((pos >= starts[1]).all()): return None       # rows below the decoder's start
     self._decode_last = (list(rids), pos + 1, starts)
     if len(getattr(self, '_rows', ())) < R or self._rows.device != pos.device:
