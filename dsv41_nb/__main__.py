@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'load_summary', 'random_prompts',
            'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'write_problem',
-           'generate_command', 'bench_command', 'program_name', 'accounting_command', 'serve_one_rank', 'build_parser',
-           'main']
+           'served_with', 'generate_command', 'bench_command', 'program_name', 'accounting_command', 'serve_one_rank',
+           'build_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
@@ -190,6 +190,16 @@ def write_problem(path) -> str | None:
     if not existed: p.unlink()
     return None
 
+# %% ../nbs/99_cli.ipynb #3007c03b
+def served_with(args, error):
+    "The device and kernels checked, the checkpoint found (a note if not the shipped one), threads set"
+    if why := serving_problem(args.device, args.kernels): error(why)
+    ckpt, note = served_checkpoint(args.checkpoint)
+    if note: print(note, file=sys.stderr)
+    try: torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
+    except (TypeError, ValueError) as e: error(str(e))
+    return ckpt
+
 # %% ../nbs/99_cli.ipynb #31f4b501
 def generate_command(
     # parsed: prompt, max_tokens, temperature, top_p, top_k, seed, checkpoint, speculative, device
@@ -199,11 +209,8 @@ def generate_command(
     "Stream a completion of `args.prompt` to standard output; its speed to standard error"
     if not args.prompt: error("the prompt is empty")
     if args.data_parallel_size != 1 or is_torchrun(): return dp_generate(args, error)
-    if why := serving_problem(args.device, args.kernels): error(why)
-    ckpt, note = served_checkpoint(args.checkpoint)
-    if note: print(note, file=sys.stderr)
+    ckpt = served_with(args, error)
     try:
-        torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
         llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative,
@@ -235,11 +242,8 @@ def bench_command(
     "A load test of the engine; one line of throughput and latency (and a JSON file with `--json`)"
     if args.json and (why := write_problem(args.json)): error(f"--json: {why}")
     if args.data_parallel_size != 1 or is_torchrun(): return dp_bench(args, error)
-    if why := serving_problem(args.device, args.kernels): error(why)
-    ckpt, note = served_checkpoint(args.checkpoint)
-    if note: print(note, file=sys.stderr)
+    ckpt = served_with(args, error)
     try:
-        torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
         levels = [check_int('--concurrency', 'level', c, 1) for c in args.concurrency or []]
         llm = LLM(ckpt, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
                   max_num_batched_tokens=args.max_num_batched_tokens,
