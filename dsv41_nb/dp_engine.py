@@ -143,7 +143,7 @@ def step_forwards(step_model, # the engine's step model
                  ) -> int:
     ("How many forwards `step_model` makes for `so`: one per sampling request on the reference"
      " path, else one")
-    if not so.requests: return 0
+    if not so.req_ids: return 0
     if isinstance(step_model, RecomputeModel): return sum(sr.sample for sr in so.requests)
     return 1
 
@@ -231,22 +231,15 @@ def dummy_forward(self: DPLLMEngine):
 
 # %% ../nbs/15a_dp_engine.ipynb #67b1531e
 @patch
-def step(self: DPLLMEngine, delta: bool = False) -> list:
-    ("One lockstep step: schedule, agree, this rank's forwards and the dummy ones; "
-     "RequestOutputs as `LLMEngine.step`")
-    so = self.scheduler.schedule()
+def _run_step(self: DPLLMEngine, so, run) -> object:
+    ("`LLMEngine.step`'s run of one step, in lockstep: agree with the group, run this rank's "
+     "forwards, then the dummy ones that make up the most any rank makes")
     mine = step_forwards(self.runner.model, so)
     self.group_busy, most = self.agree(self.has_unfinished_requests() or mine > 0, mine)
     self.dp_stats['steps'] += 1; self.dp_stats['forwards'] += mine
-    pad = most - mine if self.expert_parallel else 0
-    if not self.args.async_scheduling:
-        mro = self.runner.execute_model(so)
-        for _ in range(pad): self.dummy_forward()
-        return self._apply(so, mro, delta)
-    fut = self.runner.execute_model_async(so)   # launched; the step before this one applied
-    for _ in range(pad): self.dummy_forward()
-    prev, self._pending = self._pending, ((so, fut) if so.requests else None)
-    return self._apply(prev[0], prev[1].result(), delta) if prev is not None else []
+    out = run(so)
+    for _ in range(most - mine if self.expert_parallel else 0): self.dummy_forward()
+    return out
 
 # %% ../nbs/15a_dp_engine.ipynb #18377452
 @contextlib.contextmanager

@@ -854,6 +854,13 @@ def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput,
             outs.append(self._output(e.request_id, delta))
     return outs
 
+# %% ../nbs/13_engine.ipynb #0bffee65
+@patch
+def _run_step(self: LLMEngine, so: SchedulerOutput,
+              run): # the runner's `execute_model` or `execute_model_async`
+    "Run one scheduled step: the one place an engine stepping with others adds its part"
+    return run(so)
+
 # %% ../nbs/13_engine.ipynb #f582e725
 @patch
 def step(self: LLMEngine,
@@ -862,13 +869,14 @@ def step(self: LLMEngine,
     ("One engine step; RequestOutputs of the requests that got tokens "
      "(whole, only what is new, or only the finished)")
     so = self.scheduler.schedule()
-    if not self.args.async_scheduling: return self._apply(so, self.runner.execute_model(so), delta)
+    if not self.args.async_scheduling:
+        return self._apply(so, self._run_step(so, self.runner.execute_model), delta)
     prev, self._pending, outs = self._pending, None, []
     # a step with prefill rows runs eagerly and its launch waits on the GPU: the step before it
     # is applied first, so that its tokens (a first token, often) are not held back a whole step
     if prev is not None and so.req_ids and not so.all_decode:
         outs, prev = self._apply(prev[0], prev[1].result(), delta), None
-    fut = self.runner.execute_model_async(so)  # launched, not waited for
+    fut = self._run_step(so, self.runner.execute_model_async)  # launched, not waited for
     self._pending = (so, fut) if so.req_ids else None
     # apply the step before this one
     return outs + (self._apply(prev[0], prev[1].result(), delta) if prev is not None else [])
