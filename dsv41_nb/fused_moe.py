@@ -278,12 +278,48 @@ def _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
         if W_FP4:
             w = tl.load(w_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
                         other=0)                                                # (BK/2, BN)
-            acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e2m1', acc)
+            acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e2m1', acc, fast_math=True)
         else:
             w = tl.load(w_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
                         other=0)                                                # (BK, BN)
-            acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e4m3', acc)
+            acc = tl.dot_scaled(a, None, 'bf16', w, sc, 'e4m3', acc, fast_math=True)
     return acc
+
+# %% ../nbs/08b_fused_moe.ipynb #b80b93fd
+@triton.jit
+def _gemm_pair(acc1, acc3, a_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask, k_lo,
+               KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
+               W_FP4: tl.constexpr):
+    ("acc1 += A[rows, k_lo:k_lo+KS] @ W1[expert, n]ᵀ and acc3 the same with W3: "
+     "one activation tile per step for both")
+    w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
+    kk, kw, ks = tl.arange(0, BK), tl.arange(0, BK // 2 if W_FP4 else BK), tl.arange(0, BK // 32)
+    for k0 in range(k_lo, k_lo + KS, BK):
+        # (BM, BK)
+        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None],
+                    other=0.0).to(tl.bfloat16)
+        # (BN, BK/32)
+        sc1 = tl.load(s1_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
+                      other=127)
+        sc3 = tl.load(s3_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
+                      other=127)
+        if W_FP4:
+            # (BK/2, BN)
+            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
+            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
+            acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e2m1', acc1, fast_math=True)
+            acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e2m1', acc3, fast_math=True)
+        else:
+            # (BK, BN)
+            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
+            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
+                         other=0)
+            acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e4m3', acc1, fast_math=True)
+            acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e4m3', acc3, fast_math=True)
+    return acc1, acc3
 
 # %% ../nbs/08b_fused_moe.ipynb #170b2329
 @triton.jit
@@ -357,10 +393,14 @@ def _gate_up_kernel(
                                              N, TOPK, BM, BN, GROUP_M, IDENTITY)
     if expert < 0: return
     n_mask, x_row, acc = n < N, x_ptr + tok.to(tl.int64) * K, tl.zeros((BM, BN), tl.float32)
-    gate = _expert_gemm(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK, W_FP4,
-                        HW_CVT, DOT, SCALED)
-    up = _expert_gemm(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK, W_FP4,
-                      HW_CVT, DOT, SCALED)
+    if SCALED:
+        gate, up = _gemm_pair(acc, acc, x_row, valid, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, expert, n,
+                              n_mask, 0, K, K, N, BK, W_FP4)
+    else:
+        gate = _gemm_dequantised(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK,
+                                 W_FP4, HW_CVT, DOT)
+        up = _gemm_dequantised(acc, x_row, valid, w3_ptr, w3s_ptr, expert, n, n_mask, K, N, BK,
+                               W_FP4, HW_CVT, DOT)
     h = _swiglu(gate, up, limit, CLAMP, HW_CVT)
     if HAS_WEIGHT: h = h * tl.load(weight_ptr + a, mask=valid, other=0.0)[:, None]
     h = _fp8_quant_tile(h, BM, BN, HW_CVT)
@@ -368,10 +408,11 @@ def _gate_up_kernel(
              mask=valid[:, None] & n_mask[None, :])
 
 # %% ../nbs/08b_fused_moe.ipynb #69a48517
-# Launch shapes by average rows per touched expert (<= 16, <= 64, more);
+# Launch shapes by average rows per touched expert (<= 8, <= 32, <= 64, more);
 # the weight tiles of version 2 by default.
 MOE_TILES = ('scaled', 'dequantised')
 MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+                  batch=dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   mid=dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   large=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3))
 
@@ -379,7 +420,8 @@ MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, 
 def moe_launch_shape(n_assign: int, n_experts: int) -> dict:
     "The `MOE_TUNING` entry for `n_assign` assignments over `n_experts` experts"
     rows = n_assign / max(1, min(n_experts, n_assign))
-    return dict(MOE_TUNING['decode' if rows <= 16 else 'mid' if rows <= 64 else 'large'])
+    name = ('decode' if rows <= 8 else 'batch' if rows <= 32 else 'mid' if rows <= 64 else 'large')
+    return dict(MOE_TUNING[name])
 
 # %% ../nbs/08b_fused_moe.ipynb #64ef8eea
 def _check_shape(shape):

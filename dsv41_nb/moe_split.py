@@ -12,46 +12,10 @@ from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch,
 from .moe import QuantWeight
 from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu,
                                 _fp8_quant_tile, _check_stage, _check_shape, moe_launch_shape,
-                                expert_gate_up)
+                                expert_gate_up, _gemm_pair)
 
 # %% auto #0
 __all__ = ['SPLIT_MAX', 'SPLIT_PROGRAMS', 'split_count', 'expert_gate_up_split']
-
-# %% ../nbs/08c_moe_split.ipynb #245d2056
-@triton.jit
-def _gemm_pair(acc1, acc3, a_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask, k_lo,
-               KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
-               W_FP4: tl.constexpr):
-    ("acc1 += A[rows, k_lo:k_lo+KS] @ W1[expert, n]ᵀ and acc3 the same with W3: "
-     "one activation tile per step for both")
-    w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
-    kk, kw, ks = tl.arange(0, BK), tl.arange(0, BK // 2 if W_FP4 else BK), tl.arange(0, BK // 32)
-    for k0 in range(k_lo, k_lo + KS, BK):
-        # (BM, BK)
-        a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.bfloat16)
-        # (BN, BK/32)
-        sc1 = tl.load(s1_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
-                      other=127)
-        sc3 = tl.load(s3_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
-                      other=127)
-        if W_FP4:
-            # (BK/2, BN)
-            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
-                         other=0)
-            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
-                         other=0)
-            acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e2m1', acc1)
-            acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e2m1', acc3)
-        else:
-            # (BK, BN)
-            w1 = tl.load(w1_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
-                         other=0)
-            w3 = tl.load(w3_ptr + w_row[None, :] + (k0 + kw)[:, None], mask=n_mask[None, :],
-                         other=0)
-            acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e4m3', acc1)
-            acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e4m3', acc3)
-    return acc1, acc3
 
 # %% ../nbs/08c_moe_split.ipynb #b908de6a
 @triton.jit
