@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'load_summary', 'random_prompts',
            'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'write_problem',
-           'served_with', 'generate_command', 'bench_command', 'program_name', 'accounting_command', 'serve_one_rank',
-           'build_parser', 'main']
+           'served_with', 'speculation', 'generate_command', 'bench_command', 'program_name', 'accounting_command',
+           'serve_one_rank', 'build_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
@@ -21,7 +21,9 @@ from .model import init_random
 from .engine import EngineArgs, LLM, SamplingParams, RequestOutput
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
-from .dp_engine import dp_generate, dp_bench, is_torchrun
+from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens, NGRAM_TOKENS
+from .checkpoint import load_model, DRAFTER_NAME
+from .dspark import dspark_proposer
 
 # %% ../nbs/99_cli.ipynb #c871927b
 PRESETS = {'full': ModelConfig.full, 'bench': ModelConfig.bench, 'tiny': ModelConfig.tiny}
@@ -200,6 +202,18 @@ def served_with(args, error):
     except (TypeError, ValueError) as e: error(str(e))
     return ckpt
 
+# %% ../nbs/99_cli.ipynb #78036a17
+def speculation(args, # parsed: speculative, num_speculative_tokens, drafter, device
+                ckpt: Path, # the served checkpoint
+                error) -> tuple: # called with a message on bad input
+    ("(what `LLM` serves: the checkpoint, or its model with the drafter on it; "
+     "the speculation's `LLM` arguments)")
+    if getattr(args, 'speculative', None) != 'dspark':
+        return ckpt, dict(num_speculative_tokens=ngram_tokens(args, error))
+    path = Path(args.drafter) if args.drafter else Path(ckpt) / DRAFTER_NAME
+    model = load_model(ckpt, device=args.device)
+    return model, dict(proposer=dspark_proposer(model, path, args.num_speculative_tokens))
+
 # %% ../nbs/99_cli.ipynb #31f4b501
 def generate_command(
     # parsed: prompt, max_tokens, temperature, top_p, top_k, seed, checkpoint, speculative, device
@@ -213,8 +227,9 @@ def generate_command(
     try:
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-        llm = LLM(ckpt, device=args.device, num_speculative_tokens=args.speculative,
-                  kernels=args.kernels, async_scheduling=args.async_scheduling)
+        served, spec = speculation(args, ckpt, error)
+        llm = LLM(served, device=args.device, kernels=args.kernels,
+                  async_scheduling=args.async_scheduling, **spec)
         # checked alone: its errors say "the prompt", not "prompt 0"
         llm.llm_engine.process_prompt(args.prompt)
         outputs = llm.stream(args.prompt, sp)
@@ -231,6 +246,10 @@ def generate_command(
           f"the first after {first:.2f} s{rate} "
           f"({type(llm.llm_engine.runner.model).__name__} on {machine_name(args.device)}; {ckpt})",
           file=sys.stderr)
+    if args.speculative:
+        st = llm.llm_engine.scheduler.stats
+        print(f"{args.speculative}: {st['accepted_tokens']} of {st['draft_tokens']} drafts accepted",
+              file=sys.stderr)
     return 0
 
 # %% ../nbs/99_cli.ipynb #c4bacdad
@@ -245,10 +264,10 @@ def bench_command(
     ckpt = served_with(args, error)
     try:
         levels = [check_int('--concurrency', 'level', c, 1) for c in args.concurrency or []]
-        llm = LLM(ckpt, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
+        served, spec = speculation(args, ckpt, error)
+        llm = LLM(served, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  num_speculative_tokens=args.speculative,
-                  async_scheduling=args.async_scheduling, kernels=args.kernels)
+                  async_scheduling=args.async_scheduling, kernels=args.kernels, **spec)
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         if args.prompt_len > (m := llm.llm_engine.max_model_len):
             raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows "
@@ -296,8 +315,14 @@ def accounting_command(args, error) -> int:
 def _serving_args(p: argparse.ArgumentParser):
     p.add_argument('--checkpoint',
                    help='checkpoint directory (default: the shipped checkpoints/small)')
-    p.add_argument('--speculative', type=int, default=0, metavar='K',
-                   help='n-gram speculative decoding with K drafts (default: off)')
+    p.add_argument('--speculative', choices=('ngram', 'dspark'),
+                   help='speculative decoding: n-gram prompt lookup, or the DSpark drafter '
+                        'shipped beside the checkpoint (default: off)')
+    p.add_argument('--num-speculative-tokens', type=int, metavar='K',
+                   help=f'drafts per step (default: {NGRAM_TOKENS} for ngram, '
+                        'the drafter\'s block for dspark)')
+    p.add_argument('--drafter', help=f'DSpark drafter weights (default: {DRAFTER_NAME} '
+                                     'beside the checkpoint)')
     p.add_argument('--async-scheduling', action='store_true',
                    help="plan and launch each step before the last one's tokens are back "
                         "(default: off, as in EngineArgs; not with --speculative)")

@@ -17,15 +17,16 @@ from .formats import quantize_fp8, quantize_fp4, dequantize_fp4, e4m3_values, ue
 from .accounting import TensorSpec, checkpoint_manifest, GROUPS
 
 # %% auto #0
-__all__ = ['CONFIG_NAME', 'INDEX_NAME', 'SINGLE_NAME', 'STORAGE_DTYPES', 'HEADER_DTYPES', 'CheckpointError', 'load_config',
-           'save_config', 'stored_shape', 'master_specs', 'random_state', 'fp8_tile_rows', 'quantize_weight',
-           'dequantize_weight', 'quantize_state', 'dequantize_state', 'shard_plan', 'shard_name', 'save_state',
-           'save_model', 'weight_map', 'check_checkpoint', 'load_state', 'shard_header', 'load_weights',
+__all__ = ['CONFIG_NAME', 'INDEX_NAME', 'SINGLE_NAME', 'DRAFTER_NAME', 'STORAGE_DTYPES', 'HEADER_DTYPES', 'CheckpointError',
+           'load_config', 'save_config', 'stored_shape', 'master_specs', 'random_state', 'fp8_tile_rows',
+           'quantize_weight', 'dequantize_weight', 'quantize_state', 'dequantize_state', 'shard_plan', 'shard_name',
+           'save_state', 'save_model', 'weight_map', 'check_checkpoint', 'load_state', 'shard_header', 'load_weights',
            'module_from_state', 'load_model', 'peak_memory_during', 'bytes_by_group']
 
 # %% ../nbs/10a_checkpoint.ipynb #9af9bcdd
 CONFIG_NAME, INDEX_NAME, SINGLE_NAME = ('config.json', 'model.safetensors.index.json',
                                         'model.safetensors')
+DRAFTER_NAME = 'dspark.safetensors'   # the trained DSpark drafter, beside the backbone (14_dspark)
 
 class CheckpointError(ValueError):
     ("A checkpoint file, directory or state that does not match its config; "

@@ -30,10 +30,10 @@ from .distributed import (_group, rank_device, run_ranks, local_experts, ep_moe_
                                   ep_traffic)
 
 # %% auto #0
-__all__ = ['DUMMY_ID', 'TORCHRUN_VARS', 'RankEngram', 'EPPagedModel', 'step_forwards', 'dummy_batch', 'rank_step_model',
-           'DPLLMEngine', 'collective_seconds', 'free_blocks', 'serve_rank', 'rank_model', 'dp_engine_job', 'DPFront',
-           'DPLLM', 'torchrun_env', 'is_torchrun', 'init_dp_group', 'run_dp', 'dp_generate', 'dp_bench_job',
-           'bench_row', 'project_world', 'dp_bench']
+__all__ = ['DUMMY_ID', 'TORCHRUN_VARS', 'NGRAM_TOKENS', 'RankEngram', 'EPPagedModel', 'step_forwards', 'dummy_batch',
+           'rank_step_model', 'DPLLMEngine', 'collective_seconds', 'free_blocks', 'serve_rank', 'rank_model',
+           'dp_engine_job', 'DPFront', 'DPLLM', 'torchrun_env', 'is_torchrun', 'init_dp_group', 'run_dp',
+           'ngram_tokens', 'dp_generate', 'dp_bench_job', 'bench_row', 'project_world', 'dp_bench']
 
 # %% ../nbs/15a_dp_engine.ipynb #53ca13ce
 class RankEngram(Engram):
@@ -513,6 +513,24 @@ def _sampling(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, max_tokens=args.max_tokens)
 
+NGRAM_TOKENS = 5   # n-gram drafts per step when `--speculative ngram` names no count
+
+def ngram_tokens(args, # parsed serving arguments: speculative, num_speculative_tokens
+                 error, # called with a message on bad input
+                ) -> int:
+    ("n-gram drafts per step asked for by `--speculative` and `--num-speculative-tokens` "
+     "(0: none); any other method is refused")
+    method = getattr(args, 'speculative', None) or None
+    k = getattr(args, 'num_speculative_tokens', None)
+    if method is None:
+        if k is not None: error("--num-speculative-tokens needs --speculative")
+        return 0
+    if method != 'ngram':
+        error(f"--speculative {method}: not across data-parallel ranks "
+              "(a rank's engine drafts with n-grams only)")
+    try: return NGRAM_TOKENS if k is None else check_int('--num-speculative-tokens', 'k', k, 1)
+    except (TypeError, ValueError) as e: error(str(e))
+
 def _dp_llm(args, error, **engine_args) -> tuple:
     "(DPLLM of the parsed serving arguments, the checkpoint): on torchrun's ranks or spawned ones"
     if why := serving_problem(args.device, args.kernels): error(why)
@@ -523,7 +541,7 @@ def _dp_llm(args, error, **engine_args) -> tuple:
     ckpt, note = served_checkpoint(args.checkpoint)
     if note and (env is None or env['rank'] == 0): print(note, file=sys.stderr)
     llm = DPLLM(ckpt, device=args.device, data_parallel_size=env['world_size'] if env else n,
-                enable_expert_parallel=True, num_speculative_tokens=args.speculative,
+                enable_expert_parallel=True, num_speculative_tokens=ngram_tokens(args, error),
                 kernels=args.kernels, async_scheduling=args.async_scheduling, **engine_args)
     return llm, ckpt
 

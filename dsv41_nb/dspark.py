@@ -5,6 +5,7 @@
 # %% ../nbs/14_dspark.ipynb #e08b27d7
 from __future__ import annotations
 import math, time, itertools
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Sequence
 import numpy as np
@@ -23,7 +24,7 @@ __all__ = ['Drafter', 'window_positions', 'reference_draft', 'sample_tokens', 'D
            'reference_accept_sampled', 'accept_sampled', 'prefix_survival', 'expected_accepted', 'best_verify_length',
            'roofline_step_cost', 'choose_verify_lengths', 'brute_force_verify_lengths', 'DSparkProposer', 'SpecStats',
            'speculative_generate', 'greedy_training_data', 'drafter_anchors', 'drafter_loss', 'train_drafter',
-           'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov']
+           'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov', 'dspark_proposer']
 
 # %% ../nbs/14_dspark.ipynb #b37c1511
 class Drafter:
@@ -670,3 +671,15 @@ def set_successor_markov(drafter: Drafter, vocab: int, scale: float = 50.0):
         mh.embed.weight[:vocab, 0], mh.embed.weight[:vocab, 1] = ang.cos(), ang.sin()
         mh.head.weight[:vocab, 0], mh.head.weight[:vocab, 1] = (scale * (ang - ang[1]).cos(),
                                                                 scale * (ang - ang[1]).sin())
+
+# %% ../nbs/14_dspark.ipynb #0b988ccb
+def dspark_proposer(model: Transformer, # the target: the drafter's weights go into its mtp.* blocks
+                    path, # the drafter's weights (`save_drafter`'s file)
+                    num_speculative_tokens: int | None = None, # drafts per step (default: the block)
+                    **kwargs) -> DSparkProposer: # more `DSparkProposer` arguments (adaptive, ...)
+    "A `DSparkProposer` on `model` with the drafter stored at `path`"
+    require(isinstance(path, (str, Path)),
+            f"dspark_proposer: path must be a file name, got {type(path).__name__}", TypeError)
+    require(Path(path).is_file(), f"dspark_proposer: no drafter weights at {path}",
+            FileNotFoundError)
+    return DSparkProposer(load_drafter(Drafter(model), path), num_speculative_tokens, **kwargs)

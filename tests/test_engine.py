@@ -400,6 +400,26 @@ def test_cli_generate(tmp_path, extra):
     assert f'{len(want.token_ids)} tokens in' in r.stderr and 'tokens/s' in r.stderr
 
 
+def test_cli_generate_with_the_dspark_drafter(tmp_path):
+    "`--speculative dspark` loads the drafter beside the checkpoint: the tokens of LLM with `dspark_proposer`, and the drafts counted"
+    from dsv41_nb.checkpoint import load_model
+    from dsv41_nb.dspark import Drafter, save_drafter, dspark_proposer
+    from dsv41_nb.checkpoint import DRAFTER_NAME
+    ck = random_checkpoint(tmp_path)
+    save_drafter(Drafter(load_model(ck)), ck / DRAFTER_NAME)
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck), '--max-tokens', '6',
+                        '--temperature', '0', '--speculative', 'dspark', '--num-speculative-tokens', '3'],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''})
+    assert r.returncode == 0, r.stderr
+    model = load_model(ck)
+    llm = LLM(model, proposer=dspark_proposer(model, ck / DRAFTER_NAME, 3), kernels='torch')
+    want = llm.generate('the cat', SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert r.stdout == 'the cat' + want.text + '\n'
+    st = llm.llm_engine.scheduler.stats
+    assert st['draft_tokens'] > 0 and f"dspark: {st['accepted_tokens']} of {st['draft_tokens']} drafts accepted" in r.stderr
+
+
 @pytest.fixture(scope='module')
 def cli_checkpoint(tmp_path_factory): return random_checkpoint(tmp_path_factory.mktemp('cli'))
 
@@ -411,6 +431,7 @@ CLI_BAD = [
     (['generate', 'x', '--temperature', '-1'], 'temperature = -1.0'),
     (['bench', '--prompt-len', '100000'], '--prompt-len 100,000 is longer than the model allows'),
     (['bench', '--json', '{tmp}/no/x.json', '--checkpoint', '/no/such/dir'], '--json: cannot write'),  # before loading
+    (['generate', 'x', '--speculative', 'dspark'], 'no drafter weights at'),     # the random checkpoint ships none
 ]
 
 @pytest.mark.parametrize('argv,msg', CLI_BAD, ids=[m for _, m in CLI_BAD])
