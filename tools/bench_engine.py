@@ -55,9 +55,15 @@ def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
 
 
 def git_commit() -> str | None:
-    "The checkout's commit (short), or None outside a git checkout; DSV41_COMMIT overrides it"
-    r = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=Path(__file__).parent)
-    return r.stdout.strip() or None
+    """The checkout's commit (short), or None outside a git checkout; DSV41_COMMIT overrides it. With tracked files
+    changed since that commit (or a copy whose git metadata is older than its files) the commit does not describe
+    the code, and '+modified' says so"""
+    here = Path(__file__).parent
+    r = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=here)
+    if not r.stdout.strip(): return None
+    changed = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], capture_output=True, text=True,
+                             cwd=here).stdout.strip()
+    return r.stdout.strip() + ('+modified' if changed else '')
 
 
 def sync(device):

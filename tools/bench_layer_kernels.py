@@ -17,7 +17,7 @@ OUT_DIR/layer_kernels.json after each part, so a run cut short keeps what it mea
 `--sweep` also times version 2 of the seam at 1,024 and 8,192 tokens over a few tile shapes (a compile each).
 `--quick` runs the `tiny` geometry at two sizes under the Triton interpreter on a CPU: a check of the script, whose
 times mean nothing."""
-import argparse, datetime, json, math, os, subprocess, sys, time
+import argparse, datetime, json, math, os, sys, time
 from pathlib import Path
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,13 +46,9 @@ def say(msg: str): print(f'[{time.time() - T0:6.1f} s] {msg}', flush=True)
 
 
 def commit() -> str | None:
-    "The checkout's commit (short); DSV41_COMMIT overrides it; None outside a git checkout"
-    if os.environ.get('DSV41_COMMIT'): return os.environ['DSV41_COMMIT']
-    try:
-        r = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent, timeout=10)
-        return r.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError): return None
+    "The checkout's commit (short; '+modified' if files changed since); DSV41_COMMIT overrides it"
+    from bench_engine import git_commit                    # tools/ is on the path when this runs as a script
+    return os.environ.get('DSV41_COMMIT') or git_commit()
 
 
 def clean(v):
