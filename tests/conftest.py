@@ -5,6 +5,8 @@ import budget                      # noqa: F401  (registers and loads the hypoth
 def pytest_configure(config):
     config.addinivalue_line('markers', "cpu_exact: bit-level parity of two PyTorch paths on this CPU (the GPU tier "
                                        "deselects them: they test the host's CPU, not the compiled kernels)")
+    config.addinivalue_line('markers', "processes: starts process groups of its own (spawned ranks, torchrun); CI runs "
+                                       "these after the rest, not beside another pytest worker (ports, cores)")
 
 
 @pytest.fixture(scope='module')

@@ -24,6 +24,8 @@ from dsv41_nb.engram import (Engram, NgramHasher, head_shards, engram_lookup, co
                              synthetic_token_strings)
 from dsv41_nb import distributed as dd
 
+pytestmark = pytest.mark.processes    # run apart from other pytest workers (see conftest)
+
 TINY = ModelConfig.tiny()
 W = MoEWeights.random(TINY, seed=3)
 _G = torch.Generator().manual_seed(11)

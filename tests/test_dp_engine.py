@@ -25,6 +25,7 @@ from dsv41_nb.serving import random_checkpoint
 from dsv41_nb.distributed import run_ranks, rank_threads, free_port
 from dsv41_nb import dp_engine as de
 
+pytestmark = pytest.mark.processes    # run apart from other pytest workers (see conftest)
 TINY = ModelConfig.tiny()
 MODEL = init_random(TINY, seed=7)
 _G = torch.Generator().manual_seed(5)
