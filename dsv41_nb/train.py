@@ -22,10 +22,10 @@ from .mhc import hc_split
 __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'CORPUS_VERSION', 'stdlib_modules', 'module_documents', 'source_files',
            'source_document', 'corpus_documents', 'cache_dir', 'load_corpus', 'split_documents', 'small_config',
            'trained_param_count', 'ByteData', 'byte_data', 'DenseBlock', 'DenseBaseline', 'dense_param_count', 'lr_at',
-           'balance_router_bias', 'max_violation', 'ExpertLoad', 'attention_mass', 'indexer_log_probs', 'indexer_kl',
-           'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train',
-           'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
-           'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
+           'balance_router_bias', 'max_violation', 'routers', 'ExpertLoad', 'ExpertDropout', 'attention_mass',
+           'indexer_log_probs', 'indexer_kl', 'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate',
+           'make_optimizer', 'train', 'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next',
+           'continue_prompts', 'distinct_4grams', 'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
 SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle', 'turtledemo',
@@ -391,15 +391,19 @@ def max_violation(counts: torch.Tensor) -> float:
     return (load.max() / load.mean()).item() - 1 if load.sum() > 0 else 0.0
 
 # %% ../nbs/11_train.ipynb #1f05f089
+def routers(model: nn.Module, who: str = 'routers') -> dict:
+    "{name: module} of every router of `model`: an `*.ffn.gate` module with a `bias`"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: expected an nn.Module, got {type(model).__name__}")
+    return {n: m for n, m in model.named_modules()
+            if n.split('.')[-2:] == ['ffn', 'gate']
+            and isinstance(getattr(m, 'bias', None), torch.Tensor)}
+
 class ExpertLoad:
     ("Counts, per router (`*.ffn.gate` module with a `bias`), "
      "the tokens each expert received since the last reset")
     def __init__(self, model: nn.Module):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"ExpertLoad: expected an nn.Module, got {type(model).__name__}")
-        self.gates = {n: m for n, m in model.named_modules()
-                      if n.split('.')[-2:] == ['ffn', 'gate']
-                      and isinstance(getattr(m, 'bias', None), torch.Tensor)}
+        self.gates = routers(model, 'ExpertLoad')
         self.counts: dict[str, torch.Tensor] = {}
         self.handles = [g.register_forward_hook(self._hook(n)) for n, g in self.gates.items()]
 
@@ -426,6 +430,26 @@ def remove(self: ExpertLoad):
     "Unhook the routers"
     for h in self.handles: h.remove()
     self.handles = []
+
+# %% ../nbs/11_train.ipynb #ad904d04
+class ExpertDropout:
+    ("In training, each (token, expert) routing weight of every router (`*.ffn.gate`) "
+     "zeroed with probability `p`, the others scaled by 1/(1 - p)")
+    def __init__(self, model: nn.Module, p: float):
+        if isinstance(p, bool) or not (isinstance(p, (int, float)) and 0 <= p < 1):
+            raise ValueError(f"ExpertDropout: p = {p!r}; expected a number in [0, 1)")
+        self.p, gates = float(p), routers(model, 'ExpertDropout')
+        self.handles = ([g.register_forward_hook(self._hook) for g in gates.values()]
+                        if p > 0 else [])
+
+    def _hook(self, module, args, output):
+        weights, ids = output
+        return F.dropout(weights, self.p, module.training), ids
+
+    def remove(self):
+        "Unhook the routers"
+        for h in self.handles: h.remove()
+        self.handles = []
 
 # %% ../nbs/11_train.ipynb #74c26066
 def attention_mass(
@@ -574,6 +598,7 @@ def train(
     weight_decay: float = 0.1, clip: float = 1.0,  # AdamW decay; gradient-norm clip
     eval_every: int = 50, eval_batches: int = 8,  # evaluate every so many steps, on so many batches
     gamma: float = 1e-2,  # router bias update speed γ (DeepSeek-V3: 1e-3 over a far longer run)
+    expert_dropout: float = 0.0,  # `ExpertDropout`'s p
     seed: int = 0, device=None,  # batches and init of the random state; default CUDA if present
     fast: bool | None = None,  # `fast_path` (default: on a GPU)
     log=None,  # called with a progress line at each evaluation (e.g. `print`)
@@ -588,17 +613,18 @@ def train(
     dtypes, quant = {n: p.dtype for n, p in model.named_parameters()}, getattr(model, 'quant', None)
     model.to(device).float().train()
     if quant is not None: model.quant = False
-    opt, load, distill = (make_optimizer(model, lr, weight_decay), ExpertLoad(model),
-                          IndexerDistillation(model))
     if fast not in (None, True, False):
         raise TypeError(f"train: fast = {fast!r}; expected a bool or None")
+    drop = ExpertDropout(model, expert_dropout)
+    opt, load, distill = (make_optimizer(model, lr, weight_decay), ExpertLoad(model),
+                          IndexerDistillation(model))
     fast = device.type == 'cuda' if fast is None else fast
     try:
         with fast_path(model) if fast else contextlib.nullcontext():
             return _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup,
                          batch_size, seq_len, clip, eval_every, gamma, log)
     finally:
-        load.remove(); distill.remove()
+        load.remove(); distill.remove(); drop.remove()
         for n, p in model.named_parameters(): p.data = p.data.to(dtypes[n])
         if quant is not None: model.quant = quant
 

@@ -12,7 +12,7 @@ from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
                             module_documents, byte_data, lm_loss,
                             trained_param_count, DenseBaseline, dense_param_count, lr_at, balance_router_bias,
-                            max_violation, ExpertLoad, evaluate, train, fast_path, source_files,
+                            max_violation, ExpertLoad, ExpertDropout, evaluate, train, fast_path, source_files,
                             held_out_prompts, sample_next, continue_prompts, distinct_4grams, known_words,
                             ends_in_loop, corpus_words)
 
@@ -132,6 +132,29 @@ def test_train_updates_router_bias_not_by_gradient():
     assert b.abs().max() > 0 and torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-4)
     assert not m.layers[0].ffn.gate._forward_hooks
 
+def test_expert_dropout_in_training_only():
+    "In training a share p of the (token, expert) weights is zeroed, the rest scaled by 1/(1-p); eval and removal restore"
+    m, h = _Routed(E=16), torch.randn(8192, 32, generator=_gen(3))
+    gate = m.layers[0].ffn.gate
+    w0, ids0 = gate(h)
+    drop = ExpertDropout(m, 0.3)
+    m.train(); w1, ids1 = gate(h)
+    kept = w1 != 0
+    assert torch.equal(ids1, ids0) and abs(kept.float().mean().item() - 0.7) < 0.02
+    torch.testing.assert_close(w1[kept], w0[kept] / 0.7)
+    m.eval(); assert torch.equal(gate(h)[0], w0)
+    m.train(); drop.remove(); assert torch.equal(gate(h)[0], w0) and not gate._forward_hooks
+
+def test_train_with_expert_dropout_changes_the_run_and_unhooks():
+    "The same seed with and without expert dropout: different histories, the router's hooks gone after both"
+    data, hists = _stream_data(), []
+    for p in (0.0, 0.5):
+        torch.manual_seed(0); m = _Routed()
+        hists.append(train(m, data, steps=4, batch_size=2, seq_len=16, eval_every=4, eval_batches=1, device='cpu',
+                           expert_dropout=p))
+        assert not m.layers[0].ffn.gate._forward_hooks
+    assert hists[0]['train_loss'] != hists[1]['train_loss']
+
 def test_bad_inputs():
     data, m = _stream_data(), DenseBaseline(512, 32, 1, 2, 64)
     cases = [
@@ -155,6 +178,11 @@ def test_bad_inputs():
         (lambda: max_violation([1, 2]), 'counts must be a non-empty 1-D tensor'),
         (lambda: evaluate(m, []), 'batches must be a non-empty list'),
         (lambda: ExpertLoad('model'), 'expected an nn.Module'),
+        (lambda: ExpertDropout('model', 0.1), 'ExpertDropout: expected an nn.Module'),
+        (lambda: ExpertDropout(m, 1.0), 'p = 1.0'),
+        (lambda: ExpertDropout(m, -0.1), 'p = -0.1'),
+        (lambda: ExpertDropout(m, True), 'p = True'),
+        (lambda: train(m, data, steps=2, expert_dropout=1.5), 'p = 1.5'),
         (lambda: module_documents('no_such_module_xyz'), "no importable module 'no_such_module_xyz'"),
         (lambda: byte_data(['a'], ['b'], object()), 'tokenizer must have encode, BOS and EOS'),
         (lambda: byte_data([], ['b'], None), 'train_docs must be a non-empty list of str'),

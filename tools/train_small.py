@@ -3,7 +3,8 @@
 
 The corpus is the Python documentation (11_train); the checkpoint goes out in the public layout, with the loss curves.
 
-    python tools/train_small.py --out checkpoints/small [--steps N | --minutes M] [--baseline] [--json PATH] [--quick]
+    python tools/train_small.py --out checkpoints/small [--steps N | --minutes M] [--baseline] [--expert-dropout P]
+                                [--json PATH] [--quick]
 
 Both models see the same batches. Without --steps, a few timed steps of each model size the run so that the training
 takes about --minutes (default 4) in all; the measured tokens/s are printed first. Writes `config.json` and the
@@ -64,6 +65,8 @@ def main():
     ap.add_argument('--seq-len', type=int, default=256)
     ap.add_argument('--lr', type=float, default=2e-3)
     ap.add_argument('--gamma', type=float, default=1e-2, help='router bias update speed')
+    ap.add_argument('--expert-dropout', type=float, default=0.0,
+                    help="p of `ExpertDropout`: each (token, expert) routing weight dropped in training")
     ap.add_argument('--eval-every', type=int, default=25)
     ap.add_argument('--eval-batches', type=int, default=4, help='validation batches per evaluation')
     ap.add_argument('--seed', type=int, default=0)
@@ -95,7 +98,8 @@ def main():
           f'({tokens / len(data.train):.1f} passes over the training text)')
     record = dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__,
                   python=sys.version.split()[0], config='small_config()', steps=args.steps, batch_size=args.batch_size,
-                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma, seed=args.seed, fast_path=device.type == 'cuda',
+                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma, expert_dropout=args.expert_dropout, seed=args.seed,
+                  fast_path=device.type == 'cuda',
                   corpus=dict(documents=len(docs), megabytes=sum(len(d.encode()) for d in docs) / 1e6,
                   train_tokens=len(data.train), val_tokens=len(data.val)), models={})
     final_batches = data.eval_batches(32 if not args.quick else 2, min(args.batch_size, 32), args.seq_len)
@@ -108,6 +112,7 @@ def main():
         print(f'--- {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters')
         hist = train(model, data, args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
                      eval_every=args.eval_every, eval_batches=args.eval_batches, gamma=args.gamma, seed=args.seed, device=device,
+                     expert_dropout=args.expert_dropout,
                      log=print)
         model.to(device)
         if hasattr(model, 'quant'): model.quant = False
