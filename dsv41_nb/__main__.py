@@ -18,12 +18,12 @@ from .accounting import (accounting_rows, format_rows, ROW_HEADER, SOURCES, Hard
                                   HARDWARE, step_floor)
 from .dispatch import machine_name, triton_interpreting, copy_bandwidth
 from .model import init_random
-from .engine import EngineArgs, LLM, SamplingParams, RequestOutput
+from .engine import EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKENS
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
-from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens, NGRAM_TOKENS
-from .checkpoint import load_model, DRAFTER_NAME
-from .dspark import dspark_proposer
+from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens
+from .checkpoint import DRAFTER_NAME
+from . import dspark   # imported for its side: it registers speculative='dspark'
 
 # %% ../nbs/99_cli.ipynb #c871927b
 PRESETS = {'full': ModelConfig.full, 'bench': ModelConfig.bench, 'tiny': ModelConfig.tiny}
@@ -206,13 +206,13 @@ def served_with(args, error):
 def speculation(args, # parsed: speculative, num_speculative_tokens, drafter, device
                 ckpt: Path, # the served checkpoint
                 error) -> tuple: # called with a message on bad input
-    ("(what `LLM` serves: the checkpoint, or its model with the drafter on it; "
-     "the speculation's `LLM` arguments)")
+    "(what `LLM` serves, the speculation's `LLM` arguments: method, drafts per step, drafter)"
     if getattr(args, 'speculative', None) != 'dspark':
         return ckpt, dict(num_speculative_tokens=ngram_tokens(args, error))
-    path = Path(args.drafter) if args.drafter else Path(ckpt) / DRAFTER_NAME
-    model = load_model(ckpt, device=args.device)
-    return model, dict(proposer=dspark_proposer(model, path, args.num_speculative_tokens))
+    k = args.num_speculative_tokens
+    try: k = 0 if k is None else check_int('--num-speculative-tokens', 'k', k, 1)
+    except (TypeError, ValueError) as e: error(str(e))
+    return ckpt, dict(speculative='dspark', num_speculative_tokens=k, drafter=args.drafter)
 
 # %% ../nbs/99_cli.ipynb #31f4b501
 def generate_command(

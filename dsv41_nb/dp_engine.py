@@ -23,17 +23,17 @@ from .paged import PagedModel
 from .paged_step import PagedStepModel
 from .scheduler import SamplingParams, SchedulerConfig
 from .engine import (LLM, LLMEngine, EngineArgs, InputBatch, RecomputeModel, RequestOutput,
-                             _as_list)
+                             NGRAM_TOKENS, _as_list)
 from .serving import served_checkpoint, serving_problem
 from .distributed import (_group, rank_device, run_ranks, local_experts, ep_moe_forward,
                                   sharded_engram_lookup, shard_model_, dummy_step, expert_range,
                                   ep_traffic)
 
 # %% auto #0
-__all__ = ['DUMMY_ID', 'TORCHRUN_VARS', 'NGRAM_TOKENS', 'RankEngram', 'EPPagedModel', 'step_forwards', 'dummy_batch',
-           'rank_step_model', 'DPLLMEngine', 'collective_seconds', 'free_blocks', 'serve_rank', 'rank_model',
-           'dp_engine_job', 'DPFront', 'DPLLM', 'torchrun_env', 'is_torchrun', 'init_dp_group', 'run_dp',
-           'ngram_tokens', 'dp_generate', 'dp_bench_job', 'bench_row', 'project_world', 'dp_bench']
+__all__ = ['DUMMY_ID', 'TORCHRUN_VARS', 'RankEngram', 'EPPagedModel', 'step_forwards', 'dummy_batch', 'rank_step_model',
+           'DPLLMEngine', 'collective_seconds', 'free_blocks', 'serve_rank', 'rank_model', 'dp_engine_job', 'DPFront',
+           'DPLLM', 'torchrun_env', 'is_torchrun', 'init_dp_group', 'run_dp', 'ngram_tokens', 'dp_generate',
+           'dp_bench_job', 'bench_row', 'project_world', 'dp_bench']
 
 # %% ../nbs/15a_dp_engine.ipynb #53ca13ce
 class RankEngram(Engram):
@@ -513,7 +513,6 @@ def _sampling(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, max_tokens=args.max_tokens)
 
-NGRAM_TOKENS = 5   # n-gram drafts per step when `--speculative ngram` names no count
 
 def ngram_tokens(args, # parsed serving arguments: speculative, num_speculative_tokens
                  error, # called with a message on bad input

@@ -18,6 +18,8 @@ from .mhc import hc_expand, hc_pre, hc_post, _rms_norm
 from .model import Transformer, DenseRun, dense_attention, act_qdq
 from .accounting import Hardware, decode_floor, active_params_per_token
 from .train import ExpertLoad, lr_at
+from .checkpoint import DRAFTER_NAME
+from .engine import register_speculative
 
 # %% auto #0
 __all__ = ['Drafter', 'window_positions', 'reference_draft', 'sample_tokens', 'Draft', 'reference_accept_greedy', 'accept_greedy',
@@ -73,6 +75,7 @@ def window_positions(
     pos = last[:, None] - (window - 1) + torch.arange(window, device=last.device)
     return pos.clamp(min=0), pos >= 0
 
+# %% ../nbs/14_dspark.ipynb #63e5fcf7
 def _rope_rows(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple:
     "(cos, sin), each (*pos.shape, rope_dim/2), at a tensor of positions"
     cos, sin = rope_cos_sin(inv_freq.to(pos.device), pos.flatten())
@@ -144,6 +147,7 @@ def base_logits(self: Drafter, x: torch.Tensor) -> torch.Tensor:
     y = _rms_norm(x, self.blocks[-1].norm.weight, self.cfg.norm_eps)
     return F.linear(y.float(), self.model.head.weight.float())
 
+# %% ../nbs/14_dspark.ipynb #3361d531
 @patch
 def markov(self: Drafter, prev: torch.Tensor) -> tuple:
     ("(logit bias (..., vocab) fp32, embedding (..., rank)) "
@@ -152,6 +156,7 @@ def markov(self: Drafter, prev: torch.Tensor) -> tuple:
     e = F.embedding(prev, mh.embed.weight)
     return F.linear(e.float(), mh.head.weight.float()), e
 
+# %% ../nbs/14_dspark.ipynb #137829ca
 @patch
 def confidence(self: Drafter, x: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor:
     ("(N, B) fp32 acceptance logits: "
@@ -184,6 +189,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator=None) -> t
     probs = torch.softmax(logits.float() / temperature, -1)
     return torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
 
+# %% ../nbs/14_dspark.ipynb #91279f52
 @dataclass
 class Draft:
     "One drafter pass over N requests"
@@ -215,6 +221,7 @@ def draft(self: Drafter, main_x, ctx_pos, valid, tokens,   # as `trunk`
     return Draft(torch.stack(out, 1), torch.stack(logits, 1),
                  self.confidence(x, torch.stack(embeds, 1)), temperature)
 
+# %% ../nbs/14_dspark.ipynb #bdb1fa6e
 @patch
 def windows(self: Drafter, main_x: torch.Tensor, last: torch.Tensor) -> tuple:
     ("(main_x (N, W, dim), positions, valid) from one sequence's `context` (S, dim), "
@@ -240,6 +247,7 @@ def reference_accept_greedy(drafts: list, target: list) -> int:
     while n < len(drafts) and drafts[n] == target[n]: n += 1
     return n
 
+# %% ../nbs/14_dspark.ipynb #63275515
 def accept_greedy(
     drafts: torch.Tensor,  # (N, k) int64 drafted ids
     # (N, k + 1) int64 the target's argmax after the newest token and after each draft
@@ -259,6 +267,7 @@ def _inverse_cdf(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (torch.searchsorted(c, (v * c[:, -1])[:, None]).squeeze(1)
             .clamp(max=probs.shape[-1] - 1))
 
+# %% ../nbs/14_dspark.ipynb #35c2e2ca
 def reference_accept_sampled(drafts: list, q: torch.Tensor, p: torch.Tensor, u: list,
                              v: float) -> tuple:
     ("(accepted, next token) of one request: "
@@ -305,10 +314,12 @@ def prefix_survival(a: torch.Tensor) -> torch.Tensor:
             f"got {a if not isinstance(a, torch.Tensor) else tuple(a.shape)}")
     return a.cumprod(-1)
 
+# %% ../nbs/14_dspark.ipynb #cd26d70d
 def expected_accepted(a: torch.Tensor) -> torch.Tensor:
     "(..., B + 1): E(k) = S_1 + … + S_k for k = 0 … B (E(0) = 0)"
     return F.pad(prefix_survival(a).cumsum(-1), (1, 0))
 
+# %% ../nbs/14_dspark.ipynb #bdcddf51
 def best_verify_length(
     a: torch.Tensor,     # (B,) per-slot acceptance probabilities of one request
     cost: torch.Tensor,  # (B + 1,) seconds of its step when verifying k = 0 … B drafts
@@ -362,6 +373,7 @@ def choose_verify_lengths(
     k[order[:int(((N + gain) / cost).argmax())]] = 1
     return k.view(N, B).sum(1)
 
+# %% ../nbs/14_dspark.ipynb #0011fd63
 def brute_force_verify_lengths(a: torch.Tensor, step_cost) -> torch.Tensor:
     "The best k vector by trying all (B + 1)^N of them (a test oracle)"
     N, B = a.shape
@@ -465,6 +477,7 @@ def propose_with_probs(
     return ([dr.tokens[i, :int(k[i])].tolist() for i in range(len(ids))],
             [probs[i, :int(k[i])] for i in range(len(ids))])
 
+# %% ../nbs/14_dspark.ipynb #d7dccf62
 @patch
 def propose(self: DSparkProposer, requests: Sequence[Sequence[int]], hidden=None) -> list:
     "Up to k drafts per request (the scheduler's `Proposer` protocol)"
@@ -498,6 +511,7 @@ class SpecStats:
         return (f"SpecStats({self.steps} steps, {self.accepted}/{self.drafted} drafts accepted, "
                 f"{self.emitted / max(1, self.request_steps):.2f} tokens per request-step)")
 
+# %% ../nbs/14_dspark.ipynb #13212bb1
 def _verify_rows(logits: torch.Tensor, drafts: list, q, temperature: float, generator) -> tuple:
     "(accepted, next token) of one request from its k + 1 target rows (k + 1, V)"
     d = torch.tensor([drafts], dtype=torch.int64, device=logits.device)                  # (1, k)
@@ -568,6 +582,7 @@ def greedy_training_data(model: Transformer,
     for _ in range(n): x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], 1)
     return x, model(x, return_hidden=True)[1]
 
+# %% ../nbs/14_dspark.ipynb #644ba2ec
 def drafter_anchors(rows: int, seq_len: int, prompt_len: int, block: int) -> torch.Tensor:
     ("(A, 2) int64 (row, newest context position p) of every anchor "
      "whose labels p + 2 … p + 1 + block are generated")
@@ -644,12 +659,14 @@ def drafter_state(drafter: Drafter) -> dict:
     "{name: tensor}: the model's `mtp.*` state, under the checkpoint's names"
     return {k: v for k, v in drafter.model.state_dict().items() if k.startswith('mtp.')}
 
+# %% ../nbs/14_dspark.ipynb #7111f67b
 def save_drafter(drafter: Drafter, path, metadata: dict | None = None):
     "Write the drafter's `mtp.*` master weights to a safetensors file"
     from safetensors.torch import save_file
     save_file({k: v.detach().contiguous().cpu() for k, v in drafter_state(drafter).items()},
               str(path), metadata={k: str(v) for k, v in (metadata or {}).items()})
 
+# %% ../nbs/14_dspark.ipynb #a1bda8c8
 def load_drafter(drafter: Drafter, path) -> Drafter:
     "Load `save_drafter`'s file into the drafter's model; names and shapes must match its config"
     from safetensors.torch import load_file
@@ -683,3 +700,13 @@ def dspark_proposer(model: Transformer, # the target: the drafter's weights go i
     require(Path(path).is_file(), f"dspark_proposer: no drafter weights at {path}",
             FileNotFoundError)
     return DSparkProposer(load_drafter(Drafter(model), path), num_speculative_tokens, **kwargs)
+
+# %% ../nbs/14_dspark.ipynb #af37b293
+def _dspark_method(eng, k: int) -> DSparkProposer:
+    "`speculative='dspark'`: the drafter stored at `eng.args.drafter` on the engine's model"
+    require(eng.args.drafter is not None,
+            "speculative = 'dspark' needs the drafter's weights: drafter=PATH (LLM given a "
+            f"checkpoint directory looks for {DRAFTER_NAME} in it)")
+    return dspark_proposer(eng.model, eng.args.drafter, k or None, max_model_len=eng.max_model_len)
+
+register_speculative('dspark', _dspark_method)

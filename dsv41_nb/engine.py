@@ -27,16 +27,17 @@ from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOut
                                 PLACEHOLDER, table_slot_mappings)
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
-from .checkpoint import load_model
+from .checkpoint import load_model, DRAFTER_NAME
 from .paged_step import step_model as paged_step_model, PagedStepModel
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
 from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors
 
 # %% auto #0
-__all__ = ['RING', 'RUNNERS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel', 'InputBuffers', 'ModelRunner', 'DecodePlan',
-           'StepFuture', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model',
-           'LLMEngine', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine',
-           'StepTimer', 'host_step_times']
+__all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
+           'InputBuffers', 'ModelRunner', 'DecodePlan', 'StepFuture', 'CompletionOutput', 'RequestOutput',
+           'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'register_speculative', 'prefix_gap',
+           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine', 'StepTimer',
+           'host_step_times']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -662,6 +663,9 @@ class EngineArgs:
     bounded_replay: bool = True
     async_scheduling: bool = False
     num_speculative_tokens: int = 0  # drafts verified per step (0: none, unless a proposer says)
+    # the proposer by name (`SPECULATIVE_METHODS`: 'ngram', and 'dspark' once 14_dspark is loaded)
+    speculative: str | None = None
+    drafter: str | None = None  # the drafter's weights (LLM: beside the checkpoint it loads)
     runner: str = 'auto'  # one of RUNNERS
     cuda_graphs: bool = True  # capture decode steps on a GPU when the model allows it
     # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
@@ -677,6 +681,11 @@ class EngineArgs:
         if (check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
                 and self.async_scheduling):
             raise ValueError("async_scheduling with num_speculative_tokens > 0 "
+                             "is not supported here")
+        if self.speculative is not None and not isinstance(self.speculative, str):
+            raise TypeError(f"speculative = {self.speculative!r}; expected a method's name")
+        if self.speculative and self.async_scheduling:
+            raise ValueError(f"async_scheduling with speculative = {self.speculative!r} "
                              "is not supported here")
 
 # %% ../nbs/13_engine.ipynb #93d2e5bb
@@ -749,11 +758,33 @@ def _cache_layout(self: LLMEngine) -> KVCacheConfig:
         cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
         enable_prefix_caching=a.enable_prefix_caching))
 
+# %% ../nbs/13_engine.ipynb #57361b67
+NGRAM_TOKENS = 5   # n-gram drafts per step when speculation names no count
+SPECULATIVE_METHODS: dict = {}   # name -> make(engine, num_speculative_tokens) -> Proposer
+
+def register_speculative(name: str, # what `speculative=` says
+                         make): # make(engine, k) -> a Proposer (k = 0: the method's default)
+    "Let `LLM(..., speculative=name)` build its proposer with `make`"
+    if not (isinstance(name, str) and name): raise ValueError(f"name = {name!r}; expected a str")
+    if not callable(make): raise TypeError(f"make: expected a callable, got {type(make).__name__}")
+    SPECULATIVE_METHODS[name] = make
+
+register_speculative('ngram', lambda eng, k: NgramProposer(k or NGRAM_TOKENS,
+                                                           max_model_len=eng.max_model_len))
+
 # %% ../nbs/13_engine.ipynb #7f9c096a
 @patch
 def _proposer(self: LLMEngine, proposer) -> Proposer | None:
-    "The proposer: the one given, or the n-gram proposer for num_speculative_tokens > 0"
-    k = self.args.num_speculative_tokens
+    ("The proposer: the one given, the one `args.speculative` names, "
+     "or the n-gram proposer for num_speculative_tokens > 0")
+    k, name = self.args.num_speculative_tokens, self.args.speculative
+    if name is not None:
+        if proposer is not None: raise ValueError("pass a proposer or speculative, not both")
+        if name not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative = {name!r}; expected one of "
+                             f"{sorted(SPECULATIVE_METHODS)} ('dspark' is registered when "
+                             f"dsv41_nb.dspark is imported)")
+        proposer = SPECULATIVE_METHODS[name](self, k)
     if proposer is None: return NgramProposer(k, max_model_len=self.max_model_len) if k else None
     if not (isinstance(getattr(proposer, 'num_speculative_tokens', None), int)
             and callable(getattr(proposer, 'propose', None))):
@@ -951,7 +982,10 @@ class LLM:
                  device=None, # where a checkpoint is loaded (default: the CPU)
                  step_model=None, # layout -> the model the runner calls (see LLMEngine)
                  **engine_args): # fields of EngineArgs
-        if isinstance(model, (str, Path)): model = load_model(model, device=device or 'cpu')
+        if isinstance(model, (str, Path)):
+            if engine_args.get('speculative') and engine_args.get('drafter') is None:
+                engine_args['drafter'] = str(Path(model) / DRAFTER_NAME)
+            model = load_model(model, device=device or 'cpu')
         engine = LLMEngine(model, tokenizer, EngineArgs(**engine_args), proposer, step_model)
         self.llm_engine, self._ids = engine, itertools.count()
 

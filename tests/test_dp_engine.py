@@ -273,7 +273,8 @@ def test_bad_input(f, exc, msg):
 def test_ngram_tokens_reads_the_speculation_arguments():
     "n-gram drafts from --speculative / --num-speculative-tokens; no count without a method, DSpark refused across ranks"
     from argparse import Namespace
-    from dsv41_nb.dp_engine import ngram_tokens, NGRAM_TOKENS
+    from dsv41_nb.dp_engine import ngram_tokens
+    from dsv41_nb.engine import NGRAM_TOKENS
     def error(msg): raise ValueError(msg)
     ns = lambda **kw: Namespace(**{'speculative': None, 'num_speculative_tokens': None, **kw})
     assert [ngram_tokens(ns(), error), ngram_tokens(ns(speculative=0), error)] == [0, 0]

@@ -20,6 +20,7 @@ from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, Model
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
+                             SPECULATIVE_METHODS, register_speculative, NGRAM_TOKENS,
                              greedy_shortfall, assert_greedy_match, host_engine, host_step_times, HOST_PHASES, StepTimer,
                              NullStepModel, InputBuffers)
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
@@ -68,6 +69,12 @@ BAD = [
     (lambda: LLM(MODEL, max_model_len=10**9), ValueError, 'max_model_len = 1,000,000,000 is more than the model allows'),
     (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=1), ValueError, 'not supported'),
     (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
+    (lambda: LLM(MODEL, speculative='medusa'), ValueError, "speculative = 'medusa'; expected one of"),
+    (lambda: LLM(MODEL, speculative=3), TypeError, "speculative = 3; expected a method's name"),
+    (lambda: LLM(MODEL, speculative='ngram', async_scheduling=True), ValueError, "speculative = 'ngram' is not supported"),
+    (lambda: LLM(MODEL, speculative='ngram', proposer=NgramProposer(2)), ValueError, 'a proposer or speculative, not both'),
+    (lambda: register_speculative('', print), ValueError, "name = ''"),
+    (lambda: register_speculative('x', 'not callable'), TypeError, 'make: expected a callable, got str'),
     (lambda: LLMEngine(MODEL, args=dict(runner='paged')), TypeError, 'args must be EngineArgs, got dict'),
     (lambda: LLM('/no/such/checkpoint'), FileNotFoundError, '/no/such/checkpoint'),
     (lambda: ModelRunner(RecomputeModel(MODEL), 'layout'), TypeError, 'expected a KVCacheConfig'),
@@ -185,6 +192,27 @@ def test_greedy_equals_generate_greedy(kw):
     got = outputs(llm)
     assert got == EXPECTED if kw['runner'] == 'recompute' else match(PROMPTS, got)     # recompute: the same arithmetic
     assert free_blocks(llm) == llm.llm_engine.kv_cache_config.num_usable_blocks or llm.llm_engine.args.enable_prefix_caching
+
+def test_speculative_by_name():
+    "speculative='ngram' builds the n-gram proposer (its default count, or the one asked for) and decodes as it does"
+    assert {'ngram'} <= set(SPECULATIVE_METHODS)
+    default, three = (LLM(MODEL, runner='recompute', max_model_len=64, speculative='ngram', **kw).llm_engine
+                      for kw in ({}, dict(num_speculative_tokens=3)))
+    assert isinstance(default.proposer, NgramProposer) and default.proposer.num_speculative_tokens == NGRAM_TOKENS
+    assert three.proposer.num_speculative_tokens == 3 and three.scheduler.config.num_speculative_tokens == 3
+    by_name = outputs(LLM(MODEL, **{**EXACT, 'runner': 'recompute', 'speculative': 'ngram', 'num_speculative_tokens': 3}))
+    assert by_name == EXPECTED
+
+def test_a_registered_method_gets_the_engine_and_the_count():
+    "A method registered by name is called with the engine (model, args, max_model_len) and num_speculative_tokens"
+    seen = []
+    def make(eng, k):
+        seen.append((eng.model is MODEL, eng.max_model_len, eng.args.drafter, k)); return NgramProposer(k or 1)
+    register_speculative('test-method', make)
+    try: eng = LLM(MODEL, runner='recompute', max_model_len=64, speculative='test-method', num_speculative_tokens=2,
+                   drafter='d.safetensors').llm_engine
+    finally: del SPECULATIVE_METHODS['test-method']
+    assert seen == [(True, 64, 'd.safetensors', 2)] and eng.proposer.num_speculative_tokens == 2
 
 class WrongDrafts:
     "A proposer whose drafts the model rarely picks: nearly every step rolls rejected rows back"
