@@ -21,6 +21,7 @@ __all__ = ['CacheCapacityError', 'KVCacheBlocks', 'PrefixCacheStats', 'cache_sna
 class CacheCapacityError(ValueError):
     "A request that can never fit the pool, whatever else is freed"
 
+# %% ../nbs/02c_kv_manager.ipynb #a278e41c
 @dataclass(slots=True)
 class KVCacheBlocks:
     "Blocks per cache group (vLLM's KVCacheBlocks)"
@@ -29,6 +30,7 @@ class KVCacheBlocks:
     @property
     def num_blocks(self) -> tuple: return tuple(len(g) for g in self.blocks)
 
+# %% ../nbs/02c_kv_manager.ipynb #7076077b
 @dataclass
 class PrefixCacheStats:
     "Prefix-cache lookups since the manager was made"
@@ -37,6 +39,8 @@ class PrefixCacheStats:
     hits: int = 0  # tokens found
     @property
     def hit_rate(self) -> float: return self.hits / self.queries if self.queries else 0.0
+
+# %% ../nbs/02c_kv_manager.ipynb #06e2f987
 def cache_snapshot(kv: KVCacheManager) -> tuple:
     ("Everything an operation on `kv` could change: "
      "the pool's snapshot plus every live request's block ids")
@@ -70,28 +74,43 @@ class KVCacheManager:
         self._live: dict = {}            # request id -> the Request holding blocks under it
         self._no_hits = tuple(() for _ in self.managers)
 
-    def new_request(self, request_id: str, prompt_token_ids: Sequence[int], **kw) -> Request:
-        "A Request whose hashes match this cache's hash block size and vocabulary"
-        if request_id in self._live:
-            raise ValueError(f"request id {request_id!r} is already live in this cache; "
-                             "request ids must be unique")
-        return Request(request_id, prompt_token_ids, self.block_hasher, **kw)
-
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ()))
-                                   for m in self.managers))
-    def get_block_ids(self, request_id: str) -> tuple:
-        "Block ids per group (0 = the null block)"
-        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]
-                     for m in self.managers)
     @property
     def usage(self) -> float: return self.block_pool.get_usage()
     @property
     def num_free_blocks(self) -> int: return self.block_pool.get_num_free_blocks()
     @property
     def live_requests(self) -> set: return set(self._live)
-    def take_events(self) -> list: return self.block_pool.take_events()
-    def subscribe(self, fn: Callable) -> Callable: return self.block_pool.subscribe(fn)
+
+# %% ../nbs/02c_kv_manager.ipynb #795e09eb
+@patch
+def new_request(self: KVCacheManager, request_id: str, prompt_token_ids: Sequence[int],
+                **kw) -> Request:
+    "A Request whose hashes match this cache's hash block size and vocabulary"
+    if request_id in self._live:
+        raise ValueError(f"request id {request_id!r} is already live in this cache; "
+                         "request ids must be unique")
+    return Request(request_id, prompt_token_ids, self.block_hasher, **kw)
+
+# %% ../nbs/02c_kv_manager.ipynb #1b5ec0f3
+@patch
+def get_blocks(self: KVCacheManager, request_id: str) -> KVCacheBlocks:
+    return KVCacheBlocks(tuple(list(m.req_to_blocks.get(request_id, ()))
+                               for m in self.managers))
+
+# %% ../nbs/02c_kv_manager.ipynb #2c27a03f
+@patch
+def get_block_ids(self: KVCacheManager, request_id: str) -> tuple:
+    "Block ids per group (0 = the null block)"
+    return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())]
+                 for m in self.managers)
+
+# %% ../nbs/02c_kv_manager.ipynb #ffe4c472
+@patch
+def take_events(self: KVCacheManager) -> list: return self.block_pool.take_events()
+
+# %% ../nbs/02c_kv_manager.ipynb #a166b40e
+@patch
+def subscribe(self: KVCacheManager, fn: Callable) -> Callable: return self.block_pool.subscribe(fn)
 
 # %% ../nbs/02c_kv_manager.ipynb #fbe7aa2a
 @patch
@@ -106,12 +125,14 @@ def get_computed_blocks(self: KVCacheManager, request: Request) -> tuple:
     s.requests += 1; s.queries += max(0, request.num_tokens - 1); s.hits += n
     return KVCacheBlocks(blocks), n
 
+# %% ../nbs/02c_kv_manager.ipynb #3c39331a
 @patch
 def min_blocks(self: KVCacheManager, num_tokens: int) -> tuple:
     ("Blocks per group a request of `num_tokens` tokens must hold at once to finish "
      "(decoding one token at a time)")
     return tuple(m.min_blocks(num_tokens) for m in self.managers)
 
+# %% ../nbs/02c_kv_manager.ipynb #5636ce05
 @patch
 def check_fits(self: KVCacheManager, request: Request):
     ("Raise CacheCapacityError if `request` (prompt + max_tokens) could not fit "
@@ -167,6 +188,7 @@ def allocate_slots(
 # the common case in one test
 def _at_least(v, low: int) -> bool: return (type(v) is int or is_int(v)) and v >= low
 
+# %% ../nbs/02c_kv_manager.ipynb #ac651d2d
 @patch
 def _check_allocation(self: KVCacheManager, request, num_new_tokens, num_new_computed_tokens,
                       new_computed_blocks, num_lookahead_tokens):
@@ -210,6 +232,7 @@ def free(self: KVCacheManager,
     for m in self.managers: m.free(rid)
     del self._live[rid]
 
+# %% ../nbs/02c_kv_manager.ipynb #16be0c23
 @patch
 def cache_blocks(self: KVCacheManager, request: Request, num_computed_tokens: int):
     "Register full blocks now (after allocate_slots with delay_cache_blocks=True)"
@@ -217,6 +240,7 @@ def cache_blocks(self: KVCacheManager, request: Request, num_computed_tokens: in
         n = min(num_computed_tokens, request.num_tokens)
         for m in self._caching: m.cache_blocks(request, n)
 
+# %% ../nbs/02c_kv_manager.ipynb #b33cc5ba
 @patch
 def reset_prefix_cache(self: KVCacheManager) -> bool:
     "Forget all cached prefixes; refused (False) while any request holds blocks"
@@ -233,6 +257,7 @@ class SlotMappings:
     # (tokens,) ring slots of the ratio-2 compressor state (None if no ring group)
     ring: torch.Tensor | None
 
+# %% ../nbs/02c_kv_manager.ipynb #13a41f7a
 def _token_slots(blocks, start, n, bs, ratio=1):
     ("Slots of positions start..start+n-1 from a list of KVCacheBlock "
      "(only the touched entries are read)")
@@ -250,6 +275,7 @@ def _token_slots(blocks, start, n, bs, ratio=1):
     slots = np.asarray(ids, dtype=np.int64)[pos // bs - b0] * per + (pos // ratio) % per
     return np.where((pos + 1) % ratio == 0, slots, PAD_SLOT_ID)
 
+# %% ../nbs/02c_kv_manager.ipynb #968cf7d8
 def _cat(parts):
     if not parts: return torch.zeros(0, dtype=torch.long)
     if all(isinstance(p, list) for p in parts):
@@ -286,6 +312,7 @@ def slot_mappings(self: KVCacheManager,
     return SlotMappings(_cat(pos), _cat(swa), {r: _cat(v) for r, v in comp.items()},
                         _cat(ring) if has_ring else None)
 
+# %% ../nbs/02c_kv_manager.ipynb #85c2ed34
 @patch
 def block_table(self: KVCacheManager, request_ids: Sequence[str], group_id: int,
                 width: int | None = None) -> torch.Tensor:

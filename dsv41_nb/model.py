@@ -54,6 +54,7 @@ def encode(self: ByteTokenizer, text: str, bos: bool = True) -> list[int]:
         raise TypeError(f"encode: expected a str, got {type(text).__name__}")
     return [self.BOS] * bool(bos) + list(text.encode('utf-8'))
 
+# %% ../nbs/10_model.ipynb #e2741dc5
 @patch
 def decode(self: ByteTokenizer, ids) -> str:
     "The text of `ids` (a list or a 1-D tensor): specials dropped, invalid UTF-8 replaced by U+FFFD"
@@ -71,6 +72,7 @@ def token_strings(self: ByteTokenizer) -> list[str]:
     out = [chr(b) if b < 128 else f'<0x{b:02X}>' for b in range(256)]
     return out + [self.specials.get(i, '') for i in range(256, self.vocab_size)]
 
+# %% ../nbs/10_model.ipynb #07a2d52a
 @patch
 def engram_map(self: ByteTokenizer) -> torch.Tensor:
     "(vocab_size,) int64 token id -> Engram compressed id (`compressed_token_map` of `token_strings`)"
@@ -83,6 +85,7 @@ def engram_map(self: ByteTokenizer) -> torch.Tensor:
 # %% ../nbs/10_model.ipynb #21ba9663
 WEIGHT_FMTS = ('fp8', 'fp4', 'bf16')
 
+# %% ../nbs/10_model.ipynb #b4216744
 def master_dtype(dtype: str) -> torch.dtype:
     ("The dtype a parameter is held in, from its checkpoint storage "
      "('fp32' stays fp32; 'bf16', 'fp8', 'fp4' are held in BF16)")
@@ -90,12 +93,14 @@ def master_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"master_dtype: {dtype!r} is not a checkpoint dtype")
     return torch.float32 if dtype == 'fp32' else torch.bfloat16
 
+# %% ../nbs/10_model.ipynb #a88cd211
 class Weight(nn.Module):
     "A module holding one `weight` (an embedding, the LM head, an Engram table)"
     def __init__(self, *shape: int, dtype=torch.bfloat16, device=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
+# %% ../nbs/10_model.ipynb #abb6f6fa
 class Norm(RMSNorm):
     "RMSNorm (`dsv41_nb.compressor.rms_norm`) with a BF16 master weight"
     def __init__(self, dim: int, eps: float, device=None):
@@ -108,11 +113,13 @@ def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     "y in the forward pass, the identity's gradient to x in the backward pass (a straight-through estimator)"
     return y.to(x.dtype) + (x - x.detach())
 
+# %% ../nbs/10_model.ipynb #d7820f18
 def act_qdq(x: torch.Tensor) -> torch.Tensor:
     ("x through FP8 E4M3 with one UE8M0 scale per 32 "
      "(the public `act_quant`; also the window KV as stored), in x's dtype")
     return ste(x, fp8_qdq(x.detach()))
 
+# %% ../nbs/10_model.ipynb #3d495059
 def weight_qdq(w: torch.Tensor, fmt: str) -> torch.Tensor:
     ("w (out, in) on its checkpoint grid: "
      "'fp8' E4M3 with a UE8M0 scale per 32x32 block, 'fp4' MXFP4 per 32 along K")
@@ -121,11 +128,13 @@ def weight_qdq(w: torch.Tensor, fmt: str) -> torch.Tensor:
     q = quantize_weight(w.detach()[None], 'mxfp4' if fmt == 'fp4' else 'fp8').dequantize()[0]
     return ste(w, q)
 
+# %% ../nbs/10_model.ipynb #b704ba4f
 def ds_fp4_qdq(x: torch.Tensor) -> torch.Tensor:
     "x through DS-FP4 (E2M1, an E4M3 scale per 16): the compressed KV as its cache stores it"
     return ste(x, dequantize_fp4(*quantize_fp4(x.detach().to(torch.bfloat16), 16, 'e4m3'),
                                  16, 'e4m3'))
 
+# %% ../nbs/10_model.ipynb #5af7ce65
 def mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
     "x through MXFP4 (E2M1, a UE8M0 scale per 32): index keys and index queries"
     return ste(x, qdq_mxfp4(x.detach().to(torch.bfloat16)))
@@ -145,23 +154,28 @@ class Linear(nn.Module):
 
     def extra_repr(self): return f"{self.weight.shape[1]} -> {self.weight.shape[0]}, {self.fmt}"
 
-    def grid_weight(self) -> torch.Tensor:
-        "The weight on its checkpoint grid; kept while no gradient is wanted and the master is unchanged"
-        w = self.weight
-        if self.fmt == 'bf16': return w
-        if w.requires_grad and torch.is_grad_enabled(): return weight_qdq(w, self.fmt)
-        key = (w.data_ptr(), w._version, w.device)
-        if self._grid is None or self._grid_key != key:
-            # a buffer: it follows `.to()`
-            self._grid, self._grid_key = weight_qdq(w.detach(), self.fmt), key
-        return self._grid
+# %% ../nbs/10_model.ipynb #ca09a319
+@patch
+def grid_weight(self: Linear) -> torch.Tensor:
+    "The weight on its checkpoint grid; kept while no gradient is wanted and the master is unchanged"
+    w = self.weight
+    if self.fmt == 'bf16': return w
+    if w.requires_grad and torch.is_grad_enabled(): return weight_qdq(w, self.fmt)
+    key = (w.data_ptr(), w._version, w.device)
+    if self._grid is None or self._grid_key != key:
+        # a buffer: it follows `.to()`
+        self._grid, self._grid_key = weight_qdq(w.detach(), self.fmt), key
+    return self._grid
 
-    def forward(self, x: torch.Tensor,   # (..., in)
-                quant: bool = False,     # round x and the weight as an FP8/FP4 GEMM of the public code does
-                act: bool = True,        # with quant: round x (False: x is already on the FP8 grid)
-               ) -> torch.Tensor:        # (..., out) in x's dtype
-        if not quant or self.fmt == 'bf16': return F.linear(x, self.weight.to(x.dtype))
-        return F.linear(act_qdq(x) if act else x, self.grid_weight().to(x.dtype))
+# %% ../nbs/10_model.ipynb #6e9bfd5a
+@patch
+def forward(self: Linear,
+            x: torch.Tensor,         # (..., in)
+            quant: bool = False,     # round x and the weight as an FP8/FP4 GEMM of the public code does
+            act: bool = True,        # with quant: round x (False: x is already on the FP8 grid)
+           ) -> torch.Tensor:        # (..., out) in x's dtype
+    if not quant or self.fmt == 'bf16': return F.linear(x, self.weight.to(x.dtype))
+    return F.linear(act_qdq(x) if act else x, self.grid_weight().to(x.dtype))
 
 # %% ../nbs/10_model.ipynb #858ecd9d
 class DenseCompressor(nn.Module):
@@ -173,6 +187,7 @@ class DenseCompressor(nn.Module):
         if self.ratio > 1: self.wgate = Linear(cfg.dim, cfg.head_dim, 'bf16', device)
         self.norm = Norm(cfg.head_dim, cfg.norm_eps, device)
 
+# %% ../nbs/10_model.ipynb #19f8f68d
 class DenseIndexer(nn.Module):
     ("An index source's indexer weights: `wq_b`, `weights_proj`, "
      "and `wk`, `k_norm` where the layer makes index keys")
@@ -224,6 +239,7 @@ class Expert(nn.Module):
         self.w2 = Linear(cfg.moe_inter_dim, cfg.dim, fmt, device)
         self.w3 = Linear(cfg.dim, cfg.moe_inter_dim, fmt, device)
 
+# %% ../nbs/10_model.ipynb #74092d4c
 class Router(nn.Module):
     ("The MoE `gate`: `weight` (BF16), selection `bias` "
      "and, with a vision tower, `bias_vl` (fp32); calls `route`")
@@ -240,12 +256,15 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(n_experts, device=device))
         self.bias_vl = nn.Parameter(torch.empty(n_experts, device=device)) if vision else None
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple:
-        "(weights, expert ids), each (tokens, n_activated), of x (tokens, dim)"
-        mask = image_mask if self.bias_vl is not None else None
-        return route(x, self.weight, self.bias, self.n_activated, self.route_scale,
-                     self.bias_vl, mask)
+# %% ../nbs/10_model.ipynb #3252abef
+@patch
+def forward(self: Router, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> tuple:
+    "(weights, expert ids), each (tokens, n_activated), of x (tokens, dim)"
+    mask = image_mask if self.bias_vl is not None else None
+    return route(x, self.weight, self.bias, self.n_activated, self.route_scale,
+                 self.bias_vl, mask)
 
+# %% ../nbs/10_model.ipynb #b5626169
 class MoE(nn.Module):
     "Router, routed experts and the shared expert of one block"
     def __init__(self, cfg: ModelConfig, layer: int, device=None):
@@ -276,6 +295,7 @@ class DenseEngram(nn.Module):
             nn.Parameter(torch.empty(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=device))
             for _ in range(2))
 
+# %% ../nbs/10_model.ipynb #d2033472
 class Block(nn.Module):
     "One block: mHC coefficients, pre-norms, attention, MoE, and the Engram module in front of it (if any)"
     def __init__(self, cfg: ModelConfig, layer: int, device=None):
@@ -292,6 +312,7 @@ class Block(nn.Module):
         self.engram = DenseEngram(cfg, layer, device) if layer in cfg.engram_layer_ids else None
         self.hc_split = hc_split  # mHC's Sinkhorn split; training swaps in a compiled copy
 
+# %% ../nbs/10_model.ipynb #b69e4b30
 class DrafterBlock(Block):
     ("DSpark drafter block `k` (checkpoint prefix `mtp.{k}`): "
      "a window-only block plus the drafter's input and heads")
@@ -329,6 +350,7 @@ class Transformer(nn.Module):
         self.quant = True  # round as the checkpoint and the public kernels do
         self.hasher = _engram_hasher(cfg, engram_map) if cfg.engram_layer_ids else None
 
+# %% ../nbs/10_model.ipynb #c86a38b8
 def _engram_hasher(cfg, engram_map):
     "The n-gram hasher over `engram_map` (the byte tokenizer's when None), its shape and range checked"
     emap = ByteTokenizer(cfg).engram_map() if engram_map is None else engram_map
@@ -368,6 +390,7 @@ def _init_std(name: str, shape: tuple, cfg: ModelConfig) -> float | str:
     residual = name.endswith(('wo_b.weight', 'w2.weight'))  # projections that write into the stream
     return shape[-1] ** -0.5 / (math.sqrt(2 * cfg.n_layers) if residual else 1.0)
 
+# %% ../nbs/10_model.ipynb #b69dfcda
 def init_value(name: str, shape: tuple, cfg: ModelConfig, seed: int, device=None) -> torch.Tensor:
     "fp32 initial value of parameter `name` (shape `shape`), from a generator seeded by `seed` and the name"
     std = _init_std(name, tuple(shape), cfg)
@@ -395,6 +418,7 @@ def init_module_(module: nn.Module,  # a module of the model, its parameters any
             p.copy_(init_value(full, tuple(p.shape), cfg, seed, p.device))
     return module
 
+# %% ../nbs/10_model.ipynb #65258627
 def init_random(cfg: ModelConfig,
                 seed: int = 0,     # seeds each parameter's generator, with its name
                 device=None,       # where to allocate (default: the CPU)
@@ -425,17 +449,21 @@ class DenseRun:
     pool: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
 
-    def rope(self, ratio: int, positions=None) -> tuple:
-        "(cos, sin) (n, rope_dim/2) at `positions` (default: every token) for a layer of compress ratio `ratio`"
-        key = (ratio > 0, None if positions is None else ratio)
-        if key not in self._rope:
-            pos = self.positions if positions is None else positions
-            self._rope[key] = rope_cos_sin(layer_inv_freq(self.cfg, ratio).to(pos.device), pos)
-        return self._rope[key]
+# %% ../nbs/10_model.ipynb #1db43294
+@patch
+def rope(self: DenseRun, ratio: int, positions=None) -> tuple:
+    "(cos, sin) (n, rope_dim/2) at `positions` (default: every token) for a layer of compress ratio `ratio`"
+    key = (ratio > 0, None if positions is None else ratio)
+    if key not in self._rope:
+        pos = self.positions if positions is None else positions
+        self._rope[key] = rope_cos_sin(layer_inv_freq(self.cfg, ratio).to(pos.device), pos)
+    return self._rope[key]
 
-    def visible(self, ratio: int) -> torch.Tensor:
-        "(S,) compressed entries each query sees: (s + 1) // ratio"
-        return (self.positions + 1) // ratio
+# %% ../nbs/10_model.ipynb #900f184f
+@patch
+def visible(self: DenseRun, ratio: int) -> torch.Tensor:
+    "(S,) compressed entries each query sees: (s + 1) // ratio"
+    return (self.positions + 1) // ratio
 
 # %% ../nbs/10_model.ipynb #01c50239
 @patch
@@ -446,6 +474,7 @@ def query(self: Attention, x: torch.Tensor, run: DenseRun) -> tuple:
     cos, sin = run.rope(self.ratio)
     return apply_rope(q, cos[:, None], sin[:, None]), qr
 
+# %% ../nbs/10_model.ipynb #15ce4312
 @patch
 def window_kv(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, D) window latents (key and value at once), rotated, through FP8 with `quant`"
@@ -476,6 +505,7 @@ def keys(self: DenseIndexer, latent: torch.Tensor, run: DenseRun) -> torch.Tenso
     k = apply_rope(k, *run.rope(self.ratio, torch.arange(k.shape[1], device=k.device) * self.ratio))
     return mxfp4_qdq(k) if run.quant else k
 
+# %% ../nbs/10_model.ipynb #3468520e
 @patch
 def queries(self: DenseIndexer, x: torch.Tensor, qr: torch.Tensor, run: DenseRun) -> tuple:
     "(q (B, S, heads, head_dim) rotated, w (B, S, heads) fp32 head weights with both scales folded in)"
@@ -485,6 +515,7 @@ def queries(self: DenseIndexer, x: torch.Tensor, qr: torch.Tensor, run: DenseRun
     w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
     return (mxfp4_qdq(q) if run.quant else q), w
 
+# %% ../nbs/10_model.ipynb #26fe2054
 def index_scores(q: torch.Tensor,        # (B, S, heads, head_dim) index queries
                  w: torch.Tensor,        # (B, S, heads) head weights
                  k: torch.Tensor,        # (B, L, head_dim) index keys
@@ -510,6 +541,7 @@ def select_topk(scores: torch.Tensor,        # (..., S, L) fp32, -inf where not 
     every = torch.arange(L, device=scores.device) < visible[:, None]              # (S, L)
     return torch.where((visible <= k)[:, None], every, picked)
 
+# %% ../nbs/10_model.ipynb #bc4e503f
 def candidate_pool_mask(scores: torch.Tensor,   # (..., S, L) fp32, -inf where not visible
                         visible: torch.Tensor,  # (S,) entries each query sees (a prefix of its row)
                         num_blocks: int,        # blocks to keep
@@ -549,6 +581,7 @@ def select(self: Attention, x: torch.Tensor, qr: torch.Tensor, run: DenseRun) ->
     if self.indexer is not None: run.topk[self.layer] = self.indexer(x, qr, run)
     return run.compressed[self.info.kv_source], run.topk[self.info.index_source]
 
+# %% ../nbs/10_model.ipynb #85f25d49
 def dense_attention(q: torch.Tensor,        # (B, S, H, D) queries
                     keys: torch.Tensor,     # (B, N, D) latents, key and value at once
                     allowed: torch.Tensor,  # (B, S, N) bool: which latents each query attends to
@@ -574,6 +607,7 @@ def project_out(self: Attention, o: torch.Tensor, run: DenseRun) -> torch.Tensor
     o = torch.einsum('bsgi,gri->bsgr', o, w)                            # (B, S, G, R)
     return self.wo_b(o.flatten(2), run.quant)
 
+# %% ../nbs/10_model.ipynb #412bde04
 @patch
 def forward(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, dim) attention output of normalised inputs x (B, S, dim) for this layer's role"
@@ -603,6 +637,7 @@ def forward(self: Expert,
     h = F.silu(gate) * up
     return self.w2((h if weights is None else weights * h).to(x.dtype), quant)
 
+# %% ../nbs/10_model.ipynb #00334e53
 @patch
 def routed_loop(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, dim): routed experts, one at a time, and the shared expert on normalised inputs x"
@@ -616,6 +651,7 @@ def routed_loop(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
                         self.experts[e](xq[rows], run.quant, weights[rows, slot, None]).float())
     return (y + self.shared_experts(xq, run.quant).float()).to(x.dtype).view_as(x)
 
+# %% ../nbs/10_model.ipynb #1c497941
 @patch
 def forward(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     "(B, S, dim): routed experts and the shared expert on normalised inputs x (B, S, dim)"
@@ -685,6 +721,7 @@ def coefficients(self: Block, x: torch.Tensor, sub: str) -> tuple:
     return self.hc_split(hc_mixes(x, fn, c.norm_eps), scale, base,
                     c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
 
+# %% ../nbs/10_model.ipynb #6aba4e39
 @patch
 def forward(self: Block, h: torch.Tensor, pre: torch.Tensor, run: DenseRun) -> tuple:
     ("(copies after the block (B, S, hc, dim), the next sublayer's input mix (B, S, hc)) "
@@ -720,6 +757,7 @@ def check_ids(self: Transformer, input_ids) -> torch.Tensor:
                          f"0..{self.cfg.vocab_size - 1}")
     return input_ids
 
+# %% ../nbs/10_model.ipynb #b517a8c7
 @patch
 def embed_tokens(self: Transformer, input_ids: torch.Tensor) -> tuple:
     "(copies (B, S, hc, dim), first input mix (B, S, hc), the `DenseRun`) for token ids (B, S)"
@@ -749,6 +787,7 @@ def run_layer(self: Transformer,
     if taps is not None and i in self.cfg.dspark_target_layer_ids: taps.append(h.mean(2))
     return layer(h, pre, run)
 
+# %% ../nbs/10_model.ipynb #1b6fa878
 @patch
 def logits(self: Transformer, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     "(B, S, vocab) fp32 logits: copies collapsed with the last input mix, final RMSNorm, LM head"
@@ -757,6 +796,7 @@ def logits(self: Transformer, h: torch.Tensor, pre: torch.Tensor) -> torch.Tenso
     y = _rms_norm(hc_pre(h.flatten(0, 1), pre.flatten(0, 1)), self.norm.weight, self.cfg.norm_eps)
     return F.linear(y.float(), self.head.weight.float()).view(B, S, -1)
 
+# %% ../nbs/10_model.ipynb #6abe0cfa
 @patch
 def forward(self: Transformer,
             input_ids: torch.Tensor,      # (B, S) int64 token ids, positions 0 .. S-1
@@ -782,6 +822,7 @@ def layer_rms(model: Transformer, input_ids: torch.Tensor) -> list[float]:
         for hk in hooks: hk.remove()
     return out
 
+# %% ../nbs/10_model.ipynb #5d6be5f4
 def streamed_layer_rms(cfg: ModelConfig,
                        input_ids: torch.Tensor,
                        seed: int = 0,

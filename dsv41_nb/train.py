@@ -32,6 +32,7 @@ SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle',
                           'readline', 'rlcompleter', 'test', 'lib2to3', 'distutils', 'ensurepip',
                           'venv', 'webbrowser', 'encodings', 'pydoc_data'})
 
+# %% ../nbs/11_train.ipynb #60ddb7c0
 def _quiet_import(name: str):
     "The module `name`, or None when importing it fails; what it prints or warns is swallowed"
     try:
@@ -57,13 +58,16 @@ def stdlib_modules() -> list[str]:
 # %% ../nbs/11_train.ipynb #1e279855
 _ADDRESS = re.compile(r' at 0x[0-9a-fA-F]+')
 
+# %% ../nbs/11_train.ipynb #4b6b2af4
 class _Elided:
     "A default value shown as `...`"
     def __repr__(self): return '...'
 
+# %% ../nbs/11_train.ipynb #a87111c0
 def _literal(v) -> bool:
     return isinstance(v, (bool, int, float, str, bytes, type(None))) and len(repr(v)) <= 40
 
+# %% ../nbs/11_train.ipynb #31a97ccf
 def _signature(obj) -> str:
     "`(a, b=1, c=...)`: defaults that are not short literals elided"
     try: sig = inspect.signature(obj)
@@ -79,6 +83,7 @@ def _document(header: str, doc: str) -> str:
     body = '\n'.join(('    ' + line).rstrip() for line in _ADDRESS.sub('', doc).splitlines())
     return f'{header}\n    """\n{body}\n    """'
 
+# %% ../nbs/11_train.ipynb #a7ccf043
 def module_documents(name: str) -> list[tuple[str, str]]:
     "(docstring, document) of a module, then of its public classes and functions and their methods"
     if not isinstance(name, str):
@@ -104,6 +109,7 @@ def module_documents(name: str) -> list[tuple[str, str]]:
 SKIP_SOURCE = frozenset({'site-packages', 'dist-packages', 'test', 'tests', 'idle_test',
                          'encodings', 'pydoc_data', '__pycache__', '__phello__'})
 
+# %% ../nbs/11_train.ipynb #d095e82c
 def source_files(root=None) -> list[Path]:
     "The standard library's `.py` files under `root` (default: this Python's), sorted by path"
     root = Path(root or sysconfig.get_paths()['stdlib'])
@@ -142,12 +148,14 @@ def corpus_documents() -> list[str]:
 # %% ../nbs/11_train.ipynb #6849c5f2
 CORPUS_VERSION = 2  # bump when the corpus recipe changes: the cache file name carries it
 
+# %% ../nbs/11_train.ipynb #c22de0d9
 def cache_dir() -> Path:
     ("Where the corpus is cached: "
      "$DSV41_CACHE, else $XDG_CACHE_HOME/dsv41_nb, else ~/.cache/dsv41_nb")
     if os.environ.get('DSV41_CACHE'): return Path(os.environ['DSV41_CACHE'])
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'dsv41_nb'
 
+# %% ../nbs/11_train.ipynb #7a43df1b
 def load_corpus(directory=None) -> list[str]:
     "The corpus documents, read from the cache (built and written there the first time)"
     path = (Path(directory or cache_dir())
@@ -186,6 +194,7 @@ def small_config() -> ModelConfig:
     return replace(ModelConfig.tiny(), dim=256, q_lora_rank=128, o_lora_rank=128,
                    moe_inter_dim=128, n_routed_experts=16, n_activated_experts=2)
 
+# %% ../nbs/11_train.ipynb #522a7a1d
 def trained_param_count(cfg: ModelConfig) -> int:
     ("Parameters the language-model loss trains: "
      "the backbone (drafter blocks and router biases excluded)")
@@ -202,6 +211,7 @@ class ByteData:
     val: torch.Tensor  # (validation tokens,) int16 ids
     bos: int  # the id in front of every window
 
+# %% ../nbs/11_train.ipynb #5166d45d
 def byte_data(train_docs: list[str], val_docs: list[str], tokenizer) -> ByteData:
     "Encode both splits with `tokenizer` (a `ByteTokenizer`), EOS after each document"
     for name, ds in (('train_docs', train_docs), ('val_docs', val_docs)):
@@ -250,6 +260,7 @@ def batch(self: ByteData, batch_size: int, seq_len: int,
     starts = torch.randint(0, len(self.train) - seq_len + 1, (batch_size,), generator=generator)
     return self.windows('train', starts, seq_len)
 
+# %% ../nbs/11_train.ipynb #bb177f25
 @patch
 def eval_batches(self: ByteData, n_batches: int, batch_size: int, seq_len: int) -> list[tuple]:
     "Fixed validation batches: windows at evenly spaced starts over the whole validation stream"
@@ -269,17 +280,19 @@ class DenseBlock(nn.Module):
         self.w1, self.w3 = nn.Linear(dim, ffn_dim, bias=False), nn.Linear(dim, ffn_dim, bias=False)
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)
 
-    def forward(self, x, cos, sin):  # x (batch, seq, dim); cos, sin (seq, head_dim/2)
-        B, T, D = x.shape
-        # (B, T, heads, hd)
-        q, k, v = self.wqkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, -1).unbind(2)
-        # (B, heads, T, hd)
-        q, k = (apply_rope(t, cos[:, None], sin[:, None]).transpose(1, 2) for t in (q, k))
-        # (B, heads, T, hd)
-        o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
-        x = x + self.wo(o.transpose(1, 2).reshape(B, T, D))
-        h = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+# %% ../nbs/11_train.ipynb #0bec8fc5
+@patch
+def forward(self: DenseBlock, x, cos, sin):  # x (batch, seq, dim); cos, sin (seq, head_dim/2)
+    B, T, D = x.shape
+    # (B, T, heads, hd)
+    q, k, v = self.wqkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, -1).unbind(2)
+    # (B, heads, T, hd)
+    q, k = (apply_rope(t, cos[:, None], sin[:, None]).transpose(1, 2) for t in (q, k))
+    # (B, heads, T, hd)
+    o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+    x = x + self.wo(o.transpose(1, 2).reshape(B, T, D))
+    h = self.ffn_norm(x)
+    return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 # %% ../nbs/11_train.ipynb #d1235c4c
 class DenseBaseline(nn.Module):
@@ -310,6 +323,7 @@ def _init(self: DenseBaseline, seed: int, n_layers: int):
         std = 0.02 / (2 * n_layers) ** 0.5 if name.endswith(('wo.weight', 'w2.weight')) else 0.02
         with torch.no_grad(): p.copy_(torch.randn(p.shape, generator=g) * std)
 
+# %% ../nbs/11_train.ipynb #d37e6b2b
 @patch
 def forward(self: DenseBaseline, input_ids: torch.Tensor) -> torch.Tensor:
     "(batch, seq) int64 ids -> (batch, seq, vocab) fp32 logits"
@@ -331,6 +345,7 @@ def dense_param_count(vocab_size: int, dim: int, n_layers: int, ffn_dim: int) ->
         check_int('dense_param_count', name, v, 0)
     return 2 * vocab_size * dim + n_layers * (4 * dim * dim + 3 * dim * ffn_dim + 2 * dim) + dim
 
+# %% ../nbs/11_train.ipynb #e5e32b47
 @patch(cls_method=True)
 def matching(cls: DenseBaseline, cfg: ModelConfig, n_params: int | None = None,
              head_dim: int = 64, seed: int = 0):
@@ -382,6 +397,7 @@ def balance_router_bias(
     with torch.no_grad(): bias.add_(gamma * torch.sign(load.mean() - load))
     return bias
 
+# %% ../nbs/11_train.ipynb #cada4d04
 def max_violation(counts: torch.Tensor) -> float:
     "The busiest expert's load over the mean load, minus 1 (0 = perfectly balanced)"
     if not isinstance(counts, torch.Tensor) or counts.ndim != 1 or not counts.numel():
@@ -399,6 +415,7 @@ def routers(model: nn.Module, who: str = 'routers') -> dict:
             if n.split('.')[-2:] == ['ffn', 'gate']
             and isinstance(getattr(m, 'bias', None), torch.Tensor)}
 
+# %% ../nbs/11_train.ipynb #7a6f6f6a
 class ExpertLoad:
     ("Counts, per router (`*.ffn.gate` module with a `bias`), "
      "the tokens each expert received since the last reset")
@@ -407,13 +424,15 @@ class ExpertLoad:
         self.counts: dict[str, torch.Tensor] = {}
         self.handles = [g.register_forward_hook(self._hook(n)) for n, g in self.gates.items()]
 
-    def _hook(self, name):
-        def count(module, args, output):
-            ids = output[1].detach()                                  # (tokens, k) chosen experts
-            # (experts,): a fixed shape, so `torch.compile` traces it without a read-back
-            c = F.one_hot(ids.flatten(), module.bias.numel()).sum(0)
-            self.counts[name] = self.counts[name] + c if name in self.counts else c
-        return count
+# %% ../nbs/11_train.ipynb #e731ab94
+@patch
+def _hook(self: ExpertLoad, name):
+    def count(module, args, output):
+        ids = output[1].detach()                                  # (tokens, k) chosen experts
+        # (experts,): a fixed shape, so `torch.compile` traces it without a read-back
+        c = F.one_hot(ids.flatten(), module.bias.numel()).sum(0)
+        self.counts[name] = self.counts[name] + c if name in self.counts else c
+    return count
 
 # %% ../nbs/11_train.ipynb #20e9ca7d
 @patch
@@ -425,6 +444,7 @@ def balance(self: ExpertLoad, gamma: float) -> float:
     self.counts = {}
     return sum(vio) / len(vio) if vio else 0.0
 
+# %% ../nbs/11_train.ipynb #1725b0e6
 @patch
 def remove(self: ExpertLoad):
     "Unhook the routers"
@@ -442,14 +462,18 @@ class ExpertDropout:
         self.handles = ([g.register_forward_hook(self._hook) for g in gates.values()]
                         if p > 0 else [])
 
-    def _hook(self, module, args, output):
-        weights, ids = output
-        return F.dropout(weights, self.p, module.training), ids
+# %% ../nbs/11_train.ipynb #0eb1323f
+@patch
+def _hook(self: ExpertDropout, module, args, output):
+    weights, ids = output
+    return F.dropout(weights, self.p, module.training), ids
 
-    def remove(self):
-        "Unhook the routers"
-        for h in self.handles: h.remove()
-        self.handles = []
+# %% ../nbs/11_train.ipynb #b1f87274
+@patch
+def remove(self: ExpertDropout):
+    "Unhook the routers"
+    for h in self.handles: h.remove()
+    self.handles = []
 
 # %% ../nbs/11_train.ipynb #74c26066
 def attention_mass(
@@ -486,6 +510,7 @@ def indexer_log_probs(attn: nn.Module, x: torch.Tensor, run) -> torch.Tensor:
     scores = index_scores(*idx.queries(x, qr, run), keys, run.visible(attn.ratio))  # (B, S, L)
     return scores.log_softmax(-1)
 
+# %% ../nbs/11_train.ipynb #ceea671e
 def indexer_kl(target: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     ("Mean over queries that see an entry of KL(target ‖ q): "
      "Σ_t p_t (log p_t − log q_t), 0 · log 0 taken as 0")
@@ -501,6 +526,7 @@ def indexer_layers(model: nn.Module) -> dict:
     return {n: m for n, m in model.named_modules()
             if getattr(m, 'indexer', None) is not None and hasattr(m, 'query')}
 
+# %% ../nbs/11_train.ipynb #d6ad9218
 class IndexerDistillation:
     ("Per training forward, "
      "the KL from full attention's compressed-entry weights to each indexer's distribution")
@@ -512,19 +538,25 @@ class IndexerDistillation:
         self.terms: list[torch.Tensor] = []
         self.handles = [m.register_forward_hook(self._hook) for m in self.layers.values()]
 
-    def _hook(self, module, args, output):
-        if torch.is_grad_enabled():                                    # training forwards only
-            self.terms.append(indexer_kl(attention_mass(module, *args),
-                                         indexer_log_probs(module, *args)))
+# %% ../nbs/11_train.ipynb #76940a25
+@patch
+def _hook(self: IndexerDistillation, module, args, output):
+    if torch.is_grad_enabled():                                    # training forwards only
+        self.terms.append(indexer_kl(attention_mass(module, *args),
+                                     indexer_log_probs(module, *args)))
 
-    def take(self) -> torch.Tensor | None:
-        "The sum of the KL terms since the last call (None if there were none), and forget them"
-        terms, self.terms = self.terms, []
-        return torch.stack(terms).sum() if terms else None
+# %% ../nbs/11_train.ipynb #28097e0d
+@patch
+def take(self: IndexerDistillation) -> torch.Tensor | None:
+    "The sum of the KL terms since the last call (None if there were none), and forget them"
+    terms, self.terms = self.terms, []
+    return torch.stack(terms).sum() if terms else None
 
-    def remove(self):
-        for h in self.handles: h.remove()
-        self.handles = []
+# %% ../nbs/11_train.ipynb #0739f675
+@patch
+def remove(self: IndexerDistillation):
+    for h in self.handles: h.remove()
+    self.handles = []
 
 # %% ../nbs/11_train.ipynb #953e716b
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -535,11 +567,13 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> to
     logits = model(inputs)                                                   # (batch, seq, vocab)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
+# %% ../nbs/11_train.ipynb #8680b046
 def _autocast(device: torch.device):
     "BF16 autocast on a GPU; nothing on the CPU (fp32 there)"
     return (torch.autocast('cuda', torch.bfloat16) if device.type == 'cuda'
             else contextlib.nullcontext())
 
+# %% ../nbs/11_train.ipynb #4f84e9de
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[tuple], device=None) -> float:
     "Mean loss of `model` over `batches` (from `ByteData.eval_batches`), in eval mode"
@@ -558,6 +592,7 @@ def evaluate(model: nn.Module, batches: list[tuple], device=None) -> float:
 # %% ../nbs/11_train.ipynb #4ed462f7
 def _is_router_bias(name: str) -> bool: return name.endswith(('ffn.gate.bias', 'ffn.gate.bias_vl'))
 
+# %% ../nbs/11_train.ipynb #96f05292
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
     ("AdamW over `model`'s parameters: "
      "matrices decayed, vectors not, router selection biases left out")
@@ -665,6 +700,7 @@ def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, 
             if log: log(_progress_line(row))
     return hist
 
+# %% ../nbs/11_train.ipynb #dc6d90f2
 def _progress_line(r: dict) -> str:
     line = (f"step {r['step']:5d}  train {r['train_loss']:.3f}  val {r['val_loss']:.3f}  "
             f"lr {r['lr']:.1e}  {r['tokens'] / r['seconds']:,.0f} tok/s")
@@ -674,6 +710,7 @@ def _progress_line(r: dict) -> str:
 # %% ../nbs/11_train.ipynb #1cf2b789
 _compiled = {}
 
+# %% ../nbs/11_train.ipynb #3ee682b8
 def compiled_hc_split():
     "`hc_split` compiled by `torch.compile` (once per process)"
     if 'hc_split' not in _compiled: _compiled['hc_split'] = torch.compile(hc_split)
@@ -741,21 +778,25 @@ def continue_prompts(model: nn.Module, tok, prompts: list[bytes], n: int,
 # %% ../nbs/11_train.ipynb #29ba1e97
 _WORD = re.compile(rb'[A-Za-z]{2,}')
 
+# %% ../nbs/11_train.ipynb #43561f45
 def distinct_4grams(text: bytes) -> float:
     "Share of the word 4-grams of `text` that are distinct (1.0 when it has none)"
     w = text.split()
     grams = [tuple(w[k:k + 4]) for k in range(len(w) - 3)]
     return len(set(grams)) / len(grams) if grams else 1.0
 
+# %% ../nbs/11_train.ipynb #c321ac02
 def corpus_words(docs: list[str]) -> set:
     "The words (runs of two or more letters, as bytes) of `docs`"
     return {w for d in docs for w in _WORD.findall(d.encode())}
 
+# %% ../nbs/11_train.ipynb #7ed1758c
 def known_words(text: bytes, vocabulary: set) -> float:
     "Share of the words of `text` (runs of two or more letters) found in `vocabulary`"
     w = _WORD.findall(text)
     return sum(x in vocabulary for x in w) / len(w) if w else 1.0
 
+# %% ../nbs/11_train.ipynb #0bbb70d5
 def ends_in_loop(text: bytes, n: int = 64) -> bool:
     "Do the last n bytes of `text` repeat one unit of at most n/2 bytes?"
     tail = text[-n:]
