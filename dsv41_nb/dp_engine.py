@@ -54,6 +54,7 @@ def lookup(self: RankEngram, hash_ids: torch.Tensor # (tokens, cols) global row 
           ) -> torch.Tensor: # (tokens, cols, head_dim) BF16
     return sharded_engram_lookup(self.table, hash_ids, self.plan, self.group)
 
+# %% ../nbs/15a_dp_engine.ipynb #ce89a9e2
 @patch
 def forward(self: RankEngram, h, hash_ids, token_mask=None):
     "As `Engram.forward`, the rows from `lookup`"
@@ -101,6 +102,7 @@ def _moe(self: EPPagedModel, l, y: torch.Tensor) -> torch.Tensor:
     self.made.append(('moe', l.layer))
     return ep_moe_forward(y, l.moe, self.cfg, self.group)
 
+# %% ../nbs/15a_dp_engine.ipynb #500f27c7
 @patch
 def _enter(self: EPPagedModel, l, *args):
     "As `PagedModel._enter`, its Engram lookup recorded"
@@ -150,6 +152,7 @@ def step_forwards(step_model, # the engine's step model
 # %% ../nbs/15a_dp_engine.ipynb #27f8fcbf
 DUMMY_ID = '<dummy>'
 
+# %% ../nbs/15a_dp_engine.ipynb #dd723c4d
 def dummy_batch(kv_cache_config: KVCacheConfig, device=None) -> InputBatch:
     ("A one-row decode batch that reads the null block and writes nowhere: an idle rank's "
      "share of a step")
@@ -265,6 +268,7 @@ def free_blocks(engine: LLMEngine) -> int:
     "Free blocks in the engine's pool (cached ones count: they are evictable)"
     return engine.scheduler.kv.block_pool.get_num_free_blocks()
 
+# %% ../nbs/15a_dp_engine.ipynb #c7bd21c5
 def serve_rank(engine: DPLLMEngine,
                requests: list, # this rank's (request id, prompt, SamplingParams)
                aborts: dict | None = None, # request id -> the step of this rank that aborts it
@@ -301,6 +305,7 @@ def rank_model(model, device):
     raise TypeError(f"expected a Transformer, a checkpoint directory or a ModelConfig, "
                     f"got {type(model).__name__}")
 
+# %% ../nbs/15a_dp_engine.ipynb #40b38bce
 def dp_engine_job(model, # a Transformer, a checkpoint directory, or a ModelConfig (random weights)
                   requests: list, # requests[r]: rank r's (request id, prompt, SamplingParams)
                   engine_args: dict, # fields of EngineArgs, the same on every rank
@@ -334,6 +339,7 @@ def add(self: DPFront, request_id: str) -> int:
     self.rank_of[request_id] = r; self.running[r] += 1
     return r
 
+# %% ../nbs/15a_dp_engine.ipynb #ef6ebd97
 @patch
 def finish(self: DPFront, request_id: str) -> int:
     "The rank that served `request_id`, which now has one request fewer"
@@ -416,6 +422,7 @@ def _place(self: DPLLM, prompts, sampling_params) -> tuple:
 # %% ../nbs/15a_dp_engine.ipynb #3b09d4bf
 TORCHRUN_VARS = ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'MASTER_PORT')
 
+# %% ../nbs/15a_dp_engine.ipynb #818eb107
 def torchrun_env(environ=None # default os.environ
                 ) -> dict | None:
     ("The rank, world size, local rank and rendezvous torchrun sets; None when RANK and "
@@ -434,6 +441,7 @@ def torchrun_env(environ=None # default os.environ
     return dict(rank=n['RANK'], world_size=n['WORLD_SIZE'], local_rank=n['LOCAL_RANK'],
                 master_addr=env['MASTER_ADDR'], master_port=n['MASTER_PORT'])
 
+# %% ../nbs/15a_dp_engine.ipynb #9c567929
 def is_torchrun(environ=None) -> bool:
     "Was this process started by torchrun (RANK and WORLD_SIZE set)?"
     return torchrun_env(environ) is not None
@@ -452,6 +460,7 @@ def init_dp_group(backend: str = 'gloo') -> torch.device:
     if not dist.is_initialized(): dist.init_process_group(backend, init_method='env://')
     return rank_device()
 
+# %% ../nbs/15a_dp_engine.ipynb #9ed77990
 def run_dp(job, args: tuple, world_size: int, backend: str = 'gloo', timeout_s: int = 600):
     ("job(*args) on every rank: their results, in rank order; under torchrun on rank 0 only "
      "(None elsewhere)")
@@ -506,6 +515,7 @@ def _dropping_dp_args(init):
     __init__.one_process = init
     return __init__
 
+# %% ../nbs/15a_dp_engine.ipynb #39f81139
 if not hasattr(LLM.__init__, 'one_process'): LLM.__init__ = _dropping_dp_args(LLM.__init__)
 
 # %% ../nbs/15a_dp_engine.ipynb #96295d6a
@@ -513,7 +523,7 @@ def _sampling(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           seed=args.seed, max_tokens=args.max_tokens)
 
-
+# %% ../nbs/15a_dp_engine.ipynb #56125911
 def ngram_tokens(args, # parsed serving arguments: speculative, num_speculative_tokens
                  error, # called with a message on bad input
                 ) -> int:
@@ -530,6 +540,7 @@ def ngram_tokens(args, # parsed serving arguments: speculative, num_speculative_
     try: return NGRAM_TOKENS if k is None else check_int('--num-speculative-tokens', 'k', k, 1)
     except (TypeError, ValueError) as e: error(str(e))
 
+# %% ../nbs/15a_dp_engine.ipynb #e47ddb1d
 def _dp_llm(args, error, **engine_args) -> tuple:
     "(DPLLM of the parsed serving arguments, the checkpoint): on torchrun's ranks or spawned ones"
     if why := serving_problem(args.device, args.kernels): error(why)

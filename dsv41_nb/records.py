@@ -659,6 +659,7 @@ def _gather_launch(codec, cache, indices, out, version):
 # %% ../nbs/01b_records.ipynb #c4e5a021
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# %% ../nbs/01b_records.ipynb #32185b65
 def _check_version(version) -> int:
     if version not in KERNEL_VERSIONS:
         raise ValueError(f"kernel version {version!r}; expected one of {KERNEL_VERSIONS}")
@@ -731,6 +732,7 @@ def gather_records(codec: RecordCodec,        # the record format
 # %% ../nbs/01b_records.ipynb #c4e5a040
 E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
+# %% ../nbs/01b_records.ipynb #b8f0cce5
 def edge_case_vectors(n: int, dim: int, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
     ("(n, dim) vectors over many binades with BF16 subnormals, +-0, E2M1 and E4M3 ties, "
      "and rows that saturate")

@@ -1,3 +1,5 @@
+import os
+os.environ.setdefault('MKL_CBWR', 'AUTO,STRICT')   # as the package sets it, before the first GEMM
 import pytest, torch
 import budget                      # noqa: F401  (registers and loads the hypothesis profile of this run)
 
