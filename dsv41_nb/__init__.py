@@ -8,9 +8,3 @@ __all__ = []
 # %% ../nbs/index.ipynb #a41e0c02
 # nbdev_export keeps this equal to settings.ini's version (put_version_in_init)
 __version__ = "0.0.1"
-
-# %% ../nbs/index.ipynb #6d27c2b2
-import os
-# Intel MKL's strict reproducibility mode, set before the first GEMM: an fp32 GEMM's rows then do
-# not depend on how many rows it multiplies, so paths that batch differently agree to the bit
-os.environ.setdefault('MKL_CBWR', 'AUTO,STRICT')

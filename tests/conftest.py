@@ -1,5 +1,5 @@
 import os
-os.environ.setdefault('MKL_CBWR', 'AUTO,STRICT')   # as the package sets it, before the first GEMM
+os.environ.setdefault('MKL_CBWR', 'AUTO,STRICT')   # as the test command sets it: MKL reads it at its first GEMM
 import pytest, torch
 import budget                      # noqa: F401  (registers and loads the hypothesis profile of this run)
 
