@@ -188,6 +188,7 @@ def mhc_seam_torch(x, f=None, post=None, comb=None, pre=None, hc=None, norm_weig
 # %% ../nbs/07_mhc.ipynb #111b9907
 STREAM_DTYPES = (torch.bfloat16, torch.float32)
 
+# %% ../nbs/07_mhc.ipynb #2a2be651
 def _check_tensor(name, t, shape, dtypes=None):
     "A floating-point tensor of `shape` (and one of `dtypes`); the message is built only on failure"
     if not isinstance(t, torch.Tensor):
@@ -701,6 +702,7 @@ MHC_TUNING = dict(kernel=2, projection='bf16x3', split='auto', small_t=2, small_
 # version 1: its kernel, 16 x 64 tiles from three tokens on; 2: MHC_TUNING as it stands
 SEAM_VERSIONS = {1: dict(kernel=1, block_d=64, big_t=None), 2: {}}
 
+# %% ../nbs/07_mhc.ipynb #41e4997e
 @contextlib.contextmanager
 def seam_version(version: int):
     "Inside the block, `mhc_seam` launches version `version` of the kernel (`SEAM_VERSIONS`)"
@@ -720,6 +722,7 @@ def _next_pow2(n: int) -> int: return 1 << max(int(n) - 1, 0).bit_length()
 # %% ../nbs/07_mhc.ipynb #d4d3d85a
 def _big(T: int) -> bool: return MHC_TUNING['big_t'] is not None and T >= MHC_TUNING['big_t']
 
+# %% ../nbs/07_mhc.ipynb #a707cfe4
 def _block_t(T: int) -> tuple[int, int]:
     ("(tokens per program, warps): `small_t` tokens or fewer get a program of their own size, "
      "without `tl.dot`; `big_t` or more the big tiles")
@@ -739,12 +742,14 @@ def _block_d(T: int, version: int = 2) -> int:
 # %% ../nbs/07_mhc.ipynb #2aff500a
 PROJECTIONS = {'fp32': 1, 'bf16x3': 2}
 
+# %% ../nbs/07_mhc.ipynb #58d10bc6
 def _kernel_version(n: int) -> int:
     "The kernel `MHC_TUNING['kernel']` asks for, if it handles `n` copies (version 2: four), else 1"
     v = MHC_TUNING['kernel']
     require(v in (1, 2), f"MHC_TUNING['kernel'] = {v!r}; expected 1 or 2")
     return 2 if v == 2 and n == 4 else 1
 
+# %% ../nbs/07_mhc.ipynb #a31d601c
 def _projection(block_t: int, dtype: torch.dtype, version: int = 2) -> int:
     ("The kernel's PROJ: 0 (FMAs) below 16 tokens a tile, else version 2's choice for BF16 copies "
      "(`MHC_TUNING['projection']`) and the fp32 `tl.dot` otherwise")
@@ -773,6 +778,7 @@ def _finish_sb(T: int, split: int) -> int:
 # %% ../nbs/07_mhc.ipynb #13fe44ac
 def _ptr(t, dummy): return dummy if t is None else t.contiguous()
 
+# %% ../nbs/07_mhc.ipynb #135a475c
 def _marked(name: str):
     "A profiler range around a Triton launch while a profiler runs (so `count_launches` sees it on a CPU)"
     if not torch.autograd.profiler._is_profiler_enabled: return contextlib.nullcontext()

@@ -93,6 +93,7 @@ class RequestStatus(enum.Enum):
      "(vLLM's three finished states are FINISHED plus a finish reason here)")
     WAITING = 'waiting'; RUNNING = 'running'; PREEMPTED = 'preempted'; FINISHED = 'finished'
 
+# %% ../nbs/12_scheduler.ipynb #ce878bb0
 FINISH_REASONS = ('stop', 'length', 'abort')
 
 # %% ../nbs/12_scheduler.ipynb #a3a627a2
@@ -274,16 +275,19 @@ class SchedulerOutput:
 def num_scheduled_tokens(self: SchedulerOutput) -> dict:
     return {r.request_id: r.num_tokens for r in self.requests}
 
+# %% ../nbs/12_scheduler.ipynb #1d0d1427
 @patch(as_prop=True)
 def total_num_scheduled_tokens(self: SchedulerOutput) -> int:
     return sum(r.num_tokens for r in self.requests)
 
+# %% ../nbs/12_scheduler.ipynb #2412b705
 @patch(as_prop=True)
 def query_start_loc(self: SchedulerOutput) -> torch.Tensor:
     "(requests + 1,) int32: the first row of each request, then the row count"
     return torch.tensor([0] + np.cumsum([r.num_tokens for r in self.requests]).tolist(),
                         dtype=torch.int32)
 
+# %% ../nbs/12_scheduler.ipynb #a16f1e14
 @patch
 def block_table(self: SchedulerOutput, group_id: int) -> torch.Tensor:
     "(requests, longest table) int32 block ids of one group, padded with the null block"
@@ -363,6 +367,7 @@ class Scheduler:
 @patch
 def has_unfinished_requests(self: Scheduler) -> bool: return bool(self.requests)
 
+# %% ../nbs/12_scheduler.ipynb #aabd6305
 @patch
 def __repr__(self: Scheduler):
     return (f"Scheduler(step {self.step}: {len(self.running)} running, "
@@ -875,6 +880,7 @@ def requests(self: DecodeOutput) -> list:
                                                 self.block_ids)]
     return self._requests
 
+# %% ../nbs/12_scheduler.ipynb #fcb4b4bb
 @patch(as_prop=True)
 def slot_mappings(self: DecodeOutput) -> SlotMappings:
     if self._slots is None:
@@ -884,6 +890,7 @@ def slot_mappings(self: DecodeOutput) -> SlotMappings:
                                           np.arange(R), np.asarray(self.starts, dtype=np.int64))
     return self._slots
 
+# %% ../nbs/12_scheduler.ipynb #01be2369
 @patch(as_prop=True)
 def decoder_rows(self: DecodeOutput) -> torch.Tensor: return torch.arange(len(self.owners))
 
