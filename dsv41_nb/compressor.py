@@ -641,6 +641,7 @@ def compress_step(c: Compressor, kv, score, positions, ring_slots, compressed_sl
 COMPRESS_VERSIONS = {1: compress_triton, 2: compress_step}
 COMPRESS_KERNEL = dict(version=2)
 
+# %% ../nbs/03_compressor.ipynb #f104da68
 @contextlib.contextmanager
 def compress_version(version: int):
     "Inside the block, `emit` on the kernels launches version `version` (`COMPRESS_VERSIONS`)"
@@ -848,6 +849,7 @@ def _table(rows, cols, keys: int = 0) -> str:
     return '\n'.join([head] + [cells(r, cols[:keys]) + f"  {r['error']}" if 'error' in r
                                else cells(r, cols) for r in rows])
 
+# %% ../nbs/03_compressor.ipynb #5ebc90f0
 def format_compressor_benchmark(rows) -> str:
     "The rows of `benchmark_compressor` as a text table"
     return _table(rows, [('layer', 'layer', '5d'), ('ratio', 'ratio', '5d'), ('step', 'mode', '8s'),

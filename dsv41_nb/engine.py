@@ -169,6 +169,7 @@ def start(self: InputBuffers, rid: str, # a request (re)starting: its row, new o
     self.put(r, 0, tokens)
     return r
 
+# %% ../nbs/13_engine.ipynb #51c95db4
 @patch
 def release(self: InputBuffers, request_ids):
     "Give the rows of finished or preempted requests back"
@@ -192,6 +193,7 @@ def _write(self: InputBuffers, r: int, block_ids: tuple):
         t[r, :n] = ids; t[r, n:] = NULL_BLOCK_ID; self.lens[g, r] = n
     self.snap[r] = block_ids; self._dirty.add(r)
 
+# %% ../nbs/13_engine.ipynb #1cd33053
 @patch
 def assign(self: InputBuffers, req_ids: list, # a step's requests, each started
            block_ids: list) -> np.ndarray: # their snapshots (SchedulerOutput.block_ids)
@@ -235,6 +237,7 @@ def history(self: InputBuffers, rows: np.ndarray, pos: np.ndarray, H: int) -> np
     if len(pos) and pos.min() < H: out[q < 0] = -1              # before the sequence
     return out
 
+# %% ../nbs/13_engine.ipynb #b48ab6f0
 @patch
 def settle(self: InputBuffers, rows: np.ndarray, keeps: np.ndarray, ids: list, gens: np.ndarray,
            step: int):
@@ -355,10 +358,13 @@ class DecodePlan:
     rows: np.ndarray  # (R,) their rows in the runner's buffers
     starts: np.ndarray  # (R,) int64 each request's row position
     def __len__(self): return len(self.req_ids)
-    def as_list(self) -> list:
-        "The general plan: (request id, logits row, drafts, tokens before the drafts) each"
-        starts = self.starts.tolist()
-        return [(r, i, [], s + 1) for i, (r, s) in enumerate(zip(self.req_ids, starts))]
+
+# %% ../nbs/13_engine.ipynb #31a77719
+@patch
+def as_list(self: DecodePlan) -> list:
+    "The general plan: (request id, logits row, drafts, tokens before the drafts) each"
+    starts = self.starts.tolist()
+    return [(r, i, [], s + 1) for i, (r, s) in enumerate(zip(self.req_ids, starts))]
 
 # %% ../nbs/13_engine.ipynb #8746596e
 @patch
@@ -456,6 +462,7 @@ def _prepare_decode(self: ModelRunner, so) -> tuple | None:
                        token_fill=self._late_fill(np.flatnonzero(late), rows), history=hist)
     return self._place(batch), DecodePlan(so.req_ids, rows, starts)
 
+# %% ../nbs/13_engine.ipynb #052243e4
 @patch
 def _arange(self: ModelRunner, n: int, dtype=torch.int64) -> torch.Tensor:
     "(n,) 0..n-1: a view of one tensor kept per dtype"
@@ -472,6 +479,7 @@ def _tokens_decode(self: ModelRunner, logits: torch.Tensor, plan: DecodePlan) ->
         return None, argmax_rows(logits)
     return self._tokens(logits, plan.as_list())
 
+# %% ../nbs/13_engine.ipynb #ce132279
 @patch
 def _sample_decode(self: ModelRunner, logits: torch.Tensor, plan: DecodePlan) -> list:
     "One token per request of an all-decode step (read back); the rows' newest ids updated"
@@ -762,6 +770,7 @@ def _cache_layout(self: LLMEngine) -> KVCacheConfig:
 NGRAM_TOKENS = 5   # n-gram drafts per step when speculation names no count
 SPECULATIVE_METHODS: dict = {}   # name -> make(engine, num_speculative_tokens) -> Proposer
 
+# %% ../nbs/13_engine.ipynb #3d3cf551
 def register_speculative(name: str, # what `speculative=` says
                          make): # make(engine, k) -> a Proposer (k = 0: the method's default)
     "Let `LLM(..., speculative=name)` build its proposer with `make`"
@@ -769,6 +778,7 @@ def register_speculative(name: str, # what `speculative=` says
     if not callable(make): raise TypeError(f"make: expected a callable, got {type(make).__name__}")
     SPECULATIVE_METHODS[name] = make
 
+# %% ../nbs/13_engine.ipynb #6c53e1e1
 register_speculative('ngram', lambda eng, k: NgramProposer(k or NGRAM_TOKENS,
                                                            max_model_len=eng.max_model_len))
 
@@ -1078,10 +1088,13 @@ class NullStepModel(PagedStepModel):
         self.vocab_size = check_int('NullStepModel', 'vocab', vocab, 1)
         self._host_state(cfg, kv_cache_config)
         self._zeros = torch.zeros(0, vocab)
-    def run(self, inputs) -> torch.Tensor:
-        n = len(inputs.step.logits_rows)
-        if len(self._zeros) < n: self._zeros = torch.zeros(2 * n, self.vocab_size)
-        return self._zeros[:n]
+
+# %% ../nbs/13_engine.ipynb #48f13400
+@patch
+def run(self: NullStepModel, inputs) -> torch.Tensor:
+    n = len(inputs.step.logits_rows)
+    if len(self._zeros) < n: self._zeros = torch.zeros(2 * n, self.vocab_size)
+    return self._zeros[:n]
 
 # %% ../nbs/13_engine.ipynb #df1b8788
 def host_engine(cfg, # a ModelConfig (only its cache layout and bookkeeping are used)
@@ -1102,6 +1115,7 @@ HOST_PHASES = (  # (name, whose method, the method): a step's phases, in order
     ('model host', 'model', 'forward'), ('sample', 'runner', '_tokens_decode'),
     ('update', 'scheduler', 'update_from_output'), ('outputs', 'engine', '_apply'))
 
+# %% ../nbs/13_engine.ipynb #9818d35c
 class StepTimer:
     ("Microseconds per phase of an engine's steps (`HOST_PHASES`, timed around the engine's own "
      "methods while inside `with`), plus the wait for a step's ids (async) and the rest")
@@ -1122,6 +1136,7 @@ def _timed(self: StepTimer, name: str, f):
         finally: self.times[name] = self.times.get(name, 0) + self.clock() - t
     return timed
 
+# %% ../nbs/13_engine.ipynb #ff2b5aeb
 @patch
 def __enter__(self: StepTimer):
     e = self.engine
@@ -1132,6 +1147,7 @@ def __enter__(self: StepTimer):
         setattr(o, meth, self._timed(name, getattr(o, meth)))
     return self
 
+# %% ../nbs/13_engine.ipynb #0b8b752a
 @patch
 def __exit__(self: StepTimer, *exc):
     for o, meth, old in reversed(self._undo):
