@@ -515,6 +515,7 @@ def _head_kernel(y_ptr, h_ptr, o_ptr, T, V,
 # rows the kernel takes; more go to the fp32 GEMM (at 4 rows it only matched it on the H200)
 HEAD_MAX_T = 2
 
+# %% ../nbs/09a_fp8_linear.ipynb #3c3d0ddb
 def head_logits(y: torch.Tensor,      # (T, K) fp32 final-norm output
                 head: torch.Tensor,   # (V, K) BF16 head
                ) -> torch.Tensor:     # (T, V) fp32 logits
