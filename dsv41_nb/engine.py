@@ -788,6 +788,7 @@ def _proposer(self: LLMEngine, proposer) -> Proposer | None:
     ("The proposer: the one given, the one `args.speculative` names, "
      "or the n-gram proposer for num_speculative_tokens > 0")
     k, name = self.args.num_speculative_tokens, self.args.speculative
+    if name is None and proposer is None and k: name = 'ngram'   # a count alone: n-gram drafts
     if name is not None:
         if proposer is not None: raise ValueError("pass a proposer or speculative, not both")
         if name not in SPECULATIVE_METHODS:
@@ -795,7 +796,7 @@ def _proposer(self: LLMEngine, proposer) -> Proposer | None:
                              f"{sorted(SPECULATIVE_METHODS)} ('dspark' is registered when "
                              f"dsv41_nb.dspark is imported)")
         proposer = SPECULATIVE_METHODS[name](self, k)
-    if proposer is None: return NgramProposer(k, max_model_len=self.max_model_len) if k else None
+    if proposer is None: return None
     if not (isinstance(getattr(proposer, 'num_speculative_tokens', None), int)
             and callable(getattr(proposer, 'propose', None))):
         raise TypeError(f"proposer: expected num_speculative_tokens and propose(token lists), "
