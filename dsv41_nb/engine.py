@@ -686,15 +686,13 @@ class EngineArgs:
             raise ValueError(f"kernels = {self.kernels!r}; expected None or one of {BACKENDS}")
         if self.max_model_len is not None:
             check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
-        if (check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
-                and self.async_scheduling):
-            raise ValueError("async_scheduling with num_speculative_tokens > 0 "
-                             "is not supported here")
         if self.speculative is not None and not isinstance(self.speculative, str):
             raise TypeError(f"speculative = {self.speculative!r}; expected a method's name")
-        if self.speculative and self.async_scheduling:
-            raise ValueError(f"async_scheduling with speculative = {self.speculative!r} "
-                             "is not supported here")
+        k = check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
+        if (k or self.speculative) and self.async_scheduling:
+            what = (f"speculative = {self.speculative!r}" if self.speculative
+                    else "num_speculative_tokens > 0")
+            raise ValueError(f"async_scheduling with {what} is not supported here")
 
 # %% ../nbs/13_engine.ipynb #93d2e5bb
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):

@@ -22,9 +22,9 @@ from .mhc import hc_split
 __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'CORPUS_VERSION', 'stdlib_modules', 'module_documents', 'source_files',
            'source_document', 'corpus_documents', 'cache_dir', 'load_corpus', 'split_documents', 'small_config',
            'trained_param_count', 'ByteData', 'byte_data', 'DenseBlock', 'DenseBaseline', 'dense_param_count', 'lr_at',
-           'balance_router_bias', 'max_violation', 'routers', 'ExpertLoad', 'ExpertDropout', 'attention_mass',
-           'indexer_log_probs', 'indexer_kl', 'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate',
-           'make_optimizer', 'train', 'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next',
+           'balance_router_bias', 'max_violation', 'routers', 'ModuleHooks', 'ExpertLoad', 'ExpertDropout',
+           'attention_mass', 'indexer_log_probs', 'indexer_kl', 'indexer_layers', 'IndexerDistillation', 'lm_loss',
+           'evaluate', 'make_optimizer', 'train', 'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next',
            'continue_prompts', 'distinct_4grams', 'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
@@ -415,8 +415,18 @@ def routers(model: nn.Module, who: str = 'routers') -> dict:
             if n.split('.')[-2:] == ['ffn', 'gate']
             and isinstance(getattr(m, 'bias', None), torch.Tensor)}
 
+# %% ../nbs/11_train.ipynb #addfea3c
+class ModuleHooks:
+    "Forward hooks on some modules (`self.handles`), taken off together by `remove` or a `with` block"
+    handles: list = []
+    def remove(self):
+        for h in self.handles: h.remove()
+        self.handles = []
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.remove()
+
 # %% ../nbs/11_train.ipynb #7a6f6f6a
-class ExpertLoad:
+class ExpertLoad(ModuleHooks):
     ("Counts, per router (`*.ffn.gate` module with a `bias`), "
      "the tokens each expert received since the last reset")
     def __init__(self, model: nn.Module):
@@ -444,15 +454,8 @@ def balance(self: ExpertLoad, gamma: float) -> float:
     self.counts = {}
     return sum(vio) / len(vio) if vio else 0.0
 
-# %% ../nbs/11_train.ipynb #1725b0e6
-@patch
-def remove(self: ExpertLoad):
-    "Unhook the routers"
-    for h in self.handles: h.remove()
-    self.handles = []
-
 # %% ../nbs/11_train.ipynb #ad904d04
-class ExpertDropout:
+class ExpertDropout(ModuleHooks):
     ("In training, each (token, expert) routing weight of every router (`*.ffn.gate`) "
      "zeroed with probability `p`, the others scaled by 1/(1 - p)")
     def __init__(self, model: nn.Module, p: float):
@@ -467,13 +470,6 @@ class ExpertDropout:
 def _hook(self: ExpertDropout, module, args, output):
     weights, ids = output
     return F.dropout(weights, self.p, module.training), ids
-
-# %% ../nbs/11_train.ipynb #b1f87274
-@patch
-def remove(self: ExpertDropout):
-    "Unhook the routers"
-    for h in self.handles: h.remove()
-    self.handles = []
 
 # %% ../nbs/11_train.ipynb #74c26066
 def attention_mass(
@@ -527,7 +523,7 @@ def indexer_layers(model: nn.Module) -> dict:
             if getattr(m, 'indexer', None) is not None and hasattr(m, 'query')}
 
 # %% ../nbs/11_train.ipynb #d6ad9218
-class IndexerDistillation:
+class IndexerDistillation(ModuleHooks):
     ("Per training forward, "
      "the KL from full attention's compressed-entry weights to each indexer's distribution")
     def __init__(self, model: nn.Module):
@@ -551,12 +547,6 @@ def take(self: IndexerDistillation) -> torch.Tensor | None:
     "The sum of the KL terms since the last call (None if there were none), and forget them"
     terms, self.terms = self.terms, []
     return torch.stack(terms).sum() if terms else None
-
-# %% ../nbs/11_train.ipynb #0739f675
-@patch
-def remove(self: IndexerDistillation):
-    for h in self.handles: h.remove()
-    self.handles = []
 
 # %% ../nbs/11_train.ipynb #953e716b
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,28 @@ def test_every_distinct_kernel_one_split_and_several(launch):
         check_decode(decode_inputs(small, 2, 100, 24, wf, cf, heads=40, ragged=True, device=DEV, seed=7), num_splits=num_splits, launch=launch)
 
 
+def test_separate_kernel_is_the_same_source_with_noinline_passes():
+    import dsv41_nb.sparse_decode as sd
+    one, two = sd._sparse_decode_kernel, sd._sparse_decode_separate
+    assert two.fn.__code__ is one.fn.__code__ and two.fn.__globals__ is not one.fn.__globals__
+    for name in ('_window_pass', '_topk_pass'):
+        twin = two.fn.__globals__[name]
+        assert twin is not getattr(sd, name) and twin.fn is getattr(sd, name).fn
+        if not triton_interpreting(): assert twin.noinline and not getattr(sd, name).noinline
+    if not triton_interpreting(): assert one.cache_key != two.cache_key         # never one binary for both
+
+
+@needs_triton
+def test_separate_and_inlined_passes_agree_bit_for_bit():
+    args = decode_inputs(SMALL, 3, 100, 30, 'window_fp8', 'ds_fp4', heads=16, ragged=True, device=DEV, seed=4)
+    for num_splits in (1, 2):
+        a, b = (sparse_decode(*args, num_splits=num_splits, launch=dict(block_n=32, separate=s)) for s in (False, True))
+        if triton_interpreting(): assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        else:                     # compiled apart, the two may contract multiply-adds differently
+            torch.testing.assert_close(a[0].float(), b[0].float(), rtol=2 ** -7, atol=2 ** -10)
+            torch.testing.assert_close(a[1], b[1], rtol=2 ** -20, atol=2 ** -16)
+
+
 @needs_triton
 def test_empty_lists_window_only_and_one_record():
     q, window, compressed, idx, sink, scale = decode_inputs(SMALL, 3, 100, 30, heads=8, device=DEV, seed=2)
