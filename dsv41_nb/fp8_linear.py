@@ -23,7 +23,7 @@ from .moe_gemv import _fp8_sums, _codes_f32
 # %% auto #0
 __all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T',
            'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear',
-           'fp8_linear_norm', 'fp8_linear_rope', 'head_logits']
+           'fp8_linear_norm', 'fp8_linear_rope', 'bf16_parts', 'head_logits']
 
 # %% ../nbs/09a_fp8_linear.ipynb #91e62af6
 def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -515,31 +515,49 @@ def _head_kernel(y_ptr, h_ptr, o_ptr, T, V,
 # rows the kernel takes; more go to the fp32 GEMM (at 4 rows it only matched it on the H200)
 HEAD_MAX_T = 2
 
+# %% ../nbs/09a_fp8_linear.ipynb #62f70bff
+def bf16_parts(y: torch.Tensor) -> torch.Tensor:
+    "(P, *y.shape) BF16 parts whose sum is exactly y: y itself if BF16, else three of 8 bits each"
+    if y.dtype == torch.bfloat16: return y[None]
+    parts, rest = [], y.float()
+    for _ in range(3):
+        parts.append(rest.bfloat16())
+        rest = rest - parts[-1].float()         # exact: the bits the part did not hold
+    return torch.stack(parts)
+
+# %% ../nbs/09a_fp8_linear.ipynb #9dae4af5
+def _head_gemm(y: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    "(T, V) fp32: one BF16 GEMM with an fp32 output over y's BF16 parts, the parts' products added"
+    parts = bf16_parts(y)
+    a = parts.flatten(0, 1)                                           # (P·T, K)
+    if a.is_cuda: out = torch.mm(a, head.t(), out_dtype=torch.float32)
+    else: out = a.float() @ head.float().t()                          # the same exact products
+    return out.view(len(parts), y.shape[0], -1).sum(0)
+
 # %% ../nbs/09a_fp8_linear.ipynb #3c3d0ddb
-def head_logits(y: torch.Tensor,      # (T, K) fp32 final-norm output
+def head_logits(y: torch.Tensor,      # (T, K) fp32 or BF16 final-norm output
                 head: torch.Tensor,   # (V, K) BF16 head
                ) -> torch.Tensor:     # (T, V) fp32 logits
     ("y times the BF16 head in fp32: the kernel for up to HEAD_MAX_T rows, "
-     "else F.linear on the head in fp32")
+     "else `_head_gemm` on the tensor cores (F.linear on an fp32 copy without Triton)")
     if not isinstance(head, torch.Tensor) or head.ndim != 2 or head.dtype != torch.bfloat16:
         raise TypeError(f"head_logits: expected a BF16 head (vocab, dim), "
                         f"got {getattr(head, 'dtype', type(head).__name__)} "
                         f"{tuple(getattr(head, 'shape', ()))}")
-    if (not isinstance(y, torch.Tensor) or y.dtype != torch.float32 or y.ndim != 2
-        or y.shape[1] != head.shape[1]):
-        raise ValueError(f"head_logits: expected fp32 y (T, {head.shape[1]}), "
+    if (not isinstance(y, torch.Tensor) or y.dtype not in (torch.float32, torch.bfloat16)
+        or y.ndim != 2 or y.shape[1] != head.shape[1]):
+        raise ValueError(f"head_logits: expected fp32 or BF16 y (T, {head.shape[1]}), "
                          f"got {getattr(y, 'dtype', type(y).__name__)} "
                          f"{tuple(getattr(y, 'shape', ()))}")
     if y.device != head.device:
         raise ValueError(f"head_logits: y is on {y.device}, the head on {head.device}")
     T, (V, K) = y.shape[0], head.shape
-    if kernel_backend(y, head) == 'torch' or not 0 < T <= HEAD_MAX_T or K % 32:
-        return F.linear(y, head.float())
+    if kernel_backend(y, head) == 'torch' or T == 0: return F.linear(y.float(), head.float())
     bm = triton.next_power_of_2(T)
     bk = max(16, 128 // bm)
-    if K % bk: return F.linear(y, head.float())
+    if T > HEAD_MAX_T or K % 32 or K % bk: return _head_gemm(y, head)
     out = torch.empty(T, V, dtype=torch.float32, device=y.device)
-    _head_kernel[(triton.cdiv(V, 64),)](y.contiguous(), head.contiguous(), out, T, V,
+    _head_kernel[(triton.cdiv(V, 64),)](y.float().contiguous(), head.contiguous(), out, T, V,
                                         K=K, BM=bm, BN=64, BK=bk, num_warps=4,
                                         **pdl_launch(y.device))
     return out

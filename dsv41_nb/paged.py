@@ -22,7 +22,7 @@ from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward
-from .fp8_linear import (FP8Linear, head_logits, HEAD_MAX_T, fp8_linear_norm,
+from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
 from .moe_split import expert_gate_up_split
@@ -546,9 +546,8 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
 def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
     "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
     y = hc_collapse(x[lr], pre[lr], self.norm, self.cfg, f[lr], post[lr], comb[lr])    # (m, dim)
-    if (len(lr) <= HEAD_MAX_T and self.head.dtype == torch.bfloat16
-            and kernel_backend(y, self.head) == 'triton'):
-        return head_logits(y.float(), self.head)  # reads the BF16 head itself
+    if self.head.dtype == torch.bfloat16 and kernel_backend(y, self.head) == 'triton':
+        return head_logits(y, self.head)          # reads the BF16 head itself
     return F.linear(y.float(), self._head_fp32())
 
 # %% ../nbs/10b_paged.ipynb #cd79776d
