@@ -8,8 +8,10 @@ import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.formats import cache_format, CACHE_FORMATS
-from dsv41_nb.accounting import (step_floor, decode_kv_read_bytes, decode_flops_per_token, compressed_entries_per_token, global_kv_bytes_per_token, swa_bytes_per_sequence,
-                                 record_saving, checkpoint_manifest, params_by_group, expert_params, active_params_per_token,
+from dsv41_nb.accounting import (step_floor, decode_kv_read_bytes, decode_flops_per_token,
+                                 compressed_entries_per_token, global_kv_bytes_per_token,
+                                 swa_bytes_per_sequence, record_saving, checkpoint_manifest,
+                                 params_by_group, expert_params, active_params_per_token,
                                  memory_table, engram_gathers_per_token, engram_bytes_per_token, expert_touch_fraction,
                                  decode_floor, Hardware, HARDWARE, TensorSpec, agreement, accounting_rows, format_rows,
                                  ROW_HEADER, GiB, gqa_kv_bytes_per_token, rank_weight_gib, vram_minimum_gb,
@@ -43,7 +45,8 @@ def test_kv_bytes_match_packed_records(c):
     "Bytes per token from the widths the codecs really write (pack random vectors and measure)"
     width = {n: cache_format(c, n).pack(torch.randn(3, cache_format(c, n).dim)).shape[-1] for n in CACHE_FORMATS}
     e = compressed_entries_per_token(c)
-    assert global_kv_bytes_per_token(c, 'ds_fp4', 'index_mxfp4') == pytest.approx(e * (width['ds_fp4'] + width['index_mxfp4']))
+    assert (global_kv_bytes_per_token(c, 'ds_fp4', 'index_mxfp4')
+            == pytest.approx(e * (width['ds_fp4'] + width['index_mxfp4'])))
     assert global_kv_bytes_per_token(c, 'fp8_ds_mla') == pytest.approx(e * width['fp8_ds_mla'])
     assert swa_bytes_per_sequence(c) == c.window_size * (c.n_layers + c.n_mtp_layers) * width['window_fp8']
     assert record_saving(c, 'ds_fp4', 'window_fp8') == pytest.approx(1 - width['ds_fp4'] / width['window_fp8'])
@@ -55,7 +58,8 @@ def test_nvfp4_saving_and_flags_in_rows():
     assert nv[1:] == ('45%', '45%', 'throughput news', 'same')
     assert rows['KV per 1M-token sequence, DeepSeek / vLLM (MB)'][1:3] == ('933 / 1,531', '933 / 1,530')
     assert rows['KV per 1M-token sequence, DeepSeek / vLLM (MB)'][4] == 'rounding'
-    assert rows['checkpoint size (GiB)'][1:3] == ('474.3', '476') and rows['checkpoint size (GiB)'][4].startswith('differs')
+    assert (rows['checkpoint size (GiB)'][1:3] == ('474.3', '476')
+            and rows['checkpoint size (GiB)'][4].startswith('differs'))
     for r in rows.values():                                     # a row whose figures print differently is never 'same'
         if r[2] and r[4] == 'same' and not {'-', '>'} & set(r[2]): assert r[1] == r[2].replace('~', '')
     assert {r[4] for r in accounting_rows(TINY)} == {''}        # the sources' figures describe the released model only
@@ -79,7 +83,8 @@ def test_expert_touch_against_combinations(batch, n, data):
     assert expert_touch_fraction(batch, k, n) == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 def test_expert_touch_by_simulation():
-    "Route B tokens to k distinct random experts; the tolerance is 5 standard deviations of a negatively associated mean"
+    """Route B tokens to k distinct random experts; the tolerance is 5 standard deviations of a
+    negatively associated mean"""
     T, n, k = 300, 96, 3
     for B in (1, 7, 40):
         picks = torch.rand(T, B, n).topk(k, dim=-1).indices
@@ -180,7 +185,8 @@ BAD_INPUTS = [
     (lambda: decode_floor('full', HARDWARE['B300']), TypeError, 'active_params_per_token: expected a ModelConfig'),
     (lambda: Hardware('x', 1e9, 0, ''), ValueError, 'bandwidth = 0; expected a positive number'),
     (lambda: Hardware('x', '141e9', 1e12, ''), ValueError, "hbm_bytes = '141e9'"),
-    (lambda: active_params_per_token(FULL, 'train'), ValueError, "phase = 'train'; expected one of ('decode', 'prefill')"),
+    (lambda: active_params_per_token(FULL, 'train'), ValueError,
+     "phase = 'train'; expected one of ('decode', 'prefill')"),
     (lambda: active_params_per_token(None), TypeError, 'active_params_per_token: expected a ModelConfig'),
     (lambda: expert_params({}), TypeError, 'expert_params: expected a ModelConfig, got dict'),
     (lambda: checkpoint_manifest([1]), TypeError, 'checkpoint_manifest: expected a ModelConfig, got list'),
@@ -232,7 +238,8 @@ def test_step_floor_adds_up():
     bench, hw = ModelConfig.bench(), HARDWARE['H200']
     for B in (1, 7, 64):
         s, w = step_floor(bench, hw, B, 300), decode_floor(bench, hw, B, world_size=1)
-        want = w['dense_bytes'] + w['expert_bytes'] + B * (decode_kv_read_bytes(bench, 300) + engram_bytes_per_token(bench))
+        want = (w['dense_bytes'] + w['expert_bytes']
+                + B * (decode_kv_read_bytes(bench, 300) + engram_bytes_per_token(bench)))
         assert math.isclose(s['bytes'], want) and math.isclose(s['memory_s'], want / hw.bandwidth)
         assert math.isclose(s['flops'], B * decode_flops_per_token(bench, 300))
     assert decode_flops_per_token(bench, 300) > 2 * active_params_per_token(bench)['total']

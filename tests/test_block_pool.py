@@ -23,7 +23,8 @@ def toks(n, seed=0, vocab=FULL.vocab_size):
 # ---------------------------------------------------------------- hashing
 def test_hash_chain_matches_independent_serialisation():
     t = toks(200)
-    req = Request('r', t, RequestBlockHasher(32, FULL.vocab_size), cache_salt='salt', mm_features=[ImageSpan(70, 10, 'imgA')])
+    req = Request('r', t, RequestBlockHasher(32, FULL.vocab_size), cache_salt='salt',
+                  mm_features=[ImageSpan(70, 10, 'imgA')])
     parent = None
     for i in range(6):
         extra = (['imgA'] if i == 2 else []) + (['salt'] if i == 0 else [])
@@ -33,8 +34,9 @@ def test_hash_chain_matches_independent_serialisation():
 
 
 @settings(max_examples=examples(60), deadline=None)
-@given(st.lists(st.integers(0, 2 ** 32 - 1), max_size=40), st.lists(st.one_of(st.text(max_size=8), st.binary(max_size=8),
-                                                                              st.integers(-2 ** 63, 2 ** 63 - 1)), max_size=3))
+@given(st.lists(st.integers(0, 2 ** 32 - 1), max_size=40),
+       st.lists(st.one_of(st.text(max_size=8), st.binary(max_size=8),
+                          st.integers(-2 ** 63, 2 ** 63 - 1)), max_size=3))
 def test_hash_block_tokens_matches_reference(tokens, extra):
     parent = reference_block_hash(None, [7])
     assert hash_block_tokens(parent, tokens, extra) == reference_block_hash(parent, tokens, extra)
@@ -74,15 +76,20 @@ def test_incremental_hashing_equals_bulk():
 
 
 def test_check_token_ids_is_the_same_for_every_input_kind():
-    "Valid ids in a tensor are valid; the message does not depend on the input's length or kind; non-integers are type errors"
-    check_token_ids(torch.tensor([1, 2]), 100)                          # was reported as 'token id tensor(1) ... outside'
+    """Valid ids in a tensor are valid; the message does not depend on the input's length or kind;
+    non-integers are type errors"""
+    # was reported as 'token id tensor(1) ... outside'
+    check_token_ids(torch.tensor([1, 2]), 100)
     check_token_ids(np.arange(99), 100); check_token_ids(range(5), 100)
     short, long_ = [1, 100], [1] * 39 + [100]
     for ids, pos in ((short, 1), (long_, 39), (torch.tensor(short), 1), (np.asarray(long_), 39)):
         fct.test_fail(check_token_ids, args=[ids, 100], exc=ValueError,
-                  contains=f'token id 100 at position {pos} is outside the vocabulary: expected 0 <= id < vocab_size = 100')
-    for ids, what in ((['a'], "token id 'a' at position 0 has type str"), ([1.5], 'token id 1.5 at position 0 has type float'),
-                      ([1] * 20 + ['a'], "token id 'a' at position 20 has type str"), (torch.tensor([1.0]), 'dtype torch.float32'),
+                  contains=f'token id 100 at position {pos} is outside the vocabulary: '
+                           'expected 0 <= id < vocab_size = 100')
+    for ids, what in ((['a'], "token id 'a' at position 0 has type str"),
+                      ([1.5], 'token id 1.5 at position 0 has type float'),
+                      ([1] * 20 + ['a'], "token id 'a' at position 20 has type str"),
+                      (torch.tensor([1.0]), 'dtype torch.float32'),
                       (None, 'got NoneType'), ('abc', 'got str')):
         fct.test_fail(check_token_ids, args=[ids, 100], exc=TypeError, contains=what)
 
@@ -134,7 +141,8 @@ def test_stored_events_split_into_runs():
     req = Request('a', list(range(40)), RequestBlockHasher(4, 100))
     blocks = pool.get_new_blocks(5)
     pool.cache_full_blocks(req, blocks, [0, 1, 3, 4], 8, 2, 0)          # 8-token blocks over 4-token hashes
-    assert [e.block_hashes for e in seen] == [(req.block_hashes[1], req.block_hashes[3]), (req.block_hashes[7], req.block_hashes[9])]
+    assert [e.block_hashes for e in seen] == [(req.block_hashes[1], req.block_hashes[3]),
+                                              (req.block_hashes[7], req.block_hashes[9])]
     assert [e.parent_block_hash for e in seen] == [None, req.block_hashes[5]]
     assert [e.token_ids for e in seen] == [tuple(range(16)), tuple(range(24, 40))]
 
@@ -176,15 +184,20 @@ def test_bad_input():
             (lambda: pool.get_new_blocks(9), ValueError, 'cannot get 9 free blocks from the pool: only 3 are free'),
             (lambda: pool.free_block_queue.popleft_n(-1), ValueError, 'n = -1; expected an integer >= 0'),
             (lambda: pool.free_blocks([pool.blocks[5]]), ValueError, 'block 5 freed with ref_cnt 0: freed twice'),
-            (lambda: pool.free_block_queue.remove(held[0]), ValueError, f'block {held[0].block_id} is not in the free queue'),
-            (lambda: pool.cache_full_blocks(req, held, [1], 4, 0, 0), ValueError, 'hash_stride = 0; expected a positive integer'),
-            (lambda: pool.cache_full_blocks(req, held, [1], 16, 4, 0), ValueError, "block 1 needs hash 7 but request 'a' has 3"),
+            (lambda: pool.free_block_queue.remove(held[0]), ValueError,
+             f'block {held[0].block_id} is not in the free queue'),
+            (lambda: pool.cache_full_blocks(req, held, [1], 4, 0, 0), ValueError,
+             'hash_stride = 0; expected a positive integer'),
+            (lambda: pool.cache_full_blocks(req, held, [1], 16, 4, 0), ValueError,
+             "block 1 needs hash 7 but request 'a' has 3"),
             (lambda: pool.subscribe(None), TypeError, 'is not callable'),
-            (lambda: hash_block_tokens(None, [-1]), ValueError, 'token id -1 at position 0 is outside the vocabulary: expected 0 <= id < 2**32'),
+            (lambda: hash_block_tokens(None, [-1]), ValueError,
+             'token id -1 at position 0 is outside the vocabulary: expected 0 <= id < 2**32'),
             (lambda: hash_block_tokens(b'short', [1]), TypeError, 'parent_block_hash must be None or a 32-byte hash'),
             (lambda: hash_block_tokens(None, [1], 'salt'), TypeError, 'extra keys must be a sequence of keys'),
             (lambda: hash_block_tokens(None, [1], [1.5]), TypeError, 'extra key 1.5 has type float'),
-            (lambda: Request('e', None), TypeError, "request 'e': prompt_token_ids must be a sequence of token ids, got NoneType"),
+            (lambda: Request('e', None), TypeError,
+             "request 'e': prompt_token_ids must be a sequence of token ids, got NoneType"),
             (lambda: Request('x', []), ValueError, "request 'x': the prompt is empty"),
             (lambda: Request('x', ['a']), TypeError, "token id 'a' at position 0 has type str"),
             (lambda: Request(7, [1]), TypeError, 'request_id must be a non-empty str'),
@@ -192,14 +205,17 @@ def test_bad_input():
             (lambda: Request('x', [1], cache_salt=3), TypeError, 'cache_salt must be a str or None'),
             (lambda: ImageSpan(-1, 4, 'img'), ValueError, 'expected offset >= 0 and length >= 1'),
             (lambda: RequestBlockHasher(0, 100), ValueError, 'hash_block_size = 0; expected a positive integer'),
-            (lambda: slot_mapping([1, 2], [3], 0), ValueError, 'slot_mapping: block_size = 0; expected a positive integer'),
+            (lambda: slot_mapping([1, 2], [3], 0), ValueError,
+             'slot_mapping: block_size = 0; expected a positive integer'),
             (lambda: slot_mapping([1, 2], [1.5], 4), TypeError, 'positions must be integers'),
             (lambda: slot_mapping([1, 2], [[1]], 4), ValueError, 'positions must be 1-D'),
             (lambda: slot_mapping([0, 5], [3], 4), ValueError, 'table entry 0 is the null block'),
             (lambda: slot_mapping([3, 5], [9], 4), ValueError, 'needs table entry 2 but the block table has 2 entries'),
             (lambda: compressed_slot_mapping([1, 2], [3], 16, 0), ValueError, 'ratio = 0; expected a positive integer'),
-            (lambda: compressed_slot_mapping([1, 2], [3], 16, 3), ValueError, 'block_size 16 is not a multiple of ratio 3'),
-            (lambda: compressed_state_slots([1, 2], [-2], 16, 2), ValueError, 'state_indices contains -2; expected values >= -1'),
+            (lambda: compressed_slot_mapping([1, 2], [3], 16, 3), ValueError,
+             'block_size 16 is not a multiple of ratio 3'),
+            (lambda: compressed_state_slots([1, 2], [-2], 16, 2), ValueError,
+             'state_indices contains -2; expected values >= -1'),
             (lambda: ring_slot_mapping(0, [3], 2), ValueError, 'ring_block_id = 0; the request has no ring block'),
             (lambda: ring_slot_mapping(3, [3], 0), ValueError, 'ratio = 0')]:
         fct.test_fail(f, exc=exc, contains=msg)

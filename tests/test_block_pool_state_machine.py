@@ -2,9 +2,10 @@
 
 Random admissions (with prefix hits), prefill chunks, decode steps with lookahead slots, shared prefixes, frees,
 preemptions, double frees and cache resets; after every step the pool's bookkeeping is checked against an independent
-model: free + used = total, the free queue holds each free block once and nothing else, every ref count equals the number
-of block-table references, no block belongs to two groups, and every registered hash names a block whose content (as the
-test recorded it when the block was written) hashes to it. Prefix-hit blocks are checked against that content too.
+model: free + used = total, the free queue holds each free block once and nothing else, every ref count equals the
+number of block-table references, no block belongs to two groups, and every registered hash names a block whose content
+(as the test recorded it when the block was written) hashes to it. Prefix-hit blocks are checked against that content
+too.
 
 Default: >= 10,000 operations. DSV41_SLOW=1: 10x more."""
 import os
@@ -12,7 +13,8 @@ from collections import Counter
 import pytest
 from hypothesis import settings, strategies as st, HealthCheck, Phase
 from budget import examples
-from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initialize, precondition, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, rule, invariant, initialize, precondition,
+                                 run_state_machine_as_test)
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_block_hash
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, cdiv
@@ -36,7 +38,8 @@ def chain_hash(salt, tokens, hbs, memo={}):
 
 
 class KVCacheMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(24, 120), interval=st.sampled_from([0, 0, 16, 16, 48]), caching=st.sampled_from([True] * 5 + [False]))
+    @initialize(num_blocks=st.integers(24, 120), interval=st.sampled_from([0, 0, 16, 16, 48]),
+                caching=st.sampled_from([True] * 5 + [False]))
     def setup(self, num_blocks, interval, caching):
         cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=num_blocks, prefix_cache_retention_interval=interval,
                                    enable_prefix_caching=caching)
@@ -44,7 +47,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.pool = self.kv.block_pool
         self.hbs = self.kv.kv_cache_config.hash_block_size
         self.running, self.waiting, self.finished, self.history = {}, [], [], []
-        self.content = {}          # block id -> (group id, salt, tokens up to the block's end): what the "GPU" wrote there
+        # block id -> (group id, salt, tokens up to the block's end): what the "GPU" wrote there
+        self.content = {}
         self.n = 0
 
     # ------------------------------------------------------------ helpers
@@ -62,7 +66,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             bs, blocks = m.block_size, m.req_to_blocks[req.request_id]
             for i in range(start // bs, end // bs):
                 if (i + 1) * bs > start and not blocks[i].is_null:
-                    self.content[blocks[i].block_id] = (m.group_id, req.cache_salt, tuple(req.all_token_ids[:(i + 1) * bs]))
+                    self.content[blocks[i].block_id] = (m.group_id, req.cache_salt,
+                                                        tuple(req.all_token_ids[:(i + 1) * bs]))
 
     def _forget_new(self, new):
         for g in new.blocks:
@@ -76,7 +81,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             for i, b in enumerate(blocks):
                 if b.is_null: continue
                 want = (m.group_id, req.cache_salt, tuple(req.all_token_ids[:(i + 1) * m.block_size]))
-                assert self.content.get(b.block_id) == want, f'hit block {b.block_id} (group {m.group_id}, entry {i}) holds other content'
+                assert self.content.get(b.block_id) == want, (f'hit block {b.block_id} (group {m.group_id}, entry {i}) '
+                                                              'holds other content')
 
     def _admit(self, req, chunk):
         before = self._snapshot()
@@ -100,14 +106,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.running[req.request_id] = req
 
     # ------------------------------------------------------------ rules
-    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=12, max_size=90), salt=st.sampled_from([None, None, None, 'tenant']),
+    @rule(tokens=st.lists(st.integers(0, VOCAB - 1), min_size=12, max_size=90),
+          salt=st.sampled_from([None, None, None, 'tenant']),
           chunk=st.sampled_from([4, 16, 37, 200]))
     def add(self, tokens, salt, chunk):
         OPS['add'] += 1
         self._admit(self._new(tokens, salt), chunk)
 
     @precondition(lambda self: self.history or self.running)
-    @rule(pick=st.integers(0, 10 ** 6), keep=st.one_of(st.just(1.0), st.floats(0.2, 1.0)), tail=st.lists(st.integers(0, VOCAB - 1), max_size=40),
+    @rule(pick=st.integers(0, 10 ** 6), keep=st.one_of(st.just(1.0), st.floats(0.2, 1.0)),
+          tail=st.lists(st.integers(0, VOCAB - 1), max_size=40),
           chunk=st.sampled_from([8, 64, 200]))
     def share_prefix(self, pick, keep, tail, chunk):
         OPS['share_prefix'] += 1
@@ -204,13 +212,16 @@ class KVCacheMachine(RuleBasedStateMachine):
                 for b in m.req_to_blocks[rid]:
                     if b.is_null: continue
                     refs[b.block_id] += 1
-                    assert group_of.setdefault(b.block_id, m.group_id) == m.group_id, f'block {b.block_id} in two groups'
+                    assert (group_of.setdefault(b.block_id, m.group_id)
+                            == m.group_id), f'block {b.block_id} in two groups'
         assert set(self.kv.live_requests) == set(self.running)
         used = {b.block_id for b in pool.blocks if b.ref_cnt > 0 and not b.is_null}
         assert len(ids) + len(used) == pool.num_usable_blocks, 'free + used != total'
         for b in pool.blocks[1:]:
-            assert b.ref_cnt == refs[b.block_id], f'block {b.block_id}: ref_cnt {b.ref_cnt}, {refs[b.block_id]} table references'
-            assert (b.ref_cnt == 0) == (b.prev_free_block is not None), f'block {b.block_id} in the free queue iff ref_cnt == 0'
+            assert b.ref_cnt == refs[b.block_id], (f'block {b.block_id}: ref_cnt {b.ref_cnt}, {refs[b.block_id]} table '
+                                                   'references')
+            assert ((b.ref_cnt == 0)
+                    == (b.prev_free_block is not None)), f'block {b.block_id} in the free queue iff ref_cnt == 0'
         self._check_cached(group_of)
         OPS['checks'] += 1
 
@@ -221,13 +232,16 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert gid != 2, 'a compressor ring block was registered'
                 if group_of is not None: assert group_of.get(b.block_id, gid) == gid
                 c = self.content.get(b.block_id)
-                assert c is not None and c[0] == gid, f'block {b.block_id} is registered but holds no content of group {gid}'
-                assert chain_hash(c[1], c[2], self.hbs) == h, f'block {b.block_id} registered under a hash its tokens do not have'
+                assert c is not None and c[0] == gid, (f'block {b.block_id} is registered but holds no content of '
+                                                       f'group {gid}')
+                assert chain_hash(c[1], c[2], self.hbs) == h, (f'block {b.block_id} registered under a hash its tokens '
+                                                               'do not have')
 
     def teardown(self):
         if not hasattr(self, 'kv'): return
         for req in list(self.running.values()): self.kv.free(req)
-        assert self.pool.get_num_free_blocks() == self.pool.num_usable_blocks, 'the pool is not whole after freeing everything'
+        assert (self.pool.get_num_free_blocks()
+                == self.pool.num_usable_blocks), 'the pool is not whole after freeing everything'
         assert all(b.ref_cnt == 0 for b in self.pool.blocks)
         self._check_cached()
 
@@ -237,10 +251,12 @@ def test_block_pool_state_machine():
     n_examples, steps = (2000, 100) if SLOW else (examples(180), 100)
     run_state_machine_as_test(KVCacheMachine, settings=settings(
         max_examples=n_examples, stateful_step_count=steps, deadline=None, database=None,
-        phases=[Phase.generate] if os.environ.get('DSV41_NO_SHRINK') else list(Phase),   # mutation runs: report, don't shrink
+        # mutation runs: report, don't shrink
+        phases=[Phase.generate] if os.environ.get('DSV41_NO_SHRINK') else list(Phase),
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     ops = sum(v for k, v in OPS.items() if not k.startswith('(') and k != 'checks')
     print(dict(OPS), 'operations:', ops)
     assert ops >= (100_000 if SLOW else min(10_000, examples(10_000))), f'only {ops} operations ran'
-    for k in ('add', 'share_prefix', 'resume_waiting', 'step', 'step_all', 'finish', 'preempt', 'double_free', 'reset', '(prefix hits)', '(no room)'):
+    for k in ('add', 'share_prefix', 'resume_waiting', 'step', 'step_all', 'finish', 'preempt',
+              'double_free', 'reset', '(prefix hits)', '(no room)'):
         assert OPS[k] > 0, f'rule {k} never ran'

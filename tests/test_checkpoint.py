@@ -1,4 +1,5 @@
-"Checkpoints: the FP8/FP4 weight codecs against an independent encoder, save -> load round trips, a public-layout checkpoint, streaming memory, and every error"
+"""Checkpoints: the FP8/FP4 weight codecs against an independent encoder, save -> load round trips,
+a public-layout checkpoint, streaming memory, and every error"""
 import json, re, shutil, subprocess, sys
 from dataclasses import replace
 from pathlib import Path
@@ -182,7 +183,8 @@ def test_errors(tmp_path, tiny_state):
         ix = json.loads((d / INDEX_NAME).read_text()); f(ix['weight_map']); (d / INDEX_NAME).write_text(json.dumps(ix))
     cases = [
         (lambda d: (edit_tensors(d, s, lambda t: t.pop(s)), edit_index(d, lambda m: m.pop(s))), f'missing tensors {s}'),
-        (lambda d: (edit_tensors(d, w, lambda t: t.update(extra=torch.ones(2))), edit_index(d, lambda m: m.update(extra=m[w]))),
+        (lambda d: (edit_tensors(d, w, lambda t: t.update(extra=torch.ones(2))),
+                    edit_index(d, lambda m: m.update(extra=m[w]))),
          'unexpected tensors extra'),
         (lambda d: edit_tensors(d, w, lambda t: t.update({w: t[w].bfloat16()})), f'{w} is BF16, expected F8_E4M3'),
         (lambda d: edit_tensors(d, s, lambda t: t.update({s: t[s][:1]})), f'{s} has shape (1, 2), expected (2, 2)'),
@@ -196,10 +198,12 @@ def test_errors(tmp_path, tiny_state):
         (lambda d: shard_of(d, w).write_bytes(shard_of(d, w).read_bytes()[:-8]), 'not a readable safetensors file'),
         (lambda d: shard_of(d, w).write_bytes(b'garbage'), f'{weight_map(good)[w]}: not a readable safetensors file'),
         (lambda d: shard_of(d, w).unlink(), 'names shard files that do not exist'),
-        (lambda d: edit_index(d, lambda m: m.update({w: shard_name(0, n) if m[w] != shard_name(0, n) else shard_name(1, n)})),
+        (lambda d: edit_index(d, lambda m: m.update({w: shard_name(0, n) if m[w] != shard_name(0, n)
+                                                        else shard_name(1, n)})),
          f'places {w} in'),
         (lambda d: (d / INDEX_NAME).write_text('{"weights": {}}'), 'not a safetensors index with a weight_map'),
-        (lambda d: [p.unlink() for p in d.glob('model*')], 'neither model.safetensors.index.json nor model.safetensors'),
+        (lambda d: [p.unlink() for p in d.glob('model*')],
+         'neither model.safetensors.index.json nor model.safetensors'),
         (lambda d: (d / CONFIG_NAME).unlink(), 'no config.json'),
     ]
     for i, (edit, msg) in enumerate(cases):
@@ -211,13 +215,16 @@ def test_errors(tmp_path, tiny_state):
     bad_inputs = [
         (lambda: save_state({**tiny_state, 'embed.weight': torch.ones(512, 63)}, TINY, tmp_path / 'x'),
          'embed.weight has shape (512, 63), expected (512, 64)'),
-        (lambda: save_state({**tiny_state, 'extra.weight': torch.ones(1)}, TINY, tmp_path / 'x'), 'unexpected tensors extra.weight'),
-        (lambda: quantize_state({**tiny_state, w: torch.full((64, 64), float('inf'))}, TINY), f'{w} holds NaN or infinite'),
+        (lambda: save_state({**tiny_state, 'extra.weight': torch.ones(1)}, TINY, tmp_path / 'x'),
+         'unexpected tensors extra.weight'),
+        (lambda: quantize_state({**tiny_state, w: torch.full((64, 64), float('inf'))}, TINY),
+         f'{w} holds NaN or infinite'),
         (lambda: quantize_state([], TINY), 'expected a dict of tensors, got list'),
         (lambda: dequantize_state({}, TINY), 'missing tensors embed.weight'),
         (lambda: quantize_weight(torch.ones(2, 32, dtype=torch.int64), 'fp8'), 'expected a 2-D floating-point tensor'),
         (lambda: quantize_weight(torch.ones(2, 33), 'fp4'), 'not a multiple of the block 32'),
-        (lambda: load_weights(module_from_state({'embed.weight': torch.zeros(512, 64)}), good), 'missing tensors head.weight'),
+        (lambda: load_weights(module_from_state({'embed.weight': torch.zeros(512, 64)}), good),
+         'missing tensors head.weight'),
         (lambda: load_weights({k: v for k, v in tiny_state.items()}, good, chunk_bytes=0), 'chunk_bytes = 0'),
         (lambda: save_model(torch.nn.Linear(2, 2), tmp_path / 'x'), 'has no ModelConfig `cfg`'),
         (lambda: save_model(tiny_state, tmp_path / 'x'), 'expected an nn.Module, got dict'),

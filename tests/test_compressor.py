@@ -14,8 +14,9 @@ from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 import dsv41_nb.compressor as comp
 from dsv41_nb.dispatch import HostReads
-from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm, pool_group, Compressor,
-                                 compress_reference, compress_torch, compress_step, compress_version, RingJournal)
+from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm,
+                                 pool_group, Compressor, compress_reference, compress_torch,
+                                 compress_step, compress_version, RingJournal)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -29,7 +30,8 @@ def yarn_numpy(dim, theta, L, factor, beta_fast, beta_slow):
     "YaRN frequencies in float64, written from the formula"
     i = np.arange(dim // 2)
     f = theta ** (-2.0 * i / dim)
-    turns = L * f / (2 * np.pi)                                        # rotations of each pair over the training context
+    # rotations of each pair over the training context
+    turns = L * f / (2 * np.pi)
     lo = max(math.floor(dim * math.log(L / (beta_fast * 2 * math.pi)) / (2 * math.log(theta))), 0)
     hi = min(math.ceil(dim * math.log(L / (beta_slow * 2 * math.pi)) / (2 * math.log(theta))), dim - 1)
     ramp = np.clip((i - lo) / max(hi - lo, 1e-3), 0, 1)
@@ -51,7 +53,8 @@ def test_rope_is_a_rotation(m, n, seed):
     cos, sin = rope_cos_sin(f, [m] * 3)
     y = apply_rope(x, cos, sin)
     z = torch.view_as_complex(x[:, -64:].unflatten(-1, (-1, 2)).contiguous()) * torch.complex(cos, sin)
-    assert ((y[:, -64:] - torch.view_as_real(z).flatten(-2)).abs() <= 2 ** -23 * x[:, -64:].abs().amax(-1, keepdim=True)).all()
+    assert ((y[:, -64:] - torch.view_as_real(z).flatten(-2)).abs()
+            <= 2 ** -23 * x[:, -64:].abs().amax(-1, keepdim=True)).all()
     assert torch.equal(y[:, :-64], x[:, :-64])
     back = apply_rope(y, cos, sin, inverse=True)
     assert (back - x).abs().max() <= 4 * 2 ** -23 * x.abs().max()       # two rotations, a few roundings each
@@ -89,8 +92,10 @@ class Harness:
 
     def caches(self):
         g = torch.Generator().manual_seed(99)
-        cache = torch.randint(0, 256, self.c.new_cache(self.num_blocks, self.bs).shape, dtype=torch.uint8, generator=g).to(DEV)
-        ring = torch.randn(self.num_blocks * self.c.ratio, 2, self.c.head_dim, generator=g).to(DEV) if self.c.ratio > 1 else None
+        cache = torch.randint(0, 256, self.c.new_cache(self.num_blocks, self.bs).shape,
+                              dtype=torch.uint8, generator=g).to(DEV)
+        ring = (torch.randn(self.num_blocks * self.c.ratio, 2, self.c.head_dim, generator=g).to(DEV)
+                if self.c.ratio > 1 else None)
         return cache, ring
 
     def step(self, chunks):
@@ -100,7 +105,8 @@ class Harness:
         for q, s, n in chunks:
             p = torch.arange(s, s + n); pos.append(p)
             if q is None:
-                kv.append(torch.randn(n, D, generator=self.g).to(self.proj[0][0].dtype)); sc.append(torch.randn(n, D, generator=self.g))
+                kv.append(torch.randn(n, D, generator=self.g).to(self.proj[0][0].dtype))
+                sc.append(torch.randn(n, D, generator=self.g))
                 rs.append(torch.full((n,), PAD_SLOT_ID)); cs.append(torch.full((n,), PAD_SLOT_ID)); continue
             k, s_ = self.proj[q]
             kv.append(k[s:s + n].cpu()); sc.append(s_[s:s + n].cpu() if s_ is not None else torch.zeros(n, D))
@@ -116,7 +122,8 @@ class Harness:
 
 @st.composite
 def schedules(draw, max_requests=3, max_len=40, max_chunk=9):
-    "Request lengths and steps: each step advances every unfinished request by a random chunk, padding sometimes between"
+    """Request lengths and steps: each step advances every unfinished request by a random chunk,
+    padding sometimes between"""
     lengths = draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_requests))
     done, steps = [0] * len(lengths), []
     while any(d < n for d, n in zip(done, lengths)):
@@ -162,11 +169,12 @@ def version_emit(v):
         with compress_version(v): return kernel_emit(c, *args)
     return fn
 
-KERNELS = {'v1': version_emit(1), 'v2': version_emit(2), 'v2 reversed': in_order('reversed'), 'v2 shuffled': in_order('shuffled')}
+KERNELS = {'v1': version_emit(1), 'v2': version_emit(2), 'v2 reversed': in_order('reversed'),
+           'v2 shuffled': in_order('shuffled')}
 
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
-@given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]), st.sampled_from(FORMATS), st.integers(0, 2**31),
-       st.sampled_from(list(KERNELS)))
+@given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]),
+       st.sampled_from(FORMATS), st.integers(0, 2**31), st.sampled_from(list(KERNELS)))
 @settings(max_examples=examples(8))
 def test_kernel_equals_reference(sched, layer, fmt, seed, kernel):
     "Both versions, and version 2 with its programs in any order (the interpreter runs them in index order otherwise)"
@@ -225,7 +233,8 @@ def test_bad_inputs():
 @settings(max_examples=examples(25), deadline=None)
 @given(st.integers(0, 6), st.integers(2, 7), st.integers(0, 6), st.sampled_from(['torch', 'triton']))
 def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, backend):
-    "A step of n rows from `start` journaled, then rewound to keep `keep` of them: the ring block a run of only those leaves"
+    """A step of n rows from `start` journaled, then rewound to keep `keep` of them: the ring block
+    a run of only those leaves"""
     if backend == 'triton' and not HAS_TRITON: pytest.skip('no Triton here')
     keep = min(keep, n - 1)
     c = Compressor(TINY, 2).to(DEV)
@@ -234,7 +243,9 @@ def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, back
         pos = torch.arange(a, b, device=DEV)
         c.journal = journal
         try:
-            with use_kernels(backend): c.emit(kv[a:b], sc[a:b], pos, 2 + pos % 2, torch.where((pos + 1) % 2 == 0, pos // 2, -1), ring, cache)
+            with use_kernels(backend):
+                c.emit(kv[a:b], sc[a:b], pos, 2 + pos % 2,
+                       torch.where((pos + 1) % 2 == 0, pos // 2, -1), ring, cache)
         finally: c.journal = None
     fresh = lambda: (c.new_ring(2, DEV), torch.zeros(16, c.codec.record_bytes, dtype=torch.uint8, device=DEV))
     ring, cache = fresh()
@@ -262,7 +273,8 @@ def test_ring_journal_bad_input(f, exc, msg):
 @pytest.mark.parametrize('how', ['reversed', 'shuffled'])
 def test_step_kernel_chunks_that_straddle_groups(how):
     "Chunks that start inside a group and end inside another (the hazard one launch must survive), in any program order"
-    steps = [[(0, 0, 5), (1, 0, 3)], [(0, 5, 4), (None, 0, 2), (1, 3, 1)], [(0, 9, 1), (1, 4, 6)], [(0, 10, 3), (1, 10, 1)]]
+    steps = [[(0, 0, 5), (1, 0, 3)], [(0, 5, 4), (None, 0, 2), (1, 3, 1)], [(0, 9, 1), (1, 4, 6)],
+             [(0, 10, 3), (1, 10, 1)]]
     for layer in (2, 6):
         h, (ca, ra, la), (cb, rb, lb) = run_both(([13, 11], steps), layer, 'ds_fp4', 3, in_order(how))
         assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
@@ -281,7 +293,8 @@ class _Counting:
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 @pytest.mark.parametrize('layer', [2, 6])
 def test_emit_is_one_launch_and_reads_nothing(layer, monkeypatch):
-    "A decode step of eight requests: version 2 launches one kernel (version 1 two at ratio 2), neither reads the device"
+    """A decode step of eight requests: version 2 launches one kernel (version 1 two at ratio 2),
+    neither reads the device"""
     h = Harness(compressor(layer, 'ds_fp4', 0), [2] * 8, 0)
     cache, ring = h.caches()
     args = h.step([(q, q % 2, 1) for q in range(8)])             # half open a pair, half close one
@@ -291,7 +304,8 @@ def test_emit_is_one_launch_and_reads_nothing(layer, monkeypatch):
         monkeypatch.setattr(comp, '_compress_kernel', two)
         with use_kernels('triton'), compress_version(version), HostReads() as reads:
             h.c.emit(*args, ring, cache, check_slots=False)
-        assert step.launches + two.launches == want and reads.count == 0, (version, step.launches, two.launches, reads.sites)
+        assert (step.launches + two.launches == want
+                and reads.count == 0), (version, step.launches, two.launches, reads.sites)
         monkeypatch.undo()
 
 def test_step_bad_inputs():
@@ -299,8 +313,10 @@ def test_step_bad_inputs():
     kv, sc, pos = torch.randn(4, 64), torch.randn(4, 64), torch.arange(4)
     rs, cs, ring, cache = torch.tensor([2, 3, 2, 3]), torch.tensor([-1, 0, -1, 1]), c.new_ring(2), c.new_cache(2, 16)
     for fn, msg in [
-        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.arange(5)), 'order: expected a (4,) int32/int64'),
-        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.tensor([1, 1, 2, 3])), 'a permutation of 0..3'),
+        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.arange(5)),
+         'order: expected a (4,) int32/int64'),
+        (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.tensor([1, 1, 2, 3])),
+         'a permutation of 0..3'),
         (lambda: compress_step(c, kv, sc, pos, rs, cs, ring, cache, torch.arange(4.0)), 'int32/int64'),
     ]: fct.test_fail(fn, contains=msg)
     with pytest.raises(ValueError, match=r'compressor kernel version 0; expected one of \[1, 2\]'):

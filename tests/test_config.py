@@ -1,4 +1,5 @@
-"Property tests for ModelConfig: random valid topologies are accepted and mapped consistently; broken ones fail with ConfigError"
+"""Property tests for ModelConfig: random valid topologies are accepted and mapped consistently;
+broken ones fail with ConfigError"""
 import json
 from dataclasses import replace, fields
 from pathlib import Path
@@ -6,8 +7,8 @@ import pytest
 import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import (ModelConfig, ConfigError, layer_topology, role_counts, source_layer, engram_bucket_primes,
-                             engram_table_rows, is_prime, validate, expect_config, check_int, topology_table, plot_layer_map,
-                             TOPOLOGY_COLUMNS)
+                             engram_table_rows, is_prime, validate, expect_config, check_int,
+                             topology_table, plot_layer_map, TOPOLOGY_COLUMNS)
 
 PUBLIC = Path(__file__).resolve().parent.parent / 'nbs' / 'reference' / 'deepseek_v41_config.json'
 TINY = ModelConfig.tiny()
@@ -30,12 +31,15 @@ def topologies(draw):
         if l == n_swa or ratios[l] != ratios[l - 1] or draw(st.booleans()): kv.add(l)
     ix = set(kv) | {l for l in range(n_swa, n) if draw(st.booleans())}
     kv, ix = sorted(kv), sorted(ix)
-    cand = draw(st.sampled_from([-1] + [l for l in ix if all(source_layer(kv, j) == source_layer(kv, l) for j in ix if j > l)]))
+    cand = draw(st.sampled_from([-1] + [l for l in ix
+                                        if all(source_layer(kv, j) == source_layer(kv, l) for j in ix if j > l)]))
     n_mtp = draw(st.integers(0, 3))
     taps = tuple(range(n - min(n_mtp, n), n)) if n_mtp else ()
-    return dict(n_layers=n, n_mtp_layers=n_mtp, compress_ratios=tuple(ratios) + (0,) * n_mtp, kv_source_layers=tuple(kv),
-                index_source_layers=tuple(ix), candidate_source_layer=cand, dspark_target_layer_ids=taps,
-                engram_layer_ids=tuple(sorted(set(draw(st.lists(st.integers(0, n - 1), max_size=2))))), engram_num_embeddings=())
+    return dict(n_layers=n, n_mtp_layers=n_mtp, compress_ratios=tuple(ratios) + (0,) * n_mtp,
+                kv_source_layers=tuple(kv), index_source_layers=tuple(ix),
+                candidate_source_layer=cand, dspark_target_layer_ids=taps,
+                engram_layer_ids=tuple(sorted(set(draw(st.lists(st.integers(0, n - 1), max_size=2))))),
+                engram_num_embeddings=())
 
 @given(topologies())
 def test_random_valid_topologies(t):
@@ -65,7 +69,8 @@ def test_mutations_fail_cleanly(t, how, k):
     n = c.n_layers
     if how == 'drop_kv' and c.kv_source_layers: ch = dict(kv_source_layers=c.kv_source_layers[:-1])
     elif how == 'drop_index' and c.index_source_layers: ch = dict(index_source_layers=c.index_source_layers[1:])
-    elif how == 'ratio': ch = dict(compress_ratios=tuple((r + k) % 4 if i == k % n else r for i, r in enumerate(c.compress_ratios)))
+    elif how == 'ratio':
+        ch = dict(compress_ratios=tuple((r + k) % 4 if i == k % n else r for i, r in enumerate(c.compress_ratios)))
     elif how == 'topk': ch = dict(index_topk=k * 8 + 1)
     elif how == 'heads': ch = dict(n_heads=k + 1)
     elif how == 'dims': ch = dict(head_dim=16 * (k + 1))
@@ -78,10 +83,12 @@ def test_mutations_fail_cleanly(t, how, k):
 def test_engram_primes():
     for c in (TINY, ModelConfig.bench()):
         primes = [p for layer in engram_bucket_primes(c) for order in layer for p in order]
-        assert len(primes) == len(set(primes)) == len(c.engram_layer_ids) * (c.engram_max_ngram_size - 1) * c.engram_n_heads
+        assert (len(primes) == len(set(primes))
+                == len(c.engram_layer_ids) * (c.engram_max_ngram_size - 1) * c.engram_n_heads)
         assert all(is_prime(p) and p >= c.engram_vocab_size for p in primes)
         assert engram_table_rows(c) == c.engram_num_embeddings
-    assert [n for n in range(200) if is_prime(n)] == [n for n in range(2, 200) if all(n % d for d in range(2, int(n ** 0.5) + 1))]
+    assert ([n for n in range(200) if is_prime(n)]
+            == [n for n in range(2, 200) if all(n % d for d in range(2, int(n ** 0.5) + 1))])
 
 def test_unknown_key():
     with pytest.raises(ConfigError, match='unknown config keys'): ModelConfig.from_dict({'dim': 64, 'bogus': 1})
@@ -102,7 +109,8 @@ BAD_INPUTS = [
     (lambda: ModelConfig(hc_eps=0.0), ConfigError, 'hc_eps = 0.0; it must be positive'),
     (lambda: ModelConfig(n_mtp_layers=-1), ConfigError, 'n_mtp_layers = -1; it must not be negative'),
     (lambda: ModelConfig(candidate_source_layer=-7), ConfigError, 'candidate_source_layer = -7'),
-    (lambda: ModelConfig(engram_vocab_size=-5, engram_num_embeddings=()), ConfigError, 'engram_vocab_size = -5; it must be positive'),
+    (lambda: ModelConfig(engram_vocab_size=-5, engram_num_embeddings=()), ConfigError,
+     'engram_vocab_size = -5; it must be positive'),
     (lambda: ModelConfig(vision_max_wh_ratio=-1.0), ConfigError, 'vision_max_wh_ratio = -1.0'),
     (lambda: ModelConfig.from_dict(['dim', 64]), ConfigError, 'expected a dict of config.json keys, got list'),
     (lambda: ModelConfig.from_dict({'dim': 64, 'bogus': 1}), ConfigError, 'unknown config keys'),

@@ -1,6 +1,7 @@
-"""CSA2 roles, bindings and the reference attention layer: the role table against the public config, every binding against
-`max(s <= layer)`, the window and top-k addressing against per-token loops over the block-pool slot functions, the reference
-attention against a float64 softmax written out here, and the layer against plain causal attention and its own sources.
+"""CSA2 roles, bindings and the reference attention layer: the role table against the public config, every binding
+against `max(s <= layer)`, the window and top-k addressing against per-token loops over the block-pool slot functions,
+the reference attention against a float64 softmax written out here, and the layer against plain causal attention and its
+own sources.
 
 The stacks run the compressor and indexer on their PyTorch paths (their kernels have their own tests)."""
 from dataclasses import replace
@@ -12,8 +13,9 @@ from dsv41_nb.config import ModelConfig, layer_topology, role_counts
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.formats import cache_format
 from dsv41_nb.block_pool import slot_mapping, compressed_state_slots
-from dsv41_nb.csa2 import (CSA2_ROLES, layer_reads, layer_writes, role_table, CSA2State, CSA2Step, make_step, random_block_tables,
-                           window_indices, SparseIndices, topk_slots, PagedRecords, gather_keys, sparse_attention_reference,
+from dsv41_nb.csa2 import (CSA2_ROLES, layer_reads, layer_writes, role_table, CSA2State,
+                           CSA2Step, make_step, random_block_tables, window_indices, SparseIndices,
+                           topk_slots, PagedRecords, gather_keys, sparse_attention_reference,
                            CSA2Attention)
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
@@ -77,7 +79,8 @@ def test_topk_slots_against_compressed_state_slots(T, geometry, seed):
     topk = torch.randint(-1, 4 * per, (T, 7), generator=g).int()
     rows = torch.randint(0, 3, (T,), generator=g).int()
     idx = SparseIndices(torch.zeros(T, 1).int(), torch.zeros(T).int(), topk, torch.full((T,), 7).int(), rows, bt, per)
-    for t in range(T): assert topk_slots(idx)[t].tolist() == compressed_state_slots(bt[rows[t]], topk[t], bs, r).tolist()
+    for t in range(T):
+        assert topk_slots(idx)[t].tolist() == compressed_state_slots(bt[rows[t]], topk[t], bs, r).tolist()
 
 
 # ---------------------------------------------------------------- reference attention
@@ -85,8 +88,10 @@ def random_case(g, T, H, fmt_w, fmt_c, W=6, K=5):
     wc, cc = cache_format(TINY, fmt_w), cache_format(TINY, fmt_c)
     window = PagedRecords(wc.pack(torch.randn(4, 8, 64, generator=g) * 2), wc)
     compressed = PagedRecords(cc.pack(torch.randn(6, 4, 64, generator=g)), cc)
-    idx = SparseIndices(torch.randint(-1, 32, (T, W), generator=g).int(), torch.randint(0, W + 1, (T,), generator=g).int(),
-                        torch.randint(-1, 8, (T, K), generator=g).int(), torch.randint(0, K + 1, (T,), generator=g).int(),
+    idx = SparseIndices(torch.randint(-1, 32, (T, W), generator=g).int(),
+                        torch.randint(0, W + 1, (T,), generator=g).int(),
+                        torch.randint(-1, 8, (T, K), generator=g).int(),
+                        torch.randint(0, K + 1, (T,), generator=g).int(),
                         torch.randint(0, 2, (T,), generator=g).int(), random_block_tables(2, 2, 6, g), 4)
     return (torch.randn(T, H, 64, generator=g) * 0.5).bfloat16(), window, compressed, idx
 
@@ -138,17 +143,21 @@ def test_layer_is_causal_attention_when_nothing_is_left_out():
         q = m.query(xs[m.layer], step.positions)[0]
         first = 0
         for r, (start, n) in enumerate(reqs):
-            k = m.window_codec.unpack(state.window[m.layer].view(-1, m.window_codec.record_bytes)[slot_mapping(swa_bt[r], range(n), 4)])
+            k = m.window_codec.unpack(state.window[m.layer].view(-1, m.window_codec.record_bytes)
+                                      [slot_mapping(swa_bt[r], range(n), 4)])
             mask = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
             if m.ratio:
                 src, e = state.source(m.layer, 'compressed KV'), torch.arange(n // m.ratio)
                 codec = state.main_codec
-                k = torch.cat([k, codec.unpack(state.compressed[src].view(-1, codec.record_bytes)[compressed_state_slots(bt[r], e, 16, m.ratio)])])
+                k = torch.cat([k, codec.unpack(state.compressed[src].view(-1, codec.record_bytes)
+                                               [compressed_state_slots(bt[r], e, 16, m.ratio)])])
                 mask = torch.cat([mask, e[None, :] < (torch.arange(n)[:, None] + 1) // m.ratio], 1)
-            s = (torch.einsum('thd,kd->thk', q[first:first + n].double(), k.double()) * m.scale).masked_fill(~mask[:, None], -torch.inf)
+            s = (torch.einsum('thd,kd->thk', q[first:first + n].double(), k.double())
+                 * m.scale).masked_fill(~mask[:, None], -torch.inf)
             p = torch.cat([s, m.attn_sink.double().expand(n, -1)[..., None]], -1).softmax(-1)[..., :-1]
             want = torch.einsum('thk,kd->thd', p, k.double())
-            assert ((o[first:first + n].double() - want).abs() <= 2 ** -8 * want.abs() + 2 ** -16 * k.abs().max()).all(), m
+            assert ((o[first:first + n].double() - want).abs()
+                    <= 2 ** -8 * want.abs() + 2 ** -16 * k.abs().max()).all(), m
             first += n
 
 
@@ -162,7 +171,8 @@ def test_reuse_layers_read_exactly_their_sources_latest_topk():
         chosen = {}
         for l in TINY.index_source_layers:
             vis = ((step.positions + 1) // TINY.compress_ratios[l]).tolist()
-            chosen[l] = torch.stack([torch.cat([torch.randperm(max(v, 1), generator=g)[:min(v, 6)], torch.full((6 - min(v, 6),), -1)])
+            chosen[l] = torch.stack([torch.cat([torch.randperm(max(v, 1), generator=g)[:min(v, 6)],
+                                                torch.full((6 - min(v, 6),), -1)])
                                      for v in vis]).int()
         xs = torch.randn(TINY.n_layers, len(step.positions), TINY.dim, generator=g).bfloat16()
         with use_kernels('torch'):
@@ -173,7 +183,8 @@ def test_reuse_layers_read_exactly_their_sources_latest_topk():
             src = max(s for s in TINY.index_source_layers if s <= m.layer)
             assert torch.equal(idx.topk, chosen[src])
             q = m.query(xs[m.layer], step.positions)[0]
-            want = sparse_attention_reference(q, PagedRecords(state.window[m.layer], m.window_codec), comp, idx, m.attn_sink, m.scale)
+            want = sparse_attention_reference(q, PagedRecords(state.window[m.layer], m.window_codec),
+                                              comp, idx, m.attn_sink, m.scale)
             assert torch.equal(outs[m.layer][0], want[0])
 
 
@@ -187,15 +198,20 @@ def test_bad_inputs_name_the_problem():
         (lambda: CSA2Attention(TINY, -1), 'not a backbone layer'),
         (lambda: CSA2Attention(TINY, 2, main_kv_format='bogus'), 'unknown cache format'),
         (lambda: sparse_attention_reference(q, window, compressed, idx, None, 0), 'scale: expected a positive number'),
-        (lambda: sparse_attention_reference(q, window, compressed, replace(idx, rows=idx.rows + 5), None, 0.1), 'rows: holds'),
-        (lambda: sparse_attention_reference(q, window, compressed, replace(idx, topk_lens=idx.topk_lens[:1]), None, 0.1), 'topk_lens: expected'),
-        (lambda: sparse_attention_reference(q, PagedRecords(window.cache[..., :-1].contiguous(), window.codec), compressed, idx, None, 0.1), 'window: expected a contiguous uint8 cache'),
+        (lambda: sparse_attention_reference(q, window, compressed, replace(idx, rows=idx.rows + 5), None, 0.1),
+         'rows: holds'),
+        (lambda: sparse_attention_reference(q, window, compressed, replace(idx, topk_lens=idx.topk_lens[:1]),
+                                            None, 0.1), 'topk_lens: expected'),
+        (lambda: sparse_attention_reference(q, PagedRecords(window.cache[..., :-1].contiguous(), window.codec),
+                                            compressed, idx, None, 0.1), 'window: expected a contiguous uint8 cache'),
         (lambda: window_indices(step, 0), 'window = 0'),
-        (lambda: window_indices(step, 4, torch.zeros(len(step.positions) + 1, dtype=torch.long)), 'window_indices: floor: expected'),
+        (lambda: window_indices(step, 4, torch.zeros(len(step.positions) + 1, dtype=torch.long)),
+         'window_indices: floor: expected'),
         (lambda: window_indices(step, 4, torch.zeros(len(step.positions))), 'window_indices: floor: expected'),
         (lambda: make_step(TINY, [(0, -1)], step.swa_block_table, step.block_table, 4, 16), 'tokens = -1'),
         (lambda: layers[2].attention(torch.randn(4, TINY.dim).bfloat16(), step, state), 'x: expected (5, dim)'),
-        (lambda: layers[2].select(torch.randn(5, TINY.dim).bfloat16(), None, step, state, topk=torch.zeros(4, 2)), 'topk: expected (5, k) int32'),
+        (lambda: layers[2].select(torch.randn(5, TINY.dim).bfloat16(), None, step, state, topk=torch.zeros(4, 2)),
+         'topk: expected (5, k) int32'),
         (lambda: layers[3].select(None, None, step, state), 'needs the top-k of layer 2 from this step'),
         (lambda: random_block_tables(4, 4, 10), 'do not fit in 9 usable blocks'),
     ]

@@ -48,7 +48,8 @@ def test_graph_time_calls_the_first_call_off_the_gpu():
 def test_sm_count():
     "A GPU's multiprocessor count, asked once; a CPU's is the default it is given; an unknown device name is refused"
     assert sm_count('cpu') == 1 and sm_count(torch.device('cpu'), default=16) == 16
-    if torch.cuda.is_available(): assert sm_count('cuda') == torch.cuda.get_device_properties(0).multi_processor_count >= 1
+    if torch.cuda.is_available():
+        assert sm_count('cuda') == torch.cuda.get_device_properties(0).multi_processor_count >= 1
     fails_with(lambda: sm_count('tpu:0'), contains='tpu')
 
 
@@ -60,12 +61,14 @@ def test_pdl_launch_bad_inputs(call, words): fails_with(call, contains=words)
 
 
 def test_pdl_launch_is_off_where_there_is_nothing_to_overlap(monkeypatch):
-    "The CPU (interpreter or not) and a switched-off PDL get PDL=False and no launch option; a non-bool switch is refused"
+    """The CPU (interpreter or not) and a switched-off PDL get PDL=False and no launch option; a
+    non-bool switch is refused"""
     assert pdl_launch('cpu') == dict(PDL=False)
     monkeypatch.setitem(PDL, 'enabled', False)
     assert pdl_launch('cuda') == dict(PDL=False)
     monkeypatch.setitem(PDL, 'enabled', 1)
     fails_with(lambda: pdl_launch('cpu'), contains="PDL['enabled'] = 1; expected a bool")
     monkeypatch.setitem(PDL, 'enabled', True)
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9: assert pdl_launch('cuda') == dict(PDL=False)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        assert pdl_launch('cuda') == dict(PDL=False)
     else: assert pdl_launch('cuda') == dict(PDL=True, launch_pdl=True)

@@ -6,8 +6,8 @@ part. The oracles are 08_moe's `moe_reference` (the PyTorch path: the layer's ou
 combine repeats the reference loop's fp32 additions in its order), `ep_moe_simulated` (the same exchange with lists in
 one process: the same bits on any kernel path), 09_engram's `engram_lookup`, and brute-force enumeration for the
 traffic formulas, and for the whole-model step 10_model's `Transformer` forward in one process (with a rank's share
-of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the default-path scenario
-runs the Triton kernels."""
+of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the default-path
+scenario runs the Triton kernels."""
 import copy, itertools, math
 from dataclasses import replace
 import pytest
@@ -171,7 +171,8 @@ def test_dispatch_order_and_records(T, world_size, seed):
     weights, x = torch.rand(T, 2, generator=g), torch.randn(T, TINY.dim, generator=g)
     order, counts = dd.dispatch_order(ids, 8, world_size)
     owner = (ids.flatten() // (8 // world_size))[order]
-    assert owner.tolist() == sorted(owner.tolist()) and counts.tolist() == torch.bincount(owner, minlength=world_size).tolist()
+    assert (owner.tolist() == sorted(owner.tolist())
+            and counts.tolist() == torch.bincount(owner, minlength=world_size).tolist())
     for r in range(world_size): assert order[owner == r].tolist() == sorted(order[owner == r].tolist())
     xq, expert, weight = dd.unpack_dispatch(dd.pack_dispatch(x, weights, ids, order, 8 // world_size), TINY.dim)
     _same(xq.float(), fp8_qdq(x)[order // 2])
@@ -218,7 +219,8 @@ def test_bad_inputs():
                                       torch.arange(16), 4), 'do not describe one batch'),
             (lambda: dd.ep_combine(torch.zeros(4, 64), torch.arange(4), torch.zeros(2, 2, dtype=torch.int64),
                                    torch.zeros(3, 64)), 'expected outputs (4, dim), order (4,) and shared (2, dim)'),
-            (lambda: dd.sharded_engram_lookup(shard, ROW_IDS[0], PLAN), 'splits the table over 2 ranks, the group has 1'),
+            (lambda: dd.sharded_engram_lookup(shard, ROW_IDS[0], PLAN),
+             'splits the table over 2 ranks, the group has 1'),
             (lambda: dd.sharded_engram_lookup(ENGRAM.table, ROW_IDS[0], PLAN[:1]), 'rank 0 holds rows [0, '),
             (lambda: dd.sharded_engram_lookup(ENGRAM.table, ROW_IDS[0][:, :2], [(0, 6, 0, ENGRAM.table.rows)]),
              'expected int ids (tokens, 6)'),

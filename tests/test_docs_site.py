@@ -26,7 +26,8 @@ def source(cell) -> str: return ''.join(cell['source'])
 def nb_title(stem: str) -> str:
     "The notebook's H1, read straight from its JSON"
     for cell in notebook(stem)['cells']:
-        if cell['cell_type'] == 'markdown' and (m := re.search(r'^#\s+(.+?)\s*$', source(cell), re.M)): return m.group(1)
+        if cell['cell_type'] == 'markdown' and (m := re.search(r'^#\s+(.+?)\s*$', source(cell), re.M)):
+            return m.group(1)
 
 def nb_module(stem: str):
     for cell in notebook(stem)['cells']:
@@ -41,17 +42,20 @@ def page_of_module(module: str) -> str:
 
 def newest_kernel_notebook() -> str:
     "The highest-numbered notebook with a Triton kernel"
-    kernels = [s for s in notebook_stems() if any('@triton.jit' in source(c) for c in notebook(s)['cells'] if c['cell_type'] == 'code')]
+    kernels = [s for s in notebook_stems()
+               if any('@triton.jit' in source(c) for c in notebook(s)['cells'] if c['cell_type'] == 'code')]
     return kernels[-1]
 
 def build(out: Path) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'build_site.py'), '--out', str(out)], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, str(ROOT / 'tools' / 'build_site.py'), '--out', str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, f'tools/build_site.py failed:\n{r.stdout}\n{r.stderr}'
     return r
 
 @pytest.fixture(scope='module')
 def site(tmp_path_factory):
-    if not os.environ.get('DSV41_REQUIRE_CHROMIUM'): pytest.importorskip('nbconvert', reason='the site builder needs nbconvert')
+    if not os.environ.get('DSV41_REQUIRE_CHROMIUM'):
+        pytest.importorskip('nbconvert', reason='the site builder needs nbconvert')
     out = tmp_path_factory.mktemp('site') / '_docs'
     build(out)
     return out
@@ -104,8 +108,9 @@ class Chromium:
         import websocket   # websocket-client, installed with jupyterlab
         self.profile = tempfile.mkdtemp(prefix='chromium-')
         self.proc = subprocess.Popen([exe, '--headless', '--no-sandbox', '--disable-gpu', '--disable-dev-shm-usage',
-                                      '--no-first-run', '--no-default-browser-check', '--hide-scrollbars', '--mute-audio',
-                                      '--remote-debugging-port=0', '--remote-allow-origins=*', f'--user-data-dir={self.profile}',
+                                      '--no-first-run', '--no-default-browser-check',
+                                      '--hide-scrollbars', '--mute-audio', '--remote-debugging-port=0',
+                                      '--remote-allow-origins=*', f'--user-data-dir={self.profile}',
                                       f'--window-size={width},{height}', 'about:blank'],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file, t0 = Path(self.profile) / 'DevToolsActivePort', time.time()
@@ -146,7 +151,8 @@ class Chromium:
         self.send('Page.navigate', url=url)
         self.wait_for('Page.loadEventFired')
         self.evaluate('new Promise(r => setTimeout(r, 150))')   # deferred handlers settle
-        errors = [e['params']['exceptionDetails'].get('exception', {}).get('description') or e['params']['exceptionDetails'].get('text')
+        errors = [e['params']['exceptionDetails'].get('exception', {}).get('description')
+                  or e['params']['exceptionDetails'].get('text')
                   for e in self.events if e['method'] == 'Runtime.exceptionThrown']
         errors += [f"{e['params']['entry'].get('url', '')}: {e['params']['entry']['text']}"
                    for e in self.events if e['method'] == 'Log.entryAdded' and e['params']['entry']['level'] == 'error']
@@ -164,7 +170,9 @@ class Chromium:
         path.write_bytes(base64.b64decode(self.send('Page.captureScreenshot', format='png')['data']))
         try: from PIL import Image
         except ImportError: return
-        with Image.open(path) as im: small = im.convert('RGB').quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+        with Image.open(path) as im:
+            small = im.convert('RGB').quantize(256, method=Image.Quantize.MEDIANCUT,
+                                               dither=Image.Dither.NONE)
         small.save(path, optimize=True)
 
     def close(self):
@@ -186,7 +194,8 @@ def serve(folder: Path):
 
 PAGE_CHECK = """(async () => {
   const imgs = [...document.images];
-  await Promise.all(imgs.map(im => im.complete ? null : new Promise(r => { im.addEventListener('load', r); im.addEventListener('error', r); })));
+  await Promise.all(imgs.map(im => im.complete ? null : new Promise(r => { im.addEventListener('load', r); \
+im.addEventListener('error', r); })));
   return {title: document.title, h1: (document.querySelector('h1.title') || {}).textContent,
           images: imgs.map(im => [im.getAttribute('src').slice(0, 60), im.naturalWidth]),
           traceback: document.body.innerText.includes('Traceback (most recent call last)'),
@@ -218,19 +227,22 @@ def check_site(site: Path, shots: Path | None = None) -> list:
             broken = [src for src, w in r['images'] if not w > 0]
             assert not broken, f'{href}: images that did not load: {broken}'
             assert not r['traceback'] and not r['error_outputs'], f'{href}: shows a Python traceback'
-            assert r['sidebar'] == len(notebook_stems()) + 1 and r['current'] == href, f'{href}: sidebar {r["sidebar"]}, {r["current"]}'
+            assert (r['sidebar'] == len(notebook_stems()) + 1
+                    and r['current'] == href), f'{href}: sidebar {r["sidebar"]}, {r["current"]}'
             if stem == 'index': assert r['images'], 'the home page shows no figure'
             report.append(f'{href}: "{title}", {len(r["images"])} images loaded')
             if shots:
                 browser.screenshot(shots / f'{name}.png')
-                if r['images'] and stem != 'index': browser.screenshot(shots / f'{name}_figure.png', scroll_to='.cell-outputs img')
+                if r['images'] and stem != 'index':
+                    browser.screenshot(shots / f'{name}_figure.png', scroll_to='.cell-outputs img')
         # the search: the function the box calls, then the box itself (index.html?q=... opens with results)
         kv = page_of_module('kv_manager')
         browser.open(f'{base}/index.html')
         hits = browser.evaluate("siteSearch('allocate_slots').then(rs => rs.map(r => r.u))")
         assert any(u.startswith(f'{kv}.html') for u in hits[:3]), f'search for allocate_slots: {hits[:5]}'
         errors = browser.open(f'{base}/index.html?q=allocate_slots')
-        shown = browser.evaluate("""new Promise(r => setTimeout(() => r([...document.querySelectorAll('#search-results li[data-u]')]
+        shown = browser.evaluate("""new Promise(r => setTimeout(() => r([..."""
+                                 """document.querySelectorAll('#search-results li[data-u]')]
                                     .map(li => li.dataset.u)), 300))""")
         assert not errors and any(u.startswith(f'{kv}.html') for u in shown[:3]), f'search box: {shown[:5]} {errors}'
         report.append(f'search "allocate_slots": {hits[0]} first of {len(hits)}')

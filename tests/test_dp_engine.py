@@ -271,14 +271,17 @@ def test_bad_input(f, exc, msg):
 
 
 def test_ngram_tokens_reads_the_speculation_arguments():
-    "n-gram drafts from --speculative / --num-speculative-tokens; no count without a method, DSpark refused across ranks"
+    """n-gram drafts from --speculative / --num-speculative-tokens; no count without a method,
+    DSpark refused across ranks"""
     from argparse import Namespace
     from dsv41_nb.dp_engine import ngram_tokens
     from dsv41_nb.engine import NGRAM_TOKENS
     def error(msg): raise ValueError(msg)
     ns = lambda **kw: Namespace(**{'speculative': None, 'num_speculative_tokens': None, **kw})
     assert [ngram_tokens(ns(), error), ngram_tokens(ns(speculative=0), error)] == [0, 0]
-    assert [ngram_tokens(ns(speculative='ngram'), error), ngram_tokens(ns(speculative='ngram', num_speculative_tokens=2), error)] == [NGRAM_TOKENS, 2]
-    for kw, msg in ((dict(num_speculative_tokens=2), 'needs --speculative'), (dict(speculative='dspark'), 'not across data-parallel ranks'),
+    assert [ngram_tokens(ns(speculative='ngram'), error),
+            ngram_tokens(ns(speculative='ngram', num_speculative_tokens=2), error)] == [NGRAM_TOKENS, 2]
+    for kw, msg in ((dict(num_speculative_tokens=2), 'needs --speculative'),
+                    (dict(speculative='dspark'), 'not across data-parallel ranks'),
                     (dict(speculative='ngram', num_speculative_tokens=-1), 'k = -1')):
         with pytest.raises(ValueError, match=msg): ngram_tokens(ns(**kw), error)

@@ -106,7 +106,8 @@ def test_accept_greedy_matches_walk(seed, n, k, vocab):
     g = torch.Generator().manual_seed(seed)
     tgt = torch.randint(0, vocab, (n, k + 1), generator=g)
     drf = torch.randint(0, vocab, (n, k), generator=g)
-    assert accept_greedy(drf, tgt).tolist() == [reference_accept_greedy(a, b) for a, b in zip(drf.tolist(), tgt.tolist())]
+    assert accept_greedy(drf, tgt).tolist() == [reference_accept_greedy(a, b)
+                                                for a, b in zip(drf.tolist(), tgt.tolist())]
 
 
 @settings(max_examples=examples(60), deadline=None)
@@ -115,17 +116,20 @@ def test_accept_greedy_matches_walk(seed, n, k, vocab):
 def test_accept_sampled_matches_walk(seed, n, k, vocab, same):
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(n, k + 1, vocab, generator=g) * 2, -1)
-    q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=g) * 2, -1)  # p == q: empty residual
+    # p == q: empty residual
+    q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=g) * 2, -1)
     d = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(n, k) if k else torch.zeros(n, 0, dtype=torch.int64)
     u, v = torch.rand(n, k, generator=g), torch.rand(n, generator=g)
     a, t = accept_sampled(d, q, p, u=u, v=v)
-    assert list(zip(a.tolist(), t.tolist())) == [reference_accept_sampled(d[i].tolist(), q[i], p[i], u[i].tolist(), float(v[i]))
-                                                 for i in range(n)]
+    assert (list(zip(a.tolist(), t.tolist()))
+            == [reference_accept_sampled(d[i].tolist(), q[i], p[i], u[i].tolist(), float(v[i]))
+                for i in range(n)])
 
 
 @pytest.mark.parametrize('seed,vocab,greedy_drafts', [(0, 8, False), (1, 8, True), (2, 5, False)])
 def test_rejection_sampling_gives_the_target_distribution(seed, vocab, greedy_drafts):
-    "Each emitted position follows the target's row; a fixed seed, p-value > 1e-3 (a correct sampler fails 1 time in 1000)"
+    """Each emitted position follows the target's row; a fixed seed, p-value > 1e-3 (a correct
+    sampler fails 1 time in 1000)"""
     g = torch.Generator().manual_seed(seed)
     k, N = 3, 120_000
     p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, -1)
@@ -200,7 +204,8 @@ class OracleProposer:
             bad = int(self.rng.integers(0, len(d) + 1))
             if bad < len(d): d[bad] = (d[bad] + 1) % TINY.vocab_size
             out.append(d); self.expected.append(bad)
-        return out, [torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.int64), TINY.vocab_size).float() for d in out]
+        return out, [torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.int64), TINY.vocab_size).float()
+                     for d in out]
 
 
 def test_loop_accepts_exactly_the_correct_prefix():
@@ -253,8 +258,8 @@ def test_training_moves_only_the_drafter_and_round_trips(tmp_path):
 
 # ---------------------------------------------------------------- with the scheduler: a state machine
 class DSparkSchedulerMachine(SchedulerMachine):
-    """The scheduler state machine (its rules, invariants and drained-end checks) with a DSpark proposer in the toy runner,
-    whose Markov head encodes the toy rule (t -> t + 1), fixed or adaptive verification lengths"""
+    """The scheduler state machine (its rules, invariants and drained-end checks) with a DSpark proposer in the toy
+    runner, whose Markov head encodes the toy rule (t -> t + 1), fixed or adaptive verification lengths"""
     @initialize(blocks=st.sampled_from([24, 40, 200]), budget=st.sampled_from([8, 16, 64]), asyn=st.booleans(),
                 k=st.integers(1, 5), adaptive=st.booleans(), slope=st.floats(0.01, 0.5), caching=st.booleans())
     def setup(self, blocks, budget, asyn, k, adaptive, slope, caching):
@@ -263,9 +268,11 @@ class DSparkSchedulerMachine(SchedulerMachine):
         table = torch.randn(TINY.vocab_size, d.hidden_dim, generator=torch.Generator().manual_seed(6))
         prop = DSparkProposer(d, k, adaptive, (lambda T: 1 + slope * T.double()) if adaptive else None,
                               hidden_fn=lambda t: table[t])
-        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN, enable_prefix_caching=caching)
-        self.s = Scheduler(get_kv_cache_config(TINY, cc), SchedulerConfig(max_num_batched_tokens=budget,
-                                                                          async_scheduling=asyn, num_speculative_tokens=k))
+        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN,
+                                   enable_prefix_caching=caching)
+        self.s = Scheduler(get_kv_cache_config(TINY, cc),
+                           SchedulerConfig(max_num_batched_tokens=budget, async_scheduling=asyn,
+                                           num_speculative_tokens=k))
         self.runner = ToyRunner(self.s.kv.kv_cache_config, V, prop)
         self.pending, self.n, self.prompts = None, 0, []
         self.want, self.got, self.aborted, self.forced, self.to_force = {}, {}, set(), set(), set()
@@ -315,7 +322,8 @@ BAD = [
     (lambda: DSparkProposer(_drafter()).propose([[-1]]), ValueError, 'token ids must be in 0..511'),
     (lambda: speculative_generate(_drafter().model, [], 3), ValueError, 'expected non-empty prompts'),
     (lambda: speculative_generate(_drafter().model, [[1]], 3, temperature=-1), ValueError, 'temperature = -1'),
-    (lambda: greedy_training_data(_drafter().model, torch.tensor([[1, 2]]), 3), ValueError, 'n = 3; expected at least 7'),
+    (lambda: greedy_training_data(_drafter().model, torch.tensor([[1, 2]]), 3), ValueError,
+     'n = 3; expected at least 7'),
     (lambda: drafter_anchors(1, 8, 4, 5), ValueError, 'hold no full block of 5'),
     (lambda: train_drafter(_drafter(), None, None, None, 0), ValueError, 'steps = 0'),
     (lambda: load_drafter(_drafter(), '/nonexistent/d.safetensors'), Exception, 'No such file'),

@@ -19,10 +19,10 @@ from dsv41_nb.block_pool import PAD_SLOT_ID
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
-from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap,
-                             SPECULATIVE_METHODS, register_speculative, NGRAM_TOKENS,
-                             greedy_shortfall, assert_greedy_match, host_engine, host_step_times, HOST_PHASES, StepTimer,
-                             NullStepModel, InputBuffers)
+from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs,
+                             LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
+                             NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, host_engine,
+                             host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers)
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.serving import random_checkpoint, percentiles
 from dsv41_nb.__main__ import random_prompts
@@ -32,7 +32,8 @@ TINY = ModelConfig.tiny()
 torch.set_num_threads(1)            # tensors this small gain nothing from threads, and other processes share the cores
 MODEL = init_random(TINY, seed=0)
 TOK = ByteTokenizer(TINY)
-PROMPTS = [TOK.encode('the cat sat'), TOK.encode('a'), TOK.encode('on the mat, the cat sat on the mat'), [256, 7, 7, 7, 7]]
+PROMPTS = [TOK.encode('the cat sat'), TOK.encode('a'),
+           TOK.encode('on the mat, the cat sat on the mat'), [256, 7, 7, 7, 7]]
 N_OUT = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
 EXPECTED = [generate_greedy(MODEL, p, N_OUT)[len(p):] for p in PROMPTS]
@@ -57,22 +58,27 @@ BAD = [
     (lambda: _LLM.generate(['ok', [1, 512]], use_tqdm=False), ValueError, 'prompt 1: token id 512 at position 1'),
     (lambda: _LLM.generate([[1.5]], use_tqdm=False), TypeError, 'token id 1.5 at position 0'),
     (lambda: _LLM.generate([7] * 65, use_tqdm=False), ValueError, 'more than max_model_len = 64'),
-    (lambda: _LLM.generate(['a', 'b', 'c'], [GREEDY] * 2, use_tqdm=False), ValueError, '3 prompts but 2 sampling params'),
+    (lambda: _LLM.generate(['a', 'b', 'c'], [GREEDY] * 2, use_tqdm=False), ValueError,
+     '3 prompts but 2 sampling params'),
     (lambda: _LLM.generate({'prompt': 3}, use_tqdm=False), TypeError, "'prompt' must be a str, got int"),
     (lambda: _LLM.generate(None, use_tqdm=False), TypeError, 'expected a str, dict, or list, got NoneType'),
-    (lambda: _LLM.generate('\udcff', use_tqdm=False), ValueError, "prompt 0: the prompt is not valid text: '\\udcff' at"),
+    (lambda: _LLM.generate('\udcff', use_tqdm=False), ValueError,
+     "prompt 0: the prompt is not valid text: '\\udcff' at"),
     (lambda: _LLM.generate(['a', 'b\udcff'], use_tqdm=False), ValueError, 'prompt 1: the prompt is not valid text'),
     (lambda: _LLM.generate('a', SamplingParams(stop_token_ids=[999]), use_tqdm=False), ValueError, 'stop token id 999'),
     (lambda: _LLM.llm_engine.abort_request('nope'), ValueError, "no unfinished request 'nope'"),
     (lambda: LLM(MODEL, kernels='cuda'), ValueError, "kernels = 'cuda'"),
     (lambda: LLM(MODEL, max_model_len=0), ValueError, 'max_model_len = 0; expected at least 1'),
-    (lambda: LLM(MODEL, max_model_len=10**9), ValueError, 'max_model_len = 1,000,000,000 is more than the model allows'),
+    (lambda: LLM(MODEL, max_model_len=10**9), ValueError,
+     'max_model_len = 1,000,000,000 is more than the model allows'),
     (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=1), ValueError, 'not supported'),
     (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
     (lambda: LLM(MODEL, speculative='medusa'), ValueError, "speculative = 'medusa'; expected one of"),
     (lambda: LLM(MODEL, speculative=3), TypeError, "speculative = 3; expected a method's name"),
-    (lambda: LLM(MODEL, speculative='ngram', async_scheduling=True), ValueError, "speculative = 'ngram' is not supported"),
-    (lambda: LLM(MODEL, speculative='ngram', proposer=NgramProposer(2)), ValueError, 'a proposer or speculative, not both'),
+    (lambda: LLM(MODEL, speculative='ngram', async_scheduling=True), ValueError,
+     "speculative = 'ngram' is not supported"),
+    (lambda: LLM(MODEL, speculative='ngram', proposer=NgramProposer(2)), ValueError,
+     'a proposer or speculative, not both'),
     (lambda: register_speculative('', print), ValueError, "name = ''"),
     (lambda: register_speculative('x', 'not callable'), TypeError, 'make: expected a callable, got str'),
     (lambda: LLMEngine(MODEL, args=dict(runner='paged')), TypeError, 'args must be EngineArgs, got dict'),
@@ -83,12 +89,15 @@ BAD = [
     (lambda: argmax_rows(torch.zeros(2, 5, dtype=torch.long)), ValueError, 'argmax_rows: expected float logits'),
     (lambda: argmax_rows(torch.zeros(2, 5), chunk=True), ValueError, 'argmax_rows: chunk = True'),
     (lambda: padded_batch_size(-2), ValueError, 'n = -2'),
-    (lambda: CUDAGraphModel(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, 64), ValueError, 'does not support CUDA graphs'),
-    (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, proposer=NgramProposer(2)).execute_model_async(None),
+    (lambda: CUDAGraphModel(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config, 64), ValueError,
+     'does not support CUDA graphs'),
+    (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config,
+                         proposer=NgramProposer(2)).execute_model_async(None),
      ValueError, 'a proposer needs each step'),
     (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config).execute_model_async('so'), TypeError,
      'expected a SchedulerOutput, got str'),
-    (lambda: fill_token_ids(torch.zeros(3, dtype=torch.long), [(3, torch.arange(4), 0)]), IndexError, "outside the batch's 3"),
+    (lambda: fill_token_ids(torch.zeros(3, dtype=torch.long), [(3, torch.arange(4), 0)]),
+     IndexError, "outside the batch's 3"),
     (lambda: StagedInputs({'a': 1}, 'cpu'), ValueError, 'holds no tensors'),
     (lambda: StagedInputs(SimpleNamespace(a=torch.zeros(2)), 'cpu').load(SimpleNamespace(a=torch.zeros(3))), ValueError,
      'shaped and typed as the staged ones'),
@@ -118,7 +127,8 @@ def test_bad_input(f, exc, msg):
 
 
 # ---------------------------------------------------------------- the sampler
-@given(st.integers(1, 4), st.integers(1, 300), st.sampled_from([0, 1, 7, 64, 299, None]), st.integers(0, 2**31 - 1), st.booleans())
+@given(st.integers(1, 4), st.integers(1, 300), st.sampled_from([0, 1, 7, 64, 299, None]),
+       st.integers(0, 2**31 - 1), st.booleans())
 def test_argmax_rows_equals_argmax(N, V, chunk, seed, ties):
     "The two-pass argmax gives argmax's index, first maximum on ties, whatever the chunk (None: the device's default)"
     g = torch.Generator().manual_seed(seed)
@@ -128,8 +138,10 @@ def test_argmax_rows_equals_argmax(N, V, chunk, seed, ties):
 
 def test_argmax_chunk_divides_the_row_when_it_can():
     from dsv41_nb.sampler import _argmax_chunk
-    assert _argmax_chunk(129280, 1024) == 1280 and _argmax_chunk(4096, 1024) == 1024 and _argmax_chunk(1031, 1024) == 1031
-    assert _argmax_chunk(4099, 1024) == 1024                                          # a prime: no divisor in [1024, 2048), pad instead
+    assert (_argmax_chunk(129280, 1024) == 1280 and _argmax_chunk(4096, 1024) == 1024
+            and _argmax_chunk(1031, 1024) == 1031)
+    # a prime: no divisor in [1024, 2048), pad instead
+    assert _argmax_chunk(4099, 1024) == 1024
 
 params_st = st.builds(
     lambda t, k, p, m, greedy: SamplingParams(temperature=0 if greedy else t, top_k=k, top_p=p, min_p=m),
@@ -138,9 +150,11 @@ params_st = st.builds(
 
 @given(st.integers(2, 64), st.lists(params_st, min_size=1, max_size=8), st.integers(0, 2**31 - 1), st.booleans())
 def test_batched_probs_equal_reference(V, params, seed, ties):
-    "Every mask as the oracle defines it; probabilities to float32 accuracy (the sum's V and the logits' 2|x| units of roundoff)"
+    """Every mask as the oracle defines it; probabilities to float32 accuracy (the sum's V and the
+    logits' 2|x| units of roundoff)"""
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randint(-3, 4, (len(params), V), generator=g).float() if ties else torch.randn(len(params), V, generator=g) * 4
+    logits = (torch.randint(-3, 4, (len(params), V), generator=g).float() if ties
+              else torch.randn(len(params), V, generator=g) * 4)
     got = sampling_probs(logits, sampling_batch(params, vocab_size=V))
     ref = torch.stack([reference_probs(l, p) for l, p in zip(logits, params)])
     assert not (got[ref == 0] > 0).any() and (got[ref > 1e-30] > 0).all()     # masks; float32 may underflow below 1e-38
@@ -148,7 +162,8 @@ def test_batched_probs_equal_reference(V, params, seed, ties):
     torch.testing.assert_close(got.double(), ref, rtol=4 * (V + 2 * x) * 2 ** -24, atol=1e-12)
 
 @pytest.mark.parametrize('sp', [SamplingParams(temperature=0.8), SamplingParams(top_k=3), SamplingParams(top_p=0.6),
-                                SamplingParams(min_p=0.2, temperature=1.5), SamplingParams(top_k=5, top_p=0.9, min_p=0.05)])
+                                SamplingParams(min_p=0.2, temperature=1.5),
+                                SamplingParams(top_k=5, top_p=0.9, min_p=0.05)])
 def test_draws_follow_the_distribution(sp):
     "Chi-square on 8 tokens: plain draws, and draws that verify a fixed draft, both follow the oracle's distribution"
     n, logits = 40_000, torch.tensor([1.5, 1.0, 0.7, 0.2, 0.0, -0.4, -1.0, -2.0])
@@ -166,15 +181,18 @@ def test_seeded_rows_ignore_their_neighbours():
     def run(others):
         sps = [SamplingParams(seed=3, temperature=0.9)] + [SamplingParams(temperature=0.5)] * others
         gens = [torch.Generator().manual_seed(3)] + [None] * others
-        logits = torch.randn(1 + others, 50, generator=torch.Generator().manual_seed(others)); logits[0] = torch.linspace(-2, 2, 50)
+        logits = torch.randn(1 + others, 50, generator=torch.Generator().manual_seed(others))
+        logits[0] = torch.linspace(-2, 2, 50)
         sb = sampling_batch(sps, gens, 50)
-        return [x[0].item() for x in draw(sampling_probs(logits, sb), torch.full((1 + others,), 40), sb, torch.Generator())]
+        return [x[0].item()
+                for x in draw(sampling_probs(logits, sb), torch.full((1 + others,), 40), sb, torch.Generator())]
     assert len({tuple(run(k)) for k in (0, 1, 4, 31)}) == 1
 
 @given(st.lists(st.integers(0, 258), max_size=200), st.integers(1, 9))
 def test_incremental_text_equals_decode(ids, chunk):
     d = IncrementalDetokenizer()
-    pieces = [d.add(ids[i:i + chunk], final=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)] or [d.add([], final=True)]
+    pieces = ([d.add(ids[i:i + chunk], final=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
+              or [d.add([], final=True)])
     assert ''.join(pieces) == d.text == TOK.decode(ids)
 
 
@@ -191,7 +209,8 @@ def test_greedy_equals_generate_greedy(kw):
     llm = LLM(MODEL, **{**EXACT, **kw})
     got = outputs(llm)
     assert got == EXPECTED if kw['runner'] == 'recompute' else match(PROMPTS, got)     # recompute: the same arithmetic
-    assert free_blocks(llm) == llm.llm_engine.kv_cache_config.num_usable_blocks or llm.llm_engine.args.enable_prefix_caching
+    assert (free_blocks(llm) == llm.llm_engine.kv_cache_config.num_usable_blocks
+            or llm.llm_engine.args.enable_prefix_caching)
 
 def test_speculative_by_name():
     "speculative='ngram' builds the n-gram proposer (its default count, or the one asked for) and decodes as it does"
@@ -200,7 +219,8 @@ def test_speculative_by_name():
                       for kw in ({}, dict(num_speculative_tokens=3)))
     assert isinstance(default.proposer, NgramProposer) and default.proposer.num_speculative_tokens == NGRAM_TOKENS
     assert three.proposer.num_speculative_tokens == 3 and three.scheduler.config.num_speculative_tokens == 3
-    by_name = outputs(LLM(MODEL, **{**EXACT, 'runner': 'recompute', 'speculative': 'ngram', 'num_speculative_tokens': 3}))
+    by_name = outputs(LLM(MODEL,
+                          **{**EXACT, 'runner': 'recompute', 'speculative': 'ngram', 'num_speculative_tokens': 3}))
     assert by_name == EXPECTED
 
 def test_a_registered_method_gets_the_engine_and_the_count():
@@ -229,7 +249,8 @@ def test_rejected_drafts_roll_back(runner):
 LONG = [generate_greedy(MODEL, p, 16) for p in PROMPTS[:2]]       # prompt, then 16 greedy tokens
 
 class PartlyRightDrafts:
-    "Drafts whose first (length // 3 % 4) tokens are the greedy continuation, the rest wrong: 0 to 3 accepted, every ring parity"
+    """Drafts whose first (length // 3 % 4) tokens are the greedy continuation, the rest wrong: 0 to
+    3 accepted, every ring parity"""
     num_speculative_tokens = 3
     def propose(self, requests):
         out = []
@@ -237,13 +258,15 @@ class PartlyRightDrafts:
             full = next((f for f in LONG if f[:len(r)] == r), [])           # [] once a run has left the greedy path
             nxt = lambda j: full[j] if j < len(full) else 0
             k = len(r) // 3 % 4
-            out.append([nxt(j) for j in range(len(r), len(r) + k)] + [(nxt(j) + 1) % 256 for j in range(len(r) + k, len(r) + 3)])
+            out.append([nxt(j) for j in range(len(r), len(r) + k)]
+                       + [(nxt(j) + 1) % 256 for j in range(len(r) + k, len(r) + 3)])
         return out
 
 def test_partly_accepted_drafts_roll_back():
     "The paged path over drafts accepted 0 to 3 at a time: the same tokens as plain greedy decoding"
     llm = LLM(MODEL, proposer=PartlyRightDrafts(), **{**EXACT, 'runner': 'paged'})
-    match(PROMPTS[:2], outputs(llm, PROMPTS[:2], replace(GREEDY, max_tokens=16)), [f[len(p):] for f, p in zip(LONG, PROMPTS)])
+    match(PROMPTS[:2], outputs(llm, PROMPTS[:2], replace(GREEDY, max_tokens=16)),
+          [f[len(p):] for f, p in zip(LONG, PROMPTS)])
     st = llm.llm_engine.scheduler.stats
     assert 0 < st['accepted_tokens'] < st['draft_tokens']
     assert llm.llm_engine.runner.model.ring_restores > 0          # some steps started in the middle of a ring pair
@@ -292,13 +315,17 @@ def test_stream_deltas_add_up_and_closing_aborts():
 
 # ---------------------------------------------------------------- CUDA graph padding (emulated on the CPU)
 class TensorOnly:
-    "Logits from each logits row's token, position, sequence length and first window block: tensors only, as a graph needs"
+    """Logits from each logits row's token, position, sequence length and first window block:
+    tensors only, as a graph needs"""
     supports_cuda_graphs = True
-    def __init__(self): self.table = torch.randn(TINY.vocab_size, TINY.vocab_size, generator=torch.Generator().manual_seed(0))
+    def __init__(self):
+        self.table = torch.randn(TINY.vocab_size, TINY.vocab_size,
+                                 generator=torch.Generator().manual_seed(0))
     def forward(self, b):
         r = b.logits_indices
         req = torch.searchsorted(b.query_start_loc[1:].long(), r, right=True)
-        return self.table[b.token_ids[r]] + 0.01 * b.positions[r, None] + 0.1 * b.block_tables[1][req, :1] + 0.001 * b.seq_lens[req, None]
+        return (self.table[b.token_ids[r]] + 0.01 * b.positions[r, None]
+                + 0.1 * b.block_tables[1][req, :1] + 0.001 * b.seq_lens[req, None])
     def release(self, ids): pass
 
 @pytest.mark.parametrize('n', [1, 3, 7, 8, 11])
@@ -316,7 +343,8 @@ def test_padded_replay_equals_eager(n):
 
 
 class Prepared(TensorOnly):
-    "TensorOnly split as a graph-capable step model is: prepare on the host, run on the device; token 7 is not replayable"
+    """TensorOnly split as a graph-capable step model is: prepare on the host, run on the device;
+    token 7 is not replayable"""
     def prepare(self, b): return SimpleNamespace(batch=b, replayable=7 not in b.token_ids.tolist())
     def run(self, inputs): return self.forward(inputs.batch)
 
@@ -345,10 +373,12 @@ def test_device_fills_need_the_ids_passed_through():
     for i in range(2): s.add_request(f'q{i}', PROMPTS[i][:4], SamplingParams(max_tokens=4))
     r = ModelRunner(CUDAGraphModel(Prepared(), kc, 256, emulate=True), kc)
     o = s.schedule(); s.update_from_output(o, r.execute_model(o))                  # the prefill
-    b, _ = r.prepare_inputs(s.schedule())                                          # a decode batch of 2, built on the host
+    # a decode batch of 2, built on the host
+    b, _ = r.prepare_inputs(s.schedule())
     b.token_fill = [(1, torch.tensor([5, 9]), 1)]
     ok = CUDAGraphModel(Prepared(), kc, 256, capture_sizes=(2,), emulate=True)
-    torch.testing.assert_close(ok.forward(b), ok.model.forward(replace(b, token_ids=torch.tensor([b.token_ids[0].item(), 9]))))
+    torch.testing.assert_close(ok.forward(b),
+                               ok.model.forward(replace(b, token_ids=torch.tensor([b.token_ids[0].item(), 9]))))
     with pytest.raises(RuntimeError, match='does not pass the batch'):
         CUDAGraphModel(CopiesIds(), kc, 256, capture_sizes=(2,), emulate=True).forward(b)
 
@@ -363,7 +393,8 @@ def test_paged_graph_replay_equals_eager():
         return box['cg']
     sp, args = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), dict(max_model_len=256, kernels='torch')
     eager = [o.outputs[0].token_ids for o in LLM(MODEL, **args).generate(prompts, sp, use_tqdm=False)]
-    replayed = [o.outputs[0].token_ids for o in LLM(MODEL, step_model=emulated, **args).generate(prompts, sp, use_tqdm=False)]
+    replayed = [o.outputs[0].token_ids
+                for o in LLM(MODEL, step_model=emulated, **args).generate(prompts, sp, use_tqdm=False)]
     assert replayed == eager
     assert box['cg'].stats == dict(replayed=5, eager=1, captured=0) and sorted(box['cg'].graphs) == [4]
 
@@ -378,7 +409,8 @@ def _emulated_graphs(box):
 
 @pytest.mark.parametrize('how', ['recompute', 'paged', 'graphs', 'graphs-seeded', 'graphs-preempted'])
 def test_async_execution_gives_the_synchronous_tokens(how):
-    "The runner not waiting for a step's ids (they reach the next step on the device): the tokens of synchronous execution"
+    """The runner not waiting for a step's ids (they reach the next step on the device): the tokens
+    of synchronous execution"""
     g, box = torch.Generator().manual_seed(3), {}
     prompts = [torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist() for n in (30, 5, 17)]
     sp = [SamplingParams(temperature=0.9, seed=s, max_tokens=7) for s in (1, 2, 3)] if how == 'graphs-seeded' else \
@@ -386,7 +418,8 @@ def test_async_execution_gives_the_synchronous_tokens(how):
     kw = dict(EXACT, runner='recompute' if how == 'recompute' else 'paged', max_model_len=256)
     if how.startswith('graphs'): kw['step_model'] = _emulated_graphs(box)
     if how == 'graphs-preempted': kw.update(num_gpu_blocks=11, enable_prefix_caching=False)
-    want = outputs(LLM(MODEL, **kw), prompts, sp)                  # synchronous, the same arithmetic (padded batches included)
+    # synchronous, the same arithmetic (padded batches included)
+    want = outputs(LLM(MODEL, **kw), prompts, sp)
     llm = LLM(MODEL, async_scheduling=True, **kw)
     assert outputs(llm, prompts, sp) == want
     eng = llm.llm_engine
@@ -397,7 +430,8 @@ def test_async_execution_gives_the_synchronous_tokens(how):
 
 @use_kernels('torch')    # the mask is the model's, not a kernel's (the kernels are checked on their own)
 def test_a_decode_step_masks_image_tokens_on_the_device():
-    "A decode-only paged step reads no value back, yet an image token there still breaks Engram's n-grams (a mask on the device)"
+    """A decode-only paged step reads no value back, yet an image token there still breaks Engram's
+    n-grams (a mask on the device)"""
     from dsv41_nb.paged_step import step_model
     kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
     s, m = Scheduler(kc, SchedulerConfig()), step_model(MODEL, kc)
@@ -408,7 +442,8 @@ def test_a_decode_step_masks_image_tokens_on_the_device():
     batch.token_ids[1] = TINY.image_token_id
     inputs = m.prepare(batch)
     assert inputs.step.decode_only
-    m.model.state = None; m.model.allocate()                                         # (the same caches, unwritten, for both)
+    # (the same caches, unwritten, for both)
+    m.model.state = None; m.model.allocate()
     got = m.model(inputs.step)
     m.model.state = None; m.model.allocate()
     want = m.model(replace(inputs.step, decode_only=False))
@@ -419,33 +454,39 @@ def test_a_decode_step_masks_image_tokens_on_the_device():
 @pytest.mark.parametrize('extra', [[], ['--async-scheduling']])
 def test_cli_generate(tmp_path, extra):
     ck = random_checkpoint(tmp_path)
-    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck), '--max-tokens', '4',
-                        '--temperature', '0'] + extra, capture_output=True, text=True, cwd=ROOT,
-                       env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''}, timeout=120)
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck),
+                        '--max-tokens', '4', '--temperature', '0'] + extra, capture_output=True, text=True, cwd=ROOT,
+                       env={k: v for k, v in os.environ.items()
+                            if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''}, timeout=120)
     assert r.returncode == 0, r.stderr
-    want = LLM(ck, kernels='torch').generate('the cat', SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    want = LLM(ck, kernels='torch').generate('the cat', SamplingParams(temperature=0, max_tokens=4),
+                                             use_tqdm=False)[0].outputs[0]
     assert r.stdout == 'the cat' + want.text + '\n'
     assert f'{len(want.token_ids)} tokens in' in r.stderr and 'tokens/s' in r.stderr
 
 
 def test_cli_generate_with_the_dspark_drafter(tmp_path):
-    "`--speculative dspark` loads the drafter beside the checkpoint: the tokens of LLM with `dspark_proposer`, and the drafts counted"
+    """`--speculative dspark` loads the drafter beside the checkpoint: the tokens of LLM with
+    `dspark_proposer`, and the drafts counted"""
     from dsv41_nb.checkpoint import load_model
     from dsv41_nb.dspark import Drafter, save_drafter, dspark_proposer
     from dsv41_nb.checkpoint import DRAFTER_NAME
     ck = random_checkpoint(tmp_path)
     save_drafter(Drafter(load_model(ck)), ck / DRAFTER_NAME)
-    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck), '--max-tokens', '6',
-                        '--temperature', '0', '--speculative', 'dspark', '--num-speculative-tokens', '3'],
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'generate', 'the cat', '--checkpoint', str(ck),
+                        '--max-tokens', '6', '--temperature', '0', '--speculative', 'dspark',
+                        '--num-speculative-tokens', '3'],
                        capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''})
+                       env={k: v for k, v in os.environ.items()
+                            if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''})
     assert r.returncode == 0, r.stderr
     model = load_model(ck)
     llm = LLM(model, proposer=dspark_proposer(model, ck / DRAFTER_NAME, 3), kernels='torch')
     want = llm.generate('the cat', SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
     assert r.stdout == 'the cat' + want.text + '\n'
     st = llm.llm_engine.scheduler.stats
-    assert st['draft_tokens'] > 0 and f"dspark: {st['accepted_tokens']} of {st['draft_tokens']} drafts accepted" in r.stderr
+    assert st['draft_tokens'] > 0 and (f"dspark: {st['accepted_tokens']} of {st['draft_tokens']} "
+                                       "drafts accepted") in r.stderr
 
 
 @pytest.fixture(scope='module')
@@ -468,7 +509,8 @@ def test_cli_bad_input(tmp_path, cli_checkpoint, argv, msg):
     argv = [a.replace('{tmp}', str(tmp_path)) if isinstance(a, str) else a for a in argv]
     r = subprocess.run([sys.executable, '-m', 'dsv41_nb', *argv[:1], '--checkpoint', str(cli_checkpoint), *argv[1:]],
                        capture_output=True, text=True, cwd=ROOT, timeout=120,
-                       env={k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''})
+                       env={k: v for k, v in os.environ.items()
+                            if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''})
     command = argv[0]
     assert (r.returncode, r.stdout) == (2, ''), r.stderr
     assert r.stderr.startswith(f'usage: python -m dsv41_nb {command} '), r.stderr     # the subcommand's usage line
@@ -481,30 +523,35 @@ def test_greedy_match_oracle():
     assert assert_greedy_match(MODEL, PROMPTS, EXPECTED, EXPECTED, MARGIN) == 0
     assert all(v == 0 for v in greedy_shortfall(MODEL, PROMPTS[0], EXPECTED[0]))
     wrong = [e[:1] + [(e[1] + 1) % 256] + e[2:] for e in EXPECTED]
-    with pytest.raises(AssertionError, match='below the reference'): assert_greedy_match(MODEL, PROMPTS, wrong, EXPECTED, MARGIN)
+    with pytest.raises(AssertionError, match='below the reference'):
+        assert_greedy_match(MODEL, PROMPTS, wrong, EXPECTED, MARGIN)
     with pytest.raises(AssertionError, match='has 5 tokens, the reference 6'):
         assert_greedy_match(MODEL, PROMPTS, [EXPECTED[0][:-1]] + EXPECTED[1:], EXPECTED, MARGIN)
-    with pytest.raises(ValueError, match='4 prompts, 3 and 4'): assert_greedy_match(MODEL, PROMPTS, EXPECTED[:3], EXPECTED, MARGIN)
+    with pytest.raises(ValueError, match='4 prompts, 3 and 4'):
+        assert_greedy_match(MODEL, PROMPTS, EXPECTED[:3], EXPECTED, MARGIN)
     with pytest.raises(ValueError, match=r'shape \(1, L\)'): prefix_gap(MODEL, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match='outside'): greedy_shortfall(MODEL, [1], [999])
 
 @given(st.integers(2, 64), st.integers(1, 8), st.integers(0, 2**31 - 1), st.booleans())
 def test_all_greedy_short_path_equals_the_general_path(V, n, seed, ties):
-    """A batch of greedy rows is flagged on the host, its short path returns the general path's one-hot rows bit for bit, and `draw`
-    gives each row its argmax, ties to the first index: the one argmax an all-greedy step without drafts takes instead"""
+    """A batch of greedy rows is flagged on the host, its short path returns the general path's one-hot rows bit for
+    bit, and `draw` gives each row its argmax, ties to the first index: the one argmax an all-greedy step without drafts
+    takes instead"""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randint(-3, 4, (n, V), generator=g).float() if ties else torch.randn(n, V, generator=g) * 4
     sb = sampling_batch([SamplingParams(temperature=0)] * n, vocab_size=V)
-    assert sb.all_greedy and not sampling_batch([SamplingParams(temperature=0), SamplingParams()], vocab_size=V).all_greedy
+    assert sb.all_greedy and not sampling_batch([SamplingParams(temperature=0), SamplingParams()],
+                                                vocab_size=V).all_greedy
     fast, slow = sampling_probs(logits, sb), sampling_probs(logits, replace(sb, all_greedy=False))
     assert torch.equal(fast, slow) and torch.equal(fast.argmax(-1), logits.argmax(-1))
     accepted, token = draw(fast, torch.full((n,), -1), sb, g)
     assert not accepted.any() and torch.equal(token, logits.argmax(-1))
 
 
-# ---------------------------------------------------------------- the runner's persistent rows against a rebuild from the plan
+# -------------------------------------------------------- the runner's persistent rows against a rebuild from the plan
 class Recorder:
-    "A step model that keeps every batch and picks (id + position) % V at each logits row: tokens follow from the inputs"
+    """A step model that keeps every batch and picks (id + position) % V at each logits row: tokens
+    follow from the inputs"""
     supports_cuda_graphs = False
     def __init__(self, history_len=3): self.batches, self.history_len = [], history_len
     def forward(self, b):
@@ -516,16 +563,18 @@ class Recorder:
 def _same_batch(a, b):
     "Every input of two InputBatches equal (tables compared where either holds a block)"
     for f in ('request_ids', 'new_request_ids', 'prefix_token_ids'): assert getattr(a, f) == getattr(b, f), f
-    for f in ('token_ids', 'positions', 'query_start_loc', 'seq_lens', 'logits_indices', 'decoder_rows', 'num_cached_tokens',
-              'history'):
+    for f in ('token_ids', 'positions', 'query_start_loc', 'seq_lens', 'logits_indices',
+              'decoder_rows', 'num_cached_tokens', 'history'):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     for x, y in zip(a.block_tables, b.block_tables): assert torch.equal(x, y)
     sa, sb = a.slot_mappings, b.slot_mappings
     assert torch.equal(sa.positions, sb.positions) and torch.equal(sa.swa, sb.swa) and torch.equal(sa.ring, sb.ring)
-    assert sa.compressed.keys() == sb.compressed.keys() and all(torch.equal(sa.compressed[r], sb.compressed[r]) for r in sa.compressed)
+    assert (sa.compressed.keys() == sb.compressed.keys()
+            and all(torch.equal(sa.compressed[r], sb.compressed[r]) for r in sa.compressed))
 
 def _matches_the_cache(b, so, kv):
-    "The batch's tables and slots against the cache manager's own (`block_table`, `slot_mappings`), asked right after planning"
+    """The batch's tables and slots against the cache manager's own (`block_table`,
+    `slot_mappings`), asked right after planning"""
     reqs = so.requests
     for g in range(kv.num_groups): assert torch.equal(b.block_tables[g], kv.block_table(so.req_ids, g)), g
     sm = kv.slot_mappings([(sr.request_id, sr.start, sr.num_tokens) for sr in reqs])
@@ -537,9 +586,9 @@ def _matches_the_cache(b, so, kv):
 @pytest.mark.parametrize('asyn', [False, True], ids=['sync', 'async'])
 @pytest.mark.parametrize('seed', [0, 1, 2])
 def test_persistent_rows_equal_a_rebuild(seed, asyn):
-    """Random arrivals, aborts and preemptions (a small pool): every step's inputs from the runner's persistent rows (tables rewritten
-    only where a snapshot changed, decode steps as arrays) equal the inputs rebuilt from the scheduler's plan, field by field, and the
-    tables and slots equal the cache manager's own"""
+    """Random arrivals, aborts and preemptions (a small pool): every step's inputs from the runner's persistent rows
+    (tables rewritten only where a snapshot changed, decode steps as arrays) equal the inputs rebuilt from the
+    scheduler's plan, field by field, and the tables and slots equal the cache manager's own"""
     r = random.Random(seed)
     kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=40, max_model_len=256))
     s = Scheduler(kc, SchedulerConfig(max_num_batched_tokens=r.choice([16, 64]), async_scheduling=asyn))
@@ -574,11 +623,13 @@ def test_host_only_engine_times_its_phases():
     t = host_step_times(llm, 5, 4)
     assert set(t) == {name for name, *_ in HOST_PHASES} | {'wait', 'other', 'total'} and t['total'] > 0
     assert all(v >= 0 for k, v in t.items() if k != 'other') and not llm.llm_engine.has_unfinished_requests()
-    assert llm.llm_engine.runner.model.stats['replayed'] > 0          # the decode steps went through the (emulated) graphs
+    # the decode steps went through the (emulated) graphs
+    assert llm.llm_engine.runner.model.stats['replayed'] > 0
 
 
 def test_a_prefill_step_applies_the_step_before_it_first():
-    "Async: a step with prefill rows is launched only after the previous step's tokens are applied (its first tokens not held back)"
+    """Async: a step with prefill rows is launched only after the previous step's tokens are applied
+    (its first tokens not held back)"""
     llm = host_engine(TINY, 256, async_scheduling=True, max_num_batched_tokens=16)
     eng, events = llm.llm_engine, []
     launch, update = eng.runner.execute_model_async, eng.scheduler.update_from_output
@@ -606,7 +657,8 @@ def test_final_outputs_are_the_whole_outputs():
 
 
 def test_capture_all_and_staged_rows():
-    "capture_all captures every size once a decode step was seen; load_rows puts the staged padding back in rows it leaves"
+    """capture_all captures every size once a decode step was seen; load_rows puts the staged
+    padding back in rows it leaves"""
     kc = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, max_model_len=256))
     cg = CUDAGraphModel(TensorOnly(), kc, 256, capture_sizes=(2, 4, 8), emulate=True)
     with pytest.raises(RuntimeError, match='no decode batch has been seen'): cg.capture_all()
@@ -621,8 +673,10 @@ def test_capture_all_and_staged_rows():
     st_.load_rows(SimpleNamespace(t=torch.ones(3, 2, dtype=torch.long)), 3)
     st_.load_rows(SimpleNamespace(t=torch.full((1, 3), 5)), 1)
     assert st_.inputs.t.tolist() == [[5, 5, 5], [-1, -1, -1], [-1, -1, -1], [-1, -1, -1]]
-    with pytest.raises(ValueError, match='in rows of 2'): st_.load_rows(SimpleNamespace(t=torch.ones(3, 3, dtype=torch.long)), 2)
-    with pytest.raises(ValueError, match='typed as the staged ones'): st_.load_rows(SimpleNamespace(t=torch.ones(2, 3)), 2)
+    with pytest.raises(ValueError, match='in rows of 2'):
+        st_.load_rows(SimpleNamespace(t=torch.ones(3, 3, dtype=torch.long)), 2)
+    with pytest.raises(ValueError, match='typed as the staged ones'):
+        st_.load_rows(SimpleNamespace(t=torch.ones(2, 3)), 2)
     ids = torch.zeros(5, dtype=torch.long)
     fill_token_ids(ids, [(np.array([1, 4]), torch.tensor([7, 8, 9]), np.array([2, 0])), (2, torch.tensor([3]), 0)])
     assert ids.tolist() == [0, 9, 3, 0, 7]

@@ -22,11 +22,11 @@ TINY_MAP = compressed_token_map(synthetic_token_strings(TINY.vocab_size, TINY.en
 
 # What the `tokenizers` library's normaliser chain (as the public engram.py builds it) makes of these strings.
 NORMALISED = [
-    (' The', 'the'), ('THE', 'the'), ('Café', 'cafe'), ('ＣＡＦÉ', 'cafe'), ('ﬁne', 'fine'), ('Ⅻ', 'xii'), (' ', ' '),
-    ('  ', ' '), ('\t\n', ' '), (' \r\n x \t', 'x'), ('ΟΔΟΣ', 'οδοσ'), ('İstanbul', 'istanbul'), ('ẞ', 'ß'),
-    ('ǅ', 'dz'), ('Ω', 'ω'), ('e\u0301', 'e'), ('\u0301', ''), ('ೋ', ''), ('\x1chi\x1d', '\x1chi\x1d'),
-    ('\x85x\u2028', 'x'), ('\u3000a\u3000', 'a'), ('①②', '12'), ('Ⓐ', 'a'), ('\u200b', '\u200b'), ('Ǆ', 'dz'),
-    ('ﬀ', 'ff'), ('Å', 'a'), ('x\ny', 'x y')]
+    (' The', 'the'), ('THE', 'the'), ('Café', 'cafe'), ('ＣＡＦÉ', 'cafe'), ('ﬁne', 'fine'), ('Ⅻ', 'xii'),
+    (' ', ' '), ('  ', ' '), ('\t\n', ' '), (' \r\n x \t', 'x'), ('ΟΔΟΣ', 'οδοσ'), ('İstanbul', 'istanbul'),
+    ('ẞ', 'ß'), ('ǅ', 'dz'), ('Ω', 'ω'), ('e\u0301', 'e'), ('\u0301', ''), ('ೋ', ''),
+    ('\x1chi\x1d', '\x1chi\x1d'), ('\x85x\u2028', 'x'), ('\u3000a\u3000', 'a'), ('①②', '12'), ('Ⓐ', 'a'),
+    ('\u200b', '\u200b'), ('Ǆ', 'dz'), ('ﬀ', 'ff'), ('Å', 'a'), ('x\ny', 'x y')]
 
 def test_normalisation_matches_the_tokenizers_library():
     for text, want in NORMALISED: assert normalize_token(text) == want, (text, want)
@@ -66,7 +66,8 @@ def test_hashes_equal_values_from_the_public_code():
 def engram_configs(draw):
     "tiny with its Engram geometry varied: n-gram size, heads, compressed vocabulary, prime start, layers"
     layers = tuple(sorted(draw(st.sets(st.integers(0, TINY.n_layers - 1), min_size=1, max_size=3))))
-    return dataclasses.replace(TINY, engram_max_ngram_size=draw(st.integers(2, 5)), engram_n_heads=draw(st.integers(1, 4)),
+    return dataclasses.replace(TINY, engram_max_ngram_size=draw(st.integers(2, 5)),
+                               engram_n_heads=draw(st.integers(1, 4)),
                                engram_compressed_vocab_size=draw(st.integers(103, 400)),   # <= 5 texts per key in 512
                                engram_vocab_size=draw(st.integers(50, 5000)), engram_layer_ids=layers,
                                engram_num_embeddings=())
@@ -134,7 +135,8 @@ def test_gather_kernel_equals_reference(hd, rows, n_ids, seed, dtype, shard):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     held = ((ids >= table.row_start) & (ids < table.row_start + table.rows)).cpu()
     exact = dequantize_fp8(*quantize_fp8(values))[ids.cpu().clamp(max=rows - 1)]       # global ids index the values
-    torch.testing.assert_close(got.cpu().float(), torch.where(held[:, None], exact, 0).to(dtype).float(), rtol=0, atol=0)
+    torch.testing.assert_close(got.cpu().float(),
+                               torch.where(held[:, None], exact, 0).to(dtype).float(), rtol=0, atol=0)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a GPU')
 def test_pinned_host_table_read_over_uva_equals_gpu_table():
@@ -179,8 +181,10 @@ BAD_INPUT = [  # (call, part of the message)
     (lambda: _HASHER(torch.tensor([[1.0, 3.0]])), 'token ids: expected an integer tensor'),
     (lambda: _HASHER(torch.tensor([[1, 3]]), history=torch.tensor([[1, 2, 3, 4]])),
      'history of 4 tokens; an n-gram of order 4 looks back at most 3'),
-    (lambda: _HASHER(torch.tensor([[1]]), history=torch.tensor([[600]])), 'token ids: id 600 is out of range; expected -1..'),
-    (lambda: _HASHER.hashes(torch.zeros(2, 5, dtype=torch.long)), 'n-gram window of 5 tokens; this config hashes orders 2..4'),
+    (lambda: _HASHER(torch.tensor([[1]]), history=torch.tensor([[600]])),
+     'token ids: id 600 is out of range; expected -1..'),
+    (lambda: _HASHER.hashes(torch.zeros(2, 5, dtype=torch.long)),
+     'n-gram window of 5 tokens; this config hashes orders 2..4'),
     (lambda: _HASHER.hashes(torch.zeros(2, 3, dtype=torch.long)), 'n-gram window of 3 tokens'),
     (lambda: _HASHER.hashes(torch.full((2, 4), 400)), 'window ids: id 400 is out of range; expected 0..399'),
     (lambda: NgramHasher(TINY, TINY_MAP[0], 401), 'the token map has 401 compressed ids, the config expects 400'),

@@ -14,7 +14,8 @@ from budget import examples
 from dsv41_nb.config import ModelConfig
 from fastcore import test as fct           # fct.test_fail: pytest would collect a bare test_fail
 from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
-from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, e4m3_codes, e4m3_values, e2m1_codes, e2m1_values,
+from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, e4m3_codes,
+                              e4m3_values, e2m1_codes, e2m1_values,
                               quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX)
 from dsv41_nb.records import (store_records, gather_records, KERNEL_VERSIONS, edge_case_vectors, every_value_blocks,
                               kernel_version)
@@ -76,7 +77,8 @@ def block_bound(codec, x):
 @given(codecs, st.data())
 def test_round_trip_error_bound(codec, data):
     x = data.draw(vectors(codec.dim))
-    if isinstance(codec, FP4Record) and codec.scale_format == 'e4m3': x = x.clamp(-2000, 2000)   # below the 2688 saturation
+    # below the 2688 saturation
+    if isinstance(codec, FP4Record) and codec.scale_format == 'e4m3': x = x.clamp(-2000, 2000)
     if isinstance(codec, FP8Record) and codec.rope_dim: x[..., codec.qdim:] = x[..., codec.qdim:].clamp(-1e38, 1e38)
     r = codec.pack(x)
     assert r.dtype == torch.uint8 and r.shape == (x.shape[0], codec.record_bytes)
@@ -109,7 +111,8 @@ def test_ds_fp4_saturates_at_2688():
 def test_scalar_encodings_against_brute_force():
     grid = e4m3_values(torch.arange(256, dtype=torch.uint8))
     finite = torch.isfinite(grid)
-    x = torch.cat([torch.randn(50000) * torch.exp2(torch.randint(-12, 9, (50000,)).float()), (grid[1:126] + grid[2:127]) / 2]).clamp(-448, 448)
+    x = torch.cat([torch.randn(50000) * torch.exp2(torch.randint(-12, 9, (50000,)).float()),
+                   (grid[1:126] + grid[2:127]) / 2]).clamp(-448, 448)
     y = e4m3_values(e4m3_codes(x))
     d = (x[:, None] - grid[finite][None]).abs()
     assert torch.equal((y - x).abs(), d.min(1).values)                           # nearest representable
@@ -130,10 +133,13 @@ def check_kernels(codec, x, slots, num_slots, block_size, idx, out_dtype, versio
     with use_kernels('triton'): b = gather_records(codec, got, idx, out_dtype, version=version)
     if kernel_version(codec, version) == 1:                          # values: v1 loses -0 on the GPU
         torch.testing.assert_close(b.cpu(), a.cpu(), rtol=0, atol=0, equal_nan=True)
-    else: assert torch.equal(torch.nan_to_num(b.cpu()).view(torch.uint8), torch.nan_to_num(a.cpu()).view(torch.uint8))   # bytes
+    else:
+        # bytes
+        assert torch.equal(torch.nan_to_num(b.cpu()).view(torch.uint8), torch.nan_to_num(a.cpu()).view(torch.uint8))
 
 def interpreter_safe(x, codec, version):
-    "`x` with its BF16 subnormals zeroed where version 1 runs under the interpreter (whose BF16 conversion mangles them)"
+    """`x` with its BF16 subnormals zeroed where version 1 runs under the interpreter (whose BF16
+    conversion mangles them)"""
     if kernel_version(codec, version) == 1 and triton_interpreting(): return torch.where(x.abs() < 2.0 ** -126, 0.0, x)
     return x
 
@@ -141,7 +147,8 @@ def interpreter_safe(x, codec, version):
 @settings(max_examples=examples(25), deadline=None)
 @given(codecs, st.data())
 def test_kernels_match_reference(codec, data):
-    "Fuzz: random codec, version, vector count, slot mapping (holes, order), index list (repeats, -1), dtype, edge cases"
+    """Fuzz: random codec, version, vector count, slot mapping (holes, order), index list (repeats,
+    -1), dtype, edge cases"""
     n = data.draw(st.integers(0, 70))
     block_size = data.draw(st.sampled_from([1, 4, 16]))
     blocks = max(1, triton.cdiv(n, block_size))
@@ -150,7 +157,8 @@ def test_kernels_match_reference(codec, data):
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     version = data.draw(st.sampled_from(KERNEL_VERSIONS))
     if data.draw(st.booleans()):                                       # subnormals, signed zeros, ties, saturation
-        x = interpreter_safe(edge_case_vectors(n, codec.dim, torch.float32, seed=data.draw(st.integers(0, 2**31))), codec, version)
+        x = interpreter_safe(edge_case_vectors(n, codec.dim, torch.float32, seed=data.draw(st.integers(0, 2**31))),
+                             codec, version)
     else: x = torch.randn(n, codec.dim, generator=g) * torch.exp2(torch.randint(-20, 20, (n, 1), generator=g).float())
     if n and data.draw(st.booleans()): x[0, 0] = float('nan')
     x = x.clamp(-6e4, 6e4).to(dtype).to(DEV)
@@ -158,7 +166,8 @@ def test_kernels_match_reference(codec, data):
     slots[torch.rand(n, generator=g) < 0.3] = -1
     slots = slots.to(data.draw(st.sampled_from([torch.int32, torch.int64]))).to(DEV)
     idx = torch.randint(-1, num_slots, (data.draw(st.integers(0, 40)),), generator=g).to(DEV)
-    check_kernels(codec, x, slots, num_slots, block_size, idx, data.draw(st.sampled_from([torch.float32, torch.bfloat16])), version, g)
+    check_kernels(codec, x, slots, num_slots, block_size, idx,
+                  data.draw(st.sampled_from([torch.float32, torch.bfloat16])), version, g)
 
 ODD_TAIL = FP8Record('fp8', 18, 16, rope_dim=2, pad_to=1)    # 16 E4M3, 2 BF16, 1 scale: 21 bytes, version 1 runs
 
@@ -180,11 +189,13 @@ def test_unaligned_record_subnormal_tail(version, seed):
 @needs_triton
 def test_kernels_on_edge_cases(name, version):
     "Every full-size format, both versions, on BF16 subnormals, +-0, every E2M1 and E4M3 tie and saturating rows"
-    if version == 1 and triton_interpreting(): pytest.skip("the interpreter's BF16 conversions mangle subnormals (version 1 uses them)")
+    if version == 1 and triton_interpreting():
+        pytest.skip("the interpreter's BF16 conversions mangle subnormals (version 1 uses them)")
     codec, g = cache_format(ModelConfig.full(), name), torch.Generator().manual_seed(1)
     x = edge_case_vectors(12, codec.dim, torch.bfloat16).to(DEV)
     slots = torch.randperm(16, generator=g)[:12].to(DEV)
-    check_kernels(codec, x, slots, 16, 4, torch.cat([slots, torch.tensor([-1, 3], device=DEV)]), torch.bfloat16, version, g)
+    check_kernels(codec, x, slots, 16, 4, torch.cat([slots, torch.tensor([-1, 3], device=DEV)]),
+                  torch.bfloat16, version, g)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='a GPU check: too slow for the interpreter')
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
@@ -192,7 +203,8 @@ def test_ds_fp4_every_value_against_every_scale(dtype):
     "Every finite BF16/FP16 value, quantised against every E4M3 block scale, by the compiled version-2 store"
     codec, g = cache_format(ModelConfig.full(), 'ds_fp4'), torch.Generator().manual_seed(2)
     blocks = every_value_blocks(dtype, codec.block)
-    x = torch.cat([blocks, blocks.new_zeros(-len(blocks) % (codec.dim // codec.block), codec.block)]).view(-1, codec.dim).to(DEV)
+    x = torch.cat([blocks, blocks.new_zeros(-len(blocks) % (codec.dim // codec.block),
+                                            codec.block)]).view(-1, codec.dim).to(DEV)
     slots = torch.arange(len(x), device=DEV)
     check_kernels(codec, x, slots, len(x), 1, slots, torch.bfloat16, 2, g)
 
@@ -208,7 +220,8 @@ def test_kernel_non_contiguous_rows():
 
 @pytest.mark.parametrize('backend', ['torch', 'triton'])
 def test_gather_out_is_checked_and_honoured(backend):
-    "out= must be (m, dim), the requested dtype, on the cache's device, contiguous; both backends write into it and return it"
+    """out= must be (m, dim), the requested dtype, on the cache's device, contiguous; both backends
+    write into it and return it"""
     if backend == 'triton' and not HAS_TRITON: pytest.skip('no Triton')
     codec = cache_format(ModelConfig.tiny(), 'window_fp8')
     cache = codec.pack(torch.randn(16, codec.dim)).to(DEV)
@@ -219,12 +232,18 @@ def test_gather_out_is_checked_and_honoured(backend):
     with use_kernels(backend):
         assert gather_records(codec, cache, idx, out=out) is out                    # dtype taken from out
         assert torch.equal(out, want) and (buf[5 * codec.dim:] == 7).all()          # nothing written past the view
-        fct.test_fail(lambda: gather_records(codec, cache, idx, out=buf[:25].view(5, 5)), contains=f'expected (5, {codec.dim})')
-        fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(5, codec.dim, dtype=torch.int64, device=DEV)),
+        fct.test_fail(lambda: gather_records(codec, cache, idx, out=buf[:25].view(5, 5)),
+                      contains=f'expected (5, {codec.dim})')
+        fct.test_fail(lambda: gather_records(codec, cache, idx,
+                                             out=torch.zeros(5, codec.dim, dtype=torch.int64, device=DEV)),
                   contains='expected one of')
-        fct.test_fail(lambda: gather_records(codec, cache, idx, torch.bfloat16, out=out), contains='expected torch.bfloat16')
-        fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(codec.dim, 5, device=DEV).t()), contains='must be contiguous')
-        if DEV.type == "cuda": fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(5, codec.dim)), contains='is on cpu')
+        fct.test_fail(lambda: gather_records(codec, cache, idx, torch.bfloat16, out=out),
+                      contains='expected torch.bfloat16')
+        fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(codec.dim, 5, device=DEV).t()),
+                      contains='must be contiguous')
+        if DEV.type == "cuda":
+            fct.test_fail(lambda: gather_records(codec, cache, idx, out=torch.zeros(5, codec.dim)),
+                          contains='is on cpu')
 
 def test_unchecked_slots_are_documented():
     "check_slots=False skips the range check (CUDA graphs); its documentation says what an out-of-range slot then does"

@@ -1,5 +1,5 @@
-"""The FP8 projection kernel: within the summation-order bound of the BF16-grid reference for every shape, slice count and
-group count; the PyTorch path is that reference bit for bit; the launch rule; the module; the bad inputs."""
+"""The FP8 projection kernel: within the summation-order bound of the BF16-grid reference for every shape, slice count
+and group count; the PyTorch path is that reference bit for bit; the launch rule; the module; the bad inputs."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,10 @@ def _x(T, G, K, seed, scale=3.0):
 
 @needs_triton
 @settings(max_examples=examples(12), deadline=None)
-@given(T=st.integers(1, 40), G=st.sampled_from([1, 1, 2]), N=st.sampled_from([32, 64, 96]), K=st.sampled_from([32, 64, 160, 256]),
-       act=st.booleans(), split=st.sampled_from([None, 1, 2, 4]), seed=st.integers(0, 2**31), scale=st.sampled_from([1e-3, 1.0, 50.0]))
+@given(T=st.integers(1, 40), G=st.sampled_from([1, 1, 2]),
+       N=st.sampled_from([32, 64, 96]), K=st.sampled_from([32, 64, 160, 256]),
+       act=st.booleans(), split=st.sampled_from([None, 1, 2, 4]), seed=st.integers(0, 2**31),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]))
 def test_kernel_within_the_summation_bound(T, G, N, K, act, split, seed, scale):
     w, x = _weight(G, N, K, seed), _x(T, G, K, seed, scale)
     y = fp8_linear(x, w, act, split, max_t=64)
@@ -48,10 +50,12 @@ def test_bound_catches_a_wrong_scale():
 def test_torch_path_is_the_bf16_grid_bit_for_bit():
     w, x = _weight(1, 64, 96, 5), _x(7, 1, 96, 5)
     with use_kernels('torch'):
-        assert torch.equal(fp8_linear(x, w), F.linear(fp8_act_quant(x).to(torch.bfloat16), w.dequantize()[0].bfloat16()))
+        assert torch.equal(fp8_linear(x, w),
+                           F.linear(fp8_act_quant(x).to(torch.bfloat16), w.dequantize()[0].bfloat16()))
     wg, xg = _weight(2, 32, 64, 6), _x(3, 2, 64, 6)
     with use_kernels('torch'):
-        assert torch.equal(fp8_linear(xg, wg, act_quant=False), torch.einsum('tgi,gri->tgr', xg, wg.dequantize().bfloat16()))
+        assert torch.equal(fp8_linear(xg, wg, act_quant=False),
+                           torch.einsum('tgi,gri->tgr', xg, wg.dequantize().bfloat16()))
 
 def test_large_batches_and_empty_ones_take_the_reference():
     w = _weight(1, 32, 64, 7)
@@ -79,7 +83,8 @@ def test_from_master_holds_the_model_grid():
     assert torch.equal(grouped.weight.dequantize().flatten(0, 1), weight_qdq(master, 'fp8').float())
     assert sum(p.numel() for p in lin.parameters()) == 128 * 96 + 4 * 3
 
-@pytest.mark.parametrize('T,G,N,K', [(1, 1, 1280, 5120), (1, 1, 512, 5120), (1, 1, 32768, 1280), (1, 8, 1024, 4096), (64, 1, 5120, 8192), (3, 1, 64, 96)])
+@pytest.mark.parametrize('T,G,N,K', [(1, 1, 1280, 5120), (1, 1, 512, 5120), (1, 1, 32768, 1280),
+                                     (1, 8, 1024, 4096), (64, 1, 5120, 8192), (3, 1, 64, 96)])
 def test_launch_rule(T, G, N, K):
     s = fp8_linear_launch(T, G, N, K, 132)
     assert K % s['block_k'] == 0 and 1 <= s['split'] <= min(SPLIT_MAX, K // s['block_k'])
@@ -88,7 +93,8 @@ def test_launch_rule(T, G, N, K):
     assert s['grid'][1] == s['split'] and s['grid'][2] == -(-T // s['block_m']) * G
     if s['split'] > 1: assert tiles * s['split'] // 2 < SPLIT_PROGRAMS * 132   # doubled only while the grid was short
 
-@pytest.mark.parametrize('T,G,N,K', [(1, 1, 1280, 5120), (1, 1, 512, 5120), (1, 1, 32768, 1280), (2, 8, 1024, 4096), (2, 1, 5120, 8192),
+@pytest.mark.parametrize('T,G,N,K', [(1, 1, 1280, 5120), (1, 1, 512, 5120), (1, 1, 32768, 1280),
+                                     (2, 8, 1024, 4096), (2, 1, 5120, 8192),
                                      (1, 1, 96, 96), (2, 2, 32, 160)])
 def test_gemv_launch_rule(T, G, N, K):
     s = fp8_gemv_launch(T, G, N, K, 132)
@@ -107,7 +113,8 @@ def test_one_or_two_rows_take_the_gemv(monkeypatch):
     launched = []
     for name in ('_fp8_gemv_kernel', '_fp8_linear_kernel'):
         k = getattr(fl, name)
-        monkeypatch.setattr(fl, name, type('K', (), {'__getitem__': lambda self, grid, k=k, name=name: launched.append(name) or k[grid]})())
+        monkeypatch.setattr(fl, name, type('K', (), {'__getitem__': lambda self, grid, k=k, name=name:
+                                                     launched.append(name) or k[grid]})())
     w = _weight(1, 64, 96, 11)
     for T in (1, FP8_LINEAR_MAX_T, FP8_LINEAR_MAX_T + 1):
         x = _x(T, 1, 96, T)
@@ -117,8 +124,9 @@ def test_one_or_two_rows_take_the_gemv(monkeypatch):
 def test_bad_inputs_are_named():
     w, x = _weight(1, 64, 96, 9), _x(2, 1, 96, 9)
     cases = [(dict(w=w.dequantize()), 'QuantWeight'), (dict(w=QuantWeight(w.codes, w.scales, 'mxfp4')), "'mxfp4'"),
-             (dict(x=x.int()), 'floating-point'), (dict(x=x[:, :64]), 'takes (T, 96)'), (dict(x=[1.0]), 'floating-point'),
-             (dict(act_quant='yes'), 'bool'), (dict(max_t=65), 'max_t = 65'), (dict(max_t=-1), 'max_t = -1'),
+             (dict(x=x.int()), 'floating-point'), (dict(x=x[:, :64]), 'takes (T, 96)'),
+             (dict(x=[1.0]), 'floating-point'), (dict(act_quant='yes'), 'bool'),
+             (dict(max_t=65), 'max_t = 65'), (dict(max_t=-1), 'max_t = -1'),
              (dict(split=0), 'split = 0'), (dict(split=2.0), 'split = 2.0')]
     for kw, msg in cases: fails_with(lambda: fp8_linear(**{**dict(x=x, w=w), **kw}), contains=msg)
     fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
@@ -130,7 +138,8 @@ def test_bad_inputs_are_named():
 @pytest.mark.parametrize('T', [1, 2, 3])
 @pytest.mark.parametrize('split', [None, 3])
 def test_fused_norm_and_rope_are_the_separate_launches_bit_for_bit(T, split):
-    "fp8_linear_norm = rms_norm_fused(fp8_linear), then rope; fp8_linear_rope = rope of fp8_linear's heads (3 rows: the functions)"
+    """fp8_linear_norm = rms_norm_fused(fp8_linear), then rope; fp8_linear_rope = rope of
+    fp8_linear's heads (3 rows: the functions)"""
     w, nw = _weight(1, 128, 192, 21), (1 + torch.randn(128, generator=torch.Generator().manual_seed(3)) / 4).to(DEV)
     x, pos = _x(T, 1, 192, 22), torch.tensor([5, 300, 4000][:T], device=DEV)
     inv = (1.0 / 10000 ** (torch.arange(0, 16, 2) / 16)).float().to(DEV)
@@ -148,9 +157,11 @@ def test_fused_forms_bad_inputs_are_named():
              (lambda: fp8_linear_norm(x, w, nw, -1.0), 'eps = -1.0'),
              (lambda: fp8_linear_norm(x, w, nw, 1e-6, inv_freq=inv), 'inv_freq and positions come together'),
              (lambda: fp8_linear_norm(_x(2, 2, 64, 9), _weight(2, 64, 64, 9), nw, 1e-6), 'takes an ungrouped weight'),
-             (lambda: fp8_linear_norm(x, w, nw, 1e-6, inv_freq=inv, positions=pos[:1]), 'positions must be integers of shape (2,)'),
+             (lambda: fp8_linear_norm(x, w, nw, 1e-6, inv_freq=inv, positions=pos[:1]),
+              'positions must be integers of shape (2,)'),
              (lambda: fp8_linear_rope(x, w, inv, pos, 48), 'an even head_dim dividing N = 64'),
              (lambda: fp8_linear_rope(x, w, inv, pos, 0), 'head_dim = 0'),
-             (lambda: fp8_linear_rope(x, w, torch.ones(20, device=DEV), pos, 32), 'at most head_dim / 2 = 16 frequencies'),
+             (lambda: fp8_linear_rope(x, w, torch.ones(20, device=DEV), pos, 32),
+              'at most head_dim / 2 = 16 frequencies'),
              (lambda: fp8_linear_rope(x.int(), w, inv, pos, 32), 'floating-point')]
     for f, msg in cases: fails_with(f, contains=msg)

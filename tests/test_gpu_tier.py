@@ -65,7 +65,8 @@ def _moe_case(T, E, k, seed):
 @pytest.mark.parametrize('tiles', MOE_TILES)
 @pytest.mark.parametrize('entry', list(MOE_TUNING))
 def test_moe_every_tuning_entry(entry, tiles):
-    "The fused MoE at a batch that picks each `MOE_TUNING` entry, both weight tiles, plain and with gate/up split along K"
+    """The fused MoE at a batch that picks each `MOE_TUNING` entry, both weight tiles, plain and
+    with gate/up split along K"""
     E, k = 8, 2
     T = next(t for t in (1, 8, 64, 256, 1024) if moe_launch_shape(t * k, E) == MOE_TUNING[entry])
     cfg, W, x, tw, ti = _moe_case(T, E, k, seed=T)
@@ -135,9 +136,9 @@ def test_graphs_sync_and_async_equal_eager(small, batch):
 
 @torch.no_grad()
 def test_engine_steps_are_the_reference_argmax(small):
-    """Without bounded replay, at least 90% of the engine's greedy steps are the argmax of the dense reference on the CPU
-    given the same prefix. Not all: the GPU's kernels round differently from the CPU's, and the model's discrete steps
-    (rounding to FP8, the indexer's top-k, the router) turn one ulp into logits that move by up to about one (the
+    """Without bounded replay, at least 90% of the engine's greedy steps are the argmax of the dense reference on the
+    CPU given the same prefix. Not all: the GPU's kernels round differently from the CPU's, and the model's discrete
+    steps (rounding to FP8, the indexer's top-k, the router) turn one ulp into logits that move by up to about one (the
     greedy_agreement tool measures 97% on the H200, where the dense reference's own GPU run reaches 98%); a launch
     shape that decodes wrongly drops far below."""
     ref = load_model(SMALL, device='cpu')

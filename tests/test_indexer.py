@@ -13,8 +13,9 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.formats import cache_format
 from dsv41_nb.records import store_records
-from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits, index_logits_reference, topk_reference,
-                              ragged_topk, candidate_pool, candidate_pool_reference, pool_mask, sparse_topk,
+from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits,
+                              index_logits_reference, topk_reference, ragged_topk, candidate_pool,
+                              candidate_pool_reference, pool_mask, sparse_topk,
                               sparse_topk_reference, logits_error_bound)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -34,12 +35,14 @@ def world(ix, contexts, queries, seed, block_size=16):
     for r, n in enumerate(contexts):
         table[r, :pages[r]] = torch.tensor(ids[sum(pages[:r]):sum(pages[:r + 1])], dtype=torch.int32)
         e = torch.arange(n)
-        store_records(ix.codec, (torch.randn(n, ix.head_dim, generator=g) * 3).bfloat16(), cache, table[r, e // per].long() * per + e % per)
+        store_records(ix.codec, (torch.randn(n, ix.head_dim, generator=g) * 3).bfloat16(), cache,
+                      table[r, e // per].long() * per + e % per)
     q = qdq_mxfp4(torch.randn(len(queries), ix.n_heads, ix.head_dim, generator=g).bfloat16())
     w = torch.randn(len(queries), ix.n_heads, generator=g) * 0.3
     rows = torch.tensor([r for r, _ in queries], dtype=torch.int32)
     pos = torch.tensor([p for _, p in queries])
-    return q.to(DEV), w.to(DEV), cache.to(DEV), IndexBatch(pos.to(DEV), rows.to(DEV), table.to(DEV), block_size, ix.ratio)
+    return q.to(DEV), w.to(DEV), cache.to(DEV), IndexBatch(pos.to(DEV), rows.to(DEV), table.to(DEV),
+                                                           block_size, ix.ratio)
 
 @st.composite
 def batches(draw, max_context=3000, max_requests=3, max_queries=5):
@@ -52,7 +55,9 @@ def batches(draw, max_context=3000, max_requests=3, max_queries=5):
     return contexts, queries
 
 @needs_triton
-@given(batches(), st.sampled_from([(6, 'index_mxfp4'), (6, 'index_fp8'), (2, 'index_mxfp4'), (2, 'index_fp8')]), st.integers(0, 2**31))
+@given(batches(),
+       st.sampled_from([(6, 'index_mxfp4'), (6, 'index_fp8'), (2, 'index_mxfp4'), (2, 'index_fp8')]),
+       st.integers(0, 2**31))
 @example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1)
 @example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2)
 @settings(max_examples=examples(10))
@@ -72,9 +77,12 @@ def score_rows(draw):
     T, L, k = draw(st.integers(1, 6)), draw(st.integers(1, 3000)), draw(st.sampled_from([1, 5, 32, 512]))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     kind = draw(st.sampled_from(['gauss', 'few', 'zeros', 'wide']))
-    x = {'gauss': lambda: torch.randn(T, L, generator=g), 'few': lambda: torch.randint(-2, 3, (T, L), generator=g).float(),
-         'zeros': lambda: torch.where(torch.rand(T, L, generator=g) < 0.5, 0.0, -0.0) + torch.randint(0, 2, (T, L), generator=g),
-         'wide': lambda: torch.randn(T, L, generator=g) * torch.exp2(torch.randint(-100, 100, (T, L), generator=g).float())}[kind]()
+    x = {'gauss': lambda: torch.randn(T, L, generator=g),
+         'few': lambda: torch.randint(-2, 3, (T, L), generator=g).float(),
+         'zeros': lambda: (torch.where(torch.rand(T, L, generator=g) < 0.5, 0.0, -0.0)
+                           + torch.randint(0, 2, (T, L), generator=g)),
+         'wide': lambda: (torch.randn(T, L, generator=g)
+                          * torch.exp2(torch.randint(-100, 100, (T, L), generator=g).float()))}[kind]()
     lengths = torch.tensor([draw(st.sampled_from([0, min(k, L), L, draw(st.integers(0, L))])) for _ in range(T)])
     return x, lengths, k
 
@@ -109,7 +117,8 @@ def test_candidate_pool(b, geometry, seed):
         n = int(vis[s])
         blocks = [b for b in got[s].tolist() if b >= 0]
         assert len(blocks) == min(nblk, triton.cdiv(n, cbs)) and blocks == sorted(blocks)
-        if n: assert (n - 1) // cbs in blocks                              # the query's newest block is always in the pool
+        # the query's newest block is always in the pool
+        if n: assert (n - 1) // cbs in blocks
 
 @needs_triton
 @given(batches(max_context=2000), st.integers(0, 2**31))
@@ -130,7 +139,8 @@ def test_sparse_logits_select_like_masked_dense(b, seed):
 @given(batches(max_context=2000), st.sampled_from([(16, 4, 8), (64, 8, 40), (3, 2, 16)]), st.integers(0, 2**31))
 @settings(max_examples=examples(10))
 def test_pool_topk_kernel_equals_torch_path(b, geometry, seed):
-    "ragged_topk over a sparse row with its pool: the kernel's prefix and entries against the PyTorch path (pool_entries, gather)"
+    """ragged_topk over a sparse row with its pool: the kernel's prefix and entries against the
+    PyTorch path (pool_entries, gather)"""
     contexts, queries = b
     nblk, cbs, k = geometry
     q, w, cache, batch = world(Indexer(TINY, 6), contexts, queries, seed)
@@ -147,9 +157,11 @@ def test_select_all_scores_nothing():
     cache = torch.full((4, 16, ix.codec.record_bytes), 0xFF, dtype=torch.uint8, device=DEV)  # NaN scales
     batch = IndexBatch(torch.tensor([0, 5, 31], device=DEV), torch.zeros(3, dtype=torch.int32, device=DEV),
                        torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEV), 16, 1)
-    q, w = torch.zeros(3, ix.n_heads, ix.head_dim, dtype=torch.bfloat16, device=DEV), torch.zeros(3, ix.n_heads, device=DEV)
+    q, w = (torch.zeros(3, ix.n_heads, ix.head_dim, dtype=torch.bfloat16, device=DEV),
+            torch.zeros(3, ix.n_heads, device=DEV))
     sel, pool = ix.select(q, w, batch, cache)
-    assert sel[:, :6].tolist() == [[0, -1, -1, -1, -1, -1], list(range(6)), list(range(6))] and (sel[2] == torch.arange(32, device=DEV)).all()
+    assert (sel[:, :6].tolist() == [[0, -1, -1, -1, -1, -1], list(range(6)), list(range(6))]
+            and (sel[2] == torch.arange(32, device=DEV)).all())
     assert pool[2, :9].tolist() == list(range(8)) + [-1]
 
 def test_bad_inputs():
@@ -162,22 +174,28 @@ def test_bad_inputs():
         (lambda: index_logits(q[:0], w[:0], cache, batch, ix.codec), 'batch has 1 queries, q has 0'),
         (lambda: ragged_topk(torch.randn(2, 4, dtype=torch.float64), torch.tensor([1, 2]), 2), 'float32'),
         (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1.0, 2.0]), 2), 'integer lengths'),
-        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(2, 2, dtype=torch.int64), block_size=2), 'int32'),
-        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(3, 2, dtype=torch.int32), block_size=2), '(2, blocks)'),
-        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(2, 2, dtype=torch.int32)), 'block_size = 0'),
-        (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2,
+                             pool=torch.zeros(2, 2, dtype=torch.int64), block_size=2), 'int32'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2,
+                             pool=torch.zeros(3, 2, dtype=torch.int32), block_size=2), '(2, blocks)'),
+        (lambda: ragged_topk(torch.randn(2, 4), torch.tensor([1, 2]), 2, pool=torch.zeros(2, 2, dtype=torch.int32)),
+         'block_size = 0'),
+        (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32),
+                            torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
     ]: fct.test_fail(fn, contains=msg)
 
 @needs_triton
-@given(st.integers(40, 160), st.lists(st.integers(1, 40), min_size=1, max_size=6), st.sampled_from([2, 6]), st.integers(0, 2**31))
+@given(st.integers(40, 160), st.lists(st.integers(1, 40), min_size=1, max_size=6),
+       st.sampled_from([2, 6]), st.integers(0, 2**31))
 @settings(max_examples=examples(5))
 def test_chunked_prefill_selects_like_one_shot(n, chunks, layer, seed):
     "Keys stored and queries scored chunk by chunk (then one token at a time) select what one prefill selects"
     torch.manual_seed(seed)
     ix = Indexer(TINY, layer).to(DEV)
     g = torch.Generator().manual_seed(seed)
-    keys = (torch.randn(n, ix.head_dim, generator=g) * 2).bfloat16().to(DEV)       # one key per token, written when it completes
+    # one key per token, written when it completes
+    keys = (torch.randn(n, ix.head_dim, generator=g) * 2).bfloat16().to(DEV)
     q = qdq_mxfp4(torch.randn(n, ix.n_heads, ix.head_dim, generator=g).bfloat16()).to(DEV)
     w = (torch.randn(n, ix.n_heads, generator=g) * 0.3).to(DEV)
     table = torch.arange(1, triton.cdiv(n, 16) + 1, dtype=torch.int32, device=DEV)[None]
@@ -192,7 +210,8 @@ def test_chunked_prefill_selects_like_one_shot(n, chunks, layer, seed):
             with use_kernels('triton'): out.append(ix.select(q[s:s + k], w[s:s + k], batch, cache)[0])
         return torch.cat(out)
     steps, s = [], 0
-    for k in chunks + [max(n - 8 - s, 1)] + [1] * 8:                            # random chunks, the rest, 8 decode steps
+    # random chunks, the rest, 8 decode steps
+    for k in chunks + [max(n - 8 - s, 1)] + [1] * 8:
         if s >= n: break
         steps.append((s, min(k, n - s))); s += steps[-1][1]
     assert torch.equal(run(steps), run([(0, n)]))

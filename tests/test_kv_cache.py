@@ -8,7 +8,8 @@ import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.block_pool import BlockPool, Request, RequestBlockHasher, BlockStored, AllBlocksCleared, reference_slot_mapping, ring_slot_mapping
+from dsv41_nb.block_pool import (BlockPool, Request, RequestBlockHasher, BlockStored,
+                                 AllBlocksCleared, reference_slot_mapping, ring_slot_mapping)
 from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit,
                                kv_bytes_per_token)
 from dsv41_nb.accounting import global_kv_bytes_per_token
@@ -20,7 +21,8 @@ GLOBAL, SWA, RING = 0, 1, 2
 
 def tiny_kv(num_blocks=64, events=False, **cc):
     "A tiny-config manager: global blocks of 16 tokens, SWA blocks of 4 (window 16), one ring per request"
-    return KVCacheManager(get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=num_blocks, **cc)),
+    return KVCacheManager(get_kv_cache_config(TINY,
+                                              CacheConfig.for_model(TINY, num_gpu_blocks_override=num_blocks, **cc)),
                           enable_kv_cache_events=events)
 
 
@@ -51,7 +53,8 @@ def test_full_layout_matches_the_blog_post():
     kc = get_kv_cache_config(FULL)
     g, s, r = kc.groups
     assert (g.block_size, s.block_size, kc.hash_block_size, kc.resume_alignment) == (128, 32, 32, 128)
-    assert [m.kind for m in g.members] == ['main_kv', 'index_k'] * 4 and [m.layer for m in g.members][::2] == [2, 8, 14, 20]
+    assert ([m.kind for m in g.members] == ['main_kv', 'index_k'] * 4
+            and [m.layer for m in g.members][::2] == [2, 8, 14, 20])
     assert len(s.members) == 43 and {m.record_bytes for m in s.members} == {528}
     assert [m.layer for m in r.members] == [2, 8, 14] and r.bytes_per_block == 3 * 2 * 1024 * 4
     assert g.bytes_per_block == 64 * 3 * (288 + 68) + 128 * (288 + 68)
@@ -73,7 +76,8 @@ def test_kv_bytes_per_token(cfg, main, index):
     assert own['global'] == global_kv_bytes_per_token(cfg, main, index) == g.bytes_per_block / g.block_size
     for x in (g, s):
         assert shared[x.name] == kc.page_bytes / x.block_size >= own[x.name]
-        assert (shared[x.name] == own[x.name]) == (x.bytes_per_block == kc.page_bytes)   # only the widest fills its page
+        # only the widest fills its page
+        assert (shared[x.name] == own[x.name]) == (x.bytes_per_block == kc.page_bytes)
     if cfg is FULL and main == 'ds_fp4':
         assert own['global'] == 890 and shared['global'] == 43 * 32 * 528 / 128      # ~890 B vs ~5.7 KB
     with pytest.raises(ValueError, match="layout = 'packed'"): kv_bytes_per_token(kc, 'packed')
@@ -159,7 +163,8 @@ def test_growth_that_fits_only_thanks_to_released_window_blocks():
     a = kv.new_request('a', toks(40, 4)); run(kv, a)
     assert kv.num_free_blocks == 1
     a.append_output_token_ids(5)
-    got = kv.allocate_slots(a, 1, num_lookahead_tokens=7)  # 48 slots: 2 new SWA blocks, 1 free; the skip frees 6 (blocks 0..5)
+    # 48 slots: 2 new SWA blocks, 1 free; the skip frees 6 (blocks 0..5)
+    got = kv.allocate_slots(a, 1, num_lookahead_tokens=7)
     assert got is not None and got.num_blocks == (0, 2, 0)
     assert [x.is_null for x in kv.get_blocks('a').blocks[SWA]] == [True] * 6 + [False] * 6
 
@@ -170,7 +175,8 @@ def test_window_release_feeds_the_other_groups():
     a = kv.new_request('a', toks(48, 15)); run(kv, a)
     assert kv.num_free_blocks == 0
     a.append_output_token_ids(3)
-    got = kv.allocate_slots(a, 1)                         # 49 slots: a 4th global and a 13th SWA block; the skip frees 8
+    # 49 slots: a 4th global and a 13th SWA block; the skip frees 8
+    got = kv.allocate_slots(a, 1)
     assert got is not None and got.num_blocks == (1, 1, 0)
     assert sum(x.is_null for x in kv.get_blocks('a').blocks[SWA]) == 8 and kv.num_free_blocks == 6
 
@@ -213,7 +219,8 @@ def test_roccos_worked_example():
     "Global through 32,768, SWA only through 24,576 -> resume at 24,576; then 256 + 8, 4 + 32, 1 blocks"
     t = toks(50_000, 9, FULL.vocab_size)
     for interval, expect in ((0, 24_576), (8192, 32_768)):
-        kv = KVCacheManager(get_kv_cache_config(FULL, CacheConfig(num_gpu_blocks_override=4000, prefix_cache_retention_interval=interval)))
+        kv = KVCacheManager(get_kv_cache_config(FULL, CacheConfig(num_gpu_blocks_override=4000,
+                                                                  prefix_cache_retention_interval=interval)))
         t1 = kv.new_request('t1', t[:24_600]); run(kv, t1, 4096)
         for tok in t[24_600:32_800]:                      # decode: each sampled token computed in the next step
             t1.append_output_token_ids(tok)
@@ -298,7 +305,9 @@ def test_coordinator_agrees_with_brute_force():
     @given(st.data())
     def check(data):
         sizes = data.draw(st.sampled_from([(4, 16), (4, 8), (8, 8), (2, 16)]))
-        kc = get_kv_cache_config(TINY, CacheConfig(swa_block_size=sizes[0], global_block_size=sizes[1], num_gpu_blocks_override=300))
+        kc = get_kv_cache_config(TINY,
+                                 CacheConfig(swa_block_size=sizes[0], global_block_size=sizes[1],
+                                             num_gpu_blocks_override=300))
         pool = BlockPool(kc.num_blocks); coord = KVCacheCoordinator(kc, pool)
         n = data.draw(st.integers(1, 120))
         req = Request('r', list(range(n)), RequestBlockHasher(kc.hash_block_size, TINY.vocab_size))
@@ -327,7 +336,9 @@ def test_batch_slot_mappings_against_reference():
     exp_swa, exp_c2, exp_c1, exp_ring = [], [], [], []
     for r in reqs:
         g, s, (ring,) = kv.get_block_ids(r.request_id); pos = range(r.num_tokens)
-        exp_swa += reference_slot_mapping(s, pos, 4); exp_c2 += reference_slot_mapping(g, pos, 16, 2); exp_c1 += reference_slot_mapping(g, pos, 16, 1)
+        exp_swa += reference_slot_mapping(s, pos, 4)
+        exp_c2 += reference_slot_mapping(g, pos, 16, 2)
+        exp_c1 += reference_slot_mapping(g, pos, 16, 1)
         exp_ring += ring_slot_mapping(ring, pos, 2).tolist()
     assert sm.swa.tolist() == exp_swa and sm.compressed[2].tolist() == exp_c2 and sm.compressed[1].tolist() == exp_c1
     assert sm.ring.tolist() == exp_ring
@@ -350,7 +361,9 @@ def test_slot_mapping_refuses_released_blocks():
 def test_request_that_can_never_fit_is_refused_at_admission():
     kv = tiny_kv(20)
     before = cache_snapshot(kv)
-    with pytest.raises(CacheCapacityError, match=r"request 'big' can never fit: at 400 tokens it needs 31 blocks \(global 25 \+ swa 5 \+ compressor 1\) but the pool has only 19"):
+    with pytest.raises(CacheCapacityError,
+                       match=r"request 'big' can never fit: at 400 tokens it needs 31 blocks "
+                             r"\(global 25 \+ swa 5 \+ compressor 1\) but the pool has only 19"):
         kv.allocate_slots(kv.new_request('big', toks(400)), 8)
     with pytest.raises(CacheCapacityError):
         kv.allocate_slots(kv.new_request('greedy', toks(50), max_tokens=350), 8)
@@ -374,7 +387,8 @@ def test_events_and_reset():
     seen = []
     kv.subscribe(seen.append)
     a = kv.new_request('a', toks(40, 50)); run(kv, a)
-    assert [(type(e), e.group_id, len(e.block_hashes)) for e in seen] == [(BlockStored, GLOBAL, 2), (BlockStored, SWA, 4)]
+    assert [(type(e), e.group_id, len(e.block_hashes)) for e in seen] == [(BlockStored, GLOBAL, 2),
+                                                                          (BlockStored, SWA, 4)]
     assert seen[0].token_ids == tuple(a.all_token_ids[:32]) and seen[0].parent_block_hash is None
     assert seen[1].parent_block_hash == a.block_hashes[3] and seen[1].token_ids == tuple(a.all_token_ids[16:32])
     assert kv.reset_prefix_cache() is False
@@ -394,13 +408,16 @@ def test_prefix_caching_disabled():
 
 
 def test_duplicate_request_id():
-    "A second request under a live id used to be accepted; allocate_slots then grew the first's tables and free blamed a double free"
+    """A second request under a live id used to be accepted; allocate_slots then grew the first's
+    tables and free blamed a double free"""
     kv = tiny_kv(60)
     a = kv.new_request('a', toks(20)); run(kv, a)
     twin = Request('a', toks(30, 1), kv.block_hasher)                 # made directly, past new_request's check
     before = cache_snapshot(kv)
-    fct.test_fail(lambda: kv.new_request('a', toks(5)), exc=ValueError, contains="request id 'a' is already live in this cache")
-    fct.test_fail(lambda: kv.allocate_slots(twin, 30), exc=ValueError, contains="request id 'a' belongs to another live request")
+    fct.test_fail(lambda: kv.new_request('a', toks(5)), exc=ValueError,
+                  contains="request id 'a' is already live in this cache")
+    fct.test_fail(lambda: kv.allocate_slots(twin, 30), exc=ValueError,
+                  contains="request id 'a' belongs to another live request")
     fct.test_fail(lambda: kv.free(twin), exc=ValueError, contains="request id 'a' belongs to another live request")
     assert cache_snapshot(kv) == before
     kv.free(a)
@@ -413,8 +430,10 @@ def test_block_table_refuses_what_it_cannot_draw():
     "block_table(['nope'], 0) used to return a row of null blocks; a narrow width silently cut tables"
     kv = tiny_kv(60)
     a = kv.new_request('a', toks(40)); run(kv, a)
-    fct.test_fail(lambda: kv.block_table(['nope'], 0), exc=ValueError, contains="block_table: request 'nope' holds no KV blocks")
-    fct.test_fail(lambda: kv.block_table(['a'], 1, width=3), exc=ValueError, contains='width = 3 is narrower than the longest table (10 blocks)')
+    fct.test_fail(lambda: kv.block_table(['nope'], 0), exc=ValueError,
+                  contains="block_table: request 'nope' holds no KV blocks")
+    fct.test_fail(lambda: kv.block_table(['a'], 1, width=3), exc=ValueError,
+                  contains='width = 3 is narrower than the longest table (10 blocks)')
     assert kv.block_table(['a'], 1, width=12)[0].tolist() == kv.get_block_ids('a')[1] + [0, 0]
 
 
@@ -424,28 +443,37 @@ def test_bad_input():
     before = cache_snapshot(kv)
     for f, exc, msg in [
             (lambda: CacheConfig(swa_block_size=0), ValueError, 'swa_block_size = 0; expected a positive integer'),
-            (lambda: CacheConfig(global_block_size=0), ValueError, 'global_block_size = 0; expected a positive integer'),
+            (lambda: CacheConfig(global_block_size=0), ValueError,
+             'global_block_size = 0; expected a positive integer'),
             (lambda: CacheConfig(swa_block_size=2.5), ValueError, 'swa_block_size = 2.5; expected a positive integer'),
-            (lambda: CacheConfig(index_key_format='mxfp4'), ValueError, "index_key_format = 'mxfp4'; expected one of ('index_mxfp4', 'index_fp8')"),
+            (lambda: CacheConfig(index_key_format='mxfp4'), ValueError,
+             "index_key_format = 'mxfp4'; expected one of ('index_mxfp4', 'index_fp8')"),
             (lambda: CacheConfig(kv_cache_memory_bytes=-1), ValueError, 'kv_cache_memory_bytes = -1'),
             (lambda: CacheConfig.for_model('tiny'), TypeError, 'expected a ModelConfig'),
             (lambda: get_kv_cache_config(TINY, dict(swa_block_size=4)), TypeError, 'cc must be a CacheConfig'),
-            (lambda: get_kv_cache_config(TINY, CacheConfig(kv_cache_memory_bytes=100)), ValueError, 'the pool needs at least 2'),
+            (lambda: get_kv_cache_config(TINY, CacheConfig(kv_cache_memory_bytes=100)), ValueError,
+             'the pool needs at least 2'),
             (lambda: KVCacheManager(CacheConfig()), TypeError, 'expected a KVCacheConfig'),
-            (lambda: kv.new_request('e', None), TypeError, 'prompt_token_ids must be a sequence of token ids, got NoneType'),
-            (lambda: kv.new_request('x', [1, 2, 512]), ValueError, 'token id 512 at position 2 is outside the vocabulary'),
+            (lambda: kv.new_request('e', None), TypeError,
+             'prompt_token_ids must be a sequence of token ids, got NoneType'),
+            (lambda: kv.new_request('x', [1, 2, 512]), ValueError,
+             'token id 512 at position 2 is outside the vocabulary'),
             (lambda: kv.new_request('ok', [1]), ValueError, "request id 'ok' is already live"),
             (lambda: kv.allocate_slots('ok', 1), TypeError, 'expected a Request, got str'),
-            (lambda: kv.allocate_slots(ok, 0), ValueError, 'num_new_tokens = 0, num_lookahead_tokens = 0; expected >= 1 and >= 0'),
+            (lambda: kv.allocate_slots(ok, 0), ValueError,
+             'num_new_tokens = 0, num_lookahead_tokens = 0; expected >= 1 and >= 0'),
             (lambda: kv.allocate_slots(ok, 1, num_lookahead_tokens=-1), ValueError, 'num_lookahead_tokens = -1'),
-            (lambda: kv.allocate_slots(ok, 1, num_new_computed_tokens=-16), ValueError, 'num_new_computed_tokens = -16'),
+            (lambda: kv.allocate_slots(ok, 1, num_new_computed_tokens=-16), ValueError,
+             'num_new_computed_tokens = -16'),
             (lambda: kv.allocate_slots(ok, 1 << 20), ValueError, 'exceed max_model_len'),
-            (lambda: kv.allocate_slots(kv.new_request('big', toks(400)), 8), CacheCapacityError, "request 'big' can never fit"),
+            (lambda: kv.allocate_slots(kv.new_request('big', toks(400)), 8), CacheCapacityError,
+             "request 'big' can never fit"),
             (lambda: kv.free(kv.new_request('never', [1])), ValueError, "request 'never' holds no KV blocks"),
             (lambda: kv.block_table('ok', 0), TypeError, 'request_ids must be a sequence of ids'),
             (lambda: kv.block_table(['ok'], 3), ValueError, 'group_id = 3; expected 0..2'),
             (lambda: kv.block_table(['nope'], 0), ValueError, "request 'nope' holds no KV blocks"),
-            (lambda: kv.slot_mappings([('nope', 0, 1)]), ValueError, "slot_mappings: request 'nope' holds no KV blocks"),
+            (lambda: kv.slot_mappings([('nope', 0, 1)]), ValueError,
+             "slot_mappings: request 'nope' holds no KV blocks"),
             (lambda: kv.slot_mappings([('ok', -1, 2)]), ValueError, 'scheduled at position -1 for 2 tokens'),
             (lambda: kv.slot_mappings([('ok', True, 2)]), ValueError, 'scheduled at position True for 2 tokens'),
             (lambda: kv.slot_mappings([('ok', 0, 2.0)]), ValueError, 'for 2.0 tokens; expected integers >= 0'),

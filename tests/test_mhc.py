@@ -11,8 +11,9 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 import triton, triton.language as tl
 from dsv41_nb.formats import _hw_cvt
-from dsv41_nb.mhc import (MHC_TUNING, SEAM_VERSIONS, HCWeights, check_seam, hc_expand, hc_collapse, hc_mixes, mhc_seam, random_hc_layer,
-                          random_hc_weights, run_hc_stack, seam_plan, seam_version, sinkhorn, _bf16_pieces, _rms_norm)
+from dsv41_nb.mhc import (MHC_TUNING, SEAM_VERSIONS, HCWeights, check_seam, hc_expand, hc_collapse,
+                          hc_mixes, mhc_seam, random_hc_layer, random_hc_weights, run_hc_stack,
+                          seam_plan, seam_version, sinkhorn, _bf16_pieces, _rms_norm)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -22,7 +23,8 @@ ITERS, EPS = TINY.hc_sinkhorn_iters, TINY.hc_eps
 
 @st.composite
 def comb_logits(draw, n=None):
-    "Batches of (n, n) logits: Gaussian of any spread, ±1e4, all equal, with -inf entries, rows and columns sprinkled in"
+    """Batches of (n, n) logits: Gaussian of any spread, ±1e4, all equal, with -inf entries, rows
+    and columns sprinkled in"""
     n = n or draw(st.sampled_from([2, 3, 4, 8]))
     b = draw(st.integers(1, 16))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
@@ -58,19 +60,21 @@ def test_sinkhorn_converges(z):
 @given(st.integers(0, 2**31), st.sampled_from([torch.float32, torch.bfloat16]), st.floats(0, 0.5),
        st.sampled_from(['none', 'equal', 'permutation', 'ninf-column']))
 def test_sinkhorn_rows_at_20_iterations(seed, dtype, spread, kind):
-    "Inputs that converge in the model's 20 iterations: rows too within 1e-3 (logits of small spread, all equal, one-hot on a "
-    "permutation at ±1e4, a whole column at -inf)"
+    """Inputs that converge in the model's 20 iterations: rows too within 1e-3 (logits of small
+    spread, all equal, one-hot on a permutation at ±1e4, a whole column at -inf)"""
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(8, 4, 4, generator=g) * spread
     if kind == 'equal': z = torch.full((8, 4, 4), 1e4)
-    elif kind == 'permutation': z = torch.stack([torch.eye(4)[torch.randperm(4, generator=g)] for _ in range(8)]) * 2e4 - 1e4
+    elif kind == 'permutation':
+        z = torch.stack([torch.eye(4)[torch.randperm(4, generator=g)] for _ in range(8)]) * 2e4 - 1e4
     elif kind == 'ninf-column': z[:, :, int(torch.randint(0, 4, (1,), generator=g))] = float('-inf')
     c = sinkhorn(z.to(dtype), ITERS, EPS)
     assert ((c.sum(-1) - 1).abs() <= 1e-3).all() and ((c.sum(-2) - 1).abs() <= 1e-3).all()
 
 def test_sinkhorn_all_equal_is_uniform():
     for v in (0.0, 1e4, -1e4, float('-inf')):
-        torch.testing.assert_close(sinkhorn(torch.full((2, 4, 4), v), ITERS, EPS), torch.full((2, 4, 4), 0.25), atol=1e-6, rtol=0)
+        torch.testing.assert_close(sinkhorn(torch.full((2, 4, 4), v), ITERS, EPS),
+                                   torch.full((2, 4, 4), 0.25), atol=1e-6, rtol=0)
 
 def _constant_pre_layer(cfg, g, base):
     l = random_hc_layer(cfg, 1.0, g, dtype=torch.float32)
@@ -93,7 +97,8 @@ def test_forms_agree_when_pre_is_constant(seed, blocks, tokens):
 
 def test_expand_then_collapse_is_the_final_norm():
     g = torch.Generator().manual_seed(0)
-    h, w = torch.randn(5, TINY.dim, generator=g).bfloat16().to(DEV), (1 + torch.rand(TINY.dim, generator=g)).bfloat16().to(DEV)
+    h, w = (torch.randn(5, TINY.dim, generator=g).bfloat16().to(DEV),
+            (1 + torch.rand(TINY.dim, generator=g)).bfloat16().to(DEV))
     ref = _rms_norm(h, w, TINY.norm_eps)
     with use_kernels('torch'):
         assert torch.equal(hc_collapse(*hc_expand(h, TINY.hc_mult), w, TINY), ref)
@@ -113,21 +118,27 @@ def seam_args(cfg, T, dtype, has_prev, predict, mix, fp8, strength, seed):
     if has_prev:
         args.update(f=torch.randn(T, dim, generator=g).to(DEV, dtype), post=(2 * torch.rand(T, n, generator=g)).to(DEV),
                     comb=sinkhorn(torch.randn(T, n, n, generator=g) * 3, 20, 1e-6).to(DEV))
-    if mix: args.update(pre=torch.rand(T, n, generator=g).to(DEV), norm_weight=(1 + 0.3 * torch.randn(dim, generator=g)).to(DEV, dtype))
+    if mix:
+        args.update(pre=torch.rand(T, n, generator=g).to(DEV),
+                    norm_weight=(1 + 0.3 * torch.randn(dim, generator=g)).to(DEV, dtype))
     if predict: args['hc'] = random_hc_weights(cfg, strength, g, DEV)
     return args
 
 # Compiled, every new width, stream count, block or step pattern is a new kernel (seconds each): on a GPU the fuzz draws
 # the tuning's own blocks and two widths, and the GPU tier's test_mhc_every_token_program covers the shapes served.
 GPU = DEV.type == 'cuda'
-# launch tables the fuzz draws from: version 1 (16-token tiles, fp32 tl.dot), version 2 as tuned, and big tiles from a few tokens on
+# launch tables the fuzz draws from: version 1 (16-token tiles, fp32 tl.dot), version 2 as tuned,
+# and big tiles from a few tokens on
 TILES = {'v1': SEAM_VERSIONS[1], 'v2': SEAM_VERSIONS[2], 'v2 fp32 dot': dict(projection='fp32'),
-         'big32': dict(big_t=5, big_block_t=32, big_block_d=64, big_warps=4), 'big64': dict(big_t=3, big_block_t=64, big_block_d=16)}
+         'big32': dict(big_t=5, big_block_t=32, big_block_d=64, big_warps=4),
+         'big64': dict(big_t=3, big_block_t=64, big_block_d=16)}
 
 @needs_triton
 @settings(max_examples=examples(12 if GPU else 40))
-@given(T=st.integers(0, 40), dim=st.sampled_from([64, 160] if GPU else [32, 64, 96, 160]), n=st.sampled_from([4] if GPU else [4, 8]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]), steps=st.sampled_from([(1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (0, 0, 1), (1, 0, 0)]),
+@given(T=st.integers(0, 40), dim=st.sampled_from([64, 160] if GPU else [32, 64, 96, 160]),
+       n=st.sampled_from([4] if GPU else [4, 8]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       steps=st.sampled_from([(1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (0, 0, 1), (1, 0, 0)]),
        fp8=st.booleans(), strength=st.floats(0, 10), block_d=st.sampled_from([64] if GPU else [32, 64]),
        split=st.sampled_from([1, 2, 3, 5, 'auto']), finish_sb=st.sampled_from([16] if GPU else [2, 16]),
        tiles=st.sampled_from(list(TILES)), seed=st.integers(0, 2**31))
@@ -154,7 +165,8 @@ def test_stack_on_kernels_stays_within_bf16_noise():
     subs = [(lambda w: lambda y, q, s: torch.tanh(y.float() @ w).to(y.dtype))(w) for w in ws]
     h, final = torch.randn(20, TINY.dim, generator=g).to(DEV), torch.ones(TINY.dim, device=DEV)
     with use_kernels('torch'):
-        ref, ref32 = run_hc_stack(h.bfloat16(), layers, subs, final.bfloat16(), TINY, fp8=True)[0], run_hc_stack(h, layers, subs, final, TINY)[0]
+        ref, ref32 = (run_hc_stack(h.bfloat16(), layers, subs, final.bfloat16(), TINY, fp8=True)[0],
+                      run_hc_stack(h, layers, subs, final, TINY)[0])
     with use_kernels('triton'): ker = run_hc_stack(h.bfloat16(), layers, subs, final.bfloat16(), TINY, fp8=True)[0]
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
     assert rel(ker, ref) < rel(ref, ref32)
@@ -162,23 +174,28 @@ def test_stack_on_kernels_stays_within_bf16_noise():
 @needs_triton
 @pytest.mark.parametrize('dim,dtype', [(64, torch.bfloat16), (160, torch.float32)])
 def test_seam_kernel_sinkhorn_exact_logits(dim, dtype):
-    """With logits that both implementations compute exactly (copies of ±1, so the RMS factor is 1; integer multiples of 1/64 in
-    hc_*_fn and hc_*_base; power-of-two scales), pre, post and comb differ only by the rounding of σ, exp and 39 normalisations of
-    4-element sums: a few ulps, far inside 2^-12 relative. The logits are spread wide enough that one Sinkhorn iteration more
-    or less moves comb by more than 2^-10, so a kernel that ran another number of iterations, or another order, would fail."""
+    """With logits that both implementations compute exactly (copies of ±1, so the RMS factor is 1; integer multiples
+    of 1/64 in hc_*_fn and hc_*_base; power-of-two scales), pre, post and comb differ only by the rounding of σ, exp
+    and 39 normalisations of 4-element sums: a few ulps, far inside 2^-12 relative. The logits are spread wide enough
+    that one Sinkhorn iteration more or less moves comb by more than 2^-10, so a kernel that ran another number of
+    iterations, or another order, would fail."""
     cfg = replace(TINY, dim=dim)
     n, T, g = cfg.hc_mult, 24, torch.Generator().manual_seed(11)
     x = (torch.randint(0, 2, (T, n, dim), generator=g) * 2 - 1).to(DEV, dtype)
     fn = torch.randint(-4, 5, ((2 + n) * n, n * dim), generator=g).float() / 64
-    hc = HCWeights(fn.to(DEV), (torch.randint(-64, 65, ((2 + n) * n,), generator=g).float() / 64).to(DEV), torch.tensor([1.0, 0.5, 8.0], device=DEV))
-    args = dict(x=x, pre=torch.full((T, n), 0.25, device=DEV), hc=hc, norm_weight=torch.ones(dim, device=DEV, dtype=dtype), cfg=cfg)
+    hc = HCWeights(fn.to(DEV),
+                   (torch.randint(-64, 65, ((2 + n) * n,), generator=g).float() / 64).to(DEV),
+                   torch.tensor([1.0, 0.5, 8.0], device=DEV))
+    args = dict(x=x, pre=torch.full((T, n), 0.25, device=DEV), hc=hc,
+                norm_weight=torch.ones(dim, device=DEV, dtype=dtype), cfg=cfg)
     with use_kernels('triton'): got = mhc_seam(**args)
     with use_kernels('torch'): ref = mhc_seam(**args)
     u = 2.0 ** -24
     assert ((got.pre - ref.pre).abs() <= 32 * u).all() and ((got.post - ref.post).abs() <= 64 * u).all()
     assert ((got.comb - ref.comb).abs() <= ref.comb * 2.0 ** -12 + 4 * u).all()
-    z = (hc_mixes(ref.x, hc.fn, cfg.norm_eps)[:, 2 * n:] * 8.0 + hc.base[2 * n:]).unflatten(-1, (n, n))   # on ref's device:
-    torch.testing.assert_close(sinkhorn(z, ITERS, EPS), ref.comb, rtol=0, atol=0)      # a GPU's exp differs from the CPU's
+    # on ref's device: a GPU's exp differs from the CPU's
+    z = (hc_mixes(ref.x, hc.fn, cfg.norm_eps)[:, 2 * n:] * 8.0 + hc.base[2 * n:]).unflatten(-1, (n, n))
+    torch.testing.assert_close(sinkhorn(z, ITERS, EPS), ref.comb, rtol=0, atol=0)
     step = max((sinkhorn(z, ITERS + k, EPS) - ref.comb).abs().max().item() for k in (-1, 1))
     assert step > 2.0 ** -10, step
 
@@ -191,11 +208,13 @@ def _pieces_kernel(w_ptr, out_ptr, N: tl.constexpr, HW_CVT: tl.constexpr):
 
 @needs_triton
 def test_bf16_pieces_are_bf16_and_add_up_exactly():
-    "The split behind the three BF16 products: every piece a BF16 value, hi + mid + lo == w bit for bit, at every magnitude"
+    """The split behind the three BF16 products: every piece a BF16 value, hi + mid + lo == w bit
+    for bit, at every magnitude"""
     g = torch.Generator().manual_seed(3)
     N = 4096
     w = torch.randn(N, generator=g) * torch.exp2(torch.randint(-100, 100, (N,), generator=g).float())
-    w[:4] = torch.tensor([1.0, -3.0, 2.0 ** -126, 1 + 2.0 ** -23])   # exact in one piece, the smallest normal, the last bit
+    # exact in one piece, the smallest normal, the last bit
+    w[:4] = torch.tensor([1.0, -3.0, 2.0 ** -126, 1 + 2.0 ** -23])
     out = torch.empty(3 * N, device=DEV)
     _pieces_kernel[(1,)](w.to(DEV), out, N, _hw_cvt())
     hi, mid, lo = out.cpu().view(3, N)
@@ -204,10 +223,12 @@ def test_bf16_pieces_are_bf16_and_add_up_exactly():
     assert torch.equal(hi, w.bfloat16().float())                      # hi is round-to-nearest-even, as the GPU converts
 
 @needs_triton
-@pytest.mark.parametrize('version,tiles,T', [(1, {}, 1), (1, {}, 17), (2, {}, 1), (2, {}, 3), (2, {}, 17), (2, dict(big_t=3), 65),
-                                             (2, dict(big_t=3, big_block_t=32, big_block_d=64), 33), (2, dict(projection='fp32'), 17)])
+@pytest.mark.parametrize('version,tiles,T',
+                         [(1, {}, 1), (1, {}, 17), (2, {}, 1), (2, {}, 3), (2, {}, 17), (2, dict(big_t=3), 65),
+                          (2, dict(big_t=3, big_block_t=32, big_block_d=64), 33), (2, dict(projection='fp32'), 17)])
 def test_seam_versions_at_edge_sizes(version, tiles, T):
-    "Both versions at one token, odd counts, and counts that leave a partial tile (17 of 16, 65 of 64 or 32), full seam with FP8"
+    """Both versions at one token, odd counts, and counts that leave a partial tile (17 of 16, 65 of
+    64 or 32), full seam with FP8"""
     cfg = replace(TINY, dim=96)                                     # a width that is not a multiple of the column tiles
     args = seam_args(cfg, T, torch.bfloat16, True, True, True, True, 3.0, seed=T + version)
     with seam_version(version):
@@ -218,7 +239,8 @@ def test_seam_versions_at_edge_sizes(version, tiles, T):
     check_seam(got, **args)
 
 def test_seam_plan_and_versions():
-    "The plan follows the launch table: one launch once token blocks fill the machine, big tiles cut the reads of hc_*_fn"
+    """The plan follows the launch table: one launch once token blocks fill the machine, big tiles
+    cut the reads of hc_*_fn"""
     full = ModelConfig.full()
     with seam_version(1): v1 = seam_plan(full, 8192)
     with seam_version(2): v2 = seam_plan(full, 8192)

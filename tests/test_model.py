@@ -11,9 +11,9 @@ from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.accounting import checkpoint_manifest
 from dsv41_nb.indexer import topk_reference, candidate_pool_reference, sparse_topk_reference
-from dsv41_nb.model import (sort_by_expert, ByteTokenizer, Transformer, init_random, generate_greedy, manifest_mismatches, master_dtype,
-                            select_topk, candidate_pool_mask, layer_rms, streamed_layer_rms, mxfp4_qdq, weight_qdq,
-                            Linear)
+from dsv41_nb.model import (sort_by_expert, ByteTokenizer, Transformer, init_random, generate_greedy,
+                            manifest_mismatches, master_dtype, select_topk, candidate_pool_mask,
+                            layer_rms, streamed_layer_rms, mxfp4_qdq, weight_qdq, Linear)
 
 TINY, BENCH = ModelConfig.tiny(), ModelConfig.bench()
 
@@ -81,7 +81,8 @@ def test_forward_shapes_and_drafter_input(model):
 
 @pytest.mark.parametrize('cut', [1, 17, 40, 71, 129])
 def test_logits_before_a_change_do_not_move(model, cut):
-    "Changing tokens from `cut` on leaves the logits of positions < cut bit-identical (windows, compressor, indexer, pool, Engram)"
+    """Changing tokens from `cut` on leaves the logits of positions < cut bit-identical (windows,
+    compressor, indexer, pool, Engram)"""
     a = ids(150, seed=cut)
     b = a.clone()
     b[0, cut:] = torch.randint(0, 256, (150 - cut,), generator=torch.Generator().manual_seed(99))
@@ -115,7 +116,8 @@ def grads_by_group(model):
     got = {g: False for g in groups}
     for n, p in model.named_parameters():
         for g, key in groups.items():
-            if (n.startswith(key) if key.endswith('.') and not key.startswith('.') else key in n) and not n.startswith('mtp.'):
+            if ((n.startswith(key) if key.endswith('.') and not key.startswith('.') else key in n)
+                and not n.startswith('mtp.')):
                 got[g] |= p.grad is not None and bool(p.grad.abs().sum() > 0)
     return got
 

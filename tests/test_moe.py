@@ -11,7 +11,9 @@ from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend
 from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_experts_reference
-from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, benchmark_moe, ExpertAlignment, align_by_expert, align_by_expert_torch, fp8_act_quant, fused_moe_experts, moe_forward,
+from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, benchmark_moe, ExpertAlignment,
+                                align_by_expert, align_by_expert_torch, fp8_act_quant,
+                                fused_moe_experts, moe_forward,
                                 check_fused_moe, expert_gate_up, expert_down)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -26,7 +28,8 @@ def test_route_matches_brute_force(T, E, k, D, seed):
     "Top-k of the biased scores (image rows with the image bias), weights from the unbiased scores, normalised, scaled"
     k, g = min(k, E), _gen(seed)
     x, gate = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g) / D ** 0.5
-    bias, bias_img, img = torch.randn(E, generator=g) * 0.3, torch.randn(E, generator=g) * 0.3, torch.rand(T, generator=g) < 0.4
+    bias, bias_img, img = (torch.randn(E, generator=g) * 0.3, torch.randn(E, generator=g) * 0.3,
+                           torch.rand(T, generator=g) < 0.4)
     w, ids = route(x, gate, bias, k, 1.5, bias_img, img)
     s = torch.log1p(torch.exp(x.double() @ gate.double().T)).sqrt()                   # independent: float64, log1p(exp)
     biased = s + torch.where(img[:, None], bias_img.double(), bias.double())
@@ -40,10 +43,13 @@ def test_route_matches_brute_force(T, E, k, D, seed):
     torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-6)               # fp32 scores: ~1e-7 relative
 
 @settings(max_examples=examples(20))
-@given(st.sampled_from(['mxfp4', 'fp8']), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.integers(0, 2**31))
+@given(st.sampled_from(['mxfp4', 'fp8']), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3),
+       st.integers(0, 2**31))
 def test_quantize_weight_roundtrip(fmt, e, o, i, seed):
-    "Each element within half a step of its block's grid: MXFP4 max(s/4, |w|/4), FP8 max(|w|/16, s/1024), s the block scale"
-    w = torch.randn(e, 32 * o, 32 * i, generator=_gen(seed)) * torch.exp2(torch.randint(-8, 8, (e, 32 * o, 1), generator=_gen(seed)).float())
+    """Each element within half a step of its block's grid: MXFP4 max(s/4, |w|/4), FP8 max(|w|/16,
+    s/1024), s the block scale"""
+    w = (torch.randn(e, 32 * o, 32 * i, generator=_gen(seed))
+         * torch.exp2(torch.randint(-8, 8, (e, 32 * o, 1), generator=_gen(seed)).float()))
     q = quantize_weight(w, fmt)
     assert q.shape == w.shape
     if fmt == 'mxfp4':
@@ -63,7 +69,8 @@ def _check_alignment(al: ExpertAlignment, ids: torch.Tensor, E: int, bm: int):
     real = s < A
     assert torch.equal(s[real].sort().values, torch.arange(A))                         # every assignment exactly once
     row_expert = be.repeat_interleave(bm)
-    assert (flat[s[real]] == row_expert[real]).all()                                   # each in a block of its own expert
+    # each in a block of its own expert
+    assert (flat[s[real]] == row_expert[real]).all()
     used = (be >= 0).sum().item()
     assert (be[:used] >= 0).all() and (be[used:] == -1).all() and not real[used * bm:].any()
     counts = torch.bincount(flat, minlength=E)
@@ -86,9 +93,11 @@ def test_align_by_expert(T, k, E, bm, seed):
 @settings(max_examples=examples(10))
 @given(st.integers(1, 9), st.sampled_from([32, 96, 160]), st.floats(-30, 30), st.integers(0, 2**31))
 def test_act_quant_bit_exact(T, D, log_mag, seed):
-    "The activation-quantisation kernel equals the public act_quant (fp8_qdq) bit for bit, zeros and wide ranges included"
+    """The activation-quantisation kernel equals the public act_quant (fp8_qdq) bit for bit, zeros
+    and wide ranges included"""
     g = _gen(seed)
-    x = torch.randn(T, D, generator=g) * torch.exp2(log_mag + 12 * torch.rand(T, D // 32, 1, generator=g)).repeat_interleave(32, 1).view(T, D)
+    x = (torch.randn(T, D, generator=g)
+         * torch.exp2(log_mag + 12 * torch.rand(T, D // 32, 1, generator=g)).repeat_interleave(32, 1).view(T, D))
     x[torch.rand(T, D, generator=g) < 0.1] = 0.0
     assert torch.equal(fp8_act_quant(x.to(DEV)).float().cpu(), fp8_qdq(x))
 
@@ -98,16 +107,20 @@ def _layer(E, k, D, I, seed):
 
 @settings(max_examples=examples(6), deadline=None)
 @given(st.sampled_from([1, 3, 8]), st.integers(1, 3), st.sampled_from([32, 96]), st.sampled_from([32, 64, 96]),
-       st.integers(1, 33), st.sampled_from(['router', 'random', 'one']), st.sampled_from([0.5, 4.0]), st.integers(0, 2**31))
+       st.integers(1, 33), st.sampled_from(['router', 'random', 'one']),
+       st.sampled_from([0.5, 4.0]), st.integers(0, 2**31))
 def test_fused_moe_matches_loop(E, k, D, I, T, mode, scale, seed):
-    "Fuzz the fused MoE against the per-expert loop: every stage within its derived bound, the output within rounding + flips"
+    """Fuzz the fused MoE against the per-expert loop: every stage within its derived bound, the
+    output within rounding + flips"""
     k = min(k, E)
     cfg, W = _layer(E, k, D, I, seed % 1000)
     g = _gen(seed)
     x = (scale * torch.randn(T, D, generator=g)).to(DEV)
     tw, ti = route(x, W.gate, W.bias, k, cfg.route_scale)
-    if mode == 'random': ti = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)   # ragged expert loads
-    if mode == 'one': ti = (torch.arange(k) + seed % E).remainder(E).expand(T, k).contiguous().to(DEV)         # all on k experts
+    # ragged expert loads
+    if mode == 'random': ti = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEV)
+    # all on k experts
+    if mode == 'one': ti = (torch.arange(k) + seed % E).remainder(E).expand(T, k).contiguous().to(DEV)
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
 
 @settings(max_examples=examples(4), deadline=None)
@@ -127,7 +140,8 @@ def test_tile_versions_agree(E, k, I, T, seed):
 
 @pytest.mark.parametrize('T, mode', [(1, 'router'), (40, 'one'), (17, 'few')])
 def test_fused_moe_edge_cases(T, mode):
-    "A batch of one; every token on one expert (several blocks of it, seven experts empty); three experts used, five empty"
+    """A batch of one; every token on one expert (several blocks of it, seven experts empty); three
+    experts used, five empty"""
     cfg = replace(TINY, n_activated_experts=1) if mode == 'one' else TINY
     W = MoEWeights.random(cfg, 7, DEV)
     x = (3 * torch.randn(T, cfg.dim, generator=_gen(T))).to(DEV)
@@ -137,7 +151,8 @@ def test_fused_moe_edge_cases(T, mode):
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
 
 def test_fused_moe_batch_independence():
-    "Tokens do not interact: the fused output of a batch equals each token run alone (bit for bit: rows are independent)"
+    """Tokens do not interact: the fused output of a batch equals each token run alone (bit for bit:
+    rows are independent)"""
     W = MoEWeights.random(TINY, 3, DEV)
     x = torch.randn(6, TINY.dim, generator=_gen(3)).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, 1.5)
@@ -153,7 +168,8 @@ def test_moe_forward_routes_image_tokens_by_id():
     img = ids == TINY.image_token_id
     want = fused_moe_experts(x, *route(x, W.gate, W.bias, 2, 1.5, W.bias_image, img), W, 10.)
     assert torch.equal(moe_forward(x, W, TINY, ids), want)
-    assert fused_moe_experts(x[:0], torch.zeros(0, 2, device=DEV), torch.zeros(0, 2, dtype=torch.long, device=DEV), W, 10.).shape == (0, TINY.dim)
+    assert fused_moe_experts(x[:0], torch.zeros(0, 2, device=DEV),
+                             torch.zeros(0, 2, dtype=torch.long, device=DEV), W, 10.).shape == (0, TINY.dim)
 
 def test_bad_inputs():
     "Every public function names a bad argument instead of failing inside"
@@ -165,27 +181,34 @@ def test_bad_inputs():
         (lambda: route(x, W.gate[0], W.bias, 2, 1.5), 'gate_weight: expected shape (n_experts, dim)'),
         (lambda: route(x, W.gate, W.bias.double()[:3], 2, 1.5), 'bias: expected a float tensor of shape (8,)'),
         (lambda: route(x, W.gate, W.bias, 0, 1.5), 'n_activated = 0; expected an int in 1..8'),
-        (lambda: route(x, W.gate, W.bias, 2, 1.5, W.bias_image, torch.ones(4)), 'image_mask: expected a bool tensor of shape (4,)'),
+        (lambda: route(x, W.gate, W.bias, 2, 1.5, W.bias_image, torch.ones(4)),
+         'image_mask: expected a bool tensor of shape (4,)'),
         (lambda: fused_moe_experts(x.int(), tw, ti, W, 10.), 'x: expected a floating-point tensor'),
         (lambda: fused_moe_experts(x, tw, ti.float(), W, 10.), 'topk_ids: expected an int32/int64 tensor'),
         (lambda: fused_moe_experts(x, tw.int(), ti, W, 10.), 'topk_weights: expected a float tensor of shape (4, 2)'),
         (lambda: fused_moe_experts(x, tw, ti + 1, W, 10.), 'expert id 8 outside 0..7'),
         (lambda: moe_experts_reference(x, tw, ti - 1, W, 10.), 'expert id -1 outside 0..7'),
-        (lambda: moe_forward(x, W, TINY, torch.zeros(4, 1, dtype=torch.long)), 'token_ids: expected an int tensor of shape (4,)'),
+        (lambda: moe_forward(x, W, TINY, torch.zeros(4, 1, dtype=torch.long)),
+         'token_ids: expected an int tensor of shape (4,)'),
         (lambda: align_by_expert(ti.float(), 8, 16), 'topk_ids: expected an int32/int64 tensor'),
         (lambda: align_by_expert(ti, 8, 8), 'block_m = 8; expected a power of two >= 16'),
         (lambda: fp8_act_quant(torch.randn(4, 48)), 'dim a multiple of 32'),
-        (lambda: fused_moe_experts(x, tw, ti, W, 10., dict(moe_launch_shape(8, 8), tiles='mxfp4')), "tiles = 'mxfp4'; expected one of ('scaled', 'dequantised')"),
-        (lambda: fused_moe_experts(x, tw, ti, W, 10., {'block_m': 16, 'block_n': 32}), 'shape: expected a dict with block_m, block_n, block_k'),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10., dict(moe_launch_shape(8, 8), tiles='mxfp4')),
+         "tiles = 'mxfp4'; expected one of ('scaled', 'dequantised')"),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10., {'block_m': 16, 'block_n': 32}),
+         'shape: expected a dict with block_m, block_n, block_k'),
         (lambda: benchmark_moe(TINY, (1,), 'cpu', tiles='v3'), "tiles = 'v3'; expected one of"),
         (lambda: quantize_weight(torch.randn(32, 64), 'fp8'), 'expected float weights (experts, out, in)'),
         (lambda: quantize_weight(torch.randn(1, 32, 64), 'e2m1'), "expected one of ('mxfp4', 'fp8')"),
         (lambda: expert_gate_up(fp8_act_quant(x), W.w1, W.w3, 'rows', tw, 10.), 'align: expected an ExpertAlignment'),
-        (lambda: expert_gate_up(fp8_act_quant(x)[:3], W.w1, W.w3, al, tw, 10.), 'expected 4 rows for this alignment, got 3'),
+        (lambda: expert_gate_up(fp8_act_quant(x)[:3], W.w1, W.w3, al, tw, 10.),
+         'expected 4 rows for this alignment, got 3'),
         (lambda: expert_down(torch.zeros(8, 64), W.shared_w2, al), 'w2: expected mxfp4 weights, got fp8'),
-        (lambda: expert_down(torch.zeros(8, 64), W.w2, al, routed=torch.zeros(8, 64)), "routed: expected (tokens * k, 64) outputs and the shared expert's identity alignment"),
+        (lambda: expert_down(torch.zeros(8, 64), W.w2, al, routed=torch.zeros(8, 64)),
+         "routed: expected (tokens * k, 64) outputs and the shared expert's identity alignment"),
         (lambda: W.check(replace(TINY, n_routed_experts=16)), 'gate: expected shape (16, 64)'),
-        (lambda: replace(W, bias_image=torch.zeros(3)).check(TINY), 'bias_image: expected a float tensor of shape (8,)'),
+        (lambda: replace(W, bias_image=torch.zeros(3)).check(TINY),
+         'bias_image: expected a float tensor of shape (8,)'),
     ]
     for call, words in cases:
         try: call()

@@ -43,7 +43,8 @@ def test_stages_equal_their_twins(T):
 
 @needs_triton
 @settings(max_examples=examples(6), deadline=None)
-@given(T=st.integers(1, 3), split=st.sampled_from([1, 2]), scale=st.sampled_from([0.01, 3.0, 100.0]), seed=st.integers(0, 2**31))
+@given(T=st.integers(1, 3), split=st.sampled_from([1, 2]),
+       scale=st.sampled_from([0.01, 3.0, 100.0]), seed=st.integers(0, 2**31))
 def test_layer_passes_the_oracle_with_slices(T, split, scale, seed):
     x, tw, ti = _inputs(WIDE, W_W, T, seed, scale)
     old = {k: dict(v) for k, v in mg.GEMV_TUNING.items()}
@@ -64,7 +65,8 @@ def test_the_decode_step_takes_the_gemvs(monkeypatch):
     import dsv41_nb.paged as pg
     calls = []
     monkeypatch.setattr(pg, 'moe_gemv_forward', lambda *a, **k: calls.append('gemv') or moe_gemv_forward(*a, **k))
-    monkeypatch.setattr(pg, 'moe_forward', lambda *a, **k: calls.append('fused') or torch.zeros(a[0].shape[0], TINY.dim))
+    monkeypatch.setattr(pg, 'moe_forward',
+                        lambda *a, **k: calls.append('fused') or torch.zeros(a[0].shape[0], TINY.dim))
     layer = type('L', (), {'moe': W_T})()
     model = type('M', (), {'cfg': TINY})()
     for T in (1, mg.GEMV_MAX_TOKENS, mg.GEMV_MAX_TOKENS + 1):
@@ -81,7 +83,8 @@ def test_gemv_split_rule():
 def test_bad_inputs_are_named():
     x, tw, ti = _inputs(TINY, W_T, 3, 7)
     h = gemv_gate_up(x, tw, ti, W_T, TINY.swiglu_limit)
-    call = lambda **kw: moe_gemv_experts(**{**dict(x=x, topk_weights=tw, topk_ids=ti, W=W_T, swiglu_limit=TINY.swiglu_limit), **kw})
+    call = lambda **kw: moe_gemv_experts(**{**dict(x=x, topk_weights=tw, topk_ids=ti,
+                                                   W=W_T, swiglu_limit=TINY.swiglu_limit), **kw})
     I = TINY.moe_inter_dim
     bad = [(lambda: call(x=x[:, :10]), f'x: expected shape (tokens, {TINY.dim}), got (3, 10)'),
            (lambda: call(x=x.int()), 'x: expected a floating-point tensor'),
@@ -94,9 +97,11 @@ def test_bad_inputs_are_named():
            (lambda: call(swiglu_limit='10'), "swiglu_limit = '10'"),
            (lambda: call(split=3), 'split = 3; expected an int >= 1 dividing the 1 K steps of 64'),
            (lambda: call(split=1.0), 'split = 1.0'),
-           (lambda: gemv_gate_up(x, tw, ti, W_T, 10.0, tuning=dict(SMALL, block_n=48)), 'tuning: block_n = 48; expected a power of two dividing 64'),
+           (lambda: gemv_gate_up(x, tw, ti, W_T, 10.0, tuning=dict(SMALL, block_n=48)),
+            'tuning: block_n = 48; expected a power of two dividing 64'),
            (lambda: gemv_gate_up(x, tw, ti, W_T, 10.0, tuning={'block_n': 16}), 'tuning: expected a dict of ints >= 1'),
-           (lambda: gemv_down(h[:4], ti, W_T), f'h: expected BF16 (9, {I}) rows from gemv_gate_up, got torch.bfloat16 (4, {I})'),
+           (lambda: gemv_down(h[:4], ti, W_T),
+            f'h: expected BF16 (9, {I}) rows from gemv_gate_up, got torch.bfloat16 (4, {I})'),
            (lambda: gemv_down(h.float(), ti, W_T), 'h: expected BF16'),
            (lambda: gemv_down(h, ti[0], W_T), 'topk_ids: expected a (tokens, k) tensor'),
            (lambda: gemv_down(h, ti, 'weights'), 'W: expected MoEWeights, got str')]
@@ -107,4 +112,5 @@ def test_torch_path_is_the_reference():
     "Without a GPU or the interpreter the layer is the reference loop"
     if kernel_backend(torch.zeros(1, device=DEV)) == 'triton': pytest.skip('the kernels run here')
     x, tw, ti = _inputs(TINY, W_T, 2, 3)
-    assert torch.equal(moe_gemv_experts(x, tw, ti, W_T, TINY.swiglu_limit), moe_experts_reference(x, tw, ti, W_T, TINY.swiglu_limit))
+    assert torch.equal(moe_gemv_experts(x, tw, ti, W_T, TINY.swiglu_limit),
+                       moe_experts_reference(x, tw, ti, W_T, TINY.swiglu_limit))

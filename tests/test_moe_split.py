@@ -31,7 +31,8 @@ def _inputs(T, seed, scale=3.0):
 @settings(max_examples=examples(10), deadline=None)
 @given(T=st.integers(1, 12), split=st.sampled_from([1, 2, 4, 8]), shared=st.booleans(), seed=st.integers(0, 2**31))
 def test_split_agrees_with_version_2_and_the_twin(T, split, shared, seed):
-    x, tw, ti, xq = _inputs(T, seed, scale=float(torch.rand(1, generator=torch.Generator().manual_seed(seed)) * 100 + 0.01))
+    x, tw, ti, xq = _inputs(T, seed,
+                            scale=float(torch.rand(1, generator=torch.Generator().manual_seed(seed)) * 100 + 0.01))
     if shared: w1, w3, al, wts = W.shared_w1, W.shared_w3, ExpertAlignment.identity(T, 16), None
     else: w1, w3, al, wts = W.w1, W.w3, align_by_expert(ti, WIDE.n_routed_experts, 16), tw
     h = expert_gate_up_split(xq, w1, w3, al, wts, WIDE.swiglu_limit, SHAPE, split)
@@ -44,7 +45,8 @@ def test_split_agrees_with_version_2_and_the_twin(T, split, shared, seed):
 @pytest.mark.parametrize('T,split,shape', [(1, 8, SHAPE), (5, 4, SHAPE), (9, 2, SHAPE), (33, None, None)])
 def test_layer_with_split_gate_up_passes_the_oracle(T, split, shape):
     x, tw, ti, _ = _inputs(T, T)
-    check_fused_moe(x, tw, ti, W, WIDE.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=partial(expert_gate_up_split, split=split)))
+    check_fused_moe(x, tw, ti, W, WIDE.swiglu_limit, shape,
+                    stages=partial(_fused_stages, gate_up=partial(expert_gate_up_split, split=split)))
 
 @needs_triton
 def test_the_split_kernels_run_and_one_slice_is_version_2(monkeypatch):
@@ -59,8 +61,9 @@ def test_the_split_kernels_run_and_one_slice_is_version_2(monkeypatch):
     expert_gate_up_split(xq, W.w1, W.w3, al, tw, WIDE.swiglu_limit, SHAPE, 1)
     assert calls == [1]
 
-@pytest.mark.parametrize('tiles,steps,sms,want', [(216, 40, 132, 8), (36, 40, 132, 8), (2592, 40, 132, 1), (36, 6, 132, 2),
-                                                  (864, 40, 132, 2), (1, 1, 1, 1), (1, 1024, 1, 8), (17, 40, 1, 1)])
+@pytest.mark.parametrize('tiles,steps,sms,want',
+                         [(216, 40, 132, 8), (36, 40, 132, 8), (2592, 40, 132, 1), (36, 6, 132, 2),
+                          (864, 40, 132, 2), (1, 1, 1, 1), (1, 1024, 1, 8), (17, 40, 1, 1)])
 def test_split_count(tiles, steps, sms, want):
     s = split_count(tiles, steps, sms)
     assert s == want and steps % s == 0 and s <= SPLIT_MAX and (s == 1 or tiles * s <= 16 * sms)
@@ -73,7 +76,8 @@ def test_bad_inputs_are_named():
     for kw, msg in [(dict(split=0), 'split = 0; expected an int >= 1 dividing the 8 K steps'),
                     (dict(split=-2), 'split = -2'), (dict(split=3), 'split = 3'), (dict(split=True), 'split = True'),
                     (dict(split=2.0), 'split = 2.0'), (dict(w1=W.shared_w1), 'w1: expected mxfp4 weights'),
-                    (dict(w3=W.shared_w3), 'w3: expected mxfp4 weights'), (dict(xq=xq[:2]), 'activations: expected 3 rows'),
+                    (dict(w3=W.shared_w3), 'w3: expected mxfp4 weights'),
+                    (dict(xq=xq[:2]), 'activations: expected 3 rows'),
                     (dict(shape={'block_m': 16}), 'shape: expected a dict with block_m, block_n, block_k'),
                     (dict(align='rows'), 'align: expected an ExpertAlignment')]:
         fails_with(lambda: call(**kw), contains=msg)

@@ -31,7 +31,8 @@ def test_notebook_runs_top_to_bottom(name):
     env.setdefault('TRITON_INTERPRET', '1')
     with tempfile.TemporaryDirectory() as out:
         r = subprocess.run([sys.executable, '-m', 'jupyter', 'nbconvert', '--to', 'notebook', '--execute',
-                            '--ExecutePreprocessor.timeout=1800', '--output-dir', out, str(ROOT / 'nbs' / f'{name}.ipynb')],
+                            '--ExecutePreprocessor.timeout=1800', '--output-dir', out,
+                            str(ROOT / 'nbs' / f'{name}.ipynb')],
                            capture_output=True, text=True, env=env, cwd=ROOT)
         assert r.returncode == 0, r.stderr[-3000:]
         text = (Path(out) / f'{name}.ipynb').read_text()

@@ -43,7 +43,8 @@ def test_reference_path_without_interpreter():
 def test_docstring_and_version():
     "help(dsv41_nb) shows what the package is; __version__ is settings.ini's"
     cfg = configparser.ConfigParser(delimiters=['=']); cfg.read(ROOT / 'settings.ini')
-    r = run("import dsv41_nb, pydoc; print(dsv41_nb.__version__); print(pydoc.render_doc(dsv41_nb, renderer=pydoc.plaintext))")
+    r = run("import dsv41_nb, pydoc; print(dsv41_nb.__version__); print(pydoc.render_doc(dsv41_nb, "
+            "renderer=pydoc.plaintext))")
     assert r.returncode == 0, r.stderr
     version, doc = r.stdout.split('\n', 1)
     assert version == cfg['DEFAULT']['version']
@@ -59,12 +60,14 @@ def test_cli_prints_accounting_and_layer_map():
     r = cli('--config', str(ROOT / 'nbs/reference/deepseek_v41_config.json'))
     assert r.returncode == 0 and '1,460' in r.stdout, r.stderr
     r = cli('--config', 'nope.json')
-    assert r.returncode == 2 and "no preset or config file named 'nope.json'" in r.stderr and 'Traceback' not in r.stderr
+    assert (r.returncode == 2 and "no preset or config file named 'nope.json'" in r.stderr
+            and 'Traceback' not in r.stderr)
 
 def test_cli_stops_quietly_when_the_reader_does():
     "`python -m dsv41_nb | head -1`: no BrokenPipeError trace once the reader has gone"
     env = {**os.environ, 'PYTHONUNBUFFERED': '1'}  # each line reaches the pipe as it is printed
-    p = subprocess.Popen([sys.executable, '-m', 'dsv41_nb'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    p = subprocess.Popen([sys.executable, '-m', 'dsv41_nb'], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=ROOT, env=env)
     assert p.stdout.readline().startswith(b'== accounting')
     p.stdout.close()  # the reader goes away while the program still has the accounting and the layer map to print
     err = p.stderr.read().decode(); p.wait(timeout=60)
@@ -100,7 +103,8 @@ def test_wheel_carries_the_trained_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', str(site), str(wheel)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
-    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | dict(PYTHONPATH=str(site))   # as a user runs it
+    # as a user runs it
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'} | dict(PYTHONPATH=str(site))
     code = "import dsv41_nb.__main__ as m; print(m.shipped_checkpoint())"
     r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=tempfile.gettempdir(), env=env)
     assert r.stdout.strip() == str(site / 'dsv41_nb' / 'checkpoints' / 'small'), r.stdout + r.stderr

@@ -1,7 +1,8 @@
 """The paged model against the reference path and against itself: greedy parity (both attention cores summed in fp64, so
 that the order of their sums cannot matter), chunked prefill against one-shot prefill, bounded replay on and off against
-each other on every encoder and global cache, the window floor against a per-token loop, the engine's entry point against
-the runner, and bad inputs. Everything runs the PyTorch references (`use_kernels('torch')`); the kernels have their own tests.
+each other on every encoder and global cache, the window floor against a per-token loop, the engine's entry point
+against the runner, and bad inputs. Everything runs the PyTorch references (`use_kernels('torch')`); the kernels have
+their own tests.
 
 CPU fp32 GEMMs take another MKL kernel for fewer than four rows and round differently in the last bit, so the exact
 comparisons keep every step (and every decoder sub-batch) at a multiple of four rows."""
@@ -41,7 +42,8 @@ def models():
 def caches(pm, n):
     "Every cache tensor after a prefill of n tokens; of a ring only the entry still open (the others are scratch)"
     out = {(k, l): t.clone() for k in ('window', 'compressed', 'index_keys') for l, t in getattr(pm.state, k).items()}
-    for l, ring in pm.state.rings.items():                       # ring block 1 (local ids), entry p % ratio of the open pair
+    # ring block 1 (local ids), entry p % ratio of the open pair
+    for l, ring in pm.state.rings.items():
         r = pm.cfg.compress_ratios[l]
         out['ring', l] = ring[r + (n - 1) % r].clone() if n % r else None
     return out
@@ -59,7 +61,8 @@ def test_greedy_parity_with_the_reference(models):
     with use_kernels('torch'), fp64_attention(pm):
         seqs, logits = PagedRunner(pm, 64, bounded_replay=False).generate(prompts, 12)
         for p, s, lg in zip(prompts, seqs, logits):
-            want = model(torch.tensor([s[:-1]]))[0, len(p) - 1:]                     # (12, vocab), the reference at every step
+            # (12, vocab), the reference at every step
+            want = model(torch.tensor([s[:-1]]))[0, len(p) - 1:]
             assert want.argmax(-1).tolist() == s[len(p):]
             assert (want - lg).abs().max().item() <= logits_tolerance(pm)
 
@@ -109,15 +112,17 @@ def test_bounded_replay_leaves_the_encoder_and_global_caches_alone(models, n, ch
     decoder_windows = {('window', l) for l in range(pm.first_decoder, TINY.n_layers)}
     for k in full:
         if k not in decoder_windows: assert same(full[k], rep[k]), k
-    if n > TINY.window_size:                                                       # the decoder windows were really replayed
+    # the decoder windows were really replayed
+    if n > TINY.window_size:
         assert any(not torch.equal(full[k], rep[k]) for k in decoder_windows)
 
 
-@given(st.lists(st.tuples(st.integers(0, 60), st.integers(-5, 70), st.booleans()), min_size=1, max_size=6), st.integers(1, 12),
-       st.integers(0, 2**31))
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(-5, 70), st.booleans()), min_size=1, max_size=6),
+       st.integers(1, 12), st.integers(0, 2**31))
 @settings(max_examples=examples(15), deadline=None)
 def test_window_with_a_floor_is_the_truncated_window(toks, W, seed):
-    "window_indices with floors (the kernel under TRITON_INTERPRET=1 or on a GPU, else the tensor path) == truncate_window of the full window"
+    """window_indices with floors (the kernel under TRITON_INTERPRET=1 or on a GPU, else the tensor
+    path) == truncate_window of the full window"""
     from dsv41_nb.csa2 import CSA2Step, window_indices, random_block_tables
     from dsv41_nb.dispatch import use_kernels
     pos = torch.tensor([p for p, _, _ in toks]); floor = torch.tensor([f for _, f, _ in toks])
@@ -127,7 +132,8 @@ def test_window_with_a_floor_is_the_truncated_window(toks, W, seed):
     with use_kernels('torch'):
         s0, l0 = window_indices(step, W)
         z = torch.zeros(len(pos), dtype=torch.int32)
-        want = truncate_window(SparseIndices(s0, l0, torch.zeros(len(pos), 0, dtype=torch.int32), z, rows, bt, 16), pos, floor)
+        want = truncate_window(SparseIndices(s0, l0, torch.zeros(len(pos), 0, dtype=torch.int32), z, rows, bt, 16),
+                               pos, floor)
     got = window_indices(step, W, floor)
     assert torch.equal(got[0], want.window_slots) and torch.equal(got[1], want.window_lens)
 
@@ -138,7 +144,8 @@ def test_truncate_window_against_a_loop(pairs, W):
     lens = (pos + 1).clamp(max=W)
     slots = torch.stack([torch.where(torch.arange(W) < l, torch.arange(W) + 1000 * i, -1) for i, l in enumerate(lens)])
     z = torch.zeros(len(pos), dtype=torch.int32)
-    idx = SparseIndices(slots.int(), lens.int(), torch.zeros(len(pos), 0, dtype=torch.int32), z, z, torch.zeros(1, 1, dtype=torch.int32), 1)
+    idx = SparseIndices(slots.int(), lens.int(), torch.zeros(len(pos), 0, dtype=torch.int32), z, z,
+                        torch.zeros(1, 1, dtype=torch.int32), 1)
     out = truncate_window(idx, pos, floor)
     for i, (p, f) in enumerate(zip(pos.tolist(), floor.tolist())):
         first = p + 1 - int(lens[i])                                               # the position of slot column 0
@@ -148,7 +155,8 @@ def test_truncate_window_against_a_loop(pairs, W):
 
 
 def test_the_engine_hook_matches_the_runner(models):
-    "step_model (the engine's entry) with bounded replay gives the runner's tokens: decode steps keep the decoder's floor"
+    """step_model (the engine's entry) with bounded replay gives the runner's tokens: decode steps
+    keep the decoder's floor"""
     engine = pytest.importorskip('dsv41_nb.engine')
     from dsv41_nb.scheduler import SamplingParams
     model, pm = models
@@ -157,7 +165,8 @@ def test_the_engine_hook_matches_the_runner(models):
                'def f(x):\n    return 2 * x\n', 'Hello there, world!!']
     with use_kernels('torch'):
         want, _ = PagedRunner(pm, 64, bounded_replay=True).generate([tok.encode(p) for p in prompts], 10)
-        eng = engine.LLMEngine(model, tok, engine.EngineArgs(runner='paged', bounded_replay=True, max_num_batched_tokens=24))
+        eng = engine.LLMEngine(model, tok,
+                               engine.EngineArgs(runner='paged', bounded_replay=True, max_num_batched_tokens=24))
         assert isinstance(eng.runner.model, PagedStepModel)
         for i, p in enumerate(prompts): eng.add_request(f'r{i}', p, SamplingParams(temperature=0, max_tokens=10))
         got = {}
@@ -187,7 +196,8 @@ def test_bad_inputs(models):
         for f, msg in BAD: fct.test_fail(f, contains=msg)
 
 
-@pytest.mark.skipif(not triton_interpreting(), reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1)')
+@pytest.mark.skipif(not triton_interpreting(),
+                    reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1)')
 def test_a_captured_decode_step_reads_nothing_back(models):
     "A decode-only step run as a CUDA graph capture runs it: no value read back to the host, the eager step's logits"
     engine = pytest.importorskip('dsv41_nb.engine')
@@ -197,7 +207,8 @@ def test_a_captured_decode_step_reads_nothing_back(models):
     llm = engine.LLM(model, max_model_len=256, kernels='torch')  # the prefill on the PyTorch path: the same records
     eng, sm = llm.llm_engine, llm.llm_engine.runner.model
     for i, n in enumerate((75, 6)):                # 75 tokens: more entries than the top-k in the ratio-2 layers
-        eng.add_request(str(i), torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist(), SamplingParams(max_tokens=4))
+        eng.add_request(str(i), torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist(),
+                        SamplingParams(max_tokens=4))
     eng.step(); eng.step()                                                     # the prefill, a first decode step
     batch, _ = eng.runner.prepare_inputs(eng.scheduler.schedule())
     with use_kernels('triton'): inputs = sm.prepare(batch)

@@ -15,9 +15,10 @@ needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 
 
 @needs_triton
 @settings(max_examples=examples(12), deadline=None)
-@given(T=st.integers(1, 9), heads=st.sampled_from([(), (1,), (3,), (2, 2)]), d_rope=st.sampled_from([(64, 64), (80, 64), (512, 64), (130, 32)]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]), inverse=st.booleans(), ratio=st.sampled_from([0, 4]),
-       seed=st.integers(0, 2**31))
+@given(T=st.integers(1, 9), heads=st.sampled_from([(), (1,), (3,), (2, 2)]),
+       d_rope=st.sampled_from([(64, 64), (80, 64), (512, 64), (130, 32)]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), inverse=st.booleans(),
+       ratio=st.sampled_from([0, 4]), seed=st.integers(0, 2**31))
 def test_rope_matches_reference_bit_for_bit(T, heads, d_rope, dtype, inverse, ratio, seed):
     d, rope_dim = d_rope
     cfg = ModelConfig.bench() if rope_dim == 64 else ModelConfig.tiny()
@@ -31,7 +32,8 @@ def test_rope_matches_reference_bit_for_bit(T, heads, d_rope, dtype, inverse, ra
 @needs_triton
 @settings(max_examples=examples(12), deadline=None)
 @given(rows=st.sampled_from([(1,), (5,), (2, 3)]), d=st.sampled_from([32, 96, 512, 1280]),
-       dtype=st.sampled_from([torch.bfloat16, torch.float32]), scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+       scale=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**31))
 def test_rms_norm_matches_reference_bit_for_bit(rows, d, dtype, scale, seed):
     g = torch.Generator().manual_seed(seed)
     x = (scale * torch.randn((*rows, d), generator=g)).to(DEV, dtype)
@@ -60,7 +62,8 @@ def test_bad_inputs(call, words): fails_with(call, contains=words)
 
 @needs_triton
 def test_the_kernels_run_not_the_references(monkeypatch):
-    "On the Triton backend both entry points launch their kernels (a broken dispatch would still pass the equality tests)"
+    """On the Triton backend both entry points launch their kernels (a broken dispatch would still
+    pass the equality tests)"""
     import dsv41_nb.rope_norm as rn
     def boom(*a, **k): raise AssertionError('the reference ran')
     monkeypatch.setattr(rn, 'rope_torch', boom); monkeypatch.setattr(rn, 'rms_norm', boom)

@@ -1,7 +1,7 @@
-"""The fused router against `route`: equal ids but at near ties, weights within 1e-6 relative plus the slack of the order of
-summation (random inputs; at the bench width and with logits exact in any order, -80 to 40, within 1e-6 outright), no
-launch for an empty batch, image spans and the PyTorch path left to `route`, the softplus device function, the rounding of
-the GPU build, and the bad inputs."""
+"""The fused router against `route`: equal ids but at near ties, weights within 1e-6 relative plus the slack of the
+order of summation (random inputs; at the bench width and with logits exact in any order, -80 to 40, within 1e-6
+outright), no launch for an empty batch, image spans and the PyTorch path left to `route`, the softplus device function,
+the rounding of the GPU build, and the bad inputs."""
 import math
 import pytest
 import torch
@@ -36,9 +36,11 @@ class _NoLaunch:
 
 @needs_triton
 @settings(max_examples=examples(30), deadline=None)
-@given(T=st.integers(0, 20), E=st.sampled_from([8, 48, 64, 100]), D=st.sampled_from([64, 200, 1000]), k=st.integers(1, 8),
-       scale=st.sampled_from([0.05, 1.0, 30.0]), fp32=st.booleans(), seed=st.integers(0, 2**31), one=st.booleans())
-@example(T=1, E=8, D=200, k=4, scale=30.0, fp32=False, seed=1, one=True)  # chosen logits far below zero: 1.8e-6, within the slack
+@given(T=st.integers(0, 20), E=st.sampled_from([8, 48, 64, 100]), D=st.sampled_from([64, 200, 1000]),
+       k=st.integers(1, 8), scale=st.sampled_from([0.05, 1.0, 30.0]), fp32=st.booleans(),
+       seed=st.integers(0, 2**31), one=st.booleans())
+# chosen logits far below zero: 1.8e-6, within the slack
+@example(T=1, E=8, D=200, k=4, scale=30.0, fp32=False, seed=1, one=True)
 def test_kernel_agrees_with_route(T, E, D, k, scale, fp32, seed, one):
     x, gate, bias = _inputs(T, E, D, scale, seed, torch.float32 if fp32 else torch.bfloat16)
     r = check_fused_route(x, gate, bias, min(k, E), 1.5, one_launch=one)
@@ -49,7 +51,8 @@ def test_kernel_agrees_with_route(T, E, D, k, scale, fp32, seed, one):
 @given(T=st.integers(0, 5), E=st.sampled_from([8, 48, 64]), D=st.sampled_from([64, 200, 1000]), k=st.integers(1, 8),
        scale=st.sampled_from([0.05, 1.0, 30.0]), seed=st.integers(0, 2**31))
 def test_split_k_logits_pass_the_oracle(T, E, D, k, scale, seed):
-    "The logits in K slices of ROUTE_SLICE columns (another order of sums): ids equal but at near ties, weights within the slack"
+    """The logits in K slices of ROUTE_SLICE columns (another order of sums): ids equal but at near
+    ties, weights within the slack"""
     r = check_fused_route(*_inputs(T, E, D, scale, seed), min(k, E), 1.5, split_k=True)
     assert r['tokens'] == T
 
@@ -78,7 +81,8 @@ def test_a_nan_expert_ranks_first_as_in_topk():
 @needs_triton
 def test_empty_batch_launches_nothing(monkeypatch):
     x, gate, bias = _inputs(3, 64, 128, 1.0, 1)
-    monkeypatch.setattr(router, '_route_kernel', _NoLaunch()); monkeypatch.setattr(router, '_select_kernel', _NoLaunch())
+    monkeypatch.setattr(router, '_route_kernel', _NoLaunch())
+    monkeypatch.setattr(router, '_select_kernel', _NoLaunch())
     w, ids = fused_route(x[:0], gate, bias, 6, 1.5)
     assert w.shape == ids.shape == (0, 6) and w.dtype == torch.float32 and ids.dtype == torch.int64
 
@@ -91,7 +95,8 @@ def test_image_spans_and_the_torch_path_are_route(monkeypatch):
     assert not (ref[1][~mask] == 5).any() and (ref[1][mask] == 5).any(-1).all()
     launched = fused_route(x, gate, bias, 6, 1.5, bias_image=b_img)   # no mask: the bias alone, as route, in the kernel
     assert torch.equal(launched[1], route(x, gate, bias, 6, 1.5)[1])
-    monkeypatch.setattr(router, '_route_kernel', _NoLaunch()); monkeypatch.setattr(router, '_select_kernel', _NoLaunch())
+    monkeypatch.setattr(router, '_route_kernel', _NoLaunch())
+    monkeypatch.setattr(router, '_select_kernel', _NoLaunch())
     got = fused_route(x, gate, bias, 6, 1.5, b_img, mask)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     with use_kernels('torch'):
@@ -102,14 +107,16 @@ def test_image_spans_and_the_torch_path_are_route(monkeypatch):
 @needs_triton
 def test_softplus_device_function():
     r = softplus_errors(torch.linspace(-100, 100, 200_001, device=DEV))
-    assert r['max_rel'] <= 1e-6 and r['max_abs_denormal'] <= 4 * 2.0 ** -149 and r['max_ulps'] <= (2 if DEV.type == 'cuda' else 8)
+    assert (r['max_rel'] <= 1e-6 and r['max_abs_denormal'] <= 4 * 2.0 ** -149
+            and r['max_ulps'] <= (2 if DEV.type == 'cuda' else 8))
 
 def test_gpu_build_rounds_like_pytorch():
     "The sm_90 build: correctly rounded sqrt and division, no approximate ones"
     ptx = route_ptx(1, 64, 5120, 6)
     assert 'sqrt.rn.f32' in ptx and 'div.rn.f32' in ptx and 'sqrt.approx' not in ptx and 'div.full' not in ptx
 
-@pytest.mark.parametrize('T,E,D', [(1, 64, 5120), (64, 64, 5120), (64, 48, 5120), (1, 384, 5120), (3, 8, 16), (1000, 1, 7)])
+@pytest.mark.parametrize('T,E,D',
+                         [(1, 64, 5120), (64, 64, 5120), (64, 48, 5120), (1, 384, 5120), (3, 8, 16), (1000, 1, 7)])
 def test_block_sizes(T, E, D):
     bt, be, bk = _route_blocks(T, E, D)
     assert be == 1 << (E - 1).bit_length() and bt >= 1 and bt * be <= max(be, 128) and bk >= 16
@@ -130,12 +137,14 @@ def test_bad_inputs_are_named():
              (dict(n_activated='6'), "n_activated = '6'; expected an int in 1..64"),
              (dict(bias_image=bias[:3]), 'bias_image: expected a float tensor of shape (64,), got (3,)'),
              (dict(image_mask=torch.ones(3)), 'image_mask: expected a bool tensor of shape (3,)'),
-             (dict(image_mask=torch.ones(2, dtype=torch.bool)), 'image_mask: expected a bool tensor of shape (3,), got (2,)')]
+             (dict(image_mask=torch.ones(2, dtype=torch.bool)),
+              'image_mask: expected a bool tensor of shape (3,), got (2,)')]
     for kw, msg in table:
         fails_with(lambda: fused_route(**{**base, **kw}), contains=msg)
         fails_with(lambda: route(**{**base, **kw}), contains=msg)   # route's words
     for v in ('1.5', None, math.nan, True):
-        fails_with(lambda: fused_route(**{**base, 'route_scale': v}), contains=f'route_scale = {v!r}; expected a finite real number')
+        fails_with(lambda: fused_route(**{**base, 'route_scale': v}),
+                   contains=f'route_scale = {v!r}; expected a finite real number')
     fails_with(lambda: check_fused_route(x, gate, bias, 6, 1.5, rtol=-1e-6), contains='rtol must be a real number >= 0')
     fails_with(lambda: fused_route(**base, one_launch=1), contains='one_launch must be a bool')
     fails_with(lambda: fused_route(**base, split_k='yes'), contains="split_k must be a bool, got 'yes'")

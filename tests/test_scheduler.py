@@ -20,7 +20,8 @@ EOS = 0
 
 
 def tiny_cache(blocks=200, **kw):
-    return get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=512, **kw))
+    return get_kv_cache_config(TINY,
+                               CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=512, **kw))
 
 
 # ---------------------------------------------------------------- bad input, one table for the module
@@ -54,8 +55,8 @@ BAD = [
     (lambda: SchedulerConfig(bounded_replay='yes'), TypeError, "bounded_replay = 'yes'"),
     (lambda: SchedulerConfig(long_prefill_token_threshold=8, enable_chunked_prefill=False), ValueError,
      'needs enable_chunked_prefill'),
-    (lambda: Scheduler(tiny_cache(), SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=64)), ValueError,
-     'without chunked prefill'),
+    (lambda: Scheduler(tiny_cache(), SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=64)),
+     ValueError, 'without chunked prefill'),
     (lambda: Scheduler(None), TypeError, 'expected a KVCacheManager or KVCacheConfig'),
     (lambda: _sched().add_request('x', [1]), ValueError, "request id 'x' is already in the scheduler"),
     (lambda: _sched().add_request('y', [1, 600]), ValueError, 'token id 600 at position 1'),
@@ -73,9 +74,11 @@ BAD = [
     (lambda: ToyRunner(tiny_cache(), 0), ValueError, 'vocab_size = 0'),
     (lambda: ModelRunnerOutput(), ValueError, 'expected sampled_token_ids, or req_ids and token_ids'),
     (lambda: ModelRunnerOutput(req_ids=['a', 'b'], token_ids=[1]), ValueError, 'of the same length'),
-    (lambda: table_slot_mappings(tiny_cache().groups, [np.ones((1, 2), np.int32)] * 3, np.zeros(1, int), np.array([40])),
+    (lambda: table_slot_mappings(tiny_cache().groups, [np.ones((1, 2), np.int32)] * 3,
+                                 np.zeros(1, int), np.array([40])),
      ValueError, 'position 40 needs block 2'),
-    (lambda: table_slot_mappings(tiny_cache().groups, [np.zeros((1, 4), np.int32)] * 3, np.zeros(1, int), np.array([3])),
+    (lambda: table_slot_mappings(tiny_cache().groups, [np.zeros((1, 4), np.int32)] * 3,
+                                 np.zeros(1, int), np.array([3])),
      ValueError, 'position 3 falls in a released (null) block'),
 ]
 
@@ -102,10 +105,11 @@ def test_ngram_matches_reference(tokens, lo, extra, k):
 @given(st.lists(st.integers(0, 200), min_size=1, max_size=80), st.integers(1, 300))
 def test_toy_rows_match_reference(hist, vocab):
     h = np.array(hist)
-    assert toy_next_tokens(h, np.arange(len(h)), vocab).tolist() == [toy_next_token(hist[:q + 1], vocab) for q in range(len(h))]
+    assert (toy_next_tokens(h, np.arange(len(h)), vocab).tolist()
+            == [toy_next_token(hist[:q + 1], vocab) for q in range(len(h))])
 
 
-# ---------------------------------------------------------------- every step's plan, checked against the slot arithmetic
+# --------------------------------------------------------------- every step's plan, checked against the slot arithmetic
 def check_plan(out, s):
     "Budget, seats, slots and decoder rows of one SchedulerOutput, recomputed from its block tables"
     cfg, kc = s.config, s.kv.kv_cache_config
@@ -116,7 +120,8 @@ def check_plan(out, s):
         pos = list(range(sr.start, sr.start + sr.num_tokens))
         assert sm.positions[row:row + len(pos)].tolist() == pos
         g, w = groups['global'], groups['sliding_window']
-        assert sm.swa[row:row + len(pos)].tolist() == reference_slot_mapping(sr.block_ids[w.group_id], pos, w.block_size)
+        assert (sm.swa[row:row + len(pos)].tolist()
+                == reference_slot_mapping(sr.block_ids[w.group_id], pos, w.block_size))
         for r in g.ratios:
             want = reference_slot_mapping(sr.block_ids[g.group_id], pos, g.block_size, r)
             want = [PAD_SLOT_ID if p < sr.num_cached_tokens else x for p, x in zip(pos, want)]
@@ -149,8 +154,9 @@ def make_workload(seed, n_req, long=False):
 
 
 CONFIGS = st.fixed_dictionaries(dict(
-    budget=st.sampled_from([8, 24, 64, 512]), threshold=st.sampled_from([0, 0, 8, 20]), seqs=st.sampled_from([2, 4, 64]),
-    asyn=st.booleans(), k=st.sampled_from([0, 0, 1, 3]), bounded=st.booleans(), caching=st.sampled_from([True, True, False]),
+    budget=st.sampled_from([8, 24, 64, 512]), threshold=st.sampled_from([0, 0, 8, 20]),
+    seqs=st.sampled_from([2, 4, 64]), asyn=st.booleans(), k=st.sampled_from([0, 0, 1, 3]),
+    bounded=st.booleans(), caching=st.sampled_from([True, True, False]),
     blocks=st.sampled_from([24, 40, 200]), chunked=st.sampled_from([True, True, True, False])))
 
 
@@ -180,7 +186,8 @@ def test_outputs_equal_plain_generation(c, seed, n_req):
 def test_preemption_keeps_outputs_and_every_request_finishes():
     "A pool that holds barely one long request at a time: many preemptions, the same answers"
     work = make_workload(3, 8, long=True)
-    s = Scheduler(tiny_cache(24), SchedulerConfig(max_num_batched_tokens=16, async_scheduling=True, num_speculative_tokens=2))
+    s = Scheduler(tiny_cache(24),
+                  SchedulerConfig(max_num_batched_tokens=16, async_scheduling=True, num_speculative_tokens=2))
     for rid, p, sp in work: s.add_request(rid, p, sp, eos_token_id=EOS)
     got = run_until_done(s, ToyRunner(s.kv.kv_cache_config, V, NgramProposer(2, 1, 3)))
     assert got == {rid: toy_generate(p, sp, V, EOS, 512) for rid, p, sp in work}
@@ -225,7 +232,8 @@ def _cache_state(kv):
 
 def _plan(o):
     sm = o.slot_mappings
-    return ([(r.request_id, r.token_ids, r.start, r.num_draft_tokens, r.block_ids, r.new, r.num_cached_tokens, r.replay_start,
+    return ([(r.request_id, r.token_ids, r.start, r.num_draft_tokens, r.block_ids, r.new,
+              r.num_cached_tokens, r.replay_start,
               r.sample) for r in o.requests], sm.positions.tolist(), sm.swa.tolist(),
             {k: v.tolist() for k, v in sm.compressed.items()}, None if sm.ring is None else sm.ring.tolist(),
             o.decoder_rows.tolist(), o.finished_req_ids, o.preempted_req_ids)
@@ -233,8 +241,9 @@ def _plan(o):
 @settings(max_examples=examples(25), deadline=None)
 @given(CONFIGS, st.integers(0, 10 ** 6), st.integers(1, 8))
 def test_fast_decode_plans_every_step_as_the_general_path(c, seed, n_req):
-    """A scheduler with the one-pass decode step and one without, side by side on the same workload: every step hands the runner
-    the same rows, tables, slots and decoder rows, the cache is in the same state after every step, and the outputs are equal"""
+    """A scheduler with the one-pass decode step and one without, side by side on the same workload: every step hands
+    the runner the same rows, tables, slots and decoder rows, the cache is in the same state after every step, and the
+    outputs are equal"""
     chunked = c['chunked'] or c['threshold'] > 0
     cfg = SchedulerConfig(max_num_seqs=c['seqs'], max_num_batched_tokens=c['budget'] if chunked else 512,
                           long_prefill_token_threshold=c['threshold'], enable_chunked_prefill=chunked,
@@ -265,7 +274,8 @@ def test_fast_decode_plans_every_step_as_the_general_path(c, seed, n_req):
 @settings(max_examples=examples(30), deadline=None)
 @given(st.integers(1, 300), st.integers(0, 10 ** 6), st.booleans(), st.booleans())
 def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded):
-    "Below `alloc_until` a one-row allocation changes nothing in the cache; the horizon is met, not passed, by a real change"
+    """Below `alloc_until` a one-row allocation changes nothing in the cache; the horizon is met,
+    not passed, by a real change"""
     r = random.Random(seed)
     s = Scheduler(tiny_cache(200, enable_prefix_caching=caching), SchedulerConfig(bounded_replay=bounded))
     req = s.add_request('h', [r.randrange(V) for _ in range(prompt_len)], SamplingParams(max_tokens=200))

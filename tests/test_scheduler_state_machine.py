@@ -24,10 +24,12 @@ V, EOS, MAX_LEN = 24, 0, 512
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(blocks=st.sampled_from([24, 32, 60, 200]), budget=st.sampled_from([8, 16, 48, 512]),
-                threshold=st.sampled_from([0, 0, 6]), asyn=st.booleans(), k=st.sampled_from([0, 0, 2]), bounded=st.booleans(),
-                caching=st.sampled_from([True, True, False]), seqs=st.sampled_from([2, 3, 64]), fast=st.booleans())
+                threshold=st.sampled_from([0, 0, 6]), asyn=st.booleans(), k=st.sampled_from([0, 0, 2]),
+                bounded=st.booleans(), caching=st.sampled_from([True, True, False]),
+                seqs=st.sampled_from([2, 3, 64]), fast=st.booleans())
     def setup(self, blocks, budget, threshold, asyn, k, bounded, caching, seqs, fast):
-        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN, enable_prefix_caching=caching)
+        cc = CacheConfig.for_model(TINY, num_gpu_blocks_override=blocks, max_model_len=MAX_LEN,
+                                   enable_prefix_caching=caching)
         cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
                               async_scheduling=asyn, num_speculative_tokens=k, bounded_replay=bounded)
         self.s = Scheduler(get_kv_cache_config(TINY, cc), cfg)
@@ -59,15 +61,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ rules
     @rule(tokens=st.lists(st.integers(0, V - 1), min_size=1, max_size=70), share=st.integers(0, 10 ** 6),
-          keep=st.floats(0, 1), max_tokens=st.integers(1, 40), ignore_eos=st.booleans(), min_frac=st.sampled_from([0, 0, 0.5]))
+          keep=st.floats(0, 1), max_tokens=st.integers(1, 40), ignore_eos=st.booleans(),
+          min_frac=st.sampled_from([0, 0, 0.5]))
     def add(self, tokens, share, keep, max_tokens, ignore_eos, min_frac):
-        if self.prompts and share % 2:                                      # half the time: extend an earlier prompt's prefix
+        # half the time: extend an earlier prompt's prefix
+        if self.prompts and share % 2:
             src = self.prompts[share % len(self.prompts)]
             tokens = src[:int(len(src) * keep)] + tokens
         tokens = tokens[:200]
         self.n += 1
         rid = f'r{self.n}'
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=int(max_tokens * min_frac), ignore_eos=ignore_eos)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens,
+                            min_tokens=int(max_tokens * min_frac), ignore_eos=ignore_eos)
         try: self.s.add_request(rid, tokens, sp, eos_token_id=EOS)
         except CacheCapacityError: return
         self.prompts.append(tokens)
@@ -120,7 +125,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             toks, reason = self.got.get(rid, ([], None))
             if rid in self.aborted and reason in (None, 'abort'):
                 assert toks == want[:len(toks)], rid
-            elif rid in self.forced and toks != want:                        # stopped by the forced EOS ('length' if also the last)
+            elif rid in self.forced and toks != want:
+                # stopped by the forced EOS ('length' if also the last)
                 assert toks[-1] == EOS and reason in ('stop', 'length') and toks[:-1] == want[:len(toks) - 1], rid
             else:
                 assert (toks, reason) == (want, why), rid

@@ -1,8 +1,8 @@
-"""The sparse decode kernel against the reference attention of `05_csa2`: every record format in either cache, head counts
-4 to 64, one split or many, ragged lists with -1 entries and empty ones, ratio-1 and ratio-2 indices, batches up to 256 (128 in
-the interpreter), every distinct kernel among the launch shapes the sweep times; record decoding bit for bit against the codecs;
-the launch table and the split heuristic's bounds. On a GPU, also the compiled kernel on every format pair at 16, 64 and 128
-heads and 1 to 256 tokens.
+"""The sparse decode kernel against the reference attention of `05_csa2`: every record format in either cache, head
+counts 4 to 64, one split or many, ragged lists with -1 entries and empty ones, ratio-1 and ratio-2 indices, batches up
+to 256 (128 in the interpreter), every distinct kernel among the launch shapes the sweep times; record decoding bit for
+bit against the codecs; the launch table and the split heuristic's bounds. On a GPU, also the compiled kernel on every
+format pair at 16, 64 and 128 heads and 1 to 256 tokens.
 
 Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them); without either they are skipped."""
 from dataclasses import replace
@@ -17,8 +17,10 @@ from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
 from dsv41_nb.rope_norm import rope
 from dsv41_nb.csa2 import CSA2Attention, CSA2State, make_step, random_block_tables, sparse_attention_reference
-from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, check_decode_grid, decode_launch, decode_variants,
-                                    distinct_kernels, launch_name, DECODE_TUNING, _check_launch, _format_meta, _half_view, _tile_probe)
+from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, check_decode_grid,
+                                    decode_launch, decode_variants, distinct_kernels, launch_name,
+                                    DECODE_TUNING, _check_launch, _format_meta, _half_view,
+                                    _tile_probe)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -42,7 +44,8 @@ def test_record_tiles_decode_exactly(cfg, name, per_block):
     cache = codec.pack(x)
     slots = torch.randint(-1, 64, (32,), device=DEV, generator=g).int()
     got = torch.empty(32, codec.dim, dtype=torch.bfloat16, device=DEV)
-    _tile_probe[(1,)](cache, _half_view(cache), slots, got, 32, D=codec.dim, BN=32, **_format_meta(codec, codec.dim, 'P'),
+    _tile_probe[(1,)](cache, _half_view(cache), slots, got, 32, D=codec.dim, BN=32,
+                      **_format_meta(codec, codec.dim, 'P'),
                       HW_CVT=not triton_interpreting(), SCALE_TILE=per_block)
     want = torch.where((slots >= 0)[:, None], codec.unpack(cache[slots.clamp_min(0).long()]), 0)
     assert torch.equal(got.float(), want)
@@ -51,23 +54,27 @@ def test_record_tiles_decode_exactly(cfg, name, per_block):
 @needs_triton
 @settings(max_examples=examples(30 if GPU else 10), deadline=None)
 @given(st.sampled_from(FORMATS[:2]), st.sampled_from(FORMATS), st.sampled_from([4, 8, 16, 32, 64]), st.integers(1, 4),
-       st.booleans(), st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from([1, 2]), st.booleans(), st.sampled_from(KERNELS),
-       st.integers(0, 2**31))
+       st.booleans(), st.sampled_from([None, 1, 2, 3, 5]), st.sampled_from([1, 2]), st.booleans(),
+       st.sampled_from(KERNELS), st.integers(0, 2**31))
 def test_kernel_against_the_reference(wfmt, cfmt, heads, T, ragged, num_splits, ratio, with_sink, launch, seed):
     args = list(decode_inputs(SMALL, T, 200 + seed % 50, 40, wfmt, cfmt, ratio=ratio, heads=heads, ragged=ragged,
                               device=DEV, seed=seed))
     if not with_sink: args[4] = None
-    if cfmt == 'ds_fp4' and launch['block_n'] == 16 and min(launch['block_h'], max(16, triton.next_power_of_2(heads))) == 16:
-        launch = dict(launch, block_n=32)                                   # a shape sparse_decode refuses (test_bad_arguments)
+    if (cfmt == 'ds_fp4' and launch['block_n'] == 16
+        and min(launch['block_h'], max(16, triton.next_power_of_2(heads))) == 16):
+        # a shape sparse_decode refuses (test_bad_arguments)
+        launch = dict(launch, block_n=32)
     check_decode(tuple(args), num_splits=num_splits, launch=launch)
 
 
 @needs_triton
 @pytest.mark.parametrize('launch', KERNELS, ids=launch_name)
 def test_every_distinct_kernel_one_split_and_several(launch):
-    small = replace(FULL, window_size=16)                       # 40 heads: a partial block of 64, or 32 + 8, or 16 + 16 + 8
+    # 40 heads: a partial block of 64, or 32 + 8, or 16 + 16 + 8
+    small = replace(FULL, window_size=16)
     for num_splits, (wf, cf) in zip((1, 3), (('fp8_ds_mla', 'ds_fp4'), ('window_fp8', 'fp8_ds_mla'))):
-        check_decode(decode_inputs(small, 2, 100, 24, wf, cf, heads=40, ragged=True, device=DEV, seed=7), num_splits=num_splits, launch=launch)
+        check_decode(decode_inputs(small, 2, 100, 24, wf, cf, heads=40, ragged=True, device=DEV, seed=7),
+                     num_splits=num_splits, launch=launch)
 
 
 @needs_triton
@@ -101,16 +108,19 @@ def test_empty_lists_window_only_and_one_record():
 @needs_triton
 @pytest.mark.parametrize('batch', [1, 16, 64, 256 if GPU else 128])
 def test_batch_sizes(batch):
-    if GPU: args = decode_inputs(FULL, batch, 1024, 512, ragged=True, device=DEV, seed=batch)        # 64 heads, 128 + 512 records
-    else: args = decode_inputs(replace(FULL, window_size=8), batch, 16, 8, 'window_fp8', 'fp8_ds_mla', heads=4, ragged=True,
-                               swa_block_size=8, block_size=16, device=DEV, seed=batch)   # FP8: 16-record tiles at 16 heads
+    # 64 heads, 128 + 512 records
+    if GPU: args = decode_inputs(FULL, batch, 1024, 512, ragged=True, device=DEV, seed=batch)
+    else: args = decode_inputs(replace(FULL, window_size=8), batch, 16, 8, 'window_fp8',
+                               'fp8_ds_mla', heads=4, ragged=True, swa_block_size=8, block_size=16,
+                               device=DEV, seed=batch)   # FP8: 16-record tiles at 16 heads
     check_decode(args, launch=None if GPU else dict(block_n=16))
 
 
 @needs_triton
 def test_a_prefill_chunk_through_the_layer():
     torch.manual_seed(7)
-    pair = [CSA2Attention(TINY, l).to(DEV) for l in (6, 7)]                       # the ratio-1 Full layer and a Reuse layer
+    # the ratio-1 Full layer and a Reuse layer
+    pair = [CSA2Attention(TINY, l).to(DEV) for l in (6, 7)]
     for m in pair: m.attn_sink.data.normal_()
     g = torch.Generator().manual_seed(8)
     swa_bt, bt = random_block_tables(2, 12, 64, g).to(DEV), random_block_tables(2, 3, 64, g).to(DEV)
@@ -122,10 +132,12 @@ def test_a_prefill_chunk_through_the_layer():
         state = CSA2State(TINY).allocate(pair, 64, 4, 16, DEV)
         for m in pair: m.attend = core
         with use_kernels('torch' if core is sparse_attention_reference else None):
-            runs.append([m.attention(x[i], step, state, topk if m.role == 'Full' else None)[0] for i, m in enumerate(pair)])
+            runs.append([m.attention(x[i], step, state, topk if m.role == 'Full' else None)[0]
+                         for i, m in enumerate(pair)])
     vmax = max(m.window_codec.unpack(state.window[m.layer]).abs().max() for m in pair)
     vmax = max(vmax, state.main_codec.unpack(state.compressed[6]).abs().max())
-    for ro, ko in zip(*runs): assert ((ko.float() - ro.float()).abs() <= 2 ** -7 * vmax + 2 ** -6 * ro.float().abs()).all()
+    for ro, ko in zip(*runs):
+        assert ((ko.float() - ro.float()).abs() <= 2 ** -7 * vmax + 2 ** -6 * ro.float().abs()).all()
 
 
 @pytest.mark.skipif(not GPU, reason='the compiled kernel needs a GPU')
@@ -140,7 +152,8 @@ def test_the_tuning_table_is_complete_and_valid():
     for entry in DECODE_TUNING.values():
         _check_launch(entry)
         assert {'block_h', 'block_n', 'num_warps', 'num_stages', 'scale_tile', 'separate'} <= set(entry)
-    assert len({launch_name(v) for v in decode_variants()}) == len(decode_variants())      # every shape has its own name
+    # every shape has its own name
+    assert len({launch_name(v) for v in decode_variants()}) == len(decode_variants())
 
 
 @given(st.integers(1, 512), st.sampled_from([4, 16, 64, 128]), st.integers(0, 200), st.integers(0, 600))
@@ -152,7 +165,8 @@ def test_split_heuristic_stays_in_bounds(T, H, W, K):
         L = decode_launch(T, H, W, K, DEV)
         tiles = max(1, triton.cdiv(W, L['BLOCK_N']) + triton.cdiv(K, L['BLOCK_N']))
         sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-        assert 1 <= L['SPLITS'] <= min(tiles, 16) and (L['SPLITS'] == 1 or T * triton.cdiv(H, L['BLOCK_H']) * L['SPLITS'] <= sms)
+        assert (1 <= L['SPLITS'] <= min(tiles, 16)
+                and (L['SPLITS'] == 1 or T * triton.cdiv(H, L['BLOCK_H']) * L['SPLITS'] <= sms))
 
 
 def test_bad_arguments():
@@ -168,18 +182,23 @@ def test_bad_arguments():
              (lambda: decode_launch(1, 0, 10, 10, 'cpu'), 'H = 0'),
              (lambda: sparse_decode(q, window, None, idx, sink, scale), 'compressed: expected PagedRecords'),
              (lambda: sparse_decode(q[:, :3], window, compressed, idx, sink, scale), 'sink: expected a (3,) tensor'),
-             (lambda: _format_meta(cache_format(FULL, 'index_fp8'), 128, 'W'), 'FP8 records with block scales or FP4 records'),
+             (lambda: _format_meta(cache_format(FULL, 'index_fp8'), 128, 'W'),
+              'FP8 records with block scales or FP4 records'),
              (lambda: run(out_rope=torch.ones(4)), 'out_rope: expected (inv_freq, positions)'),
-             (lambda: run(out_rope=(torch.ones(4, device=DEV), torch.tensor([1], device=DEV))), 'positions must be integers of shape (2,)')]
-    if HAS_TRITON: cases += [(lambda: sparse_decode(q.half(), window, compressed, idx, sink, scale), 'the kernel takes bf16 queries'),
-                             (lambda: run(launch=dict(block_n=16)), 'decodes FP4 records wrongly')]   # a shape that compiles wrong
+             (lambda: run(out_rope=(torch.ones(4, device=DEV), torch.tensor([1], device=DEV))),
+              'positions must be integers of shape (2,)')]
+    if HAS_TRITON:
+        cases += [(lambda: sparse_decode(q.half(), window, compressed, idx, sink, scale),
+                   'the kernel takes bf16 queries'),
+                  (lambda: run(launch=dict(block_n=16)), 'decodes FP4 records wrongly')]   # a shape that compiles wrong
     for f, msg in cases: fct.test_fail(f, contains=msg)
 
 
 @needs_triton
 @pytest.mark.parametrize('num_splits', [1, 3])
 def test_out_rope_is_the_inverse_rotation_of_the_output(num_splits):
-    "out_rope: the output rotated back in the combining launch (or, with one split, by `rope`), bit for bit; lse unchanged"
+    """out_rope: the output rotated back in the combining launch (or, with one split, by `rope`),
+    bit for bit; lse unchanged"""
     q, window, compressed, idx, sink, scale = decode_inputs(SMALL, 2, 100, 30, heads=4, device=DEV)
     inv, pos = (1.0 / 10000 ** (torch.arange(0, 64, 2) / 64)).float().to(DEV), torch.tensor([99, 99], device=DEV)
     o, lse = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=num_splits)

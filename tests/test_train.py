@@ -25,7 +25,8 @@ def docs(tmp_path_factory):
 def _stream_data(n_train=4000, n_val=1000, seed=0):
     "Token streams of random English-like bytes: independent of the corpus, fast"
     g = _gen(seed)
-    words = [bytes(torch.randint(97, 123, (int(n),), generator=g).tolist()) for n in torch.randint(1, 7, (40,), generator=g)]
+    words = [bytes(torch.randint(97, 123, (int(n),), generator=g).tolist())
+             for n in torch.randint(1, 7, (40,), generator=g)]
     pick = lambda n: torch.tensor(list(b' '.join(words[i] for i in torch.randint(0, 40, (n,), generator=g).tolist())),
                                   dtype=torch.int16)
     return ByteData(pick(n_train // 4), pick(n_val // 4), 256)
@@ -50,7 +51,8 @@ def test_split_is_disjoint_and_stable(docs):
 @given(st.integers(2, 40), st.integers(1, 5), st.integers(0, 2**31))
 def test_windows_shift_targets(seq_len, batch, seed):
     "Inputs are BOS then the targets shifted right; targets are a contiguous slice of the stream"
-    data = ByteData(torch.randint(0, 256, (200,), generator=_gen(seed), dtype=torch.int16), torch.zeros(50, dtype=torch.int16), 256)
+    data = ByteData(torch.randint(0, 256, (200,), generator=_gen(seed), dtype=torch.int16),
+                    torch.zeros(50, dtype=torch.int16), 256)
     x, y = data.batch(batch, seq_len, _gen(seed))
     assert x.shape == y.shape == (batch, seq_len) and (x[:, 0] == 256).all() and (x[:, 1:] == y[:, :-1]).all()
     for row in y.tolist():
@@ -133,7 +135,8 @@ def test_train_updates_router_bias_not_by_gradient():
     assert not m.layers[0].ffn.gate._forward_hooks
 
 def test_expert_dropout_in_training_only():
-    "In training a share p of the (token, expert) weights is zeroed, the rest scaled by 1/(1-p); eval and removal restore"
+    """In training a share p of the (token, expert) weights is zeroed, the rest scaled by 1/(1-p);
+    eval and removal restore"""
     m, h = _Routed(E=16), torch.randn(8192, 32, generator=_gen(3))
     gate = m.layers[0].ffn.gate
     w0, ids0 = gate(h)
@@ -186,7 +189,8 @@ def test_bad_inputs():
         (lambda: module_documents('no_such_module_xyz'), "no importable module 'no_such_module_xyz'"),
         (lambda: byte_data(['a'], ['b'], object()), 'tokenizer must have encode, BOS and EOS'),
         (lambda: byte_data([], ['b'], None), 'train_docs must be a non-empty list of str'),
-        (lambda: lm_loss(m, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)), 'must match inputs'),
+        (lambda: lm_loss(m, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)),
+         'must match inputs'),
         (lambda: train(m, data, steps=2, fast='yes'), "fast = 'yes'"),
         (lambda: fast_path('model').__enter__(), 'expected an nn.Module'),
         (lambda: source_files('/no/such/folder'), 'no directory /no/such/folder'),
@@ -197,7 +201,8 @@ def test_bad_inputs():
     for f, msg in cases: fct.test_fail(f, contains=msg)
 
 def _tiny_model_and_run(seed=0, S=40):
-    "A tiny Transformer (10_model), and the attention input and DenseRun of its first index-source layer, captured by a hook"
+    """A tiny Transformer (10_model), and the attention input and DenseRun of its first index-source
+    layer, captured by a hook"""
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.model import init_random
     from dsv41_nb.train import indexer_layers

@@ -6,11 +6,12 @@
 One row per batch size (tokens per rank), all measured in one run of `world_size` processes, one GPU each: the dispatch
 all-to-all (FP8 token records with expert id and weight) and the combine all-to-all (BF16 expert outputs) timed alone,
 with the bytes each rank sends to the others and the bandwidth that implies; the expert-parallel layer
-(`ep_moe_forward`); and 08b_fused_moe's `moe_forward` on one GPU holding every expert, for the same per-rank batch and for
-all ranks' batches together. Every call starts with all ranks at a barrier; each rank takes the median over the
+(`ep_moe_forward`); and 08b_fused_moe's `moe_forward` on one GPU holding every expert, for the same per-rank batch and
+for all ranks' batches together. Every call starts with all ranks at a barrier; each rank takes the median over the
 repetitions and the table reports the slowest rank. Each size also checks that the layer's output equals the
-one-process simulation (`ep_moe_simulated`) bit for bit, and reports its largest difference from one GPU's layer. `--quick` runs the tiny config at small sizes with gloo on CPU
-processes (under the Triton interpreter when there is no GPU): a check of the script, not a measurement."""
+one-process simulation (`ep_moe_simulated`) bit for bit, and reports its largest difference from one GPU's layer.
+`--quick` runs the tiny config at small sizes with gloo on CPU processes (under the Triton interpreter when there is no
+GPU): a check of the script, not a measurement."""
 import os, sys
 if '--quick' in sys.argv and not os.environ.get('TRITON_INTERPRET'):
     import torch
@@ -93,8 +94,9 @@ def format_table(rows) -> str:
                       f"{r['combine_ms']:>9.3f} {r['combine_GBps']:>9.1f} {r['ep_ms']:>9.3f} {r['one_gpu_ms']:>9.3f} "
                       f"{r['one_gpu_all_ms']:>9.3f} {r['ep_ms'] / r['one_gpu_ms']:>8.2f}x")
     same = all(r['equals_simulation'] for r in rows)
-    note = (f"EP output equals the one-process simulation bit for bit at every size: {same}; largest difference from "
-            f"one GPU's moe_forward, relative to its largest output: {max(r['max_rel_diff_one_gpu'] for r in rows):.1e}")
+    note = (f"EP output equals the one-process simulation bit for bit at every size: {same}; "
+            "largest difference from one GPU's moe_forward, relative to its largest output: "
+            f"{max(r['max_rel_diff_one_gpu'] for r in rows):.1e}")
     return '\n'.join([' '.join(f'{c:>9s}' for c in cols)] + [line(r) for r in rows] + [note])
 
 if __name__ == '__main__':

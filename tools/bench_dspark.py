@@ -2,15 +2,16 @@
 """DSpark acceptance and throughput at several concurrencies, speculation off, fixed at 5 drafts, and adaptive.
 
     python tools/bench_dspark.py [--checkpoint checkpoints/small] [--drafter PATH] [--concurrency 1 8 32 128]
-                                 [--new-tokens 32] [--prompt-len 64] [--paths loop engine] [--json PATH [--merge]] [--quick]
+                                 [--new-tokens 32] [--prompt-len 64] [--paths loop engine] [--json PATH [--merge]]
+                                 [--quick]
 
 Two paths, each decoding greedily (ignore EOS) from held-out windows of the training corpus:
 - 'loop': `dsv41_nb.dspark.speculative_generate`, the reference decode loop: one dense forward per step re-runs every
-  live sequence with its drafts (fp32) and hands the drafter its input from that same forward (no KV cache: the step cost
-  grows with the sequence, so drafting looks cheaper than it is);
-- 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16) with `DSparkProposer`; the
-  engine's runner hands the proposer token ids only, so the proposer re-runs the target (one padded dense forward per
-  step) to get the drafter's input, a cost the serving path would not pay.
+  live sequence with its drafts (fp32) and hands the drafter its input from that same forward (no KV cache: the step
+  cost grows with the sequence, so drafting looks cheaper than it is);
+- 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16) with `DSparkProposer`;
+  the engine's runner hands the proposer token ids only, so the proposer re-runs the target (one padded dense forward
+  per step) to get the drafter's input, a cost the serving path would not pay.
 Adaptive verification uses a step-cost curve measured here: the target's forward over c sequences with k + 1 new rows,
 k = 0..5. Each row reports tokens/s, tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
 per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
@@ -64,8 +65,9 @@ def run_loop(model, drafter, prompts, n, policy, cost, device):
     sync(device); t0 = time.perf_counter()
     speculative_generate(model, prompts, n, prop, stats=st)
     sync(device); dt = time.perf_counter() - t0
-    return dict(seconds=dt, tokens_per_s=len(prompts) * n / dt, tokens_per_request_step=st.emitted / max(1, st.request_steps),
-                steps=st.steps, drafted=st.drafted, accepted=st.accepted, mean_k=st.drafted / max(1, st.request_steps),
+    return dict(seconds=dt, tokens_per_s=len(prompts) * n / dt,
+                tokens_per_request_step=st.emitted / max(1, st.request_steps), steps=st.steps,
+                drafted=st.drafted, accepted=st.accepted, mean_k=st.drafted / max(1, st.request_steps),
                 target_s=st.target_s, draft_s=st.draft_s, slot_acceptance=st.slot_acceptance)
 
 
@@ -78,7 +80,8 @@ def run_engine(model, drafter, prompts, n, policy, cost, device):
     outs = llm.generate(prompts, sp, use_tqdm=False)
     sync(device); dt = time.perf_counter() - t0
     stats, emitted = llm.llm_engine.scheduler.stats, sum(len(o.outputs[0].token_ids) for o in outs)
-    request_steps = emitted - stats['accepted_tokens']                       # each request-step emits one non-draft token
+    # each request-step emits one non-draft token
+    request_steps = emitted - stats['accepted_tokens']
     return dict(seconds=dt, tokens_per_s=emitted / dt, tokens_per_request_step=emitted / max(1, request_steps),
                 drafted=stats['draft_tokens'], accepted=stats['accepted_tokens'],
                 mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs])
@@ -114,7 +117,8 @@ def main():
     if (ckpt / 'config.json').exists(): model, source = load_model(ckpt, device=device), str(ckpt)
     else: model, source = init_random(ModelConfig.tiny(), seed=0, device=device, max_seq_len=4096), 'tiny (random)'
     engine_model = model.eval()                                      # BF16 masters, as loaded: the paged path's input
-    model = copy.deepcopy(model).float()                              # fp32 for the reference loop, as the drafter trained
+    # fp32 for the reference loop, as the drafter trained
+    model = copy.deepcopy(model).float()
     engine_model.quant = model.quant = True
     drafter, engine_drafter = Drafter(model), Drafter(engine_model)
     dpath = Path(args.drafter) if args.drafter else ckpt / 'dspark.safetensors'
@@ -126,7 +130,8 @@ def main():
     docs = load_corpus()
     _, val_docs = split_documents(docs, seed=0)
     data = byte_data(docs[:1], val_docs, ByteTokenizer(model.cfg))
-    starts = torch.randint(0, len(data.val) - args.prompt_len, (max(args.concurrency),), generator=torch.Generator().manual_seed(1))
+    starts = torch.randint(0, len(data.val) - args.prompt_len, (max(args.concurrency),),
+                           generator=torch.Generator().manual_seed(1))
     prompts = data.windows('val', starts, args.prompt_len)[0].tolist()
     node = roofline_step_cost(ModelConfig.full(), HARDWARE['H200 (measured copy)'], 790e12)
     rows, costs, slots = [], {}, {}
@@ -146,20 +151,29 @@ def main():
                 if path == 'loop' and policy == 'fixed 5': slots[c] = r['slot_acceptance']
                 r.pop('outputs', None)
                 rows.append(dict(path=path, concurrency=c, policy=policy, **r))
-                print(f"  {path} c={c} {policy}: {r['tokens_per_s']:.1f} tok/s, {r['tokens_per_request_step']:.2f} tokens per "
-                      f"request-step, {r['seconds']:.1f} s", flush=True)
+                print(f"  {path} c={c} {policy}: {r['tokens_per_s']:.1f} tok/s, "
+                      f"{r['tokens_per_request_step']:.2f} tokens per request-step, "
+                      f"{r['seconds']:.1f} s", flush=True)
     a = next(iter(slots.values()), [])
-    for r in rows: r['modelled_tokens_per_s'] = modelled(slots.get(r['concurrency'], a), r['concurrency'], r['policy'], node)
-    print(f"\n{'path':>6} {'conc':>5} {'policy':>9} {'tok/s':>9} {'tok/step':>8} {'mean k':>6} {'s':>7}   modelled tok/s/GPU (8 x H200, full model)")
     for r in rows:
-        if 'tokens_per_s' not in r: print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9}  {r.get('error', r.get('skipped'))}"); continue
-        print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9} {r['tokens_per_s']:9.1f} {r['tokens_per_request_step']:8.2f} "
-              f"{r['mean_k']:6.2f} {r['seconds']:7.2f}   {r['modelled_tokens_per_s']:9.0f}")
+        r['modelled_tokens_per_s'] = modelled(slots.get(r['concurrency'], a), r['concurrency'],
+                                              r['policy'], node)
+    print(f"\n{'path':>6} {'conc':>5} {'policy':>9} {'tok/s':>9} {'tok/step':>8} {'mean k':>6} "
+          f"{'s':>7}   modelled tok/s/GPU (8 x H200, full model)")
+    for r in rows:
+        if 'tokens_per_s' not in r:
+            print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9}  {r.get('error', r.get('skipped'))}")
+            continue
+        print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9} {r['tokens_per_s']:9.1f} "
+              f"{r['tokens_per_request_step']:8.2f} {r['mean_k']:6.2f} {r['seconds']:7.2f}   "
+              f"{r['modelled_tokens_per_s']:9.0f}")
     print('per-slot acceptance (loop, fixed 5):', {c: [round(v, 3) for v in s] for c, s in slots.items()})
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        rec = dict(machine=machine, date=date, torch=torch.__version__, target=source, drafter=str(dpath) if trained else 'untrained',
-                   settings=dict(vars(args), json=args.json and Path(args.json).name), rows=rows, slot_acceptance=slots, step_costs=costs, total_seconds=time.perf_counter() - t_start)
+        rec = dict(machine=machine, date=date, torch=torch.__version__,
+                   target=source, drafter=str(dpath) if trained else 'untrained',
+                   settings=dict(vars(args), json=args.json and Path(args.json).name), rows=rows,
+                   slot_acceptance=slots, step_costs=costs, total_seconds=time.perf_counter() - t_start)
         if args.merge and Path(args.json).exists(): rec = merge_runs(json.loads(Path(args.json).read_text()), rec)
         Path(args.json).write_text(json.dumps(rec, indent=1))
         print(f'results -> {args.json}')
@@ -171,8 +185,10 @@ def merge_runs(old: dict, new: dict) -> dict:
     rows = [r for r in old['rows'] if (r['path'], r['concurrency']) not in again] + new['rows']
     runs = old['settings'].get('runs') or [dict(date=old['date'], settings=old['settings'])]
     out = dict(new, rows=sorted(rows, key=lambda r: (r['concurrency'], r['path'] != 'loop')),
-               slot_acceptance={**old['slot_acceptance'], **new['slot_acceptance']}, step_costs={**old['step_costs'], **new['step_costs']})
-    out['settings'] = dict(new['settings'], paths=sorted({r['path'] for r in rows}), concurrency=sorted({r['concurrency'] for r in rows}),
+               slot_acceptance={**old['slot_acceptance'], **new['slot_acceptance']},
+               step_costs={**old['step_costs'], **new['step_costs']})
+    out['settings'] = dict(new['settings'], paths=sorted({r['path'] for r in rows}),
+                           concurrency=sorted({r['concurrency'] for r in rows}),
                            runs=runs + [dict(date=new['date'], settings=dict(new['settings']))])
     return out
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """The engine (13_engine) on one GPU: throughput and latency against concurrency, the batch-1 decode step against its
-byte floor (with and without CUDA graphs), and the engine against the naive loop that recomputes every sequence each token.
+byte floor (with and without CUDA graphs), and the engine against the naive loop that recomputes every sequence each
+token.
 
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
-                                 [--prompt-len 128] [--max-tokens 32] [--seed 0] [--sections concurrency decode profile graphs naive]
+                                 [--prompt-len 128] [--max-tokens 32] [--seed 0]
+                                 [--sections concurrency decode profile graphs naive]
                                  [--async-scheduling] [--max-num-batched-tokens N] [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -16,10 +18,11 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
    (`capture_all`), and each level is warmed up first with c other prompts of 3 tokens each (Triton compiles a kernel
    again for new argument specialisations), so the row times serving, not compiling or capturing.
 2. the decode step at batch 1: the engine's time per output token of one request (scheduler, runner, sampler included)
-   against the floor of that step, with the runner waiting for each step's tokens and (async scheduling) not waiting: the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of
-   01a_accounting with one rank, plus the KV records it attends to and the index keys it scores) over the measured copy
-   bandwidth (`copy_bandwidth`). Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper
-   is swapped in and out of the same engine), otherwise the eager step alone and the reason.
+   against the floor of that step, with the runner waiting for each step's tokens and (async scheduling) not waiting:
+   the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of 01a_accounting with one rank,
+   plus the KV records it attends to and the index keys it scores) over the measured copy bandwidth (`copy_bandwidth`).
+   Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper is swapped in and out of the
+   same engine), otherwise the eager step alone and the reason.
 3. profile: the GPU time of one eager decode step of one request, by kernel (`torch.profiler`); and `graphs`: the
    kernels of decode steps replayed from CUDA graphs at a few batch sizes (count, GPU busy time, the kernels under
    3 us, the largest), which is where a replayed step's time goes. Both are taken with programmatic dependent launch
@@ -27,10 +30,12 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 4. the naive loop: `generate_greedy` of 10_model on a (32, prompt) batch, recomputing the whole sequence every token,
    against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense `Transformer` must fit;
    the trained small model of 11_train when its checkpoint is in the repository). Goal: the engine at least 5x the naive
-   loop's tokens/s. Both are warmed up first on other prompts of the same shape (kernels compiled, CUDA graphs captured, no prefix-cache hits).
+   loop's tokens/s. Both are warmed up first on other prompts of the same shape (kernels compiled, CUDA graphs captured,
+   no prefix-cache hits).
 
 Each section is timed after a warm-up; a section that fails records its error and the run goes on. The JSON is rewritten
-after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a measurement."""
+after every section. `--quick` runs tiny on the CPU with the PyTorch kernels: a check of the script, not a
+measurement."""
 import argparse, dataclasses, datetime, json, os, subprocess, sys, time, traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -72,21 +77,26 @@ def sync(device):
 
 def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: int, res: dict, path,
                      cfg: ModelConfig | None = None, device='cpu') -> list:
-    """One row per level, with (given `cfg`) the step floor at that many requests (`step_floor` at the run's mean context and the
-    copy bandwidth measured on `device`); each row goes into `res['concurrency']` (and the JSON) as soon as it is measured"""
+    """One row per level, with (given `cfg`) the step floor at that many requests (`step_floor` at the run's mean
+    context and the copy bandwidth measured on `device`); each row goes into `res['concurrency']` (and the JSON) as soon
+    as it is measured"""
     sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
     warm = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     res['concurrency'] = rows
-    bw = copy_bandwidth(device=device) if torch.device(device).type == 'cuda' else HARDWARE['H200 (measured copy)'].bandwidth
+    bw = (copy_bandwidth(device=device) if torch.device(device).type == 'cuda'
+          else HARDWARE['H200 (measured copy)'].bandwidth)
     hw, ctx = dataclasses.replace(HARDWARE['H200'], bandwidth=bw), prompt_len + max_tokens // 2
-    load_test(llm, random_prompts(2, prompt_len, seed=seed), sp)                                   # warm-up: compile, fill
+    # warm-up: compile, fill
+    load_test(llm, random_prompts(2, prompt_len, seed=seed), sp)
     model = llm.llm_engine.runner.model
-    if isinstance(model, CUDAGraphModel) and model._template is not None:    # every size a level can pad to, before timing
+    # every size a level can pad to, before timing
+    if isinstance(model, CUDAGraphModel) and model._template is not None:
         t0 = time.perf_counter()
         got = model.capture_all([s for s in model.sizes if s <= max(levels)])
         print(f"captured the graphs of {got} in {time.perf_counter() - t0:.1f} s", flush=True)
     for c in levels:
-        load_test(llm, random_prompts(c, prompt_len, seed=seed + 10**6 + c), warm)                     # this level's shapes
+        # this level's shapes
+        load_test(llm, random_prompts(c, prompt_len, seed=seed + 10**6 + c), warm)
         s = load_test(llm, random_prompts(c, prompt_len, seed=seed + c), sp)
         floor = step_floor(cfg, hw, c, ctx)['seconds'] if cfg is not None else float('nan')
         rows.append(dict(concurrency=c, **s, floor_s=floor, copy_bandwidth=bw))
@@ -99,37 +109,47 @@ def concurrency_rows(llm: LLM, levels, prompt_len: int, max_tokens: int, seed: i
 
 def decode_step(llm: LLM, cfg: ModelConfig, device, prompt_len: int, max_tokens: int, seed: int) -> dict:
     eng = llm.llm_engine
-    bw = copy_bandwidth(device=device) if torch.device(device).type == 'cuda' else HARDWARE['H200 (measured copy)'].bandwidth
+    bw = (copy_bandwidth(device=device) if torch.device(device).type == 'cuda'
+          else HARDWARE['H200 (measured copy)'].bandwidth)
     hw = Hardware(machine_name(device), HARDWARE['H200'].hbm_bytes, bw, 'copy_bandwidth on this machine')
     weights = decode_floor(cfg, hw, batch=1, world_size=1)
-    context = prompt_len + max_tokens // 2                                                        # the mean context of the run
+    # the mean context of the run
+    context = prompt_len + max_tokens // 2
     cc = eng.kv_cache_config.cache_config
     kv = decode_kv_read_bytes(cfg, context, cc.main_kv_format, cc.index_key_format)
     floor = weights['seconds'] + kv / bw
     inner = eng.runner.model
     graphs, args0, config0 = (inner if isinstance(inner, CUDAGraphModel) else None), eng.args, eng.scheduler.config
     modes = [('eager', inner.model if graphs else inner), ('cuda graphs', graphs), ('cuda graphs, async', graphs)]
-    out = dict(context=context, copy_bandwidth=bw, weight_bytes=weights['dense_bytes'] + weights['expert_bytes'], kv_bytes=kv,
-               floor_s=floor, held_weight_bytes=getattr(getattr(inner, 'model', None), 'weight_bytes', lambda: None)(), modes={})
-    sp, prompt = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), random_prompts(1, prompt_len, seed=seed)
+    out = dict(context=context, copy_bandwidth=bw, weight_bytes=weights['dense_bytes'] + weights['expert_bytes'],
+               kv_bytes=kv, floor_s=floor,
+               held_weight_bytes=getattr(getattr(inner, 'model', None), 'weight_bytes', lambda: None)(), modes={})
+    sp, prompt = (SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                  random_prompts(1, prompt_len, seed=seed))
     for mode, m in modes:
         if m is None:
             why = 'not on a GPU' if torch.device(device).type != 'cuda' else 'supports_cuda_graphs is False'
             out['modes'][mode] = dict(note=f"{type(inner).__name__} runs without CUDA graphs ({why})")
             print(f"  {mode:12s} {out['modes'][mode]['note']}"); continue
-        eng.runner.model, asyn = m, mode.endswith('async')          # async: the runner does not wait for a step's tokens
-        eng.args = dataclasses.replace(eng.args, async_scheduling=asyn)               # (switched while no request is in flight)
+        # async: the runner does not wait for a step's tokens
+        eng.runner.model, asyn = m, mode.endswith('async')
+        # (switched while no request is in flight)
+        eng.args = dataclasses.replace(eng.args, async_scheduling=asyn)
         eng.scheduler.config = dataclasses.replace(eng.scheduler.config, async_scheduling=asyn)
-        load_test(llm, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))        # warm-up (captures graphs)
+        # warm-up (captures graphs)
+        load_test(llm, prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         s = load_test(llm, prompt, sp)
         step = s['tpot_s'][50]
         out['modes'][mode] = dict(step_s=step, times_floor=step / floor, ttft_s=s['ttft_s'][50])
-        print(f"  {mode:12s} {1e3 * step:9.3f} ms per decode step = {step / floor:6.1f}x the floor of {1e6 * floor:8.1f} us "
-              f"({(out['weight_bytes']) / 1e9:.2f} GB weights + {kv / 1e6:.2f} MB KV at {bw / 1e12:.2f} TB/s)")
-        if mode == 'cuda graphs' and 1 in getattr(m, 'graphs', {}):          # the GPU's part alone: the batch-1 graph replayed
+        print(f"  {mode:12s} {1e3 * step:9.3f} ms per decode step = {step / floor:6.1f}x the floor "
+              f"of {1e6 * floor:8.1f} us ({(out['weight_bytes']) / 1e9:.2f} GB weights + "
+              f"{kv / 1e6:.2f} MB KV at {bw / 1e12:.2f} TB/s)")
+        # the GPU's part alone: the batch-1 graph replayed
+        if mode == 'cuda graphs' and 1 in getattr(m, 'graphs', {}):
             out['modes'][mode]['replay_s'] = rep = median_time(m.graphs[1][0], warmup=50, rep=300)
-            print(f"  {'':12s} {1e3 * rep:9.3f} ms of it the graph's replay alone; the other {1e3 * (step - rep):.3f} ms the host's "
-                  "(scheduling, inputs, sampling) while the GPU waits")
+            print(f"  {'':12s} {1e3 * rep:9.3f} ms of it the graph's replay alone; "
+                  f"the other {1e3 * (step - rep):.3f} ms the host's (scheduling, inputs, "
+                  "sampling) while the GPU waits")
     eng.runner.model, eng.args, eng.scheduler.config = inner, args0, config0                   # as it was built
     return out
 
@@ -139,8 +159,9 @@ TRAINED = Path(__file__).resolve().parent.parent / 'checkpoints' / 'small'
 
 @contextmanager
 def pdl_off(llm: LLM):
-    """Kernels launched without programmatic dependent launch, graphs captured afresh: under PDL a profiler counts each kernel's wait
-    for the one before it as its own time, so a per-kernel table is taken without it (the step itself is timed with it)"""
+    """Kernels launched without programmatic dependent launch, graphs captured afresh: under PDL a profiler counts each
+    kernel's wait for the one before it as its own time, so a per-kernel table is taken without it (the step itself is
+    timed with it)"""
     model = llm.llm_engine.runner.model
     drop = lambda: (model.graphs.clear(), setattr(model, 'pool', None)) if isinstance(model, CUDAGraphModel) else None
     old = PDL['enabled']
@@ -153,9 +174,12 @@ def kernel_profile(llm: LLM, prompt_len: int, top: int = 20) -> dict:
     "GPU time of one eager decode step of one request, by kernel (torch.profiler): where the step's device time goes"
     from torch.profiler import profile, ProfilerActivity
     eng, inner = llm.llm_engine, llm.llm_engine.runner.model
-    eng.runner.model = inner.model if isinstance(inner, CUDAGraphModel) else inner                 # eager: one launch per op
-    eng.add_request('profiled', random_prompts(1, prompt_len, seed=1)[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    for _ in range(3): eng.step()                                                               # prefill, two decode steps
+    # eager: one launch per op
+    eng.runner.model = inner.model if isinstance(inner, CUDAGraphModel) else inner
+    eng.add_request('profiled', random_prompts(1, prompt_len, seed=1)[0],
+                    SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    # prefill, two decode steps
+    for _ in range(3): eng.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         eng.step(); torch.cuda.synchronize()
@@ -174,14 +198,17 @@ def kernel_profile(llm: LLM, prompt_len: int, top: int = 20) -> dict:
 
 
 def graph_profile(llm: LLM, prompt_len: int, batches=(1, 4), steps: int = 4, top: int = 15) -> list:
-    "Kernels of decode steps replayed from CUDA graphs, per step: how many, GPU busy time, those under 3 us, the largest"
+    """Kernels of decode steps replayed from CUDA graphs, per step: how many, GPU busy time, those
+    under 3 us, the largest"""
     from torch.profiler import profile, ProfilerActivity
     eng, rows = llm.llm_engine, []
     for B in batches:
         for i, p in enumerate(random_prompts(B, prompt_len, seed=2 + B)):
             eng.add_request(f'graphs-{B}-{i}', p, SamplingParams(temperature=0, max_tokens=steps + 12, ignore_eos=True))
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)    # (--quick: no GPU, no kernels)
-        for _ in range(8): eng.step()                                  # prefill, then decode steps whose graph is captured
+        # (--quick: no GPU, no kernels)
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        # prefill, then decode steps whose graph is captured
+        for _ in range(8): eng.step()
         sync()
         acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
         with profile(activities=acts) as prof:
@@ -195,30 +222,36 @@ def graph_profile(llm: LLM, prompt_len: int, batches=(1, 4), steps: int = 4, top
             if e.device_type == torch.autograd.DeviceType.CUDA:
                 us[e.name] = us.get(e.name, 0.0) + e.device_time_total / steps
                 calls[e.name] = calls.get(e.name, 0) + 1 / steps
-                if e.device_time_total < 3.0: small_n, small_us = small_n + 1 / steps, small_us + e.device_time_total / steps
+                if e.device_time_total < 3.0:
+                    small_n, small_us = small_n + 1 / steps, small_us + e.device_time_total / steps
         r = dict(batch=B, wall_profiled_s=wall, kernels=round(sum(calls.values())), gpu_us=sum(us.values()),
                  small_kernels=round(small_n), small_us=small_us,
-                 top=[dict(kernel=k[:80], calls=round(calls[k]), us=v) for k, v in sorted(us.items(), key=lambda kv: -kv[1])[:top]])
+                 top=[dict(kernel=k[:80], calls=round(calls[k]), us=v)
+                      for k, v in sorted(us.items(), key=lambda kv: -kv[1])[:top]])
         rows.append(r)
-        print(f"  batch {B}: {r['kernels']} kernels a replayed step, {r['gpu_us'] / 1e3:.2f} ms of GPU time; {r['small_kernels']} "
-              f"under 3 us take {small_us / 1e3:.2f} ms; the largest: " + ', '.join(f"{t['kernel'][:24]} {t['us'] / 1e3:.2f} ms"
-                                                                                   for t in r['top'][:4]), flush=True)
+        print(f"  batch {B}: {r['kernels']} kernels a replayed step, {r['gpu_us'] / 1e3:.2f} ms of "
+              f"GPU time; {r['small_kernels']} under 3 us take {small_us / 1e3:.2f} ms; "
+              "the largest: " + ', '.join(f"{t['kernel'][:24]} {t['us'] / 1e3:.2f} ms"
+                                         for t in r['top'][:4]), flush=True)
     return rows
 
 
-def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len: int, max_tokens: int, seed: int, kernels,
-                    async_scheduling: bool = False) -> dict:
+def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len: int,
+                    max_tokens: int, seed: int, kernels, async_scheduling: bool = False) -> dict:
     trained = cfg_name == 'small' and (TRAINED / 'config.json').is_file()                      # the trained small model
     model = load_model(TRAINED, device=device) if trained else init_random(cfg, seed=seed, device=device)
     prompts = random_prompts(n, prompt_len, seed=seed)
     ids = torch.tensor(prompts, device=device)
-    generate_greedy(model, torch.tensor(random_prompts(n, prompt_len, seed=seed + 1), device=device), 2)   # warm-up, same shape
+    # warm-up, same shape
+    generate_greedy(model, torch.tensor(random_prompts(n, prompt_len, seed=seed + 1), device=device), 2)
     sync(device); t0 = time.perf_counter()
     naive = generate_greedy(model, ids, max_tokens)[:, prompt_len:].tolist()
     sync(device); naive_s = time.perf_counter() - t0
-    llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64, async_scheduling=async_scheduling)
+    llm = LLM(model, max_num_seqs=n, kernels=kernels, max_model_len=prompt_len + max_tokens + 64,
+              async_scheduling=async_scheduling)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    load_test(llm, random_prompts(n, prompt_len, seed=seed + 1), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    load_test(llm, random_prompts(n, prompt_len, seed=seed + 1),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     # warm-up on other prompts of the same shape: kernels compiled and graphs captured, and no prefix-cache hits later
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -226,20 +259,25 @@ def naive_vs_engine(cfg_name: str, cfg: ModelConfig, device, n: int, prompt_len:
     s = load_summary(outs, engine_s)
     same = sum(a == b for o, row in zip(outs, naive) for a, b in zip(o.outputs[0].token_ids, row)) / (n * max_tokens)
     runner = llm.llm_engine.runner.model
-    r = dict(requests=n, tokens=n * max_tokens, weights='trained small checkpoint' if trained else 'random', naive_s=naive_s,
-             engine_s=engine_s, naive_tok_s=n * max_tokens / naive_s, engine_tok_s=n * max_tokens / engine_s,
-             speedup=naive_s / engine_s, same_tokens=same, engine_ttft_s=s['ttft_s'][50], engine_tpot_s=s['tpot_s'][50],
+    r = dict(requests=n, tokens=n * max_tokens, weights='trained small checkpoint' if trained else 'random',
+             naive_s=naive_s, engine_s=engine_s, naive_tok_s=n * max_tokens / naive_s,
+             engine_tok_s=n * max_tokens / engine_s, speedup=naive_s / engine_s, same_tokens=same,
+             engine_ttft_s=s['ttft_s'][50], engine_tpot_s=s['tpot_s'][50],
              runner=type(runner).__name__, graph_stats=getattr(runner, 'stats', None))
-    print(f"  naive generate_greedy {r['naive_tok_s']:10.1f} tok/s   engine ({r['runner']}) {r['engine_tok_s']:10.1f} tok/s   "
-          f"speed-up {r['speedup']:5.1f}x   tokens equal to the naive loop's: {same:.1%} ({r['weights']} weights); "
-          f"engine TTFT {1e3 * r['engine_ttft_s']:.0f} ms, TPOT {1e3 * r['engine_tpot_s']:.1f} ms, graphs {r['graph_stats']}")
+    print(f"  naive generate_greedy {r['naive_tok_s']:10.1f} tok/s   engine ({r['runner']}) "
+          f"{r['engine_tok_s']:10.1f} tok/s   speed-up {r['speedup']:5.1f}x   "
+          f"tokens equal to the naive loop's: {same:.1%} ({r['weights']} weights); "
+          f"engine TTFT {1e3 * r['engine_ttft_s']:.0f} ms, TPOT {1e3 * r['engine_tpot_s']:.1f} ms, "
+          f"graphs {r['graph_stats']}")
     return r
 
 
 def section(res: dict, key: str, path, fn, stamp: dict | None = None):
-    "Run one section; its result (or its error) goes into `res[key]`, with `stamp` (its date and arguments), and the JSON is rewritten"
+    """Run one section; its result (or its error) goes into `res[key]`, with `stamp` (its date and
+    arguments), and the JSON is rewritten"""
     try: res[key] = fn()
-    except Exception as e:                                                            # keep what the other sections measure
+    except Exception as e:
+        # keep what the other sections measure
         traceback.print_exc(); res[key] = dict(error=f"{type(e).__name__}: {e}")
     res.update(stamp or {})                                                           # stamped once it has a result
     if path: json.dump(res, open(path, 'w'), indent=1, default=str)
@@ -259,7 +297,8 @@ def main():
     ap.add_argument('--naive-requests', type=int, default=32)
     ap.add_argument('--kernels', choices=('triton', 'torch'), help='force the kernels (default: Triton on the GPU)')
     ap.add_argument('--seed', type=int, default=0)
-    ap.add_argument('--max-num-batched-tokens', type=int, help="the engine's token budget per step (default: EngineArgs')")
+    ap.add_argument('--max-num-batched-tokens', type=int,
+                    help="the engine's token budget per step (default: EngineArgs')")
     ap.add_argument('--async-scheduling', action='store_true',
                     help="the engine's runner does not wait for each step's tokens (concurrency and naive sections)")
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
@@ -269,7 +308,8 @@ def main():
     args = ap.parse_args()
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
-        args.config, args.naive_config, args.concurrency, args.prompt_len, args.max_tokens = 'tiny', 'tiny', [1, 4], 16, 4
+        (args.config, args.naive_config, args.concurrency, args.prompt_len,
+         args.max_tokens) = 'tiny', 'tiny', [1, 4], 16, 4
         args.naive_requests, args.kernels = 4, args.kernels or 'torch'
     elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
     if args.quick: torch.set_num_threads(1)         # tiny tensors: threads only wait for each other on a shared CPU
@@ -278,8 +318,9 @@ def main():
     cfg = configs[args.config]()
     if args.experts: cfg = dataclasses.replace(cfg, n_routed_experts=args.experts)
     machine, date = machine_name(device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
-    print(f"{machine}  {date}  torch {torch.__version__}  triton {triton.__version__}  config {args.config}: {cfg.n_layers} layers, "
-          f"dim {cfg.dim}, {cfg.n_routed_experts} experts; prompts of {args.prompt_len} tokens, {args.max_tokens} out", flush=True)
+    print(f"{machine}  {date}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"config {args.config}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} "
+          f"experts; prompts of {args.prompt_len} tokens, {args.max_tokens} out", flush=True)
     res = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__, config=args.config,
                commit=os.environ.get('DSV41_COMMIT') or git_commit(), args=vars(args))
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
@@ -296,28 +337,37 @@ def main():
         res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
         print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
     if 'concurrency' in args.sections:
-        print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'e2e p50':>8} "
-              f"{'floor':>9} {'x floor':>8}   (ms; e2e s; the step floor at that many requests, TPOT p50 over it)")
-        section(res, 'concurrency', args.json, lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens,
-                                                                          args.seed, res, args.json, cfg, device),
+        print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
+              f"{'TPOT p99':>9} {'e2e p50':>8} {'floor':>9} {'x floor':>8}   (ms; e2e s; "
+              "the step floor at that many requests, TPOT p50 over it)")
+        section(res, 'concurrency', args.json,
+                lambda: concurrency_rows(llm, args.concurrency, args.prompt_len, args.max_tokens,
+                                           args.seed, res, args.json, cfg, device),
                 stamps.get('concurrency'))
     if 'decode' in args.sections:
         print('decode step at batch 1:')
-        section(res, 'decode_floor', args.json, lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed), stamps.get('decode'))
+        section(res, 'decode_floor', args.json,
+                lambda: decode_step(llm, cfg, device, args.prompt_len, 4 * args.max_tokens, args.seed),
+                stamps.get('decode'))
     if 'profile' in args.sections and device == 'cuda':
         print('GPU time of one eager decode step, by kernel:')
-        with pdl_off(llm): section(res, 'profile', args.json, lambda: kernel_profile(llm, args.prompt_len), stamps.get('profile'))
+        with pdl_off(llm):
+            section(res, 'profile', args.json, lambda: kernel_profile(llm, args.prompt_len),
+                    stamps.get('profile'))
     if 'graphs' in args.sections and (device == 'cuda' or args.quick):
         print('kernels of decode steps replayed from CUDA graphs:')
-        with pdl_off(llm): section(res, 'graphs', args.json, lambda: graph_profile(llm, args.prompt_len), stamps.get('graphs'))
+        with pdl_off(llm):
+            section(res, 'graphs', args.json, lambda: graph_profile(llm, args.prompt_len),
+                    stamps.get('graphs'))
     if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
         del llm
         if device == 'cuda': torch.cuda.empty_cache()
     if 'naive' in args.sections:
         print(f'engine against the naive loop, {args.naive_requests} requests, config {args.naive_config}:')
-        section(res, 'naive', args.json, lambda: naive_vs_engine(args.naive_config, configs[args.naive_config](), device, args.naive_requests,
-                                                                 args.prompt_len, args.max_tokens, args.seed, args.kernels,
-                                                                 args.async_scheduling), stamps.get('naive'))
+        section(res, 'naive', args.json,
+                lambda: naive_vs_engine(args.naive_config, configs[args.naive_config](), device, args.naive_requests,
+                                        args.prompt_len, args.max_tokens, args.seed, args.kernels,
+                                        args.async_scheduling), stamps.get('naive'))
     if args.json: print('wrote', args.json)
 
 

@@ -54,7 +54,8 @@ def graph_time(fn, reps: int = 20, rep_ms: int = 100):
     "Seconds per call of `fn` replayed `reps` times back to back in one CUDA graph (None where capture fails)"
     if not CUDA: return None
     try:
-        return median_time(cuda_graph(fn, warmup=1, calls=reps), rep=rep_ms) / reps   # warmed up (compiled) off the capture
+        # warmed up (compiled) off the capture
+        return median_time(cuda_graph(fn, warmup=1, calls=reps), rep=rep_ms) / reps
     except Exception as e:                                  # report the run without this number rather than stop
         print(f'  (CUDA graph capture failed: {type(e).__name__}: {e})')
         return None
@@ -155,7 +156,8 @@ def time_lookups(tables, ids, batches, cfg, graphs: bool) -> list:
         rows.append(dict(placement='hbm (torch reference)', batch=B, us=t * 1e6, graph_us=None, rows_per_s=None,
                          GBps=None, floor_us=None))
     hbm = {r['batch']: r for r in rows if r['placement'] == 'hbm'}
-    for r in rows:                                                  # like for like: graph to graph, else launch to launch
+    # like for like: graph to graph, else launch to launch
+    for r in rows:
         h = hbm[r['batch']]
         r['vs_hbm'] = r['graph_us'] / h['graph_us'] if r['graph_us'] and h['graph_us'] else r['us'] / h['us']
     return rows
@@ -180,7 +182,8 @@ def report(head, lookups, hash_us, steps, geometry):
           f"{'floor us':>9s} {'vs hbm':>7s}")
     for r in lookups:
         print(f"{r['placement']:22s} {r['batch']:6d} {r['us']:10.1f} {r['graph_us'] or NAN:9.1f} "
-              f"{(r['rows_per_s'] or NAN) / 1e6:8.1f} {r['GBps'] or NAN:9.2f} {r['floor_us'] or NAN:9.1f} {r['vs_hbm']:6.1f}x")
+              f"{(r['rows_per_s'] or NAN) / 1e6:8.1f} {r['GBps'] or NAN:9.2f} "
+              f"{r['floor_us'] or NAN:9.1f} {r['vs_hbm']:6.1f}x")
     print('hashing (both modules): ' + ', '.join(f'batch {B}: {t:.1f} us' for B, t in hash_us.items()))
     print(f"\nstand-in decode step at the {geometry} geometry, milliseconds (overhead against no Engram)")
     print(f"{'batch':>6s} {'no engram':>10s} " + ' '.join(f'{p:>20s}' for p in PLACEMENTS) + '  timing')
@@ -196,9 +199,10 @@ def run(table_gib: float = 4.0, batches=(1, 64, 1024), quick: bool = False, grap
     rec, cols = engram_row_codec(cfg).record_bytes, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
     machine = machine_name('cuda' if CUDA else 'cpu')
     gib = cfg.engram_num_embeddings[0] * rec / 2**30
-    head = (f"{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}\n"
-            f"{len(cfg.engram_layer_ids)} Engram tables of {cfg.engram_num_embeddings[0]:,} rows x {rec} B = {gib:.2f} GiB "
-            f"each; {cols} rows per token per module")
+    head = (f"{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  "
+            f"triton {triton.__version__}\n{len(cfg.engram_layer_ids)} Engram tables of "
+            f"{cfg.engram_num_embeddings[0]:,} rows x {rec} B = {gib:.2f} GiB each; "
+            f"{cols} rows per token per module")
     texts = synthetic_token_strings(cfg.vocab_size, cfg.engram_compressed_vocab_size)
     hasher = NgramHasher(cfg, *compressed_token_map(texts)).to(DEV)
     g = torch.Generator(device=DEV).manual_seed(1)

@@ -7,7 +7,8 @@ sparse (candidate-pool) scoring against scoring the whole context and masking, a
 Default (a GPU): the `bench` geometry (32 heads x 128, MXFP4 keys, 2,048 x 8 candidates) at the ratio-1 source, where a
 context of N tokens is N entries; decode batches of 32 requests; the full scan at 8K, 128K and 512K, sparse vs dense at
 128K and 512K, recall from 16K to 512K on random and clustered keys. `--quick` runs the `tiny` geometry on small
-contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean nothing; it checks that it all runs)."""
+contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean nothing; it checks that it all
+runs)."""
 import argparse, datetime, json
 import torch, triton
 from dsv41_nb.config import ModelConfig
@@ -17,33 +18,43 @@ from dsv41_nb.indexer import benchmark_index_logits, benchmark_sparse_vs_dense, 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()
     ap.add_argument('--json', help='write the results here')
-    ap.add_argument('--quick', action='store_true', help='tiny geometry, small contexts (runs under TRITON_INTERPRET=1)')
+    ap.add_argument('--quick', action='store_true',
+                    help='tiny geometry, small contexts (runs under TRITON_INTERPRET=1)')
     args = ap.parse_args()
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if kernel_backend(torch.zeros(1, device=device)) != 'triton': raise SystemExit('needs a GPU, or TRITON_INTERPRET=1 on a CPU')
+    if kernel_backend(torch.zeros(1, device=device)) != 'triton':
+        raise SystemExit('needs a GPU, or TRITON_INTERPRET=1 on a CPU')
     cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()
     scan, sparse, recall_at, batch, rep = (((256, 1024), (512, 1024), (64, 128, 256, 512), 4, 10) if args.quick else
-                                           ((8192, 131072, 524288), (131072, 524288), (16384, 32768, 65536, 131072, 262144, 524288), 32, 100))
+                                           ((8192, 131072, 524288), (131072, 524288),
+                                            (16384, 32768, 65536, 131072, 262144, 524288), 32, 100))
     machine = machine_name(device)
-    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
-          f'config {"tiny" if args.quick else "bench"}')
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
+          f'triton {triton.__version__}  config {"tiny" if args.quick else "bench"}')
     bw = copy_bandwidth(nbytes=(1 << 24) if args.quick else (2 << 30), device=device)
-    print(f'copy bandwidth {bw / 1e9:.0f} GB/s\n\nfull-scan index logits, decode batch {batch}, MXFP4 keys + 4 B of logits per entry')
+    print(f'copy bandwidth {bw / 1e9:.0f} GB/s\n\nfull-scan index logits, decode batch {batch}, '
+          'MXFP4 keys + 4 B of logits per entry')
     scan_rows = [benchmark_index_logits(cfg, n, batch=batch, device=device, bandwidth=bw, rep=rep) for n in scan]
     print(f"{'context':>8s} {'us/query':>9s} {'floor us':>9s} {'of floor':>9s} {'GB/s':>7s}")
-    for r in scan_rows: print(f"{r['context']:8d} {r['us_per_query']:9.2f} {r['floor_us']:9.2f} {r['of_floor']:9.0%} {r['GBps']:7.0f}")
+    for r in scan_rows:
+        print(f"{r['context']:8d} {r['us_per_query']:9.2f} {r['floor_us']:9.2f} {r['of_floor']:9.0%} {r['GBps']:7.0f}")
     print(f"\nReindex layer selection per query token: whole context scored and masked to the pool vs the pool only "
           f"({cfg.candidate_topk_blocks} x {cfg.candidate_block_size} entries), each + top-{cfg.index_topk}")
     sd_rows = [benchmark_sparse_vs_dense(cfg, n, batch=batch, device=device, rep=rep) for n in sparse]
     print(f"{'context':>8s} {'dense us':>9s} {'sparse us':>10s} {'speed-up':>9s} {'full scan us':>13s}  same selection")
-    for r in sd_rows: print(f"{r['context']:8d} {r['dense_us']:9.2f} {r['sparse_us']:10.2f} {r['speedup']:8.1f}x {r['full_scan_us']:13.2f}  {r['same_selection']}")
-    print(f"\ncandidate-stage recall: share of a Reindex layer's full-scan top-{cfg.index_topk} inside the source's pool "
-          f"(queries of the two layers correlated 0.5)")
-    recall = {kind: [candidate_recall(cfg, n, kind, device=device) for n in recall_at] for kind in ('random', 'clustered')}
+    for r in sd_rows:
+        print(f"{r['context']:8d} {r['dense_us']:9.2f} {r['sparse_us']:10.2f} {r['speedup']:8.1f}x "
+              f"{r['full_scan_us']:13.2f}  {r['same_selection']}")
+    print(f"\ncandidate-stage recall: share of a Reindex layer's full-scan top-{cfg.index_topk} "
+          "inside the source's pool (queries of the two layers correlated 0.5)")
+    recall = {kind: [candidate_recall(cfg, n, kind, device=device) for n in recall_at]
+              for kind in ('random', 'clustered')}
     print(f"{'context':>8s} {'random':>8s} {'clustered':>10s} {'pool/context':>13s}")
     pool = cfg.candidate_topk_blocks * cfg.candidate_block_size
-    for i, n in enumerate(recall_at): print(f"{n:8d} {recall['random'][i]:8.3f} {recall['clustered'][i]:10.3f} {min(1, pool / n):13.3f}")
+    for i, n in enumerate(recall_at):
+        print(f"{n:8d} {recall['random'][i]:8.3f} {recall['clustered'][i]:10.3f} {min(1, pool / n):13.3f}")
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
-                           copy_bandwidth=bw, full_scan=scan_rows, sparse_vs_dense=sd_rows, recall=dict(contexts=list(recall_at), **recall)), f, indent=1)
+            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__,
+                           triton=triton.__version__, copy_bandwidth=bw, full_scan=scan_rows, sparse_vs_dense=sd_rows,
+                           recall=dict(contexts=list(recall_at), **recall)), f, indent=1)

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Time the hyper-connection seams of 07_mhc: the eager PyTorch reference against the fused Triton kernels, each launched
+"""Time the hyper-connection seams of 07_mhc: the eager PyTorch reference \
+against the fused Triton kernels, each launched
 op by op and replayed from a CUDA graph, per block (two seams), with kernel launches per block and the byte floor.
 
-    python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--version 2] [--json out.json] [--sweep] [--quick]
+    python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--version 2] [--json out.json]
+                              [--sweep] [--quick]
 
 --version picks the seam kernel (07_mhc's `SEAM_VERSIONS`; the default is the current one, 2).
 --sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps, set on the launch
@@ -24,7 +26,8 @@ args = ap.parse_args()
 
 import torch
 if not torch.cuda.is_available():
-    if not args.quick: raise SystemExit('this benchmark needs a GPU (or --quick, which runs the Triton interpreter on a CPU)')
+    if not args.quick:
+        raise SystemExit('this benchmark needs a GPU (or --quick, which runs the Triton interpreter on a CPU)')
     os.environ.setdefault('TRITON_INTERPRET', '1')                 # before the kernels are defined
 import triton
 from dsv41_nb.config import ModelConfig
@@ -37,7 +40,8 @@ def one_seam(cfg, T, device):
     g = torch.Generator().manual_seed(0)
     n, dim = cfg.hc_mult, cfg.dim
     layer = random_hc_layer(cfg, 1.0, g, device)
-    x, f = torch.randn(T, n, dim, generator=g).to(device, torch.bfloat16), torch.randn(T, dim, generator=g).to(device, torch.bfloat16)
+    x, f = (torch.randn(T, n, dim, generator=g).to(device, torch.bfloat16),
+            torch.randn(T, dim, generator=g).to(device, torch.bfloat16))
     post, pre = (2 * torch.rand(T, n, generator=g)).to(device), torch.rand(T, n, generator=g).to(device)
     comb = sinkhorn(torch.randn(T, n, n, generator=g), cfg.hc_sinkhorn_iters, cfg.hc_eps).to(device)
     def run():
@@ -61,12 +65,14 @@ def main():
     tokens, layers = ([1, 17] if args.quick else args.tokens), (2 if args.quick else args.layers)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     machine = machine_name(device)
-    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
-          f'config {"tiny" if args.quick else args.config} (dim {cfg.dim}, {cfg.hc_mult} copies), {layers} blocks, '
-          f'seam version {args.version}, tuning {MHC_TUNING}')
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
+          f'triton {triton.__version__}  config {"tiny" if args.quick else args.config} (dim '
+          f'{cfg.dim}, {cfg.hc_mult} copies), {layers} blocks, seam version {args.version}, '
+          f'tuning {MHC_TUNING}')
     sweep_rows = None
     if args.sweep:
-        grid = [(16, 64, 4), (32, 32, 4)] if args.quick else [(bt, bd, w) for bt in (16, 32, 64) for bd in (16, 32, 64) for w in (4, 8)]
+        grid = ([(16, 64, 4), (32, 32, 4)] if args.quick
+                else [(bt, bd, w) for bt in (16, 32, 64) for bd in (16, 32, 64) for w in (4, 8)])
         sweep_rows = sweep(cfg, tokens, device, grid)
         print('one seam, µs by launch shape (tokens per program / columns per tile / warps):')
         print(f"{'tokens':>7s}  " + '  '.join(f'{bt}/{bd}/{w}'.rjust(9) for bt, bd, w in grid))
@@ -76,15 +82,18 @@ def main():
     rows = benchmark_hc_layers(cfg, tokens, layers, device=device)
     print(format_hc_benchmark(rows))
     for T in tokens:
-        ref, fused = (next(r for r in rows if r['tokens'] == T and r['path'] == p) for p in ('eager reference', 'fused'))
+        ref, fused = (next(r for r in rows if r['tokens'] == T and r['path'] == p)
+                      for p in ('eager reference', 'fused'))
         best = lambda r: r['graph_us'] if math.isfinite(r['graph_us']) else r['us']
-        print(f'{T:7d} tokens: fused {ref["us"] / fused["us"]:.1f}x faster launched, {best(ref) / best(fused):.1f}x with graphs; '
+        print(f'{T:7d} tokens: fused {ref["us"] / fused["us"]:.1f}x faster launched, '
+              f'{best(ref) / best(fused):.1f}x with graphs; '
               f'{ref["launches"] / fused["launches"]:.0f}x fewer launches')
     if args.json:                                                    # NaN (no graph or floor on a CPU) as null
         clean = lambda v: None if isinstance(v, float) and not math.isfinite(v) else v
         rows = [{k: clean(v) for k, v in r.items()} for r in rows]
         with open(args.json, 'w') as fh:
-            json.dump(dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
+            json.dump(dict(machine=machine, date=str(datetime.date.today()),
+                           torch=torch.__version__, triton=triton.__version__,
                            config=args.config if not args.quick else 'tiny', layers=layers, version=args.version,
                            tuning=MHC_TUNING, rows=rows,
                            sweep={str(k): v for k, v in (sweep_rows or {}).items()}), fh, indent=1, default=str)

@@ -28,8 +28,9 @@ if __name__ == '__main__':
     elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
     cfg = getattr(ModelConfig, args.config)()
     machine = machine_name(device)
-    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  config {args.config}: '
-          f'{cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} experts, {args.tokens} tokens, seed {args.seed}')
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
+          f'config {args.config}: {cfg.n_layers} layers, dim {cfg.dim}, {cfg.n_routed_experts} '
+          f'experts, {args.tokens} tokens, seed {args.seed}')
     ids = torch.randint(0, 256, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
     timings, t0 = [], time.perf_counter()
     rms = streamed_layer_rms(cfg, ids, args.seed, device, timings)
@@ -49,5 +50,6 @@ if __name__ == '__main__':
     if args.json:
         with open(args.json, 'w') as f:
             json.dump(dict(machine=machine, date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', torch=torch.__version__,
-                           config=args.config, tokens=args.tokens, seed=args.seed, total_s=total, rows=rows), f, indent=1)
+                           config=args.config, tokens=args.tokens, seed=args.seed, total_s=total, rows=rows),
+                      f, indent=1)
         print('wrote', args.json)

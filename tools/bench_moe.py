@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor.
 
-    python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--tiles dequantised] [--quick]
+    python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep]
+                              [--tiles dequantised] [--quick]
 
 One row per batch size, all measured in one run: the median time of `fused_moe_experts`, the floor (the larger of the
 bytes the layer must move over the measured copy bandwidth and its FLOPs over the measured BF16 matmul rate), the
 fraction of the floor reached, and the speed-ups over the reference loop (`moe_experts_reference`, each expert
 dequantised per call) and over the same loop with every expert dequantised to BF16 once. `--sweep` first times a small
-grid of launch shapes per size and prints the best (the shapes `MOE_TUNING` should hold). `--tiles dequantised` times the
-kernels' version 1 weight tiles (dequantised element by element) in place of version 2's (`tl.dot_scaled`); the run
+grid of launch shapes per size and prints the best (the shapes `MOE_TUNING` should hold). `--tiles dequantised` times
+the kernels' version 1 weight tiles (dequantised element by element) in place of version 2's (`tl.dot_scaled`); the run
 checks the chosen tiles against the reference loop first. `--quick` runs the tiny config
 at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check of the script, not a measurement."""
 import os, sys
@@ -20,7 +21,8 @@ import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, machine_name
 from dsv41_nb.moe import MoEWeights, route
-from dsv41_nb.fused_moe import MOE_TUNING, MOE_TILES, moe_launch_shape, fused_moe_experts, benchmark_moe, format_moe_benchmark, check_fused_moe
+from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, fused_moe_experts,
+                                benchmark_moe, format_moe_benchmark, check_fused_moe)
 
 def sweep_shapes(cfg, sizes, device):
     "Fused-MoE median ms per launch shape of a small grid, per batch size; prints a table and returns the best per size"
@@ -34,12 +36,17 @@ def sweep_shapes(cfg, sizes, device):
         for bm in bms:
             for bn, bk, warps in ((64, 128, 4), (32, 128, 4), (128, 64, 8), (64, 64, 8)):
                 shape = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3)
-                try: ms = median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, shape, check_ids=False)) * 1e3
-                except Exception as e: ms = float('nan'); print(f'  {T} tokens {shape}: failed ({type(e).__name__}: {str(e)[:80]})')
+                try:
+                    ms = median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit,
+                                                               shape, check_ids=False)) * 1e3
+                except Exception as e:
+                    ms = float('nan')
+                    print(f'  {T} tokens {shape}: failed ({type(e).__name__}: {str(e)[:80]})')
                 results.append((ms, shape))
         ok = [r for r in results if r[0] == r[0]]
         best[T] = min(ok, key=lambda r: r[0]) if ok else (float('nan'), None)
-        print(f'{T:6d} tokens: ' + '  '.join(f"{s['block_m']}/{s['block_n']}/{s['block_k']}/{s['num_warps']}w {ms:.3f}" for ms, s in results))
+        print(f'{T:6d} tokens: ' + '  '.join(f"{s['block_m']}/{s['block_n']}/{s['block_k']}/{s['num_warps']}w "
+                                             f"{ms:.3f}" for ms, s in results))
         print(f'{"":14s}best {best[T][1]} at {best[T][0]:.3f} ms')
     return best
 
@@ -58,15 +65,19 @@ if __name__ == '__main__':
     elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
     cfg = getattr(ModelConfig, args.config)()
     machine = machine_name(device)
-    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  triton {triton.__version__}  '
-          f'config {args.config}: {cfg.n_routed_experts} experts, top {cfg.n_activated_experts}, dim {cfg.dim}, inter {cfg.moe_inter_dim}')
-    print('launch shapes:', {k: '/'.join(str(v[n]) for n in ('block_m', 'block_n', 'block_k', 'num_warps')) for k, v in MOE_TUNING.items()})
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
+          f'triton {triton.__version__}  config {args.config}: {cfg.n_routed_experts} experts, '
+          f'top {cfg.n_activated_experts}, dim {cfg.dim}, inter {cfg.moe_inter_dim}')
+    print('launch shapes:',
+          {k: '/'.join(str(v[n]) for n in ('block_m', 'block_n', 'block_k', 'num_warps'))
+           for k, v in MOE_TUNING.items()})
     print('weight tiles:', args.tiles)
     W = MoEWeights.random(cfg, 0, device)                                 # the tiles are checked before they are timed
     for T in [t for t in args.sizes if t <= 64]:
         x = (3 * torch.randn(T, cfg.dim, device=device)).to(torch.bfloat16)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
-        r = check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, dict(moe_launch_shape(ti.numel(), W.n_experts), tiles=args.tiles))
+        r = check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
+                            dict(moe_launch_shape(ti.numel(), W.n_experts), tiles=args.tiles))
         print(f"  {T} tokens: checked against the reference, max error {r['max_err']:.3g}, exact {r['exact']}")
     best = sweep_shapes(cfg, args.sizes, device) if args.sweep else None
     del W
@@ -75,6 +86,7 @@ if __name__ == '__main__':
     print(format_moe_benchmark(rows))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__, triton=triton.__version__,
-                           config=args.config, tiles=args.tiles, tuning=MOE_TUNING, sweep_best={str(k): v for k, v in (best or {}).items()},
+            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__,
+                           triton=triton.__version__, config=args.config, tiles=args.tiles, tuning=MOE_TUNING,
+                           sweep_best={str(k): v for k, v in (best or {}).items()},
                            rows=rows), f, indent=1)

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """The server (16_server) under load on one GPU: `dsv41 bench serve`'s load generator against the HTTP server at each
-concurrency, beside the offline engine (`LLM.generate`) serving the same load in the same run; the server's cost per token.
+concurrency, beside the offline engine (`LLM.generate`) serving the same load in the same run; the server's cost per
+token.
 
     python tools/bench_serve.py [--config bench] [--concurrency 1 4 16 64 128 256] [--prompt-len 128] [--max-tokens 32]
                                 [--seed 0] [--json records/serve_bench.json] [--quick]
@@ -8,11 +9,12 @@ concurrency, beside the offline engine (`LLM.generate`) serving the same load in
 Two processes, as with `vllm serve` and `vllm bench serve`: one Python process for both would make the client and the
 server take turns on one interpreter lock. The server process builds the engine of tools/bench_engine.py (the paged
 model with random weights, CUDA graphs, async scheduling), measures it offline at every level with that script's
-`concurrency_rows` (all of a level's prompts given to `LLM.generate` at once), then serves that same engine (`OpenAIServer` under uvicorn, access log
-off). The client process waits for it, then at every level streams completions of the same number of prompts with at
-most that many in flight (`run_bench`, `ignore_eos`, so every request gets `--max-tokens` tokens). Every level is warmed
-up first with prompts of three tokens (new batch sizes compile kernels and capture CUDA graphs). Prompts are random
-token ids of `--prompt-len`, drawn anew for every run (no prefix-cache hits between the runs).
+`concurrency_rows` (all of a level's prompts given to `LLM.generate` at once), then serves that same engine
+(`OpenAIServer` under uvicorn, access log off). The client process waits for it, then at every level streams completions
+of the same number of prompts with at most that many in flight (`run_bench`, `ignore_eos`, so every request gets
+`--max-tokens` tokens). Every level is warmed up first with prompts of three tokens (new batch sizes compile kernels and
+capture CUDA graphs). Prompts are random token ids of `--prompt-len`, drawn anew for every run (no prefix-cache hits
+between the runs).
 
 The server's cost per output token is its TPOT (p50) minus the offline engine's at the same level: what the event loop,
 the HTTP layer, JSON and server-sent events add to every token. `--quick` runs tiny on the CPU with the PyTorch kernels
@@ -90,7 +92,8 @@ def compare(offline: list, served: list) -> list:
     for o, s in zip(offline, served):                        # offline rows came through JSON: keys are strings
         ot, st = o['tpot_s']['50'], s['tpot_s']['p50']
         out.append(dict(concurrency=o['concurrency'], engine_tok_s=o['output_tokens_per_s'],
-                        server_tok_s=s['output_throughput'], server_share=s['output_throughput'] / o['output_tokens_per_s'],
+                        server_tok_s=s['output_throughput'],
+                        server_share=s['output_throughput'] / o['output_tokens_per_s'],
                         engine_tpot_s=ot, server_tpot_s=st, overhead_per_token_s=st - ot,
                         engine_ttft_s=o['ttft_s']['50'], server_ttft_s=s['ttft_s']['p50']))
     return out
@@ -108,12 +111,14 @@ def main():
     ap.add_argument('--offline-out', help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick: args.concurrency, args.prompt_len, args.max_tokens = [1, 4], 16, 4
-    elif not torch.cuda.is_available(): sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
+    elif not torch.cuda.is_available():
+        sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
     if args.role == 'server': return server_main(args)
     machine = machine_name('cpu' if args.quick else 'cuda')
     date = f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
     print(f"{machine}  {date}  torch {torch.__version__}  triton {triton.__version__}  "
-          f"{'tiny' if args.quick else 'bench'}; prompts of {args.prompt_len} tokens, {args.max_tokens} out", flush=True)
+          f"{'tiny' if args.quick else 'bench'}; prompts of {args.prompt_len} tokens, "
+          f"{args.max_tokens} out", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         info_path = Path(tmp) / 'offline.json'
         cmd = [sys.executable, __file__, '--role', 'server', '--offline-out', str(info_path), '--seed', str(args.seed),
@@ -131,8 +136,9 @@ def main():
     print(f"{'conc':>5} {'engine tok/s':>13} {'server tok/s':>13} {'share':>6} {'TPOT eng':>9} {'TPOT srv':>9} "
           f"{'cost/token':>10}   (ms)")
     for r in rows:
-        print(f"{r['concurrency']:5d} {r['engine_tok_s']:13.1f} {r['server_tok_s']:13.1f} {r['server_share']:6.2f} "
-              f"{1e3 * r['engine_tpot_s']:9.2f} {1e3 * r['server_tpot_s']:9.2f} {1e3 * r['overhead_per_token_s']:10.2f}")
+        print(f"{r['concurrency']:5d} {r['engine_tok_s']:13.1f} {r['server_tok_s']:13.1f} "
+              f"{r['server_share']:6.2f} {1e3 * r['engine_tpot_s']:9.2f} "
+              f"{1e3 * r['server_tpot_s']:9.2f} {1e3 * r['overhead_per_token_s']:10.2f}")
     res = dict(machine=machine, date=date, torch=torch.__version__, triton=triton.__version__,
                config='tiny' if args.quick else 'bench', commit=os.environ.get('DSV41_COMMIT') or git_commit(),
                args={k: v for k, v in vars(args).items() if k not in ('role', 'offline_out')},

@@ -115,10 +115,12 @@ def resolve(lib: str, module, name: str):
     def find(mod):
         obj = mod
         for part in name.split('.'):
-            if inspect.isclass(obj):   # the attribute as defined (a property, not its value), unless a custom descriptor
+            # the attribute as defined (a property, not its value), unless a custom descriptor
+            if inspect.isclass(obj):
                 attr = inspect.getattr_static(obj, part, None)
                 if isinstance(attr, (staticmethod, classmethod)): attr = attr.__func__
-                elif not (attr is None or inspect.isfunction(attr) or inspect.isclass(attr) or isinstance(attr, property)):
+                elif not (attr is None or inspect.isfunction(attr) or inspect.isclass(attr)
+                          or isinstance(attr, property)):
                     attr = getattr(obj, part, None)          # e.g. fastcore's @patch(cls_method=True)
                 obj = attr
             else: obj = getattr(obj, part, None)
@@ -164,7 +166,8 @@ def render_output(out) -> str:
             return f'<img class="output figure" alt="{alt}" src="data:{mime};base64,{data[mime].strip()}">'
     if 'image/svg+xml' in data: return f'<div class="output figure">{data["image/svg+xml"]}</div>'
     if 'text/html' in data: return f'<div class="output html">{data["text/html"]}</div>'
-    if 'text/markdown' in data: return f'<div class="output markdown">{markdown2html_mistune(data["text/markdown"])}</div>'
+    if 'text/markdown' in data:
+        return f'<div class="output markdown">{markdown2html_mistune(data["text/markdown"])}</div>'
     if 'text/plain' in data: return f'<pre class="output">{ansi2html(data["text/plain"].rstrip())}</pre>'
     return ''
 
@@ -205,7 +208,8 @@ class Site:
         for s, full in short.items():            # `allocate_slots` links to KVCacheManager.allocate_slots if unique
             if len(full) == 1 and s not in self.links: self.links[s] = self.links[next(iter(full))]
         for page in self.pages:                  # a module's short name (`formats`) links to its page
-            if page['module'] is not None and page['module_name'] != '__init__': self.links.setdefault(page['module_name'], page['href'])
+            if page['module'] is not None and page['module_name'] != '__init__':
+                self.links.setdefault(page['module_name'], page['href'])
 
     def linkify(self, fragment: str, here: str) -> str:
         "Link inline `code` naming a notebook, module or exported name to its page"
@@ -216,7 +220,8 @@ class Site:
             if not target: return m.group(0)
             if target.startswith(here + '#'): target = target[len(here):]
             return f'<a class="api-link" href="{target}">{m.group(0)}</a>'
-        return re.sub(r'(<a\b.*?</a>|<pre\b.*?</pre>|<h\d\b.*?</h\d>)|<code>([\w.]+(?:\(\))?)</code>', repl, fragment, flags=re.S)
+        return re.sub(r'(<a\b.*?</a>|<pre\b.*?</pre>|<h\d\b.*?</h\d>)|<code>([\w.]+(?:\(\))?)</code>',
+                      repl, fragment, flags=re.S)
 
     def local_images(self, fragment: str, page: dict) -> str:
         "Point relative image paths (written from nbs/) at copies in the site"
@@ -243,7 +248,8 @@ class Site:
             while slug in ids or slug in page['names']: n += 1; slug = f'{base}-{n}'   # exported names keep their ids
             ids.add(slug)
             toc.append((level, slug, plain_text(inner)))
-            return f'<h{level} id="{slug}">{inner}<a class="anchor-link" href="#{slug}" aria-label="link to this section">#</a></h{level}>'
+            return (f'<h{level} id="{slug}">{inner}<a class="anchor-link" href="#{slug}" '
+                    f'aria-label="link to this section">#</a></h{level}>')
         frag = re.sub(r'<h([1-6]) id="([^"]*)">(.*?)</h\1>', heading, frag, flags=re.S)
         return self.linkify(self.local_images(frag, page), page['href'])
 
@@ -260,10 +266,11 @@ class Site:
         ids.add(name)
         doc_html = self.linkify(markdown2html_mistune(doc), page['href']) if doc else ''
         entry = (f'<section class="doc-entry" id="{html.escape(name)}"><h4 class="doc-name">'
-                 f'<a href="#{html.escape(name)}"><code>{html.escape(name)}</code></a><span class="doc-kind">{kind}</span></h4>'
-                 f'<div class="doc-sig">{code_html(sig)}</div>'
+                 f'<a href="#{html.escape(name)}"><code>{html.escape(name)}</code></a><span '
+                 f'class="doc-kind">{kind}</span></h4><div class="doc-sig">{code_html(sig)}</div>'
                  f'{f"<div class=doc-string>{doc_html}</div>" if doc_html else ""}</section>')
-        return entry, dict(k='api', t=page['title'], u=f"{page['href']}#{name}", h=name, x=doc.split('\n\n')[0].replace('`', ''), n=[name])
+        return entry, dict(k='api', t=page['title'], u=f"{page['href']}#{name}", h=name,
+                           x=doc.split('\n\n')[0].replace('`', ''), n=[name])
 
     def code_cell(self, cell, page, ids) -> tuple:
         "(html, documented names, other names) of a code cell"
@@ -314,7 +321,8 @@ class Site:
                     m = re.match(r'<h[1-3] id="([^"]+)">(.*?)</h[1-3]>', piece, flags=re.S)
                     if m:
                         section = dict(k='section', t=page['title'], u=f"{page['href']}#{m.group(1)}",
-                                       h=plain_text(re.sub(r'<a class="anchor-link".*?</a>', '', m.group(2))), x=[], n=[])
+                                       h=plain_text(re.sub(r'<a class="anchor-link".*?</a>', '', m.group(2))),
+                                       x=[], n=[])
                         sections.append(section)
                     else: section['x'].append(plain_text(piece))
                 body.append(f'<div class="cell markdown-cell">{frag}</div>')
@@ -344,13 +352,15 @@ class Site:
         pager = ''.join(f'<a class="pager-{cls}" href="{p["href"]}"><span>{word}</span>{html.escape(p["title"])}</a>'
                         for cls, word, p in (('prev', 'Previous', prev), ('next', 'Next', nxt)) if p)
         summary = self.linkify(markdown2html_mistune(page['summary']), page['href']) if page['summary'] else ''
-        module = (f'<p class="page-module">module <code>{self.lib}.{page["module_name"]}</code> · notebook '
-                  f'<code>nbs/{page["path"].name}</code></p>') if page['module_name'] and page['stem'] != 'index' else ''
+        module = ((f'<p class="page-module">module <code>{self.lib}.{page["module_name"]}</code> · notebook '
+                   f'<code>nbs/{page["path"].name}</code></p>')
+                  if page['module_name'] and page['stem'] != 'index' else '')
         site_title = self.pages[0]['title'] if self.pages else self.lib
         doc_title = site_title if page['stem'] == 'index' else f'{page["title"]} – {site_title}'
         template = (ASSETS / 'page.html').read_text()
-        fill = {'doc_title': html.escape(doc_title), 'site_title': html.escape(site_title), 'sidebar': self.sidebar(page['href']),
-                'title': html.escape(page['title']), 'summary': summary, 'module': module, 'body': body,
+        fill = {'doc_title': html.escape(doc_title), 'site_title': html.escape(site_title),
+                'sidebar': self.sidebar(page['href']), 'title': html.escape(page['title']),
+                'summary': summary, 'module': module, 'body': body,
                 'toc': f'<nav class="toc"><h2>On this page</h2><ul>{toc_html}</ul></nav>' if toc_html else '',
                 'pager': pager, 'description': html.escape(page['summary'][:200])}
         return re.sub(r'\{\{(\w+)\}\}', lambda m: fill[m.group(1)], template)
@@ -369,7 +379,8 @@ class Site:
             shutil.copy2(ROOT / rel, self.out / rel)
         for f in ('site.css', 'site.js', 'favicon.svg'): shutil.copy2(ASSETS / f, self.out / 'assets' / f)
         (self.out / 'assets' / 'pygments.css').write_text(_formatter.get_style_defs('.highlight'))
-        (self.out / 'search.json').write_text(json.dumps(self.search, ensure_ascii=False, separators=(',', ':')), encoding='utf-8')
+        (self.out / 'search.json').write_text(json.dumps(self.search, ensure_ascii=False, separators=(',', ':')),
+                                              encoding='utf-8')
         (self.out / '.nojekyll').write_text('')
         return self.problems
 

@@ -44,7 +44,8 @@ def main():
     ap.add_argument('--commit', default=os.environ.get('DSV41_COMMIT'))
     ap.add_argument('--wall-s', type=float, default=None); ap.add_argument('--setup-s', type=float, default=None)
     a = ap.parse_args()
-    commit = a.commit or subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip() or None
+    commit = (a.commit or subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
+              or None)
     files, failed = summarise(a.junit)
     tot = {k: sum(r[k] for r in files.values()) for k in ('passed', 'failed', 'skipped')}
     rec = dict(commit=commit, machine=machine(), date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
@@ -53,7 +54,8 @@ def main():
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     json.dump(rec, open(a.out, 'w'), indent=1)
     for name, r in files.items():
-        print(f"{name:38} {r['passed']:4d} passed {r['failed']:3d} failed {r['skipped']:3d} skipped {r['seconds']:7.1f} s")
+        print(f"{name:38} {r['passed']:4d} passed {r['failed']:3d} failed {r['skipped']:3d} "
+              f"skipped {r['seconds']:7.1f} s")
     print(f"GPU tier at {commit}: {tot['passed']} passed, {tot['failed']} failed, {tot['skipped']} skipped"
           + (f" in {a.wall_s:.0f} s" if a.wall_s else '') + f" ({rec['machine']})")
     for f in failed: print('FAILED', f)

@@ -3,8 +3,8 @@
     python tools/greedy_agreement.py [--device cuda] [--requests 32] [--prompt-len 128] [--max-tokens 32] [--json PATH]
 
 Serves the trained small checkpoint's greedy continuations of random byte prompts (the load test's input) in several
-ways: the naive loop (`generate_greedy`, the dense reference recomputing every sequence), and the engine with CUDA graphs
-(waiting for each step, and not) or eagerly, with bounded replay on (the default) and off. For each it reports
+ways: the naive loop (`generate_greedy`, the dense reference recomputing every sequence), and the engine with CUDA
+graphs (waiting for each step, and not) or eagerly, with bounded replay on (the default) and off. For each it reports
 
 - *free-running* agreement with the naive loop: the share of output positions holding the same token (once two greedy
   continuations part, every later position differs, so one near tie early costs the rest of the sequence);
@@ -28,7 +28,8 @@ CKPT = Path(__file__).resolve().parents[1] / 'checkpoints' / 'small'
 
 @torch.no_grad()
 def stepwise(ref, prompts, outs):
-    "(agreeing steps, steps, margins at the steps that differ, gaps top1-top2 there) of continuations `outs` under `ref`"
+    """(agreeing steps, steps, margins at the steps that differ, gaps top1-top2 there) of
+    continuations `outs` under `ref`"""
     x = torch.tensor([p + o for p, o in zip(prompts, outs)])
     P, T = len(prompts[0]), len(outs[0])
     logits = torch.cat([ref(x[i:i + 8]) for i in range(0, len(x), 8)])[:, P - 1:P - 1 + T].double()
@@ -79,14 +80,17 @@ def main():
         rows.append(dict(run=name, free_running_same=same, parted_at_median=sorted(first)[len(first) // 2],
                          never_parted=sum(f == a.max_tokens for f in first), stepwise_agree=ok, steps=n,
                          margins=sorted(margins), gaps=sorted(gaps)))
-    print(f"{a.requests} random prompts of {a.prompt_len} bytes, {a.max_tokens} greedy tokens, trained small checkpoint, "
-          f"{torch.cuda.get_device_name() if gpu else 'CPU'}, {time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s")
-    print(f"{'run':34} {'same as naive':>13} {'parts at':>9} {'whole':>6} {'argmax steps':>14} {'largest margin off':>19}")
+    print(f"{a.requests} random prompts of {a.prompt_len} bytes, {a.max_tokens} greedy tokens, "
+          f"trained small checkpoint, {torch.cuda.get_device_name() if gpu else 'CPU'}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, {time.perf_counter() - t0:.0f} s")
+    print(f"{'run':34} {'same as naive':>13} {'parts at':>9} {'whole':>6} {'argmax steps':>14} "
+          f"{'largest margin off':>19}")
     for r in rows:
         print(f"{r['run']:34} {r['free_running_same']:>13.1%} {r['parted_at_median']:>9d} {r['never_parted']:>6d} "
               f"{r['stepwise_agree']:>7d} / {r['steps']:<4d} {max(r['margins'], default=0):>19.4f}")
-    if a.json: json.dump(dict(date=time.strftime('%Y-%m-%d %H:%M'), device=torch.cuda.get_device_name() if gpu else 'cpu',
-                              args=vars(a), rows=rows), open(a.json, 'w'), indent=1)
+    if a.json:
+        json.dump(dict(date=time.strftime('%Y-%m-%d %H:%M'), device=torch.cuda.get_device_name() if gpu else 'cpu',
+                       args=vars(a), rows=rows), open(a.json, 'w'), indent=1)
 
 
 if __name__ == '__main__': main()

@@ -4,13 +4,14 @@
     python tools/host_profile.py [--config bench|tiny] [--requests 1 64 128 256] [--steps 60] [--clock wall|cpu]
                                  [--sync] [--general] [--json out.json]
 
-The engine is `host_engine` of 13_engine: the real scheduler, runner, step-model bookkeeping and CUDA-graph wrapper on the
-config's cache layout, with `NullStepModel.run` returning one-column logits at once, so that every microsecond counted is the
-host's. `host_step_times` adds the requests (prompts of staggered lengths, so that block boundaries spread over the steps as
-in serving), runs them into decode, and times `--steps` steps with `StepTimer` (the engine's own methods: schedule, inputs,
-model host, sample, update, outputs, the wait for a step's ids, the rest). `--clock cpu` counts the thread's CPU time
-instead of wall time (on a machine shared with other work the wall clock also counts what they take). `--general` switches
-the one-pass decode paths off (the scheduler's `fast_decode`, the runner's `fast`): the reference the fast paths replace."""
+The engine is `host_engine` of 13_engine: the real scheduler, runner, step-model bookkeeping and CUDA-graph wrapper on
+the config's cache layout, with `NullStepModel.run` returning one-column logits at once, so that every microsecond
+counted is the host's. `host_step_times` adds the requests (prompts of staggered lengths, so that block boundaries
+spread over the steps as in serving), runs them into decode, and times `--steps` steps with `StepTimer` (the engine's
+own methods: schedule, inputs, model host, sample, update, outputs, the wait for a step's ids, the rest). `--clock cpu`
+counts the thread's CPU time instead of wall time (on a machine shared with other work the wall clock also counts what
+they take). `--general` switches the one-pass decode paths off (the scheduler's `fast_decode`, the runner's `fast`): the
+reference the fast paths replace."""
 import argparse, datetime, json, os, platform, sys, time
 import torch
 from dsv41_nb.config import ModelConfig
@@ -64,8 +65,8 @@ def main():
     for k in next(iter(rows.values())):
         print(f"  {k:14s}" + ''.join(f"{rows[n][k]:9.0f}" for n in rows))
     if args.json:
-        json.dump(dict(header=head, machine=cpu_name(), args=vars(args), loop_ms=speed, rows=rows), open(args.json, 'w'),
-                  indent=1)
+        json.dump(dict(header=head, machine=cpu_name(), args=vars(args), loop_ms=speed, rows=rows),
+                  open(args.json, 'w'), indent=1)
         print('wrote', args.json)
 
 

@@ -1,23 +1,26 @@
 #!/usr/bin/env python
-"""Where a decode step's time goes on one GPU at 128 and 256 requests: kernel time per component against the host's part.
+"""Where a decode step's time goes on one GPU at 128 and 256 requests: \
+kernel time per component against the host's part.
 
     python tools/profile_engine.py OUT_DIR [--batches 128 256] [--prompt-len 128] [--steps 8] [--experts N]
                                            [--prefill] [--quick]
 
-The engine is the `bench` one of `tools/bench_engine.py` (the paged path with random weights, CUDA graphs, async scheduling).
-For each batch size B: B random byte prompts are prefilled, every remaining capture size up to B is captured, and then
+The engine is the `bench` one of `tools/bench_engine.py` (the paged path with random weights, CUDA graphs, async
+scheduling). For each batch size B: B random byte prompts are prefilled, every remaining capture size up to B is
+captured, and then
 
-- `--steps` decode steps are timed: the wall time per step (the GPU's, since under async scheduling the host's part of step
-  n + 1 runs while step n computes) and the host's part by phase (`StepTimer` of 13_engine: schedule, inputs, model host
-  (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids);
-- four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs captured
-  again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by the module that
-  defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch kernels apart;
+- `--steps` decode steps are timed: the wall time per step (the GPU's, since under async scheduling the host's part of
+  step n + 1 runs while step n computes) and the host's part by phase (`StepTimer` of 13_engine: schedule, inputs, model
+  host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids);
+- four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs
+  captured again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by
+  the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
+  kernels apart;
 - the step floor at B (`step_floor` of 01a_accounting, at the measured copy bandwidth) for scale.
 
 `--prefill` adds one eager prefill step of 64 prompts (8,192 tokens), timed and profiled the same way. Writes
-OUT_DIR/profile_engine.json and OUT_DIR/profile_engine.txt (the summary printed). Takes about three minutes on one H200 for
-the bench config. `--quick` runs tiny on the CPU (emulated graphs, no kernels to profile): a check of the script."""
+OUT_DIR/profile_engine.json and OUT_DIR/profile_engine.txt (the summary printed). Takes about three minutes on one H200
+for the bench config. `--quick` runs tiny on the CPU (emulated graphs, no kernels to profile): a check of the script."""
 import argparse, dataclasses, datetime, importlib, json, os, statistics, sys, time
 from collections import defaultdict
 from pathlib import Path
@@ -33,9 +36,9 @@ from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.__main__ import random_prompts
 
 COMPONENTS = {'sparse_decode': 'sparse decode', 'csa2': 'window attention', 'indexer': 'indexer',
-              'compressor': 'compressor', 'moe_gemv': 'MoE', 'fused_moe': 'MoE', 'moe_split': 'MoE', 'router': 'MoE router',
-              'fp8_linear': 'FP8 linear', 'mhc': 'mHC', 'engram': 'Engram', 'rope_norm': 'RoPE / norm',
-              'formats': 'quantise', 'sampler': 'sampler'}
+              'compressor': 'compressor', 'moe_gemv': 'MoE', 'fused_moe': 'MoE', 'moe_split': 'MoE',
+              'router': 'MoE router', 'fp8_linear': 'FP8 linear', 'mhc': 'mHC', 'engram': 'Engram',
+              'rope_norm': 'RoPE / norm', 'formats': 'quantise', 'sampler': 'sampler'}
 
 
 def triton_kernels() -> dict:
@@ -147,12 +150,14 @@ def summary(res: dict) -> str:
         out.append(f"decode step, {r['batch']} requests: {1e3 * r['wall_step_s']:.2f} ms wall, GPU busy "
                    f"{r['gpu_us'] / 1e3:.2f} ms in {r['kernels']} kernels, floor {1e3 * r['floor_s']:.2f} ms "
                    f"({r['wall_step_s'] / r['floor_s']:.1f}x); host work {r['host_work_us'] / 1e3:.2f} ms "
-                   f"(" + ', '.join(f"{k} {h[k]:.0f}" for k, *_ in HOST_PHASES) + f" us), waiting {h['wait'] / 1e3:.2f} ms")
+                   f"(" + ', '.join(f"{k} {h[k]:.0f}" for k, *_ in HOST_PHASES)
+                   + f" us), waiting {h['wait'] / 1e3:.2f} ms")
         out += [f"    {v / 1e3:8.3f} ms  {v / r['gpu_us']:5.1%}  {k}" for k, v in r['components'].items()]
     if 'prefill' in res:
         p = res['prefill']
-        out.append(f"eager prefill step, {p['prompts']} prompts ({p['tokens']} tokens): {p['wall_s']:.2f} s wall, GPU busy "
-                   f"{p['gpu_us'] / 1e6:.2f} s in {p['kernels']} kernels")
+        out.append(f"eager prefill step, {p['prompts']} prompts ({p['tokens']} tokens): "
+                   f"{p['wall_s']:.2f} s wall, GPU busy {p['gpu_us'] / 1e6:.2f} s in "
+                   f"{p['kernels']} kernels")
         out += [f"    {v / 1e3:9.1f} ms  {v / p['gpu_us']:5.1%}  {k}" for k, v in p['components'].items()]
     return '\n'.join(out)
 
@@ -169,7 +174,8 @@ def main():
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU: a check of the script')
     args = ap.parse_args()
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
-    if device == 'cpu' and not args.quick: sys.exit('this profile needs a GPU (use --quick to check the script on a CPU)')
+    if device == 'cpu' and not args.quick:
+        sys.exit('this profile needs a GPU (use --quick to check the script on a CPU)')
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     if args.quick: args.batches, args.prompt_len, args.steps = [2, 4], 16, 3; torch.set_num_threads(1)
     cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()

@@ -2,8 +2,10 @@
 """One store and one gather per codec and kernel version, shuffled slots, for Nsight Compute:
 
     ncu --clock-control none --kernel-name regex:'_(store|gather)_fp[48]_kernel' --section SpeedOfLight \\
-        --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum,dram__bytes_write.sum \\
-        python3 tools/profile_formats.py [--records N] [--versions 1 2] [--codecs ds_fp4 ...] [--order random|sequential]
+        --metrics smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
+dram__bytes_read.sum,dram__bytes_write.sum \\
+        python3 tools/profile_formats.py [--records N] [--versions 1 2] [--codecs ds_fp4 ...] \
+[--order random|sequential]
 
 Each kernel is launched once per codec and version (compilation is not a launch)."""
 import argparse

@@ -40,7 +40,8 @@ def main():
         for p, t in list(zip(prompts, q['texts']))[:2]: print(f'   {p.decode()!r} -> {t!r}')
     if args.json:
         record = dict(machine=machine_name(device), date=str(datetime.date.today()), torch=torch.__version__,
-                      checkpoint=str(ckpt), trained=trained.get('date'), params=sum(p.numel() for p in model.parameters()),
+                      checkpoint=str(ckpt), trained=trained.get('date'),
+                      params=sum(p.numel() for p in model.parameters()),
                       prompts=[p.decode() for p in prompts], new_bytes=args.new_bytes, quality=quality)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(record, indent=1))

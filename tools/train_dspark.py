@@ -21,7 +21,8 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import ByteTokenizer, init_random
 from dsv41_nb.checkpoint import load_model, save_model
 from dsv41_nb.train import load_corpus, split_documents, byte_data
-from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, greedy_training_data, drafter_anchors, window_positions,
+from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, greedy_training_data,
+                             drafter_anchors, window_positions,
                              train_drafter, save_drafter, speculative_generate)
 
 
@@ -40,26 +41,31 @@ def continuations(model, prompts, n, chunk):
 
 @torch.no_grad()
 def evaluate(drafter, hidden, seqs, anchors, chunk=4096):
-    "Teacher-forced greedy acceptance on held-out anchors: per block, per slot given the earlier slots, the confidence there"
+    """Teacher-forced greedy acceptance on held-out anchors: per block, per slot given the earlier
+    slots, the confidence there"""
     B, parts = drafter.block_size, []
     for a in anchors.split(chunk):
         r, p = a[:, 0], a[:, 1]
         pos, valid = window_positions(p, drafter.window)
         labels = seqs[r[:, None], p[:, None] + 2 + torch.arange(B, device=seqs.device)]
-        logits, conf = drafter.teacher_forced(drafter.context(hidden[r[:, None], pos]), pos, valid, seqs[r, p + 1], labels)
+        logits, conf = drafter.teacher_forced(drafter.context(hidden[r[:, None], pos]), pos, valid,
+                                              seqs[r, p + 1], labels)
         parts.append(torch.stack([(logits.argmax(-1) == labels).float(), torch.sigmoid(conf)]).cpu())
     hit, conf = torch.cat(parts, 1)                                                      # (A, B) each
     alive = torch.cat([torch.ones(len(hit), 1), hit.cumprod(1)[:, :-1]], 1)               # every earlier slot accepted
     return dict(accepted=float(hit.cumprod(1).sum(1).mean()), anchors=len(hit),
-                slot_hit=[float((hit[:, i] * alive[:, i]).sum() / alive[:, i].sum()) for i in range(B)],    # nan: never reached
+                # nan: never reached
+                slot_hit=[float((hit[:, i] * alive[:, i]).sum() / alive[:, i].sum()) for i in range(B)],
                 slot_conf=[float((conf[:, i] * alive[:, i]).sum() / alive[:, i].sum()) for i in range(B)])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument('--checkpoint', default='checkpoints/small', help='checkpoint directory (its target and mtp.* blocks)')
+    ap.add_argument('--checkpoint', default='checkpoints/small',
+                    help='checkpoint directory (its target and mtp.* blocks)')
     ap.add_argument('--out', help='drafter weights file (default: <checkpoint>/dspark.safetensors)')
-    ap.add_argument('--write-checkpoint', action='store_true', help='also rewrite the checkpoint with the trained mtp.* tensors')
+    ap.add_argument('--write-checkpoint', action='store_true',
+                    help='also rewrite the checkpoint with the trained mtp.* tensors')
     ap.add_argument('--json', help='write the training record here')
     ap.add_argument('--minutes', type=float, default=2.0, help='training time')
     ap.add_argument('--steps', type=int, default=100_000, help='most optimizer steps')
@@ -76,11 +82,14 @@ def main():
     device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
     if args.quick:
         torch.set_num_threads(1)
-        args.prompts, args.val_prompts, args.prompt_len, args.new_tokens, args.steps, args.batch_size = 4, 2, 16, 12, 3, 32
+        (args.prompts, args.val_prompts, args.prompt_len, args.new_tokens, args.steps,
+         args.batch_size) = 4, 2, 16, 12, 3, 32
     elif device.type == 'cpu': sys.exit('training the drafter needs a GPU (use --quick to check the script on a CPU)')
     t_start, ckpt = time.perf_counter(), Path(args.checkpoint)
     if (ckpt / 'config.json').exists(): model, source = load_model(ckpt, device=device), str(ckpt)
-    elif args.quick: model, source = init_random(ModelConfig.tiny(), seed=args.seed, device=device, max_seq_len=4096), 'tiny (random)'
+    elif args.quick:
+        model, source = (init_random(ModelConfig.tiny(), seed=args.seed, device=device, max_seq_len=4096),
+                         'tiny (random)')
     else: sys.exit(f'{ckpt}: no checkpoint (config.json) there')
     model = model.float().eval()
     model.quant = True                                               # the target as served: FP8/FP4 rounding on
@@ -95,7 +104,8 @@ def main():
     chunk = 128 if device.type == 'cuda' else 4
     seqs, hidden = continuations(model, windows(data, 'train', args.prompts, args.prompt_len, args.seed).to(device),
                                  args.new_tokens, chunk)
-    vseqs, vhidden = continuations(model, windows(data, 'val', args.val_prompts, args.prompt_len, args.seed + 1).to(device),
+    vseqs, vhidden = continuations(model,
+                                   windows(data, 'val', args.val_prompts, args.prompt_len, args.seed + 1).to(device),
                                    args.new_tokens, chunk)
     gen_s = time.perf_counter() - t0
     anchors = drafter_anchors(len(seqs), seqs.shape[1], args.prompt_len, cfg.dspark_block_size).to(device)
@@ -120,12 +130,15 @@ def main():
     vprompts = [s[:args.prompt_len].tolist() for s in vseqs[:8]]
     out = speculative_generate(model, vprompts, min(32, args.new_tokens), DSparkProposer(drafter), stats=st)
     same = sum(o == s[:len(o)].tolist() for o, s in zip(out, vseqs[:8]))
-    print(f'held-out drafts accepted per block of {cfg.dspark_block_size}: {before["accepted"]:.2f} before, {after["accepted"]:.2f} after')
+    print(f'held-out drafts accepted per block of {cfg.dspark_block_size}: '
+          f'{before["accepted"]:.2f} before, {after["accepted"]:.2f} after')
     print('slot acceptance given the earlier slots:', [round(v, 3) for v in after['slot_hit']])
     print('mean confidence there:                  ', [round(v, 3) for v in after['slot_conf']])
-    print(f'decode loop on {len(vprompts)} held-out prompts: {st}; {same}/{len(vprompts)} equal to the training continuations')
+    print(f'decode loop on {len(vprompts)} held-out prompts: {st}; {same}/{len(vprompts)} equal to '
+          'the training continuations')
 
-    out_path = Path(args.out) if args.out else (ckpt / 'dspark.safetensors' if ckpt.exists() else Path('dspark.safetensors'))
+    out_path = Path(args.out) if args.out else (ckpt / 'dspark.safetensors' if ckpt.exists()
+                                                else Path('dspark.safetensors'))
     save_drafter(drafter, out_path, dict(source=source, steps=len(hist), machine=machine, date=date))
     print(f'drafter weights -> {out_path}')
     if args.write_checkpoint:
@@ -133,7 +146,8 @@ def main():
     every = max(1, len(hist) // 50)
     record = dict(machine=machine, date=date, torch=torch.__version__, python=sys.version.split()[0], target=source,
                   settings={k: v for k, v in vars(args).items() if k not in ('json', 'out')}, generation_seconds=gen_s,
-                  anchors=len(anchors), steps=len(hist), history=hist[::every] + hist[-1:], eval_before=before, eval=after,
+                  anchors=len(anchors), steps=len(hist), history=hist[::every] + hist[-1:],
+                  eval_before=before, eval=after,
                   loop=dict(tokens_per_request_step=st.emitted / max(1, st.request_steps), steps=st.steps,
                             accepted=st.accepted, drafted=st.drafted, equal_to_greedy=same, prompts=len(vprompts)),
                   weights=str(out_path), total_seconds=time.perf_counter() - t_start)

@@ -76,14 +76,16 @@ def main():
     args = ap.parse_args()
     device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
     if args.quick: args.steps, args.batch_size, args.seq_len, args.eval_every, args.prompts = 6, 2, 64, 3, 2
-    elif device.type == 'cpu': sys.exit('training the small model needs a GPU (use --quick to check the script on a CPU)')
+    elif device.type == 'cpu':
+        sys.exit('training the small model needs a GPU (use --quick to check the script on a CPU)')
     cfg, t_start = small_config(), time.perf_counter()
     docs = load_corpus()
     train_docs, val_docs = split_documents(docs, seed=args.seed)
     tok = ByteTokenizer(cfg)
     data = byte_data(train_docs, val_docs, tok)
     machine = machine_name(device)
-    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  python {sys.version.split()[0]}')
+    print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
+          f'python {sys.version.split()[0]}')
     print(f'corpus: {len(docs):,} documents, {len(data.train):,} training and {len(data.val):,} validation tokens')
     make_moe = lambda: init_random(cfg, args.seed)
     make_dense = lambda: DenseBaseline.matching(cfg, seed=args.seed)
@@ -92,13 +94,15 @@ def main():
         per_step = {k: seconds_per_step(f, data, args.batch_size, args.seq_len, device) for k, f in makers.items()}
         for k, s in per_step.items():
             print(f'{k}: {s * 1e3:.0f} ms/step, {args.batch_size * args.seq_len / s:,.0f} tokens/s')
-        args.steps = max(args.eval_every, int(args.minutes * 60 / sum(per_step.values())) // args.eval_every * args.eval_every)
+        args.steps = max(args.eval_every,
+                         int(args.minutes * 60 / sum(per_step.values())) // args.eval_every * args.eval_every)
     tokens = args.steps * args.batch_size * args.seq_len
     print(f'{args.steps} steps of {args.batch_size} x {args.seq_len} tokens = {tokens / 1e6:.1f}M tokens '
           f'({tokens / len(data.train):.1f} passes over the training text)')
     record = dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__,
                   python=sys.version.split()[0], config='small_config()', steps=args.steps, batch_size=args.batch_size,
-                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma, expert_dropout=args.expert_dropout, seed=args.seed,
+                  seq_len=args.seq_len, lr=args.lr, gamma=args.gamma,
+                  expert_dropout=args.expert_dropout, seed=args.seed,
                   fast_path=device.type == 'cuda',
                   corpus=dict(documents=len(docs), megabytes=sum(len(d.encode()) for d in docs) / 1e6,
                   train_tokens=len(data.train), val_tokens=len(data.val)), models={})
@@ -111,9 +115,9 @@ def main():
         model = make()
         print(f'--- {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters')
         hist = train(model, data, args.steps, lr=args.lr, batch_size=args.batch_size, seq_len=args.seq_len,
-                     eval_every=args.eval_every, eval_batches=args.eval_batches, gamma=args.gamma, seed=args.seed, device=device,
-                     expert_dropout=args.expert_dropout,
-                     log=print)
+                     eval_every=args.eval_every, eval_batches=args.eval_batches,
+                     gamma=args.gamma, seed=args.seed, device=device,
+                     expert_dropout=args.expert_dropout, log=print)
         model.to(device)
         if hasattr(model, 'quant'): model.quant = False
         val_loss = evaluate(model, final_batches, device)

@@ -3,15 +3,15 @@
 
     python tools/tune_graph.py [--json images/13_graph_tuning.json] [--quick]
 
-A kernel timed back to back keeps its instructions in the SM's instruction cache; in a decode step it runs once per layer
-between a hundred other kernels and fetches them again. So this script builds the `bench` engine of `tools/bench_engine.py`
-(the paged path with random weights, CUDA graphs), starts one request, and for each candidate launch shape of sparse decode
-(the `DECODE_TUNING` row that one token uses, 06_sparse_decode), the mHC seam (`MHC_TUNING`'s small-batch keys, 07_mhc), the
-MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV (`FP8_GEMV_TUNING` at one token, 09a_fp8_linear) captures the batch-1
-graph again and times its replay (`median_time`). Each row also records the compiled sparse
-decode kernel's size, registers and spills. A sparse-decode candidate is first checked against the reference at one token
-(64 heads, both main-KV formats, `check_decode`) and only timed if it passes: a shape can compile into a wrong kernel.
-The defaults are timed first and last (the drift between the two is the noise).
+A kernel timed back to back keeps its instructions in the SM's instruction cache; in a decode step it runs once per
+layer between a hundred other kernels and fetches them again. So this script builds the `bench` engine of
+`tools/bench_engine.py` (the paged path with random weights, CUDA graphs), starts one request, and for each candidate
+launch shape of sparse decode (the `DECODE_TUNING` row that one token uses, 06_sparse_decode), the mHC seam
+(`MHC_TUNING`'s small-batch keys, 07_mhc), the MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV
+(`FP8_GEMV_TUNING` at one token, 09a_fp8_linear) captures the batch-1 graph again and times its replay (`median_time`).
+Each row also records the compiled sparse decode kernel's size, registers and spills. A sparse-decode candidate is first
+checked against the reference at one token (64 heads, both main-KV formats, `check_decode`) and only timed if it passes:
+a shape can compile into a wrong kernel. The defaults are timed first and last (the drift between the two is the noise).
 `--quick` runs tiny on the CPU (emulated graphs): a check of the script, not a measurement."""
 import argparse, datetime, json, sys
 from pathlib import Path
@@ -27,14 +27,18 @@ from dsv41_nb import sparse_decode as sd, mhc, moe_gemv, fp8_linear
 CANDIDATES = {   # kind -> (the launch table it overrides, in place; the overrides tried)
     'sparse': (sd.DECODE_TUNING[8], [dict(splits=24), dict(splits=32), dict(block_n=16), dict(block_n=64),
                                       dict(num_warps=4), dict(num_warps=16), dict(block_h=32), dict(num_stages=1)]),
-    'seam': (mhc.MHC_TUNING, [dict(small_block_d=64), dict(small_warps=2), dict(small_finish_sb=16), dict(small_finish_sb=64),
-                              dict(split=64), dict(split=32)]),
-    'moe_gate_up': (moe_gemv.GEMV_TUNING['gate_up'], [dict(block_k=1024), dict(block_k=1024, block_n=32), dict(block_k=1024, programs=64),
-                                                      dict(block_k=1024, num_warps=8), dict(block_k=1024, block_n=32, num_warps=8),
-                                                      dict(block_n=32), dict(block_k=512)]),
-    'moe_down': (moe_gemv.GEMV_TUNING['down'], [dict(block_n=16), dict(block_n=64), dict(num_warps=8), dict(programs=64)]),
-    'fp8_gemv': (fp8_linear.FP8_GEMV_TUNING[1], [dict(block_n=32), dict(block_k=2048), dict(num_warps=8), dict(programs=8),
-                                                 dict(programs=2)]),
+    'seam': (mhc.MHC_TUNING,
+             [dict(small_block_d=64), dict(small_warps=2), dict(small_finish_sb=16), dict(small_finish_sb=64),
+              dict(split=64), dict(split=32)]),
+    'moe_gate_up': (moe_gemv.GEMV_TUNING['gate_up'],
+                    [dict(block_k=1024), dict(block_k=1024, block_n=32), dict(block_k=1024, programs=64),
+                     dict(block_k=1024, num_warps=8), dict(block_k=1024, block_n=32, num_warps=8),
+                     dict(block_n=32), dict(block_k=512)]),
+    'moe_down': (moe_gemv.GEMV_TUNING['down'],
+                 [dict(block_n=16), dict(block_n=64), dict(num_warps=8), dict(programs=64)]),
+    'fp8_gemv': (fp8_linear.FP8_GEMV_TUNING[1],
+                 [dict(block_n=32), dict(block_k=2048), dict(num_warps=8), dict(programs=8),
+                  dict(programs=2)]),
 }
 
 
@@ -50,11 +54,13 @@ def sparse_wrong(cfg: ModelConfig, device) -> str | None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--json', help='write the rows to this file')
-    ap.add_argument('--kinds', nargs='+', default=list(CANDIDATES), choices=list(CANDIDATES), help='which tables to try')
+    ap.add_argument('--kinds', nargs='+', default=list(CANDIDATES), choices=list(CANDIDATES),
+                    help='which tables to try')
     ap.add_argument('--quick', action='store_true')
     args = ap.parse_args()
     device = 'cpu' if args.quick or not torch.cuda.is_available() else 'cuda'
-    if device == 'cpu' and not args.quick: sys.exit('this measurement needs a GPU (use --quick to check the script on a CPU)')
+    if device == 'cpu' and not args.quick:
+        sys.exit('this measurement needs a GPU (use --quick to check the script on a CPU)')
     cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()
     check_cfg = ModelConfig.tiny() if args.quick else ModelConfig.full()      # the reference check at the full width
     llm = paged_llm(cfg, 0, device, max_num_seqs=8, max_model_len=224, **(dict(kernels='torch') if args.quick else {}))
@@ -69,7 +75,8 @@ def main():
         if r[2] is not None: kernels['sparse'] = r[2]
         return r
     sd._sparse_decode_triton = recorded
-    eng.add_request('tuned', random_prompts(1, 128, seed=1)[0], SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True))
+    eng.add_request('tuned', random_prompts(1, 128, seed=1)[0],
+                    SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True))
     for _ in range(6): eng.step()                             # the prefill, then decode steps with the batch-1 graph
 
     def measure(kind, override):
@@ -97,7 +104,9 @@ def main():
                     print(f"{kind:8s} {str(v):45s} not timed: {wrong}", flush=True)
                     rows.append(dict(kind=kind, override=v, replay_ms=float('nan'), wrong=wrong))
                 else: rows.append(measure(kind, v))
-            except Exception as e: print(f"{kind} {v}: {type(e).__name__}: {str(e)[:200]}", flush=True); break   # the engine may be left mid-step
+            except Exception as e:
+                # the engine may be left mid-step
+                print(f"{kind} {v}: {type(e).__name__}: {str(e)[:200]}", flush=True); break
             finally: table.clear(); table.update(defaults[kind])
     rows.append(measure('default', {}))
     out = dict(machine=machine_name(device), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', torch=torch.__version__,
