@@ -13,7 +13,8 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
   the engine's runner hands the proposer token ids only, so the proposer re-runs the target (one padded dense forward
   per step) to get the drafter's input, a cost the serving path would not pay.
 Adaptive verification uses a step-cost curve measured here: the target's forward over c sequences with k + 1 new rows,
-k = 0..5. Each row reports tokens/s, tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
+k = 0..5. Each row runs once for 2 new tokens first (its shapes compiled), then timed; it reports tokens/s,
+tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
 per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
 notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the machine and date; --json writes it.
 --merge keeps the rows of the existing --json file that this run did not measure (another path or concurrency), so a
@@ -143,7 +144,9 @@ def main():
                 if time.perf_counter() - t_start > args.budget_minutes * 60:
                     rows.append(dict(path=path, concurrency=c, policy=policy, skipped='time budget')); continue
                 run, m, d = (run_loop, model, drafter) if path == 'loop' else (run_engine, engine_model, engine_drafter)
-                try: r = run(m, d, prompts[:c], args.new_tokens, policy, cost, device)
+                try:
+                    run(m, d, prompts[:c], 2, policy, cost, device)     # warm-up: this level's shapes compiled
+                    r = run(m, d, prompts[:c], args.new_tokens, policy, cost, device)
                 except Exception as e:                                             # report it and go on
                     rows.append(dict(path=path, concurrency=c, policy=policy, error=repr(e)[:300]))
                     print(f'  {path} c={c} {policy}: ERROR {e!r}'[:300], flush=True)

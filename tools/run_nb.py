@@ -35,6 +35,7 @@ def run_notebook(path, flags=(), save_each=False):
         for cell in nb.cells:
             if cell.cell_type != 'code' or cell_flags(cell.source) & skip: continue
             if 'nbdev_export(' in cell.source: continue
+            cell.outputs = []                                  # a cell that now prints nothing keeps nothing
             shell.cell(cell)
             if save_each: write_nb(nb, path)                  # a run cut short keeps what it computed
             if shell.exc:
