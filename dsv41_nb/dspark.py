@@ -424,22 +424,34 @@ class DSparkProposer:
         h = self.drafter.model(x, return_hidden=True)[1]
         return [h[i, :len(t)] for i, t in enumerate(ids)]
 
+# %% ../nbs/14_dspark.ipynb #3072d9f2
+@patch(as_prop=True)
+def tap_layers(self: DSparkProposer) -> tuple:
+    "The target layers whose averaged input streams the drafter reads (an engine's runner keeps them)"
+    return tuple(self.drafter.cfg.dspark_target_layer_ids)
+
+@patch(as_prop=True)
+def tap_window(self: DSparkProposer) -> int: return self.drafter.window  # positions it reads back
+
 # %% ../nbs/14_dspark.ipynb #d05ee65d
 @patch
 def _contexts(self: DSparkProposer, ids: list, hidden) -> torch.Tensor:
-    "(N, W, dim): each request's `context` at its last W context positions, padded in front"
+    ("(N, W, dim): each request's `context` at its last W context positions, padded in front; "
+     "the target computes the hidden states a request lacks (None)")
     d, dev = self.drafter, self.drafter.model.embed.weight.device
-    if hidden is None:
-        ctx = [i for i, t in enumerate(ids) if len(t) > 1]
-        hidden = [None] * len(ids)
-        for i, h in zip(ctx, self._target_hidden([ids[i][:-1] for i in ctx]) if ctx else []):
-            hidden[i] = h
+    hidden = [None] * len(ids) if hidden is None else list(hidden)
+    ctx = [i for i, t in enumerate(ids) if len(t) > 1 and hidden[i] is None]  # the target computes
+    for i, h in zip(ctx, self._target_hidden([ids[i][:-1] for i in ctx]) if ctx else []):
+        hidden[i] = h
     out = []
     for i, t in enumerate(ids):
         n, h = len(t) - 1, hidden[i]
-        require(h is None or (isinstance(h, torch.Tensor) and h.shape == (n, d.hidden_dim)),
+        require(h is None and n == 0 or (isinstance(h, torch.Tensor) and h.ndim == 2
+                and h.shape[1] == d.hidden_dim and min(n, d.window) <= len(h) <= n),
                 f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; "
-                f"expected ({n}, {d.hidden_dim})")
+                f"expected (m, {d.hidden_dim}) of its last m positions, "
+                f"{min(n, d.window)} <= m <= {n}")
+        if n: h = h.to(d.model.embed.weight.dtype)
         mx = (d.context(h[-d.window:]) if n
               else torch.zeros(0, d.cfg.dim, device=dev, dtype=d.model.embed.weight.dtype))
         out.append(F.pad(mx, (0, 0, d.window - len(mx), 0)))

@@ -34,7 +34,7 @@ from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors
 
 # %% auto #0
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
-           'InputBuffers', 'ModelRunner', 'DecodePlan', 'StepFuture', 'CompletionOutput', 'RequestOutput',
+           'InputBuffers', 'tap_model', 'ModelRunner', 'DecodePlan', 'StepFuture', 'CompletionOutput', 'RequestOutput',
            'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'register_speculative', 'prefix_gap',
            'greedy_shortfall', 'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine', 'StepTimer',
            'host_step_times']
@@ -248,6 +248,16 @@ def settle(self: InputBuffers, rows: np.ndarray, keeps: np.ndarray, ids: list, g
     self.ring[r, k % RING] = ids if len(r) == len(ids) else ids[m]; self.ntok[r] = k + 1
     self.late_step[r[self.late_step[r] == step]] = -1
 
+# %% ../nbs/13_engine.ipynb #8df500e9
+def tap_model(model, proposer):
+    ("The paged model under a step model, told the proposer's tap layers (the streams it reads, "
+     "kept by each step); None if the proposer reads none or no such model is there")
+    layers, m = tuple(getattr(proposer, 'tap_layers', ())), model
+    while m is not None and not hasattr(m, 'last_taps'): m = getattr(m, 'model', None)
+    if not layers or m is None: return None
+    m.tap_layers = layers
+    return m
+
 # %% ../nbs/13_engine.ipynb #3ea389bb
 class ModelRunner:
     ("SchedulerOutput -> InputBatch -> model -> sampled and verified tokens -> next drafts "
@@ -284,6 +294,9 @@ class ModelRunner:
         self.fast = True
         self._random, self._masking = set(), set()  # not greedy; stop ids masked (min_tokens)
         self._sampled, self._sid = {}, 0  # step id -> its sampled ids on the device
+        # a proposer that reads the target's streams takes them from the step: request id ->
+        # (first position after its kept rows, their taps)
+        self.tap_model, self.contexts = tap_model(model, proposer), {}
 
 # %% ../nbs/13_engine.ipynb #86d4e977
 @patch
@@ -556,20 +569,51 @@ def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
                            f"expected ({len(batch.logits_indices)}, {self.vocab_size})")
     return plan, logits
 
+# %% ../nbs/13_engine.ipynb #8d6946d4
+@patch
+def _keep_taps(self: ModelRunner, so: SchedulerOutput, sampled: dict):
+    "Append each scheduled request's standing rows' taps to its context (the last `tap_window`)"
+    got, W, ctx, row = self.tap_model.last_taps, self.proposer.tap_window, self.contexts, 0
+    for rid in so.finished_req_ids | so.preempted_req_ids: ctx.pop(rid, None)
+    if got is None: ctx.clear(); return               # no taps this step: start again
+    where = {b: i for i, b in enumerate(got[0].tolist())}
+    for sr in so.requests:
+        n, old = sr.num_tokens, ctx.pop(sr.request_id, None)
+        keep = n - sr.num_draft_tokens + max(0, len(sampled[sr.request_id]) - 1)
+        idx, row = [where.get(b) for b in range(row, row + keep)], row + n
+        if None in idx: idx, old = idx[len(idx) - idx[::-1].index(None):], None  # encoder-only rows
+        if not idx: continue
+        new = got[1][idx]
+        if old is not None and old[0] == sr.start: new = torch.cat([old[1], new])
+        ctx[sr.request_id] = (sr.start + keep, new[-W:])
+
+# %% ../nbs/13_engine.ipynb #9ff1aba1
+@patch
+def _hidden(self: ModelRunner, so: SchedulerOutput, sampled: dict, plan, lists) -> list:
+    "Per planned request, its context's taps if they end where its sequence does and reach back far enough"
+    self._keep_taps(so, sampled)
+    out = []
+    for (rid, *_), ids in zip(plan, lists):
+        end, h = self.contexts.get(rid, (None, None))
+        n = len(ids) - 1
+        out.append(h if end == n and len(h) >= min(n, self.proposer.tap_window) else None)
+    return out
+
 # %% ../nbs/13_engine.ipynb #61bad4c6
 @patch
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
     self._forget(so)
     if not so.req_ids: return ModelRunnerOutput({}, {})
+    if self.tap_model is not None: self.tap_model.last_taps = None   # a replayed graph sets none
     plan, logits = self._logits(so)
     if isinstance(plan, DecodePlan):  # one token a request, as columns
         return ModelRunnerOutput(req_ids=so.req_ids, token_ids=self._sample_decode(logits, plan))
     sampled = ({sr.request_id: [] for sr in so.requests}
                | (self._sample(logits, plan) if plan else {}))
-    drafts = (self.proposer.propose([self.requests[r].request.all_token_ids + sampled[r]
-                                     for r, *_ in plan])
-              if self.proposer is not None and plan else [])
+    lists = [self.requests[r].request.all_token_ids + sampled[r] for r, *_ in plan]
+    kw = {} if self.tap_model is None else {'hidden': self._hidden(so, sampled, plan, lists)}
+    drafts = self.proposer.propose(lists, **kw) if self.proposer is not None and plan else []
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
 
 # %% ../nbs/13_engine.ipynb #23b9ac1c

@@ -500,6 +500,18 @@ def _hashes(self: PagedModel, s: PagedStep, mask) -> torch.Tensor | None:
     return self.hasher(s.token_ids[:, None], None if mask is None else mask[:, None], hist,
                        check=False)[:, 0]
 
+# %% ../nbs/10b_paged.ipynb #f9a0d814
+PagedModel.tap_layers = ()  # layers whose averaged input copies `forward` keeps in `last_taps`
+PagedModel.last_taps = None # (rows (m,), (m, len(tap_layers)·dim)) of the last step
+
+# %% ../nbs/10b_paged.ipynb #539d6eee
+@patch
+def _tap_rows(self: PagedModel, taps: list, dec: torch.Tensor, T: int) -> tuple:
+    "(rows, taps of those rows): the decoder's rows; none if the step ran the encoder only"
+    if len(taps) < len(self.tap_layers):                   # stopped after the encoder
+        return dec[:0], self.embed.new_zeros(0, len(self.tap_layers) * self.cfg.dim)
+    return dec, torch.cat([t[dec] if len(t) == T and len(dec) < T else t for t in taps], -1)
+
 # %% ../nbs/10b_paged.ipynb #c6a0522b
 @patch
 @torch.no_grad()
@@ -517,6 +529,7 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     dec = (torch.arange(T, device=r.device) if s.decode_only
            else (st.positions >= s.replay_start[r]).nonzero().flatten())
     floor = torch.maximum(s.window_start, s.replay_start).long()[r][dec]
+    taps = [] if self.tap_layers else None
     for l in self.layers:
         if l.layer == self.first_decoder and len(dec) < T:                          # bounded replay
             sa = self._enter(l, x, f, post, comb, pre, hashes, mask)
@@ -528,7 +541,9 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
         else:
             if l.layer == self.first_decoder: st = replace(st, window_floor=floor)
             sa = self._enter(l, x, f, post, comb, pre, hashes, mask)
+        if taps is not None and l.layer in self.tap_layers: taps.append(sa.x.mean(1))
         x, f, post, comb, pre = self._finish(l, sa, st)
+    if taps is not None: self.last_taps = self._tap_rows(taps, dec, T)
     if len(s.logits_rows) == 0: return torch.zeros(0, cfg.vocab_size, device=x.device)
     if s.decode_only: return self._logits(x, pre, f, post, comb, s.logits_rows.long())
     where = torch.full((T,), -1, dtype=torch.long, device=dec.device)

@@ -489,6 +489,39 @@ def test_cli_generate_with_the_dspark_drafter(tmp_path):
                                        "drafts accepted") in r.stderr
 
 
+def test_dspark_reads_the_targets_streams_from_the_paged_step(tmp_path, monkeypatch):
+    """With DSpark the runner keeps each request's last taps from the paged step: the drafter's
+    contexts are the dense model's streams at the same positions (within the paged path's rounding),
+    the target never runs again for them, and greedy output is unchanged; without the taps (a
+    replayed step) the proposer runs the target itself"""
+    from dsv41_nb.dspark import Drafter, DSparkProposer, dspark_proposer, save_drafter
+    model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
+    save_drafter(Drafter(model), path)
+    prompts = [list(range(40, 70)), list(range(5, 12)), [7] * 25]
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    want = [o.outputs[0].token_ids for o in LLM(model, kernels='torch').generate(prompts, sp, use_tqdm=False)]
+    runs, orig = [], DSparkProposer._target_hidden
+    monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
+    for taps in (True, False):
+        llm = LLM(model, proposer=dspark_proposer(model, path, 3), kernels='torch')
+        runner = llm.llm_engine.runner
+        assert (runner.tap_model is not None) and runner.tap_model.tap_layers == TINY.dspark_target_layer_ids
+        if not taps: runner.tap_model = None
+        runs.clear()
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == want and (runs == [] if taps else len(runs) > 0)
+    eng = LLM(model, proposer=dspark_proposer(model, path, 3), kernels='torch').llm_engine
+    eng.add_request('a', prompts[0], SamplingParams(temperature=0, max_tokens=20))
+    for _ in range(4): eng.step()
+    end, h = eng.runner.contexts['a']
+    seq = eng.runner.requests['a'].request.all_token_ids[:end]
+    assert len(h) == Drafter(model).window and end == len(eng.runner.requests['a'].request.all_token_ids) - 1
+    for shift, ok in ((0, True), (1, False)):
+        dense = model(torch.tensor([seq[:end - shift]]), return_hidden=True)[1][0, -len(h):].float()
+        err = ((h.float() - dense).norm(dim=-1) / dense.norm(dim=-1)).median()
+        assert (err < 0.1) == ok, (shift, float(err))
+
+
 @pytest.fixture(scope='module')
 def cli_checkpoint(tmp_path_factory): return random_checkpoint(tmp_path_factory.mktemp('cli'))
 
