@@ -19,13 +19,14 @@ from .model import index_scores, MoE, Block
 from .mhc import hc_split
 
 # %% auto #0
-__all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'CORPUS_VERSION', 'stdlib_modules', 'module_documents', 'source_files',
-           'source_document', 'corpus_documents', 'cache_dir', 'load_corpus', 'split_documents', 'small_config',
-           'trained_param_count', 'ByteData', 'byte_data', 'DenseBlock', 'DenseBaseline', 'dense_param_count', 'lr_at',
-           'balance_router_bias', 'max_violation', 'routers', 'ModuleHooks', 'ExpertLoad', 'ExpertDropout',
-           'attention_mass', 'indexer_log_probs', 'indexer_kl', 'indexer_layers', 'IndexerDistillation', 'lm_loss',
-           'evaluate', 'make_optimizer', 'train', 'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next',
-           'continue_prompts', 'distinct_4grams', 'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
+__all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'TEST_DIRS', 'CORPUS_VERSION', 'stdlib_modules', 'module_documents', 'source_files',
+           'source_document', 'corpus_documents', 'cache_dir', 'corpus_file', 'load_corpus', 'write_corpus',
+           'read_corpus', 'split_documents', 'small_config', 'trained_param_count', 'ByteData', 'byte_data',
+           'DenseBlock', 'DenseBaseline', 'dense_param_count', 'lr_at', 'balance_router_bias', 'max_violation',
+           'routers', 'ModuleHooks', 'ExpertLoad', 'ExpertDropout', 'attention_mass', 'indexer_log_probs', 'indexer_kl',
+           'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train',
+           'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
+           'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
 SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle', 'turtledemo',
@@ -108,14 +109,16 @@ def module_documents(name: str) -> list[tuple[str, str]]:
 # %% ../nbs/11_train.ipynb #3236f927
 SKIP_SOURCE = frozenset({'site-packages', 'dist-packages', 'test', 'tests', 'idle_test',
                          'encodings', 'pydoc_data', '__pycache__', '__phello__'})
+TEST_DIRS = frozenset({'test', 'tests', 'idle_test'})  # kept out unless asked for
 
 # %% ../nbs/11_train.ipynb #d095e82c
-def source_files(root=None) -> list[Path]:
-    "The standard library's `.py` files under `root` (default: this Python's), sorted by path"
+def source_files(root=None, tests: bool = False) -> list[Path]:
+    ("The standard library's `.py` files under `root` (default: this Python's), sorted by path; "
+     "with `tests`, its test packages' too")
     root = Path(root or sysconfig.get_paths()['stdlib'])
+    skip = SKIP_SOURCE - TEST_DIRS if tests else SKIP_SOURCE
     if not root.is_dir(): raise FileNotFoundError(f"source_files: no directory {root}")
-    return sorted(f for f in root.rglob('*.py')
-                  if not SKIP_SOURCE & set(f.relative_to(root).parts))
+    return sorted(f for f in root.rglob('*.py') if not skip & set(f.relative_to(root).parts))
 
 # %% ../nbs/11_train.ipynb #5cfd10e1
 def source_document(path: Path, root=None) -> str:
@@ -125,11 +128,11 @@ def source_document(path: Path, root=None) -> str:
     return f'# {Path(path).relative_to(root).as_posix()}\n{text}'
 
 # %% ../nbs/11_train.ipynb #7f3bd56c
-def corpus_documents() -> list[str]:
-    ("The reference-manual topics, the standard library's source files, "
-     "then the docstrings of its modules that have no source, each docstring once")
+def corpus_documents(tests: bool = False) -> list[str]:
+    ("The reference-manual topics, the standard library's source files (with `tests`, its test "
+     "packages' too), then the docstrings of its modules that have no source, each docstring once")
     from pydoc_data.topics import topics
-    files, docs, seen = source_files(), [], set()
+    files, docs, seen = source_files(tests=tests), [], set()
     def add(pairs):
         for doc, text in pairs:
             if doc not in seen and text not in seen: seen.update((doc, text)); docs.append(text)
@@ -155,18 +158,48 @@ def cache_dir() -> Path:
     if os.environ.get('DSV41_CACHE'): return Path(os.environ['DSV41_CACHE'])
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache') / 'dsv41_nb'
 
+# %% ../nbs/11_train.ipynb #edf47e3f
+def corpus_file(directory=None, tests: bool = False) -> Path:
+    "Where `load_corpus` caches this Python's corpus (with its test packages if `tests`)"
+    v = sys.version_info
+    return (Path(directory or cache_dir())
+            / f"corpus-v{CORPUS_VERSION}{'-tests' * tests}-py{v[0]}.{v[1]}.json")
+
 # %% ../nbs/11_train.ipynb #7a43df1b
-def load_corpus(directory=None) -> list[str]:
+def load_corpus(directory=None, tests: bool = False) -> list[str]:
     "The corpus documents, read from the cache (built and written there the first time)"
-    path = (Path(directory or cache_dir())
-            / f'corpus-v{CORPUS_VERSION}-py{sys.version_info[0]}.{sys.version_info[1]}.json')
+    path = corpus_file(directory, tests)
     if path.exists(): return json.loads(path.read_text())['documents']
-    docs = corpus_documents()
+    docs = corpus_documents(tests)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f'.{os.getpid()}.tmp')
     tmp.write_text(json.dumps({'python': sys.version.split()[0], 'documents': docs}))
     tmp.replace(path)   # atomic: a reader never sees half a file
     return docs
+
+# %% ../nbs/11_train.ipynb #18f5e6f5
+def _corpus_open(path: Path, mode: str):
+    import gzip, lzma
+    return {'.gz': gzip.open, '.xz': lzma.open}.get(path.suffix, open)(path, mode)
+
+def write_corpus(docs: list[str], path) -> Path:
+    "Store `docs` as a corpus file (`.json`, `.json.gz` or `.json.xz`)"
+    if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
+        raise TypeError("write_corpus: docs must be a list of str")
+    path = Path(path)
+    with _corpus_open(path, 'wt') as f:
+        json.dump({'python': sys.version.split()[0], 'documents': docs}, f)
+    return path
+
+# %% ../nbs/11_train.ipynb #d943fa75
+def read_corpus(path) -> list[str]:
+    "The documents of a corpus file `write_corpus` or `load_corpus` wrote, on any machine"
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f"read_corpus: no corpus file at {path}")
+    with _corpus_open(path, 'rt') as f: rec = json.load(f)
+    if not isinstance(rec, dict) or not isinstance(rec.get('documents'), list):
+        raise ValueError(f"read_corpus: {path} holds no 'documents' list")
+    return rec['documents']
 
 # %% ../nbs/11_train.ipynb #c9f3872d
 def split_documents(docs: list[str],       # the corpus

@@ -4,18 +4,23 @@
 The corpus is the Python documentation (11_train); the checkpoint goes out in the public layout, with the loss curves.
 
     python tools/train_small.py --out checkpoints/small [--steps N | --minutes M] [--baseline] [--expert-dropout P]
-                                [--json PATH] [--quick]
+                                [--corpus FILE | --corpus-tests] [--write-corpus FILE] [--json PATH] [--quick]
 
 Both models see the same batches. Without --steps, a few timed steps of each model size the run so that the training
 takes about --minutes (default 4) in all; the measured tokens/s are printed first. Writes `config.json` and the
 safetensors shards (`save_model`) to --out, and `training.json` beside them (also to --json if given): machine, date,
 settings, the corpus, each model's history (train/validation loss per evaluation), final validation loss and perplexity,
-and a few greedy continuations. --quick: a handful of steps on short windows, on the CPU, to check the script."""
+and a few greedy continuations. --quick: a handful of steps on short windows, on the CPU, to check the script.
+
+The corpus is this Python's (`load_corpus`); --corpus-tests adds the standard library's test packages, which some
+Pythons do not ship; --corpus FILE reads one `write_corpus` stored on another machine (.json, .json.gz, .json.xz);
+--write-corpus FILE stores the corpus this run would use there and exits (no GPU needed)."""
 import argparse, datetime, json, math, sys, time
 from pathlib import Path
 import torch
 from dsv41_nb.dispatch import machine_name
-from dsv41_nb.train import (load_corpus, split_documents, byte_data, small_config, trained_param_count, DenseBaseline,
+from dsv41_nb.train import (load_corpus, read_corpus, write_corpus, split_documents, byte_data, small_config,
+                            trained_param_count, DenseBaseline,
                             train, evaluate, lm_loss, make_optimizer, IndexerDistillation, fast_path,
                             held_out_prompts, corpus_words, text_quality)
 from dsv41_nb.model import ByteTokenizer, init_random
@@ -72,14 +77,21 @@ def main():
     ap.add_argument('--seed', type=int, default=0)
     ap.add_argument('--shard-mb', type=float, default=4096, help='largest checkpoint shard, MiB')
     ap.add_argument('--prompts', type=int, default=20, help='held-out prompts whose continuations are measured')
+    ap.add_argument('--corpus', help='a corpus file written by write_corpus (default: this Python\'s corpus)')
+    ap.add_argument('--corpus-tests', action='store_true', help="this Python's corpus with its test packages")
+    ap.add_argument('--write-corpus', help='store the corpus this run would use in this file, then exit')
     ap.add_argument('--quick', action='store_true', help='6 steps of 2 x 64 tokens on the CPU: checks the script')
     args = ap.parse_args()
+    docs = read_corpus(args.corpus) if args.corpus else load_corpus(tests=args.corpus_tests)
+    if args.write_corpus:
+        path = write_corpus(docs, args.write_corpus)
+        sys.exit(print(f'{len(docs):,} documents, {sum(len(d.encode()) for d in docs) / 1e6:.1f} MB -> {path} '
+                       f'({path.stat().st_size / 1e6:.1f} MB)'))
     device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
     if args.quick: args.steps, args.batch_size, args.seq_len, args.eval_every, args.prompts = 6, 2, 64, 3, 2
     elif device.type == 'cpu':
         sys.exit('training the small model needs a GPU (use --quick to check the script on a CPU)')
     cfg, t_start = small_config(), time.perf_counter()
-    docs = load_corpus()
     train_docs, val_docs = split_documents(docs, seed=args.seed)
     tok = ByteTokenizer(cfg)
     data = byte_data(train_docs, val_docs, tok)
@@ -105,6 +117,7 @@ def main():
                   expert_dropout=args.expert_dropout, seed=args.seed,
                   fast_path=device.type == 'cuda',
                   corpus=dict(documents=len(docs), megabytes=sum(len(d.encode()) for d in docs) / 1e6,
+                              file=args.corpus, tests=args.corpus_tests,
                   train_tokens=len(data.train), val_tokens=len(data.val)), models={})
     final_batches = data.eval_batches(32 if not args.quick else 2, min(args.batch_size, 32), args.seq_len)
     prompts, vocabulary = held_out_prompts(val_docs, args.prompts, 64, args.seed), corpus_words(train_docs)
