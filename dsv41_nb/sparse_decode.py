@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_sparse_decode.ipynb #7797fdef
 from __future__ import annotations
-import itertools, math
+import itertools, math, types
 from dataclasses import replace
 import torch
 import triton
@@ -271,12 +271,11 @@ def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, 
             lse_ptr, po_ptr, pl_ptr, H, D, ONE_SPLIT)
 
 # %% ../nbs/06_sparse_decode.ipynb #03e0d1e3
-# the same passes as functions of their own
-_window_call = triton.jit(_window_pass.fn, noinline=True)
-_topk_call = triton.jit(_topk_pass.fn, noinline=True)
+# arguments that change from launch to launch: one compiled kernel for all their values
+_UNSPECIALIZED = ['stride_ws', 'stride_kt', 'stride_bt', 'num_splits']
 
 # %% ../nbs/06_sparse_decode.ipynb #d578db13
-@triton.jit(do_not_specialize=['stride_ws', 'stride_kt', 'stride_bt', 'num_splits'])
+@triton.jit(do_not_specialize=_UNSPECIALIZED)
 def _sparse_decode_kernel(
     q_ptr, stride_qt, stride_qh,              # (T, H, D) bf16 queries; token and head strides
     # window cache (bytes, int16); (T, W) int32 slots, row stride; (T,) lengths
@@ -294,8 +293,7 @@ def _sparse_decode_kernel(
     H, num_splits,                            # heads; splits per token
     # ONE_SPLIT: num_splits == 1
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
-    # scales per block (else per value); passes as functions of their own
-    SCALE_TILE: tl.constexpr, SEPARATE: tl.constexpr,
+    SCALE_TILE: tl.constexpr,                 # scales per block (else per value)
     # the window records' format
     W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr, W_ROPE: tl.constexpr,
     W_SCALE_OFF: tl.constexpr, W_REC: tl.constexpr, W_E4M3: tl.constexpr,
@@ -307,28 +305,31 @@ def _sparse_decode_kernel(
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
 ):
     pdl_wait(PDL)
-    # the calls written out twice: Triton 3.6 neither unpacks a tuple into a call
-    # nor tells apart twins passed as arguments
-    if SEPARATE:
-        _window_call(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
-                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H, BLOCK_N,
-                     SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
-                     F32_DOT)
-        _topk_call(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
-                   k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
-                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H,
-                   BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF,
-                   C_REC, C_E4M3, HW_CVT, F32_DOT)
-    else:
-        _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
-                     k_len_ptr, scale_log2, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H, BLOCK_N,
-                     SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
-                     F32_DOT)
-        _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
-                   k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
-                   stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H,
-                   BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF,
-                   C_REC, C_E4M3, HW_CVT, F32_DOT)
+    _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
+                 k_len_ptr, scale_log2, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H, BLOCK_N,
+                 SCALE_TILE, W_FP4, W_QDIM, W_BLOCK, W_ROPE, W_SCALE_OFF, W_REC, W_E4M3, HW_CVT,
+                 F32_DOT)
+    _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, w_len_ptr,
+               k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr, scale_log2, out_ptr,
+               stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H,
+               BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF,
+               C_REC, C_E4M3, HW_CVT, F32_DOT)
+
+# %% ../nbs/06_sparse_decode.ipynb #9edf197a
+def _rebound(kernel, **calls):
+    "`kernel`'s source compiled against other versions of the functions it calls"
+    fn = kernel.fn
+    twin = types.FunctionType(fn.__code__, dict(fn.__globals__, **calls), fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    # what a def sets beside its code: the annotations say which arguments are `tl.constexpr`
+    twin.__annotations__, twin.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+    twin.__doc__ = fn.__doc__
+    return triton.jit(twin, do_not_specialize=_UNSPECIALIZED)
+
+# %% ../nbs/06_sparse_decode.ipynb #be96593e
+_sparse_decode_separate = _rebound(_sparse_decode_kernel,
+                                   _window_pass=triton.jit(_window_pass.fn, noinline=True),
+                                   _topk_pass=triton.jit(_topk_pass.fn, noinline=True))
 
 # %% ../nbs/06_sparse_decode.ipynb #7f755515
 @triton.jit
@@ -448,7 +449,8 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_r
     while True:
         regs = dict(maxnreg=launch['maxnreg']) if launch.get('maxnreg') else {}
         try:
-            kernel = _sparse_decode_kernel[(T, triton.cdiv(H, BH), S)](
+            fn = _sparse_decode_separate if launch['SEPARATE'] else _sparse_decode_kernel
+            kernel = fn[(T, triton.cdiv(H, BH), S)](
                 q, q.stride(0), q.stride(1),
                 window.cache, _half_view(window.cache), ws, ws.stride(0), _as_i32(idx.window_lens),
                 comp.cache, _half_view(comp.cache), tk, tk.stride(0),
@@ -456,7 +458,7 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_r
                 bt, bt.stride(0), _as_i32(idx.rows), idx.per_block, sk, scale * math.log2(math.e),
                 out, out.stride(0), out.stride(1), lse, po, pl, H, S,
                 D=D, BLOCK_H=BH, BLOCK_N=launch['BLOCK_N'], ONE_SPLIT=S == 1,
-                SCALE_TILE=launch['SCALE_TILE'], SEPARATE=launch['SEPARATE'],
+                SCALE_TILE=launch['SCALE_TILE'],
                 **_format_meta(window.codec, D, 'W'), **_format_meta(comp.codec, D, 'C'),
                 HW_CVT=not triton_interpreting(), F32_DOT=triton_interpreting(),
                 num_warps=launch['num_warps'], num_stages=launch['num_stages'], **regs,

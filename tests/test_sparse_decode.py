@@ -77,6 +77,22 @@ def test_every_distinct_kernel_one_split_and_several(launch):
                      num_splits=num_splits, launch=launch)
 
 
+def test_separate_kernel_is_the_same_source_with_noinline_passes():
+    """The separate-pass kernel: the same code and annotations (which say what is `tl.constexpr`) as the inlined
+    one, its passes `noinline` copies, and (compiled) its own cache key"""
+    import dsv41_nb.sparse_decode as sd
+    one, two = sd._sparse_decode_kernel, sd._sparse_decode_separate
+    assert two.fn.__code__ is one.fn.__code__ and two.fn.__globals__ is not one.fn.__globals__
+    assert two.fn.__annotations__ == one.fn.__annotations__ and two.fn.__defaults__ == one.fn.__defaults__
+    for name in ('_window_pass', '_topk_pass'):
+        twin = two.fn.__globals__[name]
+        assert twin is not getattr(sd, name) and twin.fn is getattr(sd, name).fn
+        if not triton_interpreting(): assert twin.noinline and not getattr(sd, name).noinline
+    if not triton_interpreting():
+        assert [p.is_constexpr for p in two.params] == [p.is_constexpr for p in one.params]
+        assert one.cache_key != two.cache_key                                   # never one binary for both
+
+
 @needs_triton
 def test_separate_and_inlined_passes_agree_bit_for_bit():
     args = decode_inputs(SMALL, 3, 100, 30, 'window_fp8', 'ds_fp4', heads=16, ragged=True, device=DEV, seed=4)

@@ -139,10 +139,10 @@ def compile_sm90(launch: dict, one_split: bool, window_format='window_fp8', main
     cfg = ModelConfig.bench()
     L = sd.decode_launch(64, cfg.n_heads, cfg.window_size, cfg.index_topk, 'cpu', 1 if one_split else 2, launch)
     const = dict(D=cfg.head_dim, BLOCK_H=L['BLOCK_H'], BLOCK_N=L['BLOCK_N'], ONE_SPLIT=one_split,
-                 SCALE_TILE=L['SCALE_TILE'], SEPARATE=L['SEPARATE'], HW_CVT=True, F32_DOT=False,
+                 SCALE_TILE=L['SCALE_TILE'], HW_CVT=True, F32_DOT=False,
                  **sd._format_meta(cache_format(cfg, window_format), cfg.head_dim, 'W'),
                  **sd._format_meta(cache_format(cfg, main_format), cfg.head_dim, 'C'))
-    fn = sd._sparse_decode_kernel
+    fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
     names = fn.arg_names
     sig = {n: 'constexpr' if n in const else POINTERS.get(n, 'i32') for n in names}
     attrs = {(names.index(n),): [['tt.divisibility', 16]] for n in names if sig[n].startswith('*') or n in ALIGNED}
