@@ -585,7 +585,7 @@ def _keep_taps(self: ModelRunner, so: SchedulerOutput, sampled: dict):
         if not idx: continue
         new = got[1][idx]
         if old is not None and old[0] == sr.start: new = torch.cat([old[1], new])
-        ctx[sr.request_id] = (sr.start + keep, new[-W:])
+        ctx[sr.request_id] = (sr.start + keep, new[-W:].clone())   # not a view of the step's taps
 
 # %% ../nbs/13_engine.ipynb #9ff1aba1
 @patch
