@@ -31,7 +31,6 @@ class PagedStepModel:
         self.model, self.device, self.vocab_size = model, model.embed.device, model.cfg.vocab_size
         self._host_state(model.cfg, model.kv_cache_config)
         if model.state is None: model.allocate(device=self.device)
-    def __repr__(self): return f"PagedStepModel({len(self.written)} requests)"
 
 # %% ../nbs/10c_paged_step.ipynb #432df90a
 @patch
@@ -48,6 +47,10 @@ def _host_state(self: PagedStepModel, cfg, kv_cache_config: KVCacheConfig):
     # the last speculative step's rings, restores made
     self._journal, self.ring_restores = {}, 0
     self._decode_last = None   # the last decode step's (request ids, next positions, starts)
+
+# %% ../nbs/10c_paged_step.ipynb #1b189a0f
+@patch
+def __repr__(self: PagedStepModel): return f"PagedStepModel({len(self.written)} requests)"
 
 # %% ../nbs/10c_paged_step.ipynb #8c6b7671
 @patch
@@ -82,7 +85,6 @@ def _journaling(self: PagedStepModel, blocks: dict) -> contextlib.AbstractContex
             for c in cs: c.journal = None
     return ctx()
 
-
 # %% ../nbs/10c_paged_step.ipynb #4c4abf07
 @patch
 def _restore_ring(self: PagedStepModel, rid: str, p: int):
@@ -99,7 +101,6 @@ def _restore_ring(self: PagedStepModel, rid: str, p: int):
                            "(only the rows of its last multi-row decode step may be redone)")
     for l, ring in self.model.state.rings.items(): j['journals'][l].rewind(ring, j['block'], p)
     self.ring_restores += 1
-
 
 # %% ../nbs/10c_paged_step.ipynb #427101b7
 @dataclass
