@@ -48,6 +48,7 @@ def ue8m0_values(codes: torch.Tensor) -> torch.Tensor:
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _E2M1_ON: dict = {}   # device -> E2M1_VALUES there (a CUDA graph may not copy from the host)
 
+# %% ../nbs/01_formats.ipynb #450989dd
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     "fp32 -> 4-bit E2M1 codes (uint8, bit 3 = sign), round to nearest even, saturating at +-6"
     a = x.float().abs()
@@ -92,6 +93,8 @@ def _require_bytes(fn: str, name: str, t, width: int | None = None) -> torch.Ten
 
 # %% ../nbs/01_formats.ipynb #a291490a
 SCALE_FORMATS = ('e4m3', 'ue8m0')
+
+# %% ../nbs/01_formats.ipynb #a6862da8
 def _require_scale_format(fn: str, scale_format) -> str:
     require(scale_format in SCALE_FORMATS,
             f"{fn}: scale_format {scale_format!r}; expected one of {SCALE_FORMATS}")
@@ -217,6 +220,7 @@ def _check_vectors(self: RecordCodec, x):
                        f"a floating-point tensor (..., {self.dim})", self.dim,
                        f"last dimension {self.dim}")
 
+# %% ../nbs/01_formats.ipynb #b841b814
 @patch
 def _check_records(self: RecordCodec, r):
     self._check_tensor(r, lambda t: t.dtype == torch.uint8, "uint8 records", self.record_bytes,
@@ -351,6 +355,8 @@ _FORMAT_BUILDERS = dict(
     index_mxfp4=lambda c, n: FP4Record(n, c.index_head_dim, 32, 'ue8m0'),
     # index keys, FP8
     index_fp8=lambda c, n: FP8Record(n, c.index_head_dim, c.index_head_dim, fp32_scale=True))
+
+# %% ../nbs/01_formats.ipynb #0058fb15
 CACHE_FORMATS = tuple(_FORMAT_BUILDERS)
 
 # %% ../nbs/01_formats.ipynb #63e6b308

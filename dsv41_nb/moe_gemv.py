@@ -155,6 +155,8 @@ def _gemv_combine_kernel(part_ptr, y_ptr, n_assign, R, N: tl.constexpr, SPLIT: t
 # %% ../nbs/08e_moe_gemv.ipynb #0cfca4a9
 GEMV_TUNING = dict(gate_up=dict(block_n=16, block_k=256, num_warps=4, programs=32),
                    down=dict(block_n=32, block_k=512, num_warps=4, programs=32))
+
+# %% ../nbs/08e_moe_gemv.ipynb #de0409e5
 # decode steps up to this many tokens take the GEMVs
 # (faster than 08c's path up to 4 in the benchmark below)
 GEMV_MAX_TOKENS = 4
