@@ -151,11 +151,15 @@ def main():
             save_model(model.cpu(), args.out, int(args.shard_mb * 2**20))
             size = sum(f.stat().st_size for f in Path(args.out).iterdir())
             print(f'checkpoint: {args.out} ({size / 2**20:.1f} MiB)')
+        write_record(record, t_start, args)             # after each model: a run cut short keeps what it finished
+    print(f'wrote {Path(args.out) / "training.json"}; {record["total_seconds"]:.0f} s in all')
+
+def write_record(record, t_start, args):
+    "Write the training record to --out/training.json (and --json), its `total_seconds` so far"
     record['total_seconds'] = time.perf_counter() - t_start
     for path in [Path(args.out) / 'training.json'] + ([Path(args.json)] if args.json else []):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1))
-    print(f'wrote {Path(args.out) / "training.json"}; {record["total_seconds"]:.0f} s in all')
 
 if __name__ == '__main__':
     main()
