@@ -18,7 +18,8 @@ from .kv_manager import SlotMappings
 from .paged_step import pad_rows
 
 # %% auto #0
-__all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'pad_decode_batch', 'CUDAGraphModel', 'StagedInputs', 'fill_token_ids']
+__all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'pad_decode_batch', 'tapped_model', 'CUDAGraphModel', 'StagedInputs',
+           'fill_token_ids']
 
 # %% ../nbs/12c_cuda_graphs.ipynb #86ef8c0e
 # padded decode batch sizes with a graph each: every size to 8, then steps of a quarter to a half
@@ -58,6 +59,13 @@ def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per req
         token_fill=_fills_below(batch.token_fill, n),
         history=None if batch.history is None else pad(batch.history, -1))
 
+# %% ../nbs/12c_cuda_graphs.ipynb #352420d4
+def tapped_model(model):
+    ("The model under `model` (itself, or down its `.model` chain) that keeps a step's taps "
+     "(`last_taps`), or None")
+    while model is not None and not hasattr(model, 'last_taps'): model = getattr(model, 'model', None)
+    return model
+
 # %% ../nbs/12c_cuda_graphs.ipynb #9c184d0d
 class CUDAGraphModel:
     "Decode steps of a step model replayed from CUDA graphs, one per padded batch size"
@@ -78,6 +86,7 @@ class CUDAGraphModel:
         self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size)
                        for g in kv_cache_config.groups]
         self.graphs, self.pool, self.stats = {}, None, dict(replayed=0, eager=0, captured=0)
+        self.tapped = tapped_model(model)  # where a step's taps are kept, if its model keeps any
         self._template = None  # the first decode batch captured: the structure of every graph
         # requests -> padded size, looked up (None past the largest size)
         self._pad_to = [None] + [padded_batch_size(n, self.sizes)
@@ -273,11 +282,17 @@ def _token_view(self: CUDAGraphModel, t: torch.Tensor | None) -> torch.Tensor:
                            "(async execution) cannot be filled")
     return t
 
+# %% ../nbs/12c_cuda_graphs.ipynb #9ed80c82
+@patch
+def _tap_layers(self: CUDAGraphModel) -> tuple:
+    "The layers whose taps a step keeps now (none if the model keeps no taps)"
+    return tuple(getattr(self.tapped, 'tap_layers', ()) or ())
+
 # %% ../nbs/12c_cuda_graphs.ipynb #8b419a34
 @patch
 def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
-    ("(replay, staged inputs, static logits, the captured token ids or None) for one padded size, "
-     "the buffers shaped as `batch`'s")
+    ("(replay, staged inputs, static logits, the captured token ids or None, (tap layers, "
+     "static taps or None)) for one padded size, the buffers shaped as `batch`'s")
     prepare, run = self._parts()
     if self._template is None: self._template = batch
     padded = pad_decode_batch(batch, size, self.widths, n=0)
@@ -288,19 +303,24 @@ def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
     at = [i for i, t in enumerate(_tensors(host)) if t is padded.token_ids]
     tokens = _tensors(static)[at[0]] if at else None
     # warm-up and capture take the same (read-back free) path
+    layers = self._tap_layers()
     def step():
         with as_captured(): out['logits'] = run(static)
+        if layers: out['taps'] = self.tapped.last_taps   # written by the graph like the logits
     # on a CPU: the same buffers, an eager "replay"
     if self.emulate:
-        step(); logits = out['logits']
+        step(); logits, taps = out['logits'], out.get('taps')
         def replay():
             with as_captured(): logits.copy_(run(static))
-        return replay, staged, logits, tokens
+            if self.tapped is not None:  # as a replay: captured buffers written, no attribute set
+                for a, b in zip(taps or (), self.tapped.last_taps or ()): a.copy_(b)
+                self.tapped.last_taps = None
+        return replay, staged, logits, tokens, (layers, taps)
     self.pool = self.pool or torch.cuda.graph_pool_handle()
     # the warm-up compiles the kernels and writes nowhere
     replay = cuda_graph(step, warmup=1, pool=self.pool)
     self.stats['captured'] += 1
-    return replay, staged, out['logits'], tokens
+    return replay, staged, out['logits'], tokens, (layers, out.get('taps'))
 
 # %% ../nbs/12c_cuda_graphs.ipynb #85ca80fd
 @patch
@@ -326,8 +346,11 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
         inputs = prepare(padded)
         if not getattr(inputs, 'replayable', True):
             self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, fill)[:R]
-    if size not in self.graphs: self.graphs[size] = self._capture(size, batch)
-    replay, staged, logits, tokens = self.graphs[size]
+    layers = self._tap_layers()
+    # captured before the taps were asked for (or other ones): captured again
+    if size not in self.graphs or self.graphs[size][4][0] != layers:
+        self.graphs[size] = self._capture(size, batch)
+    replay, staged, logits, tokens, (_, taps) = self.graphs[size]
     try: staged.load(inputs) if rows is None else staged.load_rows(inputs, rows)
     except ValueError as e:
         raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch "
@@ -335,6 +358,7 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
     # after the copy, before the replay
     if fill: fill_token_ids(self._token_view(tokens), fill)
     replay(); self.stats['replayed'] += 1
+    if layers: self.tapped.last_taps = tuple(t[:R] for t in taps)   # the real rows' taps
     return logits[:R].clone()
 
 # %% ../nbs/12c_cuda_graphs.ipynb #ef067b97

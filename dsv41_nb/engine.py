@@ -30,7 +30,7 @@ from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME
 from .paged_step import step_model as paged_step_model, PagedStepModel
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
-from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors
+from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_model
 
 # %% auto #0
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
@@ -252,9 +252,11 @@ def settle(self: InputBuffers, rows: np.ndarray, keeps: np.ndarray, ids: list, g
 def tap_model(model, proposer):
     ("The paged model under a step model, told the proposer's tap layers (the streams it reads, "
      "kept by each step); None if the proposer reads none or no such model is there")
-    layers, m = tuple(getattr(proposer, 'tap_layers', ())), model
-    while m is not None and not hasattr(m, 'last_taps'): m = getattr(m, 'model', None)
+    layers, m = tuple(getattr(proposer, 'tap_layers', ())), tapped_model(model)
     if not layers or m is None: return None
+    if isinstance(w := getattr(proposer, 'tap_window', None), bool) or not isinstance(w, int) or w < 1:
+        raise TypeError(f"ModelRunner: {type(proposer).__name__} reads tap layers {layers} but its "
+                        f"tap_window is {w!r}; expected the positions it reads back, an int >= 1")
     m.tap_layers = layers
     return m
 
@@ -605,7 +607,8 @@ def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
     self._forget(so)
     if not so.req_ids: return ModelRunnerOutput({}, {})
-    if self.tap_model is not None: self.tap_model.last_taps = None   # a replayed graph sets none
+    # a step that keeps no taps (one replayed from a graph captured without them) leaves None
+    if self.tap_model is not None: self.tap_model.last_taps = None
     plan, logits = self._logits(so)
     if isinstance(plan, DecodePlan):  # one token a request, as columns
         return ModelRunnerOutput(req_ids=so.req_ids, token_ids=self._sample_decode(logits, plan))

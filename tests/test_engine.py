@@ -23,6 +23,7 @@ from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer
                              LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
                              NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, host_engine,
                              host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers)
+from dsv41_nb.paged_step import step_model as paged_step_model
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.serving import random_checkpoint, percentiles
 from dsv41_nb.__main__ import random_prompts
@@ -94,6 +95,9 @@ BAD = [
     (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config,
                          proposer=NgramProposer(2)).execute_model_async(None),
      ValueError, 'a proposer needs each step'),
+    (lambda: ModelRunner(paged_step_model(MODEL, _LLM.llm_engine.kv_cache_config), _LLM.llm_engine.kv_cache_config,
+                         proposer=SimpleNamespace(tap_layers=(1,), tap_window=0)), TypeError,
+     'reads tap layers (1,) but its tap_window is 0'),
     (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config).execute_model_async('so'), TypeError,
      'expected a SchedulerOutput, got str'),
     (lambda: fill_token_ids(torch.zeros(3, dtype=torch.long), [(3, torch.arange(4), 0)]),
@@ -520,6 +524,40 @@ def test_dspark_reads_the_targets_streams_from_the_paged_step(tmp_path, monkeypa
         dense = model(torch.tensor([seq[:end - shift]]), return_hidden=True)[1][0, -len(h):].float()
         err = ((h.float() - dense).norm(dim=-1) / dense.norm(dim=-1)).median()
         assert (err < 0.1) == ok, (shift, float(err))
+
+
+def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
+    """Decode steps replayed from CUDA graphs (emulated) hand the drafter the taps the graph wrote:
+    adaptive DSpark that verifies nothing (every step a replay) never runs the target again, its
+    contexts are those of the eager engine, and greedy output is unchanged"""
+    from dsv41_nb.dspark import Drafter, DSparkProposer, dspark_proposer, save_drafter
+    from dsv41_nb.paged_step import step_model
+    model, path, box = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors', {}
+    save_drafter(Drafter(model), path)
+    def graphs(kc):
+        box['cg'] = CUDAGraphModel(step_model(model, kc), kc, 256, capture_sizes=(1, 2, 4), emulate=True)
+        return box['cg']
+    prompts, sp = [list(range(40, 70)), list(range(5, 12)), [7] * 25], SamplingParams(temperature=0, max_tokens=10)
+    runs, orig = [], DSparkProposer._target_hidden
+    monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
+    never = dict(adaptive=True, step_cost=lambda T: T.double() ** 2)    # verifying anything costs more than it gains
+    got, ctx = {}, {}
+    for mode in ('eager', 'graphs'):
+        kw = dict(step_model=graphs) if mode == 'graphs' else {}
+        llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', **kw)
+        got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        eng = llm.llm_engine
+        eng.add_request('a', prompts[0], sp)
+        for _ in range(4): eng.step()
+        ctx[mode] = eng.runner.contexts['a']
+    assert box['cg'].stats['replayed'] >= 10 and runs == [], (box['cg'].stats, runs)
+    assert got['graphs'] == got['eager'] == [o.outputs[0].token_ids for o in
+                                             LLM(model, kernels='torch').generate(prompts, sp, use_tqdm=False)]
+    assert ctx['graphs'][0] == ctx['eager'][0]
+    torch.testing.assert_close(ctx['graphs'][1], ctx['eager'][1])
+    monkeypatch.setattr(CUDAGraphModel, '_tap_layers', lambda self: ())    # a graph that keeps no taps
+    llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', step_model=graphs)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got['eager'] and runs
 
 
 @pytest.fixture(scope='module')

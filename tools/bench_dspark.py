@@ -9,9 +9,9 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
 - 'loop': `dsv41_nb.dspark.speculative_generate`, the reference decode loop: one dense forward per step re-runs every
   live sequence with its drafts (fp32) and hands the drafter its input from that same forward (no KV cache: the step
   cost grows with the sequence, so drafting looks cheaper than it is);
-- 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16) with `DSparkProposer`;
-  the engine's runner hands the proposer token ids only, so the proposer re-runs the target (one padded dense forward
-  per step) to get the drafter's input, a cost the serving path would not pay.
+- 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16; CUDA graphs for its
+  decode-only steps on a GPU) with `DSparkProposer`; the runner keeps the target's taps from its own step (eager or
+  replayed) and hands them to the drafter. Steps with drafts run eagerly (the decode graphs hold one row a request).
 Adaptive verification uses a step-cost curve measured here: the target's forward over c sequences with k + 1 new rows,
 k = 0..5. Each row runs once for 2 new tokens first (its shapes compiled), then timed; it reports tokens/s,
 tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
