@@ -436,8 +436,12 @@ def max_violation(counts: torch.Tensor) -> float:
     if not isinstance(counts, torch.Tensor) or counts.ndim != 1 or not counts.numel():
         got = getattr(counts, 'shape', type(counts))
         raise TypeError(f"max_violation: counts must be a non-empty 1-D tensor, got {got}")
+    return _violation(counts).item()
+
+def _violation(counts: torch.Tensor) -> torch.Tensor:
+    "`max_violation` as a 0-d tensor on the counts' device: no read-back"
     load = counts.float()
-    return (load.max() / load.mean()).item() - 1 if load.sum() > 0 else 0.0
+    return torch.where(load.sum() > 0, load.max() / load.mean().clamp_min(1e-30) - 1, 0.0)
 
 # %% ../nbs/11_train.ipynb #1f05f089
 def routers(model: nn.Module, who: str = 'routers') -> dict:
@@ -480,12 +484,12 @@ def _hook(self: ExpertLoad, name):
 # %% ../nbs/11_train.ipynb #20e9ca7d
 @patch
 def balance(self: ExpertLoad, gamma: float) -> float:
-    ("Apply the bias rule to every router that saw tokens, reset the counts; "
-     "the mean max violation seen")
-    vio = [max_violation(c) for c in self.counts.values()]
+    ("Apply the bias rule to every router that saw tokens, reset the counts; the mean max "
+     "violation seen, a 0-d tensor (read back only when wanted: a training step does not wait)")
+    vio = [_violation(c) for c in self.counts.values()]
     for name, c in self.counts.items(): balance_router_bias(self.gates[name].bias, c, gamma)
     self.counts = {}
-    return sum(vio) / len(vio) if vio else 0.0
+    return torch.stack(vio).mean() if vio else torch.tensor(0.0)
 
 # %% ../nbs/11_train.ipynb #ad904d04
 class ExpertDropout(ModuleHooks):
@@ -706,17 +710,20 @@ def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, 
         for group in (indexer, rest):
             if group: nn.utils.clip_grad_norm_(group, clip)
         opt.step()
-        vios.append(load.balance(gamma)); losses.append(loss.item())
-        if kl is not None: kls.append(kl.item() / len(distill.layers))
-        if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"train: the loss is {losses[-1]} at step {step}")
+        # kept on the device: no step waits for the GPU; read back at each evaluation
+        vios.append(load.balance(gamma)); losses.append(loss.detach())
+        if kl is not None: kls.append(kl.detach() / len(distill.layers))
         if (step + 1) % eval_every == 0 or step + 1 == steps:
+            mean = lambda ts: torch.stack([t.float().to(device) for t in ts]).mean().item()
+            if not math.isfinite(train_loss := mean(losses)):
+                bad = next(i for i, t in enumerate(losses) if not torch.isfinite(t))
+                raise FloatingPointError(f"train: the loss is {losses[bad].item()} at step "
+                                         f"{step + 1 - len(losses) + bad}")
             t1 = time.perf_counter()
             row = dict(step=step + 1, tokens=(step + 1) * batch_size * seq_len,
-                       seconds=t1 - t0 - t_eval,
-                       lr=lr_at(step, steps, lr, warmup), train_loss=sum(losses) / len(losses),
-                       val_loss=evaluate(model, val, device), max_violation=sum(vios) / len(vios),
-                       index_kl=sum(kls) / len(kls) if kls else 0.0)
+                       seconds=t1 - t0 - t_eval, lr=lr_at(step, steps, lr, warmup),
+                       train_loss=train_loss, val_loss=evaluate(model, val, device),
+                       max_violation=mean(vios), index_kl=mean(kls) if kls else 0.0)
             t_eval += time.perf_counter() - t1
             for k, v in row.items(): hist[k].append(v)
             losses, vios, kls = [], [], []

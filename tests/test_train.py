@@ -110,6 +110,22 @@ def test_train_is_deterministic_and_restores_the_model():
     assert runs[0] == {**runs[1], 'seconds': runs[0]['seconds']}
     assert len(runs[0]['val_loss']) == 2
 
+class _BlowsUp(nn.Module):
+    "A model whose loss turns to NaN at its third forward"
+    def __init__(self):
+        super().__init__()
+        self.m, self.calls = DenseBaseline(512, 32, 1, 2, 64), 0
+    def forward(self, ids):
+        self.calls += 1
+        out = self.m(ids)
+        return out * float('nan') if self.calls == 3 else out
+
+def test_train_names_the_step_whose_loss_is_not_finite():
+    "Losses are read back at each evaluation only, yet a non-finite one is reported with its own (0-based) step"
+    with pytest.raises(FloatingPointError, match='the loss is nan at step 2$'):
+        train(_BlowsUp(), _stream_data(), steps=6, batch_size=2, seq_len=16, eval_every=5, eval_batches=1,
+              device='cpu')
+
 class _Routed(nn.Module):
     "A tiny LM with one MoE router at `layers.0.ffn.gate`, to check that `train` balances it"
     def __init__(self, E=8, D=32):
