@@ -150,3 +150,28 @@ def test_engine_steps_are_the_reference_argmax(small):
         logits = ref(torch.tensor([ids + out]))[0, len(ids) - 1:-1]
         agree, steps = agree + int((logits.argmax(-1) == torch.tensor(out)).sum()), steps + len(out)
     assert agree >= 0.9 * steps, f'{agree} of {steps} steps are the reference argmax'
+
+
+def _count_target_runs(monkeypatch) -> list:
+    "The lengths of the sequences DSpark's proposer runs the target over itself (it lacked their taps)"
+    from dsv41_nb.dspark import DSparkProposer
+    runs, orig = [], DSparkProposer._target_hidden
+    monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
+    return runs
+
+
+def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch):
+    """Adaptive DSpark priced so that it verifies nothing: every decode step is replayed from a CUDA graph, the drafter
+    reads the taps the graphs wrote (the target never runs again for them), and the tokens are the engine's own"""
+    from dsv41_nb.dspark import dspark_proposer
+    runs, want = _count_target_runs(monkeypatch), _serve(small, PROMPTS)
+    never = dspark_proposer(small, SMALL / 'dspark.safetensors', 3, adaptive=True, step_cost=lambda T: T.double() ** 2)
+    assert _serve(small, PROMPTS, proposer=never) == want and runs == []
+
+
+def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch):
+    "Three drafts a step, verified in the engine's eager steps: greedy tokens as without speculation, no target re-run"
+    from dsv41_nb.dspark import dspark_proposer
+    runs, want = _count_target_runs(monkeypatch), _serve(small, PROMPTS)
+    assert _serve(small, PROMPTS, proposer=dspark_proposer(small, SMALL / 'dspark.safetensors', 3)) == want
+    assert runs == []
