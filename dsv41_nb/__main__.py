@@ -6,7 +6,7 @@
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'load_summary', 'random_prompts',
            'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'write_problem',
            'served_with', 'speculation', 'generate_command', 'bench_command', 'program_name', 'accounting_command',
-           'serve_one_rank', 'build_parser', 'main']
+           'serve_command', 'build_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
@@ -337,12 +337,9 @@ def _serving_args(p: argparse.ArgumentParser):
                         'them (default: 1; under torchrun: the processes it started)')
 
 # %% ../nbs/99_cli.ipynb #5704f4e6
-def serve_one_rank(args, error) -> int:
-    "`serve`, which steps one engine core in this process: more ranks, or torchrun, refused"
+def serve_command(args, error) -> int:
+    "`serve`: one engine core in this process, or with --data-parallel-size / torchrun, one a rank"
     from dsv41_nb.server import serve
-    if args.data_parallel_size != 1 or is_torchrun():
-        error("serve: --data-parallel-size above 1 (or torchrun) is not supported: the server "
-              "steps one engine core in its own process; `generate` and `bench` run across ranks")
     return serve(args, error)
 
 # %% ../nbs/99_cli.ipynb #b7d760e2
@@ -379,9 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser('serve',
                        help='an OpenAI-compatible HTTP server on the engine (Ctrl-C stops it)')
     add_serve_arguments(s)
-    s.add_argument('--data-parallel-size', type=int, default=1, metavar='N',
-                   help='1 only: the server steps one engine core in its own process')
-    s.set_defaults(func=serve_one_rank, error=s.error)
+    s.set_defaults(func=serve_command, error=s.error)
     # `bench serve`, as vLLM spells it
     bs = sub.add_parser('bench-serve', prog=f'{program_name()} bench serve',
                         help='(also spelt `bench serve`) a load test of a running '

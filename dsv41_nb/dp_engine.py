@@ -33,7 +33,8 @@ from .distributed import (_group, rank_device, run_ranks, local_experts, ep_moe_
 __all__ = ['DUMMY_ID', 'TORCHRUN_VARS', 'RankEngram', 'EPPagedModel', 'step_forwards', 'dummy_batch', 'rank_step_model',
            'DPLLMEngine', 'collective_seconds', 'free_blocks', 'serve_rank', 'rank_model', 'dp_engine_job', 'DPFront',
            'DPLLM', 'torchrun_env', 'is_torchrun', 'init_dp_group', 'run_dp', 'ngram_tokens', 'dp_generate',
-           'dp_bench_job', 'bench_row', 'project_world', 'dp_bench']
+           'dp_bench_job', 'bench_row', 'project_world', 'dp_bench', 'control_group', 'core_stats', 'check_request',
+           'rank_turn', 'follow', 'DPServingEngine', 'dp_serving_job']
 
 # %% ../nbs/15a_dp_engine.ipynb #53ca13ce
 class RankEngram(Engram):
@@ -672,3 +673,208 @@ def dp_bench(args, # bench's parsed arguments, with data_parallel_size
                                                    torch=torch.__version__, checkpoint=str(ckpt),
                                                    args=kept, **r), indent=1))
     return 0
+
+# %% ../nbs/15a_dp_engine.ipynb #1be7edc0
+from datetime import timedelta
+from .scheduler import SchedulerRequest
+from .engine import CompletionOutput
+
+# %% ../nbs/15a_dp_engine.ipynb #cc997d05
+def control_group(timeout_s: float = 7 * 24 * 3600 # how long a rank may wait for a message
+                 ):
+    "A gloo group of the whole world for the front's messages: ranks wait in it while idle"
+    _group('control_group')
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+        raise ValueError(f"control_group: timeout_s = {timeout_s!r}; expected seconds > 0")
+    return dist.new_group(backend='gloo', timeout=timedelta(seconds=timeout_s))
+
+# %% ../nbs/15a_dp_engine.ipynb #31804f67
+def core_stats(engine: LLMEngine) -> dict:
+    "An engine core's counters: requests running and waiting, KV use, prefix cache, free blocks"
+    if not isinstance(engine, LLMEngine):
+        raise TypeError(f"core_stats: expected an LLMEngine, got {type(engine).__name__}")
+    sch = engine.scheduler; pc, pool = sch.kv.prefix_cache_stats, sch.kv.block_pool
+    return dict(running=len(sch.running), waiting=len(sch.waiting), kv_usage=sch.kv.usage,
+                prefix_queries=pc.queries, prefix_hits=pc.hits,
+                preemptions=sch.stats['preemptions'], free_blocks=pool.get_num_free_blocks(),
+                usable_blocks=pool.num_usable_blocks, busy=engine.has_unfinished_requests(),
+                added=getattr(engine, 'requests_added', 0),
+                **getattr(engine, 'dp_stats', {}))
+
+# %% ../nbs/15a_dp_engine.ipynb #707c7679
+def check_request(engine: LLMEngine, request_id: str, prompt,
+                  sampling_params: SamplingParams | None = None) -> tuple:
+    "(text, token ids) of a request checked as `engine.add_request` checks it; nothing queued"
+    if not isinstance(request_id, str) or not request_id:
+        raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+    sp = SamplingParams() if sampling_params is None else sampling_params
+    if not isinstance(sp, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(sp).__name__}")
+    text, ids = engine.process_prompt(prompt)
+    sch = engine.scheduler; sp.check_vocab(sch.vocab_size)
+    sch.kv.check_fits(SchedulerRequest(request_id, ids, sch.kv.block_hasher, sp,
+                                       engine.tokenizer.EOS))
+    return text, ids
+
+# %% ../nbs/15a_dp_engine.ipynb #f37b73f5
+def rank_turn(engine: DPLLMEngine,
+              msg: dict, # adds [(id, token ids, SamplingParams, rank)], aborts [(id, rank)]
+             ) -> dict:
+    "One step of one rank: its adds and aborts from `msg`, a step in lockstep; its report"
+    if not isinstance(engine, DPLLMEngine):
+        raise TypeError(f"rank_turn: expected a DPLLMEngine, got {type(engine).__name__}")
+    failed, me = {}, engine.rank
+    for rid, r in msg['aborts']:
+        if r == me and rid in engine.tracked: engine.abort_request(rid)
+    for rid, ids, sp, r in (a for a in msg['adds'] if a[3] == me):
+        try: engine.add_request(rid, ids, sp)
+        except (TypeError, ValueError) as e: failed[rid] = f"{type(e).__name__}: {e}"; continue
+        engine.requests_added = getattr(engine, 'requests_added', 0) + 1
+    outs = engine.step(True)
+    return dict(outputs=outs, failed=failed, stats=core_stats(engine))
+
+# %% ../nbs/15a_dp_engine.ipynb #0cecb66a
+def _hello(engine) -> dict: return dict(outputs=[], failed={}, stats=core_stats(engine))
+
+# %% ../nbs/15a_dp_engine.ipynb #6a58fdf7
+def follow(engine: DPLLMEngine, control=None # the group of the front's messages (`control_group`)
+          ) -> dict:
+    "A rank other than 0 serving: each step's message from rank 0, a turn, a report; its last stats"
+    if not isinstance(engine, DPLLMEngine):
+        raise TypeError(f"follow: expected a DPLLMEngine, got {type(engine).__name__}")
+    if engine.rank == 0: raise ValueError("follow: rank 0 drives the ranks (DPServingEngine)")
+    control = control_group() if control is None else control
+    dist.gather_object(_hello(engine), None, dst=0, group=control)
+    while True:
+        box = [None]; dist.broadcast_object_list(box, src=0, group=control)
+        if box[0]['stop']: return core_stats(engine)
+        dist.gather_object(rank_turn(engine, box[0]), None, dst=0, group=control)
+
+# %% ../nbs/15a_dp_engine.ipynb #38c6eb9d
+class DPServingEngine:
+    ("Every rank's engine core as one engine, driven from rank 0 (vLLM's data-parallel front): "
+     "LLMEngine's surface over the ranks")
+    def __init__(self, engine: DPLLMEngine, # rank 0's engine core
+                 control=None): # the group of the messages (default: a new `control_group`)
+        if not isinstance(engine, DPLLMEngine):
+            raise TypeError(f"DPServingEngine: expected a DPLLMEngine, got {type(engine).__name__}")
+        if engine.rank != 0:
+            raise ValueError("DPServingEngine: on rank 0 only; the others `follow`")
+        self.core, self.world_size, self.closed = engine, engine.world_size, False
+        self.control = control_group() if control is None else control
+        self.front, self.tracked, self._adds, self._aborts = DPFront(self.world_size), {}, [], []
+        self.tokenizer, self.max_model_len, self.runner = (engine.tokenizer, engine.max_model_len,
+                                                           engine.runner)
+        self.rank_stats = [r['stats'] for r in self._gather(_hello(engine))]
+    def __repr__(self): return f"DPServingEngine({self.world_size} ranks, {self.front})"
+
+# %% ../nbs/15a_dp_engine.ipynb #5118e0be
+@patch
+def _gather(self: DPServingEngine, report: dict) -> list:
+    "Every rank's report of this turn, rank 0's first"
+    got = [None] * self.world_size
+    dist.gather_object(report, got, dst=0, group=self.control)
+    return got
+
+# %% ../nbs/15a_dp_engine.ipynb #4fa2ceb0
+@patch
+def process_prompt(self: DPServingEngine, prompt) -> tuple:
+    "(text or None, token ids): `LLMEngine.process_prompt` of rank 0's core, as every rank's"
+    return self.core.process_prompt(prompt)
+
+# %% ../nbs/15a_dp_engine.ipynb #73fe6c64
+@patch
+def add_request(self: DPServingEngine, request_id: str, prompt,
+                sampling_params: SamplingParams | None = None):
+    "Check a request (`check_request`), place it on a rank (`DPFront`), send it with the next step"
+    if self.closed: raise RuntimeError("DPServingEngine.add_request: the ranks have been closed")
+    if request_id in self.tracked:
+        raise ValueError(f"request id {request_id!r} is already running; ids must be unique")
+    text, ids = check_request(self.core, request_id, prompt, sampling_params)
+    rank = self.front.add(request_id)
+    self.tracked[request_id] = SimpleNamespace(rank=rank, prompt=text, ids=ids,
+                                               arrival=time.perf_counter())
+    self._adds.append((request_id, ids, sampling_params, rank))
+
+# %% ../nbs/15a_dp_engine.ipynb #a40a2b9f
+@patch
+def _end(self: DPServingEngine, request_id: str, reason: str) -> RequestOutput:
+    "A request's last output, made here: no new tokens, `reason`; it is no longer tracked"
+    t = self.tracked.pop(request_id); self.front.finish(request_id)
+    c = CompletionOutput(0, '', [], reason)
+    return RequestOutput(request_id, t.prompt, t.ids, [c], True,
+                         dict(arrival=t.arrival, finished=time.perf_counter()))
+
+# %% ../nbs/15a_dp_engine.ipynb #9f30af55
+@patch
+def abort_request(self: DPServingEngine, request_id: str) -> RequestOutput:
+    "Finish an unfinished request now ('abort'); its rank frees its blocks at the next step"
+    if request_id not in self.tracked:
+        raise ValueError(f"abort_request: no unfinished request {request_id!r}")
+    rank, queued = self.tracked[request_id].rank, len(self._adds)
+    self._adds = [a for a in self._adds if a[0] != request_id]
+    if len(self._adds) == queued: self._aborts.append((request_id, rank))
+    return self._end(request_id, 'abort')
+
+# %% ../nbs/15a_dp_engine.ipynb #a1549a96
+@patch
+def step(self: DPServingEngine, delta: bool | str = True) -> list:
+    "One step of every rank in lockstep: the delta RequestOutputs of all ranks' requests"
+    if delta is not True: raise ValueError(f"DPServingEngine.step: delta = {delta!r}; the ranks "
+                                           "send only what is new (delta=True)")
+    if self.closed: raise RuntimeError("DPServingEngine.step: the ranks have been closed")
+    msg = dict(adds=self._adds, aborts=self._aborts, stop=False)
+    self._adds, self._aborts = [], []
+    dist.broadcast_object_list([msg], src=0, group=self.control)
+    return self._collect(self._gather(rank_turn(self.core, msg)))
+
+# %% ../nbs/15a_dp_engine.ipynb #eccd8f5b
+@patch
+def _collect(self: DPServingEngine, reports: list) -> list:
+    "The reports' outputs for requests still tracked; each rank's counters kept"
+    outs = []
+    for r, rep in enumerate(reports):
+        self.rank_stats[r] = rep['stats']
+        for rid, why in rep['failed'].items():
+            if rid in self.tracked:
+                print(f"rank {r} refused {rid}: {why}", file=sys.stderr)
+                outs.append(self._end(rid, 'abort'))
+        for o in rep['outputs']:
+            if o.request_id not in self.tracked: continue       # aborted here since
+            if o.finished: self.tracked.pop(o.request_id); self.front.finish(o.request_id)
+            outs.append(o)
+    return outs
+
+# %% ../nbs/15a_dp_engine.ipynb #d493a18b
+@patch
+def has_unfinished_requests(self: DPServingEngine) -> bool:
+    return bool(self.tracked or self._adds or self._aborts
+                or any(s['busy'] for s in self.rank_stats))
+
+# %% ../nbs/15a_dp_engine.ipynb #c8c217b9
+@patch
+def close(self: DPServingEngine):
+    "End every rank's `follow` with the last message (once); what the ranks still hold is dropped"
+    if self.closed: return
+    self.closed = True
+    dist.broadcast_object_list([dict(adds=[], aborts=[], stop=True)], src=0, group=self.control)
+
+# %% ../nbs/15a_dp_engine.ipynb #00c35696
+def dp_serving_job(model, engine_args: dict,
+                   requests: list, # (request id, prompt, SamplingParams), all added before step 1
+                   aborts: dict | None = None, # request id -> the step after which it is aborted
+                  ) -> dict | None:
+    "Worker: rank 0 serves `requests` through a DPServingEngine; the others `follow`"
+    rank, _ = _group('dp_serving_job')
+    engine = DPLLMEngine(rank_model(model, rank_device()), args=EngineArgs(**engine_args))
+    if rank != 0: return dict(last=follow(engine))
+    eng, got, steps = DPServingEngine(engine), {}, 0
+    for rid, p, sp in requests: eng.add_request(rid, p, sp)
+    placed = {rid: eng.tracked[rid].rank for rid, _, _ in requests}
+    while eng.has_unfinished_requests():
+        for o in eng.step(): got.setdefault(o.request_id, []).append(o)
+        steps += 1
+        for rid in [r for r, s in (aborts or {}).items() if s == steps and r in eng.tracked]:
+            got[rid].append(eng.abort_request(rid))
+    eng.close()
+    return dict(outputs=got, placed=placed, steps=steps, stats=eng.rank_stats)

@@ -5,12 +5,14 @@
 # %% ../nbs/16_server.ipynb #5216947d
 from __future__ import annotations
 import argparse, asyncio, dataclasses, html, json, logging, math, random, signal, socket, string
-import sys, threading, time, uuid
+import os, sys, threading, time, uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 import httpx, torch, uvicorn
+import torch.distributed as dist, torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastcore.basics import patch
@@ -23,15 +25,19 @@ from .engine import EngineArgs, LLM, RequestOutput, CompletionOutput
 from .kv_manager import CacheCapacityError
 from .scheduler import SamplingParams
 from .serving import percentiles, served_checkpoint, serving_problem
+from .distributed import _group, free_port, rank_device
+from .dp_engine import (DPLLM, DPLLMEngine, DPServingEngine, control_group, core_stats,
+                                follow, init_dp_group, rank_model, torchrun_env)
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'KINDS', 'UNSUPPORTED', 'ROLES', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS', 'INDEX_HTML', 'run_sync',
-           'merge_outputs', 'RequestStream', 'AsyncEngine', 'StopChecker', 'APIError', 'field', 'sampling_params',
-           'completion_prompt', 'chat_messages', 'chat_prompt', 'choice', 'response', 'usage', 'sse', 'ServerMetrics',
-           'parse_metrics', 'OpenAIServer', 'until_disconnect', 'EventStream', 'bind_socket', 'UvicornServer',
-           'ServerThread', 'bench_request', 'bench_summary', 'bench_prompts', 'run_bench', 'format_bench',
-           'add_serve_arguments', 'serve', 'add_bench_serve_arguments', 'bench_serve']
+__all__ = ['log', 'KINDS', 'UNSUPPORTED', 'ROLES', 'GAUGES', 'COUNTERS', 'TTFT_BUCKETS', 'TPOT_BUCKETS', 'E2E_BUCKETS',
+           'INDEX_HTML', 'run_sync', 'merge_outputs', 'RequestStream', 'AsyncEngine', 'StopChecker', 'APIError',
+           'field', 'sampling_params', 'completion_prompt', 'chat_messages', 'chat_prompt', 'choice', 'response',
+           'usage', 'sse', 'ServerMetrics', 'parse_metrics', 'OpenAIServer', 'until_disconnect', 'EventStream',
+           'bind_socket', 'UvicornServer', 'ServerThread', 'bench_request', 'bench_summary', 'bench_prompts',
+           'run_bench', 'format_bench', 'add_serve_arguments', 'dp_size', 'dp_serve_rank', 'spawn_serve', 'dp_serve',
+           'serve', 'add_bench_serve_arguments', 'bench_serve']
 
 # %% ../nbs/16_server.ipynb #1c338002
 def run_sync(coro):
@@ -82,8 +88,8 @@ async def get(self: RequestStream) -> RequestOutput:
 # %% ../nbs/16_server.ipynb #6c8818fe
 class AsyncEngine:
     "An LLMEngine behind an asyncio event loop (vLLM's AsyncLLM): one loop task steps it"
-    def __init__(self, llm: LLM): # whose engine this object alone steps from now on
-        self.llm, self.engine = llm, llm.llm_engine
+    def __init__(self, llm: LLM): # whose engine (or an engine: DPServingEngine) it alone steps
+        self.llm, self.engine = llm, getattr(llm, 'llm_engine', llm)
         self.streams, self._adds, self._aborts = {}, [], {}  # id -> stream; the loop's inbox
         self.listeners = []                                  # f(stream, output, now)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix='engine-step')
@@ -381,21 +387,36 @@ def usage(n_prompt: int, n_out: int) -> dict:
 def sse(data) -> str: return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 # %% ../nbs/16_server.ipynb #0839b139
+GAUGES = [('num_requests_running', 'running', 'Requests in the running batch.'),
+          ('num_requests_waiting', 'waiting', 'Requests waiting to be scheduled.'),
+          ('kv_cache_usage_perc', 'kv_usage', 'KV-cache usage. 1 means 100 percent usage.')]
+COUNTERS = [('prefix_cache_queries', 'prefix_queries', 'Prefix cache queries, in queried tokens.'),
+            ('prefix_cache_hits', 'prefix_hits', 'Prefix cache hits, in cached tokens.'),
+            ('num_preemptions', 'preemptions', 'Cumulative number of preemptions.')]
+
+# %% ../nbs/16_server.ipynb #8dc2ee1d
+def _cores(engine, inbox: int) -> list:
+    "[(labels, counters)] per engine core; `inbox` requests not yet handed over count as waiting"
+    if isinstance(engine, DPServingEngine):
+        cores = [dict(s) for s in engine.rank_stats]
+        for *_, r in engine._adds: cores[r]['waiting'] += 1
+        labels = [[str(r)] for r in range(len(cores))]
+    else: cores, labels = [core_stats(engine)], [[]]
+    cores[0]['waiting'] += inbox
+    return list(zip(labels, cores))
+
+# %% ../nbs/16_server.ipynb #0870c937
 class _EngineGauges:
-    "What /metrics reads from the engine at each scrape"
+    "What /metrics reads from the engine cores at each scrape"
     def __init__(self, front: AsyncEngine, name: str): self.front, self.name = front, name
     def collect(self):
-        sch = self.front.engine.scheduler; pc = sch.kv.prefix_cache_stats
-        G, C = GaugeMetricFamily, CounterMetricFamily
-        for kind, name, v, doc in [
-            (G, 'num_requests_running', len(sch.running), 'Requests in the running batch.'),
-            (G, 'num_requests_waiting', len(sch.waiting) + len(self.front._adds), 'Waiting.'),
-            (G, 'kv_cache_usage_perc', sch.kv.usage, 'KV-cache usage. 1 means 100 percent usage.'),
-            (C, 'prefix_cache_queries', pc.queries, 'Prefix cache queries, in queried tokens.'),
-            (C, 'prefix_cache_hits', pc.hits, 'Prefix cache hits, in cached tokens.'),
-            (C, 'num_preemptions', sch.stats['preemptions'], 'Cumulative number of preemptions.')]:
-            m = kind(f'vllm:{name}', doc, labels=['model_name']); m.add_metric([self.name], v)
-            yield m
+        cores = _cores(self.front.engine, len(self.front._adds))
+        extra = ['engine'] if cores[0][0] else []
+        for kind, rows in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, COUNTERS)):
+            for name, key, doc in rows:
+                m = kind(f'vllm:{name}', doc, labels=['model_name', *extra])
+                for lab, s in cores: m.add_metric([self.name, *lab], s[key])
+                yield m
 
 # %% ../nbs/16_server.ipynb #2ce7849c
 TTFT_BUCKETS = (.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 10, 20, 40, 80)
@@ -451,9 +472,9 @@ def parse_metrics(text: str) -> dict:
 # %% ../nbs/16_server.ipynb #d6998450
 class OpenAIServer:
     "An OpenAI-compatible HTTP server over an LLM: a FastAPI app (`.app`), engine front, metrics"
-    def __init__(self, llm: LLM, # the engine to serve
+    def __init__(self, llm: LLM, # the LLM to serve, or an engine (DPServingEngine: ranks)
                  model_name: str = 'dsv41'): # the name clients pass as 'model'
-        self.llm, self.engine, self.model_name = llm, llm.llm_engine, model_name
+        self.llm, self.engine, self.model_name = llm, getattr(llm, 'llm_engine', llm), model_name
         self.created, self.front = int(time.time()), AsyncEngine(llm)
         self.metrics = ServerMetrics(self.front, model_name)
         self.app = FastAPI(title='dsv41-nb', lifespan=asynccontextmanager(self._lifespan))
@@ -856,6 +877,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--kernels', choices=('triton', 'torch'), help='force the Triton kernels or the references')
     a('--threads', type=int, default=1, help='CPU threads (default: 1)')
     a('--seed', type=int, default=0, help='the seed of requests that give none (default: 0)')
+    a('--data-parallel-size', type=int, default=1, metavar='N',
+      help='ranks, one engine core each, the experts split over them (default: 1; '
+           'under torchrun: its processes)')
     a('--log-level', default='info', choices=('critical', 'error', 'warning', 'info', 'debug'))
     return p
 
@@ -875,11 +899,109 @@ def _engine(args, error) -> tuple:
                    seed=args.seed), ckpt
     except (TypeError, ValueError, OSError) as e: error(str(e))
 
+# %% ../nbs/16_server.ipynb #2f7cfca9
+def dp_size(args, # parsed `serve` arguments: data_parallel_size
+            error) -> int: # called with a message on bad input
+    "The ranks `serve` runs on: --data-parallel-size, or under torchrun the processes it started"
+    n = getattr(args, 'data_parallel_size', 1)
+    try: env, n = torchrun_env(), check_int('--data-parallel-size', 'N', 1 if n is None else n, 1)
+    except (TypeError, ValueError) as e: error(str(e))
+    if env is not None and n not in (1, env['world_size']):
+        error(f"--data-parallel-size {n}, but torchrun started {env['world_size']} processes")
+    return env['world_size'] if env is not None else n
+
+# %% ../nbs/16_server.ipynb #cb551c52
+def _engine_args(args) -> dict:
+    return dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
+                kernels=args.kernels, seed=args.seed)
+
+def _front_options(args, ckpt) -> dict:
+    return dict(host=args.host, port=args.port, log_level=args.log_level, device=args.device,
+                name=args.served_model_name or f"dsv41-{Path(ckpt).name}", threads=args.threads)
+
+# %% ../nbs/16_server.ipynb #717a7371
+def dp_serve_rank(ckpt: str, # the checkpoint directory every rank loads
+                  engine_args: dict, # EngineArgs fields, the same on every rank
+                  opts: dict) -> int: # rank 0's: host, port, name, log_level, device, threads
+    "One rank of `serve` over data-parallel ranks: rank 0 serves HTTP, the others follow it"
+    rank, world = _group('dp_serve_rank')
+    torch.set_num_threads(check_int('--threads', 'threads', opts['threads'], 1))
+    engine = DPLLMEngine(rank_model(ckpt, rank_device()), args=EngineArgs(**engine_args))
+    control = control_group()
+    if rank != 0:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)
+        follow(engine, control); return 0
+    group = DPServingEngine(engine, control)
+    try: return _serve_group(group, opts)
+    finally: group.close()
+
+# %% ../nbs/16_server.ipynb #b69106fd
+def _serve_group(group: DPServingEngine, opts: dict) -> int:
+    "Rank 0: the HTTP server over the group, until Ctrl-C or SIGTERM"
+    sock = bind_socket(opts['host'], opts['port'])
+    try:
+        server, m = OpenAIServer(group, opts['name']), type(group.runner.model).__name__
+        print(f"serving {server.model_name} ({m}, {opts['device']}, max_model_len "
+              f"{group.max_model_len}, {group.world_size} data-parallel ranks) at "
+              f"http://{opts['host']}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
+        UvicornServer(server, opts['log_level']).run([sock])
+    finally: sock.close()
+    return 0
+
+# %% ../nbs/16_server.ipynb #3c8c69b8
+def _spawned_rank(rank: int, world_size: int, backend: str, port: int, job: tuple):
+    if backend == 'nccl': torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f'tcp://127.0.0.1:{port}', rank=rank,
+                            world_size=world_size)
+    try: code = dp_serve_rank(*job)
+    finally: dist.destroy_process_group()
+    if code: sys.exit(code)
+
+# %% ../nbs/16_server.ipynb #792535b4
+def spawn_serve(job: tuple, # dp_serve_rank's arguments
+                world_size: int, backend: str = 'gloo') -> int:
+    "Spawn the ranks of `serve` and wait for them: 0 once they have all ended well, else 1"
+    check_int('spawn_serve', 'world_size', world_size, 1)
+    ctx = mp.start_processes(_spawned_rank, args=(world_size, backend, free_port(), job),
+                             nprocs=world_size, join=False, start_method='spawn')
+    def to_rank0(sig, frame): os.kill(ctx.pids()[0], signal.SIGINT)
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, to_rank0) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        while not ctx.join(): pass
+    except ProcessException as e: print(f"error: {e}", file=sys.stderr); return 1
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
+    return 0
+
+# %% ../nbs/16_server.ipynb #cb2d2550
+def dp_serve(args, # parsed by a parser given add_serve_arguments
+             error=None) -> int: # called with a message on bad flags (default: exit with it)
+    "`serve` over data-parallel ranks: HTTP on rank 0, one engine core per rank, in lockstep"
+    error, env = error or _exit, torchrun_env()
+    n = dp_size(args, error)
+    if why := serving_problem(args.device, args.kernels): error(why)
+    ckpt, note = served_checkpoint(args.checkpoint)
+    if note and (env is None or env['rank'] == 0): print(note, file=sys.stderr)
+    try:
+        check_int('--threads', 'threads', args.threads, 1)
+        llm = DPLLM(ckpt, device=args.device, data_parallel_size=n, **_engine_args(args))
+    except (TypeError, ValueError, OSError) as e: error(str(e))
+    job = (str(ckpt), llm.engine_args, _front_options(args, ckpt))
+    if env is not None: init_dp_group(llm.backend); return dp_serve_rank(*job)
+    try: bind_socket(args.host, args.port).close()
+    except OSError as e: error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
+    return spawn_serve(job, n, llm.backend)
+
 # %% ../nbs/16_server.ipynb #20a9496b
 def serve(args, # parsed by a parser given add_serve_arguments
           error=None) -> int: # called with a message on bad flags (default: exit with it)
-    "Serve the model over HTTP until Ctrl-C or SIGTERM; requests in flight are aborted then"
+    ("Serve the model over HTTP until Ctrl-C or SIGTERM; requests in flight are aborted then; "
+     "over ranks with --data-parallel-size or torchrun (`dp_serve`)")
     error = error or _exit
+    if dp_size(args, error) > 1 or torchrun_env() is not None: return dp_serve(args, error)
     try: sock = bind_socket(args.host, args.port)
     except OSError as e: error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     try:

@@ -18,6 +18,7 @@ from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.model import init_random
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
+from dsv41_nb.kv_manager import CacheCapacityError
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.paged import PagedModel
 from dsv41_nb.paged_step import PagedStepModel
@@ -57,10 +58,15 @@ SCENARIOS = dict(
 )
 
 
+# the ranks kept running for a server (DPServingEngine on rank 0, `follow` on rank 1): request 0 aborted after step 2
+SERVING = (MODEL, BASE, [(str(i), PROMPTS[i], GREEDY) for i in range(4)], {'0': 2})
+
+
 @pytest.fixture(scope='module')
 def ranks():
     "Every scenario on two gloo ranks, spawned once: {name: [rank 0 result, rank 1 result]}"
-    return dict(zip(SCENARIOS, run_ranks([(de.dp_engine_job, s[2]) for s in SCENARIOS.values()])))
+    jobs = [(de.dp_engine_job, s[2]) for s in SCENARIOS.values()] + [(de.dp_serving_job, SERVING)]
+    return dict(zip([*SCENARIOS, 'serving'], run_ranks(jobs)))
 
 
 @pytest.fixture(scope='module')
@@ -134,7 +140,25 @@ def test_replicated_moe_needs_no_dummy_forwards(ranks, want):
 
 def test_no_rank_leaks_blocks(ranks):
     for name, ran in ranks.items():
+        if name == 'serving': continue             # its own test below
         for r in ran: assert r['stats']['free_after'] == r['stats']['free_before'], (name, r['stats'])
+
+
+def test_serving_engine_over_two_ranks(ranks, want):
+    """Rank 0's DPServingEngine steps both ranks as one engine: requests on both ranks, the one-process tokens, the
+    aborted request a prefix of its own, both pools whole and both ranks idle at the end, the same number of steps"""
+    r0, r1 = ranks['serving']
+    got = {rid: sum((o.outputs[0].token_ids for o in outs), []) for rid, outs in r0['outputs'].items()}
+    ref = want['abort']                                     # the one-process LLM over prompts 0-3, BASE
+    assert {k: v for k, v in got.items() if k != '0'} == {k: v for k, v in ref.items() if k != '0'}
+    assert got['0'] == ref['0'][:len(got['0'])] and len(got['0']) < len(ref['0'])
+    assert r0['outputs']['0'][-1].outputs[0].finish_reason == 'abort'
+    assert all(outs[-1].finished for outs in r0['outputs'].values())
+    assert sorted(r0['placed'].values()) == [0, 0, 1, 1]
+    for s in r0['stats']:
+        assert (s['free_blocks'], s['running'], s['waiting'], s['busy']) == (s['usable_blocks'], 0, 0, False), s
+    assert [s['added'] for s in r0['stats']] == [2, 2] and r0['stats'][0]['steps'] == r0['stats'][1]['steps']
+    assert r1['last'] == r0['stats'][1]                   # what rank 1 held when the stop came: what rank 0 last read
 
 
 # ---------------------------------------------------------------- the front, against a brute-force count
@@ -213,6 +237,7 @@ def test_torchrun_generate_and_bench(tmp_path):
 # ---------------------------------------------------------------- bad input, one table for the module
 ENV = dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0', MASTER_ADDR='h', MASTER_PORT='1')
 _LLM2 = de.DPLLM(MODEL, data_parallel_size=2, **BASE)
+_LLM1, _LLM_SMALL_POOL = LLM(MODEL, **BASE), LLM(MODEL, **BASE, num_gpu_blocks=4)
 def _error(msg): raise ValueError(msg)
 _CLI = dict(prompt='a', max_tokens=2, temperature=0.0, top_p=1.0, top_k=-1, seed=0, checkpoint=None, speculative=0,
             device='cpu', threads=1, kernels='torch', async_scheduling=False, data_parallel_size=2)
@@ -257,6 +282,19 @@ BAD = [
     (lambda: de.dp_generate(argparse_ns(prompt=''), _error), ValueError, 'the prompt is empty'),
     (lambda: de.dp_generate(argparse_ns(device='cuda:7'), _error), ValueError, '--device cuda:7'),
     (lambda: de.dp_bench(argparse_ns(device='mps'), _error), ValueError, "--device 'mps'"),
+    (lambda: de.DPServingEngine(None), TypeError, 'DPServingEngine: expected a DPLLMEngine, got NoneType'),
+    (lambda: de.follow('e'), TypeError, 'follow: expected a DPLLMEngine, got str'),
+    (lambda: de.rank_turn(None, {}), TypeError, 'rank_turn: expected a DPLLMEngine, got NoneType'),
+    (lambda: de.core_stats(_LLM1), TypeError, 'core_stats: expected an LLMEngine, got LLM'),
+    (lambda: de.control_group(), RuntimeError, 'torch.distributed is not initialised'),
+    (lambda: de.check_request(_LLM1.llm_engine, '', 'a'), TypeError, "request_id must be a non-empty str, got ''"),
+    (lambda: de.check_request(_LLM1.llm_engine, 'x', 'a', {'temperature': 0}), TypeError,
+     'sampling_params must be a SamplingParams, got dict'),
+    (lambda: de.check_request(_LLM1.llm_engine, 'x', [1, 999]), ValueError, 'token id 999'),
+    (lambda: de.check_request(_LLM1.llm_engine, 'x', 'a', SamplingParams(stop_token_ids=[999])), ValueError,
+     'stop token id 999'),
+    (lambda: de.check_request(_LLM_SMALL_POOL.llm_engine, 'x', [1] * 100, SamplingParams(max_tokens=20)),
+     CacheCapacityError, "request 'x' can never fit"),
 ]
 
 def argparse_ns(**kw):

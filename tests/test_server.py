@@ -2,12 +2,17 @@
 chat, streaming and errors; greedy text equal to `LLM.generate`'s; 64 concurrent streaming clients, after which the
 pool has every block back and /metrics agrees with what the clients counted; clients that hang up; a failing engine
 step; one table of bad inputs, each a 400 naming its field; the load generator; Ctrl-C on `serve` in a subprocess.
+Then `serve --data-parallel-size 2` (spawned ranks) and `serve` under torchrun, each in a process group of its own
+(marked `processes`): concurrent greedy answers equal the one-process engine's, requests on both ranks, streaming, a
+client that hangs up on one rank while the other rank's request goes on, no blocks left held, and Ctrl-C ending every
+rank; and a table of bad flags, refused before any rank starts.
 The server runs on 127.0.0.1 on a free port, its engine on the PyTorch kernels (the Triton interpreter, which CI
 switches on, would take minutes a step)."""
-import argparse, asyncio, json, signal, subprocess, sys, time
+import argparse, asyncio, json, os, signal, subprocess, sys, time
 from pathlib import Path
 import httpx, openai, pytest, torch
 from dsv41_nb.checkpoint import load_model
+from dsv41_nb.distributed import free_port
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.server import (OpenAIServer, ServerThread, parse_metrics, run_bench, bench_prompts, chat_prompt,
@@ -313,3 +318,177 @@ def test_the_command_line_has_serve_and_bench_serve(argv, usage):
     "`dsv41 serve` and `dsv41 bench serve` (spelt as vLLM spells them) reach the server's own parsers"
     r = subprocess.run([sys.executable, '-m', 'dsv41_nb', *argv], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith(f'usage: python -m dsv41_nb {usage} '), r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ data-parallel ranks
+DP_FLAGS = ['serve', '--port', '0', '--kernels', 'torch', '--max-model-len', str(MAX_LEN), '--log-level', 'warning']
+
+
+def start_serving(cmd):
+    "A server process started by `cmd`; (process, URL) once it prints its address"
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    line = p.stderr.readline()
+    assert ' 2 data-parallel ranks) at http://' in line, line + p.stderr.read()
+    return p, line.split(' at ')[-1].strip()
+
+
+def descendants(pid):
+    "Every process below `pid`, read from /proc"
+    kids = [int(k) for t in Path(f'/proc/{pid}/task').iterdir() for k in (t / 'children').read_text().split()]
+    return kids + [d for k in kids for d in descendants(k)]
+
+
+def alive(pid):
+    try: return Path(f'/proc/{pid}/stat').read_text().split(') ')[1][0] != 'Z'
+    except FileNotFoundError: return False
+
+
+def stop_serving(p, timeout=60):
+    "Ctrl-C to the server's process: it and every rank below it end; its exit code and standard error"
+    ranks = descendants(p.pid)
+    p.send_signal(signal.SIGINT)
+    code, err = p.wait(timeout), p.stderr.read()
+    t0 = time.monotonic()
+    while any(alive(r) for r in ranks) and time.monotonic() - t0 < timeout: time.sleep(0.1)
+    assert not any(alive(r) for r in ranks), [r for r in ranks if alive(r)]
+    return code, err, ranks
+
+
+@pytest.fixture(scope='module')
+def dp_server():
+    p, url = start_serving([sys.executable, '-m', 'dsv41_nb', *DP_FLAGS, '--data-parallel-size', '2'])
+    yield p, url
+    if p.poll() is None: p.kill()
+
+
+def engine_metrics(url) -> dict: return parse_metrics(httpx.get(url + '/metrics').text)
+def per_rank(m, name): return [m.get(f'vllm:{name}{{engine="{r}"}}', 0) for r in (0, 1)]
+
+
+def dp_idle(url, timeout=30):
+    "/metrics once neither rank runs or waits for a request"
+    t0 = time.monotonic()
+    while True:
+        m = engine_metrics(url)
+        if per_rank(m, 'num_requests_running') == per_rank(m, 'num_requests_waiting') == [0, 0]: return m
+        assert time.monotonic() - t0 < timeout, m
+        time.sleep(0.05)
+
+
+# prompts that share no first byte, so that no prefix cache hit can flip a near tie between the two servers
+DP_PROMPTS = [f'{w} reads the' for w in ('Alice', 'Bob', 'Carol', 'Dan', 'Eve', 'Frank')]
+
+
+@pytest.mark.processes
+def test_dp_server_answers_as_the_one_process_engine(dp_server):
+    "Six concurrent greedy requests through the openai client: LLM.generate's text, three placed on each rank"
+    _, url = dp_server
+    before = dp_idle(url)
+    async def six():
+        async with openai.AsyncOpenAI(base_url=url + '/v1', api_key='unused', max_retries=0, timeout=120) as c:
+            return await asyncio.gather(*[c.completions.create(model=MODEL, prompt=p, max_tokens=6, **GREEDY)
+                                          for p in DP_PROMPTS])
+    got = [r.choices[0].text for r in asyncio.run(six())]
+    want = new_llm().generate(DP_PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert got == [o.outputs[0].text for o in want]
+    after = dp_idle(url)
+    queried = [a - b for a, b in zip(per_rank(after, 'prefix_cache_queries_total'),
+                                      per_rank(before, 'prefix_cache_queries_total'))]
+    lens = sorted(len(o.prompt_token_ids) - 1 for o in want)    # one lookup per request, of its prompt less one token
+    assert sum(queried) == sum(lens) and min(queried) >= sum(lens[:3]) and max(queried) <= sum(lens[3:])
+    assert per_rank(after, 'kv_cache_usage_perc') == [0, 0]
+    done = 'vllm:e2e_request_latency_seconds_count'
+    assert after[done] - before.get(done, 0) == 6
+
+
+@pytest.mark.processes
+def test_dp_server_streams(dp_server):
+    "Streamed chunks join into the whole answer, which is the one-process engine's"
+    _, url = dp_server
+    c = openai.OpenAI(base_url=url + '/v1', api_key='unused', max_retries=0, timeout=120)
+    streamed = c.completions.create(model=MODEL, prompt='Grace said', max_tokens=6, stream=True, **GREEDY)
+    pieces = [ch.choices[0].text for ch in streamed]
+    want = new_llm().generate('Grace said', SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    assert len(pieces) > 1 and ''.join(pieces) == want
+
+
+@pytest.mark.processes
+def test_dp_client_that_hangs_up_stalls_neither_rank(dp_server):
+    """A 200-token stream on one rank; while it runs, a request on the other rank completes; the stream's client
+    hangs up: its request is aborted, both pools are whole, and the server serves on"""
+    _, url = dp_server
+    before = dp_idle(url)
+    aborts = before.get('vllm:request_success_total{finished_reason="abort"}', 0)
+    body = dict(model=MODEL, prompt='Once upon a time', max_tokens=200, ignore_eos=True, stream=True)
+    short = dict(model=MODEL, prompt='Henry wrote', max_tokens=8, temperature=0, ignore_eos=True)
+    with httpx.stream('POST', url + '/v1/completions', json=body, timeout=60) as r:
+        assert next(l for l in r.iter_lines() if l.startswith('data: '))
+        m = engine_metrics(url)
+        assert sorted(per_rank(m, 'num_requests_running')) == [0, 1]     # the stream runs on one rank
+        done = httpx.post(url + '/v1/completions', json=short, timeout=60).json()
+        assert done['usage']['completion_tokens'] == 8           # served on the other rank, the stream still open
+    after = dp_idle(url)
+    assert after['vllm:request_success_total{finished_reason="abort"}'] == aborts + 1
+    assert per_rank(after, 'kv_cache_usage_perc') == [0, 0]
+    want = new_llm().generate('Henry wrote', SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    assert done['choices'][0]['text'] == want
+    again = httpx.post(url + '/v1/completions', json=short | {'max_tokens': 2}, timeout=60).json()
+    assert again['usage']['completion_tokens'] == 2
+
+
+@pytest.mark.processes
+def test_dp_ctrl_c_ends_every_rank(dp_server):
+    "Ctrl-C to `serve --data-parallel-size 2` mid-stream: the stream ends with 'abort', every rank ends, exit 0"
+    p, url = dp_server
+    events = []
+    body = dict(model=MODEL, prompt='Once upon a time', max_tokens=200, ignore_eos=True, stream=True)
+    ranks = descendants(p.pid)
+    assert len([r for r in ranks if alive(r)]) >= 2
+    with httpx.stream('POST', url + '/v1/completions', json=body, timeout=60) as r:
+        for l in (l for l in r.iter_lines() if l.startswith('data: ')):
+            events.append(l[6:])
+            if len(events) == 2: code, err, _ = stop_serving(p)
+    assert events[-1] == '[DONE]' and json.loads(events[-2])['choices'][0]['finish_reason'] == 'abort'
+    assert code == 0 and 'Traceback' not in err, err
+
+
+@pytest.mark.processes
+def test_dp_serve_under_torchrun():
+    "`torchrun --nproc-per-node 2 -m dsv41_nb serve`: rank 0 serves the one-process engine's text; Ctrl-C ends all"
+    p, url = start_serving([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', '2',
+                            '--master-port', str(free_port()), '-m', 'dsv41_nb', *DP_FLAGS])
+    try:
+        got = httpx.post(url + '/v1/completions', timeout=60, json=dict(
+            model=MODEL, prompt='Ivy asked', max_tokens=6, temperature=0, ignore_eos=True)).json()
+        want = new_llm().generate('Ivy asked', SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0].text
+        assert got['choices'][0]['text'] == want
+        assert per_rank(dp_idle(url), 'kv_cache_usage_perc') == [0, 0]
+        code, err, ranks = stop_serving(p)
+        # torchrun itself ends on the signal with a traceback of its own (SignalException); the ranks with none
+        assert len(ranks) >= 2 and 'dsv41_nb' not in err and err.count('Traceback') <= 1, err
+    finally:
+        if p.poll() is None: p.kill()
+
+
+def test_dp_serve_flags_refused_before_any_rank_starts(monkeypatch):
+    "Bad numbers of ranks, a model that does not split, a bad device: the parser's error, nothing spawned"
+    p = add_serve_arguments(argparse.ArgumentParser())
+    def error(msg): raise ValueError(msg)
+    rows = [(['--data-parallel-size', '0'], {}, '--data-parallel-size: N = 0; expected at least 1'),
+            (['--data-parallel-size', '-2'], {}, 'N = -2'),
+            (['--data-parallel-size', '3'], {}, '16 routed experts do not split evenly over 3 ranks'),
+            (['--data-parallel-size', '2', '--device', 'tpu'], {}, "--device 'tpu'"),
+            (['--data-parallel-size', '2', '--max-num-seqs', '0'], {}, 'max_num_seqs'),
+            (['--data-parallel-size', '2', '--threads', '0'], {}, 'threads = 0'),
+            (['--data-parallel-size', '2', '--checkpoint', str(ROOT / 'nowhere')], {}, 'nowhere'),
+            (['--data-parallel-size', '3'], dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0', MASTER_ADDR='127.0.0.1',
+                                                  MASTER_PORT='1'), '--data-parallel-size 3, but torchrun started 2'),
+            (['--data-parallel-size', '2'], dict(RANK='0', WORLD_SIZE='2'), 'not LOCAL_RANK, MASTER_ADDR')]
+    for flags, env, msg in rows:
+        with monkeypatch.context() as m:
+            for k, v in env.items(): m.setenv(k, v)
+            with pytest.raises(ValueError) as e: serve(p.parse_args([*flags, '--port', '0']), error)
+            assert msg in str(e.value), (flags, str(e.value))
