@@ -932,10 +932,10 @@ def dp_serve_rank(ckpt: str, # the checkpoint directory every rank loads
     if rank != 0:
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)
-        follow(engine, control); return 0
+        follow(engine, control); dist.barrier(group=control); return 0
     group = DPServingEngine(engine, control)
     try: return _serve_group(group, opts)
-    finally: group.close()
+    finally: group.close(); dist.barrier(group=control)   # every rank done with its groups
 
 # %% ../nbs/16_server.ipynb #b69106fd
 def _serve_group(group: DPServingEngine, opts: dict) -> int:
