@@ -13,7 +13,9 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
   decode-only steps on a GPU) with `DSparkProposer`; the runner keeps the target's taps from its own step (eager or
   replayed) and hands them to the drafter. Steps with drafts run eagerly (the decode graphs hold one row a request).
 Adaptive verification uses a step-cost curve measured here: the target's forward over c sequences with k + 1 new rows,
-k = 0..5. Each row runs once for 2 new tokens first (its shapes compiled), then timed; it reports tokens/s,
+k = 0..5. A loop row runs once for 2 new tokens first (its shapes compiled), then timed; an engine row runs its whole
+decode twice on one engine (prefix caching off), the second timed, so that its graphs and every token count its steps
+meet are compiled before the clock starts. Each row reports tokens/s,
 tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
 per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
 notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the machine and date; --json writes it.
@@ -73,14 +75,21 @@ def run_loop(model, drafter, prompts, n, policy, cost, device):
 
 
 def run_engine(model, drafter, prompts, n, policy, cost, device):
+    """One engine for the row, run twice on the same prompts: the first run captures its CUDA graphs and compiles
+    every token count its steps meet (greedy, so the second run meets the same ones), the second is timed. Prefix
+    caching is off, so the timed run prefills as the first did."""
     from dsv41_nb.engine import LLM
     prop = proposer(drafter, policy, cost)
-    llm = LLM(model, proposer=prop, max_model_len=max(map(len, prompts)) + n + 8, max_num_seqs=max(len(prompts), 1))
+    llm = LLM(model, proposer=prop, max_model_len=max(map(len, prompts)) + n + 8, max_num_seqs=max(len(prompts), 1),
+              enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)                                            # warm-up
+    before = dict(llm.llm_engine.scheduler.stats)
     sync(device); t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     sync(device); dt = time.perf_counter() - t0
-    stats, emitted = llm.llm_engine.scheduler.stats, sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = {k: v - before.get(k, 0) for k, v in llm.llm_engine.scheduler.stats.items()}
+    emitted = sum(len(o.outputs[0].token_ids) for o in outs)
     # each request-step emits one non-draft token
     request_steps = emitted - stats['accepted_tokens']
     return dict(seconds=dt, tokens_per_s=emitted / dt, tokens_per_request_step=emitted / max(1, request_steps),
@@ -145,7 +154,8 @@ def main():
                     rows.append(dict(path=path, concurrency=c, policy=policy, skipped='time budget')); continue
                 run, m, d = (run_loop, model, drafter) if path == 'loop' else (run_engine, engine_model, engine_drafter)
                 try:
-                    run(m, d, prompts[:c], 2, policy, cost, device)     # warm-up: this level's shapes compiled
+                    # warm-up: this level's shapes compiled (the engine warms up on its own, a whole run)
+                    if path == 'loop': run(m, d, prompts[:c], 2, policy, cost, device)
                     r = run(m, d, prompts[:c], args.new_tokens, policy, cost, device)
                 except Exception as e:                                             # report it and go on
                     rows.append(dict(path=path, concurrency=c, policy=policy, error=repr(e)[:300]))
