@@ -22,7 +22,7 @@ notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the
 --merge keeps the rows of the existing --json file that this run did not measure (another path or concurrency), so a
 table can be completed over several runs; the record lists every run that contributed (settings.runs).
 --quick: concurrency 1 and 2, 8 new tokens, on the CPU."""
-import argparse, copy, datetime, json, sys, time
+import argparse, copy, datetime, json, os, sys, time
 from pathlib import Path
 import numpy as np
 import torch
@@ -33,6 +33,8 @@ from dsv41_nb.checkpoint import load_model
 from dsv41_nb.accounting import HARDWARE
 from dsv41_nb.train import load_corpus, split_documents, byte_data
 from dsv41_nb.scheduler import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, load_drafter, speculative_generate, expected_accepted,
                              choose_verify_lengths, roofline_step_cost)
 
@@ -184,7 +186,8 @@ def main():
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         rec = dict(machine=machine, date=date, torch=torch.__version__,
-                   target=source, drafter=str(dpath) if trained else 'untrained',
+                   commit=os.environ.get('DSV41_COMMIT') or git_commit(), target=source,
+                   drafter=str(dpath) if trained else 'untrained',
                    settings=dict(vars(args), json=args.json and Path(args.json).name), rows=rows,
                    slot_acceptance=slots, step_costs=costs, total_seconds=time.perf_counter() - t_start)
         if args.merge and Path(args.json).exists(): rec = merge_runs(json.loads(Path(args.json).read_text()), rec)
