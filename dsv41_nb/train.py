@@ -6,7 +6,7 @@
 from __future__ import annotations
 import contextlib, hashlib, importlib, inspect, io, json, math, os, pkgutil, re, sys, sysconfig
 import time, warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'TEST_DIRS', 'CORPUS_VERSION', 'stdlib
            'read_corpus', 'split_documents', 'small_config', 'trained_param_count', 'ByteData', 'byte_data',
            'DenseBlock', 'DenseBaseline', 'dense_param_count', 'lr_at', 'balance_router_bias', 'max_violation',
            'routers', 'ModuleHooks', 'ExpertLoad', 'ExpertDropout', 'attention_mass', 'indexer_log_probs', 'indexer_kl',
-           'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train',
+           'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train', 'TrainState',
            'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
            'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
@@ -664,11 +664,18 @@ def train(
     seed: int = 0, device=None,  # batches and init of the random state; default CUDA if present
     fast: bool | None = None,  # `fast_path` (default: on a GPU)
     log=None,  # called with a progress line at each evaluation (e.g. `print`)
+    start: int | None = None,  # this piece's first step (default: the state's step, else 0)
+    stop: int | None = None,  # this piece ends before step `stop` (default: `steps`)
+    state: TrainState | None = None,  # gone on from (at step > 0), brought to `stop` in place
 ) -> dict:
-    "Train `model` in place; the history of losses at each evaluation"
+    "Train `model` in place, steps `start..stop` of `steps`; the history of losses at each evaluation"
     _check_train_args(model, data, steps, lr, batch_size, seq_len, eval_every, clip)
+    start, stop = _check_piece(steps, start, stop, state)
     device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     warmup = max(1, steps // 20) if warmup is None else check_int('train', 'warmup', warmup, 0)
+    settings = _run_settings(steps, lr, batch_size, seq_len, warmup, weight_decay, clip,
+                             eval_every, eval_batches, gamma, expert_dropout, seed)
+    if start: _check_settings(state, settings)
     torch.manual_seed(seed)
     gen, val = (torch.Generator().manual_seed(seed),
                 data.eval_batches(eval_batches, batch_size, seq_len))
@@ -682,9 +689,14 @@ def train(
                           IndexerDistillation(model))
     fast = device.type == 'cuda' if fast is None else fast
     try:
+        if start: _resume(state, model, opt, gen, load, device)
         with fast_path(model) if fast else contextlib.nullcontext():
-            return _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup,
-                         batch_size, seq_len, clip, eval_every, gamma, log)
+            hist, pending, seconds = _loop(model, data, opt, load, distill, device, gen, val,
+                                           steps, lr, warmup, batch_size, seq_len, clip,
+                                           eval_every, gamma, log, start, stop, state)
+        if state is not None:
+            _capture(state, stop, settings, model, opt, gen, load, hist, pending, seconds)
+        return hist
     finally:
         load.remove(); distill.remove(); drop.remove()
         for n, p in model.named_parameters(): p.data = p.data.to(dtypes[n])
@@ -692,14 +704,19 @@ def train(
 
 # %% ../nbs/11_train.ipynb #c0e772d4
 def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, batch_size,
-          seq_len, clip, eval_every, gamma, log) -> dict:
+          seq_len, clip, eval_every, gamma, log, start=0, stop=None,
+          state=None) -> tuple[dict, dict, float]:
+    "(history, the losses, violations and KLs since the last evaluation, training seconds)"
     keys = ('step', 'tokens', 'seconds', 'lr', 'train_loss', 'val_loss', 'max_violation',
             'index_kl')
-    hist, (losses, vios, kls), t0, t_eval = ({k: [] for k in keys}, ([], [], []),
-                                             time.perf_counter(), 0.0)
+    old = state if start else TrainState()
+    hist = {k: list(old.history.get(k, [])) for k in keys}
+    losses, vios, kls = ([t.to(device) for t in old.pending.get(k, [])]
+                         for k in ('losses', 'vios', 'kls'))
+    t0, t_eval = time.perf_counter() - old.seconds, 0.0
     indexer = [p for n, p in model.named_parameters() if '.indexer.' in n]
     rest = [p for n, p in model.named_parameters() if '.indexer.' not in n]
-    for step in range(steps):
+    for step in range(start, steps if stop is None else stop):
         for group in opt.param_groups: group['lr'] = lr_at(step, steps, lr, warmup)
         x, y = (t.to(device, non_blocking=True) for t in data.batch(batch_size, seq_len, gen))
         with _autocast(device): loss = lm_loss(model, x, y)
@@ -728,7 +745,8 @@ def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, 
             for k, v in row.items(): hist[k].append(v)
             losses, vios, kls = [], [], []
             if log: log(_progress_line(row))
-    return hist
+    pending = dict(losses=losses, vios=vios, kls=kls)
+    return hist, pending, time.perf_counter() - t0 - t_eval
 
 # %% ../nbs/11_train.ipynb #dc6d90f2
 def _progress_line(r: dict) -> str:
@@ -736,6 +754,103 @@ def _progress_line(r: dict) -> str:
             f"lr {r['lr']:.1e}  {r['tokens'] / r['seconds']:,.0f} tok/s")
     return line + (f"  max violation {r['max_violation']:.2f}  index KL {r['index_kl']:.3f}"
                    if r['index_kl'] else '')
+
+# %% ../nbs/11_train.ipynb #b5d2f8c1
+@dataclass
+class TrainState:
+    "Where a run stands between two pieces: what `train` needs to go on as if it had not stopped"
+    step: int = 0  # steps done
+    settings: dict = field(default_factory=dict)  # the run's schedule and batches
+    weights: dict = field(default_factory=dict)  # FP32 master weights (router biases too)
+    optimizer: dict = field(default_factory=dict)  # AdamW's `state_dict`
+    batches: torch.Tensor | None = None  # the batch generator's state
+    rng: dict = field(default_factory=dict)  # the global random states: 'cpu', 'cuda'
+    counts: dict = field(default_factory=dict)  # `ExpertLoad`'s counts not yet applied
+    pending: dict = field(default_factory=dict)  # losses, violations, KLs since the evaluation
+    history: dict = field(default_factory=dict)  # `train`'s history so far
+    seconds: float = 0.0  # training seconds so far
+
+# %% ../nbs/11_train.ipynb #d7f1b3e4
+_STATE_KIND = 'dsv41_nb.TrainState'
+
+def _cpu(obj):
+    "A copy of `obj` (tensors in dicts, lists and tuples) with every tensor on the CPU"
+    if isinstance(obj, torch.Tensor): return obj.detach().to('cpu', copy=True)
+    if isinstance(obj, dict): return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)): return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+# %% ../nbs/11_train.ipynb #e2a8c5f6
+@patch
+def save(self: TrainState, path) -> Path:
+    "Write the state to `path` (written whole or not at all)"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f'.{os.getpid()}.tmp')
+    torch.save({'kind': _STATE_KIND, **vars(self)}, tmp)
+    tmp.replace(path)
+    return path
+
+# %% ../nbs/11_train.ipynb #f4b6d8a3
+@patch(cls_method=True)
+def load(cls: TrainState, path) -> TrainState:
+    "The state `TrainState.save` wrote to `path`"
+    path = Path(path)
+    if not path.is_file(): raise FileNotFoundError(f"TrainState.load: no file at {path}")
+    d = torch.load(path, map_location='cpu', weights_only=True)
+    if not isinstance(d, dict) or d.pop('kind', None) != _STATE_KIND:
+        raise ValueError(f"TrainState.load: {path} holds no TrainState")
+    return cls(**d)
+
+# %% ../nbs/11_train.ipynb #b9e2a6d4
+def _check_piece(steps, start, stop, state) -> tuple[int, int]:
+    if state is not None and not isinstance(state, TrainState):
+        raise TypeError(f"train: state must be a TrainState, got {type(state).__name__}")
+    at = state.step if state is not None else 0
+    start = at if start is None else check_int('train', 'start', start, 0)
+    if start != at:
+        raise ValueError(f"train: start = {start}, but the state stands at step {at}"
+                         if state is not None else
+                         f"train: start = {start} needs the TrainState of a run at that step")
+    stop = steps if stop is None else check_int('train', 'stop', stop, start + 1)
+    if stop > steps: raise ValueError(f"train: stop = {stop} is beyond steps = {steps}")
+    if stop < steps and state is None:
+        raise ValueError(f"train: stop = {stop} < steps = {steps} needs a TrainState to keep")
+    return start, stop
+
+# %% ../nbs/11_train.ipynb #c1f5b7e8
+def _run_settings(steps, lr, batch_size, seq_len, warmup, weight_decay, clip, eval_every,
+                  eval_batches, gamma, expert_dropout, seed) -> dict:
+    return dict(steps=steps, lr=lr, batch_size=batch_size, seq_len=seq_len, warmup=warmup,
+                weight_decay=weight_decay, clip=clip, eval_every=eval_every,
+                eval_batches=eval_batches, gamma=gamma, expert_dropout=expert_dropout, seed=seed)
+
+def _check_settings(state: TrainState, settings: dict):
+    for k, v in settings.items():
+        if state.settings.get(k) != v:
+            raise ValueError(f"train: {k} = {v!r}, but the state's run has "
+                             f"{k} = {state.settings.get(k)!r}")
+
+# %% ../nbs/11_train.ipynb #e5b1d4a9
+def _resume(state: TrainState, model, opt, gen, load, device):
+    try: model.load_state_dict(state.weights)
+    except RuntimeError as e:
+        raise ValueError(f"train: the state's weights do not fit the model: {e}") from None
+    opt.load_state_dict(state.optimizer)
+    gen.set_state(state.batches)
+    torch.set_rng_state(state.rng['cpu'])
+    if 'cuda' in state.rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state.rng['cuda'])
+    load.counts = {n: c.to(device) for n, c in state.counts.items()}
+
+# %% ../nbs/11_train.ipynb #f8c3e6b2
+def _capture(state: TrainState, stop, settings, model, opt, gen, load, hist, pending, seconds):
+    rng = {'cpu': torch.get_rng_state()}
+    if torch.cuda.is_available(): rng['cuda'] = torch.cuda.get_rng_state_all()
+    state.step, state.settings, state.history, state.seconds = stop, settings, _cpu(hist), seconds
+    state.weights, state.optimizer = _cpu(model.state_dict()), _cpu(opt.state_dict())
+    state.batches, state.rng, state.counts = gen.get_state(), rng, _cpu(load.counts)
+    state.pending = _cpu(pending)
 
 # %% ../nbs/11_train.ipynb #1cf2b789
 _compiled = {}

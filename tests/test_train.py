@@ -1,6 +1,6 @@
 """The training pieces: the corpus and its split, byte windows, the router-bias balancing rule, the dense baseline,
 and `train` itself (it learns, it is deterministic, it leaves the model's dtypes and switches as they were)."""
-import math, subprocess, sys
+import json, math, subprocess, sys
 from pathlib import Path
 import pytest
 import torch
@@ -315,3 +315,87 @@ def test_fast_path_matches_the_reference_and_restores():
         else: assert g.eq(0).all(), n        # an expert no token chose
     assert not any(mod.grouped for mod in m.modules() if isinstance(mod, MoE))
     assert all(b.hc_split is hc_split for b in m.modules() if isinstance(b, Block))
+
+def _tiny_pieces(stops, tmp_path, **kw):
+    """Six steps of the tiny DeepSeek model with expert dropout, in pieces ending at `stops`; each piece after the first
+    in a fresh model of another seed, its state read back from a file"""
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.model import init_random
+    from dsv41_nb.train import TrainState
+    data, st = _stream_data(), TrainState()
+    kw = dict(steps=6, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, expert_dropout=0.2, device='cpu') | kw
+    for k, stop in enumerate(stops):
+        m = init_random(ModelConfig.tiny(), k)
+        hist = train(m, data, stop=stop, state=st, **kw)
+        st.save(tmp_path / 'state.pt'); st = TrainState.load(tmp_path / 'state.pt')
+    return m, hist, st
+
+def test_train_in_pieces_equals_one_run(tmp_path):
+    """Pieces 0-3 (ends between evaluations), 3-4 (ends at one: the validation forwards' expert counts carry over),
+    4-6 give the weights and history of one run 0-6, exactly on the CPU"""
+    whole, hist, _ = _tiny_pieces([6], tmp_path)
+    part, hist_parts, st = _tiny_pieces([3, 4, 6], tmp_path)
+    assert {**hist_parts, 'seconds': None} == {**hist, 'seconds': None} and len(hist['val_loss']) == 3
+    assert st.step == 6 and all(torch.equal(v, whole.state_dict()[k]) for k, v in part.state_dict().items())
+
+def test_resume_refuses_other_settings(tmp_path):
+    "A piece that goes on with another schedule, batch, seed or model is refused, naming what differs"
+    from dsv41_nb.train import TrainState
+    _, _, st = _tiny_pieces([2], tmp_path)
+    data, m = _stream_data(), DenseBaseline(512, 32, 1, 2, 64)
+    kw = dict(steps=6, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, expert_dropout=0.2, device='cpu')
+    for change, msg in [(dict(lr=1e-3), 'lr = 0.001'), (dict(steps=8), 'steps = 8'), (dict(seed=1), 'seed = 1'),
+                        (dict(seq_len=32), 'seq_len = 32'), (dict(batch_size=4), 'batch_size = 4'),
+                        ({}, "the state's weights do not fit the model")]:
+        fct.test_fail(lambda: train(m, data, state=TrainState.load(tmp_path / 'state.pt'), **(kw | change)),
+                      contains=msg)
+
+def test_piece_bad_inputs(tmp_path):
+    from dsv41_nb.train import TrainState
+    data, m = _stream_data(), DenseBaseline(512, 32, 1, 2, 64)
+    kw = dict(steps=4, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, device='cpu')
+    torch.save({'weights': {}}, tmp_path / 'other.pt')
+    cases = [
+        (lambda: train(m, data, start=-1, **kw), 'start = -1'),
+        (lambda: train(m, data, start=2, **kw), 'start = 2 needs the TrainState'),
+        (lambda: train(m, data, start=2, state=TrainState(), **kw), 'the state stands at step 0'),
+        (lambda: train(m, data, stop=5, state=TrainState(), **kw), 'stop = 5 is beyond steps = 4'),
+        (lambda: train(m, data, stop=0, state=TrainState(), **kw), 'stop = 0'),
+        (lambda: train(m, data, stop=2, **kw), 'needs a TrainState to keep'),
+        (lambda: train(m, data, state={'step': 2}, **kw), 'state must be a TrainState, got dict'),
+        (lambda: TrainState.load(tmp_path / 'other.pt'), 'holds no TrainState'),
+        (lambda: TrainState.load(tmp_path / 'none.pt'), 'no file at'),
+    ]
+    for f, msg in cases: fct.test_fail(f, contains=msg)
+
+def _train_small(monkeypatch):
+    "tools/train_small.py as a module, its model the tiny config (the script's steps on the small one take minutes)"
+    import importlib.util
+    from dsv41_nb.config import ModelConfig
+    spec = importlib.util.spec_from_file_location('train_small', Path(__file__).parents[1] / 'tools/train_small.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, 'small_config', ModelConfig.tiny)
+    return mod
+
+def test_train_small_quick_in_pieces(monkeypatch, tmp_path):
+    """--quick --baseline in three pieces (inside the MoE's run, inside the baseline's, the rest) ends where one run
+    does; the record lists the pieces, the state files are gone; a resume with another setting is refused"""
+    from dsv41_nb.train import write_corpus
+    ts = _train_small(monkeypatch)
+    g = _gen(0)
+    words = ['def', 'return', 'the', 'list', 'of', 'keys', 'value', 'class', 'import', 'self']
+    docs = [' '.join(words[i] for i in torch.randint(0, 10, (60,), generator=g).tolist()) for _ in range(60)]
+    corpus = write_corpus(docs, tmp_path / 'corpus.json')
+    args = ['--quick', '--baseline', '--corpus', str(corpus)]
+    ts.main(args + ['--out', str(tmp_path / 'one')])
+    ts.main(args + ['--out', str(tmp_path / 'two'), '--until-step', '4'])
+    with pytest.raises(ts.SettingsMismatch, match='lr = 0.001 here'):
+        ts.main(args + ['--resume', str(tmp_path / 'two'), '--lr', '1e-3'])
+    ts.main(args + ['--resume', str(tmp_path / 'two'), '--until-step', '8'])
+    ts.main(args + ['--resume', str(tmp_path / 'two')])
+    one, two = (json.loads((tmp_path / d / 'training.json').read_text()) for d in ('one', 'two'))
+    for k in ('moe', 'dense'):
+        assert two['models'][k]['val_loss'] == one['models'][k]['val_loss']
+        assert {**two['models'][k]['history'], 'seconds': 0} == {**one['models'][k]['history'], 'seconds': 0}
+    assert [(p['start'], p['stop']) for p in two['pieces']] == [(0, 4), (4, 8), (8, 12)] and two['finished']
+    assert not list((tmp_path / 'two').glob('*.pt'))
