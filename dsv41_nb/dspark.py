@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_dspark.ipynb #e08b27d7
 from __future__ import annotations
-import math, time, itertools
+import dataclasses, itertools, json, math, time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -20,13 +20,16 @@ from .accounting import Hardware, decode_floor, active_params_per_token
 from .train import ExpertLoad, lr_at
 from .checkpoint import DRAFTER_NAME
 from .engine import register_speculative
+from .dispatch import machine_name
+from .scheduler import SamplingParams
 
 # %% auto #0
 __all__ = ['Drafter', 'window_positions', 'reference_draft', 'sample_tokens', 'Draft', 'reference_accept_greedy', 'accept_greedy',
            'reference_accept_sampled', 'accept_sampled', 'prefix_survival', 'expected_accepted', 'best_verify_length',
            'roofline_step_cost', 'choose_verify_lengths', 'brute_force_verify_lengths', 'DSparkProposer', 'SpecStats',
            'speculative_generate', 'greedy_training_data', 'drafter_anchors', 'drafter_loss', 'train_drafter',
-           'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov', 'dspark_proposer']
+           'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov', 'dspark_proposer',
+           'StepCostProfile', 'profile_drafts', 'ScriptedDrafts', 'profile_step_costs', 'load_step_costs']
 
 # %% ../nbs/14_dspark.ipynb #b37c1511
 class Drafter:
@@ -356,13 +359,15 @@ def roofline_step_cost(cfg: ModelConfig,  # the model (usually `full`)
 # %% ../nbs/14_dspark.ipynb #0122b584
 def choose_verify_lengths(
     a: torch.Tensor,  # (N, B) acceptance probabilities of every request's slots
-    step_cost,        # c(T): seconds of a step verifying T tokens in all, on an int64 tensor of T
+    # c(T): seconds of a step verifying T tokens in all, on an int64 tensor of T (or a profile)
+    step_cost,
 ) -> torch.Tensor:    # (N,) int64 drafts to verify per request
     ("Drafts per request maximising the step's expected tokens per second, "
      "(N + Σ E_r(k_r)) / c(N + Σ k_r)")
     require(a.ndim == 2,
             f"choose_verify_lengths: a must be (requests, block), got {tuple(a.shape)}")
     N, B = a.shape
+    if hasattr(step_cost, 'for_batch'): step_cost = step_cost.for_batch(N)   # a StepCostProfile
     S = prefix_survival(a).flatten().cpu()
     order = S.argsort(descending=True, stable=True)  # ties: earlier request, earlier slot
     gain = F.pad(S[order].cumsum(0), (1, 0)).double()  # (N*B + 1,) with the m best
@@ -405,8 +410,9 @@ class DSparkProposer:
         require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= drafter.block_size,
                 f"DSparkProposer: num_speculative_tokens = {k!r}; "
                 f"expected 1..{drafter.block_size} (the block size)")
-        require(not adaptive or callable(step_cost),
-                "DSparkProposer: adaptive verification needs a step_cost c(T), a callable")
+        require(not adaptive or callable(step_cost) or hasattr(step_cost, 'for_batch'),
+                "DSparkProposer: adaptive verification needs a step_cost: c(T), a callable, "
+                "or a StepCostProfile")
         require(isinstance(temperature, (int, float)) and temperature >= 0,
                 f"DSparkProposer: temperature = {temperature!r}; expected >= 0")
         self.drafter, self.num_speculative_tokens = drafter, k
@@ -722,3 +728,112 @@ def _dspark_method(eng, k: int) -> DSparkProposer:
     return dspark_proposer(eng.model, eng.args.drafter, k or None, max_model_len=eng.max_model_len)
 
 register_speculative('dspark', _dspark_method)
+
+# %% ../nbs/14_dspark.ipynb #7981dee9
+@dataclass
+class StepCostProfile:
+    "Seconds of an engine step by requests N and drafts verified in all m, measured on one machine"
+    sizes: tuple      # batch sizes profiled, ascending
+    drafts: tuple     # per size: the m profiled (0, 1, N, 2N, ...)
+    seconds: tuple    # per size: seconds of a step at each m
+    machine: str = ''  # where it was measured
+    def __post_init__(self): _check_profile(self)
+
+# %% ../nbs/14_dspark.ipynb #606d8e36
+def profile_drafts(N: int, block: int) -> list:
+    "The m a profile measures for N requests: 0 (decode), 1 (one draft), then k·N for k = 1..block"
+    check_int('profile_drafts', 'N', N, 1); check_int('profile_drafts', 'block', block, 1)
+    return sorted({0, 1, *(k * N for k in range(1, block + 1))})
+
+# %% ../nbs/14_dspark.ipynb #f80ab523
+def _check_profile(p: StepCostProfile):
+    sizes = [check_int('StepCostProfile', 'size', s, 1) for s in p.sizes]
+    require(len(sizes) > 0 and sizes == sorted(set(sizes)),
+            f"StepCostProfile: sizes {p.sizes} must be distinct and ascending")
+    require(len(p.drafts) == len(p.seconds) == len(sizes),
+            f"StepCostProfile: {len(sizes)} sizes but {len(p.drafts)} draft lists "
+            f"and {len(p.seconds)} second lists")
+    for n, m, s in zip(sizes, p.drafts, p.seconds):
+        require(len(m) == len(s) > 0 and list(m) == sorted(set(m)) and m[0] == 0,
+                f"StepCostProfile: size {n}: drafts {list(m)} (from 0, ascending) "
+                f"and seconds {list(s)} must pair up")
+        require(all(isinstance(x, (int, float)) and 0 < x < math.inf for x in s),
+                f"StepCostProfile: size {n}: seconds must be positive, got {list(s)}")
+
+# %% ../nbs/14_dspark.ipynb #b1d55aa8
+@patch
+def for_batch(self: StepCostProfile, N: int):
+    "c(T) for steps of N requests: T = N + m tokens, priced at the smallest profiled size >= N"
+    check_int('StepCostProfile.for_batch', 'N', N, 1)
+    i = next((j for j, s in enumerate(self.sizes) if s >= N), len(self.sizes) - 1)
+    m, s = np.asarray(self.drafts[i], dtype=np.float64), np.asarray(self.seconds[i])
+    def cost(T) -> torch.Tensor:
+        T = torch.as_tensor(T, dtype=torch.int64)
+        require(bool((T >= N).all()), f"step cost: T = {T.min().item()} < the {N} requests")
+        return torch.as_tensor(np.interp((T - N).double().numpy(), m, s))
+    return cost
+
+# %% ../nbs/14_dspark.ipynb #cd79a9ff
+class ScriptedDrafts:
+    "A stand-in proposer: k drafts (the last token repeated) for each of the first n requests"
+    def __init__(self, k: int, n: int | None = None):  # n None: every request
+        self.k = self.num_speculative_tokens = check_int('ScriptedDrafts', 'k', k, 1)
+        self.n = None if n is None else check_int('ScriptedDrafts', 'n', n, 0)
+    def propose(self, requests, **kw) -> list:
+        return [[int(r[-1])] * self.k if self.n is None or i < self.n else []
+                for i, r in enumerate(requests)]
+
+# %% ../nbs/14_dspark.ipynb #b5da0925
+def _time_steps(model, N, m, steps, prompt_len, device, **llm_kwargs) -> float:
+    "Mean seconds of an engine step of N requests verifying m drafts in all, after warming up"
+    from dsv41_nb.engine import LLM
+    prop = None if m == 0 else ScriptedDrafts(1, m) if m < N else ScriptedDrafts(m // N)
+    per = (m // N if m >= N else 1) + 1
+    llm = LLM(model, proposer=prop, max_num_seqs=N, enable_prefix_caching=False,
+              max_model_len=prompt_len + 2 * steps * per + 8, **llm_kwargs)
+    eng, g = llm.llm_engine, torch.Generator().manual_seed(N * 1000 + m)
+    sp = SamplingParams(temperature=0, max_tokens=2 * steps * per, ignore_eos=True)
+    for r in range(N):
+        eng.add_request(f'p{r}', torch.randint(1, 256, (prompt_len,), generator=g).tolist(), sp)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == 'cuda' else (lambda: None)
+    for _ in range(steps): eng.step()
+    sync(); t0 = time.perf_counter()
+    for _ in range(steps): eng.step()
+    sync(); return (time.perf_counter() - t0) / steps
+
+# %% ../nbs/14_dspark.ipynb #f8ce93ef
+def profile_step_costs(model: Transformer, # the target, on the device it serves on
+                       sizes: Sequence[int], # batch sizes to profile
+                       block: int, # most drafts per request
+                       steps: int = 8, # steps warmed up, then steps timed, per point
+                       prompt_len: int = 32, # each request's prompt
+                       **llm_kwargs) -> StepCostProfile: # more LLM arguments (kernels, ...)
+    "The engine's step costs at each size and `profile_drafts` point, measured here"
+    require(isinstance(model, Transformer),
+            f"profile_step_costs: expected a Transformer, got {type(model).__name__}", TypeError)
+    sizes = sorted({check_int('profile_step_costs', 'size', s, 1) for s in sizes})
+    check_int('profile_step_costs', 'steps', steps, 1)
+    device = model.embed.weight.device
+    drafts = [profile_drafts(N, block) for N in sizes]
+    secs = [[_time_steps(model, N, m, steps, prompt_len, device, **llm_kwargs) for m in ms]
+            for N, ms in zip(sizes, drafts)]
+    return StepCostProfile(tuple(sizes), tuple(map(tuple, drafts)), tuple(map(tuple, secs)),
+                           machine_name(device))
+
+# %% ../nbs/14_dspark.ipynb #46900072
+@patch
+def save(self: StepCostProfile, path) -> Path:
+    "Write the profile as JSON"
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+    return path
+
+# %% ../nbs/14_dspark.ipynb #0f37dad6
+def load_step_costs(path, machine: str | None = None) -> StepCostProfile | None:
+    "The profile stored at `path`; None if there is none or it was measured on another machine"
+    path = Path(path)
+    if not path.is_file(): return None
+    d = json.loads(path.read_text())
+    p = StepCostProfile(tuple(d['sizes']), tuple(map(tuple, d['drafts'])),
+                        tuple(map(tuple, d['seconds'])), d.get('machine', ''))
+    return p if machine is None or p.machine == machine else None

@@ -24,7 +24,8 @@ from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_position
                              prefix_survival, expected_accepted, best_verify_length, choose_verify_lengths,
                              brute_force_verify_lengths, roofline_step_cost, speculative_generate, greedy_training_data,
                              drafter_anchors, drafter_loss, train_drafter, drafter_state, save_drafter, load_drafter,
-                             set_successor_markov)
+                             set_successor_markov, StepCostProfile, profile_drafts, profile_step_costs,
+                             load_step_costs, ScriptedDrafts)
 
 TINY = ModelConfig.tiny()
 
@@ -328,6 +329,19 @@ BAD = [
     (lambda: drafter_anchors(1, 8, 4, 5), ValueError, 'hold no full block of 5'),
     (lambda: train_drafter(_drafter(), None, None, None, 0), ValueError, 'steps = 0'),
     (lambda: load_drafter(_drafter(), '/nonexistent/d.safetensors'), Exception, 'No such file'),
+    (lambda: StepCostProfile((2, 1), ((0,), (0,)), ((1.0,), (1.0,))), ValueError, 'must be distinct and ascending'),
+    (lambda: StepCostProfile((1,), ((0, 1),), ((1.0,),)), ValueError, 'must pair up'),
+    (lambda: StepCostProfile((1,), ((1, 2),), ((1.0, 2.0),)), ValueError, 'must pair up'),
+    (lambda: StepCostProfile((1,), ((0, 1),), ((1.0, -2.0),)), ValueError, 'seconds must be positive'),
+    (lambda: StepCostProfile((1, 2), ((0,),), ((1.0,),)), ValueError, '2 sizes but 1 draft lists'),
+    (lambda: StepCostProfile((1,), ((0,),), ((1.0,),)).for_batch(0), ValueError, 'N = 0'),
+    (lambda: StepCostProfile((4,), ((0, 4),), ((1.0, 2.0),)).for_batch(4)(torch.tensor([3])), ValueError,
+     'T = 3 < the 4 requests'),
+    (lambda: profile_drafts(3, 0), ValueError, 'block = 0'),
+    (lambda: profile_step_costs('model', (1,), 2), TypeError, 'expected a Transformer, got str'),
+    (lambda: profile_step_costs(_drafter().model, (0,), 2), ValueError, 'size = 0'),
+    (lambda: ScriptedDrafts(0), ValueError, 'k = 0'),
+    (lambda: DSparkProposer(_drafter(), adaptive=True, step_cost=3.0), ValueError, 'or a StepCostProfile'),
 ]
 
 
@@ -342,3 +356,49 @@ def test_load_drafter_rejects_another_config(tmp_path):
     from dataclasses import replace
     other = Drafter(init_random(replace(TINY, dspark_markov_rank=8), seed=0, max_seq_len=4096))
     fails_with(lambda: load_drafter(other, tmp_path / 'd.safetensors'), contains='does not fit this model')
+
+
+def test_a_profile_where_drafts_are_dear_never_speculates_and_one_where_they_are_free_always_does():
+    """Under an engine profile with the jump of a step that verifies any draft, adaptive verification chooses no
+    speculation even for drafts sure to be accepted (it cannot lose to speculation off); with drafts nearly free it
+    verifies them all; between the profiled points it is the brute-force optimum"""
+    dear = StepCostProfile((2, 8), ((0, 1, 2, 4), (0, 1, 8, 16)), ((1.0, 9.0, 9.5, 10.0), (2.0, 12.0, 13.0, 14.0)))
+    free = StepCostProfile((8,), ((0, 1, 8, 16),), ((1.0, 1.001, 1.01, 1.02),))
+    for n in (1, 2, 5, 8):
+        assert choose_verify_lengths(torch.ones(n, 2), dear).tolist() == [0] * n
+        assert choose_verify_lengths(torch.ones(n, 2), free).tolist() == [2] * n
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3):
+        for _ in range(10):
+            a = torch.rand(n, 2, generator=g) ** 0.2
+            for prof in (dear, free):
+                want = brute_force_verify_lengths(a, prof.for_batch(n)).tolist()
+                assert choose_verify_lengths(a, prof).tolist() == want
+    # sizes between and past the profiled ones take the smallest size at least as large (as graphs pad), else the last
+    assert dear.for_batch(3)(torch.tensor([3])).item() == 2.0
+    assert dear.for_batch(9)(torch.tensor([9, 10])).tolist() == [2.0, 12.0]
+
+
+def test_adaptive_under_a_dear_profile_serves_exactly_as_without_speculation(tmp_path):
+    "Through the engine: no draft is ever verified, and the greedy tokens are those of the engine without a proposer"
+    from dsv41_nb.engine import LLM
+    model = init_random(TINY, seed=3)
+    dear = StepCostProfile((4,), ((0, 1, 4, 8, 12, 16, 20),), ((1.0, 9.0, 9.2, 9.4, 9.6, 9.8, 10.0),))
+    prompts, sp = [list(range(40, 60)), [7] * 9, list(range(3, 30))], SamplingParams(temperature=0, max_tokens=8)
+    want = [o.outputs[0].token_ids for o in LLM(model, kernels='torch').generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(model, proposer=DSparkProposer(Drafter(model), adaptive=True, step_cost=dear), kernels='torch')
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+    assert llm.llm_engine.scheduler.stats['draft_tokens'] == 0
+
+
+def test_profile_measures_the_engine_and_round_trips(tmp_path):
+    """A profile of the tiny model's engine has every point, positive seconds, prices its own points exactly, and is
+    read back on the machine it was measured on only"""
+    prof = profile_step_costs(init_random(TINY, seed=1), (1, 3), 2, steps=1, prompt_len=6, kernels='torch')
+    assert prof.sizes == (1, 3) and prof.drafts == ((0, 1, 2), (0, 1, 3, 6))
+    assert all(s > 0 for row in prof.seconds for s in row)
+    assert prof.for_batch(3)(torch.tensor([3, 4, 6, 9])).tolist() == list(prof.seconds[1])
+    path = prof.save(tmp_path / 'costs.json')
+    assert load_step_costs(path, prof.machine) == prof and load_step_costs(path, 'elsewhere') is None
+    assert load_step_costs(tmp_path / 'none.json') is None
+    assert ScriptedDrafts(2, 1).propose([[5, 6], [7]]) == [[6, 6], []]

@@ -12,10 +12,11 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
 - 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16; CUDA graphs for its
   decode-only steps on a GPU) with `DSparkProposer`; the runner keeps the target's taps from its own step (eager or
   replayed) and hands them to the drafter. Steps with drafts run eagerly (the decode graphs hold one row a request).
-Adaptive verification uses a step-cost curve measured here: the target's forward over c sequences with k + 1 new rows,
-k = 0..5. A loop row runs once for 2 new tokens first (its shapes compiled), then timed; an engine row runs its whole
-decode twice on one engine (prefix caching off), the second timed, so that its graphs and every token count its steps
-meet are compiled before the clock starts. Each row reports tokens/s,
+Adaptive verification uses a step-cost curve measured here: in the loop, the target's forward over c sequences with
+k + 1 new rows, k = 0..5; in the engine, the engine's own steps (`profile_step_costs`: c requests verifying 0, 1, c, 2c,
+... 5c drafts in all; --costs stores it per machine). A loop row runs once for 2 new tokens first (its shapes
+compiled), then timed; an engine row runs its whole decode twice on one engine (prefix caching off), the second timed,
+so that its graphs and every token count its steps meet are compiled before the clock starts. Each row reports tokens/s,
 tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
 per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
 notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the machine and date; --json writes it.
@@ -36,7 +37,7 @@ from dsv41_nb.scheduler import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, load_drafter, speculative_generate, expected_accepted,
-                             choose_verify_lengths, roofline_step_cost)
+                             choose_verify_lengths, roofline_step_cost, profile_step_costs, load_step_costs)
 
 POLICIES = ('off', 'fixed 5', 'adaptive')
 
@@ -57,6 +58,21 @@ def measured_cost(model, c, length, block, device, reps=3):
         sync(device); T.append(c * (k + 1)); secs.append((time.perf_counter() - t0) / reps)
     cost = lambda t: torch.as_tensor(np.interp(np.asarray(t, dtype=np.float64), T, secs))
     return cost, dict(tokens=T, seconds=secs)
+
+
+def engine_costs(model, c, block, path, machine):
+    "The engine's step costs at c requests: read from `path` if measured here for that size, else profiled (and stored)"
+    if path and (p := load_step_costs(path, machine)) is not None and c in p.sizes:
+        i = p.sizes.index(c)
+        return type(p)((c,), (p.drafts[i],), (p.seconds[i],), p.machine)
+    p = profile_step_costs(model, (c,), block, steps=4)
+    if path:
+        old = load_step_costs(path, machine)
+        rows = {} if old is None else dict(zip(old.sizes, zip(old.drafts, old.seconds)))
+        rows[c] = (p.drafts[0], p.seconds[0])
+        s = sorted(rows)
+        type(p)(tuple(s), tuple(rows[n][0] for n in s), tuple(rows[n][1] for n in s), machine).save(path)
+    return p
 
 
 def proposer(drafter, policy, cost):
@@ -117,6 +133,8 @@ def main():
     ap.add_argument('--prompt-len', type=int, default=64)
     ap.add_argument('--paths', nargs='+', default=['loop', 'engine'], choices=['loop', 'engine'])
     ap.add_argument('--budget-minutes', type=float, default=6.0, help='skip the remaining rows after this long')
+    ap.add_argument('--costs', help="the engine's step-cost profile: read if measured on this machine, else "
+                                    "profiled and written (default: profiled each run, not stored)")
     ap.add_argument('--json', help='write the results here')
     ap.add_argument('--merge', action='store_true', help="keep the --json file's rows this run does not re-measure")
     ap.add_argument('--quick', action='store_true', help='concurrency 1 and 2, 8 new tokens, on the CPU')
@@ -148,17 +166,22 @@ def main():
     node = roofline_step_cost(ModelConfig.full(), HARDWARE['H200 (measured copy)'], 790e12)
     rows, costs, slots = [], {}, {}
     run_loop(model, drafter, prompts[:1], 4, 'fixed 5', None, device)                    # warm-up
+    profiles = {}
     for c in args.concurrency:
         cost, costs[c] = measured_cost(model, c, args.prompt_len + args.new_tokens // 2, drafter.block_size, device)
+        if 'engine' in args.paths:      # the engine's adaptive rows price steps with the engine's own costs
+            profiles[c] = engine_costs(engine_model, c, drafter.block_size, args.costs, machine)
+            costs[c]['engine'] = dict(drafts=profiles[c].drafts[0], seconds=profiles[c].seconds[0])
         for path in args.paths:
             for policy in POLICIES:
                 if time.perf_counter() - t_start > args.budget_minutes * 60:
                     rows.append(dict(path=path, concurrency=c, policy=policy, skipped='time budget')); continue
                 run, m, d = (run_loop, model, drafter) if path == 'loop' else (run_engine, engine_model, engine_drafter)
+                cost_here = profiles[c] if path == 'engine' else cost
                 try:
                     # warm-up: this level's shapes compiled (the engine warms up on its own, a whole run)
-                    if path == 'loop': run(m, d, prompts[:c], 2, policy, cost, device)
-                    r = run(m, d, prompts[:c], args.new_tokens, policy, cost, device)
+                    if path == 'loop': run(m, d, prompts[:c], 2, policy, cost_here, device)
+                    r = run(m, d, prompts[:c], args.new_tokens, policy, cost_here, device)
                 except Exception as e:                                             # report it and go on
                     rows.append(dict(path=path, concurrency=c, policy=policy, error=repr(e)[:300]))
                     print(f'  {path} c={c} {policy}: ERROR {e!r}'[:300], flush=True)
