@@ -737,9 +737,11 @@ def _loop(model, data, opt, load, distill, device, gen, val, steps, lr, warmup, 
                 raise FloatingPointError(f"train: the loss is {losses[bad].item()} at step "
                                          f"{step + 1 - len(losses) + bad}")
             t1 = time.perf_counter()
+            val_loss = evaluate(model, val, device)
+            load.counts = {}   # the bias rule learns from training tokens alone, not validation's
             row = dict(step=step + 1, tokens=(step + 1) * batch_size * seq_len,
                        seconds=t1 - t0 - t_eval, lr=lr_at(step, steps, lr, warmup),
-                       train_loss=train_loss, val_loss=evaluate(model, val, device),
+                       train_loss=train_loss, val_loss=val_loss,
                        max_violation=mean(vios), index_kl=mean(kls) if kls else 0.0)
             t_eval += time.perf_counter() - t1
             for k, v in row.items(): hist[k].append(v)

@@ -142,6 +142,19 @@ class _Routed(nn.Module):
         y = h + (w[..., None] * torch.einsum('tkd,tkde->tke', h[:, None].expand(-1, 2, -1), self.experts[idx])).sum(1)
         return self.head(y).view(*ids.shape, -1)
 
+def test_validation_text_does_not_move_the_router_biases():
+    """The bias rule learns from training tokens alone: the same run evaluated on other validation text (every step)
+    ends with the same biases and weights"""
+    a, b = _stream_data(seed=0), _stream_data(seed=0)
+    b = ByteData(a.train, torch.flip(b.val, (0,)) if len(b.val) else b.val, 256)
+    assert not torch.equal(a.val, b.val)
+    ends = []
+    for data in (a, b):
+        torch.manual_seed(0); m = _Routed()
+        train(m, data, steps=4, batch_size=2, seq_len=16, eval_every=1, eval_batches=1, gamma=0.01, device='cpu')
+        ends.append({n: p.detach().clone() for n, p in m.named_parameters()})
+    assert all(torch.equal(ends[0][n], ends[1][n]) for n in ends[0])
+
 def test_train_updates_router_bias_not_by_gradient():
     "The router bias changes by the rule (multiples of γ), is not in the optimizer, and the hooks are removed after"
     m, data = _Routed(), _stream_data()
