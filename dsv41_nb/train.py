@@ -222,10 +222,10 @@ def split_documents(docs: list[str],       # the corpus
 
 # %% ../nbs/11_train.ipynb #45d8cb5c
 def small_config() -> ModelConfig:
-    ("`tiny`'s layer map at four times its width, 16 experts per layer: "
+    ("`tiny`'s layer map at four times its width, 16 experts per layer of which a token visits 4: "
      "every structural feature, some twenty-five million parameters")
     return replace(ModelConfig.tiny(), dim=256, q_lora_rank=128, o_lora_rank=128,
-                   moe_inter_dim=128, n_routed_experts=16, n_activated_experts=2)
+                   moe_inter_dim=128, n_routed_experts=16, n_activated_experts=4)
 
 # %% ../nbs/11_train.ipynb #522a7a1d
 def trained_param_count(cfg: ModelConfig) -> int:
