@@ -118,7 +118,12 @@ def source_files(root=None, tests: bool = False) -> list[Path]:
     root = Path(root or sysconfig.get_paths()['stdlib'])
     skip = SKIP_SOURCE - TEST_DIRS if tests else SKIP_SOURCE
     if not root.is_dir(): raise FileNotFoundError(f"source_files: no directory {root}")
-    return sorted(f for f in root.rglob('*.py') if not skip & set(f.relative_to(root).parts))
+    files = sorted(f for f in root.rglob('*.py') if not skip & set(f.relative_to(root).parts))
+    if tests and not any(TEST_DIRS & set(f.relative_to(root).parts) for f in files):
+        # some Pythons ship without them: a silently smaller corpus would be another run
+        raise FileNotFoundError(f"source_files: tests=True, but {root} holds no test package; "
+                                "build the corpus where one is and read it from its file")
+    return files
 
 # %% ../nbs/11_train.ipynb #5cfd10e1
 def source_document(path: Path, root=None) -> str:

@@ -412,3 +412,13 @@ def test_train_small_quick_in_pieces(monkeypatch, tmp_path):
         assert {**two['models'][k]['history'], 'seconds': 0} == {**one['models'][k]['history'], 'seconds': 0}
     assert [(p['start'], p['stop']) for p in two['pieces']] == [(0, 4), (4, 8), (8, 12)] and two['finished']
     assert not list((tmp_path / 'two').glob('*.pt'))
+
+def test_source_files_with_tests_needs_a_test_package(tmp_path):
+    (tmp_path / 'json').mkdir(); (tmp_path / 'json' / 'a.py').write_text('x = 1\n')
+    (tmp_path / 'test').mkdir(); (tmp_path / 'test' / 'test_a.py').write_text('y = 2\n')
+    names = lambda fs: [f.relative_to(tmp_path).as_posix() for f in fs]
+    assert names(source_files(tmp_path)) == ['json/a.py']
+    assert names(source_files(tmp_path, tests=True)) == ['json/a.py', 'test/test_a.py']
+    (tmp_path / 'test' / 'test_a.py').unlink(); (tmp_path / 'test').rmdir()
+    # a Python without its test packages: refused, not a smaller corpus
+    fct.test_fail(lambda: source_files(tmp_path, tests=True), contains='holds no test package')
