@@ -118,8 +118,9 @@ def source_files(root=None, tests: bool = False) -> list[Path]:
     root = Path(root or sysconfig.get_paths()['stdlib'])
     skip = SKIP_SOURCE - TEST_DIRS if tests else SKIP_SOURCE
     if not root.is_dir(): raise FileNotFoundError(f"source_files: no directory {root}")
-    files = sorted(f for f in root.rglob('*.py') if not skip & set(f.relative_to(root).parts))
-    if tests and not any(TEST_DIRS & set(f.relative_to(root).parts) for f in files):
+    parts = {f: set(f.relative_to(root).parts) for f in root.rglob('*.py')}
+    files = sorted(f for f, p in parts.items() if not skip & p)
+    if tests and not any(TEST_DIRS & parts[f] for f in files):
         # some Pythons ship without them: a silently smaller corpus would be another run
         raise FileNotFoundError(f"source_files: tests=True, but {root} holds no test package; "
                                 "build the corpus where one is and read it from its file")
