@@ -78,13 +78,17 @@ def main():
     ap.add_argument('--gamma', type=float, default=1e-3, help='router-bias balancing speed of the drafter experts')
     ap.add_argument('--seed', type=int, default=0)
     ap.add_argument('--quick', action='store_true', help='a few steps on short sequences on the CPU: checks the script')
+    ap.add_argument('--cpu', action='store_true',
+                    help='train on the CPU (slow: the continuations alone take seconds a prompt; '
+                         'give fewer --prompts)')
     args = ap.parse_args()
-    device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
+    device = torch.device('cuda' if torch.cuda.is_available() and not (args.quick or args.cpu) else 'cpu')
     if args.quick:
         torch.set_num_threads(1)
         (args.prompts, args.val_prompts, args.prompt_len, args.new_tokens, args.steps,
          args.batch_size) = 4, 2, 16, 12, 3, 32
-    elif device.type == 'cpu': sys.exit('training the drafter needs a GPU (use --quick to check the script on a CPU)')
+    elif device.type == 'cpu' and not args.cpu:
+        sys.exit('training the drafter needs a GPU (--cpu to train on the CPU, --quick to check the script)')
     t_start, ckpt = time.perf_counter(), Path(args.checkpoint)
     if (ckpt / 'config.json').exists(): model, source = load_model(ckpt, device=device), str(ckpt)
     elif args.quick:
@@ -101,7 +105,7 @@ def main():
     train_docs, val_docs = split_documents(docs, seed=0)
     data = byte_data(train_docs, val_docs, ByteTokenizer(cfg))
     t0 = time.perf_counter()
-    chunk = 128 if device.type == 'cuda' else 4
+    chunk = 128 if device.type == 'cuda' else 4 if args.quick else 16
     seqs, hidden = continuations(model, windows(data, 'train', args.prompts, args.prompt_len, args.seed).to(device),
                                  args.new_tokens, chunk)
     vseqs, vhidden = continuations(model,
@@ -118,7 +122,7 @@ def main():
     if not args.quick:                                               # size the run: a few timed steps (they train too)
         t0 = time.perf_counter()
         train_drafter(drafter, hidden, seqs, anchors, 10, args.lr, args.batch_size, args.gamma, generator=g)
-        torch.cuda.synchronize()
+        if device.type == 'cuda': torch.cuda.synchronize()
         per_step = (time.perf_counter() - t0) / 10
         args.steps = max(10, min(args.steps, int(args.minutes * 60 / per_step)))
         print(f'{per_step * 1e3:.1f} ms per step: {args.steps:,} steps for {args.minutes:g} minutes')
@@ -142,7 +146,10 @@ def main():
     save_drafter(drafter, out_path, dict(source=source, steps=len(hist), machine=machine, date=date))
     print(f'drafter weights -> {out_path}')
     if args.write_checkpoint:
-        save_model(model, ckpt); print(f'checkpoint {ckpt} rewritten with the trained mtp.* tensors')
+        shards = [f.stat().st_size for f in ckpt.glob('model-*.safetensors')]
+        for f in ckpt.glob('model-*.safetensors'): f.unlink()      # the new shards replace them
+        save_model(model, ckpt, max(shards) if len(shards) > 1 else 4 << 30)   # shards as large as before
+        print(f'checkpoint {ckpt} rewritten with the trained mtp.* tensors')
     every = max(1, len(hist) // 50)
     record = dict(machine=machine, date=date, torch=torch.__version__, python=sys.version.split()[0], target=source,
                   settings={k: v for k, v in vars(args).items() if k not in ('json', 'out')}, generation_seconds=gen_s,
