@@ -422,3 +422,24 @@ def test_source_files_with_tests_needs_a_test_package(tmp_path):
     (tmp_path / 'test' / 'test_a.py').unlink(); (tmp_path / 'test').rmdir()
     # a Python without its test packages: refused, not a smaller corpus
     fct.test_fail(lambda: source_files(tmp_path, tests=True), contains='holds no test package')
+
+def test_train_dspark_quick_keeps_the_checkpoint_shards(monkeypatch, tmp_path):
+    """tools/train_dspark.py --write-checkpoint rewrites the checkpoint in shards of the size it had: the same
+    files, every one in the index, and the model loads"""
+    import importlib.util
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.model import init_random
+    from dsv41_nb.checkpoint import save_model, load_model
+    ck = tmp_path / 'ck'
+    save_model(init_random(ModelConfig.tiny(), seed=0, max_seq_len=4096), ck, 1 << 20)
+    before = sorted(f.name for f in ck.glob('model-*.safetensors'))
+    assert len(before) > 1
+    spec = importlib.util.spec_from_file_location('train_dspark', Path(__file__).parents[1] / 'tools/train_dspark.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, 'argv', ['train_dspark.py', '--quick', '--checkpoint', str(ck), '--write-checkpoint'])
+    mod.main()
+    after = sorted(f.name for f in ck.glob('model-*.safetensors'))
+    index = json.loads((ck / 'model.safetensors.index.json').read_text())
+    assert after == before and set(index['weight_map'].values()) == set(after)
+    assert (ck / 'dspark.safetensors').is_file()
+    load_model(ck)
