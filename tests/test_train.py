@@ -413,6 +413,16 @@ def test_train_small_quick_in_pieces(monkeypatch, tmp_path):
     assert [(p['start'], p['stop']) for p in two['pieces']] == [(0, 4), (4, 8), (8, 12)] and two['finished']
     assert not list((tmp_path / 'two').glob('*.pt'))
 
+def test_train_small_split_seed(monkeypatch):
+    """--split-seed names the held-out documents; a record from before it split by its --seed, and a resume of it
+    with another split is refused"""
+    ts = _train_small(monkeypatch)
+    ts.check_resume({'seed': 0}, {'seed': 0, 'split_seed': 0}, 'old')         # split by seed 0: the same
+    with pytest.raises(ts.SettingsMismatch, match='split_seed = 1 here'):
+        ts.check_resume({'seed': 0}, {'seed': 0, 'split_seed': 1}, 'old')
+    with pytest.raises(ts.SettingsMismatch, match='seed = 1 here'):
+        ts.check_resume({'seed': 0, 'split_seed': 0}, {'seed': 1, 'split_seed': 0}, 'new')
+
 def test_source_files_with_tests_needs_a_test_package(tmp_path):
     (tmp_path / 'json').mkdir(); (tmp_path / 'json' / 'a.py').write_text('x = 1\n')
     (tmp_path / 'test').mkdir(); (tmp_path / 'test' / 'test_a.py').write_text('y = 2\n')

@@ -5,7 +5,7 @@ The corpus is the Python documentation (11_train); the checkpoint goes out in th
 
     python tools/train_small.py --out checkpoints/small [--steps N | --minutes M] [--baseline] [--expert-dropout P]
                                 [--corpus FILE | --corpus-tests] [--write-corpus FILE] [--json PATH] [--quick]
-                                [--until-step K | --stop-after MINUTES] [--resume DIR]
+                                [--until-step K | --stop-after MINUTES] [--resume DIR] [--seed S] [--split-seed S]
 
 Both models see the same batches. Without --steps, a few timed steps of each model size the run so that the training
 takes about --minutes (default 4) in all; the measured tokens/s are printed first. Writes `config.json` and the
@@ -16,6 +16,9 @@ and a few greedy continuations. --quick: a handful of steps on short windows, on
 The corpus is this Python's (`load_corpus`); --corpus-tests adds the standard library's test packages, which some
 Pythons do not ship; --corpus FILE reads one `write_corpus` stored on another machine (.json, .json.gz, .json.xz);
 --write-corpus FILE stores the corpus this run would use there and exits (no GPU needed).
+
+--seed sets the initial weights and the batch order; --split-seed which documents are held out (and the prompts
+whose continuations are measured). Runs that differ in --seed alone give the run-to-run spread on one validation set.
 
 A run may be cut into pieces, each its own process (a GPU job may end before the run does): --until-step K or
 --stop-after MINUTES ends a piece early; it writes the checkpoint of a finished MoE model, each unfinished model's
@@ -35,7 +38,7 @@ from dsv41_nb.checkpoint import save_model
 
 PROMPTS = ('def ', 'The ', 'Return ')
 CHECKED = ('steps', 'batch_size', 'seq_len', 'lr', 'gamma', 'expert_dropout', 'eval_every', 'eval_batches', 'seed',
-           'baseline', 'corpus_sha256')     # a resumed run must have these as the run it goes on from
+           'split_seed', 'baseline', 'corpus_sha256')     # a resumed run must have these as the run it goes on from
 
 class SettingsMismatch(ValueError):
     "A resumed run whose settings are not those of the run it would go on from"
@@ -49,9 +52,10 @@ def corpus_sha256(data) -> str:
 def check_resume(record: dict, settings: dict, directory):
     "Refuse (`SettingsMismatch`) to go on from the run of `record` with other `settings`"
     for k in CHECKED:
-        if record.get(k) != settings.get(k):
+        old = record.get(k, record.get('seed')) if k == 'split_seed' else record.get(k)   # split by seed before
+        if old != settings.get(k):
             raise SettingsMismatch(f"--resume {directory}: {k} = {settings.get(k)!r} here, "
-                                   f"but the run there has {k} = {record.get(k)!r}")
+                                   f"but the run there has {k} = {old!r}")
 
 def seconds_per_step(make, data, batch_size, seq_len, device, steps=4):
     "Median seconds of one training step (forward, backward, AdamW) of a fresh model, after one warm-up step"
@@ -99,7 +103,10 @@ def main(argv=None):
                     help="p of `ExpertDropout`: each (token, expert) routing weight dropped in training")
     ap.add_argument('--eval-every', type=int, default=25)
     ap.add_argument('--eval-batches', type=int, default=4, help='validation batches per evaluation')
-    ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--seed', type=int, default=0, help='initial weights and batch order')
+    ap.add_argument('--split-seed', type=int, default=0,
+                    help='which documents are held out, and the held-out prompts (another --seed, same split: '
+                         'the run-to-run spread on one validation set)')
     ap.add_argument('--shard-mb', type=float, default=12,
                     help='largest checkpoint shard, MiB: the ~20 MB checkpoint as a few shards of a few MiB, '
                          'sharded as the public checkpoint is (and each file small enough to move alone)')
@@ -138,7 +145,7 @@ def main(argv=None):
     elif device.type == 'cpu':
         sys.exit('training the small model needs a GPU (use --quick to check the script on a CPU)')
     cfg = small_config()
-    train_docs, val_docs = split_documents(docs, seed=args.seed)
+    train_docs, val_docs = split_documents(docs, seed=args.split_seed)
     tok = ByteTokenizer(cfg)
     data = byte_data(train_docs, val_docs, tok)
     machine = machine_name(device)
@@ -161,7 +168,7 @@ def main(argv=None):
     record = dict(machine=machine, date=str(datetime.date.today()), torch=torch.__version__,
                   python=sys.version.split()[0], config='small_config()', steps=args.steps, batch_size=args.batch_size,
                   seq_len=args.seq_len, lr=args.lr, gamma=args.gamma,
-                  expert_dropout=args.expert_dropout, seed=args.seed, eval_every=args.eval_every,
+                  expert_dropout=args.expert_dropout, seed=args.seed, split_seed=args.split_seed, eval_every=args.eval_every,
                   eval_batches=args.eval_batches, baseline=args.baseline, corpus_sha256=sha,
                   fast_path=device.type == 'cuda',
                   corpus=dict(documents=len(docs), megabytes=sum(len(d.encode()) for d in docs) / 1e6,
@@ -185,7 +192,7 @@ def main(argv=None):
     piece = dict(start=start, stop=start, machine=machine, date=str(datetime.date.today()), seconds=0.0)
     record['pieces'].append(piece)
     final_batches = data.eval_batches(32 if not args.quick else 2, min(args.batch_size, 32), args.seq_len)
-    prompts, vocabulary = held_out_prompts(val_docs, args.prompts, 64, args.seed), corpus_words(train_docs)
+    prompts, vocabulary = held_out_prompts(val_docs, args.prompts, 64, args.split_seed), corpus_words(train_docs)
     record['quality_settings'] = dict(prompts=args.prompts, prompt_bytes=64, new_bytes=128 if not args.quick else 8,
                                       prompt_texts=[q.decode('utf-8', 'replace') for q in prompts],
                                       sampled=dict(temperature=0.8, top_p=0.95))
