@@ -325,7 +325,7 @@ def _serving_args(p: argparse.ArgumentParser):
                                      'beside the checkpoint)')
     p.add_argument('--async-scheduling', action='store_true',
                    help="plan and launch each step before the last one's tokens are back "
-                        "(default: off, as in EngineArgs; not with --speculative)")
+                        "(default: off, as in EngineArgs)")
     p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
     p.add_argument('--device', default='cpu', help='where the model runs (default: cpu)')
     p.add_argument('--threads', type=int, default=1,

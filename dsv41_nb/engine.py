@@ -296,6 +296,7 @@ class ModelRunner:
         self.fast = True
         self._random, self._masking = set(), set()  # not greedy; stop ids masked (min_tokens)
         self._sampled, self._sid = {}, 0  # step id -> its sampled ids on the device
+        self._drafts = {}  # request id -> drafts for its next step (async scheduling)
         # a proposer that reads the target's streams takes them from the step: request id ->
         # (first position after its kept rows, their taps)
         self.tap_model, self.contexts = tap_model(model, proposer), {}
@@ -601,6 +602,17 @@ def _hidden(self: ModelRunner, so: SchedulerOutput, sampled: dict, plan, lists) 
         out.append(h if end == n and len(h) >= min(n, self.proposer.tap_window) else None)
     return out
 
+# %% ../nbs/13_engine.ipynb #ffa05f0c
+@patch
+def _known(self: ModelRunner, rid: str, n: int) -> list:
+    ("A request's first `n` ids: the scheduler's, then the runner's newest (under async "
+     "scheduling the scheduler has not seen the last step's yet)")
+    toks, r = self.requests[rid].request.all_token_ids, self.buffers.row_of[rid]
+    if n - len(toks) > RING:
+        raise RuntimeError(f"request {rid!r}: the runner keeps its newest {RING} ids, but the "
+                           f"scheduler lags {n - len(toks)} behind")
+    return list(toks[:n]) + [int(self.buffers.ring[r, q % RING]) for q in range(len(toks), n)]
+
 # %% ../nbs/13_engine.ipynb #61bad4c6
 @patch
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -614,7 +626,7 @@ def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput(req_ids=so.req_ids, token_ids=self._sample_decode(logits, plan))
     sampled = ({sr.request_id: [] for sr in so.requests}
                | (self._sample(logits, plan) if plan else {}))
-    lists = [self.requests[r].request.all_token_ids + sampled[r] for r, *_ in plan]
+    lists = [self._known(r, keep) + sampled[r] for r, _, _, keep in plan]
     kw = {} if self.tap_model is None else {'hidden': self._hidden(so, sampled, plan, lists)}
     drafts = self.proposer.propose(lists, **kw) if self.proposer is not None and plan else []
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
@@ -631,9 +643,7 @@ class StepFuture:
 @patch
 def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
     "Launch one step and return without waiting: its sampled ids come back, and join the runner's, on `result()`"
-    if self.proposer is not None:
-        raise ValueError("execute_model_async: a proposer needs each step's tokens "
-                         "before the next step")
+    if self.proposer is not None: return self._speculative_async(so)
     self._forget(so)
     plan, logits = self._logits(so) if so.req_ids else ([], None)
     if not plan:
@@ -662,6 +672,43 @@ def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
         return ModelRunnerOutput({r: [] for r in so.req_ids}
                                  | {rid: [ids[o]] for rid, o, _, _ in plan}, {})
     return StepFuture(result)
+
+# %% ../nbs/13_engine.ipynb #cf5000cc
+@patch
+def _at_frontier(self: ModelRunner, so: SchedulerOutput) -> SchedulerOutput:
+    ("`so` with each request planned ahead of the runner (placeholder rows) moved to the "
+     "runner's frontier: its newest id, then the drafts proposed after it")
+    if not self.fast:
+        raise ValueError("speculation under async scheduling needs the runner's own slot "
+                         "mappings (fast=True)")
+    reqs, B = [], self.buffers
+    for sr in so.requests:
+        if sr.new or PLACEHOLDER not in sr.token_ids: reqs.append(sr); continue
+        r, d = B.row_of[sr.request_id], sr.num_draft_tokens
+        start, drafts = int(B.ntok[r]) - 1, list(self._drafts.get(sr.request_id, ()))[:d]
+        if not 0 <= sr.start - start <= RING:
+            raise RuntimeError(f"request {sr.request_id!r}: planned at {sr.start}, "
+                               f"but the runner's tokens end at {start}")
+        reqs.append(dataclasses.replace(sr, token_ids=[int(B.ring[r, start % RING])] + drafts,
+                                        start=start, num_draft_tokens=len(drafts)))
+    return SchedulerOutput(so.step, reqs, so.slot_mappings, so.decoder_rows,
+                           so.finished_req_ids, so.preempted_req_ids)
+
+# %% ../nbs/13_engine.ipynb #1aabaa08
+@patch
+def _speculative_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
+    "`execute_model_async` with a proposer: the step at the runner's frontier, run now"
+    if not isinstance(so, SchedulerOutput):
+        raise TypeError(f"execute_model_async: expected a SchedulerOutput, got {type(so).__name__}")
+    for rid in so.finished_req_ids | so.preempted_req_ids: self._drafts.pop(rid, None)
+    ran = self._at_frontier(so)
+    out = self.execute_model(ran)
+    for sr in ran.requests:
+        if sr.sample: self._drafts[sr.request_id] = list(out.draft_token_ids.get(sr.request_id, ()))
+    # no drafts back (the scheduler reserves its own rows); the drafts each request verified
+    done = ModelRunnerOutput(out.sampled_token_ids, {}, num_draft_tokens={
+        sr.request_id: sr.num_draft_tokens for sr in ran.requests if sr.sample})
+    return StepFuture(lambda: done)
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
@@ -736,10 +783,9 @@ class EngineArgs:
         if self.speculative is not None and not isinstance(self.speculative, str):
             raise TypeError(f"speculative = {self.speculative!r}; expected a method's name")
         k = check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
-        if (k or self.speculative) and self.async_scheduling:
-            what = (f"speculative = {self.speculative!r}" if self.speculative
-                    else "num_speculative_tokens > 0")
-            raise ValueError(f"async_scheduling with {what} is not supported here")
+        if self.async_scheduling and k >= RING:   # the rows a step is ahead of the runner's
+            raise ValueError(f"async_scheduling with num_speculative_tokens = {k}: at most "
+                             f"{RING - 1} (a runner row keeps its newest {RING} ids)")
 
 # %% ../nbs/13_engine.ipynb #93d2e5bb
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
@@ -846,8 +892,6 @@ def _proposer(self: LLMEngine, proposer) -> Proposer | None:
             and callable(getattr(proposer, 'propose', None))):
         raise TypeError(f"proposer: expected num_speculative_tokens and propose(token lists), "
                         f"got {type(proposer).__name__}")
-    if self.args.async_scheduling:
-        raise ValueError("a proposer needs synchronous scheduling (async_scheduling=False)")
     if k and k != proposer.num_speculative_tokens:
         raise ValueError(f"num_speculative_tokens = {k} "
                          f"but the proposer drafts {proposer.num_speculative_tokens}")

@@ -307,13 +307,17 @@ class ModelRunnerOutput:
                  draft_token_ids: dict | None = None,
                  # a decode step's answer as columns: one sampled id per request of `req_ids`
                  req_ids: list | None = None,
-                 token_ids: list | None = None):
+                 token_ids: list | None = None,
+                 # request id -> drafts verified, where fewer than the step planned (under async
+                 # scheduling the runner verifies the drafts it has)
+                 num_draft_tokens: dict | None = None):
         if sampled_token_ids is None and (req_ids is None or token_ids is None
                                           or len(req_ids) != len(token_ids)):
             raise ValueError("ModelRunnerOutput: expected sampled_token_ids, or req_ids and "
                              "token_ids of the same length")
         self._sampled, self.draft_token_ids = sampled_token_ids, draft_token_ids or {}
         self.req_ids, self.token_ids = req_ids, token_ids
+        self.num_draft_tokens = num_draft_tokens or {}
     @property
     def sampled_token_ids(self) -> dict: # request id -> sampled ids (built from the columns once)
         if self._sampled is None:
@@ -582,11 +586,13 @@ def _checked_tokens(self: Scheduler, sr: ScheduledRequest, mro: ModelRunnerOutpu
     if not sr.request.in_flight or sr.request.in_flight[0] != (step, sr.num_draft_tokens):
         raise ValueError(f"request {sr.request_id!r}: step {step} is not its oldest step in flight "
                          "(applied twice, or out of order)")
-    got = list(got)
-    if not 1 <= len(got) <= 1 + sr.num_draft_tokens:
+    got, d = list(got), mro.num_draft_tokens.get(sr.request_id, sr.num_draft_tokens)
+    if not (type(d) is int and 0 <= d <= sr.num_draft_tokens):
+        raise ValueError(f"request {sr.request_id!r}: {d!r} drafts verified "
+                         f"of the {sr.num_draft_tokens} planned")
+    if not 1 <= len(got) <= 1 + d:
         raise ValueError(f"request {sr.request_id!r}: {len(got)} sampled tokens "
-                         f"for 1 row + {sr.num_draft_tokens} drafts; "
-                         f"expected 1 to {1 + sr.num_draft_tokens}")
+                         f"for 1 row + {d} drafts; expected 1 to {1 + d}")
     drafts, V = list(mro.draft_token_ids.get(sr.request_id, ())), self.vocab_size
     # plain ints in range: the common case, checked cheaply
     for ids in (got, drafts):
@@ -634,6 +640,7 @@ def update_from_output(self: Scheduler,
         req, (_, d) = sr.request, sr.request.in_flight.popleft()
         # the accepted drafts' rows
         if req.status is RequestStatus.RUNNING: req.num_computed_tokens += len(toks) - 1
+        d = model_runner_output.num_draft_tokens.get(sr.request_id, d)   # those verified
         self.stats['draft_tokens'] += d; self.stats['accepted_tokens'] += len(toks) - 1
         new = []
         for t in toks:

@@ -22,7 +22,7 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs,
                              LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
                              NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, host_engine,
-                             host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers)
+                             host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers, RING)
 from dsv41_nb.paged_step import step_model as paged_step_model
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.serving import random_checkpoint, percentiles
@@ -72,12 +72,11 @@ BAD = [
     (lambda: LLM(MODEL, max_model_len=0), ValueError, 'max_model_len = 0; expected at least 1'),
     (lambda: LLM(MODEL, max_model_len=10**9), ValueError,
      'max_model_len = 1,000,000,000 is more than the model allows'),
-    (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=1), ValueError, 'not supported'),
+    (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=RING), ValueError,
+     f'async_scheduling with num_speculative_tokens = {RING}: at most {RING - 1}'),
     (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
     (lambda: LLM(MODEL, speculative='medusa'), ValueError, "speculative = 'medusa'; expected one of"),
     (lambda: LLM(MODEL, speculative=3), TypeError, "speculative = 3; expected a method's name"),
-    (lambda: LLM(MODEL, speculative='ngram', async_scheduling=True), ValueError,
-     "speculative = 'ngram' is not supported"),
     (lambda: LLM(MODEL, speculative='ngram', proposer=NgramProposer(2)), ValueError,
      'a proposer or speculative, not both'),
     (lambda: register_speculative('', print), ValueError, "name = ''"),
@@ -94,7 +93,7 @@ BAD = [
      'does not support CUDA graphs'),
     (lambda: ModelRunner(RecomputeModel(MODEL), _LLM.llm_engine.kv_cache_config,
                          proposer=NgramProposer(2)).execute_model_async(None),
-     ValueError, 'a proposer needs each step'),
+     TypeError, 'execute_model_async: expected a SchedulerOutput, got NoneType'),
     (lambda: ModelRunner(paged_step_model(MODEL, _LLM.llm_engine.kv_cache_config), _LLM.llm_engine.kv_cache_config,
                          proposer=SimpleNamespace(tap_layers=(1,), tap_window=0)), TypeError,
      'reads tap layers (1,) but its tap_window is 0'),
@@ -431,6 +430,42 @@ def test_async_execution_gives_the_synchronous_tokens(how):
     assert free_blocks(llm) == eng.kv_cache_config.num_usable_blocks or eng.args.enable_prefix_caching
     if how.startswith('graphs'): assert box['cg'].stats['replayed'] > 0
     if how == 'graphs-preempted': assert eng.scheduler.stats['preemptions'] > 0
+
+# ---------------------------------------------------------------- speculation under async scheduling
+@pytest.mark.parametrize('how', ['recompute-partly', 'recompute-wrong', 'paged-partly', 'paged-wrong',
+                                 'paged-preempted'])
+def test_async_speculation_gives_the_greedy_tokens(how):
+    """Async scheduling with drafts: the scheduler plans each step as if every draft in flight were accepted, the
+    runner moves the rows back to its own frontier; the tokens are plain greedy decoding's"""
+    runner, what = how.split('-')
+    kw = dict(EXACT, runner=runner, async_scheduling=True)
+    if what == 'preempted': kw.update(max_model_len=64, num_gpu_blocks=12, enable_prefix_caching=False)
+    kw['proposer'] = WrongDrafts() if what == 'wrong' else PartlyRightDrafts()
+    prompts, n = (PROMPTS[:2], 16) if what == 'partly' else (PROMPTS, N_OUT)
+    want = [f[len(p):] for f, p in zip(LONG, PROMPTS)] if n == 16 else EXPECTED
+    llm = LLM(MODEL, **kw)
+    got = outputs(llm, prompts, replace(GREEDY, max_tokens=n))
+    assert got == want if runner == 'recompute' else match(prompts, got, want)
+    eng = llm.llm_engine; st = eng.scheduler.stats
+    assert st['draft_tokens'] > 0 and not eng.has_unfinished_requests()
+    if what == 'partly': assert 0 < st['accepted_tokens'] < st['draft_tokens']
+    if what == 'preempted': assert st['preemptions'] > 0
+    assert free_blocks(llm) == eng.kv_cache_config.num_usable_blocks or eng.args.enable_prefix_caching
+
+def test_async_speculation_runs_the_drafts_it_has():
+    """A request whose proposer drafted fewer than the rows reserved runs only those: the runner's step has one row
+    plus the drafts, at the runner's frontier"""
+    llm = LLM(MODEL, **{**EXACT, 'runner': 'recompute'}, async_scheduling=True, proposer=PartlyRightDrafts())
+    eng, seen = llm.llm_engine, []
+    run = eng.runner.execute_model
+    eng.runner.execute_model = lambda so: (seen.append([(sr.start, sr.num_tokens, sr.num_draft_tokens)
+                                                        for sr in so.requests]), run(so))[1]
+    outputs(llm, PROMPTS[:1], replace(GREEDY, max_tokens=16))
+    decode = [s for step in seen for s in step if s[0] >= len(PROMPTS[0])]
+    assert decode and all(n == 1 + d and d <= 3 for _, n, d in decode)
+    # each step starts after the last one's row and the drafts it accepted
+    assert all(1 <= b[0] - a[0] <= 1 + a[2] for a, b in zip(decode, decode[1:]))
+    assert any(b[0] - a[0] > 1 for a, b in zip(decode, decode[1:]))        # some drafts accepted
 
 @use_kernels('torch')    # the mask is the model's, not a kernel's (the kernels are checked on their own)
 def test_a_decode_step_masks_image_tokens_on_the_device():

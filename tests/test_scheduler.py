@@ -30,9 +30,9 @@ def _sched():
     s.add_request('x', [1, 2, 3])
     return s
 
-def _update(sampled, drafts=None):
+def _update(sampled, drafts=None, verified=None):
     s = _sched()
-    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled, drafts or {}))
+    s.update_from_output(s.schedule(), ModelRunnerOutput(sampled, drafts or {}, num_draft_tokens=verified))
 
 def _applied_twice():
     s = _sched()
@@ -69,6 +69,8 @@ BAD = [
     (lambda: _update({}), ValueError, "no sampled tokens for request 'x'"),
     (lambda: _update({'x': []}), ValueError, '0 sampled tokens'),
     (lambda: _update({'x': [7]}, {'x': [999]}), ValueError, 'token id 999'),
+    (lambda: _update({'x': [7]}, verified={'x': 2}), ValueError, "request 'x': 2 drafts verified of the 0 planned"),
+    (lambda: _update({'x': [7]}, verified={'x': -1}), ValueError, '-1 drafts verified'),
     (lambda: _applied_twice(), ValueError, 'step 0 is not its oldest step in flight (applied twice, or out of order)'),
     (lambda: NgramProposer(2, 0), ValueError, 'prompt_lookup_min = 0'),
     (lambda: ToyRunner(tiny_cache(), 0), ValueError, 'vocab_size = 0'),
