@@ -283,14 +283,24 @@ def shard_plan(cfg: ModelConfig, shard_bytes: int) -> list[list[str]]:
 def shard_name(i: int, n: int) -> str:  # shard i (from 0) of n
     return f'model-{i + 1:05d}-of-{n:05d}.safetensors'
 
+# %% ../nbs/10a_checkpoint.ipynb #1743e1e6
+def _shard_files(d: Path) -> set:
+    "The weight files of a checkpoint in `d`: what its index names, and a single-file checkpoint"
+    out = {SINGLE_NAME} if (d / SINGLE_NAME).is_file() else set()
+    try: wm = json.loads((d / INDEX_NAME).read_text())['weight_map']
+    except (OSError, ValueError, KeyError, TypeError): return out      # no index, or not one
+    return out | {f for f in wm.values() if isinstance(f, str) and Path(f).name == f}
+
 # %% ../nbs/10a_checkpoint.ipynb #c8da67c9
 def save_state(state: dict, # master weights, named and shaped as `master_specs(cfg)`
                cfg: ModelConfig,
                directory, # created if missing
                shard_bytes: int = 4 << 30, # a shard closes before it would pass this many bytes
               ) -> Path:
-    "Write config.json, the safetensors shards and their index, quantising one shard at a time"
+    ("Write config.json, the safetensors shards and their index, quantising one shard at a time; "
+     "then remove the shards of a checkpoint saved there before that this one does not reuse")
     specs, scales = _check_state(state, cfg, 'save_state'), _specs(cfg)[1]
+    before = _shard_files(Path(directory))
     d, plan = save_config(cfg, directory).parent, shard_plan(cfg, shard_bytes)
     weight_map, total = {}, 0
     for i, names in enumerate(plan):
@@ -303,6 +313,7 @@ def save_state(state: dict, # master weights, named and shaped as `master_specs(
         total += sum(t.nbytes for t in tensors.values())
     index = {'metadata': {'total_size': total}, 'weight_map': weight_map}
     (d / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    for name in before - set(weight_map.values()): (d / name).unlink(missing_ok=True)
     return d
 
 # %% ../nbs/10a_checkpoint.ipynb #89ce4ea0

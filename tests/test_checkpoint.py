@@ -112,6 +112,25 @@ def test_config_files(tmp_path):
 @pytest.fixture(scope='module')
 def tiny_state(): return random_state(TINY, seed=3)
 
+def test_a_save_over_a_checkpoint_leaves_only_its_own_shards(tmp_path, tiny_state):
+    """Saved again with other shards (or over a single-file checkpoint, or over a broken index): the old weight files
+    go once the new index is written, the directory's other files stay, and the checkpoint loads"""
+    d = save_state(tiny_state, TINY, tmp_path, shard_bytes=100_000)
+    (d / 'dspark.safetensors').write_bytes(b'x'); (d / 'training.json').write_text('{}')
+    many = set(json.loads((d / INDEX_NAME).read_text())['weight_map'].values())
+    save_state(tiny_state, TINY, d, shard_bytes=1 << 30)
+    assert sorted(p.name for p in d.iterdir()) == [CONFIG_NAME, 'dspark.safetensors', shard_name(0, 1),
+                                                  INDEX_NAME, 'training.json'] and len(many) > 1
+    save_file({'w': torch.zeros(1)}, d / 'model.safetensors')               # an old single-file checkpoint
+    save_state(tiny_state, TINY, d, shard_bytes=100_000)
+    names = {p.name for p in d.iterdir()}
+    assert 'model.safetensors' not in names and shard_name(0, 1) not in names and many <= names
+    (d / INDEX_NAME).write_text('not json')                                  # a broken index: nothing removed
+    save_state(tiny_state, TINY, d, shard_bytes=100_000)
+    assert {p.name for p in d.iterdir()} == names
+    raw, want = load_state(d), quantize_state(tiny_state, TINY)
+    for k in want: same(raw[k], want[k])
+
 @pytest.mark.parametrize('shard_bytes', [1, 100_000, 1 << 30])
 def test_round_trip(tmp_path, tiny_state, shard_bytes):
     "save -> load_state is bit-identical to quantize_state; load_weights equals dequantize_state, for any sharding"

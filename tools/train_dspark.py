@@ -146,11 +146,9 @@ def main():
     save_drafter(drafter, out_path, dict(source=source, steps=len(hist), machine=machine, date=date))
     print(f'drafter weights -> {out_path}')
     if args.write_checkpoint:
-        old = {f.name: f.stat().st_size for f in ckpt.glob('model-*.safetensors')}
-        # shards as large as before (one shard: save_model's own limit); written before any old one goes
-        save_model(model, ckpt, *([max(old.values())] if len(old) > 1 else []))
-        kept = set(json.loads((ckpt / 'model.safetensors.index.json').read_text())['weight_map'].values())
-        for name in set(old) - kept: (ckpt / name).unlink()          # shards of the old layout
+        old = [f.stat().st_size for f in ckpt.glob('model-*.safetensors')]
+        # shards as large as before (one shard: save_model's own limit); save_model removes the old ones
+        save_model(model, ckpt, *([max(old)] if len(old) > 1 else []))
         print(f'checkpoint {ckpt} rewritten with the trained mtp.* tensors')
     every = max(1, len(hist) // 50)
     record = dict(machine=machine, date=date, torch=torch.__version__, python=sys.version.split()[0], target=source,
