@@ -6,7 +6,8 @@ arguments and one rank's share of the cores (fp32 GEMMs sum in a thread-dependen
 token for token. Scenarios: prompts of uneven lengths over both ranks with a small token budget (one rank prefills an
 encoder-only chunk of bounded replay while the other decodes), a rank with no requests at all (asynchronous
 scheduling), an abort on one rank, preemptions on one rank (a small pool), the reference path (`runner='recompute'`:
-one forward per sampling request, so the ranks make different numbers of forwards) and a replicated MoE. Then the
+one forward per sampling request, so the ranks make different numbers of forwards), n-gram drafts under
+asynchronous scheduling, and a replicated MoE. Then the
 front's balancing against a brute-force count, the launcher under torchrun in a subprocess, and one table of bad
 inputs."""
 import os, subprocess, sys
@@ -55,6 +56,9 @@ SCENARIOS = dict(
     recompute=(dict(BASE, runner='recompute'), (1, 2, 3),
                (MODEL, place([(1, 2), (3,)]), dict(BASE, runner='recompute'))),
     replicated=(BASE, (1, 3), (MODEL, place([(1,), (3,)]), BASE, False)),
+    async_spec=(dict(BASE, runner='recompute'), (1, 2, 3),
+                (MODEL, place([(1, 2), (3,)]),
+                 dict(BASE, runner='recompute', async_scheduling=True, num_speculative_tokens=3))),
 )
 
 
@@ -107,6 +111,12 @@ def test_a_rank_without_requests_keeps_stepping(ranks, want):
     assert r1['outputs'] == {} and r1['stats']['forwards'] == 0
     assert r1['stats']['dummy_forwards'] == r0['stats']['forwards'] > 0
     assert r0['stats']['dummy_forwards'] == 0 and r0['stats']['steps'] == r1['stats']['steps']
+
+
+def test_async_scheduling_with_drafts_on_both_ranks(ranks, want):
+    "n-gram drafts under async scheduling on each rank: the one-process engine's tokens without speculation"
+    assert tokens(ranks['async_spec']) == want['async_spec']
+    assert stats(ranks['async_spec'], 'steps')[0] == stats(ranks['async_spec'], 'steps')[1]
 
 
 def test_an_abort_on_one_rank_stalls_neither(ranks, want):
