@@ -452,10 +452,14 @@ def test_async_speculation_gives_the_greedy_tokens(how):
     if what == 'preempted': assert st['preemptions'] > 0
     assert free_blocks(llm) == eng.kv_cache_config.num_usable_blocks or eng.args.enable_prefix_caching
 
+class FewerDrafts(PartlyRightDrafts):
+    "PartlyRightDrafts cut to 0 to 3 drafts by the length of the request"
+    def propose(self, requests): return [d[:len(r) % 4] for d, r in zip(super().propose(requests), requests)]
+
 def test_async_speculation_runs_the_drafts_it_has():
     """A request whose proposer drafted fewer than the rows reserved runs only those: the runner's step has one row
-    plus the drafts, at the runner's frontier"""
-    llm = LLM(MODEL, **{**EXACT, 'runner': 'recompute'}, async_scheduling=True, proposer=PartlyRightDrafts())
+    plus the drafts, at the runner's frontier; the scheduler counts the drafts verified"""
+    llm = LLM(MODEL, **{**EXACT, 'runner': 'recompute'}, async_scheduling=True, proposer=FewerDrafts())
     eng, seen = llm.llm_engine, []
     run = eng.runner.execute_model
     eng.runner.execute_model = lambda so: (seen.append([(sr.start, sr.num_tokens, sr.num_draft_tokens)
@@ -466,6 +470,8 @@ def test_async_speculation_runs_the_drafts_it_has():
     # each step starts after the last one's row and the drafts it accepted
     assert all(1 <= b[0] - a[0] <= 1 + a[2] for a, b in zip(decode, decode[1:]))
     assert any(b[0] - a[0] > 1 for a, b in zip(decode, decode[1:]))        # some drafts accepted
+    assert any(d < 3 for *_, d in decode)                    # fewer than the 3 rows the scheduler reserved
+    assert eng.scheduler.stats['draft_tokens'] == sum(d for *_, d in decode)
 
 @use_kernels('torch')    # the mask is the model's, not a kernel's (the kernels are checked on their own)
 def test_a_decode_step_masks_image_tokens_on_the_device():
