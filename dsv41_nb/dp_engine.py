@@ -4,7 +4,7 @@
 
 # %% ../nbs/15a_dp_engine.ipynb #9b252cc0
 from __future__ import annotations
-import contextlib, copy, functools, itertools, json, os, sys, time
+import atexit, contextlib, copy, datetime, functools, itertools, json, os, sys, time
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,9 +32,9 @@ from .distributed import (_group, rank_device, run_ranks, local_experts, ep_moe_
 # %% auto #0
 __all__ = ['DUMMY_ID', 'TORCHRUN_VARS', 'RankEngram', 'EPPagedModel', 'step_forwards', 'dummy_batch', 'rank_step_model',
            'DPLLMEngine', 'collective_seconds', 'free_blocks', 'serve_rank', 'rank_model', 'dp_engine_job', 'DPFront',
-           'DPLLM', 'torchrun_env', 'is_torchrun', 'init_dp_group', 'run_dp', 'ngram_tokens', 'dp_generate',
-           'dp_bench_job', 'bench_row', 'project_world', 'dp_bench', 'control_group', 'core_stats', 'check_request',
-           'rank_turn', 'follow', 'DPServingEngine', 'dp_serving_job']
+           'DPLLM', 'torchrun_env', 'is_torchrun', 'leave_dp_group', 'init_dp_group', 'run_dp', 'ngram_tokens',
+           'dp_generate', 'dp_bench_job', 'bench_row', 'project_world', 'dp_bench', 'control_group', 'core_stats',
+           'check_request', 'rank_turn', 'follow', 'DPServingEngine', 'dp_serving_job']
 
 # %% ../nbs/15a_dp_engine.ipynb #53ca13ce
 class RankEngram(Engram):
@@ -447,6 +447,17 @@ def is_torchrun(environ=None) -> bool:
     "Was this process started by torchrun (RANK and WORLD_SIZE set)?"
     return torchrun_env(environ) is not None
 
+# %% ../nbs/15a_dp_engine.ipynb #ee1eb63f
+def leave_dp_group(timeout_s: float = 60.0):
+    "Wait (at most timeout_s, gloo) for the other ranks, then leave the process group"
+    if not timeout_s > 0: raise ValueError(f"leave_dp_group: timeout_s {timeout_s}; expected > 0")
+    if not dist.is_initialized(): return
+    if dist.get_backend() == 'gloo':
+        # a rank that died already makes this raise; leaving the group is still right
+        with contextlib.suppress(RuntimeError):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+    dist.destroy_process_group()
+
 # %% ../nbs/15a_dp_engine.ipynb #708d9979
 def init_dp_group(backend: str = 'gloo') -> torch.device:
     ("Join the process group torchrun describes (once), with rank r on GPU LOCAL_RANK under "
@@ -458,7 +469,9 @@ def init_dp_group(backend: str = 'gloo') -> torch.device:
     if backend not in ('gloo', 'nccl'):
         raise ValueError(f"init_dp_group: backend {backend!r}; expected 'gloo' or 'nccl'")
     if backend == 'nccl': torch.cuda.set_device(env['local_rank'])
-    if not dist.is_initialized(): dist.init_process_group(backend, init_method='env://')
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method='env://')
+        atexit.register(leave_dp_group)
     return rank_device()
 
 # %% ../nbs/15a_dp_engine.ipynb #9ed77990

@@ -24,7 +24,7 @@ __all__ = ['WEIGHT_FMTS', 'ByteTokenizer', 'master_dtype', 'Weight', 'Norm', 'st
            'mxfp4_qdq', 'Linear', 'DenseCompressor', 'DenseIndexer', 'Attention', 'Expert', 'Router', 'MoE',
            'DenseEngram', 'Block', 'DrafterBlock', 'Transformer', 'manifest_mismatches', 'init_value', 'init_module_',
            'init_random', 'DenseRun', 'index_scores', 'select_topk', 'candidate_pool_mask', 'dense_attention',
-           'sort_by_expert', 'layer_rms', 'streamed_layer_rms', 'generate_greedy']
+           'sort_by_expert', 'mhc_in', 'layer_rms', 'streamed_layer_rms', 'generate_greedy']
 
 # %% ../nbs/10_model.ipynb #50d0de5e
 class ByteTokenizer:
@@ -310,7 +310,8 @@ class Block(nn.Module):
         self.ffn_norm = Norm(cfg.dim, cfg.norm_eps, device)
         self.attn, self.ffn = Attention(cfg, layer, device), MoE(cfg, layer, device)
         self.engram = DenseEngram(cfg, layer, device) if layer in cfg.engram_layer_ids else None
-        self.hc_split = hc_split  # mHC's Sinkhorn split; training swaps in a compiled copy
+        # mHC on a sublayer's two sides (its entry, its residual update); training swaps in compiled copies
+        self.hc_in, self.hc_out = mhc_in, hc_post
 
 # %% ../nbs/10_model.ipynb #b69e4b30
 class DrafterBlock(Block):
@@ -712,14 +713,20 @@ def forward(self: DenseEngram, h: torch.Tensor, run: DenseRun) -> torch.Tensor:
     mask = None if run.image_mask is None else ~run.image_mask
     return engram_update(h, gate, value, mask)
 
+# %% ../nbs/10_model.ipynb #d85eb8b9
+def mhc_in(x, pre, fn, scale, base, norm_weight, n, iters, hc_eps, norm_eps) -> tuple:
+    ("mHC at a sublayer's entry, from copies x (T, n, dim) and input mix pre (T, n): "
+     "(the sublayer's normalised input (T, dim), the next input mix, post, comb)")
+    nxt, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, n, iters, hc_eps)
+    return _rms_norm(hc_pre(x, pre), norm_weight, norm_eps), nxt, post, comb
+
 # %% ../nbs/10_model.ipynb #3dc2b12e
 @patch
 def coefficients(self: Block, x: torch.Tensor, sub: str) -> tuple:
     "(pre, post, comb) of sublayer `sub` ('attn' or 'ffn') predicted from the copies x (T, hc, dim)"
     c = self.cfg
     fn, scale, base = (getattr(self, f'hc_{sub}_{p}') for p in ('fn', 'scale', 'base'))
-    return self.hc_split(hc_mixes(x, fn, c.norm_eps), scale, base,
-                    c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
+    return hc_split(hc_mixes(x, fn, c.norm_eps), scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
 
 # %% ../nbs/10_model.ipynb #6aba4e39
 @patch
@@ -728,11 +735,13 @@ def forward(self: Block, h: torch.Tensor, pre: torch.Tensor, run: DenseRun) -> t
      "from copies h and mix pre")
     B, S, n, d = h.shape
     x, pre = h.flatten(0, 1), pre.flatten(0, 1)                     # (T, hc, dim), (T, hc)
+    c = self.cfg
     for sub, norm, layer in (('attn', self.attn_norm, self.attn), ('ffn', self.ffn_norm, self.ffn)):
-        nxt, post, comb = self.coefficients(x, sub)
-        y = _rms_norm(hc_pre(x, pre), norm.weight, self.cfg.norm_eps)                   # (T, dim)
+        fn, scale, base = (getattr(self, f'hc_{sub}_{p}') for p in ('fn', 'scale', 'base'))
+        y, nxt, post, comb = self.hc_in(x, pre, fn, scale, base, norm.weight, c.hc_mult,
+                                        c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)    # y: (T, dim)
         f = layer(y.view(B, S, d), run).flatten(0, 1)
-        x, pre = hc_post(f, x, post, comb), nxt
+        x, pre = self.hc_out(f, x, post, comb), nxt
     return x.view(B, S, n, d), pre.view(B, S, n)
 
 # %% ../nbs/10_model.ipynb #e8e035ed

@@ -15,8 +15,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, layer_topology
 from .accounting import checkpoint_manifest
 from .compressor import rope_inv_freq, rope_cos_sin, apply_rope
-from .model import index_scores, MoE, Block
-from .mhc import hc_split
+from .model import index_scores, MoE, Block, mhc_in
+from .mhc import hc_post
 
 # %% auto #0
 __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'TEST_DIRS', 'CORPUS_VERSION', 'stdlib_modules', 'module_documents', 'source_files',
@@ -25,7 +25,7 @@ __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'TEST_DIRS', 'CORPUS_VERSION', 'stdlib
            'DenseBlock', 'DenseBaseline', 'dense_param_count', 'lr_at', 'balance_router_bias', 'max_violation',
            'routers', 'ModuleHooks', 'ExpertLoad', 'ExpertDropout', 'attention_mass', 'indexer_log_probs', 'indexer_kl',
            'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train', 'TrainState',
-           'compiled_hc_split', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
+           'compiled', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
            'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
@@ -864,15 +864,15 @@ def _capture(state: TrainState, stop, settings, model, opt, gen, load, hist, pen
 _compiled = {}
 
 # %% ../nbs/11_train.ipynb #3ee682b8
-def compiled_hc_split():
-    "`hc_split` compiled by `torch.compile` (once per process)"
-    if 'hc_split' not in _compiled: _compiled['hc_split'] = torch.compile(hc_split)
-    return _compiled['hc_split']
+def compiled(fn):
+    "`fn` compiled by `torch.compile`, once per process"
+    if fn not in _compiled: _compiled[fn] = torch.compile(fn)
+    return _compiled[fn]
 
 # %% ../nbs/11_train.ipynb #763ce0a0
 @contextlib.contextmanager
 def fast_path(model: nn.Module,  # a `Transformer` (other models pass through unchanged)
-              compile: bool = True,  # compile mHC's `hc_split` (the GPU's path; slow to build on a CPU)
+              compile: bool = True,  # compile mHC's two sides (the GPU's path; slow to build on a CPU)
              ):
     "Inside the block: `model`'s routed experts as grouped matmuls and, with `compile`, mHC compiled"
     if not isinstance(model, nn.Module):
@@ -881,11 +881,11 @@ def fast_path(model: nn.Module,  # a `Transformer` (other models pass through un
     blocks = [b for b in model.modules() if isinstance(b, Block)]
     for m in moes: m.grouped = True
     if compile:
-        for b in blocks: b.hc_split = compiled_hc_split()
+        for b in blocks: b.hc_in, b.hc_out = compiled(mhc_in), compiled(hc_post)
     try: yield model
     finally:
         for m in moes: m.grouped = False
-        for b in blocks: b.hc_split = hc_split
+        for b in blocks: b.hc_in, b.hc_out = mhc_in, hc_post
 
 # %% ../nbs/11_train.ipynb #37a5b988
 def held_out_prompts(val_docs: list[str], n: int = 20, length: int = 64,

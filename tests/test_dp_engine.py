@@ -244,6 +244,21 @@ def test_torchrun_generate_and_bench(tmp_path):
     assert '3 requests, 9 tokens' in lines[1] and 'all-to-all' in lines[1]
 
 
+def test_init_dp_group_leaves_at_exit(monkeypatch):
+    "A process torchrun started joins the group once, registers leave_dp_group for exit; leaving destroys the group"
+    import atexit, torch.distributed as dist
+    monkeypatch.setattr(os, 'environ', {**os.environ, **ENV, 'WORLD_SIZE': '1', 'MASTER_ADDR': '127.0.0.1',
+                                        'MASTER_PORT': str(free_port())})
+    registered = []
+    monkeypatch.setattr(atexit, 'register', registered.append)
+    assert de.init_dp_group() == torch.device('cpu') and dist.is_initialized()
+    de.init_dp_group()
+    assert registered == [de.leave_dp_group]
+    de.leave_dp_group(timeout_s=5)
+    assert not dist.is_initialized()
+    de.leave_dp_group()
+
+
 # ---------------------------------------------------------------- bad input, one table for the module
 ENV = dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0', MASTER_ADDR='h', MASTER_PORT='1')
 _LLM2 = de.DPLLM(MODEL, data_parallel_size=2, **BASE)
@@ -284,6 +299,7 @@ BAD = [
     (lambda: de.torchrun_env({**ENV, 'WORLD_SIZE': 'two'}), ValueError, 'expected integers'),
     (lambda: de.torchrun_env({**ENV, 'RANK': '-1'}), ValueError, 'RANK -1 outside 0..1'),
     (lambda: de.init_dp_group(), RuntimeError, 'was not started by torchrun'),
+    (lambda: de.leave_dp_group(0), ValueError, 'leave_dp_group: timeout_s 0; expected > 0'),
     (lambda: de.project_world(0, 0.1, TINY, 1), ValueError, 'per_rank_tokens_per_s = 0'),
     (lambda: de.project_world(5.0, -0.1, TINY, 1), ValueError, 'a2a_share = -0.1'),
     (lambda: de.project_world(5.0, 0.1, TINY, 0), ValueError, 'batch = 0'),
