@@ -35,6 +35,8 @@ from dsv41_nb.train import (load_corpus, read_corpus, write_corpus, split_docume
                             held_out_prompts, corpus_words, text_quality, TrainState)
 from dsv41_nb.model import ByteTokenizer, init_random
 from dsv41_nb.checkpoint import save_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 
 PROMPTS = ('def ', 'The ', 'Return ')
 CHECKED = ('steps', 'batch_size', 'seq_len', 'lr', 'gamma', 'expert_dropout', 'eval_every', 'eval_batches', 'seed',
@@ -190,7 +192,8 @@ def main(argv=None):
     if args.until_step is not None and not start < args.until_step <= total:
         sys.exit(f'--until-step {args.until_step}: this piece starts at step {start}; the run has {total}')
     until = total if args.until_step is None else args.until_step
-    piece = dict(start=start, stop=start, machine=machine, date=str(datetime.date.today()), seconds=0.0)
+    piece = dict(start=start, stop=start, machine=machine, date=str(datetime.date.today()), commit=git_commit(),
+                 seconds=0.0)
     record['pieces'].append(piece)
     final_batches = data.eval_batches(32 if not args.quick else 2, min(args.batch_size, 32), args.seq_len)
     prompts, vocabulary = held_out_prompts(val_docs, args.prompts, 64, args.split_seed), corpus_words(train_docs)
