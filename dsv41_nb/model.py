@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from fastcore.basics import patch
-from .config import ModelConfig, expect_config, check_int, layer_topology
+from .config import ModelConfig, expect_config, check_int, layer_topology, require
 from .formats import quantize_fp4, dequantize_fp4
 from .accounting import checkpoint_manifest
 from .compressor import RMSNorm, layer_inv_freq, rope_cos_sin, apply_rope, pool_group
@@ -718,6 +718,8 @@ def mhc_in(x, pre, fn, scale, base, norm_weight, n, iters, hc_eps, norm_eps) -> 
     ("mHC at a sublayer's entry, from copies x (T, n, dim) and input mix pre (T, n): "
      "(the sublayer's normalised input (T, dim), the next input mix, post, comb)")
     nxt, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, n, iters, hc_eps)
+    require(tuple(norm_weight.shape) == (x.shape[-1],),
+            f"norm_weight: expected shape ({x.shape[-1]},), got {tuple(norm_weight.shape)}")
     return _rms_norm(hc_pre(x, pre), norm_weight, norm_eps), nxt, post, comb
 
 # %% ../nbs/10_model.ipynb #3dc2b12e

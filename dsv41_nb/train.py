@@ -866,6 +866,7 @@ _compiled = {}
 # %% ../nbs/11_train.ipynb #3ee682b8
 def compiled(fn):
     "`fn` compiled by `torch.compile`, once per process"
+    if not callable(fn): raise TypeError(f"compiled: expected a function, got {type(fn).__name__}")
     if fn not in _compiled: _compiled[fn] = torch.compile(fn)
     return _compiled[fn]
 

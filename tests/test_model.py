@@ -13,7 +13,7 @@ from dsv41_nb.accounting import checkpoint_manifest
 from dsv41_nb.indexer import topk_reference, candidate_pool_reference, sparse_topk_reference
 from dsv41_nb.model import (sort_by_expert, ByteTokenizer, Transformer, init_random, generate_greedy,
                             manifest_mismatches, master_dtype, select_topk, candidate_pool_mask,
-                            layer_rms, streamed_layer_rms, mxfp4_qdq, weight_qdq, Linear)
+                            layer_rms, streamed_layer_rms, mxfp4_qdq, weight_qdq, Linear, mhc_in)
 
 TINY, BENCH = ModelConfig.tiny(), ModelConfig.bench()
 
@@ -216,6 +216,15 @@ def test_engram_map_fits_and_merges_case():
         assert len(set(m[[tok.BOS, tok.EOS, tok.PAD, cfg.image_token_id, cfg.dspark_noise_token_id]].tolist())) == 5
 
 
+
+def _mhc_args(**kw):
+    "Arguments of mhc_in for 4 tokens of the tiny config (block 0's parameters' shapes), some replaced"
+    n, d = TINY.hc_mult, TINY.dim
+    a = dict(x=torch.zeros(4, n, d), pre=torch.zeros(4, n), fn=torch.zeros((2 + n) * n, n * d),
+             scale=torch.ones(3), base=torch.zeros((2 + n) * n), norm_weight=torch.ones(d), n=n,
+             iters=TINY.hc_sinkhorn_iters, hc_eps=TINY.hc_eps, norm_eps=TINY.norm_eps) | kw
+    return tuple(a.values())
+
 # ---------------------------------------------------------------- bad inputs
 def test_bad_inputs(model):
     from dataclasses import replace
@@ -245,6 +254,9 @@ def test_bad_inputs(model):
         (lambda: ByteTokenizer(TINY).decode([1.0]), 'id 1.0 is not a token id'),
         (lambda: master_dtype('int4'), "'int4' is not a checkpoint dtype"),
         (lambda: Linear(8, 8, 'e5m2'), "fmt 'e5m2'"),
+        (lambda: mhc_in(torch.zeros(4, TINY.dim), *_mhc_args()[1:]), 'x: expected streams (T, n, dim)'),
+        (lambda: mhc_in(*_mhc_args(pre=torch.zeros(4, 3))), 'pre: expected shape (4, 4)'),
+        (lambda: mhc_in(*_mhc_args(norm_weight=torch.ones(3))), f'norm_weight: expected shape ({TINY.dim},)'),
     ]
     for f, msg in BAD: fct.test_fail(f, contains=msg)
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
-                            module_documents, byte_data, lm_loss,
+                            module_documents, byte_data, lm_loss, compiled,
                             trained_param_count, DenseBaseline, dense_param_count, lr_at, balance_router_bias,
                             max_violation, ExpertLoad, ExpertDropout, evaluate, train, fast_path, source_files,
                             held_out_prompts, sample_next, continue_prompts, distinct_4grams, known_words,
@@ -225,6 +225,7 @@ def test_bad_inputs():
          'must match inputs'),
         (lambda: train(m, data, steps=2, fast='yes'), "fast = 'yes'"),
         (lambda: fast_path('model').__enter__(), 'expected an nn.Module'),
+        (lambda: compiled('hc_post'), 'compiled: expected a function, got str'),
         (lambda: source_files('/no/such/folder'), 'no directory /no/such/folder'),
         (lambda: held_out_prompts(['some text'] * 3, n=0), 'n'),
         (lambda: held_out_prompts(['short'] * 3, n=2, length=64), 'no document is longer than 128 bytes'),
