@@ -22,9 +22,9 @@ from .engram import compressed_token_map, NgramHasher, engram_gate, engram_updat
 # %% auto #0
 __all__ = ['WEIGHT_FMTS', 'ByteTokenizer', 'master_dtype', 'Weight', 'Norm', 'ste', 'act_qdq', 'weight_qdq', 'ds_fp4_qdq',
            'mxfp4_qdq', 'Linear', 'DenseCompressor', 'DenseIndexer', 'Attention', 'Expert', 'Router', 'MoE',
-           'DenseEngram', 'Block', 'DrafterBlock', 'Transformer', 'manifest_mismatches', 'init_value', 'init_module_',
-           'init_random', 'DenseRun', 'index_scores', 'select_topk', 'candidate_pool_mask', 'dense_attention',
-           'sort_by_expert', 'mhc_in', 'layer_rms', 'streamed_layer_rms', 'generate_greedy']
+           'DenseEngram', 'mhc_in', 'Block', 'DrafterBlock', 'Transformer', 'manifest_mismatches', 'init_value',
+           'init_module_', 'init_random', 'DenseRun', 'index_scores', 'select_topk', 'candidate_pool_mask',
+           'dense_attention', 'sort_by_expert', 'layer_rms', 'streamed_layer_rms', 'generate_greedy']
 
 # %% ../nbs/10_model.ipynb #50d0de5e
 class ByteTokenizer:
@@ -294,6 +294,15 @@ class DenseEngram(nn.Module):
         self.q_weight, self.k_weight = (
             nn.Parameter(torch.empty(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16, device=device))
             for _ in range(2))
+
+# %% ../nbs/10_model.ipynb #d85eb8b9
+def mhc_in(x, pre, fn, scale, base, norm_weight, n, iters, hc_eps, norm_eps) -> tuple:
+    ("mHC at a sublayer's entry, from copies x (T, n, dim) and input mix pre (T, n): "
+     "(the sublayer's normalised input (T, dim), the next input mix, post, comb)")
+    nxt, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, n, iters, hc_eps)
+    require(tuple(norm_weight.shape) == (x.shape[-1],),
+            f"norm_weight: expected shape ({x.shape[-1]},), got {tuple(norm_weight.shape)}")
+    return _rms_norm(hc_pre(x, pre), norm_weight, norm_eps), nxt, post, comb
 
 # %% ../nbs/10_model.ipynb #d2033472
 class Block(nn.Module):
@@ -712,15 +721,6 @@ def forward(self: DenseEngram, h: torch.Tensor, run: DenseRun) -> torch.Tensor:
                        self.q_weight, self.k_weight, self.eps)
     mask = None if run.image_mask is None else ~run.image_mask
     return engram_update(h, gate, value, mask)
-
-# %% ../nbs/10_model.ipynb #d85eb8b9
-def mhc_in(x, pre, fn, scale, base, norm_weight, n, iters, hc_eps, norm_eps) -> tuple:
-    ("mHC at a sublayer's entry, from copies x (T, n, dim) and input mix pre (T, n): "
-     "(the sublayer's normalised input (T, dim), the next input mix, post, comb)")
-    nxt, post, comb = hc_split(hc_mixes(x, fn, norm_eps), scale, base, n, iters, hc_eps)
-    require(tuple(norm_weight.shape) == (x.shape[-1],),
-            f"norm_weight: expected shape ({x.shape[-1]},), got {tuple(norm_weight.shape)}")
-    return _rms_norm(hc_pre(x, pre), norm_weight, norm_eps), nxt, post, comb
 
 # %% ../nbs/10_model.ipynb #3dc2b12e
 @patch
