@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
-                            module_documents, byte_data, lm_loss, compiled,
+                            module_documents, byte_data, lm_loss, compiled, interval_rates,
                             trained_param_count, DenseBaseline, dense_param_count, lr_at, balance_router_bias,
                             max_violation, ExpertLoad, ExpertDropout, evaluate, train, fast_path, source_files,
                             held_out_prompts, sample_next, continue_prompts, distinct_4grams, known_words,
@@ -226,6 +226,8 @@ def test_bad_inputs():
         (lambda: train(m, data, steps=2, fast='yes'), "fast = 'yes'"),
         (lambda: fast_path('model').__enter__(), 'expected an nn.Module'),
         (lambda: compiled('hc_post'), 'compiled: expected a function, got str'),
+        (lambda: interval_rates([1, 2]), 'interval_rates: expected a train history'),
+        (lambda: interval_rates(dict(tokens=[0, 5], seconds=[0.0])), '2 token counts but 1 times'),
         (lambda: source_files('/no/such/folder'), 'no directory /no/such/folder'),
         (lambda: held_out_prompts(['some text'] * 3, n=0), 'n'),
         (lambda: held_out_prompts(['short'] * 3, n=2, length=64), 'no document is longer than 128 bytes'),
@@ -332,6 +334,11 @@ def test_fast_path_matches_the_reference_and_restores():
         else: assert g.eq(0).all(), n        # an expert no token chose
     assert not any(mod.grouped for mod in m.modules() if isinstance(mod, MoE))
     assert all(b.hc_in is mhc_in and b.hc_out is hc_post for b in m.modules() if isinstance(b, Block))
+
+def test_interval_rates():
+    "Tokens over seconds between consecutive evaluations; one evaluation gives none"
+    assert interval_rates(dict(tokens=[100, 300, 600], seconds=[1.0, 2.0, 4.0])) == [200.0, 150.0]
+    assert interval_rates(dict(tokens=[100], seconds=[1.0])) == []
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get('DSV41_SLOW')),
                     reason='compiling takes some forty seconds on a CPU: on a GPU or with DSV41_SLOW=1')

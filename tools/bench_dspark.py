@@ -75,6 +75,15 @@ def engine_costs(model, c, block, path, machine):
     return p
 
 
+def held_out_windows(cfg, n, length):
+    "n windows of `length` ids from the held-out documents of the training corpus (seeded): the benchmark's prompts"
+    docs = load_corpus()
+    _, val_docs = split_documents(docs, seed=0)
+    data = byte_data(docs[:1], val_docs, ByteTokenizer(cfg))
+    starts = torch.randint(0, len(data.val) - length, (n,), generator=torch.Generator().manual_seed(1))
+    return data.windows('val', starts, length)[0].tolist()
+
+
 def proposer(drafter, policy, cost):
     if policy == 'off': return None
     return DSparkProposer(drafter, 5, adaptive=policy == 'adaptive', step_cost=cost)
@@ -157,12 +166,7 @@ def main():
     machine, date = machine_name(device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
     print(f'{machine}  {date}  torch {torch.__version__}  target {source}, drafter {dpath if trained else "untrained"}')
 
-    docs = load_corpus()
-    _, val_docs = split_documents(docs, seed=0)
-    data = byte_data(docs[:1], val_docs, ByteTokenizer(model.cfg))
-    starts = torch.randint(0, len(data.val) - args.prompt_len, (max(args.concurrency),),
-                           generator=torch.Generator().manual_seed(1))
-    prompts = data.windows('val', starts, args.prompt_len)[0].tolist()
+    prompts = held_out_windows(model.cfg, max(args.concurrency), args.prompt_len)
     node = roofline_step_cost(ModelConfig.full(), HARDWARE['H200 (measured copy)'], 790e12)
     rows, costs, slots = [], {}, {}
     run_loop(model, drafter, prompts[:1], 4, 'fixed 5', None, device)                    # warm-up

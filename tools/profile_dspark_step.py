@@ -13,13 +13,12 @@ from pathlib import Path
 import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.checkpoint import load_model
-from dsv41_nb.model import ByteTokenizer
-from dsv41_nb.dspark import Drafter, DSparkProposer, load_drafter
+from dsv41_nb.dspark import Drafter, load_drafter
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
-from dsv41_nb.train import load_corpus, split_documents, byte_data
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
+from bench_dspark import held_out_windows, proposer     # noqa: E402  (the DSpark benchmark's prompts)
 
 
 def main():
@@ -36,13 +35,10 @@ def main():
     ckpt = Path(args.checkpoint)
     m = load_model(ckpt, device=dev).eval(); m.quant = True
     d = Drafter(m); load_drafter(d, ckpt / 'dspark.safetensors')
-    docs = load_corpus(); _, va = split_documents(docs, seed=0)
-    data = byte_data(docs[:1], va, ByteTokenizer(m.cfg))
     c, n = args.concurrency, args.new_tokens
-    starts = torch.randint(0, len(data.val) - 64, (c,), generator=torch.Generator().manual_seed(1))
-    prompts = data.windows('val', starts, 64)[0].tolist()
-    llm = LLM(m, proposer=None if args.policy == 'off' else DSparkProposer(d, 5), max_model_len=64 + n + 8,
-              max_num_seqs=c, enable_prefix_caching=False)
+    prompts = held_out_windows(m.cfg, c, 64)
+    llm = LLM(m, proposer=proposer(d, 'off' if args.policy == 'off' else 'fixed 5', None),
+              max_model_len=64 + n + 8, max_num_seqs=c, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
