@@ -325,7 +325,8 @@ def main():
                commit=os.environ.get('DSV41_COMMIT') or git_commit(), args=vars(args))
     if args.json and set(args.sections) != set(SECTIONS) and Path(args.json).exists():
         kept = json.loads(Path(args.json).read_text())                          # the sections not run this time
-        stamps = {sec: {f'{k}_{sec}': v for k, v in res.items() if k in ('date', 'commit', 'args')} for sec in args.sections}
+        stamps = {sec: {f'{k}_{sec}': v for k, v in res.items() if k in ('date', 'commit', 'args')}
+                  for sec in args.sections}
         res = dict(kept)
     else: stamps = {}
     if {'concurrency', 'decode', 'profile', 'graphs'} & set(args.sections):
