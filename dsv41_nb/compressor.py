@@ -5,6 +5,7 @@
 # %% ../nbs/03_compressor.ipynb #cfa56a5f
 from __future__ import annotations
 import contextlib, functools, math, struct
+from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
@@ -18,10 +19,11 @@ from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_cod
                               _e4m3_value, _e2m1_code, _ue8m0_code, _pow2, _bf16_bits)
 
 # %% auto #0
-__all__ = ['COMPRESS_VERSIONS', 'COMPRESS_KERNEL', 'rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope', 'rms_norm',
-           'RMSNorm', 'pool_group', 'Compressor', 'new_record_cache', 'compress_reference', 'compress_torch',
-           'compress_triton', 'compress_step', 'compress_version', 'RingJournal', 'step_bytes', 'benchmark_compressor',
-           'format_compressor_benchmark', 'benchmark_decode_step', 'format_decode_benchmark']
+__all__ = ['COMPRESS_VERSIONS', 'COMPRESS_KERNEL', 'RING_DEPTH', 'rope_inv_freq', 'layer_inv_freq', 'rope_cos_sin', 'apply_rope',
+           'rms_norm', 'RMSNorm', 'pool_group', 'Compressor', 'new_record_cache', 'compress_reference',
+           'compress_torch', 'compress_triton', 'compress_step', 'compress_version', 'RingJournal', 'RingRows',
+           'ring_rewind_trial', 'step_bytes', 'benchmark_compressor', 'format_compressor_benchmark',
+           'benchmark_decode_step', 'format_decode_benchmark']
 
 # %% ../nbs/03_compressor.ipynb #71a4b226
 def rope_inv_freq(
@@ -788,6 +790,91 @@ def rewind(self: RingJournal, ring: torch.Tensor, block: int, p: int):
         pos, kv, score = self.rows[block]
         keep = (pos >= p - p % R) & (pos < p)      # the open group's rows the step computed
         view[pos[keep] % R, 0], view[pos[keep] % R, 1] = kv[keep], score[keep]
+
+# %% ../nbs/03_compressor.ipynb #fbe05db9
+RING_DEPTH = 8  # rows `RingRows` keeps per ring block: the most rows of one request a step may verify
+
+# %% ../nbs/03_compressor.ipynb #f2c5a17a
+class RingRows:
+    ("Every row `emit` hands one compressor while it records: fp32 latents and gate scores at "
+     "(ring block, position mod `depth`). Fixed shapes, nothing read back: a CUDA graph can hold it")
+    def __init__(self, ring: torch.Tensor,  # the compressor's ring (`new_ring`)
+                 ratio: int,                # the compressor's ratio: 2
+                 depth: int = RING_DEPTH):  # rows kept per block
+        if ratio != 2 or isinstance(ratio, bool):
+            raise ValueError(f"RingRows: ratio = {ratio!r}; it rewinds rings of ratio 2 "
+                             "(the open group is then one row the step computed)")
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < ratio:
+            raise ValueError(f"RingRows: depth = {depth!r}; expected an integer >= {ratio}")
+        if not (isinstance(ring, torch.Tensor) and ring.dtype == torch.float32 and ring.ndim == 3
+                and ring.shape[1] == 2 and len(ring) and len(ring) % ratio == 0):
+            raise ValueError(f"RingRows: ring: expected a (blocks * {ratio}, 2, head_dim) float32 "
+                             f"tensor, got {_describe(ring)}")
+        self.ratio, self.depth, self.blocks = ratio, depth, len(ring) // ratio
+        # the last row takes the rows of no block
+        self.rows = ring.new_zeros(self.blocks * depth + 1, 2, ring.shape[2])
+
+# %% ../nbs/03_compressor.ipynb #c1fce26f
+@patch
+def record(self: RingRows, kv, score, positions, ring_slots):
+    "Write each row that has a ring entry at (its block, its position mod depth); the rest to the spare row"
+    rs, spare = ring_slots.long(), len(self.rows) - 1
+    at = torch.where(rs >= 0, rs // self.ratio * self.depth + positions.long() % self.depth, spare)
+    self.rows.index_copy_(0, at, torch.stack([kv.float(), score.float()], 1))
+
+# %% ../nbs/03_compressor.ipynb #cf778819
+@patch
+def restore(self: RingRows, ring: torch.Tensor,
+            ends: Sequence): # (ring block, p): the position each block's next step starts at
+    ("Put back, in `ring`, the rows of the group open at p of each block, "
+     "from the rows recorded: one copy for all of them")
+    if not (isinstance(ring, torch.Tensor) and ring.shape[0] == self.blocks * self.ratio
+            and ring.shape[1:] == self.rows.shape[1:]):
+        raise ValueError(f"restore: ring: expected ({self.blocks * self.ratio}, "
+                         f"{', '.join(map(str, self.rows.shape[1:]))}), got {_describe(ring)}")
+    R, J, pairs = self.ratio, self.depth, []
+    for b, p in ends:
+        if not (0 <= b < self.blocks and p >= 0):
+            raise IndexError(f"restore: block {b}, position {p}: expected a block in "
+                             f"0..{self.blocks - 1} and a position >= 0")
+        pairs += [(b * R + q % R, b * J + q % J) for q in range(p - p % R, p)]
+    if not pairs: return
+    dst, src = torch.tensor(pairs).T
+    if ring.is_cuda: dst, src = (t.pin_memory().to(ring.device, non_blocking=True) for t in (dst, src))
+    ring.index_copy_(0, dst, self.rows[src])
+
+# %% ../nbs/03_compressor.ipynb #3922f54a
+def ring_rewind_trial(c: Compressor, # a compressor of ratio 2
+                      steps: int, requests: int, seed: int, device=None) -> int:
+    ("Random verification steps of `requests` requests, rewound by `RingJournal` in one run and by "
+     "`RingRows` in another: the steps whose latents, records or open ring rows differ (0: none)")
+    g = torch.Generator().manual_seed(seed)
+    D, R, J = c.head_dim, c.ratio, RING_DEPTH
+    rings = [c.new_ring(requests, device) for _ in range(2)]
+    caches = [torch.zeros(requests * 64, c.codec.record_bytes, dtype=torch.uint8, device=device)
+              for _ in range(2)]
+    rows, at, bad = RingRows(rings[1], R, J), [0] * requests, 0
+    bits = lambda t: t.contiguous().view(torch.uint8)
+    for _ in range(steps):
+        n = [int(torch.randint(1, J + 1, (1,), generator=g)) for _ in range(requests)]
+        pos = torch.tensor([at[i] + j for i in range(requests) for j in range(n[i])], device=device)
+        blk = torch.tensor([i for i in range(requests) for _ in range(n[i])], device=device)
+        kv, sc = (torch.randn(len(pos), D, generator=g).to(device) for _ in range(2))
+        cs = torch.where((pos + 1) % R == 0, blk * 64 + pos // R % 64, -1)
+        j, out = RingJournal(rings[0], R, range(requests)), []
+        for ring, cache, rec in zip(rings, caches, (j, rows)):
+            c.journal = rec
+            try: out.append(bits(c.emit(kv, sc, pos, blk * R + pos % R, cs, ring, cache)))
+            finally: c.journal = None
+        ends = [at[i] + int(torch.randint(1, n[i] + 1, (1,), generator=g)) for i in range(requests)]
+        for i, p in enumerate(ends): j.rewind(rings[0], i, p)
+        rows.restore(rings[1], list(enumerate(ends)))
+        # what the next step reads: the open group's rows (the others are rewritten before use)
+        open_ = [i * R + q % R for i, p in enumerate(ends) for q in range(p - p % R, p)]
+        same = (torch.equal(*out) and torch.equal(*caches)
+                and torch.equal(*(bits(r[open_]) for r in rings)))
+        at, bad = ends, bad + (not same)
+    return bad
 
 # %% ../nbs/03_compressor.ipynb #e30d61d6
 def _bench_inputs(c: Compressor, mode: str, tokens: int, device):

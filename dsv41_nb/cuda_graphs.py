@@ -86,6 +86,7 @@ class CUDAGraphModel:
         self.widths = [1 if g.manager == 'ring' else cdiv(max_model_len, g.block_size)
                        for g in kv_cache_config.groups]
         self.graphs, self.pool, self.stats = {}, None, dict(replayed=0, eager=0, captured=0)
+        self.journaled = {}  # graphs of steps that record their rows for a rollback (`journal`)
         self.tapped = tapped_model(model)  # where a step's taps are kept, if its model keeps any
         self._template = None  # the first decode batch captured: the structure of every graph
         # requests -> padded size, looked up (None past the largest size)
@@ -98,7 +99,8 @@ def release(self: CUDAGraphModel, request_ids): self.model.release(request_ids)
 
 @patch
 def __repr__(self: CUDAGraphModel):
-    return f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, {self.stats})"
+    return (f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, "
+            f"journaled {sorted(self.journaled)}, {self.stats})")
 
 # %% ../nbs/12c_cuda_graphs.ipynb #a103ee85
 @functools.lru_cache(maxsize=None)
@@ -290,13 +292,15 @@ def _tap_layers(self: CUDAGraphModel) -> tuple:
 
 # %% ../nbs/12c_cuda_graphs.ipynb #8b419a34
 @patch
-def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
+def _capture(self: CUDAGraphModel, size: int, batch,
+             journal: bool = False) -> tuple: # the step records its rows (prepared `journal`)
     ("(replay, staged inputs, static logits, the captured token ids or None, (tap layers, "
      "static taps or None)) for one padded size, the buffers shaped as `batch`'s")
     prepare, run = self._parts()
     if self._template is None: self._template = batch
     padded = pad_decode_batch(batch, size, self.widths, n=0)
     host = prepare(padded)
+    if journal: host = dataclasses.replace(host, journal=True)
     staged, out = StagedInputs(host, self.device or 'cpu'), {}
     static = staged.inputs
     # where `prepare` passed the ids through
@@ -325,21 +329,23 @@ def _capture(self: CUDAGraphModel, size: int, batch) -> tuple:
 # %% ../nbs/12c_cuda_graphs.ipynb #85ca80fd
 @patch
 def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
-    ("Logits of the batch's logits rows: "
-     "replayed from a graph for a decode batch of a captured size, else eager")
-    R, b, fill = len(batch.request_ids), batch, batch.token_fill
+    ("Logits of the batch's logits rows: replayed from a graph for a decode batch "
+     "(a verification step too) of a captured size, else eager")
+    R, T, b, fill = len(batch.request_ids), batch.token_ids.numel(), batch, batch.token_fill
     # ids to fill on the device: applied there, never staged
     if fill: batch = dataclasses.replace(batch, token_fill=[])
-    # one sampled row each, none new
-    decode = 0 < R == b.token_ids.numel() == b.logits_indices.numel() and not b.new_request_ids
-    size = (self._pad_to[R] if R < len(self._pad_to) else None) if decode else None
+    # every row sampled, none new: a row per request, or a request's row and its drafts
+    decode = 0 < R <= T == b.logits_indices.numel() and not b.new_request_ids
+    size = (self._pad_to[T] if T < len(self._pad_to) else None) if decode else None
     prepare, run = self._parts()
     if size is None:
         self.stats['eager'] += 1; return self._eager(prepare(batch), batch.token_ids, fill)
-    inputs, rows = prepare(batch), R
+    inputs, rows = prepare(batch), T
     if hasattr(inputs, 'pad'):    # prepared unpadded: the staged padding fills the other rows
         if not getattr(inputs, 'replayable', True):
             self.stats['eager'] += 1; return self._eager(inputs, batch.token_ids, fill)
+    elif R < T:                   # `pad_decode_batch` pads a row per request
+        self.stats['eager'] += 1; return self._eager(inputs, batch.token_ids, fill)
     else:                         # padded, then prepared
         rows = None
         padded = pad_decode_batch(batch, size, self.widths)
@@ -347,10 +353,12 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
         if not getattr(inputs, 'replayable', True):
             self.stats['eager'] += 1; return self._eager(inputs, padded.token_ids, fill)[:R]
     layers = self._tap_layers()
+    journal = bool(getattr(inputs, 'journal', False))
+    graphs = self.journaled if journal else self.graphs
     # captured before the taps were asked for (or other ones): captured again
-    if size not in self.graphs or self.graphs[size][4][0] != layers:
-        self.graphs[size] = self._capture(size, batch)
-    replay, staged, logits, tokens, (_, taps) = self.graphs[size]
+    if size not in graphs or graphs[size][4][0] != layers:
+        graphs[size] = self._capture(size, batch, journal)
+    replay, staged, logits, tokens, (_, taps) = graphs[size]
     try: staged.load(inputs) if rows is None else staged.load_rows(inputs, rows)
     except ValueError as e:
         raise RuntimeError(f"CUDAGraphModel: the prepared inputs of a padded decode batch "
@@ -358,8 +366,8 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
     # after the copy, before the replay
     if fill: fill_token_ids(self._token_view(tokens), fill)
     replay(); self.stats['replayed'] += 1
-    if layers: self.tapped.last_taps = tuple(t[:R] for t in taps)   # the real rows' taps
-    return logits[:R].clone()
+    if layers: self.tapped.last_taps = tuple(t[:T] for t in taps)   # the real rows' taps
+    return logits[:T].clone()
 
 # %% ../nbs/12c_cuda_graphs.ipynb #ef067b97
 @patch

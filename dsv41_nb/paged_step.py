@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
 from .kv_cache import KVCacheConfig
 from .kv_manager import SlotMappings
-from .compressor import RingJournal
+from .compressor import RingRows, RING_DEPTH
 from .model import Transformer
 from .paged import PagedModel, PagedStep
 
@@ -44,8 +44,9 @@ def _host_state(self: PagedStepModel, cfg, kv_cache_config: KVCacheConfig):
     ring = [g for g in kv_cache_config.groups if g.manager == 'ring']
     self.ring_group, self.ring_ratio = ((ring[0].group_id, ring[0].block_size) if ring
                                         else (None, None))
-    # the last speculative step's rings, restores made
-    self._journal, self.ring_restores = {}, 0
+    # request id -> (ring block, first position, rows) of its last multi-row decode step;
+    # the ring layers' recorded rows (made at the first such step); ring rows restored
+    self._journal, self.ring_rows, self.ring_restores = {}, None, 0
     self._decode_last = None   # the last decode step's (request ids, next positions, starts)
 
 # %% ../nbs/10c_paged_step.ipynb #1b189a0f
@@ -69,47 +70,59 @@ def step_model(model: Transformer, kv_cache_config: KVCacheConfig) -> PagedStepM
 
 # %% ../nbs/10c_paged_step.ipynb #c6478398
 @patch
-def _journaling(self: PagedStepModel, blocks: dict) -> contextlib.AbstractContextManager:
-    ("Inside the block, every ring layer's compressor journals the ring blocks `blocks` "
-     "(request id -> block): `RingJournal`")
-    rings = self.model.state.rings if blocks else {}
-    journals = {l: RingJournal(ring, self.ring_ratio, blocks.values()) for l, ring in rings.items()}
-    for rid, b in blocks.items(): self._journal[rid] = dict(block=b, journals=journals)
+def _ring_rows(self: PagedStepModel) -> dict:
+    "Each ring layer's `RingRows` (layer -> rows), made for the caches now allocated"
+    rings = self.model.state.rings
+    if self.ring_rows is None or any(self.ring_rows[l].blocks * self.ring_ratio != len(r)
+                                     for l, r in rings.items()):
+        self.ring_rows = {l: RingRows(ring, self.ring_ratio) for l, ring in rings.items()}
+    return self.ring_rows
+
+# %% ../nbs/10c_paged_step.ipynb #bdba6b21
+@patch
+def _ring_end(self: PagedStepModel, rid: str, p: int) -> tuple | None:
+    ("(ring block, p) when request `rid` goes on from position p, below the rows it last "
+     "computed, and a group is open at p; None when none is open")
+    R, j = self.ring_ratio, self._journal.get(rid)
+    # no ring, or p starts a group: nothing open
+    if R is None or p % R == 0: return None
+    if j is None or not j[1] <= p - p % R < j[1] + j[2]:
+        raise RuntimeError(f"request {rid!r}: rows from position {p} redo rows the model computed, "
+                           "but no speculative step of it is journaled there "
+                           "(only the rows of its last multi-row decode step may be redone)")
+    return j[0], p
+
+# %% ../nbs/10c_paged_step.ipynb #93fc98aa
+@patch
+def _restore_rings(self: PagedStepModel, ends: list):
+    "Put the open group of each (ring block, p) of `ends` back in every ring layer: one copy each"
+    if not ends: return
+    rows = self._ring_rows()
+    for l, ring in self.model.state.rings.items(): rows[l].restore(ring, ends)
+    self.ring_restores += len(ends)
+
+# %% ../nbs/10c_paged_step.ipynb #4c4abf07
+@patch
+def _journaling(self: PagedStepModel, on: bool) -> contextlib.AbstractContextManager:
+    "Inside the block, when `on`, every ring layer's compressor records its rows (`RingRows`)"
+    rows = self._ring_rows() if on and self.ring_ratio else {}
     cs = [l.attn.compressor for l in self.model.layers
-          if l.attn.compressor is not None and l.attn.compressor.layer in journals]
+          if l.attn.compressor is not None and l.attn.compressor.layer in rows]
     @contextlib.contextmanager
     def ctx():
-        for c in cs: c.journal = journals[c.layer]
+        for c in cs: c.journal = rows[c.layer]
         try: yield
         finally:
             for c in cs: c.journal = None
     return ctx()
 
-# %% ../nbs/10c_paged_step.ipynb #4c4abf07
-@patch
-def _restore_ring(self: PagedStepModel, rid: str, p: int):
-    ("Put request `rid`'s ring back to what a step ending at position p leaves: "
-     "the open group's rows below p")
-    R, j = self.ring_ratio, self._journal.get(rid)
-    # no ring, or p starts a group: nothing open
-    if R is None or p % R == 0: return
-    firsts = [f for jr in (j or {}).get('journals', {}).values()
-              if (f := jr.first_position(j['block'])) is not None]
-    if not firsts or p < min(firsts):
-        raise RuntimeError(f"request {rid!r}: rows from position {p} redo rows the model computed, "
-                           "but no speculative step of it is journaled there "
-                           "(only the rows of its last multi-row decode step may be redone)")
-    for l, ring in self.model.state.rings.items(): j['journals'][l].rewind(ring, j['block'], p)
-    self.ring_restores += 1
-
 # %% ../nbs/10c_paged_step.ipynb #427101b7
 @dataclass
 class PagedInputs:
     ("What `PagedStepModel.prepare` hands `run`: "
-     "the step, and the ring blocks its speculative rows journal")
+     "the step, and whether it records its ring rows for a later rollback")
     step: PagedStep
-    # request id -> its ring block, for the requests of a multi-row decode step
-    ring_blocks: dict
+    journal: bool = False        # a multi-row decode step: its ring layers record (`RingRows`)
     @property
     def replayable(self) -> bool: return self.step.decode_only          # a CUDA graph may replay it
 
@@ -130,19 +143,19 @@ def pad_rows(t: torch.Tensor, # (n, ...) rows
 def pad(self: PagedInputs, size: int, # rows after padding
         widths: Sequence[int]) -> PagedInputs: # block-table width per cache group
     ("A decode step padded to `size` rows, each pad a fresh one-token request at position 0 "
-     "that reads the null block and writes nowhere")
+     "that reads the null block and writes nowhere (its tables have a row for each of its rows)")
     s, R = self.step, len(self.step.token_ids)
     sm = s.slots
     slots = SlotMappings(pad_rows(sm.positions, size, 0), pad_rows(sm.swa, size, PAD_SLOT_ID),
                          {r: pad_rows(v, size, PAD_SLOT_ID) for r, v in sm.compressed.items()},
                          None if sm.ring is None else pad_rows(sm.ring, size, PAD_SLOT_ID))
     ar = torch.arange(size, device=s.token_ids.device)
+    rows = torch.cat([s.rows, ar[R:].to(s.rows.dtype)])  # a pad row reads its own null table row
     return PagedInputs(PagedStep(
-        pad_rows(s.token_ids, size, 0), pad_rows(s.history, size, -1),
-        ar.to(s.rows.dtype), slots,
+        pad_rows(s.token_ids, size, 0), pad_rows(s.history, size, -1), rows, slots,
         tuple(pad_rows(t, size, NULL_BLOCK_ID, w) for t, w in zip(s.block_tables, widths)),
         pad_rows(s.window_start, size, 0), pad_rows(s.replay_start, size, 0),
-        ar.to(s.logits_rows.dtype), True), self.ring_blocks)
+        ar.to(s.logits_rows.dtype), True), self.journal)
 
 # %% ../nbs/10c_paged_step.ipynb #caba745d
 @patch
@@ -158,8 +171,8 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
     dec, n, dev = ([False] * len(ids), self.history_len, batch.token_ids.device)
     for j in batch.decoder_rows.tolist(): dec[j] = True
     cached = batch.num_cached_tokens.tolist() if batch.new_request_ids else None
-    # blocks: ring blocks of multi-row decode requests
-    hist, rows, ws, rs, blocks = [], [], [], [], {}
+    # ends: ring groups to restore; journal: the step records its ring rows
+    hist, rows, ws, rs, ends, journal = [], [], [], [], [], False
     for i, rid in enumerate(batch.request_ids):
         a, b = qsl[i], qsl[i + 1]
         p0 = pos[a]
@@ -174,7 +187,8 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
             raise RuntimeError(f"request {rid!r}: rows from position {p0}, but "
                                f"{w or 0} earlier tokens are known (start it first)")
         # rows from p0 on were rejected
-        if rid not in batch.new_request_ids and w > p0: self._restore_ring(rid, p0)
+        if rid not in batch.new_request_ids and w > p0 and (e := self._ring_end(rid, p0)):
+            ends.append(e)
         # only its last step's journal is ever needed
         self._journal.pop(rid, None)
         self.written[rid] = p0 + b - a
@@ -185,19 +199,27 @@ def prepare(self: PagedStepModel, batch) -> PagedInputs:
         if rid not in self.replay_start and first is not None: self.replay_start[rid] = pos[first]
         rs.append(self.replay_start.get(rid, pos[b - 1] + 1)); ws.append(self.window_start[rid])
         rows += [i] * (b - a)
-        if self.ring_ratio and b - a > 1 and all(dec[a:b]):
-            blocks[rid] = int(batch.block_tables[self.ring_group][i, 0])
+        if self.ring_ratio and 1 < b - a <= RING_DEPTH and all(dec[a:b]):
+            self._journal[rid] = (int(batch.block_tables[self.ring_group][i, 0]), p0, b - a)
+            journal = True
     if any(dec[j] != (pos[j] >= rs[rows[j]]) for j in range(len(ids))):
         raise ValueError("decoder_rows: each request's decoder rows must be its rows "
                          "from one position on, the same one every step")
-    decode_only = (qsl == list(range(len(qsl))) and all(dec)
-                   and batch.logits_indices.tolist() == list(range(len(ids))))
+    self._restore_rings(ends)                       # before this step's rows are recorded
+    if journal and getattr(self.model, 'state', None) is not None:
+        self._ring_rows()                           # made here, outside any graph capture
+    # every row decodes and is sampled: one row per request, or a request's row and its drafts
+    T, R = len(ids), len(batch.request_ids)
+    decode_only = all(dec) and batch.logits_indices.tolist() == list(range(T))
+    tables = tuple(batch.block_tables)
+    if decode_only and T > R:   # the requests' tensors get a row per row, as a graph stages them
+        tables = tuple(pad_rows(b, T, NULL_BLOCK_ID) for b in tables)
+        ws, rs = ws + [0] * (T - R), rs + [0] * (T - R)
     t = lambda v, dt=torch.long: torch.tensor(v, dtype=dt, device=dev)
-    history = t(hist).view(len(ids), n) if given is None else given
+    history = t(hist).view(T, n) if given is None else given
     return PagedInputs(PagedStep(batch.token_ids, history, t(rows, torch.int32),
-                                 batch.slot_mappings, tuple(batch.block_tables), t(ws), t(rs),
-                                 batch.logits_indices, decode_only),
-                       blocks)
+                                 batch.slot_mappings, tables, t(ws), t(rs),
+                                 batch.logits_indices, decode_only), journal)
 
 # %% ../nbs/10c_paged_step.ipynb #d93bb661
 @patch
@@ -232,15 +254,14 @@ def _prepare_decode(self: PagedStepModel, batch) -> PagedInputs | None:
                                   device=pos.device)
     rows = self._rows[:R]          # each row its own request
     return PagedInputs(PagedStep(batch.token_ids, batch.history, rows, batch.slot_mappings,
-                                 tuple(batch.block_tables), *starts, batch.logits_indices, True),
-                       {})
+                                 tuple(batch.block_tables), *starts, batch.logits_indices, True))
 
 # %% ../nbs/10c_paged_step.ipynb #4baca0b8
 @patch
 def run(self: PagedStepModel, inputs: PagedInputs) -> torch.Tensor:
     ("The device's part of a step: the model on the prepared step "
      "(what a CUDA graph captures for a decode step)")
-    with self._journaling(inputs.ring_blocks): return self.model(inputs.step)
+    with self._journaling(inputs.journal): return self.model(inputs.step)
 
 # %% ../nbs/10c_paged_step.ipynb #60e586f6
 @patch

@@ -16,7 +16,8 @@ import dsv41_nb.compressor as comp
 from dsv41_nb.dispatch import HostReads
 from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm,
                                  pool_group, Compressor, compress_reference, compress_torch,
-                                 compress_step, compress_version, RingJournal)
+                                 compress_step, compress_version, RingJournal,
+                                 RingRows, ring_rewind_trial)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -265,6 +266,39 @@ def test_ring_rewind_equals_a_run_without_the_rejected_rows(start, n, keep, back
     (lambda r: RingJournal(r, 2, [1]).rewind(r, 0, 3), KeyError, 'block 0 was not journaled'),
 ])
 def test_ring_journal_bad_input(f, exc, msg):
+    ring = Compressor(TINY, 2).new_ring(2)
+    with pytest.raises(exc, match=msg): f(ring)
+
+@pytest.mark.parametrize('backend', ['torch'] + (['triton'] if HAS_TRITON else []))
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_ring_rows_rewind_as_the_journal(backend, seed):
+    """Random verification steps, rewound by RingJournal and by RingRows (the fixed-shape journal a CUDA
+    graph can hold): the same latents, records and open ring rows after every step"""
+    with use_kernels(backend): assert ring_rewind_trial(Compressor(TINY, 2).to(DEV), 30, 3, seed, DEV) == 0
+
+def test_ring_rows_record_reads_nothing_and_restores_one_row():
+    c = Compressor(TINY, 2)
+    ring = c.new_ring(3)
+    rows = RingRows(ring, 2)
+    kv, sc, pos = torch.randn(6, 64), torch.randn(6, 64), torch.tensor([3, 4, 5, 6, 7, 0])
+    rs = torch.tensor([2, 3, 2, 3, 2, -1])                         # block 1; the last row is padding
+    with HostReads() as reads: rows.record(kv, sc, pos, rs)
+    assert reads.count == 0 and torch.equal(rows.rows[1 * 8 + 5, 0], kv[2])
+    assert torch.equal(rows.rows[-1, 1], sc[5])                    # padding: the spare row
+    rows.restore(ring, [(1, 6), (1, 7)])                           # 6 opens nothing; 7: row 6
+    assert torch.equal(ring[2, 0], kv[3]) and torch.equal(ring[2, 1], sc[3])
+
+@pytest.mark.parametrize('f, exc, msg', [
+    (lambda r: RingRows(r, 3), ValueError, 'rings of ratio 2'),
+    (lambda r: RingRows(r, 2, 1), ValueError, 'depth = 1'),
+    (lambda r: RingRows(r, 2, True), ValueError, 'depth = True'),
+    (lambda r: RingRows(r.double(), 2), ValueError, r'expected a \(blocks \* 2, 2, head_dim\) float32'),
+    (lambda r: RingRows(r[:3], 2), ValueError, 'expected a'),
+    (lambda r: RingRows(r, 2).restore(r, [(2, 3)]), IndexError, 'block 2, position 3'),
+    (lambda r: RingRows(r, 2).restore(r, [(0, -1)]), IndexError, 'block 0, position -1'),
+    (lambda r: RingRows(r, 2).restore(r[:2], [(0, 3)]), ValueError, r'restore: ring: expected \(4, 2, 64\)'),
+])
+def test_ring_rows_bad_input(f, exc, msg):
     ring = Compressor(TINY, 2).new_ring(2)
     with pytest.raises(exc, match=msg): f(ring)
 

@@ -274,6 +274,24 @@ def test_partly_accepted_drafts_roll_back():
     assert 0 < st['accepted_tokens'] < st['draft_tokens']
     assert llm.llm_engine.runner.model.ring_restores > 0          # some steps started in the middle of a ring pair
 
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_verification_steps_replay_from_graphs(async_scheduling):
+    """Steps that verify drafts (each request's row and its drafts, every row sampled) replay from graphs of their
+    own, which record the ring rows a rollback restores: plain greedy decoding's tokens, as the eager path gives"""
+    from dsv41_nb.paged_step import step_model
+    box = {}
+    def build(kc):
+        box['cg'] = CUDAGraphModel(step_model(MODEL, kc), kc, 256, capture_sizes=(1, 2, 4, 8), emulate=True)
+        return box['cg']
+    kw, sp = {**EXACT, 'runner': 'paged', 'max_model_len': 256}, replace(GREEDY, max_tokens=16)
+    want = outputs(LLM(MODEL, proposer=PartlyRightDrafts(), **kw), PROMPTS[:2], sp)
+    llm = LLM(MODEL, proposer=PartlyRightDrafts(), step_model=build, async_scheduling=async_scheduling, **kw)
+    got = outputs(llm, PROMPTS[:2], sp)
+    assert got == want
+    match(PROMPTS[:2], got, [f[len(p):] for f, p in zip(LONG, PROMPTS)])
+    cg = box['cg']
+    assert 8 in cg.journaled and cg.stats['replayed'] > 0 and cg.model.ring_restores > 0, cg
+
 def test_preempted_requests_give_the_same_tokens():
     "A pool too small for all four requests at once: some are preempted, recompute, and still match"
     llm = LLM(MODEL, **{**EXACT, 'max_model_len': 64}, num_gpu_blocks=12, enable_prefix_caching=False)

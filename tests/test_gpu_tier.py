@@ -119,8 +119,10 @@ def small():
     return load_model(SMALL, device=DEV)
 
 
-def _serve(model, prompts, **kw):
+def _serve(model, prompts, keep=None, **kw):
+    "Greedy tokens of `prompts` (24 each); the engine goes into `keep` if given"
     llm = LLM(model, max_num_seqs=len(prompts), max_model_len=160, **kw)
+    if keep is not None: keep.append(llm)
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
@@ -175,3 +177,15 @@ def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch):
     runs, want = _count_target_runs(monkeypatch), _serve(small, PROMPTS)
     assert _serve(small, PROMPTS, proposer=dspark_proposer(small, SMALL / 'dspark.safetensors', 3)) == want
     assert runs == []
+
+
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_dspark_verification_steps_replay_from_graphs(small, async_scheduling):
+    """Three drafts a step, verified in steps replayed from CUDA graphs that record the rings' rows: the tokens of the
+    same verification run eagerly, some ring groups restored from what the graphs recorded"""
+    from dsv41_nb.dspark import dspark_proposer
+    prop = lambda: dspark_proposer(small, SMALL / 'dspark.safetensors', 3)
+    eager, keep = _serve(small, PROMPTS, proposer=prop(), cuda_graphs=False), []
+    assert _serve(small, PROMPTS, keep, proposer=prop(), async_scheduling=async_scheduling) == eager
+    cg = keep[0].llm_engine.runner.model
+    assert cg.journaled and cg.stats['replayed'] > 0 and cg.model.ring_restores > 0, cg

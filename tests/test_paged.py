@@ -218,3 +218,34 @@ def test_a_captured_decode_step_reads_nothing_back(models):
         with HostReads() as captured, as_captured(): got = sm.run(inputs)
     assert eager.count > 0 and captured.count == 0, dict(captured.sites)
     assert torch.equal(got, want)
+
+class _ThreeDrafts:
+    num_speculative_tokens = 3
+    def propose(self, requests): return [[1, 2, 3] for _ in requests]
+
+def test_a_captured_verification_step_reads_nothing_back(models):
+    """A step that verifies drafts (each request's row and three drafts, every row sampled) is decode-only with its
+    ring rows recorded: run as a capture it reads nothing back and gives the eager step's logits"""
+    engine = pytest.importorskip('dsv41_nb.engine')
+    from dsv41_nb.scheduler import SamplingParams
+    model, _ = models
+    g = torch.Generator().manual_seed(3)
+    llm = engine.LLM(model, max_model_len=256, kernels='torch', proposer=_ThreeDrafts())
+    eng, sm = llm.llm_engine, llm.llm_engine.runner.model
+    for i, n in enumerate((75, 6)):
+        eng.add_request(str(i), torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist(),
+                        SamplingParams(max_tokens=12))
+    eng.step(); eng.step()                                                     # the prefill, a first verification
+    batch, _ = eng.runner.prepare_inputs(eng.scheduler.schedule())
+    with use_kernels('triton'): inputs = sm.prepare(batch)
+    T, R = len(batch.token_ids), len(batch.request_ids)
+    assert (T, R) == (8, 2) and inputs.step.decode_only and inputs.replayable and inputs.journal
+    assert all(len(t) == T for t in inputs.step.block_tables)                 # a row of tables per row
+    rings = {l: r.clone() for l, r in sm.model.state.rings.items()}
+    with use_kernels('triton'):
+        with HostReads() as eager: want = sm.run(inputs)
+        recorded = {l: r.rows.clone() for l, r in sm.ring_rows.items()}
+        for l, r in rings.items(): sm.model.state.rings[l].copy_(r)              # as before the step
+        with HostReads() as captured, as_captured(): got = sm.run(inputs)
+    assert eager.count > 0 and captured.count == 0, dict(captured.sites)
+    assert torch.equal(got, want) and all(torch.equal(r.rows, recorded[l]) for l, r in sm.ring_rows.items())
