@@ -792,12 +792,14 @@ def rewind(self: RingJournal, ring: torch.Tensor, block: int, p: int):
         view[pos[keep] % R, 0], view[pos[keep] % R, 1] = kv[keep], score[keep]
 
 # %% ../nbs/03_compressor.ipynb #fbe05db9
-RING_DEPTH = 8  # rows `RingRows` keeps per ring block: the most rows of one request a step may verify
+# rows `RingRows` keeps per ring block: the most rows of one request a step may verify
+RING_DEPTH = 8
 
 # %% ../nbs/03_compressor.ipynb #f2c5a17a
 class RingRows:
-    ("Every row `emit` hands one compressor while it records: fp32 latents and gate scores at "
-     "(ring block, position mod `depth`). Fixed shapes, nothing read back: a CUDA graph can hold it")
+    ("Every row `emit` hands one compressor while it records: fp32 latents and gate scores "
+     "at (ring block, position mod `depth`). Fixed shapes, nothing read back: "
+     "a CUDA graph can hold it")
     def __init__(self, ring: torch.Tensor,  # the compressor's ring (`new_ring`)
                  ratio: int,                # the compressor's ratio: 2
                  depth: int = RING_DEPTH):  # rows kept per block
@@ -817,7 +819,8 @@ class RingRows:
 # %% ../nbs/03_compressor.ipynb #c1fce26f
 @patch
 def record(self: RingRows, kv, score, positions, ring_slots):
-    "Write each row that has a ring entry at (its block, its position mod depth); the rest to the spare row"
+    ("Write each row that has a ring entry at (its block, its position mod depth); "
+     "the rest to the spare row")
     rs, spare = ring_slots.long(), len(self.rows) - 1
     at = torch.where(rs >= 0, rs // self.ratio * self.depth + positions.long() % self.depth, spare)
     self.rows.index_copy_(0, at, torch.stack([kv.float(), score.float()], 1))
@@ -840,14 +843,15 @@ def restore(self: RingRows, ring: torch.Tensor,
         pairs += [(b * R + q % R, b * J + q % J) for q in range(p - p % R, p)]
     if not pairs: return
     dst, src = torch.tensor(pairs).T
-    if ring.is_cuda: dst, src = (t.pin_memory().to(ring.device, non_blocking=True) for t in (dst, src))
+    if ring.is_cuda:                # queued from pinned memory: the host does not wait
+        dst, src = (t.pin_memory().to(ring.device, non_blocking=True) for t in (dst, src))
     ring.index_copy_(0, dst, self.rows[src])
 
 # %% ../nbs/03_compressor.ipynb #3922f54a
 def ring_rewind_trial(c: Compressor, # a compressor of ratio 2
                       steps: int, requests: int, seed: int, device=None) -> int:
-    ("Random verification steps of `requests` requests, rewound by `RingJournal` in one run and by "
-     "`RingRows` in another: the steps whose latents, records or open ring rows differ (0: none)")
+    ("Random verification steps of `requests` requests, rewound by `RingJournal` in one run "
+     "and by `RingRows` in another: the steps whose latents, records or open ring rows differ")
     g = torch.Generator().manual_seed(seed)
     D, R, J = c.head_dim, c.ratio, RING_DEPTH
     rings = [c.new_ring(requests, device) for _ in range(2)]
@@ -857,8 +861,9 @@ def ring_rewind_trial(c: Compressor, # a compressor of ratio 2
     bits = lambda t: t.contiguous().view(torch.uint8)
     for _ in range(steps):
         n = [int(torch.randint(1, J + 1, (1,), generator=g)) for _ in range(requests)]
-        pos = torch.tensor([at[i] + j for i in range(requests) for j in range(n[i])], device=device)
         blk = torch.tensor([i for i in range(requests) for _ in range(n[i])], device=device)
+        pos = torch.tensor([at[i] for i in blk.tolist()], device=device)
+        pos += torch.cat([torch.arange(k) for k in n]).to(device)        # each request's rows
         kv, sc = (torch.randn(len(pos), D, generator=g).to(device) for _ in range(2))
         cs = torch.where((pos + 1) % R == 0, blk * 64 + pos // R % 64, -1)
         j, out = RingJournal(rings[0], R, range(requests)), []
@@ -866,7 +871,8 @@ def ring_rewind_trial(c: Compressor, # a compressor of ratio 2
             c.journal = rec
             try: out.append(bits(c.emit(kv, sc, pos, blk * R + pos % R, cs, ring, cache)))
             finally: c.journal = None
-        ends = [at[i] + int(torch.randint(1, n[i] + 1, (1,), generator=g)) for i in range(requests)]
+        keep = [int(torch.randint(1, k + 1, (1,), generator=g)) for k in n]   # rows kept, >= 1
+        ends = [a + k for a, k in zip(at, keep)]
         for i, p in enumerate(ends): j.rewind(rings[0], i, p)
         rows.restore(rings[1], list(enumerate(ends)))
         # what the next step reads: the open group's rows (the others are rewritten before use)

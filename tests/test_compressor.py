@@ -269,8 +269,8 @@ def test_ring_journal_bad_input(f, exc, msg):
     ring = Compressor(TINY, 2).new_ring(2)
     with pytest.raises(exc, match=msg): f(ring)
 
-@pytest.mark.parametrize('backend', ['torch'] + (['triton'] if HAS_TRITON else []))
-@pytest.mark.parametrize('seed', [0, 1, 2])
+@pytest.mark.parametrize('backend, seed', [('torch', 0), ('torch', 1), ('torch', 2)]
+                         + ([('triton', 0)] if HAS_TRITON else []))
 def test_ring_rows_rewind_as_the_journal(backend, seed):
     """Random verification steps, rewound by RingJournal and by RingRows (the fixed-shape journal a CUDA
     graph can hold): the same latents, records and open ring rows after every step"""

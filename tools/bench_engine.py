@@ -63,6 +63,7 @@ def git_commit() -> str | None:
     """The checkout's commit (short), or None outside a git checkout; DSV41_COMMIT overrides it. With tracked files
     changed since that commit (or a copy whose git metadata is older than its files) the commit does not describe
     the code, and '+modified' says so"""
+    if os.environ.get('DSV41_COMMIT'): return os.environ['DSV41_COMMIT']
     here = Path(__file__).parent
     r = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, cwd=here)
     if not r.stdout.strip(): return None
