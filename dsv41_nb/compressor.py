@@ -827,24 +827,37 @@ def record(self: RingRows, kv, score, positions, ring_slots):
 
 # %% ../nbs/03_compressor.ipynb #cf778819
 @patch
+def pairs(self: RingRows,
+          ends: Sequence, # (ring block, p): the position each block's next step starts at
+          device=None) -> tuple | None:
+    ("(ring entries, recorded rows) of the groups open at each p, as index tensors on `device` "
+     "(None if no group is open): the same for every layer of one ring layout")
+    R, J, pairs = self.ratio, self.depth, []
+    for b, p in ends:
+        if not (0 <= b < self.blocks and p >= 0):
+            raise IndexError(f"RingRows: block {b}, position {p}: expected a block in "
+                             f"0..{self.blocks - 1} and a position >= 0")
+        pairs += [(b * R + q % R, b * J + q % J) for q in range(p - p % R, p)]
+    if not pairs: return None
+    dst, src = torch.tensor(pairs).T
+    if torch.device(device or 'cpu').type == 'cuda':   # queued from pinned memory: no host wait
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in (dst, src))
+    return dst.to(device), src.to(device)
+
+# %% ../nbs/03_compressor.ipynb #33f4fa84
+@patch
 def restore(self: RingRows, ring: torch.Tensor,
-            ends: Sequence): # (ring block, p): the position each block's next step starts at
+            ends: Sequence, # (ring block, p): the position each block's next step starts at
+            index: tuple | None = None): # `pairs(ends)`, when several layers share it
     ("Put back, in `ring`, the rows of the group open at p of each block, "
      "from the rows recorded: one copy for all of them")
     if not (isinstance(ring, torch.Tensor) and ring.shape[0] == self.blocks * self.ratio
             and ring.shape[1:] == self.rows.shape[1:]):
         raise ValueError(f"restore: ring: expected ({self.blocks * self.ratio}, "
                          f"{', '.join(map(str, self.rows.shape[1:]))}), got {_describe(ring)}")
-    R, J, pairs = self.ratio, self.depth, []
-    for b, p in ends:
-        if not (0 <= b < self.blocks and p >= 0):
-            raise IndexError(f"restore: block {b}, position {p}: expected a block in "
-                             f"0..{self.blocks - 1} and a position >= 0")
-        pairs += [(b * R + q % R, b * J + q % J) for q in range(p - p % R, p)]
-    if not pairs: return
-    dst, src = torch.tensor(pairs).T
-    if ring.is_cuda:                # queued from pinned memory: the host does not wait
-        dst, src = (t.pin_memory().to(ring.device, non_blocking=True) for t in (dst, src))
+    dst_src = index if index is not None else self.pairs(ends, ring.device)
+    if dst_src is None: return
+    dst, src = dst_src
     ring.index_copy_(0, dst, self.rows[src])
 
 # %% ../nbs/03_compressor.ipynb #3922f54a

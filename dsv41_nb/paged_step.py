@@ -97,8 +97,10 @@ def _ring_end(self: PagedStepModel, rid: str, p: int) -> tuple | None:
 def _restore_rings(self: PagedStepModel, ends: list):
     "Put the open group of each (ring block, p) of `ends` back in every ring layer: one copy each"
     if not ends: return
-    rows = self._ring_rows()
-    for l, ring in self.model.state.rings.items(): rows[l].restore(ring, ends)
+    rows, rings = self._ring_rows(), self.model.state.rings
+    # the same entries in every ring layer: the index is built once
+    index = next(iter(rows.values())).pairs(ends, next(iter(rings.values())).device)
+    for l, ring in rings.items(): rows[l].restore(ring, ends, index)
     self.ring_restores += len(ends)
 
 # %% ../nbs/10c_paged_step.ipynb #4c4abf07

@@ -287,6 +287,9 @@ def test_ring_rows_record_reads_nothing_and_restores_one_row():
     assert torch.equal(rows.rows[-1, 1], sc[5])                    # padding: the spare row
     rows.restore(ring, [(1, 6), (1, 7)])                           # 6 opens nothing; 7: row 6
     assert torch.equal(ring[2, 0], kv[3]) and torch.equal(ring[2, 1], sc[3])
+    other = c.new_ring(3)                                          # another layer, the index built once
+    rows.restore(other, [(1, 6), (1, 7)], rows.pairs([(1, 6), (1, 7)]))
+    assert torch.equal(other, ring) and rows.pairs([(1, 6), (0, 4)]) is None
 
 @pytest.mark.parametrize('f, exc, msg', [
     (lambda r: RingRows(r, 3), ValueError, 'rings of ratio 2'),
