@@ -20,7 +20,8 @@ from .accounting import Hardware, decode_floor, active_params_per_token
 from .train import ExpertLoad, lr_at
 from .checkpoint import DRAFTER_NAME
 from .engine import register_speculative
-from .dispatch import machine_name
+from .dispatch import machine_name, kernel_backend
+from .fp8_linear import head_logits
 from .scheduler import SamplingParams
 
 # %% auto #0
@@ -48,6 +49,8 @@ class Drafter:
         self.block_size, self.window, self.noise = (cfg.dspark_block_size, cfg.window_size,
                                                     cfg.dspark_noise_token_id)
         self.hidden_dim = cfg.dim * len(cfg.dspark_target_layer_ids)
+        # per block, the MoE on the serving path's kernels (`serve` sets them; None: the reference)
+        self.moes, self._inv = None, {}
 
     def parameters(self): return self.blocks.parameters()
     def __repr__(self):
@@ -83,6 +86,14 @@ def _rope_rows(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple:
     "(cos, sin), each (*pos.shape, rope_dim/2), at a tensor of positions"
     cos, sin = rope_cos_sin(inv_freq.to(pos.device), pos.flatten())
     return cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
+
+# %% ../nbs/14_dspark.ipynb #0ee72d42
+@patch
+def inv_freq(self: Drafter, device) -> torch.Tensor:
+    "The drafter's RoPE frequencies (a window-only layer's) on `device`, copied there once"
+    device = torch.device(device)
+    if device not in self._inv: self._inv[device] = layer_inv_freq(self.cfg, 0).to(device)
+    return self._inv[device]
 
 # %% ../nbs/14_dspark.ipynb #13b2bfc3
 @patch
@@ -129,17 +140,18 @@ def trunk(
     ids = torch.full((N, B), self.noise, dtype=torch.int64, device=tokens.device)
     ids[:, 0] = tokens
     pos = ctx_pos[:, -1:] + 1 + torch.arange(B, device=tokens.device)                   # (N, B)
-    inv = layer_inv_freq(cfg, 0)
+    inv = self.inv_freq(tokens.device)   # a graph capture copies nothing from the host
     blk_rope, ctx_rope = _rope_rows(inv, pos), _rope_rows(inv, ctx_pos)
     h, pre = hc_expand(F.embedding(ids, self.model.embed.weight).flatten(0, 1).to(main_x.dtype),
                        cfg.hc_mult)
     run = DenseRun(cfg, pos.flatten(), self.model.quant)  # what the MoE reads
-    for blk in self.blocks:
+    for i, blk in enumerate(self.blocks):
+        ffn = blk.ffn if self.moes is None else self.moes[i]
         for sub, norm in (('attn', blk.attn_norm), ('ffn', blk.ffn_norm)):
             nxt, post, comb = blk.coefficients(h, sub)  # (N*B, hc), (N*B, hc), (N*B, hc, hc)
             y = _rms_norm(hc_pre(h, pre), norm.weight, cfg.norm_eps).view(N, B, -1)
             f = (self.attend(blk.attn, y, main_x, blk_rope, ctx_rope, valid) if sub == 'attn'
-                 else blk.ffn(y, run))
+                 else ffn(y, run))
             h, pre = hc_post(f.flatten(0, 1), h, post, comb), nxt
     return hc_pre(h, pre).view(N, B, -1)
 
@@ -147,8 +159,10 @@ def trunk(
 @patch
 def base_logits(self: Drafter, x: torch.Tensor) -> torch.Tensor:
     "(N, B, vocab) fp32: the last drafter block's `norm`, then the shared LM head"
-    y = _rms_norm(x, self.blocks[-1].norm.weight, self.cfg.norm_eps)
-    return F.linear(y.float(), self.model.head.weight.float())
+    y, head = _rms_norm(x, self.blocks[-1].norm.weight, self.cfg.norm_eps), self.model.head.weight
+    if self.moes is not None and head.dtype == torch.bfloat16 and kernel_backend(y, head) == 'triton':
+        return head_logits(y.flatten(0, -2), head).view(*y.shape[:-1], -1)   # served: the Triton head
+    return F.linear(y.float(), head.float())
 
 # %% ../nbs/14_dspark.ipynb #3361d531
 @patch
@@ -420,6 +434,7 @@ class DSparkProposer:
         self.hidden_fn, self.temperature = hidden_fn, temperature
         self.max_model_len, self.generator = max_model_len, generator
         self.last_draft = None    # the newest `Draft`, for statistics
+        self.graphs = None        # greedy drafts replayed from CUDA graphs (`serve`)
 
     def _target_hidden(self, ids: list) -> list:
         ("(n_i, taps*dim) drafter input at every position of each ids_i (n_i,): "
@@ -441,65 +456,75 @@ def tap_window(self: DSparkProposer) -> int: return self.drafter.window  # posit
 
 # %% ../nbs/14_dspark.ipynb #d05ee65d
 @patch
-def _contexts(self: DSparkProposer, ids: list, hidden) -> torch.Tensor:
-    ("(N, W, dim): each request's `context` at its last W context positions, padded in front; "
-     "the target computes the hidden states a request lacks (None)")
-    d, dev = self.drafter, self.drafter.model.embed.weight.device
-    hidden = [None] * len(ids) if hidden is None else list(hidden)
-    ctx = [i for i, t in enumerate(ids) if len(t) > 1 and hidden[i] is None]  # the target computes
-    for i, h in zip(ctx, self._target_hidden([ids[i][:-1] for i in ctx]) if ctx else []):
-        hidden[i] = h
-    out = []
-    for i, t in enumerate(ids):
-        n, h = len(t) - 1, hidden[i]
+def _contexts(self: DSparkProposer, requests: list, hidden) -> torch.Tensor:
+    ("(N, W, dim): each request's `context` at its last W context positions, padded in front, "
+     "in one projection; the target computes the hidden states a request lacks (None)")
+    d, w = self.drafter, self.drafter.model.embed.weight
+    V, W = d.cfg.vocab_size, d.window
+    hidden = [None] * len(requests) if hidden is None else list(hidden)
+    ctx = [i for i, r in enumerate(requests) if len(r) > 1 and hidden[i] is None]  # the target computes
+    ids = [np.asarray(requests[i][:-1], dtype=np.int64) for i in ctx]
+    require(all(t.min() >= 0 and t.max() < V for t in ids),
+            f"propose: token ids must be in 0..{V - 1}")
+    ids = [torch.as_tensor(t, device=w.device) for t in ids]
+    for i, h in zip(ctx, self._target_hidden(ids) if ctx else []): hidden[i] = h
+    rows = torch.zeros(len(requests), W, d.hidden_dim, device=w.device, dtype=w.dtype)
+    for i, r in enumerate(requests):
+        n, h = len(r) - 1, hidden[i]
         require(h is None and n == 0 or (isinstance(h, torch.Tensor) and h.ndim == 2
-                and h.shape[1] == d.hidden_dim and min(n, d.window) <= len(h) <= n),
+                and h.shape[1] == d.hidden_dim and min(n, W) <= len(h) <= n),
                 f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; "
                 f"expected (m, {d.hidden_dim}) of its last m positions, "
-                f"{min(n, d.window)} <= m <= {n}")
-        if n: h = h.to(d.model.embed.weight.dtype)
-        mx = (d.context(h[-d.window:]) if n
-              else torch.zeros(0, d.cfg.dim, device=dev, dtype=d.model.embed.weight.dtype))
-        out.append(F.pad(mx, (0, 0, d.window - len(mx), 0)))
-    return torch.stack(out)
+                f"{min(n, W)} <= m <= {n}")
+        if n: rows[i, W - min(len(h), W):] = h[-W:]
+    return d.context(rows)   # padding rows project to zeros, and the window mask hides them
 
 # %% ../nbs/14_dspark.ipynb #ec9ff375
 @patch
 @torch.no_grad()
-def propose_with_probs(
+def _draft(
     self: DSparkProposer, requests: Sequence[Sequence[int]],  # each request's tokens so far
     # per request (n - 1, taps*dim) drafter input, if known
     hidden: Sequence[torch.Tensor] | None = None,
-) -> tuple:  # drafts (list per request), their draft distributions (list of (k, vocab))
-    ("Drafts per request and the distributions they were drawn from "
-     "(what probabilistic verification needs)")
-    d, dev = self.drafter, self.drafter.model.embed.weight.device
+) -> tuple:  # the `Draft` (None for no requests), drafts kept per request (N,) int64 on the host
+    "One drafter pass over the requests, and how many of each request's drafts to verify"
+    d, dev, V = self.drafter, self.drafter.model.embed.weight.device, self.drafter.cfg.vocab_size
     require(hidden is None or len(hidden) == len(requests),
             f"propose: {len(hidden or ())} hidden tensors for {len(requests)} requests")
-    if not len(requests): return [], []
-    ids = [torch.as_tensor(np.asarray(r, dtype=np.int64), device=dev) for r in requests]
-    require(all(len(t) > 0 for t in ids), "propose: every request needs at least one token")
-    V = d.cfg.vocab_size
-    require(all(int(t.min()) >= 0 and int(t.max()) < V for t in ids),
-            f"propose: token ids must be in 0..{V - 1}")
-    pos, valid = window_positions(torch.tensor([len(t) - 2 for t in ids], device=dev),
+    if not len(requests): return None, torch.zeros(0, dtype=torch.int64)
+    require(all(len(r) > 0 for r in requests), "propose: every request needs at least one token")
+    last = np.asarray([r[-1] for r in requests], dtype=np.int64)  # the only ids the drafter reads
+    require(last.min() >= 0 and last.max() < V, f"propose: token ids must be in 0..{V - 1}")
+    pos, valid = window_positions(torch.tensor([len(r) - 2 for r in requests], device=dev),
                                   d.window)
-    dr = d.draft(self._contexts(ids, hidden), pos, valid, torch.stack([t[-1] for t in ids]),
-                 self.temperature, self.generator)
-    k = torch.full((len(ids),), self.num_speculative_tokens)
+    args = (self._contexts(requests, hidden), pos, valid, torch.as_tensor(last, device=dev))
+    graphs = self.graphs if self.temperature == 0 else None   # graphs draw greedy drafts
+    dr = graphs(*args) if graphs is not None else d.draft(*args, self.temperature, self.generator)
+    k = torch.full((len(requests),), self.num_speculative_tokens)
     if self.adaptive:
-        k = torch.minimum(k, choose_verify_lengths(dr.accept_probs, self.step_cost))
+        k = torch.minimum(k, choose_verify_lengths(dr.accept_probs.cpu(), self.step_cost))
     if self.max_model_len is not None:
-        k = torch.minimum(k, torch.tensor([max(0, self.max_model_len - len(t)) for t in ids]))
-    self.last_draft, probs = dr, dr.probs
-    return ([dr.tokens[i, :int(k[i])].tolist() for i in range(len(ids))],
-            [probs[i, :int(k[i])] for i in range(len(ids))])
+        k = torch.minimum(k, torch.tensor([max(0, self.max_model_len - len(r)) for r in requests]))
+    self.last_draft = dr
+    return dr, k
 
 # %% ../nbs/14_dspark.ipynb #d7dccf62
 @patch
+def propose_with_probs(self: DSparkProposer, requests, hidden=None) -> tuple:
+    ("Drafts per request (list per request) and the distributions they were drawn from "
+     "(list of (k, vocab)): what probabilistic verification needs")
+    dr, k = self._draft(requests, hidden)
+    if dr is None: return [], []
+    probs = F.one_hot(dr.tokens, self.drafter.cfg.vocab_size).float() if dr.logits is None \
+        else dr.probs
+    toks = dr.tokens.tolist()
+    return [t[:j] for t, j in zip(toks, k.tolist())], [p[:j] for p, j in zip(probs, k.tolist())]
+
+@patch
 def propose(self: DSparkProposer, requests: Sequence[Sequence[int]], hidden=None) -> list:
-    "Up to k drafts per request (the scheduler's `Proposer` protocol)"
-    return self.propose_with_probs(requests, hidden)[0]
+    "Up to k drafts per request (the scheduler's `Proposer` protocol), read back in one copy"
+    dr, k = self._draft(requests, hidden)
+    return [] if dr is None else [t[:j] for t, j in zip(dr.tokens.tolist(), k.tolist())]
 
 # %% ../nbs/14_dspark.ipynb #e9be3d96
 @dataclass
@@ -728,6 +753,9 @@ def _dspark_method(eng, k: int) -> DSparkProposer:
     return dspark_proposer(eng.model, eng.args.drafter, k or None, max_model_len=eng.max_model_len)
 
 register_speculative('dspark', _dspark_method)
+
+# %% ../nbs/14_dspark.ipynb #0501abd1
+from . import drafter_graphs   # noqa: E402,F401  (DSparkProposer.serve, which an engine calls)
 
 # %% ../nbs/14_dspark.ipynb #7981dee9
 @dataclass

@@ -840,6 +840,9 @@ class LLMEngine:
         if (a.cuda_graphs and step_model.device.type == 'cuda'
                 and getattr(step_model, 'supports_cuda_graphs', False)):
             step_model = CUDAGraphModel(step_model, self.kv_cache_config, self.max_model_len)
+        if callable(getattr(self.proposer, 'serve', None)):   # a proposer with a model of its own
+            graphs = isinstance(step_model, CUDAGraphModel)
+            self.proposer.serve(capture=a.max_num_seqs if graphs else 0)
         self.runner = ModelRunner(step_model, self.kv_cache_config, self.proposer, a.seed,
                                   step_model.device, a.kernels)
         self.tracked, self._pending = {}, None

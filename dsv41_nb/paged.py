@@ -11,7 +11,7 @@ import torch, triton
 import torch.nn.functional as F
 from torch import nn
 from fastcore.basics import patch
-from .config import ModelConfig, expect_config, check_int, layer_topology
+from .config import ModelConfig, expect_config, check_int, layer_topology, require
 from .formats import RecordCodec, Field, cache_format
 from .block_pool import PAD_SLOT_ID
 from .kv_cache import KVCacheConfig, WINDOW_FORMAT, get_kv_cache_config
@@ -35,8 +35,8 @@ from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
 __all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
-           'paged_engram', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'token_history', 'PagedRunner',
-           'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
+           'paged_engram', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history',
+           'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
            'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
@@ -459,25 +459,36 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
     return sf.x, self._moe(l, sf.y), sf.post, sf.comb, sf.pre
 
 # %% ../nbs/10b_paged.ipynb #abc165d7
-@patch
-def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
+def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`); caches go on it
+               y: torch.Tensor, # (T, dim) the FFN input
+               cfg: ModelConfig,
+               n_activated: int | None = None) -> torch.Tensor: # top-k (default the config's); (T, dim) BF16
     ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K "
      "(both with the router in two launches); "
      "on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)")
+    require(isinstance(getattr(l, 'moe', None), MoEWeights),
+            f"served_moe: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
+            TypeError)
     if kernel_backend(y, l.moe.w1.codes) == 'triton':
         # the router's fp32 GEMM: its gate widened once, not every step
         if getattr(l, '_moe32', None) is None:
             l._moe32 = replace(l.moe, gate=l.moe.gate.float())
         if y.shape[0] <= GEMV_MAX_TOKENS:
-            return moe_gemv_forward(y, l._moe32, self.cfg,
+            return moe_gemv_forward(y, l._moe32, cfg, n_activated=n_activated,
                                     router=partial(fused_route, split_k=True))
-        return moe_forward(y, l._moe32, self.cfg, gate_up=expert_gate_up_split, router=fused_route)
+        return moe_forward(y, l._moe32, cfg, n_activated=n_activated,
+                           gate_up=expert_gate_up_split, router=fused_route)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()
                         for n in ('w1', 'w2', 'w3', 'shared_w1', 'shared_w2', 'shared_w3')}
-    return moe_experts_reference(y, *route_layer(y, l.moe, self.cfg), l.moe, self.cfg.swiglu_limit,
-                                 l._dense_moe)
+    return moe_experts_reference(y, *route_layer(y, l.moe, cfg, n_activated=n_activated), l.moe,
+                                 cfg.swiglu_limit, l._dense_moe)
+
+@patch
+def _moe(self: PagedModel, l: PagedLayer, y: torch.Tensor) -> torch.Tensor:
+    "Layer `l`'s MoE on y (T, dim): `served_moe`"
+    return served_moe(l, y, self.cfg)
 
 # %% ../nbs/10b_paged.ipynb #022ceea4
 @patch

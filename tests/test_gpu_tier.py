@@ -189,3 +189,25 @@ def test_dspark_verification_steps_replay_from_graphs(small, async_scheduling):
     assert _serve(small, PROMPTS, keep, proposer=prop(), async_scheduling=async_scheduling) == eager
     cg = keep[0].llm_engine.runner.model
     assert cg.journaled and cg.stats['replayed'] > 0 and cg.model.ring_restores > 0, cg
+    graphs = keep[0].llm_engine.proposer.graphs      # the engine served the drafter: its drafts from graphs too
+    assert graphs is not None and graphs.stats['replayed'] > 0 and graphs.stats['eager'] == 0, graphs.stats
+
+
+def test_drafter_graphs_draft_as_the_served_drafter(small):
+    """The small checkpoint's drafter, served: greedy drafts replayed from CUDA graphs of padded sizes against the same
+    drafter run eagerly at exactly N (a padded GEMM may round a near-tie apart: nine in ten slots at least), and the
+    confidence logits of every request whose drafts agree"""
+    from dsv41_nb.dspark import Drafter, load_drafter, window_positions
+    from dsv41_nb.drafter_graphs import DrafterGraphs
+    d = load_drafter(Drafter(small), SMALL / 'dspark.safetensors').serve()
+    graphs, g = DrafterGraphs(d, sizes=(4, 8)), torch.Generator(device=DEV).manual_seed(0)
+    for N in (3, 8, 11, 2):
+        x = torch.randn(N, d.window, small.cfg.dim, generator=g, device=DEV).to(small.embed.weight.dtype)
+        pos, valid = window_positions(torch.randint(0, 100, (N,), generator=g, device=DEV), d.window)
+        t = torch.randint(1, small.cfg.vocab_size, (N,), generator=g, device=DEV)
+        with torch.no_grad(): got, want = graphs(x, pos, valid, t), d.draft(x, pos, valid, t)
+        same = (got.tokens == want.tokens)
+        assert same.float().mean() >= 0.9, (N, got.tokens, want.tokens)
+        rows = same.all(1)
+        torch.testing.assert_close(got.confidence[rows], want.confidence[rows], rtol=0.05, atol=0.05)
+    assert graphs.stats == dict(replayed=3, eager=1, captured=2), graphs.stats

@@ -1,0 +1,122 @@
+"""The drafter on the serving path against the reference: its served MoE against the block's own, its drafts through
+the (emulated) graphs against the drafter alone, padded or above the largest size, and the engine's greedy tokens with
+the served drafter against the engine without speculation; one table of bad inputs."""
+import tempfile
+from dataclasses import replace
+import pytest
+import torch
+from fastcore.test import test_fail as fails_with
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.model import init_random, DenseRun, ByteTokenizer
+from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions, save_drafter
+from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs
+from dsv41_nb.checkpoint import DRAFTER_NAME
+from dsv41_nb.engine import LLM
+from dsv41_nb.scheduler import SamplingParams
+
+TINY = ModelConfig.tiny()
+pytestmark = pytest.mark.usefixtures('one_thread')   # conftest: tiny tensors, one thread
+
+
+@pytest.fixture(scope='module')
+def model():
+    m = init_random(TINY, seed=0, max_seq_len=4096)
+    m.quant = True
+    return m
+
+
+def windows(N, seed=0):
+    "Random drafter inputs of N requests: contexts (N, W, dim), positions, validity, newest tokens"
+    g, W = torch.Generator().manual_seed(seed), TINY.window_size
+    x = torch.randn(N, W, TINY.dim, generator=g).to(torch.bfloat16)
+    pos, valid = window_positions(torch.randint(0, 60, (N,), generator=g), W)
+    return x, pos, valid, torch.randint(1, TINY.vocab_size, (N,), generator=g)
+
+
+def test_served_moe_is_the_block_moe_on_a_cpu():
+    """On a CPU the served MoE is the reference loop over weights dequantised once: the block's own MoE exactly, with
+    the drafter's top-k (here 3 of 4), not the backbone's"""
+    cfg = replace(TINY, dspark_n_activated_experts=3)
+    m = init_random(cfg, seed=1, max_seq_len=4096)
+    blk, y = m.mtp[1], torch.randn(3, 5, cfg.dim).to(torch.bfloat16)
+    run = DenseRun(cfg, torch.arange(5), True)
+    served = ServedMoE(blk.ffn, cfg)
+    assert served.n_activated == 3 != cfg.n_activated_experts
+    with torch.no_grad(): assert torch.equal(served(y, run), blk.ffn(y, run))
+
+
+def test_a_served_drafter_drafts_as_the_reference(model):
+    "Serving swaps kernels, not arithmetic, on a CPU: the same drafts and confidence; the reference drafter untouched"
+    ref, served = Drafter(model), Drafter(model).serve()
+    assert ref.moes is None and len(served.moes) == TINY.n_mtp_layers
+    a = windows(5)
+    with torch.no_grad(): want, got = ref.draft(*a), served.draft(*a)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.confidence, want.confidence)
+
+
+def test_emulated_graphs_pad_and_replay(model):
+    "Padded sizes draft as the requests alone; a captured size is reused; above the largest size runs eagerly"
+    d = Drafter(model).serve()
+    graphs, a = DrafterGraphs(d, sizes=(2, 4), emulate=True), windows(6, seed=1)
+    with torch.no_grad():
+        for n in (3, 1, 4, 6, 3):
+            want, got = d.draft(*(t[:n] for t in a)), graphs(*(t[:n] for t in a))
+            assert torch.equal(got.tokens, want.tokens) and (got.logits is None) == (n <= 4)
+            torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-4, atol=1e-4)
+    assert sorted(graphs.graphs) == [2, 4] and graphs.stats == dict(replayed=4, eager=1, captured=0)
+
+
+def test_stale_rows_never_leak_into_a_smaller_batch(model):
+    "A size replayed for fewer requests than last time: the rows past N are padding again, the first N fresh"
+    d = Drafter(model).serve()
+    graphs, big, small = DrafterGraphs(d, sizes=(4,), emulate=True), windows(4, seed=2), windows(2, seed=3)
+    with torch.no_grad():
+        graphs(*big)
+        got, want = graphs(*small), d.draft(*small)
+        x, pos, valid, tokens = graphs.graphs[4][1]
+    assert torch.equal(got.tokens, want.tokens)
+    assert not valid[2:].any() and not tokens[2:].any() and not x[2:].any()
+
+
+def test_the_engine_serves_dspark_and_keeps_greedy_tokens(model):
+    "LLM(speculative='dspark') serves its drafter (no graphs on a CPU); greedy tokens as without speculation"
+    tok = ByteTokenizer(TINY)
+    prompts = [tok.encode(s) for s in ('the cat sat', 'a', 'one two three four')]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = LLM(model, max_model_len=128, kernels='torch').generate(prompts, sp, use_tqdm=False)
+    with tempfile.TemporaryDirectory() as d:
+        save_drafter(Drafter(model), f'{d}/{DRAFTER_NAME}')
+        llm = LLM(model, speculative='dspark', drafter=f'{d}/{DRAFTER_NAME}', num_speculative_tokens=3,
+                  max_model_len=128, kernels='torch')
+    spec = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    prop = llm.llm_engine.proposer
+    assert prop.drafter.moes is not None and prop.graphs is None
+    assert llm.llm_engine.scheduler.stats['draft_tokens'] > 0
+
+
+def test_serve_takes_graphs_only_on_a_gpu(model):
+    "serve(capture) on a CPU model: served, no graphs (nothing to capture on)"
+    p = DSparkProposer(Drafter(model)).serve(capture=8)
+    assert p.drafter.moes is not None and p.graphs is None
+
+
+BAD = [
+    (lambda m: ServedMoE(m.mtp[0].attn, TINY), TypeError, 'expected a MoE'),
+    (lambda m: DrafterGraphs('drafter'), TypeError, 'expected a Drafter'),
+    (lambda m: DrafterGraphs(Drafter(m)), ValueError, 'must be served first'),
+    (lambda m: DrafterGraphs(Drafter(m).serve(), sizes=(0,), emulate=True), ValueError, 'size'),
+    (lambda m: DrafterGraphs(Drafter(m).serve(), sizes=(), emulate=True), ValueError, 'no sizes'),
+    (lambda m: DrafterGraphs(Drafter(m).serve()), ValueError, 'CUDA graphs need a GPU'),
+    (lambda m: DrafterGraphs(Drafter(m).serve(), emulate=True)(*windows(2)[:3], torch.zeros(1, dtype=torch.int64)),
+     ValueError, 'expected (N, 16, 64)'),
+    (lambda m: DrafterGraphs(Drafter(m).serve(), emulate=True)(windows(2)[0][:, :3], *windows(2)[1:]),
+     ValueError, 'expected (N, 16, 64)'),
+    (lambda m: DSparkProposer(Drafter(m)).serve(-1), ValueError, 'capture'),
+]
+
+
+@pytest.mark.parametrize('make,exc,msg', BAD)
+def test_bad_inputs(model, make, exc, msg):
+    fails_with(lambda: make(model), contains=msg)
+    with pytest.raises(exc): make(model)
