@@ -10,12 +10,13 @@ from fastcore.basics import patch
 from .config import ModelConfig, check_int, require
 from .model import MoE, DenseRun
 from .paged import moe_weights, served_moe
+from .fused_moe import fp8_act_quant
 from .dispatch import cuda_graph
 from .cuda_graphs import CAPTURE_SIZES, padded_batch_size
-from .dspark import Drafter, Draft, DSparkProposer
+from .dspark import Drafter, Draft, DSparkProposer, expected_accepted
 
 # %% auto #0
-__all__ = ['ServedMoE', 'DrafterGraphs']
+__all__ = ['ServedMoE', 'served_act_qdq', 'DrafterGraphs', 'DraftPacer']
 
 # %% ../nbs/14a_drafter_graphs.ipynb #4ace8c23
 class ServedMoE:
@@ -31,12 +32,18 @@ class ServedMoE:
     def __repr__(self):
         return f"ServedMoE({self.moe.n_experts} experts, top {self.n_activated})"
 
+# %% ../nbs/14a_drafter_graphs.ipynb #c6b83c24
+def served_act_qdq(x: torch.Tensor) -> torch.Tensor:
+    "`act_qdq`'s values from one kernel (`fp8_act_quant`), for inference only: no gradient flows"
+    return fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
+
 # %% ../nbs/14a_drafter_graphs.ipynb #683f438f
 @patch
 def serve(self: Drafter) -> Drafter:
-    ("The drafter on the serving path: each block's MoE served (`ServedMoE`), the base logits "
-     "from the Triton head on a GPU; returns the drafter")
+    ("The drafter on the serving path: each block's MoE served (`ServedMoE`), activations rounded "
+     "to FP8 in one kernel, the base logits from the Triton head on a GPU; returns the drafter")
     if self.moes is None: self.moes = [ServedMoE(b.ffn, self.cfg) for b in self.blocks]
+    self.qdq = served_act_qdq
     return self
 
 # %% ../nbs/14a_drafter_graphs.ipynb #0b07dcbe
@@ -116,9 +123,46 @@ def serve(self: DSparkProposer,
     ("The proposer as an engine runs it: the drafter served, greedy drafts from CUDA graphs for up "
      "to `capture` requests on a GPU; returns the proposer")
     check_int('DSparkProposer.serve', 'capture', capture, 0)
-    self.drafter.serve()
+    self.drafter.serve(); self._pace()
     on_gpu = self.drafter.model.embed.weight.device.type == 'cuda'
     if capture and on_gpu and self.graphs is None:
         top = padded_batch_size(capture) or CAPTURE_SIZES[-1]
         self.graphs = DrafterGraphs(self.drafter, [s for s in CAPTURE_SIZES if s <= top])
+    return self
+
+# %% ../nbs/14a_drafter_graphs.ipynb #c3ea03b2
+class DraftPacer:
+    "Whether an adaptive proposer drafts in a step: skip while the measured drafter cost exceeds its expected gain"
+    def __init__(self, max_backoff: int = 32): # most steps skipped between two probes
+        self.max_backoff = check_int('DraftPacer', 'max_backoff', max_backoff, 1)
+        self.skip, self.backoff = 0, 1
+        self.stats = dict(drafted=0, skipped=0, paid=0)
+    def draft_now(self) -> bool:
+        "Draft in this step? (counts the step either way)"
+        if self.skip:
+            self.skip -= 1; self.stats['skipped'] += 1; return False
+        self.stats['drafted'] += 1; return True
+    def __repr__(self): return f"DraftPacer(backoff {self.backoff}, {self.stats})"
+
+# %% ../nbs/14a_drafter_graphs.ipynb #7bc326dd
+@patch
+def update(self: DraftPacer, prop: DSparkProposer,
+           dr: Draft, # the step's drafts
+           k: torch.Tensor, # (N,) drafts each request verifies
+           seconds: float): # the proposer's call, measured
+    "After a drafted step: keep drafting if it paid, else back off"
+    N = len(k)
+    cost = prop.step_cost.for_batch(N) if hasattr(prop.step_cost, 'for_batch') else prop.step_cost
+    gain = expected_accepted(dr.accept_probs.cpu().double()).gather(1, k[:, None]).sum()
+    c_spec, c_off = cost(torch.tensor([N + int(k.sum()), N])).double().tolist()
+    if (N + float(gain)) / (c_spec + seconds) >= N / c_off:
+        self.backoff = 1; self.stats['paid'] += 1
+    else:
+        self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
+
+# %% ../nbs/14a_drafter_graphs.ipynb #6e549e9e
+@patch
+def _pace(self: DSparkProposer, max_backoff: int = 32) -> DSparkProposer:
+    "An adaptive proposer's `DraftPacer` (a fixed one drafts every step); returns the proposer"
+    if self.adaptive and self.pacer is None: self.pacer = DraftPacer(max_backoff)
     return self

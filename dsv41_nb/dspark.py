@@ -51,6 +51,7 @@ class Drafter:
         self.hidden_dim = cfg.dim * len(cfg.dspark_target_layer_ids)
         # per block, the MoE on the serving path's kernels (`serve` sets them; None: the reference)
         self.moes, self._inv = None, {}
+        self.qdq = act_qdq   # activations onto the FP8 grid (`serve`: one kernel)
 
     def parameters(self): return self.blocks.parameters()
     def __repr__(self):
@@ -69,7 +70,7 @@ def context(self: Drafter,
     require(ok, f"context: expected hidden states (..., S, {self.hidden_dim}), "
                 f"got {tuple(getattr(hidden, 'shape', ()))}")
     b0 = self.blocks[0]
-    return b0.main_norm(b0.main_proj(hidden, self.model.quant))
+    return b0.main_norm(self._lin(b0.main_proj, hidden))
 
 # %% ../nbs/14_dspark.ipynb #9572279b
 def window_positions(
@@ -95,6 +96,13 @@ def inv_freq(self: Drafter, device) -> torch.Tensor:
     if device not in self._inv: self._inv[device] = layer_inv_freq(self.cfg, 0).to(device)
     return self._inv[device]
 
+# %% ../nbs/14_dspark.ipynb #71873d94
+@patch
+def _lin(self: Drafter, lin, x: torch.Tensor) -> torch.Tensor:
+    "A drafter linear on x, with `quant` x rounded to the FP8 grid by `self.qdq` (as `Linear` would)"
+    q = self.model.quant and lin.fmt != 'bf16'
+    return lin(self.qdq(x) if q else x, self.model.quant, act=False)
+
 # %% ../nbs/14_dspark.ipynb #13b2bfc3
 @patch
 def attend(
@@ -107,12 +115,12 @@ def attend(
     ("One drafter layer's attention: "
      "block queries over the window KV (from the context) and the whole block")
     quant, (N, B) = self.model.quant, y.shape[:2]
-    q = attn.wq_b(attn.q_norm(attn.wq_a(y, quant)), quant)
+    q = self._lin(attn.wq_b, attn.q_norm(self._lin(attn.wq_a, y)))
     q = q.unflatten(-1, (attn.n_heads, attn.head_dim))  # (N, B, H, D)
     q = apply_rope(q, blk_rope[0][:, :, None], blk_rope[1][:, :, None])
-    kv = lambda x, cs: apply_rope(attn.kv_norm(attn.wkv(x, quant)), *cs)
+    kv = lambda x, cs: apply_rope(attn.kv_norm(self._lin(attn.wkv, x)), *cs)
     keys = torch.cat([kv(main_x, ctx_rope), kv(y, blk_rope)], 1)  # (N, W + B, D)
-    keys = act_qdq(keys) if quant else keys
+    keys = self.qdq(keys) if quant else keys
     # (N, B, W + B)
     allowed = torch.cat([valid[:, None, :].expand(N, B, -1), valid.new_ones(N, B, B)], 2)
     o = dense_attention(q, keys, allowed, attn.attn_sink, attn.scale)  # (N, B, H, D)
@@ -120,7 +128,7 @@ def attend(
     o = o.flatten(2).unflatten(2, (attn.n_groups, -1))  # (N, B, G, H*D/G)
     wo_a = attn.wo_a.grid_weight() if quant else attn.wo_a.weight
     o = torch.einsum('bsgi,gri->bsgr', o, wo_a.to(o.dtype).unflatten(0, (attn.n_groups, -1)))
-    return attn.wo_b(o.flatten(2), quant)
+    return self._lin(attn.wo_b, o.flatten(2))
 
 # %% ../nbs/14_dspark.ipynb #ab9188df
 @patch
@@ -435,6 +443,7 @@ class DSparkProposer:
         self.max_model_len, self.generator = max_model_len, generator
         self.last_draft = None    # the newest `Draft`, for statistics
         self.graphs = None        # greedy drafts replayed from CUDA graphs (`serve`)
+        self.pacer = None         # adaptive: whether a step drafts at all (`serve`)
 
     def _target_hidden(self, ids: list) -> list:
         ("(n_i, taps*dim) drafter input at every position of each ids_i (n_i,): "
@@ -522,9 +531,16 @@ def propose_with_probs(self: DSparkProposer, requests, hidden=None) -> tuple:
 
 @patch
 def propose(self: DSparkProposer, requests: Sequence[Sequence[int]], hidden=None) -> list:
-    "Up to k drafts per request (the scheduler's `Proposer` protocol), read back in one copy"
+    ("Up to k drafts per request (the scheduler's `Proposer` protocol), read back in one copy; "
+     "a `pacer` may skip drafting in a step, and is told what a drafted step cost")
+    if self.pacer is not None and len(requests) and not self.pacer.draft_now():
+        return [[] for _ in requests]
+    t0 = time.perf_counter()
     dr, k = self._draft(requests, hidden)
-    return [] if dr is None else [t[:j] for t, j in zip(dr.tokens.tolist(), k.tolist())]
+    if dr is None: return []
+    out = [t[:j] for t, j in zip(dr.tokens.tolist(), k.tolist())]
+    if self.pacer is not None: self.pacer.update(self, dr, k, time.perf_counter() - t0)
+    return out
 
 # %% ../nbs/14_dspark.ipynb #e9be3d96
 @dataclass
