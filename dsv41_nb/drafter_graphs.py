@@ -11,12 +11,13 @@ from .config import ModelConfig, check_int, require
 from .model import MoE, DenseRun
 from .paged import moe_weights, served_moe
 from .fused_moe import fp8_act_quant
+from .mhc import HCWeights, SeamOut, mhc_seam, hc_pre
 from .dispatch import cuda_graph
 from .cuda_graphs import CAPTURE_SIZES, padded_batch_size
 from .dspark import Drafter, Draft, DSparkProposer, expected_accepted
 
 # %% auto #0
-__all__ = ['ServedMoE', 'served_act_qdq', 'DrafterGraphs', 'DraftPacer']
+__all__ = ['ServedMoE', 'served_act_qdq', 'block_seam', 'DrafterGraphs', 'DraftPacer']
 
 # %% ../nbs/14a_drafter_graphs.ipynb #4ace8c23
 class ServedMoE:
@@ -37,12 +38,37 @@ def served_act_qdq(x: torch.Tensor) -> torch.Tensor:
     "`act_qdq`'s values from one kernel (`fp8_act_quant`), for inference only: no gradient flows"
     return fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
 
+# %% ../nbs/14a_drafter_graphs.ipynb #5686e6b8
+def block_seam(block, sub: str) -> HCWeights:
+    "A block's hyper-connection weights of sublayer `sub` ('attn' or 'ffn') as `mhc_seam` takes them"
+    require(sub in ('attn', 'ffn'), f"block_seam: sub {sub!r}; expected 'attn' or 'ffn'")
+    return HCWeights(*(getattr(block, f'hc_{sub}_{p}').detach().float()
+                       for p in ('fn', 'base', 'scale')))
+
+# %% ../nbs/14a_drafter_graphs.ipynb #219e63a9
+@patch
+def _trunk_seams(self: Drafter, h, pre, main_x, blk_rope, ctx_rope, valid) -> torch.Tensor:
+    ("`trunk`'s block loop on fused seams: copies h (N*B, hc, dim) and input mix pre in, the "
+     "collapsed stream (N, B, dim) out")
+    N, B = valid.shape[0], self.block_size
+    s, f = SeamOut(h, None, None, None, pre, None, None), None
+    for blk, seams, moe in zip(self.blocks, self.seams, self.moes):
+        for j, norm in enumerate((blk.attn_norm, blk.ffn_norm)):
+            s = mhc_seam(s.x, f, s.post, s.comb, s.pre, seams[j], norm.weight, self.cfg)
+            y = s.y.view(N, B, -1)
+            f = (self.attend(blk.attn, y, main_x, blk_rope, ctx_rope, valid) if j == 0
+                 else moe(y)).flatten(0, 1)
+    x = mhc_seam(s.x, f, s.post, s.comb, cfg=self.cfg).x   # the last residual update
+    return hc_pre(x, s.pre).view(N, B, -1)
+
 # %% ../nbs/14a_drafter_graphs.ipynb #683f438f
 @patch
 def serve(self: Drafter) -> Drafter:
-    ("The drafter on the serving path: each block's MoE served (`ServedMoE`), activations rounded "
-     "to FP8 in one kernel, the base logits from the Triton head on a GPU; returns the drafter")
+    ("The drafter on the serving path: each block's MoE served (`ServedMoE`), each mHC seam one "
+     "kernel, activations rounded to FP8 in one kernel, the base logits from the Triton head on "
+     "a GPU; returns the drafter")
     if self.moes is None: self.moes = [ServedMoE(b.ffn, self.cfg) for b in self.blocks]
+    self.seams = [(block_seam(b, 'attn'), block_seam(b, 'ffn')) for b in self.blocks]
     self.qdq = served_act_qdq
     return self
 

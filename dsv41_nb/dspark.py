@@ -51,12 +51,20 @@ class Drafter:
         self.hidden_dim = cfg.dim * len(cfg.dspark_target_layer_ids)
         # per block, the MoE on the serving path's kernels (`serve` sets them; None: the reference)
         self.moes, self._inv = None, {}
+        self.seams = None    # per block, its two sublayers' `HCWeights` (`serve`: fused seams)
         self.qdq = act_qdq   # activations onto the FP8 grid (`serve`: one kernel)
 
     def parameters(self): return self.blocks.parameters()
     def __repr__(self):
         return (f"Drafter({len(self.blocks)} blocks, block of {self.block_size}, "
                 f"window {self.window}, input {self.hidden_dim} -> {self.cfg.dim})")
+
+# %% ../nbs/14_dspark.ipynb #71873d94
+@patch
+def _lin(self: Drafter, lin, x: torch.Tensor) -> torch.Tensor:
+    "A drafter linear on x, with `quant` x rounded to the FP8 grid by `self.qdq` (as `Linear` would)"
+    q = self.model.quant and lin.fmt != 'bf16'
+    return lin(self.qdq(x) if q else x, self.model.quant, act=False)
 
 # %% ../nbs/14_dspark.ipynb #07bd7dd5
 @patch
@@ -95,13 +103,6 @@ def inv_freq(self: Drafter, device) -> torch.Tensor:
     device = torch.device(device)
     if device not in self._inv: self._inv[device] = layer_inv_freq(self.cfg, 0).to(device)
     return self._inv[device]
-
-# %% ../nbs/14_dspark.ipynb #71873d94
-@patch
-def _lin(self: Drafter, lin, x: torch.Tensor) -> torch.Tensor:
-    "A drafter linear on x, with `quant` x rounded to the FP8 grid by `self.qdq` (as `Linear` would)"
-    q = self.model.quant and lin.fmt != 'bf16'
-    return lin(self.qdq(x) if q else x, self.model.quant, act=False)
 
 # %% ../nbs/14_dspark.ipynb #13b2bfc3
 @patch
@@ -152,6 +153,8 @@ def trunk(
     blk_rope, ctx_rope = _rope_rows(inv, pos), _rope_rows(inv, ctx_pos)
     h, pre = hc_expand(F.embedding(ids, self.model.embed.weight).flatten(0, 1).to(main_x.dtype),
                        cfg.hc_mult)
+    if self.seams is not None:   # served: one mHC kernel per seam (`serve`)
+        return self._trunk_seams(h, pre, main_x, blk_rope, ctx_rope, valid)
     run = DenseRun(cfg, pos.flatten(), self.model.quant)  # what the MoE reads
     for i, blk in enumerate(self.blocks):
         ffn = blk.ffn if self.moes is None else self.moes[i]

@@ -9,10 +9,11 @@ from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, DenseRun, ByteTokenizer
 from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions, save_drafter
-from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer
+from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer, block_seam
 from dsv41_nb.checkpoint import DRAFTER_NAME
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
+from dsv41_nb.dispatch import use_kernels
 
 TINY = ModelConfig.tiny()
 pytestmark = pytest.mark.usefixtures('one_thread')   # conftest: tiny tensors, one thread
@@ -48,7 +49,8 @@ def test_served_moe_is_the_block_moe_on_a_cpu():
 def test_a_served_drafter_drafts_as_the_reference(model):
     "Serving swaps kernels, not arithmetic, on a CPU: the same drafts and confidence; the reference drafter untouched"
     ref, served = Drafter(model), Drafter(model).serve()
-    assert ref.moes is None and len(served.moes) == TINY.n_mtp_layers
+    assert ref.moes is None and ref.seams is None
+    assert len(served.moes) == len(served.seams) == TINY.n_mtp_layers
     a = windows(5)
     with torch.no_grad(): want, got = ref.draft(*a), served.draft(*a)
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.confidence, want.confidence)
@@ -58,7 +60,7 @@ def test_emulated_graphs_pad_and_replay(model):
     "Padded sizes draft as the requests alone; a captured size is reused; above the largest size runs eagerly"
     d = Drafter(model).serve()
     graphs, a = DrafterGraphs(d, sizes=(2, 4), emulate=True), windows(6, seed=1)
-    with torch.no_grad():
+    with torch.no_grad(), use_kernels('torch'):     # the padding and buffers, not the kernels, are under test
         for n in (3, 6, 1):
             want, got = d.draft(*(t[:n] for t in a)), graphs(*(t[:n] for t in a))
             assert torch.equal(got.tokens, want.tokens) and (got.logits is None) == (n <= 4)
@@ -70,7 +72,7 @@ def test_stale_rows_never_leak_into_a_smaller_batch(model):
     "A size replayed for fewer requests than last time: the rows past N are padding again, the first N fresh"
     d = Drafter(model).serve()
     graphs, big, small = DrafterGraphs(d, sizes=(4,), emulate=True), windows(4, seed=2), windows(2, seed=3)
-    with torch.no_grad():
+    with torch.no_grad(), use_kernels('torch'):
         graphs(*big)
         got, want = graphs(*small), d.draft(*small)
         x, pos, valid, tokens = graphs.graphs[4][1]
@@ -88,7 +90,7 @@ def test_the_engine_serves_dspark_and_keeps_greedy_tokens(model):
         save_drafter(Drafter(model), f'{d}/{DRAFTER_NAME}')
         llm = LLM(model, speculative='dspark', drafter=f'{d}/{DRAFTER_NAME}', num_speculative_tokens=3,
                   max_model_len=128, kernels='torch')
-    spec = llm.generate(prompts, sp, use_tqdm=False)
+    with use_kernels('torch'): spec = llm.generate(prompts, sp, use_tqdm=False)     # the drafter's too
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     prop = llm.llm_engine.proposer
     assert prop.drafter.moes is not None and prop.graphs is None
@@ -114,6 +116,7 @@ BAD = [
      ValueError, 'expected (N, 16, 64)'),
     (lambda m: DSparkProposer(Drafter(m)).serve(-1), ValueError, 'capture'),
     (lambda m: DraftPacer(0), ValueError, 'max_backoff'),
+    (lambda m: block_seam(m.mtp[0], 'moe'), ValueError, "expected 'attn' or 'ffn'"),
 ]
 
 
@@ -127,8 +130,8 @@ def _flat(T): return torch.full(torch.as_tensor(T).shape, 1e-3, dtype=torch.floa
 
 
 def test_the_pacer_backs_off_while_drafting_costs_more_than_it_earns(model):
-    """A drafter costing 10 ms against 1 ms steps never pays: probes at steps 1, 3, 6, 11, 20, 29, ... (backoff doubling to
-    8); a free one always pays; one that pays again resets the backoff"""
+    """A drafter costing 10 ms against 1 ms steps never pays: probes at steps 1, 3, 6, 11, 20, 29 (backoff
+    doubling to 8); a free one always pays; one that pays again resets the backoff"""
     prop = DSparkProposer(Drafter(model), adaptive=True, step_cost=_flat)
     with torch.no_grad(): dr = prop.drafter.draft(*windows(2))
     k, slow, free = torch.tensor([3, 2]), DraftPacer(max_backoff=8), DraftPacer()
@@ -151,7 +154,7 @@ def test_an_adaptive_engine_proposer_skips_steps_and_keeps_greedy_tokens(model):
     plain = LLM(model, max_model_len=128, kernels='torch').generate(prompts, sp, use_tqdm=False)
     prop = DSparkProposer(Drafter(model), 3, adaptive=True, step_cost=_flat)
     llm = LLM(model, proposer=prop, max_model_len=128, kernels='torch')
-    spec = llm.generate(prompts, sp, use_tqdm=False)
+    with use_kernels('torch'): spec = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert prop.pacer is not None and prop.pacer.stats['skipped'] > 0 and prop.pacer.stats['paid'] == 0
     assert DSparkProposer(Drafter(model), 3).serve().pacer is None          # fixed: drafts every step
