@@ -24,6 +24,8 @@ from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
 from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens
 from .checkpoint import DRAFTER_NAME
 from . import dspark   # imported for its side: it registers speculative='dspark'
+# and for this one: an engine serves the drafter (fused kernels, CUDA graphs)
+from . import drafter_graphs
 
 # %% ../nbs/99_cli.ipynb #c871927b
 PRESETS = {'full': ModelConfig.full, 'bench': ModelConfig.bench, 'tiny': ModelConfig.tiny}

@@ -142,20 +142,6 @@ def __call__(self: DrafterGraphs,
     replay(); self.stats['replayed'] += 1
     return Draft(out['tokens'][:N].clone(), None, out['confidence'][:N].clone(), 0.0)
 
-# %% ../nbs/14a_drafter_graphs.ipynb #bb2261de
-@patch
-def serve(self: DSparkProposer,
-          capture: int = 0) -> DSparkProposer: # most requests drafted from CUDA graphs (0: none)
-    ("The proposer as an engine runs it: the drafter served, greedy drafts from CUDA graphs for up "
-     "to `capture` requests on a GPU; returns the proposer")
-    check_int('DSparkProposer.serve', 'capture', capture, 0)
-    self.drafter.serve(); self._pace()
-    on_gpu = self.drafter.model.embed.weight.device.type == 'cuda'
-    if capture and on_gpu and self.graphs is None:
-        top = padded_batch_size(capture) or CAPTURE_SIZES[-1]
-        self.graphs = DrafterGraphs(self.drafter, [s for s in CAPTURE_SIZES if s <= top])
-    return self
-
 # %% ../nbs/14a_drafter_graphs.ipynb #c3ea03b2
 class DraftPacer:
     "Whether an adaptive proposer drafts in a step: skip while the measured drafter cost exceeds its expected gain"
@@ -191,4 +177,18 @@ def update(self: DraftPacer, prop: DSparkProposer,
 def _pace(self: DSparkProposer, max_backoff: int = 32) -> DSparkProposer:
     "An adaptive proposer's `DraftPacer` (a fixed one drafts every step); returns the proposer"
     if self.adaptive and self.pacer is None: self.pacer = DraftPacer(max_backoff)
+    return self
+
+# %% ../nbs/14a_drafter_graphs.ipynb #bb2261de
+@patch
+def serve(self: DSparkProposer,
+          capture: int = 0) -> DSparkProposer: # most requests drafted from CUDA graphs (0: none)
+    ("The proposer as an engine runs it: the drafter served, greedy drafts from CUDA graphs for up "
+     "to `capture` requests on a GPU; returns the proposer")
+    check_int('DSparkProposer.serve', 'capture', capture, 0)
+    self.drafter.serve(); self._pace()
+    on_gpu = self.drafter.model.embed.weight.device.type == 'cuda'
+    if capture and on_gpu and self.graphs is None:
+        top = padded_batch_size(capture) or CAPTURE_SIZES[-1]
+        self.graphs = DrafterGraphs(self.drafter, [s for s in CAPTURE_SIZES if s <= top])
     return self

@@ -773,9 +773,6 @@ def _dspark_method(eng, k: int) -> DSparkProposer:
 
 register_speculative('dspark', _dspark_method)
 
-# %% ../nbs/14_dspark.ipynb #0501abd1
-from . import drafter_graphs   # noqa: E402,F401  (DSparkProposer.serve, which an engine calls)
-
 # %% ../nbs/14_dspark.ipynb #7981dee9
 @dataclass
 class StepCostProfile:

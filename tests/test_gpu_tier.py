@@ -27,6 +27,7 @@ from dsv41_nb.model import ByteTokenizer
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
 from test_mhc import seam_args
+import dsv41_nb.drafter_graphs  # noqa: F401,E402  (an engine serves the DSpark drafter: fused kernels, CUDA graphs)
 
 GPU = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not GPU, reason='the GPU tier: compiled kernels and CUDA graphs need a GPU')
