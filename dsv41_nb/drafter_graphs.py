@@ -21,7 +21,7 @@ __all__ = ['ServedMoE', 'served_act_qdq', 'block_seam', 'DrafterGraphs', 'DraftP
 
 # %% ../nbs/14a_drafter_graphs.ipynb #4ace8c23
 class ServedMoE:
-    "A drafter block's MoE on the serving path's kernels (`served_moe`), called as the block's `ffn`"
+    "A drafter block's MoE on the serving path's kernels (`served_moe`), called as its `ffn`"
     def __init__(self, moe: MoE, cfg: ModelConfig):
         require(isinstance(moe, MoE), f"ServedMoE: expected a MoE, got {type(moe).__name__}",
                 TypeError)
@@ -40,7 +40,7 @@ def served_act_qdq(x: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/14a_drafter_graphs.ipynb #5686e6b8
 def block_seam(block, sub: str) -> HCWeights:
-    "A block's hyper-connection weights of sublayer `sub` ('attn' or 'ffn') as `mhc_seam` takes them"
+    "A block's hyper-connection weights of sublayer `sub` ('attn', 'ffn'), as `mhc_seam` reads them"
     require(sub in ('attn', 'ffn'), f"block_seam: sub {sub!r}; expected 'attn' or 'ffn'")
     return HCWeights(*(getattr(block, f'hc_{sub}_{p}').detach().float()
                        for p in ('fn', 'base', 'scale')))
@@ -127,9 +127,9 @@ def __call__(self: DrafterGraphs,
     W, dim = d.window, d.cfg.dim
     ok = (N >= 1 and tokens.ndim == 1 and main_x.shape == (N, W, dim)
           and ctx_pos.shape == valid.shape == (N, W))
-    require(ok, f"DrafterGraphs: main_x {tuple(getattr(main_x, 'shape', ()))}, ctx_pos "
-                f"{tuple(getattr(ctx_pos, 'shape', ()))}, valid {tuple(getattr(valid, 'shape', ()))},"
-                f" tokens {tuple(getattr(tokens, 'shape', ()))}; expected (N, {W}, {dim}), "
+    shape = lambda t: tuple(getattr(t, 'shape', ()))
+    require(ok, f"DrafterGraphs: main_x {shape(main_x)}, ctx_pos {shape(ctx_pos)}, valid "
+                f"{shape(valid)}, tokens {shape(tokens)}; expected (N, {W}, {dim}), "
                 f"(N, {W}), (N, {W}), (N,) with N >= 1")
     P = padded_batch_size(N, self.sizes)
     if P is None:   # above the largest size: eagerly
@@ -144,7 +144,8 @@ def __call__(self: DrafterGraphs,
 
 # %% ../nbs/14a_drafter_graphs.ipynb #c3ea03b2
 class DraftPacer:
-    "Whether an adaptive proposer drafts in a step: skip while the measured drafter cost exceeds its expected gain"
+    ("Whether an adaptive proposer drafts in a step: skip while the drafter's measured cost "
+     "exceeds what its drafts are expected to earn")
     def __init__(self, max_backoff: int = 32): # most steps skipped between two probes
         self.max_backoff = check_int('DraftPacer', 'max_backoff', max_backoff, 1)
         self.skip, self.backoff = 0, 1

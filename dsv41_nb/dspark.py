@@ -62,7 +62,7 @@ class Drafter:
 # %% ../nbs/14_dspark.ipynb #71873d94
 @patch
 def _lin(self: Drafter, lin, x: torch.Tensor) -> torch.Tensor:
-    "A drafter linear on x, with `quant` x rounded to the FP8 grid by `self.qdq` (as `Linear` would)"
+    "A drafter linear on x; with `quant`, x rounded to FP8 by `self.qdq` (as `Linear` does)"
     q = self.model.quant and lin.fmt != 'bf16'
     return lin(self.qdq(x) if q else x, self.model.quant, act=False)
 
@@ -171,8 +171,9 @@ def trunk(
 def base_logits(self: Drafter, x: torch.Tensor) -> torch.Tensor:
     "(N, B, vocab) fp32: the last drafter block's `norm`, then the shared LM head"
     y, head = _rms_norm(x, self.blocks[-1].norm.weight, self.cfg.norm_eps), self.model.head.weight
-    if self.moes is not None and head.dtype == torch.bfloat16 and kernel_backend(y, head) == 'triton':
-        return head_logits(y.flatten(0, -2), head).view(*y.shape[:-1], -1)   # served: the Triton head
+    served = self.moes is not None and head.dtype == torch.bfloat16
+    if served and kernel_backend(y, head) == 'triton':   # served: the Triton head
+        return head_logits(y.flatten(0, -2), head).view(*y.shape[:-1], -1)
     return F.linear(y.float(), head.float())
 
 # %% ../nbs/14_dspark.ipynb #3361d531
@@ -474,7 +475,8 @@ def _contexts(self: DSparkProposer, requests: list, hidden) -> torch.Tensor:
     d, w = self.drafter, self.drafter.model.embed.weight
     V, W = d.cfg.vocab_size, d.window
     hidden = [None] * len(requests) if hidden is None else list(hidden)
-    ctx = [i for i, r in enumerate(requests) if len(r) > 1 and hidden[i] is None]  # the target computes
+    # the requests whose hidden states the target computes
+    ctx = [i for i, r in enumerate(requests) if len(r) > 1 and hidden[i] is None]
     ids = [np.asarray(requests[i][:-1], dtype=np.int64) for i in ctx]
     require(all(t.min() >= 0 and t.max() < V for t in ids),
             f"propose: token ids must be in 0..{V - 1}")
