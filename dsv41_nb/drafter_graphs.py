@@ -9,7 +9,7 @@ import torch
 from fastcore.basics import patch
 from .config import ModelConfig, check_int, require
 from .model import MoE, DenseRun
-from .paged import moe_weights, served_moe
+from .paged import moe_weights, served_moe, block_seam
 from .fused_moe import fp8_act_quant
 from .mhc import HCWeights, SeamOut, mhc_seam, hc_pre
 from .dispatch import cuda_graph
@@ -17,7 +17,7 @@ from .cuda_graphs import CAPTURE_SIZES, padded_batch_size
 from .dspark import Drafter, Draft, DSparkProposer, expected_accepted
 
 # %% auto #0
-__all__ = ['ServedMoE', 'served_act_qdq', 'block_seam', 'DrafterGraphs', 'DraftPacer']
+__all__ = ['ServedMoE', 'served_act_qdq', 'DrafterGraphs', 'DraftPacer']
 
 # %% ../nbs/14a_drafter_graphs.ipynb #4ace8c23
 class ServedMoE:
@@ -37,13 +37,6 @@ class ServedMoE:
 def served_act_qdq(x: torch.Tensor) -> torch.Tensor:
     "`act_qdq`'s values from one kernel (`fp8_act_quant`), for inference only: no gradient flows"
     return fp8_act_quant(x.reshape(-1, x.shape[-1])).view(x.shape).to(x.dtype)
-
-# %% ../nbs/14a_drafter_graphs.ipynb #5686e6b8
-def block_seam(block, sub: str) -> HCWeights:
-    "A block's hyper-connection weights of sublayer `sub` ('attn', 'ffn'), as `mhc_seam` reads them"
-    require(sub in ('attn', 'ffn'), f"block_seam: sub {sub!r}; expected 'attn' or 'ffn'")
-    return HCWeights(*(getattr(block, f'hc_{sub}_{p}').detach().float()
-                       for p in ('fn', 'base', 'scale')))
 
 # %% ../nbs/14a_drafter_graphs.ipynb #219e63a9
 @patch

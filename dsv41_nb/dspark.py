@@ -482,7 +482,7 @@ def _contexts(self: DSparkProposer, requests: list, hidden) -> torch.Tensor:
             f"propose: token ids must be in 0..{V - 1}")
     ids = [torch.as_tensor(t, device=w.device) for t in ids]
     for i, h in zip(ctx, self._target_hidden(ids) if ctx else []): hidden[i] = h
-    rows = torch.zeros(len(requests), W, d.hidden_dim, device=w.device, dtype=w.dtype)
+    parts, at = [], []   # each request's last W rows, and where they go in (N * W) rows
     for i, r in enumerate(requests):
         n, h = len(r) - 1, hidden[i]
         require(h is None and n == 0 or (isinstance(h, torch.Tensor) and h.ndim == 2
@@ -490,8 +490,14 @@ def _contexts(self: DSparkProposer, requests: list, hidden) -> torch.Tensor:
                 f"propose: request {i}: hidden states {tuple(getattr(h, 'shape', ()))}; "
                 f"expected (m, {d.hidden_dim}) of its last m positions, "
                 f"{min(n, W)} <= m <= {n}")
-        if n: rows[i, W - min(len(h), W):] = h[-W:]
-    return d.context(rows)   # padding rows project to zeros, and the window mask hides them
+        if n:
+            parts.append(h[-W:].to(w.device)); m = len(parts[-1])   # no copy if already there
+            at += range((i + 1) * W - m, (i + 1) * W)
+    rows = torch.zeros(len(requests) * W, d.hidden_dim, device=w.device, dtype=w.dtype)
+    if parts:   # one copy for all of them, not one per request
+        rows.index_copy_(0, torch.tensor(at, device=w.device), torch.cat(parts).to(w.dtype))
+    # padding rows project to zeros, and the window mask hides them
+    return d.context(rows.view(len(requests), W, -1))
 
 # %% ../nbs/14_dspark.ipynb #ec9ff375
 @patch

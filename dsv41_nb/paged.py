@@ -35,9 +35,9 @@ from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
 __all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
-           'paged_engram', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history',
-           'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
-           'context_blocks', 'single_request_steps', 'replay_agreement']
+           'paged_engram', 'block_seam', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe',
+           'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
+           'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
 class PagedLinear(nn.Linear):
@@ -205,6 +205,13 @@ def paged_engram(e: DenseEngram, cfg: ModelConfig, layer: int) -> Engram:
     return Engram(cfg, layer, EngramTable.from_values(e.embed.weight.detach()),
                   e.wkv.grid_weight().detach(), e.q_weight.detach(), e.k_weight.detach())
 
+# %% ../nbs/10b_paged.ipynb #d070e9b8
+def block_seam(block: Block, sub: str) -> HCWeights:
+    "A block's hyper-connection weights of sublayer `sub` ('attn', 'ffn'), as `mhc_seam` reads them"
+    require(sub in ('attn', 'ffn'), f"block_seam: sub {sub!r}; expected 'attn' or 'ffn'")
+    return HCWeights(*(getattr(block, f'hc_{sub}_{p}').detach().float()
+                       for p in ('fn', 'base', 'scale')))
+
 # %% ../nbs/10b_paged.ipynb #20566c2a
 class PagedLayer(nn.Module):
     ("One backbone layer on the serving path: Engram, the attention seam, CSA2 attention, "
@@ -216,10 +223,7 @@ class PagedLayer(nn.Module):
         self.moe = moe_weights(block.ffn, cfg)
         self.engram = (paged_engram(block.engram, cfg, block.layer) if block.engram is not None
                        else None)
-        def hc(s):
-            return HCWeights(*(getattr(block, f'hc_{s}_{p}').detach().float()
-                               for p in ('fn', 'base', 'scale')))
-        self.hc_attn, self.hc_ffn = hc('attn'), hc('ffn')
+        self.hc_attn, self.hc_ffn = block_seam(block, 'attn'), block_seam(block, 'ffn')
         self.attn_norm = block.attn_norm.weight.detach()
         self.ffn_norm = block.ffn_norm.weight.detach()
 

@@ -9,7 +9,8 @@ from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, DenseRun, ByteTokenizer
 from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions, save_drafter
-from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer, block_seam
+from dsv41_nb.paged import block_seam
+from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer
 from dsv41_nb.checkpoint import DRAFTER_NAME
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
