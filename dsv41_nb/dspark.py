@@ -448,6 +448,7 @@ class DSparkProposer:
         self.last_draft = None    # the newest `Draft`, for statistics
         self.graphs = None        # greedy drafts replayed from CUDA graphs (`serve`)
         self.pacer = None         # adaptive: whether a step drafts at all (`serve`)
+        self._next = None         # whether `propose` drafts next, decided ahead (`draft_next`)
 
     def _target_hidden(self, ids: list) -> list:
         ("(n_i, taps*dim) drafter input at every position of each ids_i (n_i,): "
@@ -543,15 +544,25 @@ def propose_with_probs(self: DSparkProposer, requests, hidden=None) -> tuple:
 @patch
 def propose(self: DSparkProposer, requests: Sequence[Sequence[int]], hidden=None) -> list:
     ("Up to k drafts per request (the scheduler's `Proposer` protocol), read back in one copy; "
-     "a `pacer` may skip drafting in a step, and is told what a drafted step cost")
-    if self.pacer is not None and len(requests) and not self.pacer.draft_now():
-        return [[] for _ in requests]
+     "a `pacer` may skip drafting in a step (asked here, or before the step by `draft_next`), "
+     "and is told what a drafted step cost")
+    go, self._next = self._next, None
+    if go is None: go = self.pacer is None or not len(requests) or self.pacer.draft_now()
+    if not go: return [[] for _ in requests]
     t0 = time.perf_counter()
     dr, k = self._draft(requests, hidden)
     if dr is None: return []
     out = [t[:j] for t, j in zip(dr.tokens.tolist(), k.tolist())]
     if self.pacer is not None: self.pacer.update(self, dr, k, time.perf_counter() - t0)
     return out
+
+# %% ../nbs/14_dspark.ipynb #fc7912cf
+@patch
+def draft_next(self: DSparkProposer) -> bool:
+    ("Whether `propose` drafts after the coming step, decided now (an engine asks before planning "
+     "the step, and plans a plain decode step if not): the `pacer`'s answer, else yes")
+    self._next = self.pacer is None or self.pacer.draft_now()
+    return self._next
 
 # %% ../nbs/14_dspark.ipynb #e9be3d96
 @dataclass

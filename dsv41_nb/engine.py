@@ -34,10 +34,10 @@ from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_mo
 
 # %% auto #0
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
-           'InputBuffers', 'tap_model', 'ModelRunner', 'DecodePlan', 'StepFuture', 'CompletionOutput', 'RequestOutput',
-           'IncrementalDetokenizer', 'EngineArgs', 'make_step_model', 'LLMEngine', 'register_speculative', 'prefix_gap',
-           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine', 'StepTimer',
-           'host_step_times']
+           'InputBuffers', 'tap_model', 'ModelRunner', 'DecodePlan', 'TapContexts', 'ReferenceTapContexts',
+           'StepFuture', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model',
+           'LLMEngine', 'register_speculative', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM',
+           'NullStepModel', 'host_engine', 'StepTimer', 'host_step_times']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -297,9 +297,13 @@ class ModelRunner:
         self._random, self._masking = set(), set()  # not greedy; stop ids masked (min_tokens)
         self._sampled, self._sid = {}, 0  # step id -> its sampled ids on the device
         self._drafts = {}  # request id -> drafts for its next step (async scheduling)
-        # a proposer that reads the target's streams takes them from the step: request id ->
-        # (first position after its kept rows, their taps)
-        self.tap_model, self.contexts = tap_model(model, proposer), {}
+        # a proposer that reads the target's streams takes them from the step, each row's last
+        # `tap_window` positions kept on the device (`TapContexts`)
+        self.tap_model = tap_model(model, proposer)
+        self.contexts = None if self.tap_model is None else TapContexts(proposer.tap_window)
+        # the last step left drafts, or accepted some; the next step is plain (`plan_drafts`)
+        self._pending, self._plain, self.plain_steps = False, False, 0
+        self._unsettled = None   # the last step launched without waiting
 
 # %% ../nbs/13_engine.ipynb #86d4e977
 @patch
@@ -312,7 +316,8 @@ def _start(self: ModelRunner, sr) -> SimpleNamespace:
     sp = r.sampling_params
     self.requests[rid] = st = SimpleNamespace(request=r, params=sp, eos=r.eos_token_id,
                                               num_prompt_tokens=r.num_prompt_tokens)
-    self.buffers.start(rid, r.all_token_ids, sr.num_cached_tokens)
+    row = self.buffers.start(rid, r.all_token_ids, sr.num_cached_tokens)
+    if self.contexts is not None: self.contexts.reset([row])
     (self._random.discard if sp.greedy else self._random.add)(rid)
     stops = sp.stop_token_ids or (r.eos_token_id is not None and not sp.ignore_eos)
     (self._masking.add if sp.min_tokens and stops else self._masking.discard)(rid)
@@ -558,6 +563,8 @@ def _forget(self: ModelRunner, so: SchedulerOutput):
     for rid in gone: self.requests.pop(rid, None)
     for rid in so.finished_req_ids: self.generators.pop(rid, None)
     self._random -= gone; self._masking -= gone
+    if self.contexts is not None:
+        self.contexts.reset([self.buffers.row_of[r] for r in gone if r in self.buffers.row_of])
     self.buffers.release(gone); self.model.release(gone)
 
 # %% ../nbs/13_engine.ipynb #c0491382
@@ -572,35 +579,169 @@ def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
                            f"expected ({len(batch.logits_indices)}, {self.vocab_size})")
     return plan, logits
 
+# %% ../nbs/13_engine.ipynb #28e6b5a7
+class TapContexts:
+    ("Each runner row's taps at its last `window` positions, in a ring on the device (position p "
+     "in slot p mod window): written by every step, read by the proposer")
+    def __init__(self, window: int): # positions kept per row
+        self.window = check_int('TapContexts', 'window', window, 1)
+        self.taps = None                     # (rows, window, width) made at the first write
+        self.end = np.zeros(0, np.int64)     # per row: the position after its newest tap (-1: none)
+        self.num = np.zeros(0, np.int64)     # per row: taps kept, consecutive, at most `window`
+    def __repr__(self): return f"TapContexts(window {self.window}, {int((self.end >= 0).sum())} rows)"
+
+# %% ../nbs/13_engine.ipynb #76668fea
+@patch
+def _room(self: TapContexts, rows: int, like: torch.Tensor):
+    "A ring for at least `rows` rows of `like`'s width, device and dtype (a new width: start again)"
+    t, W = self.taps, self.window
+    if t is not None and (t.shape[2], t.device, t.dtype) != (like.shape[1], like.device, like.dtype):
+        t, self.end[:] = None, -1
+    have = 0 if t is None else len(t)
+    if rows <= have: return
+    n = max(rows, 2 * have, 16)
+    self.taps = like.new_zeros(n, W, like.shape[1])
+    if have: self.taps[:have] = t
+    self.end = np.concatenate([self.end, np.full(n - len(self.end), -1, np.int64)])
+    self.num = np.concatenate([self.num, np.zeros(n - len(self.num), np.int64)])
+
+# %% ../nbs/13_engine.ipynb #dbe4b741
+@patch
+def reset(self: TapContexts, rows: Sequence[int]): # rows whose taps are forgotten
+    "Forget the taps of these rows (a request finished, preempted or restarted)"
+    rows = np.asarray(rows, dtype=np.int64)
+    rows = rows[rows < len(self.end)]
+    self.end[rows], self.num[rows] = -1, 0
+
+@patch
+def clear(self: TapContexts): self.end[:], self.num[:] = -1, 0
+
+# %% ../nbs/13_engine.ipynb #fb75cd5d
+@patch
+def keep(self: TapContexts,
+         rows: np.ndarray, # (m,) distinct runner rows
+         starts: np.ndarray, # (m,) the first position each one keeps
+         counts: np.ndarray, # (m,) consecutive positions each one keeps, >= 1
+         taps: torch.Tensor): # (sum of counts, width) their taps, row after row
+    "Write each row's new taps after the ones it kept (in their place if they do not follow on)"
+    rows, starts, counts = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, starts, counts))
+    _check_keep(rows, starts, counts, taps)
+    if not len(rows): return
+    self._room(int(rows.max()) + 1, taps)
+    W, follow = self.window, self.end[rows] == starts
+    self.num[rows] = np.minimum(np.where(follow, self.num[rows], 0) + counts, W)
+    self.end[rows] = starts + counts
+    r, p, t = rows, starts, taps
+    if counts.max() > 1:  # runs: position by position, the last W of each
+        each = np.arange(len(taps)) - np.repeat(np.cumsum(counts) - counts, counts)
+        sel = np.nonzero(np.repeat(counts, counts) - each <= W)[0]
+        r, p = np.repeat(rows, counts)[sel], (np.repeat(starts, counts) + each)[sel]
+        if len(sel) < len(taps): t = taps[torch.from_numpy(sel).to(taps.device)]
+    at = torch.from_numpy(np.stack([r, p % W])).to(taps.device)
+    self.taps[at[0], at[1]] = t
+
+# %% ../nbs/13_engine.ipynb #2f5e81ee
+def _check_keep(rows, starts, counts, taps):
+    "`TapContexts.keep`'s arguments, checked"
+    if not (len(rows) == len(starts) == len(counts)):
+        raise ValueError(f"TapContexts.keep: {len(rows)} rows, {len(starts)} starts and "
+                         f"{len(counts)} counts; expected one of each per row")
+    if len(rows) and (rows.min() < 0 or starts.min() < 0 or counts.min() < 1):
+        raise ValueError("TapContexts.keep: rows and starts must be >= 0 and counts >= 1")
+    if len(np.unique(rows)) < len(rows): raise ValueError("TapContexts.keep: a row twice")
+    if not (isinstance(taps, torch.Tensor) and taps.ndim == 2 and len(taps) == counts.sum()):
+        raise ValueError(f"TapContexts.keep: taps of shape {tuple(getattr(taps, 'shape', ()))}; "
+                         f"expected ({int(counts.sum())}, width)")
+
+# %% ../nbs/13_engine.ipynb #e994152a
+@patch
+def read(self: TapContexts,
+         rows: np.ndarray, # (m,) runner rows
+         ends: np.ndarray) -> list: # (m,) where each one's taps should end
+    "Per row: its kept taps (k, width), oldest first, if they end at `ends`; else None"
+    rows, ends = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, ends))
+    if len(rows) != len(ends):
+        raise ValueError(f"TapContexts.read: {len(rows)} rows and {len(ends)} ends")
+    out, W = [None] * len(rows), self.window
+    ok = np.zeros(len(rows), bool)
+    inside = (rows >= 0) & (rows < len(self.end))
+    ok[inside] = (self.end[rows[inside]] == ends[inside]) & (self.num[rows[inside]] > 0)
+    if not ok.any(): return out
+    sel = np.nonzero(ok)[0]; r = rows[sel]
+    dev = self.taps.device
+    slots = torch.from_numpy((ends[sel, None] - W + np.arange(W)) % W).to(dev)
+    got = self.taps[torch.from_numpy(r).to(dev)[:, None], slots]   # (n, W, width)
+    for j, i in enumerate(sel): out[i] = got[j, W - self.num[r[j]]:]
+    return out
+
+# %% ../nbs/13_engine.ipynb #f76c6d75
+class ReferenceTapContexts:
+    "`TapContexts` the simple way: per row a list of (position, tap), trimmed to the last `window`"
+    def __init__(self, window: int): self.window, self.rows = window, {}
+    def reset(self, rows):
+        for r in rows: self.rows.pop(int(r), None)
+    def keep(self, rows, starts, counts, taps):
+        at = 0
+        for r, s, c in zip(rows, starts, counts):
+            old = self.rows.get(int(r), [])
+            if old and old[-1][0] != s - 1: old = []       # does not follow on
+            self.rows[int(r)] = (old + [(s + j, taps[at + j]) for j in range(c)])[-self.window:]
+            at += c
+    def read(self, rows, ends) -> list:
+        got = [self.rows.get(int(r)) for r in rows]
+        return [torch.stack([t for _, t in g]) if g and g[-1][0] == e - 1 else None
+                for g, e in zip(got, ends)]
+
 # %% ../nbs/13_engine.ipynb #8d6946d4
 @patch
 def _keep_taps(self: ModelRunner, so: SchedulerOutput, sampled: dict):
-    "Append each scheduled request's standing rows' taps to its context (the last `tap_window`)"
-    got, W, ctx, row = self.tap_model.last_taps, self.proposer.tap_window, self.contexts, 0
-    for rid in so.finished_req_ids | so.preempted_req_ids: ctx.pop(rid, None)
+    "Keep each scheduled request's standing rows' taps (the prefill chunk, the row, accepted drafts)"
+    got, ctx = self.tap_model.last_taps, self.contexts
     if got is None: ctx.clear(); return               # no taps this step: start again
-    where = {b: i for i, b in enumerate(got[0].tolist())}
+    at = np.full(sum(sr.num_tokens for sr in so.requests), -1)   # the step's row -> its tap
+    at[got[0].cpu().numpy()] = np.arange(len(got[0]))
+    rows, starts, counts, idx, row = [], [], [], [], 0
     for sr in so.requests:
-        n, old = sr.num_tokens, ctx.pop(sr.request_id, None)
+        n = sr.num_tokens
         keep = n - sr.num_draft_tokens + max(0, len(sampled[sr.request_id]) - 1)
-        idx, row = [where.get(b) for b in range(row, row + keep)], row + n
-        if None in idx: idx, old = idx[len(idx) - idx[::-1].index(None):], None  # encoder-only rows
-        if not idx: continue
-        new = got[1][idx]
-        if old is not None and old[0] == sr.start: new = torch.cat([old[1], new])
-        ctx[sr.request_id] = (sr.start + keep, new[-W:].clone())   # not a view of the step's taps
+        mine, row = at[row:row + keep], row + n
+        if (mine < 0).any(): mine = mine[np.nonzero(mine < 0)[0][-1] + 1:]  # encoder-only rows
+        if not len(mine): continue
+        rows.append(self.buffers.row_of[sr.request_id]); idx.append(mine)
+        starts.append(sr.start + keep - len(mine)); counts.append(len(mine))
+    if rows:
+        ctx.keep(rows, starts, counts,
+                 got[1][torch.from_numpy(np.concatenate(idx)).to(got[1].device)])
 
 # %% ../nbs/13_engine.ipynb #9ff1aba1
 @patch
 def _hidden(self: ModelRunner, so: SchedulerOutput, sampled: dict, plan, lists) -> list:
-    "Per planned request, its context's taps if they end where its sequence does and reach back far enough"
+    ("Per planned request, its context's taps if they end where its sequence does and reach back "
+     "far enough (else None: the proposer computes them)")
     self._keep_taps(so, sampled)
-    out = []
-    for (rid, *_), ids in zip(plan, lists):
-        end, h = self.contexts.get(rid, (None, None))
-        n = len(ids) - 1
-        out.append(h if end == n and len(h) >= min(n, self.proposer.tap_window) else None)
-    return out
+    B, W = self.buffers, self.proposer.tap_window
+    n = np.array([len(ids) - 1 for ids in lists], dtype=np.int64)
+    got = self.contexts.read([B.row_of[rid] for rid, *_ in plan], n)
+    return [h if h is not None and len(h) >= min(k, W) else None for h, k in zip(got, n.tolist())]
+
+# %% ../nbs/13_engine.ipynb #ebe13334
+@patch
+def _keep_decode_taps(self: ModelRunner, plan):
+    ("`_keep_taps` of a step planned as all-decode (a `DecodePlan`, or the general plan of one): "
+     "request i's row is the step's row i, one tap each")
+    got, R = self.tap_model.last_taps, len(plan)
+    if got is None or len(got[1]) != R: self.contexts.clear(); return
+    if isinstance(plan, DecodePlan): rows, starts = plan.rows, plan.starts
+    else: rows, starts = [self.buffers.row_of[r] for r, *_ in plan], [k - 1 for *_, k in plan]
+    self.contexts.keep(rows, starts, np.ones(R, np.int64), got[1])
+
+# %% ../nbs/13_engine.ipynb #d70c6d31
+@patch
+def context(self: ModelRunner, rid: str) -> tuple | None:
+    "(the position after a request's kept taps, the taps (k, width)), or None"
+    r, ctx = self.buffers.row_of.get(rid), self.contexts
+    if r is None or ctx is None or r >= len(ctx.end) or ctx.end[r] < 0: return None
+    return int(ctx.end[r]), ctx.read([r], [ctx.end[r]])[0]
 
 # %% ../nbs/13_engine.ipynb #ffa05f0c
 @patch
@@ -623,12 +764,16 @@ def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
     if self.tap_model is not None: self.tap_model.last_taps = None
     plan, logits = self._logits(so)
     if isinstance(plan, DecodePlan):  # one token a request, as columns
+        if self.tap_model is not None: self._keep_decode_taps(plan)
+        self._pending, self.plain_steps = False, self.plain_steps + (self.proposer is not None)
         return ModelRunnerOutput(req_ids=so.req_ids, token_ids=self._sample_decode(logits, plan))
     sampled = ({sr.request_id: [] for sr in so.requests}
                | (self._sample(logits, plan) if plan else {}))
     lists = [self._known(r, keep) + sampled[r] for r, _, _, keep in plan]
     kw = {} if self.tap_model is None else {'hidden': self._hidden(so, sampled, plan, lists)}
     drafts = self.proposer.propose(lists, **kw) if self.proposer is not None and plan else []
+    # drafts to verify, or accepted ones the scheduler has not seen: the next step has drafts
+    self._pending = any(map(len, drafts)) or any(len(t) > 1 for t in sampled.values())
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
 
 # %% ../nbs/13_engine.ipynb #23b9ac1c
@@ -643,13 +788,17 @@ class StepFuture:
 @patch
 def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
     "Launch one step and return without waiting: its sampled ids come back, and join the runner's, on `result()`"
-    if self.proposer is not None: return self._speculative_async(so)
+    if self.proposer is not None:
+        if not (self._plain and so.all_decode): return self._speculative_async(so)
+        self._drafts.clear(); self._pending = False; self.plain_steps += 1  # a plain step
     self._forget(so)
+    if self.tap_model is not None: self.tap_model.last_taps = None
     plan, logits = self._logits(so) if so.req_ids else ([], None)
     if not plan:
         empty = {r: [] for r in so.req_ids}
         return StepFuture(lambda: ModelRunnerOutput(empty, {}))
     decode = isinstance(plan, DecodePlan)
+    if self.tap_model is not None: self._keep_decode_taps(plan)   # (a proposer's plain step)
     if not decode and any(drafts for _, _, drafts, _ in plan):
         raise RuntimeError("execute_model_async: draft rows in an asynchronous step")
     _, token = self._tokens_decode(logits, plan) if decode else self._tokens(logits, plan)
@@ -671,7 +820,8 @@ def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
         if decode: return ModelRunnerOutput(req_ids=so.req_ids, token_ids=ids)
         return ModelRunnerOutput({r: [] for r in so.req_ids}
                                  | {rid: [ids[o]] for rid, o, _, _ in plan}, {})
-    return StepFuture(result)
+    self._unsettled = StepFuture(result)   # a speculative step reads it back first
+    return self._unsettled
 
 # %% ../nbs/13_engine.ipynb #cf5000cc
 @patch
@@ -701,6 +851,8 @@ def _speculative_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
     if not isinstance(so, SchedulerOutput):
         raise TypeError(f"execute_model_async: expected a SchedulerOutput, got {type(so).__name__}")
     for rid in so.finished_req_ids | so.preempted_req_ids: self._drafts.pop(rid, None)
+    # a plain step before it: its ids, still on the device, are the drafter's newest tokens
+    if self._unsettled is not None: self._unsettled.result(); self._unsettled = None
     ran = self._at_frontier(so)
     out = self.execute_model(ran)
     for sr in ran.requests:
@@ -709,6 +861,17 @@ def _speculative_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
     done = ModelRunnerOutput(out.sampled_token_ids, {}, num_draft_tokens={
         sr.request_id: sr.num_draft_tokens for sr in ran.requests if sr.sample})
     return StepFuture(lambda: done)
+
+# %% ../nbs/13_engine.ipynb #2746a50c
+@patch
+def plan_drafts(self: ModelRunner) -> bool:
+    ("Whether the next step plans draft rows (asked once per step, before it is planned): no when "
+     "the last step left no drafts and accepted none, and the proposer will not draft after it")
+    if self.proposer is None: return False
+    ask = getattr(self.proposer, 'draft_next', None)
+    want = bool(ask()) if callable(ask) else True
+    self._plain = not (want or self._pending)
+    return not self._plain
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
@@ -1002,7 +1165,7 @@ def step(self: LLMEngine,
          delta: bool | str = False) -> list:
     ("One engine step; RequestOutputs of the requests that got tokens "
      "(whole, only what is new, or only the finished)")
-    so = self.scheduler.schedule()
+    so = self.scheduler.schedule(drafts=self.runner.plan_drafts())
     if not self.args.async_scheduling:
         return self._apply(so, self._run_step(so, self.runner.execute_model), delta)
     prev, self._pending, outs = self._pending, None, []

@@ -485,7 +485,8 @@ def _chunk(self: Scheduler, n: int, budget: int) -> int:
 
 # %% ../nbs/12_scheduler.ipynb #7c8c4440
 @patch
-def _schedule_running(self: Scheduler, plan: list, budget: int) -> int:
+def _schedule_running(self: Scheduler, plan: list, budget: int,
+                      drafts: bool = True) -> int: # False: no draft rows this step
     ("Rows for the running line in order: "
      "the next prefill chunk, or a decode row + drafts; returns the budget left")
     cfg, i = self.config, 0
@@ -496,6 +497,7 @@ def _schedule_running(self: Scheduler, plan: list, budget: int) -> int:
         else:
             # decode: each step in flight brings >= 1 token
             d = cfg.num_speculative_tokens if cfg.async_scheduling else len(req.spec_token_ids)
+            if not drafts: d = 0
             d = min(d, budget - 1, self.max_model_len - req.frontier - 1,
                     sp.max_tokens - req.num_output_tokens - pending - 1)
             if (d < 0 or req.num_output_tokens + pending >= sp.max_tokens
@@ -564,13 +566,19 @@ def _build_output(self: Scheduler, plan: list) -> SchedulerOutput:
 
 # %% ../nbs/12_scheduler.ipynb #72981cba
 @patch
-def schedule(self: Scheduler) -> SchedulerOutput:
+def schedule(self: Scheduler,
+             # False: plan no draft rows this step (the proposer has none for it)
+             drafts: bool = True) -> SchedulerOutput:
     ("Plan one step: the running line first, "
      "then admissions from the waiting line (none in a step that preempted)")
+    if type(drafts) is not bool:
+        raise TypeError(f"schedule: drafts = {drafts!r}; expected True or False")
     plan, preemptions = [], self.stats['preemptions']
+    if not drafts and self.config.num_speculative_tokens:   # the drafts this step drops
+        for r in self.running: r.spec_token_ids = []
     # the common step, every running request decoding: planned in one pass (below)
-    if self.fast_decode and (out := self._schedule_decode()) is not None: return out
-    budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+    if self.fast_decode and (out := self._schedule_decode(drafts)) is not None: return out
+    budget = self._schedule_running(plan, self.config.max_num_batched_tokens, drafts)
     if self.stats['preemptions'] == preemptions: self._schedule_waiting(plan, budget)
     return self._build_output(plan)
 
@@ -903,11 +911,12 @@ def decoder_rows(self: DecodeOutput) -> torch.Tensor: return torch.arange(len(se
 
 # %% ../nbs/12_scheduler.ipynb #8b39d6fe
 @patch
-def _schedule_decode(self: Scheduler) -> DecodeOutput | None:
+def _schedule_decode(self: Scheduler,
+                     drafts: bool = True) -> DecodeOutput | None: # False: no draft rows
     ("An all-decode step planned in one pass, or None: a request still prefilling, drafts, "
      "a request that could be admitted, or too small a budget")
     cfg, run = self.config, self.running
-    if (cfg.num_speculative_tokens or not run or len(run) > cfg.max_num_batched_tokens
+    if ((cfg.num_speculative_tokens and drafts) or not run or len(run) > cfg.max_num_batched_tokens
             or (self.waiting and len(run) < cfg.max_num_seqs)): return None
     tag, owners, starts, ids, i = (self.step, 0), [], [], [], 0
     own, start, row_id = owners.append, starts.append, ids.append

@@ -576,7 +576,7 @@ def test_dspark_reads_the_targets_streams_from_the_paged_step(tmp_path, monkeypa
     eng = LLM(model, proposer=dspark_proposer(model, path, 3), kernels='torch').llm_engine
     eng.add_request('a', prompts[0], SamplingParams(temperature=0, max_tokens=20))
     for _ in range(4): eng.step()
-    end, h = eng.runner.contexts['a']
+    end, h = eng.runner.context('a')
     seq = eng.runner.requests['a'].request.all_token_ids[:end]
     assert len(h) == Drafter(model).window and end == len(eng.runner.requests['a'].request.all_token_ids) - 1
     for shift, ok in ((0, True), (1, False)):
@@ -608,7 +608,7 @@ def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
         eng = llm.llm_engine
         eng.add_request('a', prompts[0], sp)
         for _ in range(4): eng.step()
-        ctx[mode] = eng.runner.contexts['a']
+        ctx[mode] = eng.runner.context('a')
     assert box['cg'].stats['replayed'] >= 10 and runs == [], (box['cg'].stats, runs)
     assert got['graphs'] == got['eager'] == [o.outputs[0].token_ids for o in
                                              LLM(model, kernels='torch').generate(prompts, sp, use_tqdm=False)]
@@ -617,6 +617,31 @@ def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(CUDAGraphModel, '_tap_layers', lambda self: ())    # a graph that keeps no taps
     llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', step_model=graphs)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got['eager'] and runs
+
+
+
+@pytest.mark.parametrize('asyn', [False, True], ids=['sync', 'async'])
+def test_adaptive_dspark_runs_the_steps_that_draft_nothing_plain(tmp_path, monkeypatch, asyn):
+    """Adaptive DSpark whose drafts never pay: between its probes the engine plans and runs plain decode steps (no
+    draft rows, no proposer call; async: launched without waiting), the taps are kept all along (the target never
+    runs again for them), a probe after plain steps drafts, and greedy output is plain decoding's"""
+    from dsv41_nb.dspark import Drafter, DSparkProposer, dspark_proposer, save_drafter
+    model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
+    save_drafter(Drafter(model), path)
+    prompts, sp = [list(range(40, 70)), list(range(5, 12)), [7] * 25], SamplingParams(temperature=0, max_tokens=40)
+    want = [o.outputs[0].token_ids for o in LLM(model, kernels='torch').generate(prompts, sp, use_tqdm=False)]
+    runs, calls = [], []
+    orig, propose = DSparkProposer._target_hidden, DSparkProposer.propose
+    monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
+    monkeypatch.setattr(DSparkProposer, 'propose', lambda self, *a, **k: calls.append(1) or propose(self, *a, **k))
+    never = dict(adaptive=True, step_cost=lambda T: T.double() ** 2)
+    llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', async_scheduling=asyn)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    runner, pacer = llm.llm_engine.runner, llm.llm_engine.proposer.pacer
+    assert got == want and runs == []
+    steps = llm.llm_engine.scheduler.step
+    assert runner.plain_steps >= steps // 2 and len(calls) + runner.plain_steps <= steps, (runner.plain_steps, steps)
+    assert pacer.stats['drafted'] >= 3 and pacer.stats['skipped'] >= runner.plain_steps, pacer.stats
 
 
 @pytest.fixture(scope='module')

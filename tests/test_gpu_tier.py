@@ -163,13 +163,17 @@ def _count_target_runs(monkeypatch) -> list:
     return runs
 
 
-def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch):
-    """Adaptive DSpark priced so that it verifies nothing: every decode step is replayed from a CUDA graph, the drafter
-    reads the taps the graphs wrote (the target never runs again for them), and the tokens are the engine's own"""
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch, async_scheduling):
+    """Adaptive DSpark priced so that it verifies nothing: the steps between its probes run as plain decode steps
+    replayed from CUDA graphs (async: launched without waiting), the drafter reads the taps the graphs wrote (the
+    target never runs again for them), and the tokens are the engine's own"""
     from dsv41_nb.dspark import dspark_proposer
-    runs, want = _count_target_runs(monkeypatch), _serve(small, PROMPTS)
+    runs, want, keep = _count_target_runs(monkeypatch), _serve(small, PROMPTS), []
     never = dspark_proposer(small, SMALL / 'dspark.safetensors', 3, adaptive=True, step_cost=lambda T: T.double() ** 2)
-    assert _serve(small, PROMPTS, proposer=never) == want and runs == []
+    assert _serve(small, PROMPTS, keep, proposer=never, async_scheduling=async_scheduling) == want and runs == []
+    runner = keep[0].llm_engine.runner
+    assert 0 < runner.plain_steps <= runner.model.stats['replayed'], (runner.plain_steps, runner.model.stats)
 
 
 def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch):

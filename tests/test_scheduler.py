@@ -72,6 +72,7 @@ BAD = [
     (lambda: _update({'x': [7]}, verified={'x': 2}), ValueError, "request 'x': 2 drafts verified of the 0 planned"),
     (lambda: _update({'x': [7]}, verified={'x': -1}), ValueError, '-1 drafts verified'),
     (lambda: _applied_twice(), ValueError, 'step 0 is not its oldest step in flight (applied twice, or out of order)'),
+    (lambda: _sched().schedule(drafts='no'), TypeError, "schedule: drafts = 'no'"),
     (lambda: NgramProposer(2, 0), ValueError, 'prompt_lookup_min = 0'),
     (lambda: ToyRunner(tiny_cache(), 0), ValueError, 'vocab_size = 0'),
     (lambda: ModelRunnerOutput(), ValueError, 'expected sampled_token_ids, or req_ids and token_ids'),
@@ -194,6 +195,27 @@ def test_preemption_keeps_outputs_and_every_request_finishes():
     got = run_until_done(s, ToyRunner(s.kv.kv_cache_config, V, NgramProposer(2, 1, 3)))
     assert got == {rid: toy_generate(p, sp, V, EOS, 512) for rid, p, sp in work}
     assert s.stats['preemptions'] > 0
+
+
+def test_steps_planned_without_drafts_keep_the_answers():
+    """Synchronous n-gram speculation where a random half of the steps are planned with drafts=False: those plan
+    one row per request (the one-pass path when all decode), the drafts they drop are never verified, the outputs
+    are plain generation's"""
+    work, rng, plain = make_workload(4, 9), random.Random(5), []
+    s = Scheduler(tiny_cache(), SchedulerConfig(num_speculative_tokens=3))
+    for rid, p, sp in work: s.add_request(rid, p, sp, eos_token_id=EOS)
+    schedule = s.schedule
+    def coin():
+        d = rng.random() < 0.5
+        out = schedule(drafts=d)
+        if not d:
+            plain.append(out.all_decode)
+            assert all(r.num_draft_tokens == 0 for r in out.requests) and not any(r.spec_token_ids for r in s.running)
+        return out
+    s.schedule = coin
+    got = run_until_done(s, ToyRunner(s.kv.kv_cache_config, V, NgramProposer(2, 1, 3)))
+    assert got == {rid: toy_generate(p, sp, V, EOS, 512) for rid, p, sp in work}
+    assert sum(plain) > 5 and s.stats['accepted_tokens'] > 0, (sum(plain), s.stats)
 
 
 def test_abort_mid_flight_frees_everything():

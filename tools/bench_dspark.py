@@ -3,7 +3,7 @@
 
     python tools/bench_dspark.py [--checkpoint checkpoints/small] [--drafter PATH] [--concurrency 1 8 32 128]
                                  [--new-tokens 32] [--prompt-len 64] [--paths loop engine] [--json PATH [--merge]]
-                                 [--quick]
+                                 [--async-scheduling] [--quick]
 
 Two paths, each decoding greedily (ignore EOS) from held-out windows of the training corpus:
 - 'loop': `dsv41_nb.dspark.speculative_generate`, the reference decode loop: one dense forward per step re-runs every
@@ -11,7 +11,8 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
   cost grows with the sequence, so drafting looks cheaper than it is);
 - 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16; CUDA graphs for its
   decode-only steps on a GPU) with `DSparkProposer`; the runner keeps the target's taps from its own step (eager or
-  replayed) and hands them to the drafter. Steps with drafts run eagerly (the decode graphs hold one row a request).
+  replayed) and hands them to the drafter. Steps with drafts run synchronously (their verification graphs replayed);
+  a step that drafts nothing (adaptive, its drafting paused) runs as a plain decode step (column plain/steps).
 Adaptive verification uses a step-cost curve measured here: in the loop, the target's forward over c sequences with
 k + 1 new rows, k = 0..5; in the engine, the engine's own steps (`profile_step_costs`: c requests verifying 0, 1, c, 2c,
 ... 5c drafts in all; --costs stores it per machine). A loop row runs once for 2 new tokens first (its shapes
@@ -23,7 +24,7 @@ notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the
 --merge keeps the rows of the existing --json file that this run did not measure (another path or concurrency), so a
 table can be completed over several runs; the record lists every run that contributed (settings.runs).
 --quick: concurrency 1 and 2, 8 new tokens, on the CPU."""
-import argparse, copy, datetime, json, os, sys, time
+import argparse, copy, datetime, functools, json, os, sys, time
 from pathlib import Path
 import numpy as np
 import torch
@@ -102,17 +103,18 @@ def run_loop(model, drafter, prompts, n, policy, cost, device):
                 target_s=st.target_s, draft_s=st.draft_s, slot_acceptance=st.slot_acceptance)
 
 
-def run_engine(model, drafter, prompts, n, policy, cost, device):
+def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False):
     """One engine for the row, run twice on the same prompts: the first run captures its CUDA graphs and compiles
     every token count its steps meet (greedy, so the second run meets the same ones), the second is timed. Prefix
     caching is off, so the timed run prefills as the first did."""
     from dsv41_nb.engine import LLM
     prop = proposer(drafter, policy, cost)
     llm = LLM(model, proposer=prop, max_model_len=max(map(len, prompts)) + n + 8, max_num_seqs=max(len(prompts), 1),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, async_scheduling=asyn)
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)                                            # warm-up
-    before = dict(llm.llm_engine.scheduler.stats)
+    before, eng = dict(llm.llm_engine.scheduler.stats), llm.llm_engine
+    plain, steps = eng.runner.plain_steps, eng.scheduler.step
     sync(device); t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     sync(device); dt = time.perf_counter() - t0
@@ -122,7 +124,8 @@ def run_engine(model, drafter, prompts, n, policy, cost, device):
     request_steps = emitted - stats['accepted_tokens']
     return dict(seconds=dt, tokens_per_s=emitted / dt, tokens_per_request_step=emitted / max(1, request_steps),
                 drafted=stats['draft_tokens'], accepted=stats['accepted_tokens'],
-                mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs])
+                mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs],
+                steps=eng.scheduler.step - steps, plain_steps=eng.runner.plain_steps - plain)
 
 
 def modelled(a, c, policy, cost):
@@ -147,6 +150,8 @@ def main():
                                     "profiled and written (default: profiled each run, not stored)")
     ap.add_argument('--json', help='write the results here')
     ap.add_argument('--merge', action='store_true', help="keep the --json file's rows this run does not re-measure")
+    ap.add_argument('--async-scheduling', action='store_true',
+                    help="engine rows: the scheduler plans a step ahead, a plain step's ids are read back later")
     ap.add_argument('--quick', action='store_true', help='concurrency 1 and 2, 8 new tokens, on the CPU')
     args = ap.parse_args()
     device = torch.device('cuda' if torch.cuda.is_available() and not args.quick else 'cpu')
@@ -181,7 +186,8 @@ def main():
             for policy in POLICIES:
                 if time.perf_counter() - t_start > args.budget_minutes * 60:
                     rows.append(dict(path=path, concurrency=c, policy=policy, skipped='time budget')); continue
-                run, m, d = (run_loop, model, drafter) if path == 'loop' else (run_engine, engine_model, engine_drafter)
+                run, m, d = ((run_loop, model, drafter) if path == 'loop' else
+                             (functools.partial(run_engine, asyn=args.async_scheduling), engine_model, engine_drafter))
                 cost_here = profiles[c] if path == 'engine' else cost
                 try:
                     # warm-up: this level's shapes compiled (the engine warms up on its own, a whole run)
@@ -202,13 +208,14 @@ def main():
         r['modelled_tokens_per_s'] = modelled(slots.get(r['concurrency'], a), r['concurrency'],
                                               r['policy'], node)
     print(f"\n{'path':>6} {'conc':>5} {'policy':>9} {'tok/s':>9} {'tok/step':>8} {'mean k':>6} "
-          f"{'s':>7}   modelled tok/s/GPU (8 x H200, full model)")
+          f"{'s':>7} {'plain/steps':>11}   modelled tok/s/GPU (8 x H200, full model)")
     for r in rows:
         if 'tokens_per_s' not in r:
             print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9}  {r.get('error', r.get('skipped'))}")
             continue
         print(f"{r['path']:>6} {r['concurrency']:5d} {r['policy']:>9} {r['tokens_per_s']:9.1f} "
-              f"{r['tokens_per_request_step']:8.2f} {r['mean_k']:6.2f} {r['seconds']:7.2f}   "
+              f"{r['tokens_per_request_step']:8.2f} {r['mean_k']:6.2f} {r['seconds']:7.2f} "
+              f"{str(r.get('plain_steps', '-')) + '/' + str(r.get('steps', '-')):>11}   "
               f"{r['modelled_tokens_per_s']:9.0f}")
     print('per-slot acceptance (loop, fixed 5):', {c: [round(v, 3) for v in s] for c, s in slots.items()})
     if args.json:
