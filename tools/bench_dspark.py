@@ -12,7 +12,8 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
 - 'engine': `dsv41_nb.engine.LLM` (runner 'auto': the paged path when the package has one, BF16; CUDA graphs for its
   decode-only steps on a GPU) with `DSparkProposer`; the runner keeps the target's taps from its own step (eager or
   replayed) and hands them to the drafter. Steps with drafts run synchronously (their verification graphs replayed);
-  a step that drafts nothing (adaptive, its drafting paused) runs as a plain decode step (column plain/steps).
+  a step that drafts nothing (adaptive, its drafting paused) runs as a plain decode step (column plain/steps). The KV
+  pool holds every request at once, so that c requests decode together.
 Adaptive verification uses a step-cost curve measured here: in the loop, the target's forward over c sequences with
 k + 1 new rows, k = 0..5; in the engine, the engine's own steps (`profile_step_costs`: c requests verifying 0, 1, c, 2c,
 ... 5c drafts in all; --costs stores it per machine). A loop row runs once for 2 new tokens first (its shapes
@@ -35,6 +36,7 @@ from dsv41_nb.checkpoint import load_model
 from dsv41_nb.accounting import HARDWARE
 from dsv41_nb.train import load_corpus, split_documents, byte_data
 from dsv41_nb.scheduler import SamplingParams
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fused kernels, CUDA graphs)
@@ -103,14 +105,22 @@ def run_loop(model, drafter, prompts, n, policy, cost, device):
                 target_s=st.target_s, draft_s=st.draft_s, slot_acceptance=st.slot_acceptance)
 
 
+def pool_for(model, c, length):
+    "KV blocks for c requests of `length` tokens at once (the small model's default pool, sized for a CPU, holds fewer)"
+    kc = get_kv_cache_config(model.cfg, CacheConfig.for_model(model.cfg, max_model_len=length))
+    per = sum(1 if g.manager == 'ring' else -(-length // g.block_size) for g in kc.groups)
+    return max(kc.num_blocks, c * per + 1)
+
+
 def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False):
     """One engine for the row, run twice on the same prompts: the first run captures its CUDA graphs and compiles
     every token count its steps meet (greedy, so the second run meets the same ones), the second is timed. Prefix
     caching is off, so the timed run prefills as the first did."""
     from dsv41_nb.engine import LLM
     prop = proposer(drafter, policy, cost)
-    llm = LLM(model, proposer=prop, max_model_len=max(map(len, prompts)) + n + 8, max_num_seqs=max(len(prompts), 1),
-              enable_prefix_caching=False, async_scheduling=asyn)
+    L = max(map(len, prompts)) + n + 8
+    llm = LLM(model, proposer=prop, max_model_len=L, max_num_seqs=max(len(prompts), 1), enable_prefix_caching=False,
+              async_scheduling=asyn, num_gpu_blocks=pool_for(model, len(prompts), L))
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)                                            # warm-up
     before, eng = dict(llm.llm_engine.scheduler.stats), llm.llm_engine
