@@ -596,10 +596,10 @@ def _room(self: TapContexts, rows: int, like: torch.Tensor):
     "A ring for at least `rows` rows of `like`'s width, device and dtype (a new width: start again)"
     t, W = self.taps, self.window
     if t is not None and (t.shape[2], t.device, t.dtype) != (like.shape[1], like.device, like.dtype):
-        t, self.end[:] = None, -1
+        t = None; self.clear()
     have = 0 if t is None else len(t)
     if rows <= have: return
-    n = max(rows, 2 * have, 16)
+    n = max(rows, 2 * have, 16, len(self.end))
     self.taps = like.new_zeros(n, W, like.shape[1])
     if have: self.taps[:have] = t
     self.end = np.concatenate([self.end, np.full(n - len(self.end), -1, np.int64)])

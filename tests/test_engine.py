@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
+from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
@@ -22,7 +23,8 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs,
                              LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
                              NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, host_engine,
-                             host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers, RING)
+                             host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers, RING,
+                             TapContexts, ReferenceTapContexts)
 from dsv41_nb.paged_step import step_model as paged_step_model
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.serving import random_checkpoint, percentiles
@@ -119,6 +121,13 @@ BAD = [
     (lambda: InputBuffers(_LLM.llm_engine.kv_cache_config.groups, rows=0), ValueError, 'rows = 0'),
     (lambda: InputBuffers(_LLM.llm_engine.kv_cache_config.groups).assign(['nope'], [None]), RuntimeError,
      "request 'nope' was never started in this runner"),
+    (lambda: TapContexts(0), ValueError, 'window = 0'),
+    (lambda: TapContexts(4).keep([0, 1], [0], [1, 1], torch.zeros(2, 3)), ValueError, '2 rows, 1 starts and 2 counts'),
+    (lambda: TapContexts(4).keep([0], [0], [0], torch.zeros(0, 3)), ValueError, 'counts >= 1'),
+    (lambda: TapContexts(4).keep([2, 2], [0, 0], [1, 1], torch.zeros(2, 3)), ValueError, 'a row twice'),
+    (lambda: TapContexts(4).keep([0], [0], [2], torch.zeros(3, 3)), ValueError,
+     'taps of shape (3, 3); expected (2, width)'),
+    (lambda: TapContexts(4).read([0, 1], [3]), ValueError, '2 rows and 1 ends'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -642,6 +651,31 @@ def test_adaptive_dspark_runs_the_steps_that_draft_nothing_plain(tmp_path, monke
     steps = llm.llm_engine.scheduler.step
     assert runner.plain_steps >= steps // 2 and len(calls) + runner.plain_steps <= steps, (runner.plain_steps, steps)
     assert pacer.stats['drafted'] >= 3 and pacer.stats['skipped'] >= runner.plain_steps, pacer.stats
+
+
+@settings(max_examples=examples(40), deadline=None)
+@given(st.integers(1, 9), st.lists(st.tuples(st.sets(st.integers(0, 11), min_size=1, max_size=6), st.integers(1, 20),
+                                           st.booleans(), st.booleans()), min_size=1, max_size=30))
+def test_tap_contexts_equal_the_list_per_row(window, ops):
+    """The ring of taps against the list of (position, tap) per row: random keeps (single positions and runs longer
+    than the window, following on or not), resets, and reads at the right and a wrong end, every read compared; a new
+    width starts again"""
+    ring, ref, pos, g = TapContexts(window), ReferenceTapContexts(window), {}, torch.Generator().manual_seed(0)
+    for rows, run, gap, reset in ops:
+        rows = sorted(rows)
+        if reset: ring.reset(rows); ref.reset(rows); [pos.pop(r, None) for r in rows]; continue
+        starts = [pos.get(r, 0) + gap for r in rows]
+        counts = [run if r % 2 else 1 for r in rows]
+        taps = torch.randn(sum(counts), 3, generator=g)
+        ring.keep(rows, starts, counts, taps); ref.keep(rows, starts, counts, taps)
+        pos.update({r: s + c for r, s, c in zip(rows, starts, counts)})
+        q = list(range(12))
+        for e in ([pos.get(r, 0) for r in q], [pos.get(r, 0) + 1 for r in q]):
+            for a, b in zip(ring.read(q, e), ref.read(q, e)):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    ring.keep([20], [0], [1], torch.ones(1, 5))                           # another width: the old taps are gone
+    assert ring.read([rows[0]], [pos.get(rows[0], 0)]) == [None]
+    assert torch.equal(ring.read([20], [1])[0], torch.ones(1, 5))
 
 
 @pytest.fixture(scope='module')
