@@ -17,9 +17,9 @@ Two paths, each decoding greedily (ignore EOS) from held-out windows of the trai
 Adaptive verification uses a step-cost curve measured here: in the loop, the target's forward over c sequences with
 k + 1 new rows, k = 0..5; in the engine, the engine's own steps (`profile_step_costs`: c requests verifying 0, 1, c, 2c,
 ... 5c drafts in all; --costs stores it per machine). A loop row runs once for 2 new tokens first (its shapes
-compiled), then timed; an engine row runs its whole decode twice on one engine (prefix caching off), the second timed,
-so that its graphs and every token count its steps meet are compiled before the clock starts. Each row reports tokens/s,
-tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
+compiled), then timed; an engine row runs its whole decode on one engine (prefix caching off) until a run captures no
+new CUDA graph (at most three runs), then once more, timed; the row counts the graphs captured while timed. Each row
+reports tokens/s, tokens per request-step (1 + accepted drafts) and the mean drafts verified; the
 per-slot acceptance measured with fixed 5 drafts is also priced on the eight-GPU layout of the full model (the
 notebook's roofline model) as modelled tokens/s per GPU. Prints a table with the machine and date; --json writes it.
 --merge keeps the rows of the existing --json file that this run did not measure (another path or concurrency), so a
@@ -112,19 +112,30 @@ def pool_for(model, c, length):
     return max(kc.num_blocks, c * per + 1)
 
 
-def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False):
-    """One engine for the row, run twice on the same prompts: the first run captures its CUDA graphs and compiles
-    every token count its steps meet (greedy, so the second run meets the same ones), the second is timed. Prefix
-    caching is off, so the timed run prefills as the first did."""
+def captures(eng) -> int:
+    "CUDA graphs the engine has captured so far: its steps' and its drafter's"
+    g = getattr(eng.proposer, 'graphs', None)
+    return getattr(eng.runner.model, 'stats', {}).get('captured', 0) + (g.stats['captured'] if g is not None else 0)
+
+
+def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False, warmups=3):
+    """One engine for the row, run several times on the same prompts: warm-up runs (greedy, so each meets the token
+    counts of the one before) until one captures no new CUDA graph (at most `warmups`; an adaptive proposer's pacer
+    carries its state over, so a run may draft in other steps than the run before), then a timed run. The row counts
+    the graphs captured while timed (`captured`, 0 when the warm-up covered every size). Prefix caching is off, so
+    every run prefills as the first did."""
     from dsv41_nb.engine import LLM
     prop = proposer(drafter, policy, cost)
     L = max(map(len, prompts)) + n + 8
     llm = LLM(model, proposer=prop, max_model_len=L, max_num_seqs=max(len(prompts), 1), enable_prefix_caching=False,
               async_scheduling=asyn, num_gpu_blocks=pool_for(model, len(prompts), L))
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    llm.generate(prompts, sp, use_tqdm=False)                                            # warm-up
-    before, eng = dict(llm.llm_engine.scheduler.stats), llm.llm_engine
-    plain, steps = eng.runner.plain_steps, eng.scheduler.step
+    eng = llm.llm_engine
+    for _ in range(warmups):                                                            # warm-up
+        c0 = captures(eng)
+        llm.generate(prompts, sp, use_tqdm=False)
+        if captures(eng) == c0: break
+    before, plain, steps, c0 = dict(eng.scheduler.stats), eng.runner.plain_steps, eng.scheduler.step, captures(eng)
     sync(device); t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     sync(device); dt = time.perf_counter() - t0
@@ -135,7 +146,8 @@ def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False):
     return dict(seconds=dt, tokens_per_s=emitted / dt, tokens_per_request_step=emitted / max(1, request_steps),
                 drafted=stats['draft_tokens'], accepted=stats['accepted_tokens'],
                 mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs],
-                steps=eng.scheduler.step - steps, plain_steps=eng.runner.plain_steps - plain)
+                steps=eng.scheduler.step - steps, plain_steps=eng.runner.plain_steps - plain,
+                captured=captures(eng) - c0)
 
 
 def modelled(a, c, policy, cost):
