@@ -588,15 +588,16 @@ class TapContexts:
         self.taps = None                     # (rows, window, width) made at the first write
         self.end = np.zeros(0, np.int64)     # per row: the position after its newest tap (-1: none)
         self.num = np.zeros(0, np.int64)     # per row: taps kept, consecutive, at most `window`
-    def __repr__(self): return f"TapContexts(window {self.window}, {int((self.end >= 0).sum())} rows)"
+    def __repr__(self):
+        return f"TapContexts(window {self.window}, {int((self.end >= 0).sum())} rows)"
 
 # %% ../nbs/13_engine.ipynb #76668fea
 @patch
 def _room(self: TapContexts, rows: int, like: torch.Tensor):
     "A ring for at least `rows` rows of `like`'s width, device and dtype (a new width: start again)"
     t, W = self.taps, self.window
-    if t is not None and (t.shape[2], t.device, t.dtype) != (like.shape[1], like.device, like.dtype):
-        t = None; self.clear()
+    same = (like.shape[1], like.device, like.dtype)
+    if t is not None and (t.shape[2], t.device, t.dtype) != same: t = None; self.clear()
     have = 0 if t is None else len(t)
     if rows <= have: return
     n = max(rows, 2 * have, 16, len(self.end))
@@ -624,7 +625,8 @@ def keep(self: TapContexts,
          counts: np.ndarray, # (m,) consecutive positions each one keeps, >= 1
          taps: torch.Tensor): # (sum of counts, width) their taps, row after row
     "Write each row's new taps after the ones it kept (in their place if they do not follow on)"
-    rows, starts, counts = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (rows, starts, counts))
+    rows, starts, counts = (np.asarray(a, dtype=np.int64).reshape(-1)
+                            for a in (rows, starts, counts))
     _check_keep(rows, starts, counts, taps)
     if not len(rows): return
     self._room(int(rows.max()) + 1, taps)
@@ -695,7 +697,8 @@ class ReferenceTapContexts:
 # %% ../nbs/13_engine.ipynb #8d6946d4
 @patch
 def _keep_taps(self: ModelRunner, so: SchedulerOutput, sampled: dict):
-    "Keep each scheduled request's standing rows' taps (the prefill chunk, the row, accepted drafts)"
+    ("Keep each scheduled request's standing rows' taps "
+     "(the prefill chunk, the row, accepted drafts)")
     got, ctx = self.tap_model.last_taps, self.contexts
     if got is None: ctx.clear(); return               # no taps this step: start again
     at = np.full(sum(sr.num_tokens for sr in so.requests), -1)   # the step's row -> its tap
