@@ -231,7 +231,8 @@ def generate_command(
                             seed=args.seed, max_tokens=args.max_tokens)
         served, spec = speculation(args, ckpt, error)
         llm = LLM(served, device=args.device, kernels=args.kernels,
-                  async_scheduling=args.async_scheduling, **spec)
+                  async_scheduling=args.async_scheduling,
+                  gpu_memory_utilization=args.gpu_memory_utilization, **spec)
         # checked alone: its errors say "the prompt", not "prompt 0"
         llm.llm_engine.process_prompt(args.prompt)
         outputs = llm.stream(args.prompt, sp)
@@ -269,7 +270,8 @@ def bench_command(
         served, spec = speculation(args, ckpt, error)
         llm = LLM(served, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  async_scheduling=args.async_scheduling, kernels=args.kernels, **spec)
+                  async_scheduling=args.async_scheduling, kernels=args.kernels,
+                  gpu_memory_utilization=args.gpu_memory_utilization, **spec)
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         if args.prompt_len > (m := llm.llm_engine.max_model_len):
             raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows "
@@ -330,6 +332,9 @@ def _serving_args(p: argparse.ArgumentParser):
                         "(default: off, as in EngineArgs)")
     p.add_argument('--seed', type=int, default=0, help='random seed (default: 0)')
     p.add_argument('--device', default='cpu', help='where the model runs (default: cpu)')
+    p.add_argument('--gpu-memory-utilization', type=float, default=0.9, metavar='U',
+                   help='on a GPU, the share of its memory the process may fill; the KV pool '
+                        'takes what the model leaves (default: 0.9, as vllm serve)')
     p.add_argument('--threads', type=int, default=1,
                    help='CPU threads (default: 1; the small model gains nothing from more)')
     p.add_argument('--kernels', choices=('triton', 'torch'),

@@ -21,7 +21,7 @@ from .config import check_int
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
 from .dispatch import BACKENDS, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
-from .kv_manager import SlotMappings
+from .kv_manager import SlotMappings, KVCacheManager
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
                                 ModelRunnerOutput, EngineCoreOutput, DecodeCoreOutputs,
                                 PLACEHOLDER, table_slot_mappings)
@@ -36,8 +36,8 @@ from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_mo
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
            'InputBuffers', 'tap_model', 'ModelRunner', 'DecodePlan', 'TapContexts', 'ReferenceTapContexts',
            'StepFuture', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model',
-           'LLMEngine', 'register_speculative', 'prefix_gap', 'greedy_shortfall', 'assert_greedy_match', 'LLM',
-           'NullStepModel', 'host_engine', 'StepTimer', 'host_step_times']
+           'LLMEngine', 'kv_pool_blocks', 'gpu_memory', 'register_speculative', 'prefix_gap', 'greedy_shortfall',
+           'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine', 'StepTimer', 'host_step_times']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
@@ -926,6 +926,9 @@ class EngineArgs:
     max_num_batched_tokens: int = 16384  # token budget of one step (vLLM's for this model)
     # KV pool size, null block included (default: from the cache memory budget)
     num_gpu_blocks: int | None = None
+    # on a GPU: size the pool from its memory, this share of it in all (vLLM's knob; None: the
+    # cache memory budget); never more than max_num_seqs requests of max_model_len need
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # decoder window caches rebuilt from the last window of a prompt (approximate)
     bounded_replay: bool = True
@@ -946,6 +949,10 @@ class EngineArgs:
             raise ValueError(f"kernels = {self.kernels!r}; expected None or one of {BACKENDS}")
         if self.max_model_len is not None:
             check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
+        u = self.gpu_memory_utilization
+        if u is not None and not (isinstance(u, (int, float)) and not isinstance(u, bool)
+                                  and 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization = {u!r}; expected a share in (0, 1]")
         if self.speculative is not None and not isinstance(self.speculative, str):
             raise TypeError(f"speculative = {self.speculative!r}; expected a method's name")
         k = check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
@@ -1022,9 +1029,41 @@ def _cache_layout(self: LLMEngine) -> KVCacheConfig:
         raise ValueError(f"max_model_len = {a.max_model_len:,} is more than the model allows "
                          f"(max_seq_len = {self.model.max_seq_len:,})")
     n = min(a.max_model_len or CacheConfig.for_model(cfg).max_model_len, self.model.max_seq_len)
-    return get_kv_cache_config(cfg, CacheConfig.for_model(
-        cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
-        enable_prefix_caching=a.enable_prefix_caching))
+    cc = CacheConfig.for_model(cfg, max_model_len=n, num_gpu_blocks_override=a.num_gpu_blocks,
+                               enable_prefix_caching=a.enable_prefix_caching)
+    dev = next(self.model.parameters()).device
+    if a.num_gpu_blocks is None and a.gpu_memory_utilization and dev.type == 'cuda':
+        blocks = kv_pool_blocks(get_kv_cache_config(cfg, cc), a.max_num_seqs,
+                                a.gpu_memory_utilization, *gpu_memory(dev))
+        cc = dataclasses.replace(cc, num_gpu_blocks_override=blocks)
+    return get_kv_cache_config(cfg, cc)
+
+# %% ../nbs/13_engine.ipynb #02a5f071
+def kv_pool_blocks(kc: KVCacheConfig, # the layout (its page size and block sizes)
+                   max_num_seqs: int, # requests running at once
+                   utilization: float, # the share of the GPU the process may fill
+                   free_bytes: int, total_bytes: int) -> int: # the GPU's memory now
+    "Pool blocks, the null one included: the budget left under `utilization`, at most the need"
+    check_int('kv_pool_blocks', 'max_num_seqs', max_num_seqs, 1)
+    if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
+        raise ValueError(f"utilization = {utilization!r}; expected a share in (0, 1]")
+    if not 0 <= free_bytes <= total_bytes:
+        raise ValueError(f"free_bytes = {free_bytes:,}; expected 0 .. {total_bytes:,} (the total)")
+    per = sum(KVCacheManager(kc).min_blocks(kc.cache_config.max_model_len))
+    budget = int(utilization * total_bytes) - (total_bytes - free_bytes)
+    n = min(max_num_seqs * per + 1, max(0, budget) // kc.page_bytes)
+    if n < per + 1:
+        left = max(0, budget)
+        raise ValueError(f"gpu_memory_utilization = {utilization:g} leaves {left:,} B of the GPU "
+                         f"for the KV pool: {n:,} blocks of {kc.page_bytes:,} B, and one request "
+                         f"of max_model_len needs {per + 1:,}")
+    return n
+
+# %% ../nbs/13_engine.ipynb #09ddabcf
+def gpu_memory(device) -> tuple:
+    "(free, total) bytes of a GPU, counting what this process's allocator holds unused as free"
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 # %% ../nbs/13_engine.ipynb #57361b67
 NGRAM_TOKENS = 5   # n-gram drafts per step when speculation names no count

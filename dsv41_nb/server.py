@@ -872,6 +872,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a('--max-num-batched-tokens', type=int, default=EngineArgs.max_num_batched_tokens,
       help='token budget of one step (default: %(default)s)')
     a('--max-model-len', type=int, help="longest prompt plus output (default: the model's)")
+    a('--gpu-memory-utilization', type=float, default=0.9, metavar='U',
+      help='on a GPU, the share of its memory the process may fill; the KV pool takes what the '
+           'model leaves (default: 0.9, as vllm serve)')
     a('--async-scheduling', action='store_true',
       help="plan a step before the last one's tokens are back (default: off, as in EngineArgs)")
     a('--kernels', choices=('triton', 'torch'), help='force the Triton kernels or the references')
@@ -896,7 +899,7 @@ def _engine(args, error) -> tuple:
         return LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, kernels=args.kernels,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
-                   seed=args.seed), ckpt
+                   gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed), ckpt
     except (TypeError, ValueError, OSError) as e: error(str(e))
 
 # %% ../nbs/16_server.ipynb #2f7cfca9

@@ -24,7 +24,8 @@ from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer
                              LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
                              NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, host_engine,
                              host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers, RING,
-                             TapContexts, ReferenceTapContexts)
+                             TapContexts, ReferenceTapContexts, kv_pool_blocks)
+from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
 from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
 from dsv41_nb.serving import random_checkpoint, percentiles
@@ -128,6 +129,13 @@ BAD = [
     (lambda: TapContexts(4).keep([0], [0], [2], torch.zeros(3, 3)), ValueError,
      'taps of shape (3, 3); expected (2, width)'),
     (lambda: TapContexts(4).read([0, 1], [3]), ValueError, '2 rows and 1 ends'),
+    (lambda: LLM(MODEL, gpu_memory_utilization=1.5), ValueError, 'gpu_memory_utilization = 1.5'),
+    (lambda: LLM(MODEL, gpu_memory_utilization=True), ValueError, 'gpu_memory_utilization = True'),
+    (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 0, 0.9, 1, 2), ValueError, 'max_num_seqs = 0'),
+    (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.0, 1, 2), ValueError, 'utilization = 0.0'),
+    (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 3, 2), ValueError, 'free_bytes = 3'),
+    (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 10**6, 10**9), ValueError,
+     'gpu_memory_utilization = 0.9 leaves 0 B of the GPU'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -690,6 +698,7 @@ CLI_BAD = [
     (['bench', '--prompt-len', '100000'], '--prompt-len 100,000 is longer than the model allows'),
     (['bench', '--json', '{tmp}/no/x.json', '--checkpoint', '/no/such/dir'], '--json: cannot write'),  # before loading
     (['generate', 'x', '--speculative', 'dspark'], 'no drafter weights at'),     # the random checkpoint ships none
+    (['bench', '--gpu-memory-utilization', '1.5'], 'gpu_memory_utilization = 1.5; expected a share in (0, 1]'),
 ]
 
 @pytest.mark.parametrize('argv,msg', CLI_BAD, ids=[m for _, m in CLI_BAD])
@@ -869,3 +878,20 @@ def test_capture_all_and_staged_rows():
     ids = torch.zeros(5, dtype=torch.long)
     fill_token_ids(ids, [(np.array([1, 4]), torch.tensor([7, 8, 9]), np.array([2, 0])), (2, torch.tensor([3]), 0)])
     assert ids.tolist() == [0, 9, 3, 0, 7]
+
+
+def test_kv_pool_blocks_fill_the_budget_up_to_the_need():
+    "The pool from a GPU's memory: what `utilization` leaves, whole pages, at most max_num_seqs full requests"
+    kc = _LLM.llm_engine.kv_cache_config
+    per, page, total = sum(KVCacheManager(kc).min_blocks(64)), kc.page_bytes, 10 ** 10
+    for seqs in (1, 3, 50):
+        for left_pages in (per + 1, per + 7, 10 * per + 3, 10 ** 5):   # the budget, in pages
+            free = total - int(0.5 * total) + left_pages * page   # in use: all but half, less the budget
+            assert kv_pool_blocks(kc, seqs, 0.5, free, total) == min(seqs * per + 1, left_pages)
+
+
+def test_engine_on_a_cpu_keeps_the_cache_budget():
+    "The knob reads a GPU's memory; a model on a CPU keeps `CacheConfig`'s budget"
+    a = LLM(MODEL, runner='recompute', max_model_len=64).llm_engine.kv_cache_config.num_blocks
+    b = LLM(MODEL, runner='recompute', max_model_len=64, gpu_memory_utilization=0.5).llm_engine.kv_cache_config
+    assert b.num_blocks == a

@@ -216,3 +216,14 @@ def test_drafter_graphs_draft_as_the_served_drafter(small):
         rows = same.all(1)
         torch.testing.assert_close(got.confidence[rows], want.confidence[rows], rtol=0.05, atol=0.05)
     assert graphs.stats == dict(replayed=3, eager=1, captured=2), graphs.stats
+
+
+def test_pool_sized_from_the_gpu_memory(small):
+    "gpu_memory_utilization: the pool holds max_num_seqs requests of max_model_len (the need, well under the budget),"
+    " and the engine's tokens are the default pool's"
+    from dsv41_nb.kv_manager import KVCacheManager
+    keep = []
+    sized = _serve(small, PROMPTS[:4], keep, gpu_memory_utilization=0.9)
+    kc = keep[0].llm_engine.kv_cache_config
+    assert kc.num_blocks == 4 * sum(KVCacheManager(kc).min_blocks(160)) + 1
+    assert sized == _serve(small, PROMPTS[:4])

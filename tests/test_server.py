@@ -492,3 +492,12 @@ def test_dp_serve_flags_refused_before_any_rank_starts(monkeypatch):
             for k, v in env.items(): m.setenv(k, v)
             with pytest.raises(ValueError) as e: serve(p.parse_args([*flags, '--port', '0']), error)
             assert msg in str(e.value), (flags, str(e.value))
+
+
+def test_serve_refuses_a_bad_memory_share():
+    "--gpu-memory-utilization outside (0, 1]: the parser's error before the server listens"
+    p = add_serve_arguments(argparse.ArgumentParser())
+    def error(msg): raise ValueError(msg)
+    for u in ('0', '1.5', '-0.2'):
+        with pytest.raises(ValueError) as e: serve(p.parse_args(['--gpu-memory-utilization', u, '--port', '0']), error)
+        assert f'gpu_memory_utilization = {float(u)}' in str(e.value), str(e.value)
