@@ -138,17 +138,46 @@ def __call__(self: DrafterGraphs,
 # %% ../nbs/14a_drafter_graphs.ipynb #c3ea03b2
 class DraftPacer:
     ("Whether an adaptive proposer drafts in a step: skip while the drafter's measured cost "
-     "exceeds what its drafts are expected to earn")
-    def __init__(self, max_backoff: int = 32): # most steps skipped between two probes
+     "exceeds what its drafts are expected to earn, and while measured steps say it lost")
+    def __init__(self,
+                 max_backoff: int = 32, # most steps skipped between two probes
+                 # the share of the decode time speculation may lose against plain steps
+                 # (measured, `observe`); None: the priced backoff alone
+                 tolerance: float | None = 0.02):
         self.max_backoff = check_int('DraftPacer', 'max_backoff', max_backoff, 1)
-        self.skip, self.backoff = 0, 1
-        self.stats = dict(drafted=0, skipped=0, paid=0)
-    def draft_now(self) -> bool:
-        "Draft in this step? (counts the step either way)"
-        if self.skip:
-            self.skip -= 1; self.stats['skipped'] += 1; return False
-        self.stats['drafted'] += 1; return True
-    def __repr__(self): return f"DraftPacer(backoff {self.backoff}, {self.stats})"
+        ok = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
+        if tolerance is not None and not (ok and 0 < tolerance <= 1):
+            raise ValueError(f"DraftPacer: tolerance = {tolerance!r}; "
+                             "expected None or a share in (0, 1]")
+        self.tolerance, self.skip, self.backoff = tolerance, 0, 1
+        # the ledger: seconds of a plain step, decode seconds seen, lost to speculation, the
+        # speculative run going on (its loss), the last run's loss
+        self.rate, self.time, self.loss, self.run, self.probe = None, 0.0, 0.0, None, None
+        self.stats = dict(drafted=0, skipped=0, paid=0, held=0)
+    def __repr__(self):
+        led = '' if self.rate is None else f", lost {self.loss / max(self.time, 1e-12):+.1%}"
+        return f"DraftPacer(backoff {self.backoff}{led}, {self.stats})"
+
+# %% ../nbs/14a_drafter_graphs.ipynb #eacaca8d
+@patch
+def draft_now(self: DraftPacer) -> bool:
+    "Draft in this step? (counts the step either way)"
+    if not self._room():
+        self.stats['held'] += 1; self.stats['skipped'] += 1; return False
+    # the backoff prices with the profile: a last run measured to pay overrides it
+    if self.skip and not (self.probe is not None and self.probe < 0):
+        self.skip -= 1; self.stats['skipped'] += 1; return False
+    self.stats['drafted'] += 1; return True
+
+# %% ../nbs/14a_drafter_graphs.ipynb #97b1f881
+@patch
+def _room(self: DraftPacer) -> bool:
+    "Whether the ledger lets speculation go on (or start) now"
+    if self.tolerance is None or self.time == 0: return True   # nothing measured: the backoff alone
+    if self.rate is None: return False   # a plain step first, to price against
+    room = self.tolerance * self.time - self.loss
+    if self.run is not None: return room >= 0                  # a run goes on while it holds
+    return room >= (self.rate if self.probe is None else self.probe)
 
 # %% ../nbs/14a_drafter_graphs.ipynb #7bc326dd
 @patch
@@ -166,12 +195,38 @@ def update(self: DraftPacer, prop: DSparkProposer,
     else:
         self.skip, self.backoff = self.backoff, min(2 * self.backoff, self.max_backoff)
 
+# %% ../nbs/14a_drafter_graphs.ipynb #8b32b68f
+@patch
+def observe(self: DraftPacer,
+            seconds: float, # the engine's step, measured
+            plain: bool, # it ran as a plain decode step (no drafting, no verification)
+            tokens: float): # tokens each request gained (under async scheduling: the step before's)
+    "Enter a decode step in the ledger"
+    if not (isinstance(seconds, (int, float)) and seconds >= 0
+            and isinstance(tokens, (int, float)) and tokens >= 0):
+        raise ValueError(f"observe: seconds = {seconds!r}, tokens = {tokens!r}; "
+                         "expected numbers >= 0")
+    self.time += seconds
+    if plain:
+        if self.run is not None:   # a speculative run ended: tokens told late are its own
+            credit = max(0.0, tokens - 1) * (self.rate or 0.0)
+            self.loss -= credit; self.probe, self.run = self.run - credit, None
+        self.rate = seconds if self.rate is None else 0.75 * self.rate + 0.25 * seconds
+    elif self.rate is not None:
+        lost = seconds - tokens * self.rate
+        self.loss += lost; self.run = (self.run or 0.0) + lost
+
 # %% ../nbs/14a_drafter_graphs.ipynb #6e549e9e
 @patch
 def _pace(self: DSparkProposer, max_backoff: int = 32) -> DSparkProposer:
     "An adaptive proposer's `DraftPacer` (a fixed one drafts every step); returns the proposer"
     if self.adaptive and self.pacer is None: self.pacer = DraftPacer(max_backoff)
     return self
+
+@patch
+def observe_step(self: DSparkProposer, seconds: float, plain: bool, tokens: float):
+    "An engine's decode step, measured (`13_engine`): into the pacer's ledger (if adaptive)"
+    if self.pacer is not None: self.pacer.observe(seconds, plain, tokens)
 
 # %% ../nbs/14a_drafter_graphs.ipynb #bb2261de
 @patch

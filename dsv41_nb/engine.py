@@ -1019,6 +1019,8 @@ class LLMEngine:
         self.runner = ModelRunner(step_model, self.kv_cache_config, self.proposer, a.seed,
                                   step_model.device, a.kernels)
         self.tracked, self._pending = {}, None
+        # a proposer that paces itself by measured step times is told each decode step's
+        self._observer, self._tally = getattr(self.proposer, 'observe_step', None), (0, 0)
 
 # %% ../nbs/13_engine.ipynb #980b573b
 @patch
@@ -1171,6 +1173,7 @@ def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput,
      "(with delta 'final', of those that finished: vLLM's FINAL_ONLY)")
     now, tracked = time.perf_counter(), self.tracked
     got = self.scheduler.update_from_output(so, mro)
+    if self._observer is not None: self._count(mro)
     if isinstance(got, DecodeCoreOutputs):          # one token each, as columns
         for rid in got.req_ids:
             t = tracked[rid]; t.steps += 1
@@ -1200,6 +1203,31 @@ def _run_step(self: LLMEngine, so: SchedulerOutput,
     "Run one scheduled step: the one place an engine stepping with others adds its part"
     return run(so)
 
+# %% ../nbs/13_engine.ipynb #9f2ba346
+@patch
+def _count(self: LLMEngine, mro: ModelRunnerOutput):
+    "Add a step's sampled tokens, and the requests that got any, to the tally `_observe` reports"
+    if mro.req_ids is not None: n = m = len(mro.req_ids)   # a decode step: one token each
+    else:
+        lens = [len(v) for v in mro.sampled_token_ids.values() if v]
+        n, m = sum(lens), len(lens)
+    self._tally = (self._tally[0] + n, self._tally[1] + m)
+
+# %% ../nbs/13_engine.ipynb #c3e6086c
+def _decoding(so: SchedulerOutput) -> bool:
+    "Every request decodes: one new row each, plus the drafts it verifies (no prompt rows)"
+    return so.all_decode or all(not r.new and r.num_tokens == 1 + r.num_draft_tokens
+                                for r in so.requests)
+
+# %% ../nbs/13_engine.ipynb #29f9bbb1
+@patch
+def _observe(self: LLMEngine, so: SchedulerOutput, plain: bool, t0: float, outs: list) -> list:
+    "Tell the proposer about a decode step (seconds, ran plain, tokens a request); `outs` back"
+    (n, m), self._tally = self._tally, (0, 0)
+    if self._observer is not None and so.req_ids and m and _decoding(so):
+        self._observer(time.perf_counter() - t0, plain, n / m)
+    return outs
+
 # %% ../nbs/13_engine.ipynb #f582e725
 @patch
 def step(self: LLMEngine,
@@ -1207,9 +1235,11 @@ def step(self: LLMEngine,
          delta: bool | str = False) -> list:
     ("One engine step; RequestOutputs of the requests that got tokens "
      "(whole, only what is new, or only the finished)")
-    so = self.scheduler.schedule(drafts=self.runner.plan_drafts())
+    t0, drafts = time.perf_counter(), self.runner.plan_drafts()
+    so = self.scheduler.schedule(drafts=drafts)
     if not self.args.async_scheduling:
-        return self._apply(so, self._run_step(so, self.runner.execute_model), delta)
+        outs = self._apply(so, self._run_step(so, self.runner.execute_model), delta)
+        return self._observe(so, not drafts, t0, outs)
     prev, self._pending, outs = self._pending, None, []
     # a step with prefill rows runs eagerly and its launch waits on the GPU: the step before it
     # is applied first, so that its tokens (a first token, often) are not held back a whole step
@@ -1218,7 +1248,8 @@ def step(self: LLMEngine,
     fut = self._run_step(so, self.runner.execute_model_async)  # launched, not waited for
     self._pending = (so, fut) if so.req_ids else None
     # apply the step before this one
-    return outs + (self._apply(prev[0], prev[1].result(), delta) if prev is not None else [])
+    outs += self._apply(prev[0], prev[1].result(), delta) if prev is not None else []
+    return self._observe(so, not drafts, t0, outs)
 
 # %% ../nbs/13_engine.ipynb #13545732
 @patch

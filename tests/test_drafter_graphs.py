@@ -117,6 +117,10 @@ BAD = [
      ValueError, 'expected (N, 16, 64)'),
     (lambda m: DSparkProposer(Drafter(m)).serve(-1), ValueError, 'capture'),
     (lambda m: DraftPacer(0), ValueError, 'max_backoff'),
+    (lambda m: DraftPacer(tolerance=1.5), ValueError, 'tolerance = 1.5'),
+    (lambda m: DraftPacer(tolerance=True), ValueError, 'tolerance = True'),
+    (lambda m: DraftPacer().observe(-1.0, True, 1), ValueError, 'seconds = -1.0'),
+    (lambda m: DraftPacer().observe(1.0, True, None), ValueError, 'tokens = None'),
     (lambda m: block_seam(m.mtp[0], 'moe'), ValueError, "expected 'attn' or 'ffn'"),
 ]
 
@@ -141,7 +145,7 @@ def test_the_pacer_backs_off_while_drafting_costs_more_than_it_earns(model):
         if slow.draft_now(): slow.update(prop, dr, k, 10e-3); drafted.append(step)
         if free.draft_now(): free.update(prop, dr, k, 0.0)
     assert drafted == [1, 3, 6, 11, 20, 29] and slow.backoff == 8
-    assert free.stats == dict(drafted=30, skipped=0, paid=30)
+    assert free.stats == dict(drafted=30, skipped=0, paid=30, held=0)
     while not slow.draft_now(): pass
     slow.update(prop, dr, k, 0.0)
     assert slow.backoff == 1 and slow.skip == 0 and slow.draft_now()
@@ -159,3 +163,36 @@ def test_an_adaptive_engine_proposer_skips_steps_and_keeps_greedy_tokens(model):
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert prop.pacer is not None and prop.pacer.stats['skipped'] > 0 and prop.pacer.stats['paid'] == 0
     assert DSparkProposer(Drafter(model), 3).serve().pacer is None          # fixed: drafts every step
+
+
+def _simulate(pacer, draft_s, verify_s, accepted, steps=3000, plain_s=1e-3):
+    "Tokens a second of one request under `pacer` (plain steps 1 ms), against plain decoding"
+    t = n = 0.0; pending = False
+    for _ in range(steps):
+        want = pacer.draft_now()
+        s, k = plain_s + want * draft_s + pending * verify_s, 1 + pending * accepted
+        pacer.observe(s, not (want or pending), k)
+        t, n, pending = t + s, n + k, want
+    return n / t * plain_s
+
+
+@pytest.mark.parametrize('tolerance', [0.02, 0.1])
+def test_the_ledger_bounds_what_a_losing_drafter_costs_and_lets_a_paying_one_draft(tolerance):
+    "Measured steps: a drafter that loses costs at most the tolerance plus one run; one that pays drafts nearly always"
+    loses = DraftPacer(tolerance=tolerance)
+    ratio = _simulate(loses, 2e-3, 3e-3, 0.5)
+    assert 1 - tolerance - 6e-3 / 3 <= ratio < 1 and 0 < loses.stats['drafted'], (ratio, loses)
+    pays = DraftPacer(tolerance=tolerance)
+    assert _simulate(pays, 0.3e-3, 0.5e-3, 2.5) > 1.5 and pays.stats['held'] < 100, pays
+    assert _simulate(DraftPacer(tolerance=None), 2e-3, 3e-3, 0.5, steps=300) < 0.5   # the ledger is what holds it
+
+
+def test_the_ledger_credits_tokens_told_late_to_the_run_they_belong_to():
+    "Under async scheduling a run's last gains arrive with the next plain step: they lower the run's measured loss"
+    p = DraftPacer()
+    p.observe(1e-3, True, 1)                  # the plain price: 1 ms
+    p.observe(3e-3, False, 1); p.observe(3e-3, False, 1)   # a run: 6 ms for 2 tokens told so far
+    assert p.loss == pytest.approx(4e-3) and p.run == pytest.approx(4e-3)
+    p.observe(1e-3, True, 4)                  # 3 more tokens of the run, told late
+    assert p.loss == pytest.approx(1e-3) and p.probe == pytest.approx(1e-3) and p.run is None
+    assert p.time == pytest.approx(8e-3)

@@ -608,6 +608,7 @@ def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
     contexts are those of the eager engine, and greedy output is unchanged"""
     from dsv41_nb.dspark import Drafter, DSparkProposer, dspark_proposer, save_drafter
     from dsv41_nb.paged_step import step_model
+    from dsv41_nb.drafter_graphs import DraftPacer
     model, path, box = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors', {}
     save_drafter(Drafter(model), path)
     def graphs(kc):
@@ -617,10 +618,12 @@ def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
     runs, orig = [], DSparkProposer._target_hidden
     monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
     never = dict(adaptive=True, step_cost=lambda T: T.double() ** 2)    # verifying anything costs more than it gains
+    def paced(p):   # the priced backoff alone (no measured ledger): probes in a run this short
+        p.pacer = DraftPacer(tolerance=None); return p
     got, ctx = {}, {}
     for mode in ('eager', 'graphs'):
         kw = dict(step_model=graphs) if mode == 'graphs' else {}
-        llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', **kw)
+        llm = LLM(model, proposer=paced(dspark_proposer(model, path, 3, **never)), kernels='torch', **kw)
         got[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         eng = llm.llm_engine
         eng.add_request('a', prompts[0], sp)
@@ -632,7 +635,7 @@ def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
     assert ctx['graphs'][0] == ctx['eager'][0]
     torch.testing.assert_close(ctx['graphs'][1], ctx['eager'][1])
     monkeypatch.setattr(CUDAGraphModel, '_tap_layers', lambda self: ())    # a graph that keeps no taps
-    llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', step_model=graphs)
+    llm = LLM(model, proposer=paced(dspark_proposer(model, path, 3, **never)), kernels='torch', step_model=graphs)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == got['eager'] and runs
 
 
@@ -643,6 +646,7 @@ def test_adaptive_dspark_runs_the_steps_that_draft_nothing_plain(tmp_path, monke
     draft rows, no proposer call; async: launched without waiting), the taps are kept all along (the target never
     runs again for them), a probe after plain steps drafts, and greedy output is plain decoding's"""
     from dsv41_nb.dspark import Drafter, DSparkProposer, dspark_proposer, save_drafter
+    from dsv41_nb.drafter_graphs import DraftPacer
     model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
     save_drafter(Drafter(model), path)
     prompts, sp = [list(range(40, 70)), list(range(5, 12)), [7] * 25], SamplingParams(temperature=0, max_tokens=40)
@@ -652,7 +656,9 @@ def test_adaptive_dspark_runs_the_steps_that_draft_nothing_plain(tmp_path, monke
     monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
     monkeypatch.setattr(DSparkProposer, 'propose', lambda self, *a, **k: calls.append(1) or propose(self, *a, **k))
     never = dict(adaptive=True, step_cost=lambda T: T.double() ** 2)
-    llm = LLM(model, proposer=dspark_proposer(model, path, 3, **never), kernels='torch', async_scheduling=asyn)
+    prop = dspark_proposer(model, path, 3, **never)
+    prop.pacer = DraftPacer(tolerance=None)   # the priced backoff alone: probes in a run this short
+    llm = LLM(model, proposer=prop, kernels='torch', async_scheduling=asyn)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     runner, pacer = llm.llm_engine.runner, llm.llm_engine.proposer.pacer
     assert got == want and runs == []
@@ -895,3 +901,28 @@ def test_engine_on_a_cpu_keeps_the_cache_budget():
     a = LLM(MODEL, runner='recompute', max_model_len=64).llm_engine.kv_cache_config.num_blocks
     b = LLM(MODEL, runner='recompute', max_model_len=64, gpu_memory_utilization=0.5).llm_engine.kv_cache_config
     assert b.num_blocks == a
+
+
+@pytest.mark.parametrize('asyn', [False, True], ids=['sync', 'async'])
+def test_the_engine_tells_an_adaptive_proposer_its_decode_steps(tmp_path, asyn):
+    """Every decode step reaches the pacer's ledger (seconds, plain or not, tokens a request), prompt steps do not;
+    a drafter measured to lose is held back, and greedy output is plain decoding's"""
+    from dsv41_nb.dspark import Drafter, DSparkProposer, dspark_proposer, save_drafter
+    model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
+    save_drafter(Drafter(model), path)
+    prompts, sp = [list(range(40, 70)), [7] * 25], SamplingParams(temperature=0, max_tokens=30)
+    want = [o.outputs[0].token_ids for o in LLM(model, kernels='torch').generate(prompts, sp, use_tqdm=False)]
+    prop = dspark_proposer(model, path, 3, adaptive=True, step_cost=lambda T: T.double())
+    seen = []
+    llm = LLM(model, proposer=prop, kernels='torch', async_scheduling=asyn)
+    observe = prop.pacer.observe
+    prop.pacer.observe = lambda s, plain, k: seen.append((s, plain, k)) or observe(s, plain, k)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    steps = llm.llm_engine.scheduler.step
+    assert 20 <= len(seen) < steps and all(s > 0 and k >= 1 for s, _, k in seen), (len(seen), steps)
+    plain = llm.llm_engine.runner.plain_steps   # async: a step that applied no tokens yet is not told
+    assert plain - (2 if asyn else 0) <= sum(p for _, p, _ in seen) <= plain, (seen, plain)
+    led = prop.pacer
+    assert led.rate is not None and led.time == pytest.approx(sum(s for s, _, _ in seen))
+    assert led.stats['held'] > 0, led

@@ -169,8 +169,10 @@ def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch, async_s
     replayed from CUDA graphs (async: launched without waiting), the drafter reads the taps the graphs wrote (the
     target never runs again for them), and the tokens are the engine's own"""
     from dsv41_nb.dspark import dspark_proposer
+    from dsv41_nb.drafter_graphs import DraftPacer
     runs, want, keep = _count_target_runs(monkeypatch), _serve(small, PROMPTS), []
     never = dspark_proposer(small, SMALL / 'dspark.safetensors', 3, adaptive=True, step_cost=lambda T: T.double() ** 2)
+    never.pacer = DraftPacer(tolerance=None)   # the priced backoff alone: probes in a run this short
     assert _serve(small, PROMPTS, keep, proposer=never, async_scheduling=async_scheduling) == want and runs == []
     runner = keep[0].llm_engine.runner
     assert 0 < runner.plain_steps <= runner.model.stats['replayed'], (runner.plain_steps, runner.model.stats)

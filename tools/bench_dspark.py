@@ -105,13 +105,6 @@ def run_loop(model, drafter, prompts, n, policy, cost, device):
                 target_s=st.target_s, draft_s=st.draft_s, slot_acceptance=st.slot_acceptance)
 
 
-def pool_for(model, c, length):
-    "KV blocks for c requests of `length` tokens at once (the small model's default pool, sized for a CPU, holds fewer)"
-    kc = get_kv_cache_config(model.cfg, CacheConfig.for_model(model.cfg, max_model_len=length))
-    per = sum(1 if g.manager == 'ring' else -(-length // g.block_size) for g in kc.groups)
-    return max(kc.num_blocks, c * per + 1)
-
-
 def captures(eng) -> int:
     "CUDA graphs the engine has captured so far: its steps' and its drafter's"
     g = getattr(eng.proposer, 'graphs', None)
@@ -128,7 +121,7 @@ def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False, war
     prop = proposer(drafter, policy, cost)
     L = max(map(len, prompts)) + n + 8
     llm = LLM(model, proposer=prop, max_model_len=L, max_num_seqs=max(len(prompts), 1), enable_prefix_caching=False,
-              async_scheduling=asyn, num_gpu_blocks=pool_for(model, len(prompts), L))
+              async_scheduling=asyn, gpu_memory_utilization=0.9)   # a GPU's pool holds them all
     sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     eng = llm.llm_engine
     for _ in range(warmups):                                                            # warm-up
@@ -147,7 +140,7 @@ def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False, war
                 drafted=stats['draft_tokens'], accepted=stats['accepted_tokens'],
                 mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs],
                 steps=eng.scheduler.step - steps, plain_steps=eng.runner.plain_steps - plain,
-                captured=captures(eng) - c0)
+                captured=captures(eng) - c0, pacer=repr(getattr(prop, 'pacer', None)))
 
 
 def modelled(a, c, policy, cost):
