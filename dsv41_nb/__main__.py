@@ -399,6 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=accounting_command, error=a.error)
     return p
 
+# %% ../nbs/99_cli.ipynb #d52e6df9
+def _rank_exit(code: int):
+    "A torchrun rank's end: leave the process group, flush, exit without the interpreter's shutdown"
+    from dsv41_nb.dp_engine import leave_dp_group
+    leave_dp_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code or 0)
+
 # %% ../nbs/99_cli.ipynb #00dc1e39
 def main(argv: list | None = None, # command-line arguments (default `sys.argv[1:]`)
         ) -> int:
@@ -417,6 +425,7 @@ def main(argv: list | None = None, # command-line arguments (default `sys.argv[1
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    if is_torchrun(): _rank_exit(code)
     return code
 
 # %% ../nbs/99_cli.ipynb #10717801
