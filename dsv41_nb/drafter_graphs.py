@@ -164,8 +164,9 @@ def draft_now(self: DraftPacer) -> bool:
     "Draft in this step? (counts the step either way)"
     if not self._room():
         self.stats['held'] += 1; self.stats['skipped'] += 1; return False
-    # the backoff prices with the profile: a last run measured to pay overrides it
-    if self.skip and not (self.probe is not None and self.probe < 0):
+    # the backoff prices with the profile: with a ledger, a last run measured to pay overrides it
+    paid = self.tolerance is not None and self.probe is not None and self.probe < 0
+    if self.skip and not paid:
         self.skip -= 1; self.stats['skipped'] += 1; return False
     self.stats['drafted'] += 1; return True
 

@@ -30,7 +30,7 @@ from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME
 from .paged_step import step_model as paged_step_model, PagedStepModel
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
-from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_model
+from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_model, _sent
 
 # %% auto #0
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
@@ -638,8 +638,8 @@ def keep(self: TapContexts,
         each = np.arange(len(taps)) - np.repeat(np.cumsum(counts) - counts, counts)
         sel = np.nonzero(np.repeat(counts, counts) - each <= W)[0]
         r, p = np.repeat(rows, counts)[sel], (np.repeat(starts, counts) + each)[sel]
-        if len(sel) < len(taps): t = taps[torch.from_numpy(sel).to(taps.device)]
-    at = torch.from_numpy(np.stack([r, p % W])).to(taps.device)
+        if len(sel) < len(taps): t = taps[_sent(sel, taps.device)]
+    at = _sent(np.stack([r, p % W]), taps.device)   # queued: a plain step must not wait here
     self.taps[at[0], at[1]] = t
 
 # %% ../nbs/13_engine.ipynb #2f5e81ee
@@ -671,8 +671,8 @@ def read(self: TapContexts,
     if not ok.any(): return out
     sel = np.nonzero(ok)[0]; r = rows[sel]
     dev = self.taps.device
-    slots = torch.from_numpy((ends[sel, None] - W + np.arange(W)) % W).to(dev)
-    got = self.taps[torch.from_numpy(r).to(dev)[:, None], slots]   # (n, W, width)
+    slots = _sent((ends[sel, None] - W + np.arange(W)) % W, dev)
+    got = self.taps[_sent(r, dev)[:, None], slots]   # (n, W, width)
     for j, i in enumerate(sel): out[i] = got[j, W - self.num[r[j]]:]
     return out
 
@@ -714,7 +714,7 @@ def _keep_taps(self: ModelRunner, so: SchedulerOutput, sampled: dict):
         starts.append(sr.start + keep - len(mine)); counts.append(len(mine))
     if rows:
         ctx.keep(rows, starts, counts,
-                 got[1][torch.from_numpy(np.concatenate(idx)).to(got[1].device)])
+                 got[1][_sent(np.concatenate(idx), got[1].device)])
 
 # %% ../nbs/13_engine.ipynb #9ff1aba1
 @patch
