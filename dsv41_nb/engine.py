@@ -1019,7 +1019,7 @@ class LLMEngine:
         self.runner = ModelRunner(step_model, self.kv_cache_config, self.proposer, a.seed,
                                   step_model.device, a.kernels)
         self.tracked, self._pending = {}, None
-        # a proposer that paces itself by measured step times is told each decode step's
+        # a proposer that paces itself by measured step times is told of each decode step
         self._observer, self._tally = getattr(self.proposer, 'observe_step', None), (0, 0)
 
 # %% ../nbs/13_engine.ipynb #980b573b
@@ -1047,7 +1047,8 @@ def kv_pool_blocks(kc: KVCacheConfig, # the layout (its page size and block size
                    free_bytes: int, total_bytes: int) -> int: # the GPU's memory now
     "Pool blocks, the null one included: the budget left under `utilization`, at most the need"
     check_int('kv_pool_blocks', 'max_num_seqs', max_num_seqs, 1)
-    if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
+    if isinstance(utilization, bool) or not (isinstance(utilization, (int, float))
+                                             and 0 < utilization <= 1):
         raise ValueError(f"utilization = {utilization!r}; expected a share in (0, 1]")
     if not 0 <= free_bytes <= total_bytes:
         raise ValueError(f"free_bytes = {free_bytes:,}; expected 0 .. {total_bytes:,} (the total)")

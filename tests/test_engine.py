@@ -133,6 +133,7 @@ BAD = [
     (lambda: LLM(MODEL, gpu_memory_utilization=True), ValueError, 'gpu_memory_utilization = True'),
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 0, 0.9, 1, 2), ValueError, 'max_num_seqs = 0'),
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.0, 1, 2), ValueError, 'utilization = 0.0'),
+    (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, True, 1, 2), ValueError, 'utilization = True'),
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 3, 2), ValueError, 'free_bytes = 3'),
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 10**6, 10**9), ValueError,
      'gpu_memory_utilization = 0.9 leaves 0 B of the GPU'),
