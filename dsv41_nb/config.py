@@ -11,9 +11,9 @@ from pathlib import Path
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['HALVES', 'TOPOLOGY_COLUMNS', 'ROLE_COLORS', 'ModelConfig', 'is_int', 'check_int', 'require', 'ConfigError',
-           'expect_config', 'validate', 'source_layer', 'is_prime', 'engram_bucket_primes', 'engram_table_rows',
-           'LayerInfo', 'layer_topology', 'role_counts', 'topology_table', 'plot_layer_map']
+__all__ = ['HALVES', 'TOPOLOGY_COLUMNS', 'ROLE_COLORS', 'ModelConfig', 'is_int', 'check_int', 'check_share', 'require',
+           'ConfigError', 'expect_config', 'validate', 'source_layer', 'is_prime', 'engram_bucket_primes',
+           'engram_table_rows', 'LayerInfo', 'layer_topology', 'role_counts', 'topology_table', 'plot_layer_map']
 
 # %% ../nbs/00_config.ipynb #a3ece8d7
 @dataclass(frozen=True)
@@ -121,6 +121,14 @@ def check_int(caller: str, name: str, value, low: int | None = None):
     if low is not None:
         if not is_int(low): raise TypeError(f"check_int: low must be an int or None, got {low!r}")
         if value < low: raise ValueError(f"{caller}: {name} = {value}; expected at least {low}")
+    return value
+
+# %% ../nbs/00_config.ipynb #8f72d999
+def check_share(caller: str, name: str, value) -> float:
+    "`value` if a number in (0, 1] and not a bool; else a ValueError naming `caller`, `name`"
+    ok = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+    if not (ok and 0 < value <= 1):
+        raise ValueError(f"{caller}: {name} = {value!r}; expected a share in (0, 1]")
     return value
 
 # %% ../nbs/00_config.ipynb #5271da62

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Sequence
 import torch
 from fastcore.basics import patch
-from .config import ModelConfig, check_int, require
+from .config import ModelConfig, check_int, check_share, require
 from .model import MoE, DenseRun
 from .paged import moe_weights, served_moe, block_seam
 from .fused_moe import fp8_act_quant
@@ -17,7 +17,7 @@ from .cuda_graphs import CAPTURE_SIZES, padded_batch_size
 from .dspark import Drafter, Draft, DSparkProposer, expected_accepted
 
 # %% auto #0
-__all__ = ['ServedMoE', 'served_act_qdq', 'DrafterGraphs', 'DraftPacer']
+__all__ = ['ServedMoE', 'served_act_qdq', 'DrafterGraphs', 'DraftPacer', 'simulate_pacer']
 
 # %% ../nbs/14a_drafter_graphs.ipynb #4ace8c23
 class ServedMoE:
@@ -145,10 +145,7 @@ class DraftPacer:
                  # (measured, `observe`); None: the priced backoff alone
                  tolerance: float | None = 0.02):
         self.max_backoff = check_int('DraftPacer', 'max_backoff', max_backoff, 1)
-        ok = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
-        if tolerance is not None and not (ok and 0 < tolerance <= 1):
-            raise ValueError(f"DraftPacer: tolerance = {tolerance!r}; "
-                             "expected None or a share in (0, 1]")
+        if tolerance is not None: check_share('DraftPacer', 'tolerance', tolerance)
         self.tolerance, self.skip, self.backoff = tolerance, 0, 1
         # the ledger: seconds of a plain step, decode seconds seen, lost to speculation, the
         # speculative run going on (its loss), the last run's loss
@@ -216,6 +213,26 @@ def observe(self: DraftPacer,
     elif self.rate is not None:
         lost = seconds - tokens * self.rate
         self.loss += lost; self.run = (self.run or 0.0) + lost
+
+# %% ../nbs/14a_drafter_graphs.ipynb #49e6a1d6
+def simulate_pacer(pacer: DraftPacer,
+                   draft_s: float, # a drafting step's extra seconds
+                   verify_s: float, # a verifying step's extra seconds
+                   accepted: float, # tokens a verifying step gains beyond its one
+                   steps: int = 3000, plain_s: float = 1e-3) -> float:
+    "One request's decoding under `pacer`, simulated: its tokens a second against plain steps"
+    if not isinstance(pacer, DraftPacer):
+        raise TypeError(f"simulate_pacer: expected a DraftPacer, got {type(pacer).__name__}")
+    check_int('simulate_pacer', 'steps', steps, 1)
+    require(min(draft_s, verify_s, accepted) >= 0 and plain_s > 0,
+            "simulate_pacer: draft_s, verify_s, accepted must be >= 0 and plain_s > 0")
+    t = n = 0.0; pending = False
+    for _ in range(steps):
+        want = pacer.draft_now()
+        s, k = plain_s + want * draft_s + pending * verify_s, 1 + pending * accepted
+        pacer.observe(s, not (want or pending), k)
+        t, n, pending = t + s, n + k, want
+    return n / t * plain_s
 
 # %% ../nbs/14a_drafter_graphs.ipynb #6e549e9e
 @patch

@@ -17,7 +17,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 import torch
 import torch.nn.functional as F
 from fastcore.basics import patch
-from .config import check_int
+from .config import check_int, check_share
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
 from .dispatch import BACKENDS, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
@@ -949,10 +949,8 @@ class EngineArgs:
             raise ValueError(f"kernels = {self.kernels!r}; expected None or one of {BACKENDS}")
         if self.max_model_len is not None:
             check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
-        u = self.gpu_memory_utilization
-        if u is not None and not (isinstance(u, (int, float)) and not isinstance(u, bool)
-                                  and 0 < u <= 1):
-            raise ValueError(f"gpu_memory_utilization = {u!r}; expected a share in (0, 1]")
+        if self.gpu_memory_utilization is not None:
+            check_share('EngineArgs', 'gpu_memory_utilization', self.gpu_memory_utilization)
         if self.speculative is not None and not isinstance(self.speculative, str):
             raise TypeError(f"speculative = {self.speculative!r}; expected a method's name")
         k = check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
@@ -1047,9 +1045,7 @@ def kv_pool_blocks(kc: KVCacheConfig, # the layout (its page size and block size
                    free_bytes: int, total_bytes: int) -> int: # the GPU's memory now
     "Pool blocks, the null one included: the budget left under `utilization`, at most the need"
     check_int('kv_pool_blocks', 'max_num_seqs', max_num_seqs, 1)
-    if isinstance(utilization, bool) or not (isinstance(utilization, (int, float))
-                                             and 0 < utilization <= 1):
-        raise ValueError(f"utilization = {utilization!r}; expected a share in (0, 1]")
+    check_share('kv_pool_blocks', 'utilization', utilization)
     if not 0 <= free_bytes <= total_bytes:
         raise ValueError(f"free_bytes = {free_bytes:,}; expected 0 .. {total_bytes:,} (the total)")
     per = sum(KVCacheManager(kc).min_blocks(kc.cache_config.max_model_len))

@@ -7,7 +7,7 @@ import pytest
 import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import (ModelConfig, ConfigError, layer_topology, role_counts, source_layer, engram_bucket_primes,
-                             engram_table_rows, is_prime, validate, expect_config, check_int,
+                             engram_table_rows, is_prime, validate, expect_config, check_int, check_share,
                              topology_table, plot_layer_map, TOPOLOGY_COLUMNS)
 
 PUBLIC = Path(__file__).resolve().parent.parent / 'nbs' / 'reference' / 'deepseek_v41_config.json'
@@ -120,6 +120,9 @@ BAD_INPUTS = [
     (lambda: is_prime('7'), TypeError, "is_prime: n must be an int, got '7'"),
     (lambda: is_prime(7.0), TypeError, 'is_prime: n must be an int, got 7.0'),
     (lambda: check_int('f', 'n', -1, 0), ValueError, 'f: n = -1; expected at least 0'),
+    (lambda: check_share('f', 'u', 1.5), ValueError, 'f: u = 1.5; expected a share in (0, 1]'),
+    (lambda: check_share('f', 'u', False), ValueError, 'f: u = False; expected a share'),
+    (lambda: check_share('f', 'u', '0.5'), ValueError, "f: u = '0.5'; expected a share"),
     (lambda: validate('full'), TypeError, 'validate: expected a ModelConfig, got str'),
     (lambda: expect_config({}, 'g'), TypeError, 'g: expected a ModelConfig, got dict'),
     (lambda: engram_bucket_primes(None), TypeError, 'engram_bucket_primes: expected a ModelConfig'),

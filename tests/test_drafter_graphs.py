@@ -10,7 +10,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, DenseRun, ByteTokenizer
 from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions, save_drafter
 from dsv41_nb.paged import block_seam
-from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer
+from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer, simulate_pacer
 from dsv41_nb.checkpoint import DRAFTER_NAME
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
@@ -121,6 +121,9 @@ BAD = [
     (lambda m: DraftPacer(tolerance=True), ValueError, 'tolerance = True'),
     (lambda m: DraftPacer().observe(-1.0, True, 1), ValueError, 'seconds = -1.0'),
     (lambda m: DraftPacer().observe(1.0, True, None), ValueError, 'tokens = None'),
+    (lambda m: simulate_pacer('pacer', 1e-3, 1e-3, 1), TypeError, 'expected a DraftPacer, got str'),
+    (lambda m: simulate_pacer(DraftPacer(), 1e-3, 1e-3, 1, steps=0), ValueError, 'steps = 0'),
+    (lambda m: simulate_pacer(DraftPacer(), -1e-3, 1e-3, 1), ValueError, 'must be >= 0'),
     (lambda m: block_seam(m.mtp[0], 'moe'), ValueError, "expected 'attn' or 'ffn'"),
 ]
 
@@ -165,26 +168,15 @@ def test_an_adaptive_engine_proposer_skips_steps_and_keeps_greedy_tokens(model):
     assert DSparkProposer(Drafter(model), 3).serve().pacer is None          # fixed: drafts every step
 
 
-def _simulate(pacer, draft_s, verify_s, accepted, steps=3000, plain_s=1e-3):
-    "Tokens a second of one request under `pacer` (plain steps 1 ms), against plain decoding"
-    t = n = 0.0; pending = False
-    for _ in range(steps):
-        want = pacer.draft_now()
-        s, k = plain_s + want * draft_s + pending * verify_s, 1 + pending * accepted
-        pacer.observe(s, not (want or pending), k)
-        t, n, pending = t + s, n + k, want
-    return n / t * plain_s
-
-
 @pytest.mark.parametrize('tolerance', [0.02, 0.1])
 def test_the_ledger_bounds_what_a_losing_drafter_costs_and_lets_a_paying_one_draft(tolerance):
     "Measured steps: a drafter that loses costs at most the tolerance plus one run; one that pays drafts nearly always"
     loses = DraftPacer(tolerance=tolerance)
-    ratio = _simulate(loses, 2e-3, 3e-3, 0.5)
+    ratio = simulate_pacer(loses, 2e-3, 3e-3, 0.5)
     assert 1 - tolerance - 6e-3 / 3 <= ratio < 1 and 0 < loses.stats['drafted'], (ratio, loses)
     pays = DraftPacer(tolerance=tolerance)
-    assert _simulate(pays, 0.3e-3, 0.5e-3, 2.5) > 1.5 and pays.stats['held'] < 100, pays
-    assert _simulate(DraftPacer(tolerance=None), 2e-3, 3e-3, 0.5, steps=300) < 0.5   # the ledger is what holds it
+    assert simulate_pacer(pays, 0.3e-3, 0.5e-3, 2.5) > 1.5 and pays.stats['held'] < 100, pays
+    assert simulate_pacer(DraftPacer(tolerance=None), 2e-3, 3e-3, 0.5, steps=300) < 0.5   # the ledger is what holds it
 
 
 def test_the_ledger_credits_tokens_told_late_to_the_run_they_belong_to():

@@ -36,7 +36,6 @@ from dsv41_nb.checkpoint import load_model
 from dsv41_nb.accounting import HARDWARE
 from dsv41_nb.train import load_corpus, split_documents, byte_data
 from dsv41_nb.scheduler import SamplingParams
-from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fused kernels, CUDA graphs)
