@@ -289,20 +289,28 @@ def _gemm_scaled(acc, a_row, valid, w_ptr, s_ptr, expert, n, n_mask,
 @triton.jit
 def _gemm_pair(acc1, acc3, a_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask, k_lo,
                KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, BK: tl.constexpr,
-               W_FP4: tl.constexpr):
+               W_FP4: tl.constexpr, PREFETCH: tl.constexpr):
     ("acc1 += A[rows, k_lo:k_lo+KS] @ W1[expert, n]ᵀ and acc3 the same with W3: "
-     "one activation tile per step for both")
+     "one activation tile per step for both; PREFETCH: each step's scales loaded a step ahead")
     w_row, s_row = _weight_rows(expert, n, K, N, W_FP4)
     kk, kw, ks = tl.arange(0, BK), tl.arange(0, BK // 2 if W_FP4 else BK), tl.arange(0, BK // 32)
+    s1_at, s3_at = s1_ptr + s_row[:, None] + ks[None, :], s3_ptr + s_row[:, None] + ks[None, :]
+    if PREFETCH:
+        # (BN, BK/32)
+        sc1 = tl.load(s1_at + k_lo // 32, mask=n_mask[:, None], other=127)
+        sc3 = tl.load(s3_at + k_lo // 32, mask=n_mask[:, None], other=127)
     for k0 in range(k_lo, k_lo + KS, BK):
         # (BM, BK)
         a = tl.load(a_row[:, None] + k0 + kk[None, :], mask=valid[:, None],
                     other=0.0).to(tl.bfloat16)
-        # (BN, BK/32)
-        sc1 = tl.load(s1_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
-                      other=127)
-        sc3 = tl.load(s3_ptr + s_row[:, None] + (k0 // 32 + ks)[None, :], mask=n_mask[:, None],
-                      other=127)
+        if PREFETCH:
+            # the next step's (the last step wraps to the first: a load nobody uses)
+            k_next = k_lo + (k0 + BK - k_lo) % KS
+            sn1 = tl.load(s1_at + k_next // 32, mask=n_mask[:, None], other=127)
+            sn3 = tl.load(s3_at + k_next // 32, mask=n_mask[:, None], other=127)
+        else:
+            sc1 = tl.load(s1_at + k0 // 32, mask=n_mask[:, None], other=127)
+            sc3 = tl.load(s3_at + k0 // 32, mask=n_mask[:, None], other=127)
         if W_FP4:
             # (BK/2, BN)
             w1 = tl.load(w1_ptr + w_row[None, :] + (k0 // 2 + kw)[:, None], mask=n_mask[None, :],
@@ -319,6 +327,7 @@ def _gemm_pair(acc1, acc3, a_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert,
                          other=0)
             acc1 = tl.dot_scaled(a, None, 'bf16', w1, sc1, 'e4m3', acc1, fast_math=True)
             acc3 = tl.dot_scaled(a, None, 'bf16', w3, sc3, 'e4m3', acc3, fast_math=True)
+        if PREFETCH: sc1, sc3 = sn1, sn3
     return acc1, acc3
 
 # %% ../nbs/08b_fused_moe.ipynb #170b2329
@@ -387,7 +396,7 @@ def _gate_up_kernel(
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     W_FP4: tl.constexpr, HAS_WEIGHT: tl.constexpr, IDENTITY: tl.constexpr, CLAMP: tl.constexpr,
-    HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr,
+    HW_CVT: tl.constexpr, DOT: tl.constexpr, SCALED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
                                              N, TOPK, BM, BN, GROUP_M, IDENTITY)
@@ -395,7 +404,7 @@ def _gate_up_kernel(
     n_mask, x_row, acc = n < N, x_ptr + tok.to(tl.int64) * K, tl.zeros((BM, BN), tl.float32)
     if SCALED:
         gate, up = _gemm_pair(acc, acc, x_row, valid, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, expert, n,
-                              n_mask, 0, K, K, N, BK, W_FP4)
+                              n_mask, 0, K, K, N, BK, W_FP4, PREFETCH)
     else:
         gate = _gemm_dequantised(acc, x_row, valid, w1_ptr, w1s_ptr, expert, n, n_mask, K, N, BK,
                                  W_FP4, HW_CVT, DOT)
@@ -409,10 +418,12 @@ def _gate_up_kernel(
 
 # %% ../nbs/08b_fused_moe.ipynb #69a48517
 # Launch shapes by average rows per touched expert (<= 8, <= 32, <= 64, more);
-# the weight tiles of version 2 by default.
+# the weight tiles of version 2 by default; `prefetch`: the gate/up loop loads its scales a step ahead.
 MOE_TILES = ('scaled', 'dequantised')
-MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
-                  batch=dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3),
+MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3,
+                              prefetch=True),
+                  batch=dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3,
+                             prefetch=True),
                   mid=dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
                   large=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3))
 
@@ -425,13 +436,15 @@ def moe_launch_shape(n_assign: int, n_experts: int) -> dict:
 
 # %% ../nbs/08b_fused_moe.ipynb #64ef8eea
 def _check_shape(shape):
-    "A launch shape: `MOE_TUNING`'s keys, and known weight tiles"
+    "A launch shape: `MOE_TUNING`'s keys, known weight tiles, a bool `prefetch`"
     keys = ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages')
     if not isinstance(shape, dict) or not all(k in shape for k in keys):
         raise ValueError(f"shape: expected a dict with {', '.join(keys)} (as MOE_TUNING's), "
                          f"got {shape!r}")
     if shape.get('tiles', MOE_TILES[0]) not in MOE_TILES:
         raise ValueError(f"tiles = {shape['tiles']!r}; expected one of {MOE_TILES}")
+    if not isinstance(shape.get('prefetch', False), bool):
+        raise ValueError(f"prefetch = {shape['prefetch']!r}; expected True or False")
 
 # %% ../nbs/08b_fused_moe.ipynb #020f00f7
 def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device) -> tuple[dict, tuple]:
@@ -500,14 +513,15 @@ def expert_gate_up(
         return expert_gate_up_torch(xq, w1, w3, align, topk_weights, swiglu_limit)
     (E, N, K), ident = w1.shape, align.sorted_ids is None
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
-    meta, grid = _launch(align, N, K, shape or moe_launch_shape(align.n_assign, E), xq.device)
+    shape = shape or moe_launch_shape(align.n_assign, E)
+    meta, grid = _launch(align, N, K, shape, xq.device)
     wts = h if topk_weights is None else topk_weights.float().contiguous()
     rows = (h, h) if ident else (align.sorted_ids, align.block_expert)   # (unused for the identity)
     _gate_up_kernel[grid](xq.contiguous(), w1.codes, w1.scales, w3.codes, w3.scales, h, *rows, wts,
                           align.n_assign, align.num_blocks, float(swiglu_limit),
                           K=K, N=N, TOPK=align.topk, W_FP4=not ident,
                           HAS_WEIGHT=topk_weights is not None, IDENTITY=ident,
-                          CLAMP=swiglu_limit > 0, **meta)
+                          CLAMP=swiglu_limit > 0, PREFETCH=shape.get('prefetch', False), **meta)
     return h
 
 # %% ../nbs/08b_fused_moe.ipynb #7d0c34de

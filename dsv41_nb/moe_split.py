@@ -37,7 +37,7 @@ def _gate_up_partial_kernel(
     n_mask, zero = n < N, tl.zeros((BM, BN), tl.float32)
     gate, up = _gemm_pair(zero, zero, x_ptr + tok.to(tl.int64) * K, valid,
                           w1_ptr, w1s_ptr, w3_ptr, w3s_ptr, expert, n,
-                          n_mask, tl.program_id(1) * KS, KS, K, N, BK, W_FP4)
+                          n_mask, tl.program_id(1) * KS, KS, K, N, BK, W_FP4, False)
     off = (tl.program_id(1) * n_assign + a).to(tl.int64)[:, None] * (2 * N) + n[None, :]
     m = valid[:, None] & n_mask[None, :]
     tl.store(part_ptr + off, gate, mask=m)

@@ -138,6 +138,18 @@ def test_tile_versions_agree(E, k, I, T, seed):
         outs.append(fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, shape))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2 ** -6, atol=0.05)
 
+@pytest.mark.parametrize('T', [1, 20])
+def test_scales_prefetched_a_step_ahead(T):
+    """The gate/up loop with each step's scales loaded a step ahead (`prefetch`): the same bits as loading them
+    in their step, over two K steps, for the routed MXFP4 and the shared FP8 experts"""
+    cfg, W = _layer(8, 2, 64, 96, T)
+    x = (3 * torch.randn(T, 64, generator=_gen(T))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    shapes = [dict(moe_launch_shape(T * 2, 8), block_k=32, prefetch=p) for p in (False, True)]
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shapes[1])
+    a, b = (fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, s) for s in shapes)
+    assert torch.equal(a, b)
+
 @pytest.mark.parametrize('T, mode', [(1, 'router'), (40, 'one'), (17, 'few')])
 def test_fused_moe_edge_cases(T, mode):
     """A batch of one; every token on one expert (several blocks of it, seven experts empty); three
@@ -195,6 +207,8 @@ def test_bad_inputs():
         (lambda: fp8_act_quant(torch.randn(4, 48)), 'dim a multiple of 32'),
         (lambda: fused_moe_experts(x, tw, ti, W, 10., dict(moe_launch_shape(8, 8), tiles='mxfp4')),
          "tiles = 'mxfp4'; expected one of ('scaled', 'dequantised')"),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10., dict(moe_launch_shape(8, 8), prefetch='yes')),
+         "prefetch = 'yes'; expected True or False"),
         (lambda: fused_moe_experts(x, tw, ti, W, 10., {'block_m': 16, 'block_n': 32}),
          'shape: expected a dict with block_m, block_n, block_k'),
         (lambda: benchmark_moe(TINY, (1,), 'cpu', tiles='v3'), "tiles = 'v3'; expected one of"),
