@@ -425,7 +425,8 @@ MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, 
                   batch=dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3,
                              prefetch=True),
                   mid=dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3),
-                  large=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3))
+                  large=dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3,
+                             prefetch=True))
 
 # %% ../nbs/08b_fused_moe.ipynb #9b2d6f73
 def moe_launch_shape(n_assign: int, n_experts: int) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor.
 
-    python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep]
+    python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--prefetch]
                               [--tiles dequantised] [--quick]
 
 One row per batch size, all measured in one run: the median time of `fused_moe_experts`, the floor (the larger of the
@@ -10,14 +10,19 @@ fraction of the floor reached, and the speed-ups over the reference loop (`moe_e
 dequantised per call) and over the same loop with every expert dequantised to BF16 once. `--sweep` first times a small
 grid of launch shapes per size and prints the best (the shapes `MOE_TUNING` should hold). `--tiles dequantised` times
 the kernels' version 1 weight tiles (dequantised element by element) in place of version 2's (`tl.dot_scaled`); the run
-checks the chosen tiles against the reference loop first. `--quick` runs the tiny config
+checks the chosen tiles against the reference loop first. `--prefetch` also times each size's launch shape with the
+gate/up loop's scales loaded a step ahead and in their step (`prefetch` on and off, alternating, the best of two
+medians each). `--quick` runs the tiny config
 at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check of the script, not a measurement."""
 import os, sys
 if '--quick' in sys.argv and not os.environ.get('TRITON_INTERPRET'):
     import torch
     if not torch.cuda.is_available(): os.environ['TRITON_INTERPRET'] = '1'   # before triton is imported
 import argparse, datetime, json
+from pathlib import Path
 import torch, triton
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import git_commit
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, machine_name
 from dsv41_nb.moe import MoEWeights, route
@@ -50,12 +55,31 @@ def sweep_shapes(cfg, sizes, device):
         print(f'{"":14s}best {best[T][1]} at {best[T][0]:.3f} ms')
     return best
 
+def prefetch_ab(cfg, sizes, device):
+    "Fused-MoE ms per size with the launch shape's `prefetch` off and on, measured alternately in one run"
+    W, rows = MoEWeights.random(cfg, 0, device), []
+    for T in sizes:
+        x = (3 * torch.randn(T, cfg.dim, device=device)).to(torch.bfloat16)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        shape, t = moe_launch_shape(ti.numel(), W.n_experts), {False: [], True: []}
+        for p in (False, True, False, True):
+            s = dict(shape, prefetch=p)
+            t[p].append(median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, s,
+                                                              check_ids=False)) * 1e3)
+        rows.append(dict(tokens=T, block_m=shape['block_m'], default=shape.get('prefetch', False),
+                         off_ms=min(t[False]), on_ms=min(t[True])))
+        r = rows[-1]
+        print(f"{T:6d} tokens, {r['block_m']:3d}-row blocks: prefetch off {r['off_ms']:.3f} ms, "
+              f"on {r['on_ms']:.3f} ms ({r['off_ms'] / r['on_ms']:.2f}x); default {'on' if r['default'] else 'off'}")
+    return rows
+
 if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--config', default='bench', choices=('bench', 'tiny', 'full'))
     ap.add_argument('--sizes', type=int, nargs='+', default=[1, 64, 1024, 8192])
     ap.add_argument('--json', help='write the rows (and the machine) to this file')
     ap.add_argument('--sweep', action='store_true', help='time a grid of launch shapes per size first')
+    ap.add_argument('--prefetch', action='store_true', help="time the launch shapes with prefetch on and off")
     ap.add_argument('--tiles', default=MOE_TILES[0], choices=MOE_TILES,
                     help="the weight tiles: 'scaled' (version 2, tl.dot_scaled) or 'dequantised' (version 1)")
     ap.add_argument('--quick', action='store_true', help='tiny config, sizes 1 8 32: checks the script on any machine')
@@ -80,13 +104,14 @@ if __name__ == '__main__':
                             dict(moe_launch_shape(ti.numel(), W.n_experts), tiles=args.tiles))
         print(f"  {T} tokens: checked against the reference, max error {r['max_err']:.3g}, exact {r['exact']}")
     best = sweep_shapes(cfg, args.sizes, device) if args.sweep else None
+    pf = prefetch_ab(cfg, args.sizes, device) if args.prefetch else None
     del W
     rows = benchmark_moe(cfg, args.sizes, device, tiles=args.tiles)
     print(f"copy {rows[0]['copy_TBps'] * 1e3:.0f} GB/s, BF16 matmul {rows[0]['bf16_TFLOPs']:.1f} TFLOP/s (measured)")
     print(format_moe_benchmark(rows))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__,
+            json.dump(dict(device=machine, date=str(datetime.date.today()), commit=git_commit(), torch=torch.__version__,
                            triton=triton.__version__, config=args.config, tiles=args.tiles, tuning=MOE_TUNING,
-                           sweep_best={str(k): v for k, v in (best or {}).items()},
+                           sweep_best={str(k): v for k, v in (best or {}).items()}, prefetch=pf,
                            rows=rows), f, indent=1)
