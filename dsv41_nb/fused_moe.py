@@ -418,7 +418,8 @@ def _gate_up_kernel(
 
 # %% ../nbs/08b_fused_moe.ipynb #69a48517
 # Launch shapes by average rows per touched expert (<= 8, <= 32, <= 64, more);
-# the weight tiles of version 2 by default; `prefetch`: the gate/up loop loads its scales a step ahead.
+# the weight tiles of version 2 by default;
+# `prefetch`: the gate/up loop loads its scales a step ahead.
 MOE_TILES = ('scaled', 'dequantised')
 MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3,
                               prefetch=True),
