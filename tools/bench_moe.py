@@ -111,7 +111,8 @@ if __name__ == '__main__':
     print(format_moe_benchmark(rows))
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(device=machine, date=str(datetime.date.today()), commit=git_commit(), torch=torch.__version__,
-                           triton=triton.__version__, config=args.config, tiles=args.tiles, tuning=MOE_TUNING,
+            json.dump(dict(device=machine, date=str(datetime.date.today()), commit=git_commit(),
+                           torch=torch.__version__, triton=triton.__version__, config=args.config,
+                           tiles=args.tiles, tuning=MOE_TUNING,
                            sweep_best={str(k): v for k, v in (best or {}).items()}, prefetch=pf,
                            rows=rows), f, indent=1)

@@ -1,0 +1,72 @@
+"""tools/kernel_mix.py: the instruction mix of a kernel's inner loop, and an Nsight Compute report's metrics."""
+import importlib.util, json
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location('kernel_mix', ROOT / 'tools' / 'kernel_mix.py')
+km = importlib.util.module_from_spec(spec); spec.loader.exec_module(km)
+
+PTX = """\tmov.u32 %r1, 0;
+$L__BB0_1:
+\tadd.s32 %r1, %r1, 1;
+\t@%p1 bra \t$L__BB0_1;
+$L__BB0_2:                              // =>This Inner Loop Header: Depth=1
+\t.loc 1 2 3
+\tld.shared.b8 %rs1, [%r2];
+\tprmt.b32 %r3, %r4, 0, 0;
+\tprmt.b32 %r5, %r4, 0, 1;
+\tmul.bf16 %rs2, %rs3, %rs4;
+\t{
+\t@%p2 mul.bf16 %rs5, %rs3, %rs4;
+\t}
+\t@%p3 bra \t$L__BB0_2;
+\tret;
+"""
+
+NCU = """    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Metric Name             Metric Unit Metric Value
+    ----------------------- ----------- ------------
+    SM Frequency                    Ghz         1.80
+    Elapsed Cycles                cycle    1,232,124
+    Memory Throughput                 %        39.47
+    Issued Warp Per Scheduler                        0.50
+    Memory Throughput                          Tbyte/s         1.20
+    OPT   This workload exhibits low compute throughput 60.0
+"""
+
+
+def test_the_longest_loop_and_its_opcodes():
+    "The second loop is the longer; guards, directives, braces and labels are not instructions"
+    ops = km.opcode_counts(km.loop_body(PTX))
+    assert ops == {'mul.bf16': 2, 'prmt.b32': 2, 'ld.shared.b8': 1, 'bra': 1}
+
+
+def test_ncu_metrics():
+    "Thousands separators read, units dropped, a repeated name kept apart by its unit, advice lines skipped"
+    m = km.ncu_metrics(NCU)
+    assert m == {'SM Frequency': 1.8, 'Elapsed Cycles': 1232124.0, 'Memory Throughput': 39.47,
+                 'Issued Warp Per Scheduler': 0.5, 'Memory Throughput (Tbyte/s)': 1.2}
+
+
+def test_record(tmp_path):
+    (tmp_path / 'k.ptx').write_text(PTX); (tmp_path / 'n.txt').write_text(NCU)
+    out = tmp_path / 'r.json'
+    km.main(['--ptx', str(tmp_path / 'k.ptx'), '--ncu', str(tmp_path / 'n.txt'), '--json', str(out),
+             '--machine', 'a GPU', '--commit', 'abc1234', '--launch', '{"tokens": 128}'])
+    r = json.loads(out.read_text())
+    assert (r['machine'], r['commit'], r['launch'], r['loop_instructions']) == ('a GPU', 'abc1234', {'tokens': 128}, 6)
+    assert r['ncu']['Elapsed Cycles'] == 1232124.0
+
+
+@pytest.mark.parametrize('ptx, argv, message', [
+    ('\tadd.s32 %r1, %r1, 1;\n\tret;\n', [], 'the PTX has no loop'),
+    (PTX, ['--launch', '{tokens'], '--launch: not JSON'),
+    (PTX, ['--ncu', '/nonexistent/ncu.txt'], 'No such file'),
+])
+def test_bad_input(tmp_path, capsys, ptx, argv, message):
+    (tmp_path / 'k.ptx').write_text(ptx)
+    with pytest.raises(SystemExit):
+        km.main(['--ptx', str(tmp_path / 'k.ptx'), '--json', str(tmp_path / 'r.json'), *argv])
+    assert message in capsys.readouterr().err
