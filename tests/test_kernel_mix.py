@@ -70,3 +70,21 @@ def test_bad_input(tmp_path, capsys, ptx, argv, message):
     with pytest.raises(SystemExit):
         km.main(['--ptx', str(tmp_path / 'k.ptx'), '--json', str(tmp_path / 'r.json'), *argv])
     assert message in capsys.readouterr().err
+
+
+SASS = """        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD.MOV.U32 R2, RZ, RZ, 0x1 ;
+.L_x_0:
+        /*0020*/                   PRMT R5, R4, 0x7610, R5 ;
+        /*0030*/                   HMUL2.BF16_V2 R6, R5, R7 ;
+        /*0040*/               @P0 PRMT R8, R4, 0x7632, R8 ;
+        /*0050*/               @P1 BRA `(.L_x_0) ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_sass_loop():
+    "The branch's target address starts the loop; guards and modifiers dropped (HMUL2.BF16_V2 -> HMUL2)"
+    body = km.sass_loop(SASS.replace('`(.L_x_0)', '0x20'))
+    assert km.sass_opcodes(body) == {'PRMT': 2, 'HMUL2': 1, 'BRA': 1}
+    with pytest.raises(ValueError, match='the SASS has no loop'): km.sass_loop(SASS)

@@ -2,15 +2,20 @@
 """The instruction mix of a compiled Triton kernel's inner loop (from its PTX) and one launch's Nsight Compute figures,
 as a record a notebook can read.
 
-    python tools/kernel_mix.py --ptx KERNEL.ptx [--ncu NCU.txt] --json OUT.json [--machine NAME] [--commit SHA]
-                               [--launch JSON]
+    python tools/kernel_mix.py --ptx KERNEL.ptx [--sass KERNEL.sass] [--ncu NCU.txt] --json OUT.json
+                               [--machine NAME] [--commit SHA] [--launch JSON]
+    python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch]
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
-(the instructions one thread runs per K step). --ncu: the text report of one `ncu` run on the kernel (its sections:
-SpeedOfLight, LaunchStats, Occupancy, SchedulerStats, WarpStateStats, MemoryWorkloadAnalysis); the record keeps its
-numeric metrics by name. --launch: a JSON object describing the launch (tokens, launch shape), stored as given.
---machine and --commit name where the files came from (default: this machine, this checkout). --quick: a check of the
-script on a small PTX and report it writes itself."""
+(the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
+record counts its longest loop the same way (opcodes without their modifiers). --ncu: the text report of one `ncu`
+run on the kernel (its sections: SpeedOfLight, LaunchStats, Occupancy, SchedulerStats, WarpStateStats,
+MemoryWorkloadAnalysis); the record keeps its numeric metrics by name. --launch: a JSON object describing the launch (tokens, launch shape), stored as given.
+--machine and --commit name where the files came from (default: this machine, this checkout). --compile-gate-up
+compiles the fused MoE's gate/up kernel (08b_fused_moe) for a Hopper GPU (sm_90) at the `bench` layer's 128-token
+launch, with no GPU: Triton's own compiler, ptxas and cuobjdump; it writes OUT_DIR/gate_up.ptx and .sass (the same
+Triton version as the GPU's gives the GPU's code). --quick: a check of the script on a small PTX and report it writes
+itself."""
 import argparse, datetime, json, re, sys, tempfile
 from collections import Counter
 from pathlib import Path
@@ -42,6 +47,58 @@ def opcode_counts(body: list[str]) -> dict:
     return dict(ops.most_common())
 
 
+def sass_loop(text: str) -> list[str]:
+    "The instructions of the longest loop in `cuobjdump -sass` output: from a branch's target to the branch back"
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for l in text.split('\n')
+           if (m := re.match(r'\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;', l))]
+    loops = [(int(m.group(1), 16), a) for a, s in ins
+             if (m := re.search(r'\bBRA\b.*?0x([0-9a-f]+)', s)) and int(m.group(1), 16) < a]
+    if not loops: raise ValueError('the SASS has no loop (no branch back to an earlier address)')
+    lo, hi = max(loops, key=lambda l: l[1] - l[0])
+    return [s for a, s in ins if lo <= a <= hi]
+
+
+def sass_opcodes(body: list[str]) -> dict:
+    "SASS opcode (guard and modifiers dropped: IMAD.MOV.U32 -> IMAD) -> count"
+    ops = Counter()
+    for s in body:
+        w = s.split()
+        ops[(w[1] if w[0].startswith('@') and len(w) > 1 else w[0]).split('.')[0]] += 1
+    return dict(ops.most_common())
+
+
+def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128) -> dict:
+    "PTX and SASS of the gate/up kernel for sm_90 at the bench layer's launch for `tokens`, compiled with no GPU"
+    import subprocess
+    import triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.fused_moe import _gate_up_kernel as fn, moe_launch_shape
+    cfg = ModelConfig.bench()
+    shape = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
+    ptrs = dict(x_ptr='*bf16', w1_ptr='*u8', w1s_ptr='*u8', w3_ptr='*u8', w3s_ptr='*u8', h_ptr='*bf16',
+                sorted_ptr='*i32', block_expert_ptr='*i32', weight_ptr='*fp32')
+    const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=shape['block_m'],
+                 BN=shape['block_n'], BK=shape['block_k'], GROUP_M=8, W_FP4=True, HAS_WEIGHT=True,
+                 IDENTITY=False, CLAMP=True, HW_CVT=True, DOT=tl.bfloat16, SCALED=True, PREFETCH=prefetch)
+    sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
+    # as a launch specialises them: 16-byte aligned pointers, a row count divisible by 16
+    attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n in [*ptrs, 'n_assign']}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    k = triton.compile(src, target=GPUTarget('cuda', 90, 32),
+                       options=dict(num_warps=shape['num_warps'], num_stages=shape['num_stages']))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / 'gate_up.ptx').write_text(k.asm['ptx']); (out / 'gate_up.cubin').write_bytes(k.asm['cubin'])
+    tool = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'
+    sass = subprocess.run([str(tool), '-sass', str(out / 'gate_up.cubin')], capture_output=True, text=True,
+                          check=True).stdout
+    (out / 'gate_up.sass').write_text(sass)
+    return dict(kernel='_gate_up_kernel', tokens=tokens, config='bench', **{**shape, 'prefetch': prefetch},
+                triton=triton.__version__, target='sm_90')
+
+
 def ncu_metrics(text: str) -> dict:
     "Numeric metrics of an `ncu` text report: name -> value ('1,234.5' read as 1234.5; a repeated name gets its unit)"
     out = {}
@@ -57,6 +114,9 @@ def ncu_metrics(text: str) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--ptx')
+    ap.add_argument('--sass')
+    ap.add_argument('--compile-gate-up', metavar='OUT_DIR')
+    ap.add_argument('--prefetch', action='store_true', help='with --compile-gate-up: the scales a step ahead')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -71,19 +131,28 @@ def main(argv=None):
         (d / 'n.txt').write_text('    Duration                         us       684.16\n'
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
-    if not args.ptx or not args.json: ap.error('--ptx and --json are required (or --quick)')
+    if args.compile_gate_up:
+        launch = compile_gate_up(Path(args.compile_gate_up), args.prefetch)
+        print(f"wrote gate_up.ptx, .cubin and .sass to {args.compile_gate_up} ({json.dumps(launch)})")
+        return
+    if not args.ptx or not args.json: ap.error('--ptx and --json are required (or --quick, --compile-gate-up)')
     try: launch = json.loads(args.launch) if args.launch else None
     except json.JSONDecodeError as e: ap.error(f'--launch: not JSON ({e})')
     try:
         body = loop_body(Path(args.ptx).read_text())
+        sass = sass_opcodes(sass_loop(Path(args.sass).read_text())) if args.sass else None
         ncu = ncu_metrics(Path(args.ncu).read_text()) if args.ncu else None
     except (OSError, ValueError) as e: ap.error(str(e))
     ops = opcode_counts(body)
     rec = dict(machine=args.machine, commit=args.commit or git_commit(), date=str(datetime.date.today()),
-               launch=launch, loop_instructions=sum(ops.values()), loop_opcodes=ops, ncu=ncu)
+               launch=launch, loop_instructions=sum(ops.values()), loop_opcodes=ops,
+               sass_loop_instructions=sum(sass.values()) if sass else None, sass_loop_opcodes=sass, ncu=ncu)
     Path(args.json).write_text(json.dumps(rec, indent=1))
     top = ', '.join(f'{k} {v}' for k, v in list(ops.items())[:6])
     print(f"loop body: {rec['loop_instructions']} instructions per thread and step ({top}, ...)")
+    if sass:
+        print(f"SASS loop: {sum(sass.values())} instructions "
+              f"({', '.join(f'{k} {v}' for k, v in list(sass.items())[:6])}, ...)")
     if ncu: print(f"ncu: {len(ncu)} metrics, e.g. Duration {ncu.get('Duration')}")
     print('wrote', args.json)
 
