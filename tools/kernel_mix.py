@@ -11,11 +11,11 @@ as a record a notebook can read.
 record counts its longest loop the same way (opcodes without their modifiers). --ncu: the text report of one `ncu`
 run on the kernel (its sections: SpeedOfLight, LaunchStats, Occupancy, SchedulerStats, WarpStateStats,
 MemoryWorkloadAnalysis); the record keeps its numeric metrics by name. --launch: a JSON object describing the launch
-(tokens, launch shape), stored as given. --machine and --commit name where the files came from (default: this machine, this checkout). --compile-gate-up
-compiles the fused MoE's gate/up kernel (08b_fused_moe) for a Hopper GPU (sm_90) at the `bench` layer's 128-token
-launch, with no GPU: Triton's own compiler, ptxas and cuobjdump; it writes OUT_DIR/gate_up.ptx and .sass (the same
-Triton version as the GPU's gives the GPU's code). --quick: a check of the script on a small PTX and report it writes
-itself."""
+(tokens, launch shape), stored as given. --machine and --commit name where the files came from (default: this
+machine, this checkout). --compile-gate-up compiles the fused MoE's gate/up kernel (08b_fused_moe) for a Hopper GPU
+(sm_90) at the `bench` layer's 128-token launch, with no GPU: Triton's own compiler, ptxas and cuobjdump; it writes
+OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's gives the GPU's code). --quick: a check
+of the script on a small PTX and report it writes itself."""
 import argparse, datetime, json, re, sys, tempfile
 from collections import Counter
 from pathlib import Path
