@@ -16,7 +16,9 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.sparse_decode import DECODE_TUNING, check_decode_grid
 from dsv41_nb.moe import MoEWeights, route
-from dsv41_nb.fused_moe import MOE_TUNING, MOE_TILES, moe_launch_shape, check_fused_moe, _fused_stages
+from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_fused_moe, _fused_stages,
+                                fused_moe_experts)
+from dsv41_nb.moe_planes import plane_gate_up
 from dsv41_nb.moe_split import expert_gate_up_split
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages
 from dsv41_nb.moe import quantize_weight
@@ -75,6 +77,31 @@ def test_moe_every_tuning_entry(entry, tiles):
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape)
     split = partial(_fused_stages, gate_up=expert_gate_up_split)              # the serving path above the GEMVs
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=split)
+
+
+@pytest.mark.parametrize('entry', list(MOE_TUNING))
+def test_moe_planes_every_tuning_entry(entry):
+    """Version 3 of the gate/up stage (codes in planes, the upcast in BF16 arithmetic, subnormals included) bit for bit
+    equal to version 2 at each `MOE_TUNING` entry, and the layer within the reference"""
+    E, k = 8, 2
+    T = next(t for t in (1, 8, 64, 256, 1024) if moe_launch_shape(t * k, E) == MOE_TUNING[entry])
+    cfg, W, x, tw, ti = _moe_case(T, E, k, seed=T)
+    y2 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False)
+    y3 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False, gate_up=plane_gate_up(W))
+    assert torch.equal(y3, y2)
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=plane_gate_up(W)))
+
+
+def test_moe_planes_bench_layer():
+    "Version 3 on the bench layer's geometry (64 experts, dim 5120, inter 2304) at a decode and a serving batch"
+    cfg = ModelConfig.bench()
+    W = MoEWeights.random(cfg, 0, DEV)
+    stage = plane_gate_up(W)
+    for T in (1, 128):
+        x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        y2 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False)
+        assert torch.equal(fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False, gate_up=stage), y2)
 
 
 @pytest.mark.parametrize('T', range(1, GEMV_MAX_TOKENS + 1))

@@ -64,6 +64,7 @@ def test_record(tmp_path):
     ('\tadd.s32 %r1, %r1, 1;\n\tret;\n', [], 'the PTX has no loop'),
     (PTX, ['--launch', '{tokens'], '--launch: not JSON'),
     (PTX, ['--ncu', '/nonexistent/ncu.txt'], 'No such file'),
+    (PTX, ['--planes'], '--prefetch and --planes go with --compile-gate-up'),
 ])
 def test_bad_input(tmp_path, capsys, ptx, argv, message):
     (tmp_path / 'k.ptx').write_text(ptx)

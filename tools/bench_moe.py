@@ -2,7 +2,7 @@
 """Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor.
 
     python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--prefetch]
-                              [--tiles dequantised] [--quick]
+                              [--planes] [--tiles dequantised] [--quick]
 
 One row per batch size, all measured in one run: the median time of `fused_moe_experts`, the floor (the larger of the
 bytes the layer must move over the measured copy bandwidth and its FLOPs over the measured BF16 matmul rate), the
@@ -12,7 +12,8 @@ grid of launch shapes per size and prints the best (the shapes `MOE_TUNING` shou
 the kernels' version 1 weight tiles (dequantised element by element) in place of version 2's (`tl.dot_scaled`); the run
 checks the chosen tiles against the reference loop first. `--prefetch` also times each size's launch shape with the
 gate/up loop's scales loaded a step ahead and in their step (`prefetch` on and off, alternating, the best of two
-medians each). `--quick` runs the tiny config
+medians each). `--planes` times the layer with the gate/up stage of 08f_moe_planes (version 3: codes in planes) against
+version 2 the same way, each checked against the reference first. `--quick` runs the tiny config
 at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check of the script, not a measurement."""
 import os, sys
 if '--quick' in sys.argv and not os.environ.get('TRITON_INTERPRET'):
@@ -73,6 +74,30 @@ def prefetch_ab(cfg, sizes, device):
               f"on {r['on_ms']:.3f} ms ({r['off_ms'] / r['on_ms']:.2f}x); default {'on' if r['default'] else 'off'}")
     return rows
 
+def planes_ab(cfg, sizes, device):
+    "Fused-MoE ms per size with the gate/up stage of version 2 and of version 3 (codes in planes), alternately"
+    from functools import partial
+    from dsv41_nb.fused_moe import _fused_stages
+    from dsv41_nb.moe_planes import plane_gate_up, PLANE_STEP
+    if cfg.dim % PLANE_STEP:
+        print(f"version 3 needs the model dim a multiple of {PLANE_STEP} (this config's is {cfg.dim}): not timed")
+        return None
+    W, rows = MoEWeights.random(cfg, 0, device), []
+    stage = plane_gate_up(W)
+    for T in sizes:
+        x = (3 * torch.randn(T, cfg.dim, device=device)).to(torch.bfloat16)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage))
+        t = {'v2': [], 'v3': []}
+        for v in ('v2', 'v3', 'v2', 'v3'):
+            g = stage if v == 'v3' else None
+            t[v].append(median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False,
+                                                              gate_up=g)) * 1e3)
+        rows.append(dict(tokens=T, v2_ms=min(t['v2']), v3_ms=min(t['v3'])))
+        print(f"{T:6d} tokens: version 2 {rows[-1]['v2_ms']:.3f} ms, version 3 {rows[-1]['v3_ms']:.3f} ms "
+              f"({rows[-1]['v2_ms'] / rows[-1]['v3_ms']:.2f}x)")
+    return rows
+
 if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--config', default='bench', choices=('bench', 'tiny', 'full'))
@@ -80,6 +105,7 @@ if __name__ == '__main__':
     ap.add_argument('--json', help='write the rows (and the machine) to this file')
     ap.add_argument('--sweep', action='store_true', help='time a grid of launch shapes per size first')
     ap.add_argument('--prefetch', action='store_true', help="time the launch shapes with prefetch on and off")
+    ap.add_argument('--planes', action='store_true', help="time version 3's gate/up stage against version 2's")
     ap.add_argument('--tiles', default=MOE_TILES[0], choices=MOE_TILES,
                     help="the weight tiles: 'scaled' (version 2, tl.dot_scaled) or 'dequantised' (version 1)")
     ap.add_argument('--quick', action='store_true', help='tiny config, sizes 1 8 32: checks the script on any machine')
@@ -105,6 +131,7 @@ if __name__ == '__main__':
         print(f"  {T} tokens: checked against the reference, max error {r['max_err']:.3g}, exact {r['exact']}")
     best = sweep_shapes(cfg, args.sizes, device) if args.sweep else None
     pf = prefetch_ab(cfg, args.sizes, device) if args.prefetch else None
+    pl = planes_ab(cfg, args.sizes, device) if args.planes else None
     del W
     rows = benchmark_moe(cfg, args.sizes, device, tiles=args.tiles)
     print(f"copy {rows[0]['copy_TBps'] * 1e3:.0f} GB/s, BF16 matmul {rows[0]['bf16_TFLOPs']:.1f} TFLOP/s (measured)")
@@ -114,5 +141,5 @@ if __name__ == '__main__':
             json.dump(dict(device=machine, date=str(datetime.date.today()), commit=git_commit(),
                            torch=torch.__version__, triton=triton.__version__, config=args.config,
                            tiles=args.tiles, tuning=MOE_TUNING,
-                           sweep_best={str(k): v for k, v in (best or {}).items()}, prefetch=pf,
+                           sweep_best={str(k): v for k, v in (best or {}).items()}, prefetch=pf, planes=pl,
                            rows=rows), f, indent=1)

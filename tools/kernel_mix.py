@@ -4,7 +4,7 @@ as a record a notebook can read.
 
     python tools/kernel_mix.py --ptx KERNEL.ptx [--sass KERNEL.sass] [--ncu NCU.txt] --json OUT.json
                                [--machine NAME] [--commit SHA] [--launch JSON]
-    python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch]
+    python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch | --planes] [--json OUT.json]
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
 (the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
@@ -14,8 +14,9 @@ MemoryWorkloadAnalysis); the record keeps its numeric metrics by name. --launch:
 (tokens, launch shape), stored as given. --machine and --commit name where the files came from (default: this
 machine, this checkout). --compile-gate-up compiles the fused MoE's gate/up kernel (08b_fused_moe) for a Hopper GPU
 (sm_90) at the `bench` layer's 128-token launch, with no GPU: Triton's own compiler, ptxas and cuobjdump; it writes
-OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's gives the GPU's code). --quick: a check
-of the script on a small PTX and report it writes itself."""
+OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's gives the GPU's code), and with --json
+their record; --planes compiles version 3 (08f_moe_planes) instead. --quick: a check of the script on a small PTX and
+report it writes itself."""
 import argparse, datetime, json, re, sys, tempfile
 from collections import Counter
 from pathlib import Path
@@ -67,21 +68,28 @@ def sass_opcodes(body: list[str]) -> dict:
     return dict(ops.most_common())
 
 
-def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128) -> dict:
-    "PTX and SASS of the gate/up kernel for sm_90 at the bench layer's launch for `tokens`, compiled with no GPU"
+def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes: bool = False) -> dict:
+    ("PTX and SASS of the gate/up kernel (version 2, or version 3 of 08f_moe_planes with `planes`) for sm_90 at "
+     "the bench layer's launch for `tokens`, compiled with no GPU; the launch, with the registers a thread holds")
     import subprocess
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.fused_moe import _gate_up_kernel as fn, moe_launch_shape
+    from dsv41_nb.fused_moe import _gate_up_kernel, moe_launch_shape
+    from dsv41_nb.moe_planes import _gate_up_planes_kernel
     cfg = ModelConfig.bench()
     shape = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
-    ptrs = dict(x_ptr='*bf16', w1_ptr='*u8', w1s_ptr='*u8', w3_ptr='*u8', w3s_ptr='*u8', h_ptr='*bf16',
+    words = '*i32' if planes else '*u8'
+    ptrs = dict(x_ptr='*bf16', w1_ptr=words, w1s_ptr=words, w3_ptr=words, w3s_ptr=words, h_ptr='*bf16',
                 sorted_ptr='*i32', block_expert_ptr='*i32', weight_ptr='*fp32')
     const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=shape['block_m'],
-                 BN=shape['block_n'], BK=shape['block_k'], GROUP_M=8, W_FP4=True, HAS_WEIGHT=True,
-                 IDENTITY=False, CLAMP=True, HW_CVT=True, DOT=tl.bfloat16, SCALED=True, PREFETCH=prefetch)
+                 BN=shape['block_n'], GROUP_M=8, CLAMP=True, HW_CVT=True)
+    if planes: fn, shape, prefetch = _gate_up_planes_kernel, {**shape, 'block_k': 128}, False
+    else:
+        fn = _gate_up_kernel
+        const.update(BK=shape['block_k'], W_FP4=True, HAS_WEIGHT=True, IDENTITY=False, DOT=tl.bfloat16,
+                     SCALED=True, PREFETCH=prefetch)
     sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
     # as a launch specialises them: 16-byte aligned pointers, a row count divisible by 16
     attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n in [*ptrs, 'n_assign']}
@@ -95,8 +103,12 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128) -> dic
     sass = subprocess.run([str(tool), '-sass', str(out / 'gate_up.cubin')], capture_output=True, text=True,
                           check=True).stdout
     (out / 'gate_up.sass').write_text(sass)
-    return dict(kernel='_gate_up_kernel', tokens=tokens, config='bench', **{**shape, 'prefetch': prefetch},
-                triton=triton.__version__, target='sm_90')
+    res = subprocess.run([str(tool), '-res-usage', str(out / 'gate_up.cubin')], capture_output=True, text=True,
+                         check=True).stdout
+    regs = re.search(r'REG:(\d+)', res)
+    return dict(kernel=fn.fn.__name__ if hasattr(fn, 'fn') else fn.__name__, tokens=tokens, config='bench',
+                **{**shape, 'prefetch': prefetch}, triton=triton.__version__, target='sm_90',
+                registers=int(regs.group(1)) if regs else None)
 
 
 def ncu_metrics(text: str) -> dict:
@@ -117,6 +129,7 @@ def main(argv=None):
     ap.add_argument('--sass')
     ap.add_argument('--compile-gate-up', metavar='OUT_DIR')
     ap.add_argument('--prefetch', action='store_true', help='with --compile-gate-up: the scales a step ahead')
+    ap.add_argument('--planes', action='store_true', help='with --compile-gate-up: version 3 (08f_moe_planes)')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -132,9 +145,13 @@ def main(argv=None):
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
     if args.compile_gate_up:
-        launch = compile_gate_up(Path(args.compile_gate_up), args.prefetch)
-        print(f"wrote gate_up.ptx, .cubin and .sass to {args.compile_gate_up} ({json.dumps(launch)})")
-        return
+        d = Path(args.compile_gate_up)
+        launch = compile_gate_up(d, args.prefetch, planes=args.planes)
+        print(f"wrote gate_up.ptx, .cubin and .sass to {d} ({json.dumps(launch)})")
+        if not args.json: return
+        args.ptx, args.sass, args.launch = str(d / 'gate_up.ptx'), str(d / 'gate_up.sass'), json.dumps(launch)
+        args.machine = args.machine or 'compiled for sm_90, no GPU'
+    elif args.prefetch or args.planes: ap.error('--prefetch and --planes go with --compile-gate-up')
     if not args.ptx or not args.json: ap.error('--ptx and --json are required (or --quick, --compile-gate-up)')
     try: launch = json.loads(args.launch) if args.launch else None
     except json.JSONDecodeError as e: ap.error(f'--launch: not JSON ({e})')
@@ -144,8 +161,10 @@ def main(argv=None):
         ncu = ncu_metrics(Path(args.ncu).read_text()) if args.ncu else None
     except (OSError, ValueError) as e: ap.error(str(e))
     ops = opcode_counts(body)
+    regs = (launch or {}).get('registers') or (ncu or {}).get('Registers Per Thread')
     rec = dict(machine=args.machine, commit=args.commit or git_commit(), date=str(datetime.date.today()),
-               launch=launch, loop_instructions=sum(ops.values()), loop_opcodes=ops,
+               launch=launch, registers=None if regs is None else int(regs),
+               loop_instructions=sum(ops.values()), loop_opcodes=ops,
                sass_loop_instructions=sum(sass.values()) if sass else None, sass_loop_opcodes=sass, ncu=ncu)
     Path(args.json).write_text(json.dumps(rec, indent=1))
     top = ', '.join(f'{k} {v}' for k, v in list(ops.items())[:6])

@@ -1,0 +1,100 @@
+"""Version 3 of the gate/up stage (08f_moe_planes): the plane layout read back exactly, and the kernel bit for bit equal
+to version 2 (`expert_gate_up`) over random layers, on the interpreter (CI) and compiled (the GPU test tier, where the
+BF16 path of the upcast runs)."""
+from dataclasses import replace
+from functools import partial
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from budget import examples
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.moe import route, MoEWeights, QuantWeight
+from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, expert_gate_up,
+                                fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
+from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
+                                  expert_gate_up_planes, plane_gate_up)
+
+DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+
+
+def _layer(E, k, D, I, seed):
+    cfg = replace(ModelConfig.tiny(), n_routed_experts=E, n_activated_experts=k, dim=D, moe_inter_dim=I)
+    return cfg, MoEWeights.random(cfg, seed, DEV)
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(st.integers(1, 4), st.sampled_from([32, 96]), st.sampled_from([128, 256]), st.integers(0, 2**31))
+def test_layout_round_trip(E, N, K, seed):
+    "Every code and scale lands where the plane layout says, and comes back: values and the checkpoint's bytes"
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(2, 129, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    w = QuantWeight(codes, scales, 'mxfp4')
+    p = mxfp4_planes(w)
+    assert p.shape == (E, N, K) and p.words.dtype == p.scale_words.dtype == torch.int32
+    assert torch.equal(planes_values(p), w.dequantize())
+    back = planes_weight(p)
+    assert torch.equal(back.codes, codes) and torch.equal(back.scales, scales)
+
+
+def test_plane_nibbles_are_a_permutation():
+    assert sorted(PLANE_NIBBLE) == list(range(8))
+    # planes 2i and 2i + 1 sit at bits 12-15 and 28-31 once the word is shifted left by 4i
+    assert all((PLANE_NIBBLE[2 * i] + i, PLANE_NIBBLE[2 * i + 1] + i) == (3, 7) for i in range(4))
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([128, 256]), st.sampled_from([32, 96]),
+       st.integers(1, 40), st.integers(0, 2**31))
+def test_version_3_equals_version_2(E, k, D, I, T, seed):
+    "The same products in the same order: the gate/up output bit for bit, and the whole layer within the reference"
+    k = min(k, E)
+    cfg, W = _layer(E, k, D, I, seed % 1000)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, k, cfg.route_scale)
+    shape, xq = moe_launch_shape(T * k, E), fp8_act_quant(x)
+    al = align_by_expert(ti, E, shape['block_m'])
+    v2 = expert_gate_up(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape)
+    v3 = expert_gate_up_planes(xq, mxfp4_planes(W.w1), mxfp4_planes(W.w3), al, tw, cfg.swiglu_limit, shape)
+    assert torch.equal(v3, v2)
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=plane_gate_up(W)))
+
+
+def test_through_the_layer():
+    "`plane_gate_up` as the gate/up stage of `fused_moe_experts`: the same layer output as version 2"
+    cfg, W = _layer(8, 2, 128, 64, 3)
+    x = (3 * torch.randn(17, 128, generator=torch.Generator().manual_seed(3))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    y2 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit)
+    y3 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, gate_up=plane_gate_up(W))
+    assert torch.equal(y3, y2)
+
+
+def _bad_cases():
+    cfg, W = _layer(4, 2, 128, 64, 0)
+    _, W64 = _layer(4, 2, 64, 64, 0)
+    x = torch.randn(5, 128, device=DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    xq, p = fp8_act_quant(x), mxfp4_planes(W.w1)
+    al = align_by_expert(ti, 4, 16)
+    scaled = lambda s: QuantWeight(W.w1.codes, torch.full_like(W.w1.scales, s), 'mxfp4')
+    return [
+        (lambda: mxfp4_planes(W.shared_w1, 'shared_w1'), "shared_w1: expected MXFP4 weights"),
+        (lambda: mxfp4_planes(W64.w1, 'w1'), 'w1: planes need in-features a multiple of 128, got 64'),
+        (lambda: mxfp4_planes(scaled(129)), 'planes need block scale codes 2..128 (scales 2^-125 to 2), got 129..129'),
+        (lambda: mxfp4_planes(scaled(1)), 'got 1..1'),
+        (lambda: expert_gate_up_planes(xq, W.w1, p, al, tw, 10.0), 'w1: expected a PlaneWeight (mxfp4_planes)'),
+        (lambda: expert_gate_up_planes(xq[:, :64], p, p, al, tw, 10.0), 'activations: expected shape (tokens, 128)'),
+        (lambda: expert_gate_up_planes(xq[:3], p, p, al, tw, 10.0), 'activations: expected 5 rows for this alignment'),
+        (lambda: expert_gate_up_planes(xq, p, p, ExpertAlignment.identity(5, 16), tw, 10.0),
+         "align: expected the routed experts' alignment"),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10.0, gate_up=plane_gate_up(_layer(4, 2, 128, 64, 1)[1])),
+         "plane_gate_up: these planes were made for another layer's weights"),
+    ]
+
+
+@pytest.mark.parametrize('case', range(9))
+def test_bad_input(case):
+    fn, message = _bad_cases()[case]
+    with pytest.raises((ValueError, TypeError)) as e: fn()
+    assert message in str(e.value)
