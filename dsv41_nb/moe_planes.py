@@ -9,14 +9,13 @@ import torch
 import triton
 import triton.language as tl
 from .dispatch import kernel_backend, triton_interpreting
-from .formats import e2m1_values
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,
-                                _check_shape, _launch, moe_launch_shape, expert_gate_up,
+                                _launch, moe_launch_shape, expert_gate_up,
                                 expert_gate_up_torch)
 
 # %% auto #0
-__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PlaneWeight', 'mxfp4_planes', 'planes_values', 'planes_weight', 'expert_gate_up_planes',
+__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes',
            'plane_gate_up']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
@@ -49,7 +48,7 @@ def _check_mxfp4(name, w):
 def mxfp4_planes(w: QuantWeight, # MXFP4 weights (experts, out, in), in a multiple of 128
                  name: str = 'w', # how errors name them
                 ) -> PlaneWeight:
-    "The codes and scales of `w` regrouped into planes (`PLANE_NIBBLE`), for `expert_gate_up_planes`"
+    "The codes and scales of `w` regrouped into planes (`PLANE_NIBBLE`): `expert_gate_up_planes`'s"
     _check_mxfp4(name, w)
     lo, hi = int(w.scales.min()), int(w.scales.max())
     if lo < 2 or hi > 128:
@@ -62,15 +61,19 @@ def mxfp4_planes(w: QuantWeight, # MXFP4 weights (experts, out, in), in a multip
     word = (word - (word >> 31 << 32)).to(torch.int32)          # the int32 with those 32 bits
     return PlaneWeight(word.view(E, N, K // 8), w.scales.contiguous().view(torch.int32))
 
-# %% ../nbs/08f_moe_planes.ipynb #dac671dd
-def planes_values(p: PlaneWeight) -> torch.Tensor:
-    "fp32 weights (experts, out, in) of `p`: the reference reading of the plane layout"
+# %% ../nbs/08f_moe_planes.ipynb #da4f53f5
+def planes_weight(p: PlaneWeight) -> QuantWeight:
+    "The checkpoint's MXFP4 layout of `p` (the inverse of `mxfp4_planes`)"
     E, N, K = p.shape
     w = p.words.long().view(E, N, K // PLANE_STEP, 16)
-    codes = torch.stack([(w >> (4 * q)) & 0xF for q in PLANE_NIBBLE], -2)   # (.., plane, 16)
-    s = torch.stack([(p.scale_words.long() >> (8 * i)) & 0xFF for i in range(4)], -1)
-    scale = torch.exp2(s.view(E, N, K // 32).double() - 127).float()
-    return e2m1_values(codes).view(E, N, K) * scale.repeat_interleave(32, -1)
+    nib = torch.stack([(w >> (4 * q)) & 0xF for q in PLANE_NIBBLE], -2).view(E, N, K // 2, 2)
+    codes = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
+    return QuantWeight(codes, p.scale_words.view(torch.uint8).view(E, N, K // 32), 'mxfp4')
+
+# %% ../nbs/08f_moe_planes.ipynb #dac671dd
+def planes_values(p: PlaneWeight) -> torch.Tensor:
+    "fp32 weights (experts, out, in) of `p`: its checkpoint layout (`planes_weight`), dequantised"
+    return planes_weight(p).dequantize()
 
 # %% ../nbs/08f_moe_planes.ipynb #e70c62a3
 @triton.jit
@@ -102,21 +105,22 @@ def _dot_t(w, a, acc, HW_CVT: tl.constexpr):
 @triton.jit
 def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
                  K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr):
-    "acc1 (BN, BM) += W1[expert, n] @ A[rows]ᵀ over all of K, acc3 the same with W3; weights in planes"
+    "acc1 (BN, BM) += W1[expert, n] @ A[rows]ᵀ over all of K, acc3 the same with W3 (in planes)"
     w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)       # (BN,) words
     s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)   # (BN,) scale words
     j = tl.arange(0, 16)
     for k0 in range(0, K, 128):
         # (BN, 16) words, (BN, 1) scale words
-        q1 = tl.load(w1_ptr + w_row[:, None] + (k0 // 8 + j)[None, :], mask=n_mask[:, None], other=0)
-        q3 = tl.load(w3_ptr + w_row[:, None] + (k0 // 8 + j)[None, :], mask=n_mask[:, None], other=0)
+        at = w_row[:, None] + (k0 // 8 + j)[None, :]
+        q1 = tl.load(w1_ptr + at, mask=n_mask[:, None], other=0)
+        q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0)
         sw1 = tl.load(s1_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
         sw3 = tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
         for i in tl.static_range(4):                 # planes 2i, 2i+1: columns k0 + 32i .. + 31
             # (BM, 16) each
-            a_lo = tl.load(x_row[:, None] + k0 + 32 * i + j[None, :], mask=valid[:, None], other=0.0)
-            a_hi = tl.load(x_row[:, None] + k0 + 32 * i + 16 + j[None, :], mask=valid[:, None],
-                           other=0.0)
+            at = x_row[:, None] + k0 + 32 * i + j[None, :]
+            a_lo = tl.load(at, mask=valid[:, None], other=0.0)
+            a_hi = tl.load(at + 16, mask=valid[:, None], other=0.0)
             lo, hi = _plane_pair(q1 << (4 * i), (sw1 >> (8 * i)) & 0xFF, HW_CVT)
             acc1 = _dot_t(hi, a_hi, _dot_t(lo, a_lo, acc1, HW_CVT), HW_CVT)
             lo, hi = _plane_pair(q3 << (4 * i), (sw3 >> (8 * i)) & 0xFF, HW_CVT)
@@ -148,15 +152,6 @@ def _gate_up_planes_kernel(
     tl.store(h_ptr + a.to(tl.int64)[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
-# %% ../nbs/08f_moe_planes.ipynb #da4f53f5
-def planes_weight(p: PlaneWeight) -> QuantWeight:
-    "The checkpoint's MXFP4 layout of `p` (the inverse of `mxfp4_planes`)"
-    E, N, K = p.shape
-    w = p.words.long().view(E, N, K // PLANE_STEP, 16)
-    nib = torch.stack([(w >> (4 * q)) & 0xF for q in PLANE_NIBBLE], -2).view(E, N, K // 2, 2)
-    codes = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
-    return QuantWeight(codes, p.scale_words.view(torch.uint8).view(E, N, K // 32), 'mxfp4')
-
 # %% ../nbs/08f_moe_planes.ipynb #5bdd0111
 def _check_planes(name, p, a):
     if not isinstance(p, PlaneWeight):
@@ -179,6 +174,10 @@ def expert_gate_up_planes(
     if xq.shape[0] * align.topk != align.n_assign:
         raise ValueError(f"activations: expected {align.n_assign // align.topk} rows for this "
                          f"alignment, got {xq.shape[0]}")
+    if (not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point()
+            or tuple(topk_weights.shape) != (xq.shape[0], align.topk)):
+        raise ValueError(f"topk_weights: expected floats ({xq.shape[0]}, {align.topk}), "
+                         f"got {_shape(topk_weights)}")
     if kernel_backend(xq, w1.words) == 'torch' or align.n_assign == 0:
         return expert_gate_up_torch(xq, planes_weight(w1), planes_weight(w3), align, topk_weights,
                                     swiglu_limit)

@@ -86,6 +86,7 @@ def _bad_cases():
         (lambda: expert_gate_up_planes(xq, W.w1, p, al, tw, 10.0), 'w1: expected a PlaneWeight (mxfp4_planes)'),
         (lambda: expert_gate_up_planes(xq[:, :64], p, p, al, tw, 10.0), 'activations: expected shape (tokens, 128)'),
         (lambda: expert_gate_up_planes(xq[:3], p, p, al, tw, 10.0), 'activations: expected 5 rows for this alignment'),
+        (lambda: expert_gate_up_planes(xq, p, p, al, tw[:, :1], 10.0), 'topk_weights: expected floats (5, 2)'),
         (lambda: expert_gate_up_planes(xq, p, p, ExpertAlignment.identity(5, 16), tw, 10.0),
          "align: expected the routed experts' alignment"),
         (lambda: fused_moe_experts(x, tw, ti, W, 10.0, gate_up=plane_gate_up(_layer(4, 2, 128, 64, 1)[1])),
@@ -93,7 +94,7 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize('case', range(9))
+@pytest.mark.parametrize('case', range(10))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()

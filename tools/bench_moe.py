@@ -56,19 +56,24 @@ def sweep_shapes(cfg, sizes, device):
         print(f'{"":14s}best {best[T][1]} at {best[T][0]:.3f} ms')
     return best
 
+def alternately(calls: dict, rounds: int = 2) -> dict:
+    "name -> the best of `rounds` medians (ms) of each call, the calls timed in turn"
+    t = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, fn in calls.items(): t[k].append(median_time(fn) * 1e3)
+    return {k: min(v) for k, v in t.items()}
+
 def prefetch_ab(cfg, sizes, device):
     "Fused-MoE ms per size with the launch shape's `prefetch` off and on, measured alternately in one run"
     W, rows = MoEWeights.random(cfg, 0, device), []
     for T in sizes:
         x = (3 * torch.randn(T, cfg.dim, device=device)).to(torch.bfloat16)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
-        shape, t = moe_launch_shape(ti.numel(), W.n_experts), {False: [], True: []}
-        for p in (False, True, False, True):
-            s = dict(shape, prefetch=p)
-            t[p].append(median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, s,
-                                                              check_ids=False)) * 1e3)
+        shape = moe_launch_shape(ti.numel(), W.n_experts)
+        t = alternately({p: lambda p=p: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, dict(shape, prefetch=p),
+                                                          check_ids=False) for p in (False, True)})
         rows.append(dict(tokens=T, block_m=shape['block_m'], default=shape.get('prefetch', False),
-                         off_ms=min(t[False]), on_ms=min(t[True])))
+                         off_ms=t[False], on_ms=t[True]))
         r = rows[-1]
         print(f"{T:6d} tokens, {r['block_m']:3d}-row blocks: prefetch off {r['off_ms']:.3f} ms, "
               f"on {r['on_ms']:.3f} ms ({r['off_ms'] / r['on_ms']:.2f}x); default {'on' if r['default'] else 'off'}")
@@ -88,12 +93,9 @@ def planes_ab(cfg, sizes, device):
         x = (3 * torch.randn(T, cfg.dim, device=device)).to(torch.bfloat16)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
         check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage))
-        t = {'v2': [], 'v3': []}
-        for v in ('v2', 'v3', 'v2', 'v3'):
-            g = stage if v == 'v3' else None
-            t[v].append(median_time(lambda: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False,
-                                                              gate_up=g)) * 1e3)
-        rows.append(dict(tokens=T, v2_ms=min(t['v2']), v3_ms=min(t['v3'])))
+        t = alternately({v: lambda g=g: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False,
+                                                          gate_up=g) for v, g in (('v2', None), ('v3', stage))})
+        rows.append(dict(tokens=T, v2_ms=t['v2'], v3_ms=t['v3']))
         print(f"{T:6d} tokens: version 2 {rows[-1]['v2_ms']:.3f} ms, version 3 {rows[-1]['v3_ms']:.3f} ms "
               f"({rows[-1]['v2_ms'] / rows[-1]['v3_ms']:.2f}x)")
     return rows
