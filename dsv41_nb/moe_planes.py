@@ -8,15 +8,17 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, triton_interpreting
+from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .config import check_int
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,
                                 _launch, moe_launch_shape, expert_gate_up,
                                 expert_gate_up_torch)
+from .moe_split import expert_gate_up_split, _default_split
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes',
-           'plane_gate_up']
+           'plane_gate_up', 'fits_planes', 'served_gate_up']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -202,4 +204,29 @@ def plane_gate_up(W: MoEWeights):
         if w1 is not W.w1 or w3 is not W.w3:
             raise ValueError("plane_gate_up: these planes were made for another layer's weights")
         return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape)
+    return gate_up
+
+# %% ../nbs/08f_moe_planes.ipynb #fbaa01e9
+def fits_planes(w) -> bool:
+    "Whether `mxfp4_planes` takes `w`: MXFP4, in-features a multiple of 128, block scale codes 2..128"
+    return (isinstance(w, QuantWeight) and w.fmt == 'mxfp4' and w.shape[2] % PLANE_STEP == 0
+            and w.scales.numel() > 0 and 2 <= int(w.scales.min()) and int(w.scales.max()) <= 128)
+
+# %% ../nbs/08f_moe_planes.ipynb #9f913e04
+def served_gate_up(W: MoEWeights,
+                   sms: int | None = None): # multiprocessors 08c plans for (default: the device's)
+    ("The engine's gate/up stage for `W`: version 3 on the routed experts where 08c would not "
+     "split K (planes made now), 08c's `expert_gate_up_split` elsewhere and for the shared expert")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"served_gate_up: expected MoEWeights, got {type(W).__name__}")
+    if sms is not None: check_int('served_gate_up', 'sms', sms, 1)
+    if not (fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
+    v3 = plane_gate_up(W)
+    def gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
+        shape = shape or moe_launch_shape(align.n_assign, w1.shape[0])
+        n = sms or sm_count(xq.device, default=16)
+        if (align.sorted_ids is None or align.n_assign == 0
+                or _default_split(align, w1.shape[1], w1.shape[2], shape, n) > 1):
+            return expert_gate_up_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
+        return v3(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
     return gate_up

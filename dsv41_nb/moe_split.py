@@ -95,6 +95,12 @@ def _check_split(split, steps: int):
         raise ValueError(f"split = {split!r}; "
                          f"expected an int >= 1 dividing the {steps} K steps of a tile")
 
+# %% ../nbs/08c_moe_split.ipynb #19bb6eea
+def _default_split(align: ExpertAlignment, N: int, K: int, shape: dict, sms: int) -> int:
+    "The K slices `expert_gate_up_split` takes when not told: `split_count` for `sms` multiprocessors"
+    tiles = align.num_blocks * triton.cdiv(N, shape['block_n'])
+    return split_count(tiles, K // math.gcd(K, shape['block_k']), sms)
+
 # %% ../nbs/08c_moe_split.ipynb #5860a746
 def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, align: ExpertAlignment,
                          topk_weights: torch.Tensor | None, swiglu_limit: float,
@@ -110,9 +116,7 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
     _check_shape(shape)
     bn, bk = shape['block_n'], math.gcd(K, shape['block_k'])
     tiles = align.num_blocks * triton.cdiv(N, bn)
-    if split is None:
-        sms = sm_count(xq.device, default=16)
-        split = split_count(tiles, K // bk, sms)
+    split = _default_split(align, N, K, shape, sm_count(xq.device, default=16)) if split is None else split
     _check_split(split, K // bk)
     if split == 1 or kernel_backend(xq, w1.codes) == 'torch' or align.n_assign == 0:
         return expert_gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape)

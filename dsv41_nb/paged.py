@@ -25,7 +25,7 @@ from .fused_moe import fp8_act_quant, moe_forward
 from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
-from .moe_split import expert_gate_up_split
+from .moe_planes import served_gate_up
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
@@ -467,7 +467,7 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
                y: torch.Tensor, # (T, dim) the FFN input
                cfg: ModelConfig,
                n_activated: int | None = None) -> torch.Tensor: # top-k (default the config's); (T, dim) BF16
-    ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with gate/up split along K "
+    ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with `served_gate_up` "
      "(both with the router in two launches); "
      "on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
@@ -477,11 +477,12 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
         # the router's fp32 GEMM: its gate widened once, not every step
         if getattr(l, '_moe32', None) is None:
             l._moe32 = replace(l.moe, gate=l.moe.gate.float())
+            l._gate_up = served_gate_up(l._moe32)          # the routed experts' planes, once
         if y.shape[0] <= GEMV_MAX_TOKENS:
             return moe_gemv_forward(y, l._moe32, cfg, n_activated=n_activated,
                                     router=partial(fused_route, split_k=True))
         return moe_forward(y, l._moe32, cfg, n_activated=n_activated,
-                           gate_up=expert_gate_up_split, router=fused_route)
+                           gate_up=l._gate_up, router=fused_route)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()

@@ -12,7 +12,9 @@ from dsv41_nb.moe import route, MoEWeights, QuantWeight
 from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, expert_gate_up,
                                 fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
-                                  expert_gate_up_planes, plane_gate_up)
+                                  expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up)
+from dsv41_nb import moe_planes
+from dsv41_nb.moe_split import expert_gate_up_split, _default_split
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
@@ -91,11 +93,54 @@ def _bad_cases():
          "align: expected the routed experts' alignment"),
         (lambda: fused_moe_experts(x, tw, ti, W, 10.0, gate_up=plane_gate_up(_layer(4, 2, 128, 64, 1)[1])),
          "plane_gate_up: these planes were made for another layer's weights"),
+        (lambda: served_gate_up(W.w1), 'served_gate_up: expected MoEWeights, got QuantWeight'),
+        (lambda: served_gate_up(W, sms=0), 'sms'),
     ]
 
 
-@pytest.mark.parametrize('case', range(10))
+@pytest.mark.parametrize('case', range(12))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
     assert message in str(e.value)
+
+
+def test_fits_planes():
+    "What `mxfp4_planes` takes, and nothing else"
+    _, W = _layer(4, 2, 128, 64, 0)
+    _, W64 = _layer(4, 2, 64, 64, 0)
+    assert fits_planes(W.w1) and fits_planes(W.w3)
+    for s in (1, 129):
+        assert not fits_planes(QuantWeight(W.w1.codes, torch.full_like(W.w1.scales, s), 'mxfp4'))
+    assert not fits_planes(W64.w1) and not fits_planes(W.shared_w1) and not fits_planes(None)
+
+
+@pytest.mark.parametrize('T,sms,v3', [(1, None, False), (9, None, False), (40, 1, True)])
+def test_served_gate_up_path(T, sms, v3, monkeypatch):
+    "The engine's stage: version 3 exactly where 08c would not split K, 08c's otherwise; version 2's bits either way"
+    cfg, W = _layer(8, 2, 256, 64, 4)
+    x = (3 * torch.randn(T, 256, generator=torch.Generator().manual_seed(T))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    shape = moe_launch_shape(2 * T, 8)
+    xq, al = fp8_act_quant(x), align_by_expert(ti, 8, shape['block_m'])
+    n = sms or (torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == 'cuda' else 16)
+    split = _default_split(al, 64, 256, shape, n)
+    assert (split == 1) == v3, split
+    calls = []
+    real = moe_planes.expert_gate_up_planes
+    monkeypatch.setattr(moe_planes, 'expert_gate_up_planes', lambda *a, **k: calls.append(1) or real(*a, **k))
+    h = served_gate_up(W, sms)(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape)
+    assert torch.equal(h, expert_gate_up(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape))
+    assert len(calls) == (split == 1), (split, calls)
+    shared = served_gate_up(W, sms)(xq, W.shared_w1, W.shared_w3, ExpertAlignment.identity(T, shape['block_m']),
+                                    None, cfg.swiglu_limit, shape)
+    assert len(calls) == (split == 1)                  # the shared expert never takes the planes
+    assert torch.equal(shared, expert_gate_up_split(xq, W.shared_w1, W.shared_w3,
+                                                    ExpertAlignment.identity(T, shape['block_m']), None,
+                                                    cfg.swiglu_limit, shape))
+
+
+def test_served_gate_up_without_planes():
+    "Weights the planes cannot hold: 08c's stage, whole"
+    _, W64 = _layer(4, 2, 64, 64, 0)
+    assert served_gate_up(W64) is expert_gate_up_split

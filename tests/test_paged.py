@@ -253,3 +253,26 @@ def test_a_captured_verification_step_reads_nothing_back(models):
         with HostReads() as captured, as_captured(): got = sm.run(inputs)
     assert eager.count > 0 and captured.count == 0, dict(captured.sites)
     assert torch.equal(got, want) and all(torch.equal(r.rows, recorded[l]) for l, r in sm.ring_rows.items())
+
+
+def test_served_moe_makes_the_planes_once():
+    """Above the GEMVs' tokens the served MoE runs `served_gate_up` (the routed experts in planes, made on the first
+    call and kept); a layer the planes cannot hold keeps 08c's split stage. Either way the fused MoE's output"""
+    from types import SimpleNamespace
+    from dsv41_nb.moe import MoEWeights
+    from dsv41_nb.fused_moe import moe_forward
+    from dsv41_nb.moe_split import expert_gate_up_split
+    from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
+    from dsv41_nb.paged import served_moe
+    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if not (dev.type == 'cuda' or triton_interpreting()): pytest.skip('the kernel path (a GPU or the interpreter)')
+    for dim, planes in ((256, True), (64, False)):
+        cfg = replace(ModelConfig.tiny(), dim=dim, moe_inter_dim=64, n_routed_experts=8, n_activated_experts=2)
+        l = SimpleNamespace(moe=MoEWeights.random(cfg, 0, dev))
+        y = torch.randn(GEMV_MAX_TOKENS + 3, dim, generator=torch.Generator().manual_seed(dim)).to(dev, torch.bfloat16)
+        got = served_moe(l, y, cfg)
+        assert (l._gate_up is not expert_gate_up_split) == planes
+        stage = l._gate_up
+        assert torch.equal(served_moe(l, y, cfg), got) and l._gate_up is stage        # made once
+        want = moe_forward(y, l._moe32, cfg, gate_up=expert_gate_up_split)
+        assert torch.equal(got, want)
