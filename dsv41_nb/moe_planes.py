@@ -57,11 +57,13 @@ def mxfp4_planes(w: QuantWeight, # MXFP4 weights (experts, out, in), in a multip
         raise ValueError(f"{name}: planes need block scale codes 2..128 (scales 2^-125 to 2), "
                          f"got {lo}..{hi}")
     E, N, K = w.shape
-    nib = torch.stack([w.codes & 0xF, w.codes >> 4], -1).view(E, N, K // PLANE_STEP, 8, 16)
-    word = torch.zeros(E, N, K // PLANE_STEP, 16, dtype=torch.int64, device=w.codes.device)
-    for p, q in enumerate(PLANE_NIBBLE): word |= nib[..., p, :].long() << (4 * q)
-    word = (word - (word >> 31 << 32)).to(torch.int32)          # the int32 with those 32 bits
-    return PlaneWeight(word.view(E, N, K // 8), w.scales.contiguous().view(torch.int32))
+    words = torch.empty(E, N, K // 8, dtype=torch.int32, device=w.codes.device)
+    for e in range(E):                  # an expert at a time: the int64 working copy stays small
+        nib = torch.stack([w.codes[e] & 0xF, w.codes[e] >> 4], -1).view(N, K // PLANE_STEP, 8, 16)
+        word = torch.zeros(N, K // PLANE_STEP, 16, dtype=torch.int64, device=w.codes.device)
+        for p, q in enumerate(PLANE_NIBBLE): word |= nib[..., p, :].long() << (4 * q)
+        words[e] = (word - (word >> 31 << 32)).to(torch.int32).view(N, K // 8)   # those 32 bits
+    return PlaneWeight(words, w.scales.contiguous().view(torch.int32))
 
 # %% ../nbs/08f_moe_planes.ipynb #da4f53f5
 def planes_weight(p: PlaneWeight) -> QuantWeight:

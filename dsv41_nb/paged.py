@@ -35,8 +35,8 @@ from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
 __all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
-           'paged_engram', 'block_seam', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe',
-           'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
+           'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step',
+           'served_moe', 'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
            'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
@@ -212,6 +212,18 @@ def block_seam(block: Block, sub: str) -> HCWeights:
     return HCWeights(*(getattr(block, f'hc_{sub}_{p}').detach().float()
                        for p in ('fn', 'base', 'scale')))
 
+# %% ../nbs/10b_paged.ipynb #c749db16
+def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
+    ("What `served_moe` keeps on `l`, made once: the router's gate widened to fp32 (`l._moe32`) "
+     "and the gate/up stage with the routed experts in planes (`l._gate_up`)")
+    require(isinstance(getattr(l, 'moe', None), MoEWeights),
+            f"served_moe_caches: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
+            TypeError)
+    if getattr(l, '_moe32', None) is None:
+        l._moe32 = replace(l.moe, gate=l.moe.gate.float())
+        l._gate_up = served_gate_up(l._moe32)
+    return l._moe32, l._gate_up
+
 # %% ../nbs/10b_paged.ipynb #20566c2a
 class PagedLayer(nn.Module):
     ("One backbone layer on the serving path: Engram, the attention seam, CSA2 attention, "
@@ -226,6 +238,8 @@ class PagedLayer(nn.Module):
         self.hc_attn, self.hc_ffn = block_seam(block, 'attn'), block_seam(block, 'ffn')
         self.attn_norm = block.attn_norm.weight.detach()
         self.ffn_norm = block.ffn_norm.weight.detach()
+        # on a GPU the served MoE's caches now, before an engine sizes its KV pool by what is free
+        if self.moe.w1.codes.is_cuda: served_moe_caches(self)
 
     def __repr__(self):
         engram = ', Engram' if self.engram else ''
@@ -474,15 +488,11 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
             f"served_moe: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
             TypeError)
     if kernel_backend(y, l.moe.w1.codes) == 'triton':
-        # the router's fp32 GEMM: its gate widened once, not every step
-        if getattr(l, '_moe32', None) is None:
-            l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-            l._gate_up = served_gate_up(l._moe32)          # the routed experts' planes, once
+        W, gate_up = served_moe_caches(l)
         if y.shape[0] <= GEMV_MAX_TOKENS:
-            return moe_gemv_forward(y, l._moe32, cfg, n_activated=n_activated,
+            return moe_gemv_forward(y, W, cfg, n_activated=n_activated,
                                     router=partial(fused_route, split_k=True))
-        return moe_forward(y, l._moe32, cfg, n_activated=n_activated,
-                           gate_up=l._gate_up, router=fused_route)
+        return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()

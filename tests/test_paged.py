@@ -263,7 +263,7 @@ def test_served_moe_makes_the_planes_once():
     from dsv41_nb.fused_moe import moe_forward
     from dsv41_nb.moe_split import expert_gate_up_split
     from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
-    from dsv41_nb.paged import served_moe
+    from dsv41_nb.paged import served_moe, served_moe_caches
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     if not (dev.type == 'cuda' or triton_interpreting()): pytest.skip('the kernel path (a GPU or the interpreter)')
     for dim, planes in ((256, True), (64, False)):
@@ -276,3 +276,14 @@ def test_served_moe_makes_the_planes_once():
         assert torch.equal(served_moe(l, y, cfg), got) and l._gate_up is stage        # made once
         want = moe_forward(y, l._moe32, cfg, gate_up=expert_gate_up_split)
         assert torch.equal(got, want)
+    with pytest.raises(TypeError, match='served_moe_caches: expected a layer holding MoEWeights'):
+        served_moe_caches(SimpleNamespace(moe=None))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='a GPU')
+def test_a_gpu_layer_makes_its_moe_caches_when_built():
+    "On a GPU the planes exist before any step, so an engine sizing its KV pool afterwards counts them"
+    from dsv41_nb.moe_split import expert_gate_up_split
+    cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=64)
+    m = PagedModel.init_random(cfg, device='cuda')
+    assert all(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split for l in m.layers)
