@@ -54,7 +54,10 @@ from dsv41_nb.checkpoint import load_model
 
 
 def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
-    "An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout"
+    """An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout. On a GPU the KV pool
+    is sized by `gpu_memory_utilization` (0.9 unless given): the blocks the requests can need, not a fixed budget,
+    so that the weights (and the routed experts' planes, made as each layer is built) have the rest"""
+    if torch.device(device).type == 'cuda': engine_args.setdefault('gpu_memory_utilization', 0.9)
     build = lambda kc: PagedStepModel(PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc))
     return LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
 
