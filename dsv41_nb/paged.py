@@ -26,6 +26,7 @@ from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
 from .moe_planes import served_gate_up
+from .moe_split import expert_gate_up_split
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
@@ -34,10 +35,11 @@ from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
-           'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step',
-           'served_moe', 'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
-           'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
+__all__ = ['PLANES_FREE_SHARE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention',
+           'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer',
+           'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
+           'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
+           'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
 class PagedLinear(nn.Linear):
@@ -212,6 +214,18 @@ def block_seam(block: Block, sub: str) -> HCWeights:
     return HCWeights(*(getattr(block, f'hc_{sub}_{p}').detach().float()
                        for p in ('fn', 'base', 'scale')))
 
+# %% ../nbs/10b_paged.ipynb #75cdc2eb
+PLANES_FREE_SHARE = 0.1   # a layer on a GPU makes its planes only if this share of the GPU stays free
+
+def _planes_fit(W: MoEWeights) -> bool:
+    "Whether the planes of `W`'s routed gate and up weights fit on its device with `PLANES_FREE_SHARE` left"
+    dev = W.w1.codes.device
+    if dev.type != 'cuda': return True
+    free, total = torch.cuda.mem_get_info(dev)
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)   # the allocator's spare
+    need = sum(w.codes.numel() + w.scales.numel() for w in (W.w1, W.w3))        # the planes' bytes
+    return free - need >= PLANES_FREE_SHARE * total
+
 # %% ../nbs/10b_paged.ipynb #c749db16
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("What `served_moe` keeps on `l`, made once: the router's gate widened to fp32 (`l._moe32`) "
@@ -221,7 +235,7 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
             TypeError)
     if getattr(l, '_moe32', None) is None:
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-        l._gate_up = served_gate_up(l._moe32)
+        l._gate_up = served_gate_up(l._moe32) if _planes_fit(l.moe) else expert_gate_up_split
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a

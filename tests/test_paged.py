@@ -281,9 +281,14 @@ def test_served_moe_makes_the_planes_once():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='a GPU')
-def test_a_gpu_layer_makes_its_moe_caches_when_built():
-    "On a GPU the planes exist before any step, so an engine sizing its KV pool afterwards counts them"
+def test_a_gpu_layer_makes_its_moe_caches_when_built(monkeypatch):
+    """On a GPU the planes exist before any step, so an engine sizing its KV pool afterwards counts them; a layer that
+    would leave less than PLANES_FREE_SHARE of the GPU free keeps 08c's stage"""
+    from dsv41_nb import paged
     from dsv41_nb.moe_split import expert_gate_up_split
     cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=64)
     m = PagedModel.init_random(cfg, device='cuda')
     assert all(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split for l in m.layers)
+    monkeypatch.setattr(paged, 'PLANES_FREE_SHARE', 1.0)
+    m = PagedModel.init_random(cfg, device='cuda')
+    assert all(l._gate_up is expert_gate_up_split for l in m.layers)

@@ -6,7 +6,7 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--json out.json] [--quick]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--no-planes] [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
@@ -47,7 +47,9 @@ from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
 from dsv41_nb.cuda_graphs import CUDAGraphModel
+from dsv41_nb import paged
 from dsv41_nb.paged import PagedModel
+from dsv41_nb.moe_split import expert_gate_up_split
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts
 from dsv41_nb.checkpoint import load_model
@@ -58,8 +60,15 @@ def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     is sized by `gpu_memory_utilization` (0.9 unless given): the blocks the requests can need, not a fixed budget,
     so that the weights (and the routed experts' planes, made as each layer is built) have the rest"""
     if torch.device(device).type == 'cuda': engine_args.setdefault('gpu_memory_utilization', 0.9)
-    build = lambda kc: PagedStepModel(PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc))
-    return LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
+    built = {}
+    def build(kc):
+        m = PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc)
+        built['planes'] = sum(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split
+                              for l in m.layers)
+        return PagedStepModel(m)
+    llm = LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
+    llm.planes_layers = built.get('planes')    # layers whose routed gate/up runs version 3 (08f)
+    return llm
 
 
 def git_commit() -> str | None:
@@ -308,8 +317,11 @@ def main():
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
                     help='what to measure; with --json, the sections not run keep what the file already holds')
     ap.add_argument('--json', help='write the results to this file')
+    ap.add_argument('--no-planes', action='store_true',
+                    help="no layer makes the routed experts' planes (08f): 08c's gate/up everywhere")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
+    if args.no_planes: paged.PLANES_FREE_SHARE = float('inf')    # no layer finds room for them
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
         (args.config, args.naive_config, args.concurrency, args.prompt_len,
@@ -339,8 +351,10 @@ def main():
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
                         async_scheduling=args.async_scheduling,
                         max_model_len=args.prompt_len + args.max_tokens + 64, **budget)
-        res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__)
-        print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}", flush=True)
+        res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__,
+                   planes_layers=llm.planes_layers)
+        print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}; "
+              f"{llm.planes_layers} of {cfg.n_layers} layers with the routed experts in planes", flush=True)
     if 'concurrency' in args.sections:
         print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
               f"{'TPOT p99':>9} {'e2e p50':>8} {'floor':>9} {'x floor':>8}   (ms; e2e s; "
