@@ -35,9 +35,9 @@ from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['PLANES_FREE_SHARE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention',
-           'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer',
-           'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
+__all__ = ['SERVED_PLANES', 'PLANES_FREE_SHARE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step',
+           'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches',
+           'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
            'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
            'context_blocks', 'single_request_steps', 'replay_agreement']
 
@@ -215,12 +215,13 @@ def block_seam(block: Block, sub: str) -> HCWeights:
                        for p in ('fn', 'base', 'scale')))
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
+SERVED_PLANES = False     # layers make the routed experts' planes (08f): a second copy of gate and up
 PLANES_FREE_SHARE = 0.1   # a layer on a GPU makes its planes only if this share of the GPU stays free
 
 def _planes_fit(W: MoEWeights) -> bool:
-    "Whether the planes of `W`'s routed gate and up weights fit on its device with `PLANES_FREE_SHARE` left"
+    "Whether `SERVED_PLANES` asks for planes and `W`'s fit on its device with `PLANES_FREE_SHARE` left"
     dev = W.w1.codes.device
-    if dev.type != 'cuda': return True
+    if not SERVED_PLANES or dev.type != 'cuda': return SERVED_PLANES
     free, total = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)   # the allocator's spare
     need = sum(w.codes.numel() + w.scales.numel() for w in (W.w1, W.w3))        # the planes' bytes

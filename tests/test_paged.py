@@ -255,18 +255,21 @@ def test_a_captured_verification_step_reads_nothing_back(models):
     assert torch.equal(got, want) and all(torch.equal(r.rows, recorded[l]) for l, r in sm.ring_rows.items())
 
 
-def test_served_moe_makes_the_planes_once():
+def test_served_moe_makes_the_planes_once(monkeypatch):
     """Above the GEMVs' tokens the served MoE runs `served_gate_up` (the routed experts in planes, made on the first
-    call and kept); a layer the planes cannot hold keeps 08c's split stage. Either way the fused MoE's output"""
+    call and kept) when SERVED_PLANES asks for them; a layer the planes cannot hold, or not asked, keeps 08c's split
+    stage. Either way the fused MoE's output"""
     from types import SimpleNamespace
     from dsv41_nb.moe import MoEWeights
     from dsv41_nb.fused_moe import moe_forward
     from dsv41_nb.moe_split import expert_gate_up_split
     from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
+    from dsv41_nb import paged
     from dsv41_nb.paged import served_moe, served_moe_caches
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     if not (dev.type == 'cuda' or triton_interpreting()): pytest.skip('the kernel path (a GPU or the interpreter)')
-    for dim, planes in ((256, True), (64, False)):
+    for dim, asked, planes in ((256, True, True), (64, True, False), (256, False, False)):
+        monkeypatch.setattr(paged, 'SERVED_PLANES', asked)
         cfg = replace(ModelConfig.tiny(), dim=dim, moe_inter_dim=64, n_routed_experts=8, n_activated_experts=2)
         l = SimpleNamespace(moe=MoEWeights.random(cfg, 0, dev))
         y = torch.randn(GEMV_MAX_TOKENS + 3, dim, generator=torch.Generator().manual_seed(dim)).to(dev, torch.bfloat16)
@@ -287,6 +290,8 @@ def test_a_gpu_layer_makes_its_moe_caches_when_built(monkeypatch):
     from dsv41_nb import paged
     from dsv41_nb.moe_split import expert_gate_up_split
     cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=64)
+    assert all(l._gate_up is expert_gate_up_split for l in PagedModel.init_random(cfg, device='cuda').layers)
+    monkeypatch.setattr(paged, 'SERVED_PLANES', True)
     m = PagedModel.init_random(cfg, device='cuda')
     assert all(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split for l in m.layers)
     monkeypatch.setattr(paged, 'PLANES_FREE_SHARE', 1.0)

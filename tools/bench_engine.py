@@ -6,7 +6,7 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--no-planes] [--json out.json] [--quick]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--planes] [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
@@ -317,11 +317,11 @@ def main():
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
                     help='what to measure; with --json, the sections not run keep what the file already holds')
     ap.add_argument('--json', help='write the results to this file')
-    ap.add_argument('--no-planes', action='store_true',
-                    help="no layer makes the routed experts' planes (08f): 08c's gate/up everywhere")
+    ap.add_argument('--planes', action='store_true',
+                    help="layers make the routed experts' planes (08f) while the GPU has room for them")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
-    if args.no_planes: paged.PLANES_FREE_SHARE = float('inf')    # no layer finds room for them
+    paged.SERVED_PLANES = args.planes
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
         (args.config, args.naive_config, args.concurrency, args.prompt_len,
