@@ -218,25 +218,28 @@ def block_seam(block: Block, sub: str) -> HCWeights:
 SERVED_PLANES = False     # layers make the routed experts' planes (08f): a second copy of gate and up
 PLANES_FREE_SHARE = 0.1   # a layer on a GPU makes its planes only if this share of the GPU stays free
 
-def _planes_fit(W: MoEWeights) -> bool:
-    "Whether `SERVED_PLANES` asks for planes and `W`'s fit on its device with `PLANES_FREE_SHARE` left"
+def _planes_fit(W: MoEWeights, reserve: int = 0) -> bool:
+    ("Whether `SERVED_PLANES` asks for planes and `W`'s fit on its device with `reserve` bytes "
+     "still to come and `PLANES_FREE_SHARE` of it left")
     dev = W.w1.codes.device
     if not SERVED_PLANES or dev.type != 'cuda': return SERVED_PLANES
     free, total = torch.cuda.mem_get_info(dev)
     free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)   # the allocator's spare
     need = sum(w.codes.numel() + w.scales.numel() for w in (W.w1, W.w3))        # the planes' bytes
-    return free - need >= PLANES_FREE_SHARE * total
+    return free - need - reserve >= PLANES_FREE_SHARE * total
 
 # %% ../nbs/10b_paged.ipynb #c749db16
-def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
+def served_moe_caches(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
+                      reserve: int = 0): # bytes the device must still find room for (the KV pool)
     ("What `served_moe` keeps on `l`, made once: the router's gate widened to fp32 (`l._moe32`) "
      "and the gate/up stage with the routed experts in planes (`l._gate_up`)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
             TypeError)
+    check_int('served_moe_caches', 'reserve', reserve, 0)
     if getattr(l, '_moe32', None) is None:
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-        l._gate_up = served_gate_up(l._moe32) if _planes_fit(l.moe) else expert_gate_up_split
+        l._gate_up = served_gate_up(l._moe32) if _planes_fit(l.moe, reserve) else expert_gate_up_split
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a
@@ -253,8 +256,9 @@ class PagedLayer(nn.Module):
         self.hc_attn, self.hc_ffn = block_seam(block, 'attn'), block_seam(block, 'ffn')
         self.attn_norm = block.attn_norm.weight.detach()
         self.ffn_norm = block.ffn_norm.weight.detach()
-        # on a GPU the served MoE's caches now, before an engine sizes its KV pool by what is free
-        if self.moe.w1.codes.is_cuda: served_moe_caches(self)
+        # on a GPU the served MoE's caches now, leaving room for the KV pool to come (`allocate`)
+        pool = kc.num_blocks * sum(g.bytes_per_block for g in kc.groups)
+        if self.moe.w1.codes.is_cuda: served_moe_caches(self, pool)
 
     def __repr__(self):
         engram = ', Engram' if self.engram else ''

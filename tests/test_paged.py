@@ -281,6 +281,8 @@ def test_served_moe_makes_the_planes_once(monkeypatch):
         assert torch.equal(got, want)
     with pytest.raises(TypeError, match='served_moe_caches: expected a layer holding MoEWeights'):
         served_moe_caches(SimpleNamespace(moe=None))
+    with pytest.raises(ValueError, match='reserve'):
+        served_moe_caches(SimpleNamespace(moe=l.moe), reserve=-1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='a GPU')
@@ -296,4 +298,8 @@ def test_a_gpu_layer_makes_its_moe_caches_when_built(monkeypatch):
     assert all(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split for l in m.layers)
     monkeypatch.setattr(paged, 'PLANES_FREE_SHARE', 1.0)
     m = PagedModel.init_random(cfg, device='cuda')
+    assert all(l._gate_up is expert_gate_up_split for l in m.layers)
+    monkeypatch.setattr(paged, 'PLANES_FREE_SHARE', 0.0)      # a KV pool bigger than the GPU: no room
+    kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, num_gpu_blocks_override=10**9))
+    m = PagedModel.init_random(cfg, device='cuda', kv_cache_config=kc)
     assert all(l._gate_up is expert_gate_up_split for l in m.layers)

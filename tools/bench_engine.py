@@ -50,6 +50,8 @@ from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb import paged
 from dsv41_nb.paged import PagedModel
 from dsv41_nb.moe_split import expert_gate_up_split
+from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
+from dsv41_nb.engine import kv_pool_blocks, gpu_memory
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts
 from dsv41_nb.checkpoint import load_model
@@ -57,9 +59,14 @@ from dsv41_nb.checkpoint import load_model
 
 def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     """An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout. On a GPU the KV pool
-    is sized by `gpu_memory_utilization` (0.9 unless given): the blocks the requests can need, not a fixed budget,
-    so that the weights (and the routed experts' planes, made as each layer is built) have the rest"""
-    if torch.device(device).type == 'cuda': engine_args.setdefault('gpu_memory_utilization', 0.9)
+    holds the blocks the requests can need (`kv_pool_blocks` at 0.9 of the GPU, sized here since the engine sees only
+    a meta model), not the fixed default budget, so that the weights (and the routed experts' planes, made as each
+    layer is built) have the rest"""
+    if torch.device(device).type == 'cuda' and 'num_gpu_blocks' not in engine_args:
+        mml = engine_args.get('max_model_len') or CacheConfig.for_model(cfg).max_model_len
+        kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, max_model_len=mml))
+        engine_args['num_gpu_blocks'] = kv_pool_blocks(kc, engine_args.get('max_num_seqs', 256), 0.9,
+                                                       *gpu_memory(device))
     built = {}
     def build(kc):
         m = PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc)
