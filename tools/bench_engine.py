@@ -6,7 +6,8 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--planes] [--json out.json] [--quick]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--planes]
+                                 [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
 GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`), served through `LLM` with its
