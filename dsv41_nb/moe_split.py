@@ -116,7 +116,7 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
     _check_shape(shape)
     bn, bk = shape['block_n'], math.gcd(K, shape['block_k'])
     tiles = align.num_blocks * triton.cdiv(N, bn)
-    split = _default_split(align, N, K, shape, sm_count(xq.device, default=16)) if split is None else split
+    if split is None: split = _default_split(align, N, K, shape, sm_count(xq.device, default=16))
     _check_split(split, K // bk)
     if split == 1 or kernel_backend(xq, w1.codes) == 'torch' or align.n_assign == 0:
         return expert_gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape)

@@ -232,7 +232,8 @@ def _planes_fit(W: MoEWeights, reserve: int = 0) -> bool:
 def served_moe_caches(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
                       reserve: int = 0): # bytes the device must still find room for (the KV pool)
     ("What `served_moe` keeps on `l`, made once: the router's gate widened to fp32 (`l._moe32`) "
-     "and the gate/up stage with the routed experts in planes (`l._gate_up`)")
+     "and the gate/up stage (`l._gate_up`): `served_gate_up`, the routed experts in planes, "
+     "if `SERVED_PLANES` asks for them and they fit, else 08c's split")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
             TypeError)
