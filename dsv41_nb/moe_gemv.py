@@ -29,6 +29,17 @@ def _e4m3_round(q, HW_CVT: tl.constexpr):
     if HW_CVT: return q.to(tl.float8e4nv).to(tl.float32)
     else: return _e4m3_value(_e4m3_code(q))
 
+# %% ../nbs/08e_moe_gemv.ipynb #0f2af087
+@triton.jit
+def _fp8_halves(a, b, HW_CVT: tl.constexpr):
+    "(G, 16) fp32 halves of G groups of 32, rounded to FP8 with one power-of-two scale a group (act_quant)"
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(a), 1), tl.max(tl.abs(b), 1)), 1e-4)
+    exp = _ue8m0_code(amax, 1.0 / 448.0)[:, None]      # (G, 1) biased exponents
+    inv, sc = _pow2(254 - exp), _pow2(exp)
+    a = _e4m3_round(tl.minimum(tl.maximum(a * inv, -448.0), 448.0), HW_CVT) * sc
+    b = _e4m3_round(tl.minimum(tl.maximum(b * inv, -448.0), 448.0), HW_CVT) * sc
+    return a, b
+
 # %% ../nbs/08e_moe_gemv.ipynb #c40d5522
 @triton.jit
 def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
@@ -39,12 +50,7 @@ def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
                     + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :])
     ev = (words << 16).to(tl.float32, bitcast=True)
     od = (words & -65536).to(tl.float32, bitcast=True)
-    if QUANT:
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(ev), 1), tl.max(tl.abs(od), 1)), 1e-4)
-        exp = _ue8m0_code(amax, 1.0 / 448.0)[:, None]      # (G, 1) biased exponents
-        inv, sc = _pow2(254 - exp), _pow2(exp)
-        ev = _e4m3_round(tl.minimum(tl.maximum(ev * inv, -448.0), 448.0), HW_CVT) * sc
-        od = _e4m3_round(tl.minimum(tl.maximum(od * inv, -448.0), 448.0), HW_CVT) * sc
+    if QUANT: ev, od = _fp8_halves(ev, od, HW_CVT)
     return ev, od
 
 # %% ../nbs/08e_moe_gemv.ipynb #86b85d94
@@ -102,6 +108,8 @@ def _moe_gemv_kernel(
     BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     PAIR: tl.constexpr, PER_TOKEN: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
+    X_PAIR: tl.constexpr = _x_halves,    # the routed rows' activations, as FP4_SUMS pairs them
+    FP4_SUMS: tl.constexpr = _fp4_sums,  # the routed rows' sums: codes as the checkpoint stores them
 ):
     pdl_wait(PDL)
     r, s = tl.program_id(0), tl.program_id(2)
@@ -118,9 +126,9 @@ def _moe_gemv_kernel(
         w_row, s_row = (e * N + n) * (K // 2), (e * N + n) * (K // 32)
         for k0 in range(s * KS, s * KS + KS, BK):
             k0 = tl.multiple_of(k0, BK)
-            ev, od = _x_halves(x_row, k0, G, QUANT, HW_CVT)
-            acc_a += _fp4_sums(ra_ptr, ras_ptr, w_row, s_row, k0, ev, od, G)
-            if PAIR: acc_b += _fp4_sums(rb_ptr, rbs_ptr, w_row, s_row, k0, ev, od, G)
+            ev, od = X_PAIR(x_row, k0, G, QUANT, HW_CVT)
+            acc_a += FP4_SUMS(ra_ptr, ras_ptr, w_row, s_row, k0, ev, od, G)
+            if PAIR: acc_b += FP4_SUMS(rb_ptr, rbs_ptr, w_row, s_row, k0, ev, od, G)
     else:
         w_row, s_row = n * K, (n // 32) * (K // 32)
         for k0 in range(s * KS, s * KS + KS, BK):
@@ -185,7 +193,7 @@ def _check_tuning(tuning, N: int, K: int):
 
 # %% ../nbs/08e_moe_gemv.ipynb #3d69a7c8
 def _gemv_launch(x, ids, ra, rb, sa, sb, n_assign: int, R: int, per_token: bool, quant: bool,
-                 tuning: dict, split):
+                 tuning: dict, split, read: dict | None = None):
     "One GEMV stage: (split, R, 1 or 2, N) fp32 partial sums and the slices used"
     E, N, K = ra.shape
     _check_tuning(tuning, N, K)
@@ -204,7 +212,7 @@ def _gemv_launch(x, ids, ra, rb, sa, sb, n_assign: int, R: int, per_token: bool,
         part, n_assign, R,
         K=K, N=N, TOPK=ids.shape[1], BN=tuning['block_n'], BK=bk, SPLIT=split, PAIR=pair,
         PER_TOKEN=per_token, QUANT=quant, HW_CVT=not triton_interpreting(),
-        num_warps=tuning['num_warps'], **pdl_launch(x.device))
+        num_warps=tuning['num_warps'], **pdl_launch(x.device), **(read or {}))
     return part, split
 
 # %% ../nbs/08e_moe_gemv.ipynb #fab8543c
@@ -227,6 +235,9 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
                  split: int | None = None,   # K slices (default `gemv_split`'s)
                  tuning: dict | None = None, # launch shape (default GEMV_TUNING['gate_up'])
                  check_ids: bool = True,     # range-check the expert ids (a device synchronisation)
+                 # (w1, w3, read): the routed gate and up weights in another layout and the kernel
+                 # functions that read it, {'X_PAIR': ..., 'FP4_SUMS': ...} (default: W's, as stored)
+                 routed: tuple | None = None,
                 ) -> torch.Tensor:
     "(tokens·(k+1), inter) BF16: every assignment's weighted, FP8-rounded SwiGLU, then every token's shared expert's"
     _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids)
@@ -234,9 +245,10 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
     n_assign, R = T * k, T * (k + 1)
     h = torch.empty(R, I, dtype=torch.bfloat16, device=x.device)
     if T == 0: return h
-    part, split = _gemv_launch(x.to(torch.bfloat16).contiguous(), topk_ids.contiguous(), W.w1, W.w3,
+    w1, w3, read = routed or (W.w1, W.w3, None)
+    part, split = _gemv_launch(x.to(torch.bfloat16).contiguous(), topk_ids.contiguous(), w1, w3,
                                W.shared_w1, W.shared_w3, n_assign, R, True, True,
-                               tuning or GEMV_TUNING['gate_up'], split)
+                               tuning or GEMV_TUNING['gate_up'], split, read)
     fb = min(256, triton.next_power_of_2(I))
     _swiglu_finish_kernel[(R, triton.cdiv(I, fb))](
         part, h, topk_weights.float().contiguous(), R, n_assign, float(swiglu_limit),

@@ -15,10 +15,13 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
                                 _launch, moe_launch_shape, expert_gate_up,
                                 expert_gate_up_torch)
 from .moe_split import expert_gate_up_split, _default_split
+from .moe_gemv import gemv_gate_up, _fp8_halves
+from .formats import _pow2
+from .fused_moe import _mxfp4_pair
 
 # %% auto #0
-__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes',
-           'plane_gate_up', 'fits_planes', 'served_gate_up']
+__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANE_READ', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
+           'expert_gate_up_planes', 'plane_gate_up', 'gemv_gate_up_planes', 'fits_planes', 'served_gate_up']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -207,6 +210,56 @@ def plane_gate_up(W: MoEWeights):
             raise ValueError("plane_gate_up: these planes were made for another layer's weights")
         return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape)
     return gate_up
+
+# %% ../nbs/08f_moe_planes.ipynb #99f83c3f
+@triton.jit
+def _x_plane_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
+    ("BF16 activations k0..k0+32G as (G, 16) first and second halves of each group of 32, fp32, "
+     "rounded to FP8 in groups of 32 (act_quant) if QUANT")
+    g, j = tl.arange(0, G)[:, None] * 32, tl.arange(0, 16)[None, :]
+    a = tl.load(x_row + k0 + g + j).to(tl.float32)
+    b = tl.load(x_row + k0 + g + 16 + j).to(tl.float32)
+    if QUANT: a, b = _fp8_halves(a, b, HW_CVT)
+    return a, b
+
+# %% ../nbs/08f_moe_planes.ipynb #b9ba0bac
+@triton.jit
+def _plane_sums(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr):
+    ("(BN, G): `_fp4_sums` on rows in planes (int32 words at byte offsets `w_row`): "
+     "group g is planes 2i, 2i + 1 (i = g % 4) of K step g // 4")
+    g, j = tl.arange(0, G), tl.arange(0, 16)
+    words = tl.load(w_ptr + (w_row // 4)[:, None, None] + (k0 // 8 + (g // 4) * 16)[None, :, None]
+                    + j[None, None, :], eviction_policy='evict_first')
+    i = (g % 4)[None, :, None]
+    byte = ((words >> (4 * (3 - i))) & 0xF) | (((words >> (4 * (7 - i))) & 0xF) << 4)
+    lo, hi = _mxfp4_pair(byte, 1.0)                      # E2M1 / 2^14, fp32
+    part = tl.sum(lo * a[None, :, :] + hi * b[None, :, :], axis=2)
+    sc = tl.load(s_ptr + s_row[:, None] + (k0 // 32 + g)[None, :]).to(tl.int32)
+    return part * _pow2(sc + 14)
+
+# %% ../nbs/08f_moe_planes.ipynb #fae25338
+@dataclass
+class _PlaneRows:
+    "A `PlaneWeight` as the GEMV launch reads weights: `.codes` the words, `.scales` their bytes"
+    codes: torch.Tensor
+    scales: torch.Tensor
+    shape: tuple
+
+PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
+
+def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        W: MoEWeights, # the layer's weights (the shared expert's are read)
+                        w1: PlaneWeight, w3: PlaneWeight, # the routed gate and up weights, in planes
+                        swiglu_limit: float, split: int | None = None,
+                        check_ids: bool = True) -> torch.Tensor:
+    "`gemv_gate_up` (same arguments and rows) with the routed experts' gate and up weights in planes"
+    for name, w in (('w1', w1), ('w3', w3)):
+        _check_planes(name, w, x)
+        if w.shape != W.w1.shape:
+            raise ValueError(f"{name}: expected planes of shape {tuple(W.w1.shape)}, got {w.shape}")
+    rows = [_PlaneRows(w.words, w.scale_words.view(torch.uint8), w.shape) for w in (w1, w3)]
+    return gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=check_ids,
+                        routed=(*rows, PLANE_READ))
 
 # %% ../nbs/08f_moe_planes.ipynb #fbaa01e9
 def fits_planes(w) -> bool:

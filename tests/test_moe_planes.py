@@ -12,7 +12,10 @@ from dsv41_nb.moe import route, MoEWeights, QuantWeight
 from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, expert_gate_up,
                                 fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
-                                  expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up)
+                                  expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
+                                  gemv_gate_up_planes)
+from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
+from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS
 from dsv41_nb import moe_planes
 from dsv41_nb.moe_split import expert_gate_up_split, _default_split
 
@@ -95,10 +98,13 @@ def _bad_cases():
          "plane_gate_up: these planes were made for another layer's weights"),
         (lambda: served_gate_up(W.w1), 'served_gate_up: expected MoEWeights, got QuantWeight'),
         (lambda: served_gate_up(W, sms=0), 'sms'),
+        (lambda: gemv_gate_up_planes(x, tw, ti, W, W.w1, p, 10.0), 'w1: expected a PlaneWeight'),
+        (lambda: gemv_gate_up_planes(x, tw, ti, W, p, mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3), 10.0),
+         'w3: expected planes of shape (4, 64, 128), got (4, 32, 128)'),
     ]
 
 
-@pytest.mark.parametrize('case', range(12))
+@pytest.mark.parametrize('case', range(14))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
@@ -144,3 +150,19 @@ def test_served_gate_up_without_planes():
     "Weights the planes cannot hold: 08c's stage, whole"
     _, W64 = _layer(4, 2, 64, 64, 0)
     assert served_gate_up(W64) is expert_gate_up_split
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.integers(1, GEMV_MAX_TOKENS), st.sampled_from([128, 384, 512]), st.sampled_from([32, 64]),
+       st.integers(0, 2**31))
+def test_gemv_planes(T, D, I, seed):
+    """The decode GEMVs with the routed gate and up weights in planes: the reference's routed rows up to one FP8 step
+    (each group of 32 is summed in another order), the shared expert's rows those of the GEMVs on the codes"""
+    cfg, W = _layer(4, 2, D, I, seed % 1000)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    h = gemv_gate_up_planes(x, tw, ti, W, mxfp4_planes(W.w1), mxfp4_planes(W.w3), cfg.swiglu_limit)
+    al = align_by_expert_torch(ti, 4, 16)
+    ref = expert_gate_up_torch(fp8_act_quant(x), W.w1, W.w3, al, tw, cfg.swiglu_limit)
+    assert_fp8_close(h[:T * 2], ref)
+    assert torch.equal(h[T * 2:], gemv_gate_up(x, tw, ti, W, cfg.swiglu_limit)[T * 2:])
