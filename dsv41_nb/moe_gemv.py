@@ -32,7 +32,8 @@ def _e4m3_round(q, HW_CVT: tl.constexpr):
 # %% ../nbs/08e_moe_gemv.ipynb #0f2af087
 @triton.jit
 def _fp8_halves(a, b, HW_CVT: tl.constexpr):
-    "(G, 16) fp32 halves of G groups of 32, rounded to FP8 with one power-of-two scale a group (act_quant)"
+    ("(G, 16) fp32 halves of G groups of 32, rounded to FP8 "
+     "with one power-of-two scale a group (act_quant)")
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(a), 1), tl.max(tl.abs(b), 1)), 1e-4)
     exp = _ue8m0_code(amax, 1.0 / 448.0)[:, None]      # (G, 1) biased exponents
     inv, sc = _pow2(254 - exp), _pow2(exp)
@@ -108,8 +109,8 @@ def _moe_gemv_kernel(
     BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     PAIR: tl.constexpr, PER_TOKEN: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr,
     PDL: tl.constexpr = False,   # launched by `pdl_launch`: wait for the previous kernel first
-    X_PAIR: tl.constexpr = _x_halves,    # the routed rows' activations, as FP4_SUMS pairs them
-    FP4_SUMS: tl.constexpr = _fp4_sums,  # the routed rows' sums: codes as the checkpoint stores them
+    X_PAIR: tl.constexpr = _x_halves,    # the routed rows' activations, paired as FP4_SUMS reads
+    FP4_SUMS: tl.constexpr = _fp4_sums,  # the routed rows' sums (codes as the checkpoint has them)
 ):
     pdl_wait(PDL)
     r, s = tl.program_id(0), tl.program_id(2)
@@ -235,8 +236,8 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
                  split: int | None = None,   # K slices (default `gemv_split`'s)
                  tuning: dict | None = None, # launch shape (default GEMV_TUNING['gate_up'])
                  check_ids: bool = True,     # range-check the expert ids (a device synchronisation)
-                 # (w1, w3, read): the routed gate and up weights in another layout and the kernel
-                 # functions that read it, {'X_PAIR': ..., 'FP4_SUMS': ...} (default: W's, as stored)
+                 # (w1, w3, read): the routed gate and up weights in another layout and the
+                 # kernel functions that read it, {'X_PAIR': .., 'FP4_SUMS': ..} (default: W's)
                  routed: tuple | None = None,
                 ) -> torch.Tensor:
     "(tokens·(k+1), inter) BF16: every assignment's weighted, FP8-rounded SwiGLU, then every token's shared expert's"

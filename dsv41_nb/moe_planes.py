@@ -249,10 +249,11 @@ PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
 
 def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         W: MoEWeights, # the layer's weights (the shared expert's are read)
-                        w1: PlaneWeight, w3: PlaneWeight, # the routed gate and up weights, in planes
+                        w1: PlaneWeight, w3: PlaneWeight, # the routed gate and up weights
                         swiglu_limit: float, split: int | None = None,
                         check_ids: bool = True) -> torch.Tensor:
-    "`gemv_gate_up` (same arguments and rows) with the routed experts' gate and up weights in planes"
+    ("`gemv_gate_up` (same arguments and rows) "
+     "with the routed experts' gate and up weights in planes")
     for name, w in (('w1', w1), ('w3', w3)):
         _check_planes(name, w, x)
         if w.shape != W.w1.shape:
@@ -263,7 +264,8 @@ def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
 
 # %% ../nbs/08f_moe_planes.ipynb #fbaa01e9
 def fits_planes(w) -> bool:
-    "Whether `mxfp4_planes` takes `w`: MXFP4, in-features a multiple of 128, block scale codes 2..128"
+    ("Whether `mxfp4_planes` takes `w`: MXFP4, in-features a multiple of 128, "
+     "block scale codes 2..128")
     return (isinstance(w, QuantWeight) and w.fmt == 'mxfp4' and w.shape[2] % PLANE_STEP == 0
             and w.scales.numel() > 0 and 2 <= int(w.scales.min()) and int(w.scales.max()) <= 128)
 

@@ -97,7 +97,8 @@ def _check_split(split, steps: int):
 
 # %% ../nbs/08c_moe_split.ipynb #19bb6eea
 def _default_split(align: ExpertAlignment, N: int, K: int, shape: dict, sms: int) -> int:
-    "The K slices `expert_gate_up_split` takes when not told: `split_count` for `sms` multiprocessors"
+    ("The K slices `expert_gate_up_split` takes when not told: "
+     "`split_count` for `sms` multiprocessors")
     tiles = align.num_blocks * triton.cdiv(N, shape['block_n'])
     return split_count(tiles, K // math.gcd(K, shape['block_k']), sms)
 

@@ -215,8 +215,8 @@ def block_seam(block: Block, sub: str) -> HCWeights:
                        for p in ('fn', 'base', 'scale')))
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
-SERVED_PLANES = False     # layers make the routed experts' planes (08f): a second copy of gate and up
-PLANES_FREE_SHARE = 0.1   # a layer on a GPU makes its planes only if this share of the GPU stays free
+SERVED_PLANES = False     # layers make the routed experts' planes (08f): gate and up, a second copy
+PLANES_FREE_SHARE = 0.1   # a GPU layer makes its planes only if this share of the GPU stays free
 
 def _planes_fit(W: MoEWeights, reserve: int = 0) -> bool:
     ("Whether `SERVED_PLANES` asks for planes and `W`'s fit on its device with `reserve` bytes "
@@ -224,7 +224,8 @@ def _planes_fit(W: MoEWeights, reserve: int = 0) -> bool:
     dev = W.w1.codes.device
     if not SERVED_PLANES or dev.type != 'cuda': return SERVED_PLANES
     free, total = torch.cuda.mem_get_info(dev)
-    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)   # the allocator's spare
+    # the allocator's spare counts as free
+    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     need = sum(w.codes.numel() + w.scales.numel() for w in (W.w1, W.w3))        # the planes' bytes
     return free - need - reserve >= PLANES_FREE_SHARE * total
 
@@ -235,12 +236,14 @@ def served_moe_caches(l, # what holds a layer's `MoEWeights` as `l.moe` (a `Page
      "and the gate/up stage (`l._gate_up`): `served_gate_up`, the routed experts in planes, "
      "if `SERVED_PLANES` asks for them and they fit, else 08c's split")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
-            f"served_moe_caches: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
+            f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
+            f"got {type(l).__name__}",
             TypeError)
     check_int('served_moe_caches', 'reserve', reserve, 0)
     if getattr(l, '_moe32', None) is None:
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-        l._gate_up = served_gate_up(l._moe32) if _planes_fit(l.moe, reserve) else expert_gate_up_split
+        planes = _planes_fit(l.moe, reserve)
+        l._gate_up = served_gate_up(l._moe32) if planes else expert_gate_up_split
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a
