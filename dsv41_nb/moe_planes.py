@@ -14,7 +14,8 @@ from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,
                                 _launch, moe_launch_shape, expert_gate_up,
                                 expert_gate_up_torch)
-from .moe_split import expert_gate_up_split, _default_split
+from .moe_split import (expert_gate_up_split, _default_split, _check_split,
+                                _swiglu_finish_kernel)
 from .moe_gemv import gemv_gate_up, _fp8_halves
 from .formats import _pow2
 from .fused_moe import _mxfp4_pair
@@ -111,12 +112,13 @@ def _dot_t(w, a, acc, HW_CVT: tl.constexpr):
 # %% ../nbs/08f_moe_planes.ipynb #fbc9216a
 @triton.jit
 def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
-                 K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr):
-    "acc1 (BN, BM) += W1[expert, n] @ A[rows]ᵀ over all of K, acc3 the same with W3 (in planes)"
+                 k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr):
+    ("acc1 (BN, BM) += W1[expert, n] @ A[rows]ᵀ over K columns k_start .. k_start + KS, "
+     "acc3 the same with W3 (in planes)")
     w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)       # (BN,) words
     s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)   # (BN,) scale words
     j = tl.arange(0, 16)
-    for k0 in range(0, K, 128):
+    for k0 in range(k_start, k_start + KS, 128):
         # (BN, 16) words, (BN, 1) scale words
         at = w_row[:, None] + (k0 // 8 + j)[None, :]
         q1 = tl.load(w1_ptr + at, mask=n_mask[:, None], other=0)
@@ -152,18 +154,60 @@ def _gate_up_planes_kernel(
     if expert < 0: return
     n_mask, acc = n < N, tl.zeros((BN, BM), tl.float32)
     gate, up = _gemm_planes(acc, acc, x_ptr + tok.to(tl.int64) * K, valid, w1_ptr, w1s_ptr,
-                            w3_ptr, w3s_ptr, expert, n, n_mask, K, N, HW_CVT)
+                            w3_ptr, w3s_ptr, expert, n, n_mask, 0, K, K, N, HW_CVT)
     h = _swiglu(tl.trans(gate), tl.trans(up), limit, CLAMP, HW_CVT)
     h = h * tl.load(weight_ptr + a, mask=valid, other=0.0)[:, None]
     h = _fp8_quant_tile(h, BM, BN, HW_CVT)
     tl.store(h_ptr + a.to(tl.int64)[:, None] * N + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
+# %% ../nbs/08f_moe_planes.ipynb #b5b45014
+@triton.jit
+def _gate_up_planes_partial_kernel(
+    x_ptr, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,  # as `_gate_up_planes_kernel`'s
+    part_ptr,                # (SPLIT, n_assign, 2, N) fp32 out: each slice's gate and up sums
+    sorted_ptr, block_expert_ptr, n_assign, num_m,
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    SPLIT: tl.constexpr, GROUP_M: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    "`08c`'s `_gate_up_partial_kernel` on weights in planes: K slice `program_id(1)` of a tile"
+    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
+                                             N, TOPK, BM, BN, GROUP_M, False)
+    if expert < 0: return
+    KS: tl.constexpr = K // SPLIT
+    n_mask, acc = n < N, tl.zeros((BN, BM), tl.float32)
+    gate, up = _gemm_planes(acc, acc, x_ptr + tok.to(tl.int64) * K, valid, w1_ptr, w1s_ptr,
+                            w3_ptr, w3s_ptr, expert, n, n_mask, tl.program_id(1) * KS, KS, K, N,
+                            HW_CVT)
+    off = (tl.program_id(1) * n_assign + a).to(tl.int64)[:, None] * (2 * N) + n[None, :]
+    m = valid[:, None] & n_mask[None, :]
+    tl.store(part_ptr + off, tl.trans(gate), mask=m)
+    tl.store(part_ptr + off + N, tl.trans(up), mask=m)
+
 # %% ../nbs/08f_moe_planes.ipynb #5bdd0111
 def _check_planes(name, p, a):
     if not isinstance(p, PlaneWeight):
         raise TypeError(f"{name}: expected a PlaneWeight (mxfp4_planes), got {type(p).__name__}")
     _check_x(a, p.shape[2], 'activations')
+
+# %% ../nbs/08f_moe_planes.ipynb #f862c419
+def _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split):
+    "`expert_gate_up_planes` with K split over `split` programs a tile, then `08c`'s finish"
+    (E, N, K), bn = w1.shape, shape['block_n']
+    part = torch.empty(split, align.n_assign, 2, N, dtype=torch.float32, device=xq.device)
+    h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
+    _gate_up_planes_partial_kernel[(align.num_blocks * triton.cdiv(N, bn), split)](
+        xq.contiguous(), w1.words, w1.scale_words, w3.words, w3.scale_words, part,
+        align.sorted_ids, align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
+        TOPK=align.topk, BM=align.block_m, BN=bn, SPLIT=split, GROUP_M=8,
+        HW_CVT=not triton_interpreting(), num_warps=shape['num_warps'],
+        num_stages=shape['num_stages'])
+    fb = min(256, triton.next_power_of_2(N))
+    _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](
+        part, h, topk_weights.float().contiguous(), align.n_assign, align.n_assign,
+        float(swiglu_limit), N=N, SPLIT=split, FB=fb, HAS_WEIGHT=True, CLAMP=swiglu_limit > 0,
+        HW_CVT=not triton_interpreting())
+    return h
 
 # %% ../nbs/08f_moe_planes.ipynb #bbf5100b
 def expert_gate_up_planes(
@@ -173,6 +217,7 @@ def expert_gate_up_planes(
     topk_weights: torch.Tensor, # (tokens, k) routing weights
     swiglu_limit: float,
     shape: dict | None = None, # launch shape (default `moe_launch_shape`; block_k is 128 here)
+    split: int | None = 1, # K slices per tile (None: as many as `expert_gate_up_split` takes)
 ) -> torch.Tensor:
     "`expert_gate_up` (version 3): (n_assign, inter) BF16, the weights' codes read in planes"
     for name, w in (('w1', w1), ('w3', w3)): _check_planes(name, w, xq)
@@ -189,8 +234,14 @@ def expert_gate_up_planes(
         return expert_gate_up_torch(xq, planes_weight(w1), planes_weight(w3), align, topk_weights,
                                     swiglu_limit)
     (E, N, K) = w1.shape
+    shape = shape or moe_launch_shape(align.n_assign, E)
+    if split is None: split = _default_split(align, N, K, {**shape, 'block_k': 128},
+                                             sm_count(xq.device, default=16))
+    _check_split(split, K // 128)
+    if split > 1: return _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit,
+                                               shape, split)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
-    meta, grid = _launch(align, N, K, shape or moe_launch_shape(align.n_assign, E), xq.device)
+    meta, grid = _launch(align, N, K, shape, xq.device)
     _gate_up_planes_kernel[grid](
         xq.contiguous(), w1.words, w1.scale_words, w3.words, w3.scale_words, h, align.sorted_ids,
         align.block_expert, topk_weights.float().contiguous(), align.n_assign, align.num_blocks,
@@ -200,15 +251,21 @@ def expert_gate_up_planes(
     return h
 
 # %% ../nbs/08f_moe_planes.ipynb #0bfe3c03
-def plane_gate_up(W: MoEWeights):
+def plane_gate_up(W: MoEWeights,
+                  split: int | None = 1, # K slices per tile (None: as `expert_gate_up_split` takes)
+                  shared=None, # the shared expert's stage (default `expert_gate_up`)
+                  sms: int | None = None): # multiprocessors to split for (default: the device's)
     "A `gate_up` stage for `fused_moe_experts`: version 3 on `W`'s routed experts (planes made now)"
     p1, p3 = mxfp4_planes(W.w1, 'w1'), mxfp4_planes(W.w3, 'w3')
     def gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
         if align.sorted_ids is None:                                  # the shared expert
-            return expert_gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
+            return (shared or expert_gate_up)(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
         if w1 is not W.w1 or w3 is not W.w3:
             raise ValueError("plane_gate_up: these planes were made for another layer's weights")
-        return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape)
+        shape, s = shape or moe_launch_shape(align.n_assign, w1.shape[0]), split
+        if s is None and sms is not None:
+            s = _default_split(align, w1.shape[1], w1.shape[2], {**shape, 'block_k': 128}, sms)
+        return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape, s)
     return gate_up
 
 # %% ../nbs/08f_moe_planes.ipynb #99f83c3f
@@ -271,19 +328,12 @@ def fits_planes(w) -> bool:
 
 # %% ../nbs/08f_moe_planes.ipynb #9f913e04
 def served_gate_up(W: MoEWeights,
-                   sms: int | None = None): # multiprocessors 08c plans for (default: the device's)
-    ("The engine's gate/up stage for `W`: version 3 on the routed experts where 08c would not "
-     "split K (planes made now), 08c's `expert_gate_up_split` elsewhere and for the shared expert")
+                   sms: int | None = None): # multiprocessors to split K for (default: the device's)
+    ("The engine's gate/up stage for `W`: version 3 on the routed experts (planes made now), "
+     "K split where `expert_gate_up_split` would split it; "
+     "`expert_gate_up_split` itself for the shared expert")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"served_gate_up: expected MoEWeights, got {type(W).__name__}")
     if sms is not None: check_int('served_gate_up', 'sms', sms, 1)
     if not (fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
-    v3 = plane_gate_up(W)
-    def gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
-        shape = shape or moe_launch_shape(align.n_assign, w1.shape[0])
-        n = sms or sm_count(xq.device, default=16)
-        if (align.sorted_ids is None or align.n_assign == 0
-                or _default_split(align, w1.shape[1], w1.shape[2], shape, n) > 1):
-            return expert_gate_up_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
-        return v3(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
-    return gate_up
+    return plane_gate_up(W, split=None, shared=expert_gate_up_split, sms=sms)

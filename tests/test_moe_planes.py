@@ -99,12 +99,13 @@ def _bad_cases():
         (lambda: served_gate_up(W.w1), 'served_gate_up: expected MoEWeights, got QuantWeight'),
         (lambda: served_gate_up(W, sms=0), 'sms'),
         (lambda: gemv_gate_up_planes(x, tw, ti, W, W.w1, p, 10.0), 'w1: expected a PlaneWeight'),
+        (lambda: expert_gate_up_planes(xq, p, p, al, tw, 10.0, split=3), 'split = 3; expected an int >= 1 dividing'),
         (lambda: gemv_gate_up_planes(x, tw, ti, W, p, mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3), 10.0),
          'w3: expected planes of shape (4, 64, 128), got (4, 32, 128)'),
     ]
 
 
-@pytest.mark.parametrize('case', range(14))
+@pytest.mark.parametrize('case', range(15))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
@@ -121,9 +122,10 @@ def test_fits_planes():
     assert not fits_planes(W64.w1) and not fits_planes(W.shared_w1) and not fits_planes(None)
 
 
-@pytest.mark.parametrize('T,sms,v3', [(1, None, False), (9, None, False), (40, 1, True)])
-def test_served_gate_up_path(T, sms, v3, monkeypatch):
-    "The engine's stage: version 3 exactly where 08c would not split K, 08c's otherwise; version 2's bits either way"
+@pytest.mark.parametrize('T,sms,sliced', [(1, None, True), (9, None, True), (40, 1, False)])
+def test_served_gate_up_path(T, sms, sliced, monkeypatch):
+    """The engine's stage: version 3 on the routed experts, K split where 08c would split it, 08c's bits for that
+    split; the shared expert 08c's"""
     cfg, W = _layer(8, 2, 256, 64, 4)
     x = (3 * torch.randn(T, 256, generator=torch.Generator().manual_seed(T))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
@@ -131,19 +133,32 @@ def test_served_gate_up_path(T, sms, v3, monkeypatch):
     xq, al = fp8_act_quant(x), align_by_expert(ti, 8, shape['block_m'])
     n = sms or (torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == 'cuda' else 16)
     split = _default_split(al, 64, 256, shape, n)
-    assert (split == 1) == v3, split
+    assert (split > 1) == sliced, split
     calls = []
     real = moe_planes.expert_gate_up_planes
     monkeypatch.setattr(moe_planes, 'expert_gate_up_planes', lambda *a, **k: calls.append(1) or real(*a, **k))
     h = served_gate_up(W, sms)(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape)
-    assert torch.equal(h, expert_gate_up(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape))
-    assert len(calls) == (split == 1), (split, calls)
-    shared = served_gate_up(W, sms)(xq, W.shared_w1, W.shared_w3, ExpertAlignment.identity(T, shape['block_m']),
-                                    None, cfg.swiglu_limit, shape)
-    assert len(calls) == (split == 1)                  # the shared expert never takes the planes
-    assert torch.equal(shared, expert_gate_up_split(xq, W.shared_w1, W.shared_w3,
-                                                    ExpertAlignment.identity(T, shape['block_m']), None,
-                                                    cfg.swiglu_limit, shape))
+    assert torch.equal(h, expert_gate_up_split(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape, split))
+    assert len(calls) == 1
+    ident = ExpertAlignment.identity(T, shape['block_m'])
+    shared = served_gate_up(W, sms)(xq, W.shared_w1, W.shared_w3, ident, None, cfg.swiglu_limit, shape)
+    assert len(calls) == 1                             # the shared expert never takes the planes
+    assert torch.equal(shared, expert_gate_up_split(xq, W.shared_w1, W.shared_w3, ident, None, cfg.swiglu_limit,
+                                                    shape))
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.integers(1, 12), st.sampled_from([(256, 2), (512, 2), (512, 4)]), st.integers(0, 2**31))
+def test_planes_split_is_08c_split(T, D_split, seed):
+    "Version 3 with K split over programs: 08c's split stage on the checkpoint's codes, bit for bit"
+    D, split = D_split
+    cfg, W = _layer(8, 2, D, 64, seed % 1000)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    shape = moe_launch_shape(2 * T, 8)
+    xq, al = fp8_act_quant(x), align_by_expert(ti, 8, shape['block_m'])
+    h = expert_gate_up_planes(xq, mxfp4_planes(W.w1), mxfp4_planes(W.w3), al, tw, cfg.swiglu_limit, shape, split)
+    assert torch.equal(h, expert_gate_up_split(xq, W.w1, W.w3, al, tw, cfg.swiglu_limit, shape, split))
 
 
 def test_served_gate_up_without_planes():
