@@ -230,6 +230,7 @@ def expert_gate_up_planes(
             or tuple(topk_weights.shape) != (xq.shape[0], align.topk)):
         raise ValueError(f"topk_weights: expected floats ({xq.shape[0]}, {align.topk}), "
                          f"got {_shape(topk_weights)}")
+    if split is not None: _check_split(split, w1.shape[2] // 128)
     if kernel_backend(xq, w1.words) == 'torch' or align.n_assign == 0:
         return expert_gate_up_torch(xq, planes_weight(w1), planes_weight(w3), align, topk_weights,
                                     swiglu_limit)
@@ -237,7 +238,6 @@ def expert_gate_up_planes(
     shape = shape or moe_launch_shape(align.n_assign, E)
     if split is None: split = _default_split(align, N, K, {**shape, 'block_k': 128},
                                              sm_count(xq.device, default=16))
-    _check_split(split, K // 128)
     if split > 1: return _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit,
                                                shape, split)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
