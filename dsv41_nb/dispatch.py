@@ -14,8 +14,8 @@ _forced: str | None = None
 
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_cell_note', 'skip_gpu_cells', 'save_figure', 'capturing',
-           'as_captured', 'HostReads', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
+           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gpu_cell_note', 'skip_gpu_cells', 'save_figure',
+           'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -113,6 +113,12 @@ def sm_count(device, # a torch.device or its name
     device = torch.device(device)
     if device.type != 'cuda': return default
     return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+# %% ../nbs/00a_dispatch.ipynb #0a1c503c
+def gpu_memory(device) -> tuple:
+    "(free, total) bytes of a GPU, counting what this process's allocator holds unused as free"
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 # %% ../nbs/00a_dispatch.ipynb #4b6f4795
 import os, re

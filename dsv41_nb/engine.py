@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 from .config import check_int, check_share
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
-from .dispatch import BACKENDS, use_kernels
+from .dispatch import BACKENDS, use_kernels, gpu_memory
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config, cdiv
 from .kv_manager import SlotMappings, KVCacheManager
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
@@ -36,7 +36,7 @@ from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_mo
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
            'InputBuffers', 'tap_model', 'ModelRunner', 'DecodePlan', 'TapContexts', 'ReferenceTapContexts',
            'StepFuture', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer', 'EngineArgs', 'make_step_model',
-           'LLMEngine', 'kv_pool_blocks', 'gpu_memory', 'register_speculative', 'prefix_gap', 'greedy_shortfall',
+           'LLMEngine', 'kv_pool_blocks', 'register_speculative', 'prefix_gap', 'greedy_shortfall',
            'assert_greedy_match', 'LLM', 'NullStepModel', 'host_engine', 'StepTimer', 'host_step_times']
 
 # %% ../nbs/13_engine.ipynb #e44687c0
@@ -1057,12 +1057,6 @@ def kv_pool_blocks(kc: KVCacheConfig, # the layout (its page size and block size
                          f"for the KV pool: {n:,} blocks of {kc.page_bytes:,} B, and one request "
                          f"of max_model_len needs {per + 1:,}")
     return n
-
-# %% ../nbs/13_engine.ipynb #09ddabcf
-def gpu_memory(device) -> tuple:
-    "(free, total) bytes of a GPU, counting what this process's allocator holds unused as free"
-    free, total = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 # %% ../nbs/13_engine.ipynb #57361b67
 NGRAM_TOKENS = 5   # n-gram drafts per step when speculation names no count

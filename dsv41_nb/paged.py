@@ -29,7 +29,7 @@ from .moe_planes import served_gate_up
 from .moe_split import expert_gate_up_split
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
-from .dispatch import kernel_backend, capturing
+from .dispatch import kernel_backend, capturing, gpu_memory
 from .engram import Engram, EngramTable
 from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
@@ -223,9 +223,7 @@ def _planes_fit(W: MoEWeights, reserve: int = 0) -> bool:
      "still to come and `PLANES_FREE_SHARE` of it left")
     dev = W.w1.codes.device
     if not SERVED_PLANES or dev.type != 'cuda': return SERVED_PLANES
-    free, total = torch.cuda.mem_get_info(dev)
-    # the allocator's spare counts as free
-    free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+    free, total = gpu_memory(dev)
     need = sum(w.codes.numel() + w.scales.numel() for w in (W.w1, W.w3))        # the planes' bytes
     return free - need - reserve >= PLANES_FREE_SHARE * total
 

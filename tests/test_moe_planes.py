@@ -17,6 +17,7 @@ from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
 from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS
 from dsv41_nb import moe_planes
+from dsv41_nb.dispatch import sm_count
 from dsv41_nb.moe_split import expert_gate_up_split, _default_split
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -131,7 +132,7 @@ def test_served_gate_up_path(T, sms, sliced, monkeypatch):
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
     shape = moe_launch_shape(2 * T, 8)
     xq, al = fp8_act_quant(x), align_by_expert(ti, 8, shape['block_m'])
-    n = sms or (torch.cuda.get_device_properties(DEV).multi_processor_count if DEV.type == 'cuda' else 16)
+    n = sms or sm_count(DEV, default=16)
     split = _default_split(al, 64, 256, shape, n)
     assert (split > 1) == sliced, split
     calls = []

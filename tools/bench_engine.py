@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL
+from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL, gpu_memory
 from dsv41_nb.accounting import decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
@@ -52,7 +52,7 @@ from dsv41_nb import paged
 from dsv41_nb.paged import PagedModel
 from dsv41_nb.moe_split import expert_gate_up_split
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
-from dsv41_nb.engine import kv_pool_blocks, gpu_memory
+from dsv41_nb.engine import kv_pool_blocks
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts
 from dsv41_nb.checkpoint import load_model
