@@ -21,6 +21,7 @@ from .engram import EngramTable, head_shards, engram_gate, engram_update
 from .mhc import hc_pre, _rms_norm
 from .model import Transformer, DenseEngram
 from .paged import moe_weights
+from .moe_planes import PlaneWeight, expert_gate_up_planes
 from .accounting import expert_touch_fraction, expert_params
 
 # %% auto #0
@@ -162,7 +163,10 @@ def local_experts(
         raise ValueError(f"local_experts: world size mismatch: "
                          f"the weights hold {held} of {E} routed experts; "
                          f"a rank of {world_size} holds {hi - lo} (or pass all {E})")
-    cut = lambda q: QuantWeight(q.codes[lo:hi].clone(), q.scales[lo:hi].clone(), q.fmt)
+    def cut(q):   # codes, or planes (a served layer's routed gate and up weights)
+        if isinstance(q, PlaneWeight):
+            return PlaneWeight(q.words[lo:hi].clone(), q.scale_words[lo:hi].clone())
+        return QuantWeight(q.codes[lo:hi].clone(), q.scales[lo:hi].clone(), q.fmt)
     return replace(W, w1=cut(W.w1), w2=cut(W.w2), w3=cut(W.w3))
 
 # %% ../nbs/15_distributed.ipynb #d30af24a
@@ -242,7 +246,8 @@ def local_expert_outputs(
     if n == 0: return xq.new_zeros(0, W.dim, dtype=torch.bfloat16)
     shape = moe_launch_shape(n, held)
     align = align_by_expert(expert[:, None], held, shape['block_m'])
-    h = expert_gate_up(xq, W.w1, W.w3, align, weight[:, None], swiglu_limit, shape)  # (n, inter)
+    gate_up = expert_gate_up_planes if isinstance(W.w1, PlaneWeight) else expert_gate_up
+    h = gate_up(xq, W.w1, W.w3, align, weight[:, None], swiglu_limit, shape)  # (n, inter)
     return expert_down(h, W.w2, align, shape=shape)                                  # (n, dim)
 
 # %% ../nbs/15_distributed.ipynb #e806f9ba
@@ -329,6 +334,7 @@ def _moe_to(W: MoEWeights, device) -> MoEWeights:
         if isinstance(v, torch.Tensor): return v.to(device)
         if isinstance(v, QuantWeight):
             return QuantWeight(v.codes.to(device), v.scales.to(device), v.fmt)
+        if isinstance(v, PlaneWeight): return PlaneWeight(v.words.to(device), v.scale_words.to(device))
         return v
     return MoEWeights(**{f: move(getattr(W, f)) for f in W.__dataclass_fields__})
 

@@ -852,12 +852,20 @@ def _time_steps(model, N, m, steps, prompt_len, device, **llm_kwargs) -> float:
     from dsv41_nb.engine import LLM
     prop = None if m == 0 else ScriptedDrafts(1, m) if m < N else ScriptedDrafts(m // N)
     per = (m // N if m >= N else 1) + 1
+    most = (N + 1 + 2 * steps) * per                   # tokens a request can gain in all the steps
+    if device.type == 'cuda': llm_kwargs.setdefault('gpu_memory_utilization', 0.9)  # room for N
     llm = LLM(model, proposer=prop, max_num_seqs=N, enable_prefix_caching=False,
-              max_model_len=prompt_len + 2 * steps * per + 8, **llm_kwargs)
+              max_model_len=prompt_len + most + 8, **llm_kwargs)
     eng, g = llm.llm_engine, torch.Generator().manual_seed(N * 1000 + m)
-    sp = SamplingParams(temperature=0, max_tokens=2 * steps * per, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=most, ignore_eos=True)
     for r in range(N):
         eng.add_request(f'p{r}', torch.randint(1, 256, (prompt_len,), generator=g).tolist(), sp)
+    s = eng.scheduler
+    for _ in range(N + 1):                             # prefill: until all N decode at once
+        if not (s.waiting or any(r.num_computed_tokens < r.prefill_len for r in s.running)): break
+        eng.step()
+    else: raise RuntimeError(f"profile_step_costs: {N} requests of {prompt_len} tokens do not "
+                             f"all run at once in this engine's KV pool")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == 'cuda' else (lambda: None)
     for _ in range(steps): eng.step()
     sync(); t0 = time.perf_counter()

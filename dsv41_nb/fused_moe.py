@@ -666,7 +666,7 @@ def fused_moe_experts(
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts, check_ids)
     if shape is not None: _check_shape(shape)
     if x.shape[0] == 0: return torch.empty(0, W.dim, dtype=torch.bfloat16, device=x.device)
-    if kernel_backend(x, topk_ids, W.w1.codes) == 'torch':
+    if kernel_backend(x, topk_ids, W.w2.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
     return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up)['y']
 

@@ -224,8 +224,8 @@ def _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids: bool):
     if (not isinstance(swiglu_limit, numbers.Real) or isinstance(swiglu_limit, bool)
         or not swiglu_limit >= 0):
         raise ValueError(f"swiglu_limit = {swiglu_limit!r}; expected a real number >= 0")
-    if x.device != W.w1.codes.device:
-        raise ValueError(f"x is on {x.device}, the weights on {W.w1.codes.device}")
+    if x.device != W.w2.codes.device:
+        raise ValueError(f"x is on {x.device}, the weights on {W.w2.codes.device}")
 
 # %% ../nbs/08e_moe_gemv.ipynb #e6d07102
 def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
@@ -294,21 +294,22 @@ def moe_gemv_experts(
     swiglu_limit: float,         # the experts' clamp
     split: int | None = None,    # K slices of both stages (default `gemv_split`'s)
     check_ids: bool = True,      # range-check the expert ids (a device synchronisation)
+    gate_up=None,                # the gate/up stage: `gemv_gate_up` (default) or one called like it
 ) -> torch.Tensor:
     ("The MoE layer given its routing as GEMVs, (tokens, dim) BF16: "
      "Triton kernels (GPU, interpreter), else the reference loop")
     _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids)
-    if kernel_backend(x, topk_ids, W.w1.codes) == 'torch':
+    if kernel_backend(x, topk_ids, W.w2.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
-    h = gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False)
+    h = (gate_up or gemv_gate_up)(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False)
     return gemv_down(h, topk_ids, W, split)
 
 # %% ../nbs/08e_moe_gemv.ipynb #1e7a8aff
 def moe_gemv_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None,
-                     router=None) -> torch.Tensor:
+                     router=None, gate_up=None) -> torch.Tensor:
     "The MoE layer: route, then `moe_gemv_experts` (arguments as `08b`'s `moe_forward`)"
     return moe_gemv_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
-                            cfg.swiglu_limit, check_ids=False)
+                            cfg.swiglu_limit, check_ids=False, gate_up=gate_up)
 
 # %% ../nbs/08e_moe_gemv.ipynb #58a29e1a
 def gemv_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape=None,

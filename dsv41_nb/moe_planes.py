@@ -4,10 +4,12 @@
 
 # %% ../nbs/08f_moe_planes.ipynb #7cc608cb
 from __future__ import annotations
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from fastcore.basics import patch
 from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .config import check_int
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
@@ -22,7 +24,8 @@ from .fused_moe import _mxfp4_pair
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANE_READ', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
-           'expert_gate_up_planes', 'plane_gate_up', 'gemv_gate_up_planes', 'fits_planes', 'served_gate_up']
+           'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes', 'fits_planes',
+           'served_gate_up']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -255,8 +258,10 @@ def plane_gate_up(W: MoEWeights,
                   split: int | None = 1, # K slices per tile (None: as `expert_gate_up_split` takes)
                   shared=None, # the shared expert's stage (default `expert_gate_up`)
                   sms: int | None = None): # multiprocessors to split for (default: the device's)
-    "A `gate_up` stage for `fused_moe_experts`: version 3 on `W`'s routed experts (planes made now)"
-    p1, p3 = mxfp4_planes(W.w1, 'w1'), mxfp4_planes(W.w3, 'w3')
+    ("A `gate_up` stage for `fused_moe_experts`: version 3 on `W`'s routed experts "
+     "(their planes, made now if `W` holds codes)")
+    p1, p3 = ((W.w1, W.w3) if isinstance(W.w1, PlaneWeight)
+              else (mxfp4_planes(W.w1, 'w1'), mxfp4_planes(W.w3, 'w3')))
     def gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
         if align.sorted_ids is None:                                  # the shared expert
             return (shared or expert_gate_up)(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
@@ -267,6 +272,34 @@ def plane_gate_up(W: MoEWeights,
             s = _default_split(align, w1.shape[1], w1.shape[2], {**shape, 'block_k': 128}, sms)
         return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape, s)
     return gate_up
+
+# %% ../nbs/08f_moe_planes.ipynb #6e37f23f
+@patch
+def dequantize(self: PlaneWeight, expert=slice(None)) -> torch.Tensor:
+    "fp32 weights of `expert` (an index or a slice), as `QuantWeight.dequantize` gives them"
+    one = isinstance(expert, numbers.Integral)
+    sl = slice(int(expert), int(expert) + 1) if one else expert
+    v = planes_values(PlaneWeight(self.words[sl], self.scale_words[sl]))
+    return v[0] if one else v
+
+# %% ../nbs/08f_moe_planes.ipynb #8839a7cd
+@patch(as_prop=True)
+def nbytes(self: PlaneWeight) -> int:
+    "Bytes held: as many as the codes and scales they were made from"
+    return 4 * (self.words.numel() + self.scale_words.numel())
+
+# %% ../nbs/08f_moe_planes.ipynb #f4083d40
+@patch
+def __repr__(self: PlaneWeight) -> str: return f"PlaneWeight({self.shape}, {self.nbytes:,} bytes)"
+
+# %% ../nbs/08f_moe_planes.ipynb #0963215e
+def planes_moe(W: MoEWeights) -> MoEWeights:
+    ("`W` with its routed experts' gate and up weights in planes in place of their codes "
+     "(the same bytes; `W` itself unchanged)")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"planes_moe: expected MoEWeights, got {type(W).__name__}")
+    if isinstance(W.w1, PlaneWeight) and isinstance(W.w3, PlaneWeight): return W
+    return replace(W, w1=mxfp4_planes(W.w1, 'w1'), w3=mxfp4_planes(W.w3, 'w3'))
 
 # %% ../nbs/08f_moe_planes.ipynb #99f83c3f
 @triton.jit
@@ -305,17 +338,17 @@ class _PlaneRows:
 PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
 
 def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        W: MoEWeights, # the layer's weights (the shared expert's are read)
-                        w1: PlaneWeight, w3: PlaneWeight, # the routed gate and up weights
+                        W: MoEWeights, # the layer, its routed gate and up weights in planes
                         swiglu_limit: float, split: int | None = None,
                         check_ids: bool = True) -> torch.Tensor:
-    ("`gemv_gate_up` (same arguments and rows) "
-     "with the routed experts' gate and up weights in planes")
-    for name, w in (('w1', w1), ('w3', w3)):
-        _check_planes(name, w, x)
-        if w.shape != W.w1.shape:
-            raise ValueError(f"{name}: expected planes of shape {tuple(W.w1.shape)}, got {w.shape}")
-    rows = [_PlaneRows(w.words, w.scale_words.view(torch.uint8), w.shape) for w in (w1, w3)]
+    ("`gemv_gate_up` (same arguments and rows) on a layer whose routed experts' gate and up "
+     "weights are in planes (`planes_moe`)")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
+    for name in ('w1', 'w3'): _check_planes(name, getattr(W, name), x)
+    if W.w3.shape != W.w1.shape:
+        raise ValueError(f"w3: expected planes of shape {W.w1.shape}, got {W.w3.shape}")
+    rows = [_PlaneRows(w.words, w.scale_words.view(torch.uint8), w.shape) for w in (W.w1, W.w3)]
     return gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=check_ids,
                         routed=(*rows, PLANE_READ))
 
@@ -329,11 +362,12 @@ def fits_planes(w) -> bool:
 # %% ../nbs/08f_moe_planes.ipynb #9f913e04
 def served_gate_up(W: MoEWeights,
                    sms: int | None = None): # multiprocessors to split K for (default: the device's)
-    ("The engine's gate/up stage for `W`: version 3 on the routed experts (planes made now), "
-     "K split where `expert_gate_up_split` would split it; "
+    ("The engine's gate/up stage for `W`: version 3 on the routed experts (`W`'s planes, or made "
+     "now from its codes), K split where `expert_gate_up_split` would split it; "
      "`expert_gate_up_split` itself for the shared expert")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"served_gate_up: expected MoEWeights, got {type(W).__name__}")
     if sms is not None: check_int('served_gate_up', 'sms', sms, 1)
-    if not (fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
+    planes = isinstance(W.w1, PlaneWeight) and isinstance(W.w3, PlaneWeight)
+    if not (planes or fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
     return plane_gate_up(W, split=None, shared=expert_gate_up_split, sms=sms)

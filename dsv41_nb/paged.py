@@ -25,19 +25,20 @@ from .fused_moe import fp8_act_quant, moe_forward
 from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
-from .moe_planes import served_gate_up
+from .moe_planes import (served_gate_up, planes_moe, fits_planes, PlaneWeight,
+                                  gemv_gate_up_planes)
 from .moe_split import expert_gate_up_split
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
-from .dispatch import kernel_backend, capturing, gpu_memory
+from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
 from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['SERVED_PLANES', 'PLANES_FREE_SHARE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step',
-           'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches',
-           'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
+__all__ = ['SERVED_PLANES', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention',
+           'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer',
+           'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
            'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
            'context_blocks', 'single_request_steps', 'replay_agreement']
 
@@ -215,32 +216,21 @@ def block_seam(block: Block, sub: str) -> HCWeights:
                        for p in ('fn', 'base', 'scale')))
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
-SERVED_PLANES = False     # layers make the routed experts' planes (08f): gate and up, a second copy
-PLANES_FREE_SHARE = 0.1   # a GPU layer makes its planes only if this share of the GPU stays free
+SERVED_PLANES = True   # served layers hold the routed gate and up weights in planes (08f), not codes
 
-def _planes_fit(W: MoEWeights, reserve: int = 0) -> bool:
-    ("Whether `SERVED_PLANES` asks for planes and `W`'s fit on its device with `reserve` bytes "
-     "still to come and `PLANES_FREE_SHARE` of it left")
-    dev = W.w1.codes.device
-    if not SERVED_PLANES or dev.type != 'cuda': return SERVED_PLANES
-    free, total = gpu_memory(dev)
-    need = sum(w.codes.numel() + w.scales.numel() for w in (W.w1, W.w3))        # the planes' bytes
-    return free - need - reserve >= PLANES_FREE_SHARE * total
-
-# %% ../nbs/10b_paged.ipynb #c749db16
-def served_moe_caches(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
-                      reserve: int = 0): # bytes the device must still find room for (the KV pool)
-    ("What `served_moe` keeps on `l`, made once: the router's gate widened to fp32 (`l._moe32`) "
-     "and the gate/up stage (`l._gate_up`): `served_gate_up`, the routed experts in planes, "
-     "if `SERVED_PLANES` asks for them and they fit, else 08c's split")
+def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
+    ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
+     "(`planes_moe`, if `SERVED_PLANES` and `fits_planes`), the router's gate widened to fp32 "
+     "(`l._moe32`) and the gate/up stage (`l._gate_up`: `served_gate_up` on planes, else 08c's)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
             f"got {type(l).__name__}",
             TypeError)
-    check_int('served_moe_caches', 'reserve', reserve, 0)
     if getattr(l, '_moe32', None) is None:
+        if SERVED_PLANES and fits_planes(l.moe.w1) and fits_planes(l.moe.w3):
+            l.moe = planes_moe(l.moe)                 # the codes go: nothing holds them now
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
-        planes = _planes_fit(l.moe, reserve)
+        planes = isinstance(l.moe.w1, PlaneWeight)
         l._gate_up = served_gate_up(l._moe32) if planes else expert_gate_up_split
     return l._moe32, l._gate_up
 
@@ -258,9 +248,8 @@ class PagedLayer(nn.Module):
         self.hc_attn, self.hc_ffn = block_seam(block, 'attn'), block_seam(block, 'ffn')
         self.attn_norm = block.attn_norm.weight.detach()
         self.ffn_norm = block.ffn_norm.weight.detach()
-        # on a GPU the served MoE's caches now, leaving room for the KV pool to come (`allocate`)
-        pool = kc.num_blocks * sum(g.bytes_per_block for g in kc.groups)
-        if self.moe.w1.codes.is_cuda: served_moe_caches(self, pool)
+        # on a GPU the served MoE's planes now, before the KV pool takes what memory is left
+        if self.moe.w2.codes.is_cuda: served_moe_caches(self)
 
     def __repr__(self):
         engram = ', Engram' if self.engram else ''
@@ -508,10 +497,11 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
             TypeError)
-    if kernel_backend(y, l.moe.w1.codes) == 'triton':
+    if kernel_backend(y, l.moe.w2.codes) == 'triton':
         W, gate_up = served_moe_caches(l)
         if y.shape[0] <= GEMV_MAX_TOKENS:
-            return moe_gemv_forward(y, W, cfg, n_activated=n_activated,
+            gemv = gemv_gate_up_planes if isinstance(W.w1, PlaneWeight) else None
+            return moe_gemv_forward(y, W, cfg, n_activated=n_activated, gate_up=gemv,
                                     router=partial(fused_route, split_k=True))
         return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route)
     # BF16 weights: the loop's GEMMs are then the reference's own
@@ -864,7 +854,8 @@ WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers',
 def weight_bytes(self: PagedModel) -> dict:
     "Bytes of the weights this model holds, by kind (`WEIGHT_KINDS`)"
     nb = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
-    q = lambda *ws: [x for w in ws for x in (w.codes, w.scales)]
+    q = lambda *ws: [x for w in ws for x in ((w.words, w.scale_words) if isinstance(w, PlaneWeight)
+                                            else (w.codes, w.scales))]
     out = dict.fromkeys(WEIGHT_KINDS, 0)
     for l in self.layers:
         m, e = l.moe, l.engram

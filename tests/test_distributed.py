@@ -238,3 +238,21 @@ def test_bad_inputs():
     fails_with(lambda: dd.ep_moe_forward(x, W, TINY), contains='torch.distributed is not initialised')
     fails_with(lambda: dd.exchange(torch.zeros(1), [1], [1]), contains='torch.distributed is not initialised')
     fails_with(lambda: dd.shard_model_(copy.deepcopy(MODEL)), contains='torch.distributed is not initialised')
+
+
+def test_a_rank_cuts_and_runs_experts_held_in_planes():
+    """A served layer's routed gate and up weights may be planes (10b): a rank's slice of them is the planes of its
+    slice of the codes, and its experts' outputs are those of the codes"""
+    from dsv41_nb.moe_planes import planes_moe
+    from dsv41_nb.fused_moe import fp8_act_quant
+    cfg = replace(TINY, dim=256, moe_inter_dim=64)
+    Wc = MoEWeights.random(cfg, seed=5)
+    mine = dd.local_experts(planes_moe(Wc), 1, 2)
+    want = planes_moe(dd.local_experts(Wc, 1, 2))
+    assert all(torch.equal(getattr(mine, n).words, getattr(want, n).words)
+               and torch.equal(getattr(mine, n).scale_words, getattr(want, n).scale_words) for n in ('w1', 'w3'))
+    g = torch.Generator().manual_seed(5)
+    xq = fp8_act_quant(torch.randn(6, cfg.dim, generator=g).bfloat16())
+    expert, weight = torch.tensor([0, 3, 1, 0, 2, 3]), torch.rand(6, generator=g)
+    assert torch.equal(dd.local_expert_outputs(xq, expert, weight, mine, cfg.swiglu_limit),
+                       dd.local_expert_outputs(xq, expert, weight, dd.local_experts(Wc, 1, 2), cfg.swiglu_limit))

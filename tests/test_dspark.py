@@ -423,3 +423,25 @@ def test_profile_measures_the_engine_and_round_trips(tmp_path):
     assert load_step_costs(path, prof.machine) == prof and load_step_costs(path, 'elsewhere') is None
     assert load_step_costs(tmp_path / 'none.json') is None
     assert ScriptedDrafts(2, 1).propose([[5, 6], [7]]) == [[6, 6], []]
+
+
+def test_profile_times_decode_steps_of_every_request(monkeypatch):
+    """The profile times only steps where all N requests decode: with a token budget that chunks their prompts over
+    several steps, the timed steps (the last `steps`) and the warm-up before them prefill nothing; a pool that cannot
+    hold all N at once is refused by name"""
+    from dsv41_nb.engine import LLMEngine
+    seen, step = [], LLMEngine.step
+    def logged(self, *a, **k):
+        s = self.scheduler
+        seen.append((len(s.waiting), len(s.running), sum(r.num_computed_tokens < r.prefill_len for r in s.running)))
+        return step(self, *a, **k)
+    monkeypatch.setattr(LLMEngine, 'step', logged)
+    model = init_random(TINY, seed=1)
+    profile_step_costs(model, (3,), 1, steps=2, prompt_len=6, kernels='torch', max_num_batched_tokens=8)
+    per_point = len(seen) // 3                     # three points: 0, 1 and 3 drafts
+    for k in range(3):
+        point = seen[k * per_point:(k + 1) * per_point]
+        assert point[0][0] == 3 and any(p[2] for p in point)          # chunked prefill happened
+        assert point[-4:] == [(0, 3, 0)] * 4                          # warm-up and timed: decode of all 3
+    with pytest.raises(RuntimeError, match='3 requests of 6 tokens do not all run at once'):
+        profile_step_costs(model, (3,), 1, steps=1, prompt_len=6, kernels='torch', num_gpu_blocks=10)

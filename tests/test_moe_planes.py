@@ -13,7 +13,7 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
                                 fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
                                   expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
-                                  gemv_gate_up_planes)
+                                  gemv_gate_up_planes, planes_moe)
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
 from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS
 from dsv41_nb import moe_planes
@@ -99,14 +99,18 @@ def _bad_cases():
          "plane_gate_up: these planes were made for another layer's weights"),
         (lambda: served_gate_up(W.w1), 'served_gate_up: expected MoEWeights, got QuantWeight'),
         (lambda: served_gate_up(W, sms=0), 'sms'),
-        (lambda: gemv_gate_up_planes(x, tw, ti, W, W.w1, p, 10.0), 'w1: expected a PlaneWeight'),
+        (lambda: gemv_gate_up_planes(x, tw, ti, W, 10.0), 'w1: expected a PlaneWeight'),
+        (lambda: gemv_gate_up_planes(x, tw, ti, W.w1, 10.0), 'W: expected MoEWeights, got QuantWeight'),
+        (lambda: planes_moe(W.w1), 'planes_moe: expected MoEWeights, got QuantWeight'),
+        (lambda: planes_moe(W64), 'w1: planes need in-features a multiple of 128, got 64'),
         (lambda: expert_gate_up_planes(xq, p, p, al, tw, 10.0, split=3), 'split = 3; expected an int >= 1 dividing'),
-        (lambda: gemv_gate_up_planes(x, tw, ti, W, p, mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3), 10.0),
+        (lambda: gemv_gate_up_planes(x, tw, ti, replace(planes_moe(W), w3=mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3)),
+                                     10.0),
          'w3: expected planes of shape (4, 64, 128), got (4, 32, 128)'),
     ]
 
 
-@pytest.mark.parametrize('case', range(15))
+@pytest.mark.parametrize('case', range(18))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
@@ -177,7 +181,7 @@ def test_gemv_planes(T, D, I, seed):
     cfg, W = _layer(4, 2, D, I, seed % 1000)
     x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
-    h = gemv_gate_up_planes(x, tw, ti, W, mxfp4_planes(W.w1), mxfp4_planes(W.w3), cfg.swiglu_limit)
+    h = gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit)
     al = align_by_expert_torch(ti, 4, 16)
     ref = expert_gate_up_torch(fp8_act_quant(x), W.w1, W.w3, al, tw, cfg.swiglu_limit)
     assert_fp8_close(h[:T * 2], ref)

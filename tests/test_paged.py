@@ -255,15 +255,17 @@ def test_a_captured_verification_step_reads_nothing_back(models):
     assert torch.equal(got, want) and all(torch.equal(r.rows, recorded[l]) for l, r in sm.ring_rows.items())
 
 
-def test_served_moe_makes_the_planes_once(monkeypatch):
-    """Above the GEMVs' tokens the served MoE runs `served_gate_up` (the routed experts in planes, made on the first
-    call and kept) when SERVED_PLANES asks for them; a layer the planes cannot hold, or not asked, keeps 08c's split
-    stage. Either way the fused MoE's output"""
+def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
+    """The served MoE turns a layer's routed gate and up codes into planes once (SERVED_PLANES, weights the planes can
+    hold) and keeps no codes for them; every path then reads the planes: the GEMVs, the fused MoE's stage and the
+    PyTorch loop, each giving the layer of codes' output (the GEMVs to one FP8 step of a hidden value)"""
     from types import SimpleNamespace
     from dsv41_nb.moe import MoEWeights
     from dsv41_nb.fused_moe import moe_forward
     from dsv41_nb.moe_split import expert_gate_up_split
-    from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
+    from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, moe_gemv_forward
+    from dsv41_nb.moe_planes import PlaneWeight
+    from dsv41_nb.dispatch import use_kernels
     from dsv41_nb import paged
     from dsv41_nb.paged import served_moe, served_moe_caches
     dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -271,35 +273,37 @@ def test_served_moe_makes_the_planes_once(monkeypatch):
     for dim, asked, planes in ((256, True, True), (64, True, False), (256, False, False)):
         monkeypatch.setattr(paged, 'SERVED_PLANES', asked)
         cfg = replace(ModelConfig.tiny(), dim=dim, moe_inter_dim=64, n_routed_experts=8, n_activated_experts=2)
-        l = SimpleNamespace(moe=MoEWeights.random(cfg, 0, dev))
-        y = torch.randn(GEMV_MAX_TOKENS + 3, dim, generator=torch.Generator().manual_seed(dim)).to(dev, torch.bfloat16)
+        codes = MoEWeights.random(cfg, 0, dev)
+        l = SimpleNamespace(moe=codes)
+        g = torch.Generator().manual_seed(dim)
+        y = torch.randn(GEMV_MAX_TOKENS + 3, dim, generator=g).to(dev, torch.bfloat16)
         got = served_moe(l, y, cfg)
-        assert (l._gate_up is not expert_gate_up_split) == planes
-        stage = l._gate_up
-        assert torch.equal(served_moe(l, y, cfg), got) and l._gate_up is stage        # made once
-        want = moe_forward(y, l._moe32, cfg, gate_up=expert_gate_up_split)
-        assert torch.equal(got, want)
+        assert isinstance(l.moe.w1, PlaneWeight) == isinstance(l.moe.w3, PlaneWeight) == planes
+        assert (l._gate_up is not expert_gate_up_split) == planes and l.moe.w2 is codes.w2
+        stage, held = l._gate_up, l.moe
+        assert torch.equal(served_moe(l, y, cfg), got) and l._gate_up is stage and l.moe is held   # made once
+        c32 = replace(codes, gate=codes.gate.float())
+        assert torch.equal(got, moe_forward(y, c32, cfg, gate_up=expert_gate_up_split))
+        small = y[:2]                                        # the GEMVs' tokens: planes read by the GEMVs
+        gemv = moe_gemv_forward(small, c32, cfg).float()
+        assert (served_moe(l, small, cfg).float() - gemv).abs().max() <= 0.05 * gemv.abs().max()
+        with use_kernels('torch'):                           # the reference loop on the planes' values
+            assert torch.equal(served_moe(l, y, cfg), served_moe(SimpleNamespace(moe=codes), y, cfg))
     with pytest.raises(TypeError, match='served_moe_caches: expected a layer holding MoEWeights'):
         served_moe_caches(SimpleNamespace(moe=None))
-    with pytest.raises(ValueError, match='reserve'):
-        served_moe_caches(SimpleNamespace(moe=l.moe), reserve=-1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='a GPU')
-def test_a_gpu_layer_makes_its_moe_caches_when_built(monkeypatch):
-    """On a GPU the planes exist before any step, so an engine sizing its KV pool afterwards counts them; a layer that
-    would leave less than PLANES_FREE_SHARE of the GPU free keeps 08c's stage"""
+def test_a_gpu_layer_holds_planes_when_built(monkeypatch):
+    """On a GPU a layer's planes exist before any step, in place of its codes: the model holds the same bytes of
+    weights either way (SERVED_PLANES off: codes and 08c's stage)"""
     from dsv41_nb import paged
     from dsv41_nb.moe_split import expert_gate_up_split
+    from dsv41_nb.moe_planes import PlaneWeight
     cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=64)
-    assert all(l._gate_up is expert_gate_up_split for l in PagedModel.init_random(cfg, device='cuda').layers)
-    monkeypatch.setattr(paged, 'SERVED_PLANES', True)
     m = PagedModel.init_random(cfg, device='cuda')
-    assert all(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split for l in m.layers)
-    monkeypatch.setattr(paged, 'PLANES_FREE_SHARE', 1.0)
-    m = PagedModel.init_random(cfg, device='cuda')
-    assert all(l._gate_up is expert_gate_up_split for l in m.layers)
-    monkeypatch.setattr(paged, 'PLANES_FREE_SHARE', 0.0)      # a KV pool bigger than the GPU: no room
-    kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, num_gpu_blocks_override=10**9))
-    m = PagedModel.init_random(cfg, device='cuda', kv_cache_config=kc)
-    assert all(l._gate_up is expert_gate_up_split for l in m.layers)
+    assert all(isinstance(l.moe.w1, PlaneWeight) and l._gate_up is not expert_gate_up_split for l in m.layers)
+    monkeypatch.setattr(paged, 'SERVED_PLANES', False)
+    m2 = PagedModel.init_random(cfg, device='cuda')
+    assert all(not isinstance(l.moe.w1, PlaneWeight) and l._gate_up is expert_gate_up_split for l in m2.layers)
+    assert m.weight_bytes() == m2.weight_bytes()

@@ -6,7 +6,7 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--planes]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -50,7 +50,7 @@ from dsv41_nb.engine import LLM
 from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb import paged
 from dsv41_nb.paged import PagedModel
-from dsv41_nb.moe_split import expert_gate_up_split
+from dsv41_nb.moe_planes import PlaneWeight
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.engine import kv_pool_blocks
 from dsv41_nb.paged_step import PagedStepModel
@@ -61,8 +61,7 @@ from dsv41_nb.checkpoint import load_model
 def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     """An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout. On a GPU the KV pool
     holds the blocks the requests can need (`kv_pool_blocks` at 0.9 of the GPU, sized here since the engine sees only
-    a meta model), not the fixed default budget, so that the weights (and the routed experts' planes, made as each
-    layer is built) have the rest"""
+    a meta model), not the fixed default budget, so that the weights have the rest"""
     if torch.device(device).type == 'cuda' and 'num_gpu_blocks' not in engine_args:
         mml = engine_args.get('max_model_len') or CacheConfig.for_model(cfg).max_model_len
         kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, max_model_len=mml))
@@ -71,11 +70,10 @@ def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     built = {}
     def build(kc):
         m = PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc)
-        built['planes'] = sum(getattr(l, '_gate_up', expert_gate_up_split) is not expert_gate_up_split
-                              for l in m.layers)
+        built['planes'] = sum(isinstance(l.moe.w1, PlaneWeight) for l in m.layers)
         return PagedStepModel(m)
     llm = LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
-    llm.planes_layers = built.get('planes')    # layers whose routed gate/up runs version 3 (08f)
+    llm.planes_layers = built.get('planes')    # layers holding the routed gate/up in planes (08f)
     return llm
 
 
@@ -325,11 +323,11 @@ def main():
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
                     help='what to measure; with --json, the sections not run keep what the file already holds')
     ap.add_argument('--json', help='write the results to this file')
-    ap.add_argument('--planes', action='store_true',
-                    help="layers make the routed experts' planes (08f) while the GPU has room for them")
+    ap.add_argument('--codes', action='store_true',
+                    help="layers keep the routed experts' codes (version 2 gate/up), not planes (08f), to compare")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
-    paged.SERVED_PLANES = args.planes
+    paged.SERVED_PLANES = not args.codes
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
         (args.config, args.naive_config, args.concurrency, args.prompt_len,
