@@ -861,11 +861,13 @@ def _time_steps(model, N, m, steps, prompt_len, device, **llm_kwargs) -> float:
     for r in range(N):
         eng.add_request(f'p{r}', torch.randint(1, 256, (prompt_len,), generator=g).tolist(), sp)
     s = eng.scheduler
-    for _ in range(N + 1):                             # prefill: until all N decode at once
-        if not (s.waiting or any(r.num_computed_tokens < r.prefill_len for r in s.running)): break
+    prefilling = lambda: s.waiting or any(r.num_computed_tokens < r.prefill_len for r in s.running)
+    for _ in range(N * prompt_len):                    # prefill (chunked or not): a token a step at least
+        if not prefilling(): break
         eng.step()
-    else: raise RuntimeError(f"profile_step_costs: {N} requests of {prompt_len} tokens do not "
-                             f"all run at once in this engine's KV pool")
+    if prefilling() or len(s.running) < N:
+        raise RuntimeError(f"profile_step_costs: {N} requests of {prompt_len} tokens do not "
+                           f"all run at once in this engine's KV pool")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == 'cuda' else (lambda: None)
     for _ in range(steps): eng.step()
     sync(); t0 = time.perf_counter()

@@ -443,5 +443,8 @@ def test_profile_times_decode_steps_of_every_request(monkeypatch):
         point = seen[k * per_point:(k + 1) * per_point]
         assert point[0][0] == 3 and any(p[2] for p in point)          # chunked prefill happened
         assert point[-4:] == [(0, 3, 0)] * 4                          # warm-up and timed: decode of all 3
+    seen.clear()                                   # one request, its prompt over three steps
+    profile_step_costs(model, (1,), 1, steps=1, prompt_len=6, kernels='torch', max_num_batched_tokens=2)
+    assert seen[:4] == [(1, 0, 0), (0, 1, 1), (0, 1, 1), (0, 1, 0)]
     with pytest.raises(RuntimeError, match='3 requests of 6 tokens do not all run at once'):
         profile_step_costs(model, (3,), 1, steps=1, prompt_len=6, kernels='torch', num_gpu_blocks=10)
