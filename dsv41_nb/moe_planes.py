@@ -23,9 +23,9 @@ from .formats import _pow2
 from .fused_moe import _mxfp4_pair
 
 # %% auto #0
-__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANE_READ', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
-           'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes', 'fits_planes',
-           'served_gate_up']
+__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANE_READ', 'PLANE_READ_ONCE', 'PlaneWeight', 'mxfp4_planes', 'planes_weight',
+           'planes_values', 'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes',
+           'fits_planes', 'served_gate_up']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -340,17 +340,65 @@ PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
 def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         W: MoEWeights, # the layer, its routed gate and up weights in planes
                         swiglu_limit: float, split: int | None = None,
-                        check_ids: bool = True) -> torch.Tensor:
+                        check_ids: bool = True,
+                        read: dict | None = None) -> torch.Tensor: # the kernel's reading (PLANE_READ)
     ("`gemv_gate_up` (same arguments and rows) on a layer whose routed experts' gate and up "
      "weights are in planes (`planes_moe`)")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     for name in ('w1', 'w3'): _check_planes(name, getattr(W, name), x)
+    if read is not None and set(read) != {'X_PAIR', 'FP4_SUMS'}:
+        raise ValueError(f"read: expected {{'X_PAIR': .., 'FP4_SUMS': ..}}, got {sorted(read)}")
     if W.w3.shape != W.w1.shape:
         raise ValueError(f"w3: expected planes of shape {W.w1.shape}, got {W.w3.shape}")
     rows = [_PlaneRows(w.words, w.scale_words.view(torch.uint8), w.shape) for w in (W.w1, W.w3)]
     return gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=check_ids,
-                        routed=(*rows, PLANE_READ))
+                        routed=(*rows, read or PLANE_READ))
+
+# %% ../nbs/08f_moe_planes.ipynb #71026b51
+@triton.jit
+def _x_plane_quads(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
+    ("`_x_plane_halves`'s halves as (G/4, 16, 2, 2): group 4s + 2p + q of the K step at "
+     "[s, :, q, p], so that `tl.split` gives each of a step's four groups")
+    s = tl.arange(0, G // 4)[:, None, None, None] * 128
+    j = tl.arange(0, 16)[None, :, None, None]
+    i = 2 * tl.arange(0, 2)[None, None, None, :] + tl.arange(0, 2)[None, None, :, None]
+    a = tl.load(x_row + k0 + s + 32 * i + j).to(tl.float32)
+    b = tl.load(x_row + k0 + s + 32 * i + 16 + j).to(tl.float32)
+    if QUANT: a, b = _fp8_halves(a, b, HW_CVT)     # a group's amax over axis 1, as for (G, 16)
+    return a, b
+
+# %% ../nbs/08f_moe_planes.ipynb #87e2224c
+@triton.jit
+def _quad_sum(words, a, b, s_ptr, s_row, k0, i: tl.constexpr, G: tl.constexpr):
+    "(BN, G/4): group 4s + i of each K step: planes 2i, 2i + 1 of the words, against a, b (G/4, 16)"
+    byte = ((words >> (4 * (3 - i))) & 0xF) | (((words >> (4 * (7 - i))) & 0xF) << 4)
+    lo, hi = _mxfp4_pair(byte, 1.0)                      # E2M1 / 2^14, fp32
+    part = tl.sum(lo * a[None, :, :] + hi * b[None, :, :], axis=2)
+    g = k0 // 32 + 4 * tl.arange(0, G // 4) + i
+    return part * _pow2(tl.load(s_ptr + s_row[:, None] + g[None, :]).to(tl.int32) + 14)
+
+# %% ../nbs/08f_moe_planes.ipynb #04edcb12
+@triton.jit
+def _plane_sums_once(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr):
+    "(BN, G): `_plane_sums` with each word loaded once (a, b from `_x_plane_quads`)"
+    s, j = tl.arange(0, G // 4), tl.arange(0, 16)
+    words = tl.load(w_ptr + (w_row // 4)[:, None, None] + (k0 // 8 + s * 16)[None, :, None]
+                    + j[None, None, :], eviction_policy='evict_first')
+    a_lo, a_hi = tl.split(a)                      # p = 0, 1: groups 4s + q and 4s + 2 + q
+    b_lo, b_hi = tl.split(b)
+    a0, a1 = tl.split(a_lo)
+    a2, a3 = tl.split(a_hi)
+    b0, b1 = tl.split(b_lo)
+    b2, b3 = tl.split(b_hi)
+    p0 = _quad_sum(words, a0, b0, s_ptr, s_row, k0, 0, G)
+    p1 = _quad_sum(words, a1, b1, s_ptr, s_row, k0, 1, G)
+    p2 = _quad_sum(words, a2, b2, s_ptr, s_row, k0, 2, G)
+    p3 = _quad_sum(words, a3, b3, s_ptr, s_row, k0, 3, G)
+    return tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), (w_row.shape[0], G))
+
+# %% ../nbs/08f_moe_planes.ipynb #c2dd5c0b
+PLANE_READ_ONCE = dict(X_PAIR=_x_plane_quads, FP4_SUMS=_plane_sums_once)
 
 # %% ../nbs/08f_moe_planes.ipynb #fbaa01e9
 def fits_planes(w) -> bool:

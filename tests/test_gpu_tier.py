@@ -18,7 +18,8 @@ from dsv41_nb.sparse_decode import DECODE_TUNING, check_decode_grid
 from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_fused_moe, _fused_stages,
                                 fused_moe_experts)
-from dsv41_nb.moe_planes import plane_gate_up, gemv_gate_up_planes, planes_moe
+from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
+                                 PLANE_READ_ONCE)
 from dsv41_nb.moe_split import expert_gate_up_split
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
@@ -105,15 +106,17 @@ def test_moe_planes_bench_layer():
         assert torch.equal(fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False, gate_up=stage), y2)
 
 
+@pytest.mark.parametrize('read', ['x4', 'once'])
 @pytest.mark.parametrize('T', range(1, GEMV_MAX_TOKENS + 1))
-def test_gemv_planes_bench_layer(T):
+def test_gemv_planes_bench_layer(T, read):
     "The decode GEMVs reading the bench layer's gate and up weights in planes, compiled, against the reference"
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, T, DEV)
     x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
     x[0, :7] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 448.0, -448.0, 1e4])    # subnormal, zeros, the FP8 edge
     tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
-    h = gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit)
+    h = gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit,
+                            read=dict(x4=PLANE_READ, once=PLANE_READ_ONCE)[read])
     n = T * cfg.n_activated_experts
     al = align_by_expert_torch(ti, cfg.n_routed_experts, 16)
     assert_fp8_close(h[:n], expert_gate_up_torch(fp8_act_quant(x), W.w1, W.w3, al, tw, cfg.swiglu_limit))

@@ -13,7 +13,7 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
                                 fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
                                   expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
-                                  gemv_gate_up_planes, planes_moe)
+                                  gemv_gate_up_planes, planes_moe, PLANE_READ, PLANE_READ_ONCE)
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
 from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS
 from dsv41_nb import moe_planes
@@ -102,6 +102,7 @@ def _bad_cases():
         (lambda: gemv_gate_up_planes(x, tw, ti, W, 10.0), 'w1: expected a PlaneWeight'),
         (lambda: gemv_gate_up_planes(x, tw, ti, W.w1, 10.0), 'W: expected MoEWeights, got QuantWeight'),
         (lambda: planes_moe(W.w1), 'planes_moe: expected MoEWeights, got QuantWeight'),
+        (lambda: gemv_gate_up_planes(x, tw, ti, planes_moe(W), 10.0, read={'X_PAIR': None}), "read: expected"),
         (lambda: planes_moe(W64), 'w1: planes need in-features a multiple of 128, got 64'),
         (lambda: expert_gate_up_planes(xq, p, p, al, tw, 10.0, split=3), 'split = 3; expected an int >= 1 dividing'),
         (lambda: gemv_gate_up_planes(x, tw, ti, replace(planes_moe(W), w3=mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3)),
@@ -110,7 +111,7 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize('case', range(18))
+@pytest.mark.parametrize('case', range(19))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
@@ -174,14 +175,15 @@ def test_served_gate_up_without_planes():
 
 @settings(max_examples=examples(6), deadline=None)
 @given(st.integers(1, GEMV_MAX_TOKENS), st.sampled_from([128, 384, 512]), st.sampled_from([32, 64]),
-       st.integers(0, 2**31))
-def test_gemv_planes(T, D, I, seed):
+       st.integers(0, 2**31), st.sampled_from(['x4', 'once']))
+def test_gemv_planes(T, D, I, seed, read):
     """The decode GEMVs with the routed gate and up weights in planes: the reference's routed rows up to one FP8 step
     (each group of 32 is summed in another order), the shared expert's rows those of the GEMVs on the codes"""
     cfg, W = _layer(4, 2, D, I, seed % 1000)
     x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
-    h = gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit)
+    reading = dict(x4=PLANE_READ, once=PLANE_READ_ONCE)[read]     # each word read four times, or once
+    h = gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit, read=reading)
     al = align_by_expert_torch(ti, 4, 16)
     ref = expert_gate_up_torch(fp8_act_quant(x), W.w1, W.w3, al, tw, cfg.swiglu_limit)
     assert_fp8_close(h[:T * 2], ref)
