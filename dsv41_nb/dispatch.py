@@ -14,8 +14,9 @@ _forced: str | None = None
 
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gpu_cell_note', 'skip_gpu_cells', 'save_figure',
-           'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
+           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'gpu_cell_note',
+           'skip_gpu_cells', 'save_figure', 'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time',
+           'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -119,6 +120,18 @@ def gpu_memory(device) -> tuple:
     "(free, total) bytes of a GPU, counting what this process's allocator holds unused as free"
     free, total = torch.cuda.mem_get_info(device)
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+
+# %% ../nbs/00a_dispatch.ipynb #11de8a8e
+@functools.cache
+def gemm_rows_independent() -> bool:
+    ("Whether this CPU's fp32 and BF16 GEMMs give a row the same bits whatever the row count "
+     "(asked once, on 1 to 8 rows of a 9-row product)")
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        w, x = torch.randn(96, 64, generator=g).to(dt), torch.randn(9, 64, generator=g).to(dt)
+        full = x @ w.T
+        if not all(torch.equal(x[:m] @ w.T, full[:m]) for m in range(1, 9)): return False
+    return True
 
 # %% ../nbs/00a_dispatch.ipynb #4b6f4795
 import os, re

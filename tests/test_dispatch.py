@@ -72,3 +72,15 @@ def test_pdl_launch_is_off_where_there_is_nothing_to_overlap(monkeypatch):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         assert pdl_launch('cuda') == dict(PDL=False)
     else: assert pdl_launch('cuda') == dict(PDL=True, launch_pdl=True)
+
+
+def test_gemm_rows_independent_says_what_this_cpu_does():
+    "The answer is this machine's: on other shapes too, a row's bits from 1 to 5 rows match a 6-row product's or not"
+    from dsv41_nb.dispatch import gemm_rows_independent
+    g = torch.Generator().manual_seed(1)
+    same = True
+    for dt in (torch.float32, torch.bfloat16):
+        w, x = torch.randn(40, 128, generator=g).to(dt), torch.randn(6, 128, generator=g).to(dt)
+        full = x @ w.T
+        same &= all(torch.equal(x[:m] @ w.T, full[:m]) for m in range(1, 6))
+    assert isinstance(gemm_rows_independent(), bool) and gemm_rows_independent() == same
