@@ -853,15 +853,14 @@ WEIGHT_KINDS = ('routed experts (MXFP4)', 'shared experts (FP8)', 'routers',
 @patch
 def weight_bytes(self: PagedModel) -> dict:
     "Bytes of the weights this model holds, by kind (`WEIGHT_KINDS`)"
-    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
-    q = lambda *ws: [x for w in ws for x in ((w.words, w.scale_words) if isinstance(w, PlaneWeight)
-                                            else (w.codes, w.scales))]
+    # tensors, and quantised weights in codes or planes: each knows its bytes
+    nb = lambda ts: sum(t.nbytes for t in ts if t is not None)
     out = dict.fromkeys(WEIGHT_KINDS, 0)
     for l in self.layers:
         m, e = l.moe, l.engram
         hc = ([getattr(h, p) for h in (l.hc_attn, l.hc_ffn) for p in ('fn', 'base', 'scale')]
               + [l.attn_norm, l.ffn_norm])
-        held = (q(m.w1, m.w2, m.w3), q(m.shared_w1, m.shared_w2, m.shared_w3),
+        held = ((m.w1, m.w2, m.w3), (m.shared_w1, m.shared_w2, m.shared_w3),
                 [m.gate, m.bias, m.bias_image], l.attn.parameters(),
                 [e.table.records] if e else [], [e.wkv, e.q_weight, e.k_weight] if e else [], hc)
         for k, ts in zip(WEIGHT_KINDS, held): out[k] += nb(ts)
