@@ -18,10 +18,10 @@ from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_h
                           _check_routing, _check_x, _shape)
 
 # %% auto #0
-__all__ = ['MOE_TILES', 'MOE_TUNING', 'ExpertAlignment', 'align_by_expert_torch', 'align_by_expert', 'fp8_act_quant',
-           'moe_launch_shape', 'expert_gate_up_torch', 'expert_gate_up', 'assert_fp8_close', 'expert_down_torch',
-           'expert_down', 'assert_bf16_close', 'fused_moe_experts', 'moe_forward', 'check_fused_moe',
-           'bf16_matmul_rate', 'benchmark_moe', 'format_moe_benchmark']
+__all__ = ['MOE_TILES', 'MOE_TUNING', 'MOE_DOWN_TUNING', 'ExpertAlignment', 'align_by_expert_torch', 'align_by_expert',
+           'fp8_act_quant', 'moe_launch_shape', 'stage_shape', 'expert_gate_up_torch', 'expert_gate_up',
+           'assert_fp8_close', 'expert_down_torch', 'expert_down', 'assert_bf16_close', 'fused_moe_experts',
+           'moe_forward', 'check_fused_moe', 'bf16_matmul_rate', 'benchmark_moe', 'format_moe_benchmark']
 
 # %% ../nbs/08b_fused_moe.ipynb #5d228fe3
 @dataclass
@@ -436,6 +436,22 @@ def moe_launch_shape(n_assign: int, n_experts: int) -> dict:
     name = ('decode' if rows <= 8 else 'batch' if rows <= 32 else 'mid' if rows <= 64 else 'large')
     return dict(MOE_TUNING[name])
 
+# %% ../nbs/08b_fused_moe.ipynb #c1fb34d4
+# the routed down stage's own values, by regime, where they beat the regime's shape
+MOE_DOWN_TUNING = dict(mid=dict(block_n=128, block_k=64))
+
+# %% ../nbs/08b_fused_moe.ipynb #8b5ff65e
+def stage_shape(shape: dict, # a launch shape
+                overrides: dict, # regime name -> a stage's own values (`MOE_DOWN_TUNING`)
+               ) -> dict:
+    "`shape` with `overrides[name]` where `shape` is `MOE_TUNING[name]`; any other shape as given"
+    if not isinstance(overrides, dict) or not set(overrides) <= set(MOE_TUNING):
+        raise ValueError(f"overrides: expected a dict keyed by regimes {tuple(MOE_TUNING)}, "
+                         f"got {overrides!r}")
+    for name, own in overrides.items():
+        if shape == MOE_TUNING[name]: return {**shape, **own}
+    return shape
+
 # %% ../nbs/08b_fused_moe.ipynb #64ef8eea
 def _check_shape(shape):
     "A launch shape: `MOE_TUNING`'s keys, known weight tiles, a bool `prefetch`"
@@ -612,7 +628,9 @@ def expert_down(
         return expert_down_torch(h, w2, align, routed)
     (E, N, K), ident = w2.shape, align.sorted_ids is None
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
-    meta, grid = _launch(align, N, K, shape or moe_launch_shape(align.n_assign, E), h.device)
+    shape = shape or moe_launch_shape(align.n_assign, E)
+    if not ident: shape = stage_shape(shape, MOE_DOWN_TUNING)     # the routed experts' own
+    meta, grid = _launch(align, N, K, shape, h.device)
     # (unused for the identity)
     rows = (out, out) if ident else (align.sorted_ids, align.block_expert)
     k_routed = 1 if routed is None else routed.shape[0] // align.n_assign

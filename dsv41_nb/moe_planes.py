@@ -14,7 +14,7 @@ from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .config import check_int
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,
-                                _launch, moe_launch_shape, expert_gate_up,
+                                _launch, moe_launch_shape, stage_shape, expert_gate_up,
                                 expert_gate_up_torch)
 from .moe_split import (expert_gate_up_split, _default_split, _check_split,
                                 _swiglu_finish_kernel)
@@ -23,9 +23,9 @@ from .formats import _pow2
 from .fused_moe import _mxfp4_pair
 
 # %% auto #0
-__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANE_READ', 'PLANE_READ_ONCE', 'PlaneWeight', 'mxfp4_planes', 'planes_weight',
-           'planes_values', 'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes',
-           'fits_planes', 'served_gate_up']
+__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PlaneWeight',
+           'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes', 'plane_gate_up', 'planes_moe',
+           'gemv_gate_up_planes', 'fits_planes', 'served_gate_up']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -212,6 +212,10 @@ def _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape, 
         HW_CVT=not triton_interpreting())
     return h
 
+# %% ../nbs/08f_moe_planes.ipynb #0348f073
+# version 3's own values, by regime, where they beat the regime's shape (timed below)
+PLANES_TUNING = dict(large=dict(block_n=64, num_warps=4))
+
 # %% ../nbs/08f_moe_planes.ipynb #bbf5100b
 def expert_gate_up_planes(
     xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
@@ -238,7 +242,7 @@ def expert_gate_up_planes(
         return expert_gate_up_torch(xq, planes_weight(w1), planes_weight(w3), align, topk_weights,
                                     swiglu_limit)
     (E, N, K) = w1.shape
-    shape = shape or moe_launch_shape(align.n_assign, E)
+    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), PLANES_TUNING)
     if split is None: split = _default_split(align, N, K, {**shape, 'block_k': 128},
                                              sm_count(xq.device, default=16))
     if split > 1: return _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit,
@@ -267,7 +271,8 @@ def plane_gate_up(W: MoEWeights,
             return (shared or expert_gate_up)(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
         if w1 is not W.w1 or w3 is not W.w3:
             raise ValueError("plane_gate_up: these planes were made for another layer's weights")
-        shape, s = shape or moe_launch_shape(align.n_assign, w1.shape[0]), split
+        shape = stage_shape(shape or moe_launch_shape(align.n_assign, w1.shape[0]), PLANES_TUNING)
+        s = split
         if s is None and sms is not None:
             s = _default_split(align, w1.shape[1], w1.shape[2], {**shape, 'block_k': 128}, sms)
         return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape, s)
@@ -336,12 +341,13 @@ class _PlaneRows:
     shape: tuple
 
 PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
+GEMV_PLANE_READ = PLANE_READ     # the reading `gemv_gate_up_planes` takes by default
 
 def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         W: MoEWeights, # the layer, its routed gate and up weights in planes
                         swiglu_limit: float, split: int | None = None,
                         check_ids: bool = True,
-                        read: dict | None = None) -> torch.Tensor: # the kernel's reading (PLANE_READ)
+                        read: dict | None = None) -> torch.Tensor: # the kernel's reading (GEMV_PLANE_READ)
     ("`gemv_gate_up` (same arguments and rows) on a layer whose routed experts' gate and up "
      "weights are in planes (`planes_moe`)")
     if not isinstance(W, MoEWeights):
@@ -353,7 +359,7 @@ def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         raise ValueError(f"w3: expected planes of shape {W.w1.shape}, got {W.w3.shape}")
     rows = [_PlaneRows(w.words, w.scale_words.view(torch.uint8), w.shape) for w in (W.w1, W.w3)]
     return gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=check_ids,
-                        routed=(*rows, read or PLANE_READ))
+                        routed=(*rows, read or GEMV_PLANE_READ))
 
 # %% ../nbs/08f_moe_planes.ipynb #71026b51
 @triton.jit
@@ -399,6 +405,9 @@ def _plane_sums_once(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr):
 
 # %% ../nbs/08f_moe_planes.ipynb #c2dd5c0b
 PLANE_READ_ONCE = dict(X_PAIR=_x_plane_quads, FP4_SUMS=_plane_sums_once)
+
+# %% ../nbs/08f_moe_planes.ipynb #9e2b4986
+GEMV_PLANE_READ = PLANE_READ_ONCE
 
 # %% ../nbs/08f_moe_planes.ipynb #fbaa01e9
 def fits_planes(w) -> bool:

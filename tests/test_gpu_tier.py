@@ -95,15 +95,18 @@ def test_moe_planes_every_tuning_entry(entry):
 
 
 def test_moe_planes_bench_layer():
-    "Version 3 on the bench layer's geometry (64 experts, dim 5120, inter 2304) at a decode and a serving batch"
+    """Version 3 on the bench layer's geometry (64 experts, dim 5120, inter 2304) at a decode batch, a serving batch,
+    the `mid` regime (the down stage's own shape, MOE_DOWN_TUNING) and the `large` one (version 3's, PLANES_TUNING),
+    where the column blocks are not halved as on a small layer"""
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, 0, DEV)
     stage = plane_gate_up(W)
-    for T in (1, 128):
+    for T in (1, 128, 512, 2048):
         x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
         y2 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False)
         assert torch.equal(fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False, gate_up=stage), y2)
+        if T == 512: check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
 
 
 @pytest.mark.parametrize('read', ['x4', 'once'])

@@ -14,7 +14,8 @@ from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_expert
 from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, benchmark_moe, ExpertAlignment,
                                 align_by_expert, align_by_expert_torch, fp8_act_quant,
                                 fused_moe_experts, moe_forward,
-                                check_fused_moe, expert_gate_up, expert_down)
+                                check_fused_moe, expert_gate_up, expert_down, MOE_TUNING,
+                                MOE_DOWN_TUNING, stage_shape)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
@@ -221,6 +222,7 @@ def test_bad_inputs():
         (lambda: expert_down(torch.zeros(8, 64), W.w2, al, routed=torch.zeros(8, 64)),
          "routed: expected (tokens * k, 64) outputs and the shared expert's identity alignment"),
         (lambda: W.check(replace(TINY, n_routed_experts=16)), 'gate: expected shape (16, 64)'),
+        (lambda: stage_shape(moe_launch_shape(8, 8), {'huge': {}}), 'overrides: expected a dict keyed by regimes'),
         (lambda: replace(W, bias_image=torch.zeros(3)).check(TINY),
          'bias_image: expected a float tensor of shape (8,)'),
     ]
@@ -228,3 +230,30 @@ def test_bad_inputs():
         try: call()
         except Exception as e: assert words in str(e), f"expected {words!r} in {str(e)!r}"
         else: raise AssertionError(f"no error; expected {words!r}")
+
+
+def test_down_stage_takes_its_own_mid_shape(monkeypatch):
+    """The routed experts' down stage launches the `mid` regime with MOE_DOWN_TUNING's values; the shared expert's
+    down stage, a shape the caller chose and the other regimes as given"""
+    from dsv41_nb import fused_moe
+    mid = moe_launch_shape(512 * 6, 64)
+    assert stage_shape(mid, MOE_DOWN_TUNING) == {**mid, **MOE_DOWN_TUNING['mid']} != mid
+    for other in (moe_launch_shape(6, 64), dict(mid, num_stages=4)):
+        assert stage_shape(other, MOE_DOWN_TUNING) == other
+    W = MoEWeights.random(TINY)
+    T = 200                                                     # 50 rows an expert: the mid regime
+    x = torch.randn(T, TINY.dim)
+    tw, ti = route(x, W.gate, W.bias, 2, 1.5)
+    shape = moe_launch_shape(T * 2, 8)
+    assert shape == MOE_TUNING['mid']
+    seen = []
+    def spy(align, N, K, shape, device):
+        seen.append((align.sorted_ids is None, shape)); raise RuntimeError('stop')
+    monkeypatch.setattr(fused_moe, '_launch', spy)
+    h = torch.zeros(T * 2, TINY.moe_inter_dim, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match='stop'):
+        fused_moe.expert_down(h, W.w2, align_by_expert(ti, 8, shape['block_m']), shape=shape)
+    with pytest.raises(RuntimeError, match='stop'):
+        fused_moe.expert_down(h[:T], W.shared_w2, ExpertAlignment.identity(T, shape['block_m']),
+                              torch.zeros(T * 2, TINY.dim, dtype=torch.bfloat16), shape)
+    assert seen == [(False, {**shape, **MOE_DOWN_TUNING['mid']}), (True, shape)]

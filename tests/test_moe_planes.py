@@ -188,3 +188,40 @@ def test_gemv_planes(T, D, I, seed, read):
     ref = expert_gate_up_torch(fp8_act_quant(x), W.w1, W.w3, al, tw, cfg.swiglu_limit)
     assert_fp8_close(h[:T * 2], ref)
     assert torch.equal(h[T * 2:], gemv_gate_up(x, tw, ti, W, cfg.swiglu_limit)[T * 2:])
+
+
+def test_gemv_reads_each_word_once_by_default(monkeypatch):
+    "gemv_gate_up_planes hands the GEMV the reading that loads each word once unless told otherwise"
+    cfg, W = _layer(4, 2, 128, 32, 0)
+    x = torch.randn(2, 128).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    seen = []
+    def spy(*args, routed=None, **kw):
+        seen.append(routed[2]); raise RuntimeError('stop')
+    monkeypatch.setattr(moe_planes, 'gemv_gate_up', spy)
+    for read in (None, PLANE_READ):
+        with pytest.raises(RuntimeError, match='stop'):
+            gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit, read=read)
+    assert seen[0] is PLANE_READ_ONCE and seen[1] is PLANE_READ
+
+
+def test_planes_take_their_own_large_shape(monkeypatch):
+    """Version 3 launches the `large` regime with PLANES_TUNING's values, both called directly and as the
+    engine's stage; a shape the caller chose, and the other regimes, as given"""
+    cfg, W = _layer(4, 2, 128, 64, 0)
+    P = planes_moe(W)
+    shapes = []
+    def spy(align, N, K, shape, device):
+        shapes.append(shape); raise RuntimeError('stop')
+    monkeypatch.setattr(moe_planes, '_launch', spy)
+    T = 160                                                     # 80 rows an expert: the large regime
+    x = torch.randn(T, 128).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    large, mine = moe_launch_shape(T * 2, 4), dict(moe_launch_shape(T * 2, 4), num_stages=2)
+    al = align_by_expert(ti, 4, large['block_m'])
+    for call in (lambda: expert_gate_up_planes(fp8_act_quant(x), P.w1, P.w3, al, tw, 10.0, large),
+                 lambda: plane_gate_up(P)(fp8_act_quant(x), P.w1, P.w3, al, tw, 10.0, large),
+                 lambda: expert_gate_up_planes(fp8_act_quant(x), P.w1, P.w3, al, tw, 10.0, mine)):
+        with pytest.raises(RuntimeError, match='stop'): call()
+    assert shapes[0] == shapes[1] == {**large, **moe_planes.PLANES_TUNING['large']} != large
+    assert shapes[2] == mine
