@@ -89,3 +89,14 @@ def test_sass_loop():
     body = km.sass_loop(SASS.replace('`(.L_x_0)', '0x20'))
     assert km.sass_opcodes(body) == {'PRMT': 2, 'HMUL2': 1, 'BRA': 1}
     with pytest.raises(ValueError, match='the SASS has no loop'): km.sass_loop(SASS)
+
+
+def test_profile_names_every_kernel_of_the_package():
+    """tools/profile_engine.py puts each Triton kernel of the package in its module's component: the MoE's version 3
+    (08f) among the MoE's, none of them among PyTorch's own kernels"""
+    spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
+    pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
+    names = pe.triton_kernels()
+    assert names['_gate_up_planes_kernel'] == names['_down_kernel'] == names['_moe_gemv_kernel'] == 'MoE'
+    assert pe.component('_gate_up_planes_kernel', names) == 'MoE'
+    assert 'PyTorch ops' not in names.values()

@@ -37,19 +37,25 @@ from dsv41_nb.__main__ import random_prompts
 
 COMPONENTS = {'sparse_decode': 'sparse decode', 'csa2': 'window attention', 'indexer': 'indexer',
               'compressor': 'compressor', 'moe_gemv': 'MoE', 'fused_moe': 'MoE', 'moe_split': 'MoE',
+              'moe_planes': 'MoE',
               'router': 'MoE router', 'fp8_linear': 'FP8 linear', 'mhc': 'mHC', 'engram': 'Engram',
               'rope_norm': 'RoPE / norm', 'formats': 'quantise', 'sampler': 'sampler'}
 
 
 def triton_kernels() -> dict:
-    "Triton kernel name -> the component of the module that defines it"
-    out = {}
-    for name, comp in COMPONENTS.items():
-        try: mod = importlib.import_module(f'dsv41_nb.{name}')
+    "Triton kernel name -> the component of the package module that defines it (its own name if COMPONENTS has none)"
+    import pkgutil, dsv41_nb
+    from triton.runtime.interpreter import InterpretedFunction      # what @triton.jit makes under TRITON_INTERPRET
+    kinds, out = (triton.runtime.JITFunction, InterpretedFunction), {}
+    for info in pkgutil.iter_modules(dsv41_nb.__path__):
+        if info.name.startswith('_'): continue
+        try: mod = importlib.import_module(f'dsv41_nb.{info.name}')
         except ImportError: continue
         for v in vars(mod).values():
-            while not isinstance(v, triton.runtime.JITFunction) and hasattr(v, 'fn'): v = v.fn   # autotuners wrap one
-            if isinstance(v, triton.runtime.JITFunction): out[v.fn.__name__] = comp
+            while not isinstance(v, kinds) and hasattr(v, 'fn'): v = v.fn   # autotuners wrap one
+            if isinstance(v, kinds):
+                home = v.fn.__module__.rsplit('.', 1)[-1]
+                out[v.fn.__name__] = COMPONENTS.get(home, home)
     return out
 
 
