@@ -678,6 +678,9 @@ def fused_moe_experts(
     shape: dict | None = None, # launch shape (default `moe_launch_shape`)
     check_ids: bool = True, # range-check the expert ids (reads them: a device synchronisation)
     gate_up=None, # the gate/up stage: `expert_gate_up` (default) or one called like it
+    # the shared expert's two stages in one call, shared(xq, routed, swiglu_limit) -> (hs, y)
+    # (default: the shared expert through `gate_up` and `expert_down`)
+    shared=None,
 ) -> torch.Tensor:
     ("The MoE layer given its routing, (tokens, dim) BF16: Triton kernels (GPU, interpreter), "
      "else the reference loop")
@@ -686,11 +689,12 @@ def fused_moe_experts(
     if x.shape[0] == 0: return torch.empty(0, W.dim, dtype=torch.bfloat16, device=x.device)
     if kernel_backend(x, topk_ids, W.w2.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
-    return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up)['y']
+    return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up,
+                         shared)['y']
 
 # %% ../nbs/08b_fused_moe.ipynb #1c2e92d9
 def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
-                  shape: dict | None = None, gate_up=None) -> dict:
+                  shape: dict | None = None, gate_up=None, shared=None) -> dict:
     "The six launches; every intermediate, by name"
     T, k, expert_gate_up_ = *topk_ids.shape, gate_up or expert_gate_up
     shape = shape or moe_launch_shape(T * k, W.n_experts)
@@ -699,6 +703,9 @@ def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
     # (T*k, inter)
     s['h'] = expert_gate_up_(s['xq'], W.w1, W.w3, s['align'], topk_weights, swiglu_limit, shape)
     s['routed'] = expert_down(s['h'], W.w2, s['align'], shape=shape)   # (T*k, dim)
+    if shared is not None:                  # (T, inter), (T, dim) in one call
+        s['hs'], s['y'] = shared(s['xq'], s['routed'], swiglu_limit)
+        return s
     # (T, inter)
     s['hs'] = expert_gate_up_(s['xq'], W.shared_w1, W.shared_w3, s['shared'], None,
                               swiglu_limit, shape)
@@ -707,11 +714,12 @@ def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
 
 # %% ../nbs/08b_fused_moe.ipynb #20fe46ac
 def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None,
-                router=None) -> torch.Tensor:
+                router=None, shared=None) -> torch.Tensor:
     ("The MoE layer: route, then the fused experts; (tokens, dim) BF16 "
-     "(arguments as `route_layer`; `gate_up` as `fused_moe_experts`)")
+     "(arguments as `route_layer`; `gate_up`, `shared` as `fused_moe_experts`)")
     return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
-                             cfg.swiglu_limit, check_ids=False, gate_up=gate_up)
+                             cfg.swiglu_limit, check_ids=False, gate_up=gate_up,
+                             shared=shared)
 
 # %% ../nbs/08b_fused_moe.ipynb #303f5ac7
 def check_fused_moe(

@@ -9,13 +9,15 @@ import torch
 import triton
 import triton.language as tl
 from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
-from .moe import QuantWeight
+from .moe import QuantWeight, MoEWeights, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu,
                                 _fp8_quant_tile, _check_stage, _check_shape, moe_launch_shape,
-                                expert_gate_up, _gemm_pair)
+                                expert_gate_up, _gemm_pair, _round_bf16, expert_gate_up_torch,
+                                expert_down_torch)
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['SPLIT_MAX', 'SPLIT_PROGRAMS', 'split_count', 'expert_gate_up_split']
+__all__ = ['SPLIT_MAX', 'SPLIT_PROGRAMS', 'split_count', 'expert_gate_up_split', 'DenseShared']
 
 # %% ../nbs/08c_moe_split.ipynb #b908de6a
 @triton.jit
@@ -140,3 +142,76 @@ def expert_gate_up_split(xq: torch.Tensor, w1: QuantWeight, w3: QuantWeight, ali
                                 N=N, SPLIT=split, FB=fb, HAS_WEIGHT=topk_weights is not None,
                                 CLAMP=swiglu_limit > 0, HW_CVT=not triton_interpreting())
     return h
+
+# %% ../nbs/08c_moe_split.ipynb #db483fd0
+@triton.jit
+def _shared_combine_kernel(
+    routed_ptr,     # (tokens * TOPK, N) BF16 routed expert outputs, slot order
+    acc_ptr,        # (tokens, N) fp32 the shared expert's down sums
+    y_ptr,          # (tokens, N) BF16 out: the layer output
+    N: tl.constexpr, TOPK: tl.constexpr, FB: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * FB + tl.arange(0, FB)
+    m = n < N
+    total = tl.zeros((FB,), tl.float32)
+    for j in tl.static_range(TOPK):             # as `_down_kernel`'s combine: slot order, then shared
+        row = (t * TOPK + j).to(tl.int64) * N
+        total += tl.load(routed_ptr + row + n, mask=m, other=0.0).to(tl.float32)
+    own = _round_bf16(tl.load(acc_ptr + t.to(tl.int64) * N + n, mask=m, other=0.0), HW_CVT)
+    y = _round_bf16(total + own, HW_CVT)
+    tl.store(y_ptr + t.to(tl.int64) * N + n, y.to(y_ptr.dtype.element_ty), mask=m)
+
+# %% ../nbs/08c_moe_split.ipynb #2b8f4390
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    "a (M, K) @ b (N, K)ᵀ in fp32 from BF16 operands: cuBLAS on a GPU, the same exact products on a CPU"
+    if a.is_cuda: return torch.mm(a, b.t(), out_dtype=torch.float32)
+    return a.float() @ b.float().t()
+
+# %% ../nbs/08c_moe_split.ipynb #54afd47a
+class DenseShared:
+    "A layer's shared expert in BF16 values, made once: the `shared` stage of `fused_moe_experts`"
+    def __init__(self, W: MoEWeights):
+        if not isinstance(W, MoEWeights):
+            raise TypeError(f"DenseShared: expected MoEWeights, got {type(W).__name__}")
+        self.W = W
+        # (2·inter, dim): gate rows, then up rows; (dim, inter)
+        self.w13 = torch.cat([W.shared_w1.dequantize(0), W.shared_w3.dequantize(0)]).bfloat16()
+        self.w2 = W.shared_w2.dequantize(0).bfloat16()
+
+    def __repr__(self):
+        return f"DenseShared(dim {self.w2.shape[0]}, inter {self.w2.shape[1]}, {self.w13.device})"
+
+# %% ../nbs/08c_moe_split.ipynb #f6fda56c
+@patch
+def __call__(self: DenseShared,
+             xq: torch.Tensor,     # (tokens, dim) BF16 FP8-rounded activations (`fp8_act_quant`)
+             routed: torch.Tensor, # (tokens * k, dim) BF16 routed expert outputs, slot order
+             swiglu_limit: float,
+            ) -> tuple[torch.Tensor, torch.Tensor]: # (tokens, inter) hs, (tokens, dim) BF16 y
+    "The shared expert's two stages and the combine: cuBLAS GEMMs, the SwiGLU and the sum in Triton"
+    D, I = self.w2.shape
+    if (not isinstance(xq, torch.Tensor) or xq.dtype != torch.bfloat16 or xq.ndim != 2
+            or xq.shape[1] != D or xq.device != self.w2.device):
+        raise ValueError(f"xq: expected BF16 (tokens, {D}) on {self.w2.device}, "
+                         f"got {getattr(xq, 'dtype', type(xq).__name__)} {_shape(xq)}")
+    T = xq.shape[0]
+    if (not isinstance(routed, torch.Tensor) or routed.dtype != torch.bfloat16 or routed.ndim != 2
+            or routed.shape[1] != D or T == 0 or routed.shape[0] % T):
+        raise ValueError(f"routed: expected BF16 (tokens * k, {D}) for {T} tokens, "
+                         f"got {getattr(routed, 'dtype', type(routed).__name__)} {_shape(routed)}")
+    if kernel_backend(xq, routed) == 'torch':
+        ident = ExpertAlignment.identity(T, 16)
+        hs = expert_gate_up_torch(xq, self.W.shared_w1, self.W.shared_w3, ident, None, swiglu_limit)
+        return hs, expert_down_torch(hs, self.W.shared_w2, ident, routed)
+    part, hw = _mm_f32(xq, self.w13), not triton_interpreting()    # (T, 2·inter): one slice
+    hs = torch.empty(T, I, dtype=torch.bfloat16, device=xq.device)
+    fb = min(256, triton.next_power_of_2(I))
+    _swiglu_finish_kernel[(T, triton.cdiv(I, fb))](part, hs, hs, T, 0, float(swiglu_limit), N=I,
+                                                   SPLIT=1, FB=fb, HAS_WEIGHT=False,
+                                                   CLAMP=swiglu_limit > 0, HW_CVT=hw)
+    acc, y = _mm_f32(hs, self.w2), torch.empty(T, D, dtype=torch.bfloat16, device=xq.device)
+    fb = min(256, triton.next_power_of_2(D))
+    _shared_combine_kernel[(T, triton.cdiv(D, fb))](routed.contiguous(), acc, y, N=D,
+                                                    TOPK=routed.shape[0] // T, FB=fb, HW_CVT=hw)
+    return hs, y

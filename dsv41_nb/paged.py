@@ -27,7 +27,7 @@ from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
 from .rope_norm import rope
 from .moe_planes import (served_gate_up, planes_moe, fits_planes, PlaneWeight,
                                   gemv_gate_up_planes)
-from .moe_split import expert_gate_up_split
+from .moe_split import expert_gate_up_split, DenseShared
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
@@ -36,9 +36,9 @@ from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['SERVED_PLANES', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention',
-           'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer',
-           'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
+__all__ = ['SERVED_PLANES', 'SERVED_SHARED_DENSE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step',
+           'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches',
+           'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
            'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
            'context_blocks', 'single_request_steps', 'replay_agreement']
 
@@ -217,11 +217,13 @@ def block_seam(block: Block, sub: str) -> HCWeights:
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
 SERVED_PLANES = True   # served layers hold the routed gate and up weights in planes (08f), not codes
+SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
      "(`planes_moe`, if `SERVED_PLANES` and `fits_planes`), the router's gate widened to fp32 "
-     "(`l._moe32`) and the gate/up stage (`l._gate_up`: `served_gate_up` on planes, else 08c's)")
+     "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, else 08c's) "
+     "and the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
             f"got {type(l).__name__}",
@@ -232,6 +234,7 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
         planes = isinstance(l.moe.w1, PlaneWeight)
         l._gate_up = served_gate_up(l._moe32) if planes else expert_gate_up_split
+        l._shared = DenseShared(l._moe32) if SERVED_SHARED_DENSE else None
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a
@@ -492,7 +495,7 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
                cfg: ModelConfig,
                n_activated: int | None = None) -> torch.Tensor: # top-k (default the config's); (T, dim) BF16
     ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with `served_gate_up` "
-     "(both with the router in two launches); "
+     "and the shared expert on cuBLAS (both with the router in two launches); "
      "on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
@@ -503,7 +506,8 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
             gemv = gemv_gate_up_planes if isinstance(W.w1, PlaneWeight) else None
             return moe_gemv_forward(y, W, cfg, n_activated=n_activated, gate_up=gemv,
                                     router=partial(fused_route, split_k=True))
-        return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route)
+        return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route,
+                           shared=l._shared)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()

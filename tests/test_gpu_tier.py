@@ -20,7 +20,7 @@ from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_f
                                 fused_moe_experts)
 from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
                                  PLANE_READ_ONCE)
-from dsv41_nb.moe_split import expert_gate_up_split
+from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
 from dsv41_nb.moe import quantize_weight
@@ -92,21 +92,26 @@ def test_moe_planes_every_tuning_entry(entry):
     y3 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False, gate_up=plane_gate_up(W))
     assert torch.equal(y3, y2)
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=plane_gate_up(W)))
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,                  # and the shared expert on cuBLAS, as served
+                    stages=partial(_fused_stages, gate_up=plane_gate_up(W), shared=DenseShared(W)))
 
 
 def test_moe_planes_bench_layer():
     """Version 3 on the bench layer's geometry (64 experts, dim 5120, inter 2304) at a decode batch, a serving batch,
     the `mid` regime (the down stage's own shape, MOE_DOWN_TUNING) and the `large` one (version 3's, PLANES_TUNING),
-    where the column blocks are not halved as on a small layer"""
+    where the column blocks are not halved as on a small layer; the shared expert on cuBLAS (DenseShared) within the
+    oracle"""
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, 0, DEV)
-    stage = plane_gate_up(W)
+    stage, shared = plane_gate_up(W), DenseShared(W)
     for T in (1, 128, 512, 2048):
         x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
         y2 = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False)
         assert torch.equal(fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False, gate_up=stage), y2)
-        if T == 512: check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
+        if T in (128, 512):            # the down stage's own shape at 512; the shared expert on cuBLAS
+            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
+            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage, shared=shared))
 
 
 @pytest.mark.parametrize('read', ['x4', 'once'])

@@ -12,7 +12,8 @@ from dsv41_nb.dispatch import kernel_backend
 from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (ExpertAlignment, align_by_expert, fp8_act_quant, expert_gate_up, expert_gate_up_torch,
                                 assert_fp8_close, check_fused_moe, moe_launch_shape, _fused_stages)
-from dsv41_nb.moe_split import expert_gate_up_split, split_count, SPLIT_MAX
+from dsv41_nb.moe_split import expert_gate_up_split, split_count, SPLIT_MAX, DenseShared
+from dsv41_nb import moe_split as ms_mod
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
@@ -81,6 +82,43 @@ def test_bad_inputs_are_named():
                     (dict(shape={'block_m': 16}), 'shape: expected a dict with block_m, block_n, block_k'),
                     (dict(align='rows'), 'align: expected an ExpertAlignment')]:
         fails_with(lambda: call(**kw), contains=msg)
+    ds, r6 = DenseShared(W), torch.zeros(6, WIDE.dim, dtype=torch.bfloat16, device=DEV)
+    for fn, msg in [(lambda: DenseShared(W.shared_w1), 'DenseShared: expected MoEWeights, got QuantWeight'),
+                    (lambda: ds(xq[:, :64], r6, 10.0), 'xq: expected BF16 (tokens, 256)'),
+                    (lambda: ds(xq.float(), r6, 10.0), 'xq: expected BF16 (tokens, 256)'),
+                    (lambda: ds(xq, r6[:5], 10.0), 'routed: expected BF16 (tokens * k, 256) for 3 tokens'),
+                    (lambda: ds(xq, r6.float(), 10.0), 'routed: expected BF16')]:
+        fails_with(fn, contains=msg)
     for args, msg in [((0, 8, 132), 'tiles must be an int >= 1'), ((8, 0, 132), 'steps must be an int >= 1'),
                       ((8, 8, -1), 'sms must be an int >= 1'), ((8.0, 8, 1), 'tiles must be an int >= 1')]:
         fails_with(lambda: split_count(*args), contains=msg)
+
+
+@needs_triton
+@settings(max_examples=examples(6), deadline=None)
+@given(T=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_dense_shared_expert_passes_the_oracle(T, seed):
+    """The shared expert on BF16 values through two GEMMs (cuBLAS on a GPU), SwiGLU and the combine in Triton: the
+    layer within the fused MoE's oracle, stage by stage (the shared rows to an FP8 step) and end to end"""
+    x, tw, ti, _ = _inputs(T, seed)
+    r = check_fused_moe(x, tw, ti, W, WIDE.swiglu_limit, stages=partial(_fused_stages, shared=DenseShared(W)))
+    assert r['max_err'] <= 0.05 * r['max_ref'] + 1e-3
+
+@needs_triton
+@pytest.mark.cpu_exact        # on a GPU cuBLAS adds the down sums in its own order
+def test_dense_shared_combines_as_the_down_kernel():
+    """The layer output adds the routed rows in slot order and then the shared expert's own BF16 row, as the down
+    kernel's combine does: with the same shared rows and sums the two paths give the same bits; off the kernel path
+    the PyTorch twins of the stages give the kernels' rows"""
+    x, tw, ti, xq = _inputs(7, 3)
+    s = _fused_stages(x, tw, ti, W, WIDE.swiglu_limit)
+    ds = DenseShared(W)
+    hs, y = ds(xq, s['routed'], WIDE.swiglu_limit)
+    assert torch.equal(hs, s['hs'])                 # one slice of exact products: the twin's bits here
+    assert torch.equal(y, s['y'])
+    ms_mod_backend = ms_mod.kernel_backend
+    try:
+        ms_mod.kernel_backend = lambda *a: 'torch'
+        hs_t, y_t = ds(xq, s['routed'], WIDE.swiglu_limit)
+    finally: ms_mod.kernel_backend = ms_mod_backend
+    assert torch.equal(hs_t, hs) and torch.equal(y_t, y)

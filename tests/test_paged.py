@@ -262,7 +262,7 @@ def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
     from types import SimpleNamespace
     from dsv41_nb.moe import MoEWeights
     from dsv41_nb.fused_moe import moe_forward
-    from dsv41_nb.moe_split import expert_gate_up_split
+    from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
     from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, moe_gemv_forward
     from dsv41_nb.moe_planes import PlaneWeight
     from dsv41_nb.dispatch import use_kernels
@@ -283,12 +283,21 @@ def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
         stage, held = l._gate_up, l.moe
         assert torch.equal(served_moe(l, y, cfg), got) and l._gate_up is stage and l.moe is held   # made once
         c32 = replace(codes, gate=codes.gate.float())
-        assert torch.equal(got, moe_forward(y, c32, cfg, gate_up=expert_gate_up_split))
+        assert isinstance(l._shared, DenseShared)           # the shared expert on cuBLAS's BF16 values
+        calls, dense = [], l._shared
+        l._shared = lambda *a: calls.append(1) or dense(*a)
+        assert torch.equal(served_moe(l, y, cfg), got) and calls == [1]      # ... and the fused path takes it
+        l._shared = dense
+        assert torch.equal(got, moe_forward(y, c32, cfg, gate_up=expert_gate_up_split, shared=DenseShared(c32)))
         small = y[:2]                                        # the GEMVs' tokens: planes read by the GEMVs
         gemv = moe_gemv_forward(small, c32, cfg).float()
         assert (served_moe(l, small, cfg).float() - gemv).abs().max() <= 0.05 * gemv.abs().max()
         with use_kernels('torch'):                           # the reference loop on the planes' values
             assert torch.equal(served_moe(l, y, cfg), served_moe(SimpleNamespace(moe=codes), y, cfg))
+    monkeypatch.setattr(paged, 'SERVED_SHARED_DENSE', False)     # the shared expert through the MoE's kernels
+    l = SimpleNamespace(moe=codes)
+    got = served_moe(l, y, cfg)
+    assert l._shared is None and torch.equal(got, moe_forward(y, c32, cfg, gate_up=l._gate_up))
     with pytest.raises(TypeError, match='served_moe_caches: expected a layer holding MoEWeights'):
         served_moe_caches(SimpleNamespace(moe=None))
 
