@@ -14,9 +14,9 @@ _forced: str | None = None
 
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'gpu_cell_note',
-           'skip_gpu_cells', 'save_figure', 'capturing', 'as_captured', 'HostReads', 'cuda_graph', 'graph_time',
-           'pdl_launch', 'pdl_wait']
+           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'mm_f32',
+           'gpu_cell_note', 'skip_gpu_cells', 'save_figure', 'capturing', 'as_captured', 'HostReads', 'cuda_graph',
+           'graph_time', 'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -132,6 +132,21 @@ def gemm_rows_independent() -> bool:
         full = x @ w.T
         if not all(torch.equal(x[:m] @ w.T, full[:m]) for m in range(1, 9)): return False
     return True
+
+# %% ../nbs/00a_dispatch.ipynb #6015497c
+def mm_f32(a: torch.Tensor, # (M, K) BF16
+           b: torch.Tensor, # (N, K) BF16
+          ) -> torch.Tensor: # (M, N) fp32
+    "a @ bᵀ with fp32 sums of the exact products: cuBLAS on a GPU, the operands widened on a CPU"
+    for name, t in (('a', a), ('b', b)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.ndim != 2:
+            got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+            raise ValueError(f"mm_f32: {name} must be a 2-D BF16 tensor, got {got}")
+    if a.shape[1] != b.shape[1] or a.device != b.device:
+        raise ValueError(f"mm_f32: a {tuple(a.shape)} on {a.device} and b {tuple(b.shape)} on "
+                         f"{b.device}: expected the same K and device")
+    if a.is_cuda: return torch.mm(a, b.t(), out_dtype=torch.float32)
+    return a.float() @ b.float().t()
 
 # %% ../nbs/00a_dispatch.ipynb #4b6f4795
 import os, re

@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
+from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait,
+                               mm_f32)
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
 from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
@@ -530,8 +531,7 @@ def _head_gemm(y: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     "(T, V) fp32: one BF16 GEMM with an fp32 output over y's BF16 parts, the parts' products added"
     parts = bf16_parts(y)
     a = parts.flatten(0, 1)                                           # (P·T, K)
-    if a.is_cuda: out = torch.mm(a, head.t(), out_dtype=torch.float32)
-    else: out = a.float() @ head.float().t()                          # the same exact products
+    out = mm_f32(a, head)                          # cuBLAS on a GPU, the same exact products on a CPU
     return out.view(len(parts), y.shape[0], -1).sum(0)
 
 # %% ../nbs/09a_fp8_linear.ipynb #3c3d0ddb

@@ -8,7 +8,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait
+from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait,
+                               mm_f32)
 from .moe import QuantWeight, MoEWeights, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu,
                                 _fp8_quant_tile, _check_stage, _check_shape, moe_launch_shape,
@@ -162,12 +163,6 @@ def _shared_combine_kernel(
     y = _round_bf16(total + own, HW_CVT)
     tl.store(y_ptr + t.to(tl.int64) * N + n, y.to(y_ptr.dtype.element_ty), mask=m)
 
-# %% ../nbs/08c_moe_split.ipynb #2b8f4390
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    "a (M, K) @ b (N, K)ᵀ in fp32 from BF16 operands: cuBLAS on a GPU, the same exact products on a CPU"
-    if a.is_cuda: return torch.mm(a, b.t(), out_dtype=torch.float32)
-    return a.float() @ b.float().t()
-
 # %% ../nbs/08c_moe_split.ipynb #54afd47a
 class DenseShared:
     "A layer's shared expert in BF16 values, made once: the `shared` stage of `fused_moe_experts`"
@@ -182,6 +177,20 @@ class DenseShared:
     def __repr__(self):
         return f"DenseShared(dim {self.w2.shape[0]}, inter {self.w2.shape[1]}, {self.w13.device})"
 
+# %% ../nbs/08c_moe_split.ipynb #4b834c45
+def _check_shared_args(xq, routed, w2):
+    "`DenseShared`'s inputs against its down weight w2 (dim, inter)"
+    D = w2.shape[0]
+    if (not isinstance(xq, torch.Tensor) or xq.dtype != torch.bfloat16 or xq.ndim != 2
+            or xq.shape[1] != D or xq.device != w2.device):
+        raise ValueError(f"xq: expected BF16 (tokens, {D}) on {w2.device}, "
+                         f"got {getattr(xq, 'dtype', type(xq).__name__)} {_shape(xq)}")
+    T = xq.shape[0]
+    if (not isinstance(routed, torch.Tensor) or routed.dtype != torch.bfloat16 or routed.ndim != 2
+            or routed.shape[1] != D or T == 0 or routed.shape[0] % T):
+        raise ValueError(f"routed: expected BF16 (tokens * k, {D}) for {T} tokens, "
+                         f"got {getattr(routed, 'dtype', type(routed).__name__)} {_shape(routed)}")
+
 # %% ../nbs/08c_moe_split.ipynb #f6fda56c
 @patch
 def __call__(self: DenseShared,
@@ -190,27 +199,19 @@ def __call__(self: DenseShared,
              swiglu_limit: float,
             ) -> tuple[torch.Tensor, torch.Tensor]: # (tokens, inter) hs, (tokens, dim) BF16 y
     "The shared expert's two stages and the combine: cuBLAS GEMMs, the SwiGLU and the sum in Triton"
-    D, I = self.w2.shape
-    if (not isinstance(xq, torch.Tensor) or xq.dtype != torch.bfloat16 or xq.ndim != 2
-            or xq.shape[1] != D or xq.device != self.w2.device):
-        raise ValueError(f"xq: expected BF16 (tokens, {D}) on {self.w2.device}, "
-                         f"got {getattr(xq, 'dtype', type(xq).__name__)} {_shape(xq)}")
-    T = xq.shape[0]
-    if (not isinstance(routed, torch.Tensor) or routed.dtype != torch.bfloat16 or routed.ndim != 2
-            or routed.shape[1] != D or T == 0 or routed.shape[0] % T):
-        raise ValueError(f"routed: expected BF16 (tokens * k, {D}) for {T} tokens, "
-                         f"got {getattr(routed, 'dtype', type(routed).__name__)} {_shape(routed)}")
+    _check_shared_args(xq, routed, self.w2)
+    (D, I), T = self.w2.shape, xq.shape[0]
     if kernel_backend(xq, routed) == 'torch':
         ident = ExpertAlignment.identity(T, 16)
         hs = expert_gate_up_torch(xq, self.W.shared_w1, self.W.shared_w3, ident, None, swiglu_limit)
         return hs, expert_down_torch(hs, self.W.shared_w2, ident, routed)
-    part, hw = _mm_f32(xq, self.w13), not triton_interpreting()    # (T, 2·inter): one slice
+    part, hw = mm_f32(xq, self.w13), not triton_interpreting()    # (T, 2·inter): one slice
     hs = torch.empty(T, I, dtype=torch.bfloat16, device=xq.device)
     fb = min(256, triton.next_power_of_2(I))
     _swiglu_finish_kernel[(T, triton.cdiv(I, fb))](part, hs, hs, T, 0, float(swiglu_limit), N=I,
                                                    SPLIT=1, FB=fb, HAS_WEIGHT=False,
                                                    CLAMP=swiglu_limit > 0, HW_CVT=hw)
-    acc, y = _mm_f32(hs, self.w2), torch.empty(T, D, dtype=torch.bfloat16, device=xq.device)
+    acc, y = mm_f32(hs, self.w2), torch.empty(T, D, dtype=torch.bfloat16, device=xq.device)
     fb = min(256, triton.next_power_of_2(D))
     _shared_combine_kernel[(T, triton.cdiv(D, fb))](routed.contiguous(), acc, y, N=D,
                                                     TOPK=routed.shape[0] // T, FB=fb, HW_CVT=hw)

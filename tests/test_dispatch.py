@@ -84,3 +84,16 @@ def test_gemm_rows_independent_says_what_this_cpu_does():
         full = x @ w.T
         same &= all(torch.equal(x[:m] @ w.T, full[:m]) for m in range(1, 6))
     assert isinstance(gemm_rows_independent(), bool) and gemm_rows_independent() == same
+
+
+def test_mm_f32_sums_the_exact_products_in_fp32():
+    "a @ bᵀ of BF16 operands in fp32 (on a CPU the widened operands' product), and bad operands named"
+    from dsv41_nb.dispatch import mm_f32
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 48, generator=g).bfloat16(), torch.randn(7, 48, generator=g).bfloat16()
+    out = mm_f32(a, b)
+    assert out.dtype == torch.float32 and out.shape == (5, 7)
+    assert torch.equal(out, a.float() @ b.float().t())
+    for args, msg in [((a.float(), b), 'a must be a 2-D BF16 tensor'), ((a, b[0]), 'b must be a 2-D BF16 tensor'),
+                      ((a, b[:, :8]), 'expected the same K and device'), ((a, 'b'), 'b must be a 2-D BF16 tensor')]:
+        with pytest.raises(ValueError, match=msg): mm_f32(*args)
