@@ -22,3 +22,17 @@ def test_cases_are_summed_per_file(tmp_path):
                      'test_dspark.py': dict(passed=1, failed=0, skipped=1, seconds=3.0),
                      'test_engine.py': dict(passed=1, failed=1, skipped=0, seconds=2.0)}
     assert failed == ['tests.test_engine::test_b']
+
+
+def test_reports_of_several_phases_are_summed(tmp_path):
+    (tmp_path / 'a.xml').write_text(XML)
+    (tmp_path / 'b.xml').write_text('<testsuite><testcase classname="tests.test_engine" name="test_e" '
+                                    'time="4"/></testsuite>')
+    files, failed = gpu_record.summarise(tmp_path / 'a.xml', tmp_path / 'b.xml')
+    assert files['test_engine.py'] == dict(passed=2, failed=1, skipped=0, seconds=6.0)
+    assert failed == ['tests.test_engine::test_b']
+
+
+def test_no_report_is_named():
+    import pytest
+    with pytest.raises(ValueError, match='at least one'): gpu_record.summarise()

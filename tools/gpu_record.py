@@ -1,8 +1,9 @@
 """The GPU test tier's record: pytest's JUnit XML summed per test file, with the commit, machine, date and wall time.
 
-    python tools/gpu_record.py JUNIT_XML --out records/gpu_tier.json [--commit SHA] [--wall-s S] [--setup-s S]
+    python tools/gpu_record.py JUNIT_XML [JUNIT_XML ...] --out records/gpu_tier.json [--commit SHA] [--wall-s S]
+                               [--setup-s S]
 
-Prints one line per file (passed / failed / skipped / seconds) and the failures' names, and writes the JSON."""
+Several reports (the tier's phases) are summed into one record. Prints one line per file (passed / failed / skipped / seconds) and the failures' names, and writes the JSON."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
@@ -17,10 +18,12 @@ def test_file(case) -> str:
     return f"{parts[mods[-1]]}.py" if mods else '(skipped at collection)'
 
 
-def summarise(path) -> tuple[dict, list]:
-    "({file: {passed, failed, skipped, seconds}}, [failed test ids]) from a JUnit XML report"
+def summarise(*paths) -> tuple[dict, list]:
+    "({file: {passed, failed, skipped, seconds}}, [failed test ids]) summed over JUnit XML reports"
+    if not paths: raise ValueError('summarise needs at least one JUnit XML report')
     files, failed = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0)), []
-    for case in ET.parse(path).getroot().iter('testcase'):
+    cases = [c for p in paths for c in ET.parse(p).getroot().iter('testcase')]
+    for case in cases:
         row = files[test_file(case)]
         row['seconds'] += float(case.get('time') or 0)
         if case.find('failure') is not None or case.find('error') is not None:
@@ -40,13 +43,13 @@ def machine() -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('junit'); ap.add_argument('--out', required=True)
+    ap.add_argument('junit', nargs='+'); ap.add_argument('--out', required=True)
     ap.add_argument('--commit', default=os.environ.get('DSV41_COMMIT'))
     ap.add_argument('--wall-s', type=float, default=None); ap.add_argument('--setup-s', type=float, default=None)
     a = ap.parse_args()
     commit = (a.commit or subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
               or None)
-    files, failed = summarise(a.junit)
+    files, failed = summarise(*a.junit)
     tot = {k: sum(r[k] for r in files.values()) for k in ('passed', 'failed', 'skipped')}
     rec = dict(commit=commit, machine=machine(), date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
                examples_scale=float(os.environ.get('DSV41_EXAMPLES', 1)), wall_s=a.wall_s, setup_s=a.setup_s,
