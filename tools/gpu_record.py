@@ -3,7 +3,8 @@
     python tools/gpu_record.py JUNIT_XML [JUNIT_XML ...] --out records/gpu_tier.json [--commit SHA] [--wall-s S]
                                [--setup-s S]
 
-Several reports (the tier's phases) are summed into one record. Prints one line per file (passed / failed / skipped / seconds) and the failures' names, and writes the JSON."""
+Several reports (the tier's phases) are summed into one record. Prints one line per file (passed / failed / skipped /
+seconds) and the failures' names, and writes the JSON."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
