@@ -21,7 +21,7 @@ from .engram import EngramTable, head_shards, engram_gate, engram_update
 from .mhc import hc_pre, _rms_norm
 from .model import Transformer, DenseEngram
 from .paged import moe_weights
-from .moe_planes import PlaneWeight, expert_gate_up_planes
+from .moe_planes import PlaneWeight, expert_gate_up_planes, expert_down_planes
 from .accounting import expert_touch_fraction, expert_params
 
 # %% auto #0
@@ -248,7 +248,8 @@ def local_expert_outputs(
     align = align_by_expert(expert[:, None], held, shape['block_m'])
     gate_up = expert_gate_up_planes if isinstance(W.w1, PlaneWeight) else expert_gate_up
     h = gate_up(xq, W.w1, W.w3, align, weight[:, None], swiglu_limit, shape)  # (n, inter)
-    return expert_down(h, W.w2, align, shape=shape)                                  # (n, dim)
+    down = expert_down_planes if isinstance(W.w2, PlaneWeight) else expert_down
+    return down(h, W.w2, align, shape=shape)                                         # (n, dim)
 
 # %% ../nbs/15_distributed.ipynb #e806f9ba
 def shared_expert(xq: torch.Tensor, W: MoEWeights, swiglu_limit: float) -> torch.Tensor:

@@ -152,16 +152,21 @@ def _fp8_qdq_groups(v, HW_CVT: tl.constexpr):
 
 # %% ../nbs/08b_fused_moe.ipynb #14693377
 @triton.jit
-def _mxfp4_pair(byte, scale):
-    ("Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` "
-     "(fp32: 2^14 x UE8M0 scale)")
-    # low nibble at bits 0-3, high at bits 16-19
-    t = byte * 4097
+def _e2m1_pair16(t, scale):
+    ("Two E2M1 codes at bits 0-3 and 16-19 of int32 `t` (its other bits ignored) -> their values "
+     "times `scale` (fp32: 2^14 x UE8M0 scale)")
     # two FP16 patterns, each E2M1 / 2^14
     half2 = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)
     lo = half2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (half2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo * scale, hi * scale
+
+# %% ../nbs/08b_fused_moe.ipynb #046aaf5f
+@triton.jit
+def _mxfp4_pair(byte, scale):
+    ("Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` "
+     "(fp32: 2^14 x UE8M0 scale)")
+    return _e2m1_pair16(byte * 4097, scale)     # the high nibble moved to bits 16-19
 
 # %% ../nbs/08b_fused_moe.ipynb #ba8b235b
 @triton.jit
@@ -681,20 +686,21 @@ def fused_moe_experts(
     # the shared expert's two stages in one call, shared(xq, routed, swiglu_limit) -> (hs, y)
     # (default: the shared expert through `gate_up` and `expert_down`)
     shared=None,
+    down=None, # the routed experts' down stage: `expert_down` (default) or one called like it
 ) -> torch.Tensor:
     ("The MoE layer given its routing, (tokens, dim) BF16: Triton kernels (GPU, interpreter), "
      "else the reference loop")
     _check_x(x, W.dim); _check_routing(topk_weights, topk_ids, x.shape[0], W.n_experts, check_ids)
     if shape is not None: _check_shape(shape)
     if x.shape[0] == 0: return torch.empty(0, W.dim, dtype=torch.bfloat16, device=x.device)
-    if kernel_backend(x, topk_ids, W.w2.codes) == 'torch':
+    if kernel_backend(x, topk_ids, W.shared_w2.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
     return _fused_stages(x, topk_weights, topk_ids, W, swiglu_limit, shape, gate_up,
-                         shared)['y']
+                         shared, down)['y']
 
 # %% ../nbs/08b_fused_moe.ipynb #1c2e92d9
 def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
-                  shape: dict | None = None, gate_up=None, shared=None) -> dict:
+                  shape: dict | None = None, gate_up=None, shared=None, down=None) -> dict:
     "The six launches; every intermediate, by name"
     T, k, expert_gate_up_ = *topk_ids.shape, gate_up or expert_gate_up
     shape = shape or moe_launch_shape(T * k, W.n_experts)
@@ -702,7 +708,8 @@ def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
              shared=ExpertAlignment.identity(T, shape['block_m']))
     # (T*k, inter)
     s['h'] = expert_gate_up_(s['xq'], W.w1, W.w3, s['align'], topk_weights, swiglu_limit, shape)
-    s['routed'] = expert_down(s['h'], W.w2, s['align'], shape=shape)   # (T*k, dim)
+    # (T*k, dim)
+    s['routed'] = (down or expert_down)(s['h'], W.w2, s['align'], shape=shape)
     if shared is not None:                  # (T, inter), (T, dim) in one call
         s['hs'], s['y'] = shared(s['xq'], s['routed'], swiglu_limit)
         return s
@@ -714,12 +721,12 @@ def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
 
 # %% ../nbs/08b_fused_moe.ipynb #20fe46ac
 def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None,
-                router=None, shared=None) -> torch.Tensor:
+                router=None, shared=None, down=None) -> torch.Tensor:
     ("The MoE layer: route, then the fused experts; (tokens, dim) BF16 "
-     "(arguments as `route_layer`; `gate_up`, `shared` as `fused_moe_experts`)")
+     "(arguments as `route_layer`; `gate_up`, `shared`, `down` as `fused_moe_experts`)")
     return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
                              cfg.swiglu_limit, check_ids=False, gate_up=gate_up,
-                             shared=shared)
+                             shared=shared, down=down)
 
 # %% ../nbs/08b_fused_moe.ipynb #303f5ac7
 def check_fused_moe(

@@ -224,8 +224,8 @@ def _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids: bool):
     if (not isinstance(swiglu_limit, numbers.Real) or isinstance(swiglu_limit, bool)
         or not swiglu_limit >= 0):
         raise ValueError(f"swiglu_limit = {swiglu_limit!r}; expected a real number >= 0")
-    if x.device != W.w2.codes.device:
-        raise ValueError(f"x is on {x.device}, the weights on {W.w2.codes.device}")
+    if x.device != W.shared_w2.codes.device:
+        raise ValueError(f"x is on {x.device}, the weights on {W.shared_w2.codes.device}")
 
 # %% ../nbs/08e_moe_gemv.ipynb #e6d07102
 def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
@@ -263,6 +263,9 @@ def gemv_down(h: torch.Tensor,              # (tokens·(k+1), inter) BF16: `gemv
               W: MoEWeights,                # the layer's weights
               split: int | None = None,     # as `gemv_gate_up`
               tuning: dict | None = None,   # as `gemv_gate_up` (GEMV_TUNING['down'])
+              # (w2, read): the routed down weights in another layout and the kernel functions
+              # that read it, as `gemv_gate_up`'s `routed` (default: W's)
+              routed: tuple | None = None,
              ) -> torch.Tensor:
     "(tokens, dim) BF16: each row's down projection, the routed outputs added in slot order, then the shared expert's"
     if not isinstance(W, MoEWeights):
@@ -276,9 +279,10 @@ def gemv_down(h: torch.Tensor,              # (tokens·(k+1), inter) BF16: `gemv
                          f"{getattr(h, 'dtype', type(h).__name__)} {_shape(h)}")
     y = torch.empty(T, W.dim, dtype=torch.bfloat16, device=h.device)
     if T == 0: return y
-    part, split = _gemv_launch(h.contiguous(), topk_ids.contiguous(), W.w2, None, W.shared_w2, None,
+    w2, read = routed or (W.w2, None)
+    part, split = _gemv_launch(h.contiguous(), topk_ids.contiguous(), w2, None, W.shared_w2, None,
                                T * k, T * (k + 1), False, False, tuning or GEMV_TUNING['down'],
-                               split)
+                               split, read)
     fb = min(256, triton.next_power_of_2(W.dim))
     _gemv_combine_kernel[(T, triton.cdiv(W.dim, fb))](
         part, y, T * k, T * (k + 1), N=W.dim, SPLIT=split, TOPK=k, FB=fb,
@@ -295,29 +299,31 @@ def moe_gemv_experts(
     split: int | None = None,    # K slices of both stages (default `gemv_split`'s)
     check_ids: bool = True,      # range-check the expert ids (a device synchronisation)
     gate_up=None,                # the gate/up stage: `gemv_gate_up` (default) or one called like it
+    down=None,                   # the down stage: `gemv_down` (default) or one called like it
 ) -> torch.Tensor:
     ("The MoE layer given its routing as GEMVs, (tokens, dim) BF16: "
      "Triton kernels (GPU, interpreter), else the reference loop")
     _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids)
-    if kernel_backend(x, topk_ids, W.w2.codes) == 'torch':
+    if kernel_backend(x, topk_ids, W.shared_w2.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
     h = (gate_up or gemv_gate_up)(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False)
-    return gemv_down(h, topk_ids, W, split)
+    return (down or gemv_down)(h, topk_ids, W, split)
 
 # %% ../nbs/08e_moe_gemv.ipynb #1e7a8aff
 def moe_gemv_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None,
-                     router=None, gate_up=None) -> torch.Tensor:
+                     router=None, gate_up=None, down=None) -> torch.Tensor:
     "The MoE layer: route, then `moe_gemv_experts` (arguments as `08b`'s `moe_forward`)"
     return moe_gemv_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
-                            cfg.swiglu_limit, check_ids=False, gate_up=gate_up)
+                            cfg.swiglu_limit, check_ids=False, gate_up=gate_up,
+                            down=down)
 
 # %% ../nbs/08e_moe_gemv.ipynb #58a29e1a
 def gemv_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape=None,
-                split=None) -> dict:
+                split=None, gate_up=None, down=None) -> dict:
     "The GEMV pipeline's stages by `check_fused_moe`'s names (`shape` is unused: the GEMVs take `GEMV_TUNING`)"
     (T, k), block = topk_ids.shape, 16
-    h = gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split)
+    h = (gate_up or gemv_gate_up)(x, topk_weights, topk_ids, W, swiglu_limit, split)
     align = align_by_expert_torch(topk_ids, W.n_experts, block)
     return dict(align=align, shared=ExpertAlignment.identity(T, block), xq=fp8_act_quant(x),
                 h=h[:T * k], hs=h[T * k:], routed=expert_down_torch(h[:T * k], W.w2, align),
-                y=gemv_down(h, topk_ids, W, split))
+                y=(down or gemv_down)(h, topk_ids, W, split))

@@ -15,17 +15,18 @@ from .config import check_int
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,
                                 _launch, moe_launch_shape, stage_shape, expert_gate_up,
-                                expert_gate_up_torch)
+                                expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import (expert_gate_up_split, _default_split, _check_split,
                                 _swiglu_finish_kernel)
-from .moe_gemv import gemv_gate_up, _fp8_halves
+from .moe_gemv import gemv_gate_up, gemv_down, _fp8_halves
 from .formats import _pow2
-from .fused_moe import _mxfp4_pair
+from .fused_moe import _mxfp4_pair, _e2m1_pair16
 
 # %% auto #0
-__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PlaneWeight',
-           'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes', 'plane_gate_up', 'planes_moe',
-           'gemv_gate_up_planes', 'fits_planes', 'served_gate_up']
+__all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PLANE_READ_PAIRS',
+           'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes', 'plane_gate_up',
+           'planes_moe', 'gemv_gate_up_planes', 'fits_planes', 'served_gate_up', 'expert_down_planes',
+           'gemv_down_planes']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -115,7 +116,8 @@ def _dot_t(w, a, acc, HW_CVT: tl.constexpr):
 # %% ../nbs/08f_moe_planes.ipynb #fbc9216a
 @triton.jit
 def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
-                 k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr):
+                 k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr,
+                 PAIR: tl.constexpr = True): # False: W1 alone (the down stage), acc3 as given
     ("acc1 (BN, BM) += W1[expert, n] @ A[rows]ᵀ over K columns k_start .. k_start + KS, "
      "acc3 the same with W3 (in planes)")
     w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)       # (BN,) words
@@ -125,9 +127,9 @@ def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, exper
         # (BN, 16) words, (BN, 1) scale words
         at = w_row[:, None] + (k0 // 8 + j)[None, :]
         q1 = tl.load(w1_ptr + at, mask=n_mask[:, None], other=0)
-        q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0)
+        if PAIR: q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0)
         sw1 = tl.load(s1_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
-        sw3 = tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
+        if PAIR: sw3 = tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
         for i in tl.static_range(4):                 # planes 2i, 2i+1: columns k0 + 32i .. + 31
             # (BM, 16) each
             at = x_row[:, None] + k0 + 32 * i + j[None, :]
@@ -135,8 +137,9 @@ def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, exper
             a_hi = tl.load(at + 16, mask=valid[:, None], other=0.0)
             lo, hi = _plane_pair(q1 << (4 * i), (sw1 >> (8 * i)) & 0xFF, HW_CVT)
             acc1 = _dot_t(hi, a_hi, _dot_t(lo, a_lo, acc1, HW_CVT), HW_CVT)
-            lo, hi = _plane_pair(q3 << (4 * i), (sw3 >> (8 * i)) & 0xFF, HW_CVT)
-            acc3 = _dot_t(hi, a_hi, _dot_t(lo, a_lo, acc3, HW_CVT), HW_CVT)
+            if PAIR:
+                lo, hi = _plane_pair(q3 << (4 * i), (sw3 >> (8 * i)) & 0xFF, HW_CVT)
+                acc3 = _dot_t(hi, a_hi, _dot_t(lo, a_lo, acc3, HW_CVT), HW_CVT)
     return acc1, acc3
 
 # %% ../nbs/08f_moe_planes.ipynb #8f33fbdd
@@ -298,13 +301,17 @@ def nbytes(self: PlaneWeight) -> int:
 def __repr__(self: PlaneWeight) -> str: return f"PlaneWeight({self.shape}, {self.nbytes:,} bytes)"
 
 # %% ../nbs/08f_moe_planes.ipynb #0963215e
-def planes_moe(W: MoEWeights) -> MoEWeights:
-    ("`W` with its routed experts' gate and up weights in planes in place of their codes "
-     "(the same bytes; `W` itself unchanged)")
+def planes_moe(W: MoEWeights,
+               down: bool = False, # the down weights too (the section on the down stage)
+              ) -> MoEWeights:
+    ("`W` with its routed experts' gate and up weights (and down, if `down`) in planes in place "
+     "of their codes (the same bytes; `W` itself unchanged)")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"planes_moe: expected MoEWeights, got {type(W).__name__}")
-    if isinstance(W.w1, PlaneWeight) and isinstance(W.w3, PlaneWeight): return W
-    return replace(W, w1=mxfp4_planes(W.w1, 'w1'), w3=mxfp4_planes(W.w3, 'w3'))
+    if not isinstance(down, bool): raise TypeError(f"down: expected a bool, got {down!r}")
+    names = ('w1', 'w3', 'w2') if down else ('w1', 'w3')
+    return replace(W, **{n: mxfp4_planes(getattr(W, n), n) for n in names
+                         if not isinstance(getattr(W, n), PlaneWeight)})
 
 # %% ../nbs/08f_moe_planes.ipynb #99f83c3f
 @triton.jit
@@ -376,17 +383,21 @@ def _x_plane_quads(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.c
 
 # %% ../nbs/08f_moe_planes.ipynb #87e2224c
 @triton.jit
-def _quad_sum(words, a, b, s_ptr, s_row, k0, i: tl.constexpr, G: tl.constexpr):
+def _quad_sum(words, a, b, s_ptr, s_row, k0, i: tl.constexpr, G: tl.constexpr,
+              IN_PLACE: tl.constexpr = False): # the pair where it lies (the next section)
     "(BN, G/4): group 4s + i of each K step: planes 2i, 2i + 1 of the words, against a, b (G/4, 16)"
-    byte = ((words >> (4 * (3 - i))) & 0xF) | (((words >> (4 * (7 - i))) & 0xF) << 4)
-    lo, hi = _mxfp4_pair(byte, 1.0)                      # E2M1 / 2^14, fp32
+    if IN_PLACE: lo, hi = _e2m1_pair16(words >> (4 * (3 - i)), 1.0)
+    else:
+        byte = ((words >> (4 * (3 - i))) & 0xF) | (((words >> (4 * (7 - i))) & 0xF) << 4)
+        lo, hi = _mxfp4_pair(byte, 1.0)                      # E2M1 / 2^14, fp32
     part = tl.sum(lo * a[None, :, :] + hi * b[None, :, :], axis=2)
     g = k0 // 32 + 4 * tl.arange(0, G // 4) + i
     return part * _pow2(tl.load(s_ptr + s_row[:, None] + g[None, :]).to(tl.int32) + 14)
 
 # %% ../nbs/08f_moe_planes.ipynb #04edcb12
 @triton.jit
-def _plane_sums_once(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr):
+def _plane_sums_once(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr,
+                     IN_PLACE: tl.constexpr = False):
     "(BN, G): `_plane_sums` with each word loaded once (a, b from `_x_plane_quads`)"
     s, j = tl.arange(0, G // 4), tl.arange(0, 16)
     words = tl.load(w_ptr + (w_row // 4)[:, None, None] + (k0 // 8 + s * 16)[None, :, None]
@@ -397,10 +408,10 @@ def _plane_sums_once(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr):
     a2, a3 = tl.split(a_hi)
     b0, b1 = tl.split(b_lo)
     b2, b3 = tl.split(b_hi)
-    p0 = _quad_sum(words, a0, b0, s_ptr, s_row, k0, 0, G)
-    p1 = _quad_sum(words, a1, b1, s_ptr, s_row, k0, 1, G)
-    p2 = _quad_sum(words, a2, b2, s_ptr, s_row, k0, 2, G)
-    p3 = _quad_sum(words, a3, b3, s_ptr, s_row, k0, 3, G)
+    p0 = _quad_sum(words, a0, b0, s_ptr, s_row, k0, 0, G, IN_PLACE)
+    p1 = _quad_sum(words, a1, b1, s_ptr, s_row, k0, 1, G, IN_PLACE)
+    p2 = _quad_sum(words, a2, b2, s_ptr, s_row, k0, 2, G, IN_PLACE)
+    p3 = _quad_sum(words, a3, b3, s_ptr, s_row, k0, 3, G, IN_PLACE)
     return tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), (w_row.shape[0], G))
 
 # %% ../nbs/08f_moe_planes.ipynb #c2dd5c0b
@@ -408,6 +419,18 @@ PLANE_READ_ONCE = dict(X_PAIR=_x_plane_quads, FP4_SUMS=_plane_sums_once)
 
 # %% ../nbs/08f_moe_planes.ipynb #9e2b4986
 GEMV_PLANE_READ = PLANE_READ_ONCE
+
+# %% ../nbs/08f_moe_planes.ipynb #757faf22
+@triton.jit
+def _plane_sums_pairs(w_ptr, s_ptr, w_row, s_row, k0, a, b, G: tl.constexpr):
+    "(BN, G): `_plane_sums_once`, each pair read where it lies in its words (`_e2m1_pair16`)"
+    return _plane_sums_once(w_ptr, s_ptr, w_row, s_row, k0, a, b, G, True)
+
+# %% ../nbs/08f_moe_planes.ipynb #b408df2a
+PLANE_READ_PAIRS = dict(X_PAIR=_x_plane_quads, FP4_SUMS=_plane_sums_pairs)
+
+# %% ../nbs/08f_moe_planes.ipynb #3dbd8f87
+GEMV_PLANE_READ = PLANE_READ_PAIRS
 
 # %% ../nbs/08f_moe_planes.ipynb #fbaa01e9
 def fits_planes(w) -> bool:
@@ -428,3 +451,64 @@ def served_gate_up(W: MoEWeights,
     planes = isinstance(W.w1, PlaneWeight) and isinstance(W.w3, PlaneWeight)
     if not (planes or fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
     return plane_gate_up(W, split=None, shared=expert_gate_up_split, sms=sms)
+
+# %% ../nbs/08f_moe_planes.ipynb #f6bbeb1f
+@triton.jit
+def _down_planes_kernel(
+    h_ptr,                   # (n_assign, K) BF16 FP8-quantised SwiGLU outputs
+    w_ptr, ws_ptr,           # down: (E, N, K/8) int32 words, (E, N, K/128) int32 scale words
+    out_ptr,                 # (n_assign, N) BF16 out: each assignment's expert output
+    sorted_ptr, block_expert_ptr, n_assign, num_m,   # the alignment
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
+                                             N, TOPK, BM, BN, GROUP_M, False)
+    if expert < 0: return
+    n_mask, acc = n < N, tl.zeros((BN, BM), tl.float32)
+    acc, _ = _gemm_planes(acc, acc, h_ptr + a.to(tl.int64) * K, valid, w_ptr, ws_ptr, w_ptr, ws_ptr,
+                          expert, n, n_mask, 0, K, K, N, HW_CVT, False)
+    y = _round_bf16(tl.trans(acc), HW_CVT)
+    tl.store(out_ptr + a.to(tl.int64)[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_mask[None, :])
+
+# %% ../nbs/08f_moe_planes.ipynb #797de48e
+def expert_down_planes(
+    h: torch.Tensor, # (n_assign, inter) BF16 output of the gate/up stage
+    w2: PlaneWeight, # the routed experts' down weights, in planes
+    align: ExpertAlignment, # the same rows as the gate/up stage
+    shape: dict | None = None, # launch shape (default `moe_launch_shape`; block_k is 128 here)
+) -> torch.Tensor:
+    "`expert_down` on the routed experts' down weights in planes: (n_assign, dim) BF16"
+    _check_planes('w2', w2, h)
+    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
+        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
+    if h.dtype != torch.bfloat16 or h.shape[0] != align.n_assign:
+        raise ValueError(f"h: expected BF16 ({align.n_assign}, {w2.shape[2]}) rows for this "
+                         f"alignment, got {h.dtype} {_shape(h)}")
+    if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
+        return expert_down_torch(h, w2, align)
+    (E, N, K) = w2.shape
+    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), PLANES_TUNING)
+    out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
+    meta, grid = _launch(align, N, K, shape, h.device)
+    _down_planes_kernel[grid](
+        h.contiguous(), w2.words, w2.scale_words, out, align.sorted_ids, align.block_expert,
+        align.n_assign, align.num_blocks, K=K, N=N, TOPK=align.topk, BM=meta['BM'],
+        BN=meta['BN'], GROUP_M=meta['GROUP_M'], HW_CVT=meta['HW_CVT'],
+        num_warps=meta['num_warps'], num_stages=meta['num_stages'])
+    return out
+
+# %% ../nbs/08f_moe_planes.ipynb #f8168141
+def gemv_down_planes(h: torch.Tensor, topk_ids: torch.Tensor,
+                     W: MoEWeights, # the layer, its routed down weights in planes
+                     split: int | None = None,
+                     read: dict | None = None) -> torch.Tensor: # the kernel's reading (GEMV_PLANE_READ)
+    "`gemv_down` (same arguments and rows) on a layer whose routed down weights are in planes"
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
+    _check_planes('w2', W.w2, h)
+    if read is not None and set(read) != {'X_PAIR', 'FP4_SUMS'}:
+        raise ValueError(f"read: expected {{'X_PAIR': .., 'FP4_SUMS': ..}}, got {sorted(read)}")
+    w2 = _PlaneRows(W.w2.words, W.w2.scale_words.view(torch.uint8), W.w2.shape)
+    return gemv_down(h, topk_ids, W, split, routed=(w2, read or GEMV_PLANE_READ))

@@ -26,7 +26,7 @@ from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
 from .moe_planes import (served_gate_up, planes_moe, fits_planes, PlaneWeight,
-                                  gemv_gate_up_planes)
+                                  gemv_gate_up_planes, gemv_down_planes, expert_down_planes)
 from .moe_split import expert_gate_up_split, DenseShared
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
@@ -36,10 +36,10 @@ from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['SERVED_PLANES', 'SERVED_SHARED_DENSE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window', 'PagedCSA2Step',
-           'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram', 'block_seam', 'served_moe_caches',
-           'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history', 'PagedRunner',
-           'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
+__all__ = ['SERVED_PLANES', 'SERVED_PLANES_DOWN', 'SERVED_SHARED_DENSE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window',
+           'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram', 'block_seam',
+           'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history',
+           'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
            'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
@@ -217,11 +217,13 @@ def block_seam(block: Block, sub: str) -> HCWeights:
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
 SERVED_PLANES = True   # served layers hold the routed gate and up weights in planes (08f), not codes
+SERVED_PLANES_DOWN = True    # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
-     "(`planes_moe`, if `SERVED_PLANES` and `fits_planes`), the router's gate widened to fp32 "
+     "(`planes_moe`, if `SERVED_PLANES` and `fits_planes`; the down weights too if "
+     "`SERVED_PLANES_DOWN`), the router's gate widened to fp32 "
      "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, else 08c's) "
      "and the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
@@ -230,7 +232,8 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
             TypeError)
     if getattr(l, '_moe32', None) is None:
         if SERVED_PLANES and fits_planes(l.moe.w1) and fits_planes(l.moe.w3):
-            l.moe = planes_moe(l.moe)                 # the codes go: nothing holds them now
+            down = SERVED_PLANES_DOWN and fits_planes(l.moe.w2)
+            l.moe = planes_moe(l.moe, down)           # the codes go: nothing holds them now
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
         planes = isinstance(l.moe.w1, PlaneWeight)
         l._gate_up = served_gate_up(l._moe32) if planes else expert_gate_up_split
@@ -252,7 +255,7 @@ class PagedLayer(nn.Module):
         self.attn_norm = block.attn_norm.weight.detach()
         self.ffn_norm = block.ffn_norm.weight.detach()
         # on a GPU the served MoE's planes now, before the KV pool takes what memory is left
-        if self.moe.w2.codes.is_cuda: served_moe_caches(self)
+        if self.moe.shared_w2.codes.is_cuda: served_moe_caches(self)
 
     def __repr__(self):
         engram = ', Engram' if self.engram else ''
@@ -500,14 +503,16 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe: expected a layer holding MoEWeights as .moe, got {type(l).__name__}",
             TypeError)
-    if kernel_backend(y, l.moe.w2.codes) == 'triton':
+    if kernel_backend(y, l.moe.shared_w2.codes) == 'triton':
         W, gate_up = served_moe_caches(l)
+        down = isinstance(W.w2, PlaneWeight)
         if y.shape[0] <= GEMV_MAX_TOKENS:
             gemv = gemv_gate_up_planes if isinstance(W.w1, PlaneWeight) else None
             return moe_gemv_forward(y, W, cfg, n_activated=n_activated, gate_up=gemv,
-                                    router=partial(fused_route, split_k=True))
+                                    router=partial(fused_route, split_k=True),
+                                    down=gemv_down_planes if down else None)
         return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route,
-                           shared=l._shared)
+                           shared=l._shared, down=expert_down_planes if down else None)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()

@@ -19,7 +19,7 @@ from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_fused_moe, _fused_stages,
                                 fused_moe_experts)
 from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
-                                 PLANE_READ_ONCE)
+                                 PLANE_READ_ONCE, PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
 from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
@@ -114,7 +114,31 @@ def test_moe_planes_bench_layer():
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage, shared=shared))
 
 
-@pytest.mark.parametrize('read', ['x4', 'once'])
+def test_moe_down_planes_bench_layer():
+    """The down stage on the bench layer's down weights in planes, compiled, under `check_fused_moe` at a serving batch
+    and each regime (64 experts, dim 5120, inter 2304), with version 3's gate/up and the shared expert on cuBLAS"""
+    cfg = ModelConfig.bench()
+    W = planes_moe(MoEWeights.random(cfg, 1, DEV), down=True)
+    stages = partial(_fused_stages, gate_up=plane_gate_up(W), shared=DenseShared(W), down=expert_down_planes)
+    for T in (5, 128, 512, 2048):
+        x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
+        x[0, :7] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 448.0, -448.0, 1e4])
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=stages)
+
+
+@pytest.mark.parametrize('T', range(1, GEMV_MAX_TOKENS + 1))
+def test_gemv_down_planes_bench_layer(T):
+    "The decode GEMVs with all three routed weights of the bench layer in planes, compiled, under `check_fused_moe`"
+    cfg = ModelConfig.bench()
+    W = planes_moe(MoEWeights.random(cfg, 10 + T, DEV), down=True)
+    x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
+    tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
+                    stages=partial(gemv_stages, gate_up=gemv_gate_up_planes, down=gemv_down_planes))
+
+
+@pytest.mark.parametrize('read', ['x4', 'once', 'pairs'])
 @pytest.mark.parametrize('T', range(1, GEMV_MAX_TOKENS + 1))
 def test_gemv_planes_bench_layer(T, read):
     "The decode GEMVs reading the bench layer's gate and up weights in planes, compiled, against the reference"
@@ -124,7 +148,7 @@ def test_gemv_planes_bench_layer(T, read):
     x[0, :7] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 448.0, -448.0, 1e4])    # subnormal, zeros, the FP8 edge
     tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
     h = gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit,
-                            read=dict(x4=PLANE_READ, once=PLANE_READ_ONCE)[read])
+                            read=dict(x4=PLANE_READ, once=PLANE_READ_ONCE, pairs=PLANE_READ_PAIRS)[read])
     n = T * cfg.n_activated_experts
     al = align_by_expert_torch(ti, cfg.n_routed_experts, 16)
     assert_fp8_close(h[:n], expert_gate_up_torch(fp8_act_quant(x), W.w1, W.w3, al, tw, cfg.swiglu_limit))

@@ -13,9 +13,10 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
                                 fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
                                   expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
-                                  gemv_gate_up_planes, planes_moe, PLANE_READ, PLANE_READ_ONCE)
+                                  gemv_gate_up_planes, planes_moe, PLANE_READ, PLANE_READ_ONCE,
+                                  PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
-from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS
+from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS, gemv_stages, moe_gemv_experts
 from dsv41_nb import moe_planes
 from dsv41_nb.dispatch import sm_count
 from dsv41_nb.moe_split import expert_gate_up_split, _default_split
@@ -84,6 +85,10 @@ def _bad_cases():
     xq, p = fp8_act_quant(x), mxfp4_planes(W.w1)
     al = align_by_expert(ti, 4, 16)
     scaled = lambda s: QuantWeight(W.w1.codes, torch.full_like(W.w1.scales, s), 'mxfp4')
+    W128 = _layer(4, 2, 128, 128, 0)[1]                        # inter 128: down weights the planes hold
+    P128 = planes_moe(W128, down=True)
+    h = torch.zeros(al.n_assign, 128, dtype=torch.bfloat16, device=DEV)
+    hg = torch.zeros(5 * 3, 128, dtype=torch.bfloat16, device=DEV)   # the GEMVs' rows: tokens x (k + 1)
     return [
         (lambda: mxfp4_planes(W.shared_w1, 'shared_w1'), "shared_w1: expected MXFP4 weights"),
         (lambda: mxfp4_planes(W64.w1, 'w1'), 'w1: planes need in-features a multiple of 128, got 64'),
@@ -108,10 +113,21 @@ def _bad_cases():
         (lambda: gemv_gate_up_planes(x, tw, ti, replace(planes_moe(W), w3=mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3)),
                                      10.0),
          'w3: expected planes of shape (4, 64, 128), got (4, 32, 128)'),
+        (lambda: planes_moe(W, down=1), 'down: expected a bool, got 1'),
+        (lambda: planes_moe(W, down=True), 'w2: planes need in-features a multiple of 128, got 64'),
+        (lambda: expert_down_planes(h, W128.w2, al), 'w2: expected a PlaneWeight (mxfp4_planes), got QuantWeight'),
+        (lambda: expert_down_planes(h[1:], P128.w2, al), 'h: expected BF16 (10, 128) rows for this alignment'),
+        (lambda: expert_down_planes(h.float(), P128.w2, al), 'h: expected BF16 (10, 128) rows'),
+        (lambda: expert_down_planes(h[:, :64], P128.w2, al), 'activations: expected shape (tokens, 128), got (10, 64)'),
+        (lambda: expert_down_planes(h, P128.w2, ExpertAlignment.identity(5, 16)), "align: expected the routed experts'"),
+        (lambda: gemv_down_planes(hg, ti, W128, 1), 'w2: expected a PlaneWeight'),
+        (lambda: gemv_down_planes(hg, ti, W128.w2), 'W: expected MoEWeights, got QuantWeight'),
+        (lambda: gemv_down_planes(hg, ti, P128, read={'FP4_SUMS': None}), 'read: expected'),
+        (lambda: gemv_down_planes(hg[1:], ti, P128), 'h: expected BF16 (15, 128) rows from gemv_gate_up'),
     ]
 
 
-@pytest.mark.parametrize('case', range(19))
+@pytest.mark.parametrize('case', range(30))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
@@ -190,8 +206,8 @@ def test_gemv_planes(T, D, I, seed, read):
     assert torch.equal(h[T * 2:], gemv_gate_up(x, tw, ti, W, cfg.swiglu_limit)[T * 2:])
 
 
-def test_gemv_reads_each_word_once_by_default(monkeypatch):
-    "gemv_gate_up_planes hands the GEMV the reading that loads each word once unless told otherwise"
+def test_gemv_reads_pairs_in_place_by_default(monkeypatch):
+    "gemv_gate_up_planes hands the GEMV the reading that takes each pair where it lies unless told otherwise"
     cfg, W = _layer(4, 2, 128, 32, 0)
     x = torch.randn(2, 128).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
@@ -202,7 +218,7 @@ def test_gemv_reads_each_word_once_by_default(monkeypatch):
     for read in (None, PLANE_READ):
         with pytest.raises(RuntimeError, match='stop'):
             gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit, read=read)
-    assert seen[0] is PLANE_READ_ONCE and seen[1] is PLANE_READ
+    assert seen[0] is PLANE_READ_PAIRS and seen[1] is PLANE_READ
 
 
 def test_planes_take_their_own_large_shape(monkeypatch):
@@ -225,3 +241,44 @@ def test_planes_take_their_own_large_shape(monkeypatch):
         with pytest.raises(RuntimeError, match='stop'): call()
     assert shapes[0] == shapes[1] == {**large, **moe_planes.PLANES_TUNING['large']} != large
     assert shapes[2] == mine
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(st.integers(1, GEMV_MAX_TOKENS), st.sampled_from([128, 256]), st.sampled_from([32, 96]), st.integers(0, 2**31))
+def test_pairs_in_place_equal_each_word_once(T, D, I, seed):
+    "The pair taken where it lies in its word gives the sums of the word read once, bit for bit"
+    cfg, W = _layer(4, 2, D, I, seed % 1000)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    P = planes_moe(W)
+    once, pairs = (gemv_gate_up_planes(x, tw, ti, P, cfg.swiglu_limit, read=r) for r in (PLANE_READ_ONCE, PLANE_READ_PAIRS))
+    assert torch.equal(pairs, once)
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(st.sampled_from([3, 8]), st.sampled_from([128, 256]), st.integers(1, 40), st.integers(0, 2**31))
+def test_down_stage_on_planes(E, D, T, seed):
+    """The fused MoE with the routed down weights in planes (and version 3's gate/up) passes `check_fused_moe`: the
+    down stage's rows within the BF16 bound of the reference's; the layer equals the pipeline's stages"""
+    cfg, W = _layer(E, 2, D, 128, seed % 1000)
+    P = planes_moe(W, down=True)
+    assert isinstance(P.w2, PlaneWeight) and torch.equal(planes_weight(P.w2).codes, W.w2.codes)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    stages = partial(_fused_stages, gate_up=plane_gate_up(P), down=expert_down_planes)
+    s = check_fused_moe(x, tw, ti, P, cfg.swiglu_limit, stages=stages)
+    y = fused_moe_experts(x, tw, ti, P, cfg.swiglu_limit, gate_up=plane_gate_up(P), down=expert_down_planes)
+    assert torch.equal(y, stages(x, tw, ti, P, cfg.swiglu_limit)['y'])
+
+
+@pytest.mark.parametrize('T', [1, GEMV_MAX_TOKENS])
+def test_gemv_down_on_planes(T):
+    "The decode GEMVs with all three routed weights in planes pass `check_fused_moe`; the layer equals its stages"
+    cfg, W = _layer(8, 2, 256, 128, T)
+    P = planes_moe(W, down=True)
+    x = (3 * torch.randn(T, 256, generator=torch.Generator().manual_seed(T))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    stages = partial(gemv_stages, gate_up=gemv_gate_up_planes, down=gemv_down_planes)
+    check_fused_moe(x, tw, ti, P, cfg.swiglu_limit, stages=stages)
+    y = moe_gemv_experts(x, tw, ti, P, cfg.swiglu_limit, gate_up=gemv_gate_up_planes, down=gemv_down_planes)
+    assert torch.equal(y, stages(x, tw, ti, P, cfg.swiglu_limit)['y'])

@@ -302,6 +302,42 @@ def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
         served_moe_caches(SimpleNamespace(moe=None))
 
 
+def test_served_moe_holds_the_down_weights_in_planes(monkeypatch):
+    """Where the planes hold them (inter 128), the served MoE keeps the routed down weights in planes too
+    (SERVED_PLANES_DOWN) and both paths read them, the fused MoE's down stage and the GEMVs, each within a BF16 step of
+    the layer on codes; SERVED_PLANES_DOWN off keeps the codes and the layer on codes' bits"""
+    from types import SimpleNamespace
+    from dsv41_nb.moe import MoEWeights
+    from dsv41_nb.fused_moe import moe_forward
+    from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
+    from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, moe_gemv_forward
+    from dsv41_nb.moe_planes import PlaneWeight
+    from dsv41_nb import paged
+    from dsv41_nb.paged import served_moe
+    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if not (dev.type == 'cuda' or triton_interpreting()): pytest.skip('the kernel path (a GPU or the interpreter)')
+    cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=128, n_routed_experts=8, n_activated_experts=2)
+    codes = MoEWeights.random(cfg, 3, dev)
+    c32 = replace(codes, gate=codes.gate.float())
+    y = torch.randn(GEMV_MAX_TOKENS + 3, 256, generator=torch.Generator().manual_seed(3)).to(dev, torch.bfloat16)
+    want = moe_forward(y, c32, cfg, gate_up=expert_gate_up_split, shared=DenseShared(c32))
+    gemv = moe_gemv_forward(y[:2], c32, cfg).float()
+    close = lambda a, b: (a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()
+    for asked in (True, False):
+        monkeypatch.setattr(paged, 'SERVED_PLANES_DOWN', asked)
+        calls = []
+        for name in ('expert_down_planes', 'gemv_down_planes'):
+            f = getattr(paged, name)
+            monkeypatch.setattr(paged, name, lambda *a, f=f, name=name, **k: calls.append(name) or f(*a, **k))
+        l = SimpleNamespace(moe=codes)
+        got, small = served_moe(l, y, cfg), served_moe(l, y[:2], cfg)
+        assert isinstance(l.moe.w2, PlaneWeight) == asked and isinstance(l.moe.w1, PlaneWeight)
+        assert calls == (['expert_down_planes', 'gemv_down_planes'] if asked else [])
+        assert close(got, want) and close(small, gemv)
+        if not asked: assert torch.equal(got, want)
+        monkeypatch.undo()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='a GPU')
 def test_a_gpu_layer_holds_planes_when_built(monkeypatch):
     """On a GPU a layer's planes exist before any step, in place of its codes: the model holds the same bytes of

@@ -6,7 +6,7 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--shared-fp8]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--codes-down] [--shared-fp8]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -71,9 +71,11 @@ def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     def build(kc):
         m = PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc)
         built['planes'] = sum(isinstance(l.moe.w1, PlaneWeight) for l in m.layers)
+        built['planes_down'] = sum(isinstance(l.moe.w2, PlaneWeight) for l in m.layers)
         return PagedStepModel(m)
     llm = LLM(Transformer(cfg, device='meta'), step_model=build, **engine_args)
     llm.planes_layers = built.get('planes')    # layers holding the routed gate/up in planes (08f)
+    llm.planes_down_layers = built.get('planes_down')      # ... and the routed down weights
     return llm
 
 
@@ -325,11 +327,14 @@ def main():
     ap.add_argument('--json', help='write the results to this file')
     ap.add_argument('--codes', action='store_true',
                     help="layers keep the routed experts' codes (version 2 gate/up), not planes (08f), to compare")
+    ap.add_argument('--codes-down', action='store_true',
+                    help="layers keep the routed down weights' codes (version 2's down stage), not planes (08f)")
     ap.add_argument('--shared-fp8', action='store_true',
                     help="the shared expert through the MoE's kernels on its FP8 codes, not cuBLAS (08c), to compare")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
     paged.SERVED_PLANES = not args.codes
+    paged.SERVED_PLANES_DOWN = not args.codes_down
     paged.SERVED_SHARED_DENSE = not args.shared_fp8
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
@@ -361,9 +366,10 @@ def main():
                         async_scheduling=args.async_scheduling,
                         max_model_len=args.prompt_len + args.max_tokens + 64, **budget)
         res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__,
-                   planes_layers=llm.planes_layers)
+                   planes_layers=llm.planes_layers, planes_down_layers=llm.planes_down_layers)
         print(f"built in {res['build_s']:.1f} s; runner model {res['runner']}; "
-              f"{llm.planes_layers} of {cfg.n_layers} layers with the routed experts in planes", flush=True)
+              f"{llm.planes_layers} of {cfg.n_layers} layers with the routed gate/up in planes, "
+              f"{llm.planes_down_layers} with the down weights too", flush=True)
     if 'concurrency' in args.sections:
         print(f"{'conc':>6} {'tok/s':>12} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} "
               f"{'TPOT p99':>9} {'e2e p50':>8} {'floor':>9} {'x floor':>8}   (ms; e2e s; "

@@ -5,6 +5,7 @@ as a record a notebook can read.
     python tools/kernel_mix.py --ptx KERNEL.ptx [--sass KERNEL.sass] [--ncu NCU.txt] --json OUT.json
                                [--machine NAME] [--commit SHA] [--launch JSON]
     python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch | --planes] [--json OUT.json]
+    python tools/kernel_mix.py --compile-gemv OUT_DIR --json OUT.json
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
 (the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
@@ -15,9 +16,11 @@ MemoryWorkloadAnalysis); the record keeps its numeric metrics by name. --launch:
 machine, this checkout). --compile-gate-up compiles the fused MoE's gate/up kernel (08b_fused_moe) for a Hopper GPU
 (sm_90) at the `bench` layer's 128-token launch, with no GPU: Triton's own compiler, ptxas and cuobjdump; it writes
 OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's gives the GPU's code), and with --json
-their record; --planes compiles version 3 (08f_moe_planes) instead. --quick: a check of the script on a small PTX and
+their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-gemv compiles the decode GEMV
+(08e_moe_gemv) of the bench layer's gate/up and down stages on codes and through each reading of the planes, and
+records each one's routed loop (SASS instructions) and registers. --quick: a check of the script on a small PTX and
 report it writes itself."""
-import argparse, datetime, json, re, sys, tempfile
+import argparse, datetime, json, math, re, sys, tempfile
 from collections import Counter
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,10 +74,7 @@ def sass_opcodes(body: list[str]) -> dict:
 def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes: bool = False) -> dict:
     ("PTX and SASS of the gate/up kernel (version 2, or version 3 of 08f_moe_planes with `planes`) for sm_90 at "
      "the bench layer's launch for `tokens`, compiled with no GPU; the launch, with the registers a thread holds")
-    import subprocess
     import triton, triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.fused_moe import _gate_up_kernel, moe_launch_shape
     from dsv41_nb.moe_planes import _gate_up_planes_kernel
@@ -91,24 +91,58 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes
         const.update(BK=shape['block_k'], W_FP4=True, HAS_WEIGHT=True, IDENTITY=False, DOT=tl.bfloat16,
                      SCALED=True, PREFETCH=prefetch)
     sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
-    # as a launch specialises them: 16-byte aligned pointers, a row count divisible by 16
-    attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n in [*ptrs, 'n_assign']}
+    regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'gate_up')
+    return dict(kernel=fn.fn.__name__ if hasattr(fn, 'fn') else fn.__name__, tokens=tokens, config='bench',
+                **{**shape, 'prefetch': prefetch}, triton=triton.__version__, target='sm_90', registers=regs)
+
+
+def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages: int, out: Path, name: str):
+    "Compile `fn` for sm_90 with no GPU; write OUT/NAME.ptx, .cubin and .sass; the registers a thread holds"
+    import subprocess
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    # as a launch specialises them: 16-byte aligned pointers (and a row count divisible by 16)
+    attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n in aligned}
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     k = triton.compile(src, target=GPUTarget('cuda', 90, 32),
-                       options=dict(num_warps=shape['num_warps'], num_stages=shape['num_stages']))
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
     out.mkdir(parents=True, exist_ok=True)
-    (out / 'gate_up.ptx').write_text(k.asm['ptx']); (out / 'gate_up.cubin').write_bytes(k.asm['cubin'])
+    (out / f'{name}.ptx').write_text(k.asm['ptx']); (out / f'{name}.cubin').write_bytes(k.asm['cubin'])
     tool = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'
-    sass = subprocess.run([str(tool), '-sass', str(out / 'gate_up.cubin')], capture_output=True, text=True,
-                          check=True).stdout
-    (out / 'gate_up.sass').write_text(sass)
-    res = subprocess.run([str(tool), '-res-usage', str(out / 'gate_up.cubin')], capture_output=True, text=True,
-                         check=True).stdout
-    regs = re.search(r'REG:(\d+)', res)
-    return dict(kernel=fn.fn.__name__ if hasattr(fn, 'fn') else fn.__name__, tokens=tokens, config='bench',
-                **{**shape, 'prefetch': prefetch}, triton=triton.__version__, target='sm_90',
-                registers=int(regs.group(1)) if regs else None)
+    run = lambda *a: subprocess.run([str(tool), *a, str(out / f'{name}.cubin')], capture_output=True, text=True,
+                                    check=True).stdout
+    (out / f'{name}.sass').write_text(run('-sass'))
+    regs = re.search(r'REG:(\d+)', run('-res-usage'))
+    return int(regs.group(1)) if regs else None
+
+
+def compile_gemv(out: Path) -> list[dict]:
+    ("The decode GEMV (08e_moe_gemv) of the bench layer's gate/up and down stages for sm_90, with no GPU, reading "
+     "the routed weights as codes and through each reading of the planes (08f_moe_planes): the routed loop's SASS "
+     "instructions and the registers a thread holds, one row each")
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.moe_gemv import _moe_gemv_kernel, GEMV_TUNING, _fp4_sums, _x_halves
+    from dsv41_nb.moe_planes import PLANE_READ, PLANE_READ_ONCE, PLANE_READ_PAIRS
+    cfg, fn, rows = ModelConfig.bench(), _moe_gemv_kernel, []
+    readings = dict(codes=None, planes_x4=PLANE_READ, planes_once=PLANE_READ_ONCE, planes_pairs=PLANE_READ_PAIRS)
+    for stage, K, N, gate_up in (('gate_up', cfg.dim, cfg.moe_inter_dim, True),
+                                 ('down', cfg.moe_inter_dim, cfg.dim, False)):
+        t = GEMV_TUNING[stage]
+        for name, read in readings.items():
+            w = '*i32' if read else '*u8'
+            ptrs = dict(x_ptr='*bf16', ids_ptr='*i32', ra_ptr=w, ras_ptr='*u8', rb_ptr=w, rbs_ptr='*u8',
+                        sa_ptr='*fp8e4nv', sas_ptr='*fp32', sb_ptr='*fp8e4nv', sbs_ptr='*fp32', part_ptr='*fp32')
+            const = dict(K=K, N=N, TOPK=cfg.n_activated_experts, BN=t['block_n'], BK=math.gcd(K, t['block_k']),
+                         SPLIT=1, PAIR=gate_up, PER_TOKEN=gate_up, QUANT=gate_up, HW_CVT=True, PDL=False,
+                         X_PAIR=(read or {}).get('X_PAIR', _x_halves),
+                         FP4_SUMS=(read or {}).get('FP4_SUMS', _fp4_sums))
+            sig = {**ptrs, 'n_assign': 'i32', 'R': 'i32', **{k: 'constexpr' for k in const}}
+            regs = _sm90(fn, sig, list(ptrs), const, t['num_warps'], 3, out, f'gemv_{stage}_{name}')
+            loop = sass_loop((out / f'gemv_{stage}_{name}.sass').read_text())   # the routed loop: the longest
+            rows.append(dict(stage=stage, reading=name, loop_instructions=len(loop), registers=regs))
+    return rows
 
 
 def ncu_metrics(text: str) -> dict:
@@ -130,6 +164,7 @@ def main(argv=None):
     ap.add_argument('--compile-gate-up', metavar='OUT_DIR')
     ap.add_argument('--prefetch', action='store_true', help='with --compile-gate-up: the scales a step ahead')
     ap.add_argument('--planes', action='store_true', help='with --compile-gate-up: version 3 (08f_moe_planes)')
+    ap.add_argument('--compile-gemv', metavar='OUT_DIR')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -144,6 +179,15 @@ def main(argv=None):
         (d / 'n.txt').write_text('    Duration                         us       684.16\n'
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
+    if args.compile_gemv:
+        if not args.json: ap.error('--compile-gemv needs --json')
+        rows = compile_gemv(Path(args.compile_gemv))
+        rec = dict(machine=args.machine or 'compiled for sm_90, no GPU', commit=args.commit or git_commit(),
+                   date=str(datetime.date.today()), config='bench', rows=rows)
+        Path(args.json).write_text(json.dumps(rec, indent=1))
+        for r in rows: print(f"{r['stage']:8s} {r['reading']:13s} {r['loop_instructions']:5d} instructions, "
+                             f"{r['registers']} registers")
+        return
     if args.compile_gate_up:
         d = Path(args.compile_gate_up)
         launch = compile_gate_up(d, args.prefetch, planes=args.planes)
