@@ -24,9 +24,9 @@ from .fused_moe import _mxfp4_pair, _e2m1_pair16
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PLANE_READ_PAIRS',
-           'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values', 'expert_gate_up_planes', 'plane_gate_up',
-           'planes_moe', 'gemv_gate_up_planes', 'fits_planes', 'served_gate_up', 'expert_down_planes',
-           'gemv_down_planes']
+           'PLANES_DOWN_TUNING', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
+           'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes', 'fits_planes',
+           'served_gate_up', 'expert_down_planes', 'gemv_down_planes']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -472,6 +472,10 @@ def _down_planes_kernel(
     tl.store(out_ptr + a.to(tl.int64)[:, None] * N + n[None, :], y.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & n_mask[None, :])
 
+# %% ../nbs/08f_moe_planes.ipynb #c1646a87
+# the planes down stage's own values, by regime, where they beat the regime's shape (timed below)
+PLANES_DOWN_TUNING = dict(mid=dict(block_n=128), large=dict(block_n=128, num_warps=4))
+
 # %% ../nbs/08f_moe_planes.ipynb #797de48e
 def expert_down_planes(
     h: torch.Tensor, # (n_assign, inter) BF16 output of the gate/up stage
@@ -489,7 +493,7 @@ def expert_down_planes(
     if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
         return expert_down_torch(h, w2, align)
     (E, N, K) = w2.shape
-    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), PLANES_TUNING)
+    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), PLANES_DOWN_TUNING)
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
     meta, grid = _launch(align, N, K, shape, h.device)
     _down_planes_kernel[grid](

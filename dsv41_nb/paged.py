@@ -217,7 +217,7 @@ def block_seam(block: Block, sub: str) -> HCWeights:
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
 SERVED_PLANES = True   # served layers hold the routed gate and up weights in planes (08f), not codes
-SERVED_PLANES_DOWN = True    # and the routed down weights too (08f's down stage and GEMV)
+SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)

@@ -119,7 +119,8 @@ def _bad_cases():
         (lambda: expert_down_planes(h[1:], P128.w2, al), 'h: expected BF16 (10, 128) rows for this alignment'),
         (lambda: expert_down_planes(h.float(), P128.w2, al), 'h: expected BF16 (10, 128) rows'),
         (lambda: expert_down_planes(h[:, :64], P128.w2, al), 'activations: expected shape (tokens, 128), got (10, 64)'),
-        (lambda: expert_down_planes(h, P128.w2, ExpertAlignment.identity(5, 16)), "align: expected the routed experts'"),
+        (lambda: expert_down_planes(h, P128.w2, ExpertAlignment.identity(5, 16)),
+         "align: expected the routed experts'"),
         (lambda: gemv_down_planes(hg, ti, W128, 1), 'w2: expected a PlaneWeight'),
         (lambda: gemv_down_planes(hg, ti, W128.w2), 'W: expected MoEWeights, got QuantWeight'),
         (lambda: gemv_down_planes(hg, ti, P128, read={'FP4_SUMS': None}), 'read: expected'),
@@ -251,7 +252,8 @@ def test_pairs_in_place_equal_each_word_once(T, D, I, seed):
     x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
     P = planes_moe(W)
-    once, pairs = (gemv_gate_up_planes(x, tw, ti, P, cfg.swiglu_limit, read=r) for r in (PLANE_READ_ONCE, PLANE_READ_PAIRS))
+    once, pairs = (gemv_gate_up_planes(x, tw, ti, P, cfg.swiglu_limit, read=r)
+                   for r in (PLANE_READ_ONCE, PLANE_READ_PAIRS))
     assert torch.equal(pairs, once)
 
 
@@ -282,3 +284,30 @@ def test_gemv_down_on_planes(T):
     check_fused_moe(x, tw, ti, P, cfg.swiglu_limit, stages=stages)
     y = moe_gemv_experts(x, tw, ti, P, cfg.swiglu_limit, gate_up=gemv_gate_up_planes, down=gemv_down_planes)
     assert torch.equal(y, stages(x, tw, ti, P, cfg.swiglu_limit)['y'])
+
+
+def test_down_stage_takes_its_own_shapes(monkeypatch):
+    """The planes down stage launches the `mid` and `large` regimes with PLANES_DOWN_TUNING's values (128 columns a
+    program), the other regimes and a shape the caller chose as given"""
+    cfg, W = _layer(4, 2, 128, 128, 0)
+    P = planes_moe(W, down=True)
+    shapes = []
+    def spy(align, N, K, shape, device):
+        shapes.append(shape); raise RuntimeError('stop')
+    monkeypatch.setattr(moe_planes, '_launch', spy)
+    for T in (160, 48, 8):                                      # 80, 24 and 4 rows an expert: large, batch, decode
+        x = torch.randn(T, 128).to(DEV)
+        tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+        shape = moe_launch_shape(T * 2, 4)
+        al = align_by_expert(ti, 4, shape['block_m'])
+        h = torch.zeros(T * 2, 128, dtype=torch.bfloat16, device=DEV)
+        with pytest.raises(RuntimeError, match='stop'): expert_down_planes(h, P.w2, al)
+    mid = moe_launch_shape(60 * 4, 4)                           # 60 rows an expert
+    al = align_by_expert(torch.arange(240).view(120, 2).to(DEV) % 4, 4, mid['block_m'])
+    for s in (mid, dict(mid, num_stages=2)):
+        with pytest.raises(RuntimeError, match='stop'):
+            expert_down_planes(torch.zeros(240, 128, dtype=torch.bfloat16, device=DEV), P.w2, al, s)
+    large, batch, decode = (moe_launch_shape(n, 4) for n in (320, 96, 16))
+    assert shapes[0] == {**large, 'block_n': 128, 'num_warps': 4} != large
+    assert shapes[1] == batch and shapes[2] == decode
+    assert shapes[3] == {**mid, 'block_n': 128} != mid and shapes[4] == dict(mid, num_stages=2)

@@ -6,7 +6,8 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--codes-down] [--shared-fp8]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--planes-down]
+                                 [--shared-fp8]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -327,14 +328,14 @@ def main():
     ap.add_argument('--json', help='write the results to this file')
     ap.add_argument('--codes', action='store_true',
                     help="layers keep the routed experts' codes (version 2 gate/up), not planes (08f), to compare")
-    ap.add_argument('--codes-down', action='store_true',
-                    help="layers keep the routed down weights' codes (version 2's down stage), not planes (08f)")
+    ap.add_argument('--planes-down', action='store_true',
+                    help="layers hold the routed down weights in planes too (08f's down stage), not codes")
     ap.add_argument('--shared-fp8', action='store_true',
                     help="the shared expert through the MoE's kernels on its FP8 codes, not cuBLAS (08c), to compare")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
     paged.SERVED_PLANES = not args.codes
-    paged.SERVED_PLANES_DOWN = not args.codes_down
+    paged.SERVED_PLANES_DOWN = args.planes_down
     paged.SERVED_SHARED_DENSE = not args.shared_fp8
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
