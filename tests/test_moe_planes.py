@@ -244,7 +244,7 @@ def test_planes_take_their_own_large_shape(monkeypatch):
     assert shapes[2] == mine
 
 
-@settings(max_examples=examples(4), deadline=None)
+@settings(max_examples=examples(2), deadline=None)
 @given(st.integers(1, GEMV_MAX_TOKENS), st.sampled_from([128, 256]), st.sampled_from([32, 96]), st.integers(0, 2**31))
 def test_pairs_in_place_equal_each_word_once(T, D, I, seed):
     "The pair taken where it lies in its word gives the sums of the word read once, bit for bit"
@@ -273,12 +273,12 @@ def test_down_stage_on_planes(E, D, T, seed):
     assert torch.equal(y, stages(x, tw, ti, P, cfg.swiglu_limit)['y'])
 
 
-@pytest.mark.parametrize('T', [1, GEMV_MAX_TOKENS])
+@pytest.mark.parametrize('T', [1, 2])           # compiled, the GPU tier takes 1 to GEMV_MAX_TOKENS
 def test_gemv_down_on_planes(T):
     "The decode GEMVs with all three routed weights in planes pass `check_fused_moe`; the layer equals its stages"
-    cfg, W = _layer(8, 2, 256, 128, T)
+    cfg, W = _layer(4, 2, 128, 128, T)
     P = planes_moe(W, down=True)
-    x = (3 * torch.randn(T, 256, generator=torch.Generator().manual_seed(T))).to(DEV)
+    x = (3 * torch.randn(T, 128, generator=torch.Generator().manual_seed(T))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
     stages = partial(gemv_stages, gate_up=gemv_gate_up_planes, down=gemv_down_planes)
     check_fused_moe(x, tw, ti, P, cfg.swiglu_limit, stages=stages)
