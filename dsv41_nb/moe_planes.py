@@ -347,8 +347,17 @@ class _PlaneRows:
     scales: torch.Tensor
     shape: tuple
 
+    @classmethod
+    def of(cls, p: PlaneWeight): return cls(p.words, p.scale_words.view(torch.uint8), p.shape)
+
 PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
 GEMV_PLANE_READ = PLANE_READ     # the reading `gemv_gate_up_planes` takes by default
+
+def _gemv_read(read: dict | None) -> dict:
+    "The GEMV's reading of the planes: `read`, checked, or `GEMV_PLANE_READ`"
+    if read is not None and set(read) != {'X_PAIR', 'FP4_SUMS'}:
+        raise ValueError(f"read: expected {{'X_PAIR': .., 'FP4_SUMS': ..}}, got {sorted(read)}")
+    return read or GEMV_PLANE_READ
 
 def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         W: MoEWeights, # the layer, its routed gate and up weights in planes
@@ -360,13 +369,11 @@ def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     if not isinstance(W, MoEWeights):
         raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     for name in ('w1', 'w3'): _check_planes(name, getattr(W, name), x)
-    if read is not None and set(read) != {'X_PAIR', 'FP4_SUMS'}:
-        raise ValueError(f"read: expected {{'X_PAIR': .., 'FP4_SUMS': ..}}, got {sorted(read)}")
+    read = _gemv_read(read)
     if W.w3.shape != W.w1.shape:
         raise ValueError(f"w3: expected planes of shape {W.w1.shape}, got {W.w3.shape}")
-    rows = [_PlaneRows(w.words, w.scale_words.view(torch.uint8), w.shape) for w in (W.w1, W.w3)]
     return gemv_gate_up(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=check_ids,
-                        routed=(*rows, read or GEMV_PLANE_READ))
+                        routed=(_PlaneRows.of(W.w1), _PlaneRows.of(W.w3), read))
 
 # %% ../nbs/08f_moe_planes.ipynb #71026b51
 @triton.jit
@@ -512,7 +519,4 @@ def gemv_down_planes(h: torch.Tensor, topk_ids: torch.Tensor,
     if not isinstance(W, MoEWeights):
         raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     _check_planes('w2', W.w2, h)
-    if read is not None and set(read) != {'X_PAIR', 'FP4_SUMS'}:
-        raise ValueError(f"read: expected {{'X_PAIR': .., 'FP4_SUMS': ..}}, got {sorted(read)}")
-    w2 = _PlaneRows(W.w2.words, W.w2.scale_words.view(torch.uint8), W.w2.shape)
-    return gemv_down(h, topk_ids, W, split, routed=(w2, read or GEMV_PLANE_READ))
+    return gemv_down(h, topk_ids, W, split, routed=(_PlaneRows.of(W.w2), _gemv_read(read)))
