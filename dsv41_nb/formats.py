@@ -454,6 +454,24 @@ def _e2m1_value(code):
     mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
     return tl.where((code & 8) != 0, -mag, mag)
 
+# %% ../nbs/01_formats.ipynb #14693377
+@triton.jit
+def _e2m1_pair16(t, scale):
+    ("Two E2M1 codes at bits 0-3 and 16-19 of int32 `t` (its other bits ignored) -> their values "
+     "times `scale` (fp32: 2^14 x UE8M0 scale)")
+    # two FP16 patterns, each E2M1 / 2^14
+    half2 = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)
+    lo = half2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (half2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo * scale, hi * scale
+
+# %% ../nbs/01_formats.ipynb #046aaf5f
+@triton.jit
+def _mxfp4_pair(byte, scale):
+    ("Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` "
+     "(fp32: 2^14 x UE8M0 scale)")
+    return _e2m1_pair16(byte * 4097, scale)     # the high nibble moved to bits 16-19
+
 # %% ../nbs/01_formats.ipynb #9853727c
 @triton.jit
 def _bf16_bits(v):

@@ -12,7 +12,8 @@ import triton.language as tl
 from .config import ModelConfig
 from .dispatch import (kernel_backend, triton_interpreting, median_time, graph_time,
                                copy_bandwidth, sm_count)
-from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits
+from .formats import (_ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits, _mxfp4_pair,
+                              _e2m1_pair16)
 from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_hidden,
                           expert_output, moe_experts_reference, moe_bytes_flops,
                           _check_routing, _check_x, _shape)
@@ -149,24 +150,6 @@ def _fp8_qdq_groups(v, HW_CVT: tl.constexpr):
     if HW_CVT: q = q.to(tl.float8e4nv).to(tl.float32)
     else: q = _e4m3_value(_e4m3_code(q))
     return q * _pow2(exp)[:, :, None]
-
-# %% ../nbs/08b_fused_moe.ipynb #14693377
-@triton.jit
-def _e2m1_pair16(t, scale):
-    ("Two E2M1 codes at bits 0-3 and 16-19 of int32 `t` (its other bits ignored) -> their values "
-     "times `scale` (fp32: 2^14 x UE8M0 scale)")
-    # two FP16 patterns, each E2M1 / 2^14
-    half2 = ((t << 9) & 0x0E000E00) | ((t << 12) & -0x7FFF8000)
-    lo = half2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (half2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo * scale, hi * scale
-
-# %% ../nbs/08b_fused_moe.ipynb #046aaf5f
-@triton.jit
-def _mxfp4_pair(byte, scale):
-    ("Bytes of two E2M1 codes (int32) -> (low-nibble, high-nibble) values times `scale` "
-     "(fp32: 2^14 x UE8M0 scale)")
-    return _e2m1_pair16(byte * 4097, scale)     # the high nibble moved to bits 16-19
 
 # %% ../nbs/08b_fused_moe.ipynb #ba8b235b
 @triton.jit

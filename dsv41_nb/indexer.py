@@ -16,7 +16,7 @@ from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_ba
                                use_kernels, capturing)
 from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4,
                               _e2m1_value, _ue8m0_value, _e4m3_value, _e2m1_code, _ue8m0_code,
-                              _pow2)
+                              _pow2, _mxfp4_pair)
 from .records import store_records
 from .compressor import Compressor, layer_inv_freq, RMSNorm, new_record_cache
 from .rope_norm import rope, norm_layer
@@ -300,6 +300,20 @@ def _fp4_key_halves(rec, valid, DH: tl.constexpr):
                               other=127).to(tl.int32))
     return _e2m1_value(b & 15) * sc, _e2m1_value(b >> 4) * sc
 
+# %% ../nbs/04_indexer.ipynb #ccbcd31b
+@triton.jit
+def _fp4_key_tile(rec, valid, DH: tl.constexpr):
+    "(BLOCK_T, DH) fp32 MXFP4 keys, each byte's two codes decoded at once (`_mxfp4_pair`)"
+    BT: tl.constexpr = rec.shape[0]
+    b = tl.load(rec + tl.arange(0, DH // 2)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    s = tl.load(rec + DH // 2 + tl.arange(0, DH // 32)[None, :], mask=valid[:, None],
+                other=0).to(tl.int32)
+    # 2^14 x each block's scale (0xFF: NaN), spread over the block's 16 bytes
+    f = tl.where(s == 255, float('nan'), _pow2(s + 14))
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BT, DH // 32, 16)), (BT, DH // 2))
+    lo, hi = _mxfp4_pair(b, f)
+    return tl.reshape(tl.join(lo, hi), (BT, DH))   # dims 2j, 2j + 1 back side by side
+
 # %% ../nbs/04_indexer.ipynb #a0e40038
 @triton.jit
 def _fp8_key_tile(rec, valid, DH: tl.constexpr):
@@ -357,6 +371,7 @@ def _index_logits_kernel(
     MODE: tl.constexpr,       # 0: every visible entry; 1: and -inf outside the kept blocks;
                               # 2: the pool's entries only
     CBS: tl.constexpr,        # candidate block size (modes 1, 2)
+    PAIRS: tl.constexpr = True,   # MXFP4: version 2 (`_fp4_key_tile`), else 1 (two halves)
 ):
     s = tl.program_id(0)
     row = tl.load(row_ptr + s)
@@ -366,8 +381,8 @@ def _index_logits_kernel(
         # the query, loaded once per program
         qrow = q_ptr + s.to(tl.int64) * H * DH + h[:, None] * DH
         w = tl.load(w_ptr + s.to(tl.int64) * H + h, mask=h < H, other=0.0)
-        # split into even and odd dims, as the nibbles of each byte are
-        if FP4:
+        # version 1: split into even and odd dims, as the nibbles of each byte are
+        if FP4 and not PAIRS:
             j = tl.arange(0, DH // 2)
             q_even = tl.load(qrow + 2 * j[None, :], mask=(h < H)[:, None], other=0.0)
             q_odd = tl.load(qrow + 2 * j[None, :] + 1, mask=(h < H)[:, None], other=0.0)
@@ -379,7 +394,8 @@ def _index_logits_kernel(
             page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid,
                            other=0).to(tl.int64)
             rec = _record_rows(cache_ptr, page * PER + e % PER, zero, REC)
-            if FP4:
+            if FP4 and PAIRS: scores = _dot_t(q, _fp4_key_tile(rec, valid, DH), BF16_DOT)
+            elif FP4:
                 k_even, k_odd = _fp4_key_halves(rec, valid, DH)
                 # (H_P2, BLOCK_T), never stored
                 scores = _dot_t(q_even, k_even, BF16_DOT) + _dot_t(q_odd, k_odd, BF16_DOT)
@@ -434,8 +450,8 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
     return out
 
 # %% ../nbs/04_indexer.ipynb #c6d3bf6b
-# entries per tile, tiles per program, warps (compiled)
-LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4)
+# entries per tile, tiles per program, warps (compiled); MXFP4 keys decoded by version 2
+LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, pairs=True)
 
 # %% ../nbs/04_indexer.ipynb #37097157
 def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
@@ -480,7 +496,8 @@ def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
         H=q.shape[1], H_P2=max(16, triton.next_power_of_2(q.shape[1])), DH=q.shape[2],
         RATIO=batch.ratio, PER=batch.per_block, FP4=fp4, REC=codec.record_bytes,
         BLOCK_T=block_t, TILES=tiles, BF16_DOT=not triton_interpreting(),
-        MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs, num_warps=warps)
+        MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs,
+        PAIRS=LOGITS_TUNING["pairs"], num_warps=warps)
     return out
 
 # %% ../nbs/04_indexer.ipynb #5844a3bc
@@ -775,17 +792,22 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                            device='cuda',
                            bandwidth=None,            # copy bandwidth in B/s (default: measured)
                            rep: int = 100,            # timed repetitions
+                           version: int = 2,          # MXFP4 keys: decoded by version 1 or 2
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")
+    if version not in (1, 2): raise ValueError(f"version = {version!r}; expected 1 or 2")
     codec = cache_format(cfg, fmt)
     q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
     bw = bandwidth or copy_bandwidth(device=device)
-    with use_kernels('triton'):
-        t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
+    old, LOGITS_TUNING['pairs'] = LOGITS_TUNING['pairs'], version == 2
+    try:
+        with use_kernels('triton'):
+            t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
+    finally: LOGITS_TUNING['pairs'] = old
     moved = (batch * context * (codec.record_bytes + 4) + q.numel() * 2
              + batch * (4 * q.shape[1] + 12))
-    return dict(context=context, batch=batch, format=fmt, us_per_query=t / batch * 1e6,
+    return dict(context=context, batch=batch, format=fmt, version=version, us_per_query=t / batch * 1e6,
                 floor_us=moved / bw / batch * 1e6, of_floor=moved / bw / t, GBps=moved / t / 1e9)
 
 # %% ../nbs/04_indexer.ipynb #bba95f46

@@ -11,11 +11,11 @@ import triton.language as tl
 from .config import ModelConfig, check_int
 from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch,
                                pdl_wait)
-from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value
+from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _mxfp4_pair
 from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x,
                           _shape)
 from .fused_moe import (ExpertAlignment, align_by_expert_torch, fp8_act_quant,
-                                expert_down_torch, _mxfp4_pair, _round_bf16, _fp8_qdq_groups)
+                                expert_down_torch, _round_bf16, _fp8_qdq_groups)
 from .moe_split import _swiglu_finish_kernel
 
 # %% auto #0

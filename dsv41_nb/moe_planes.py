@@ -20,7 +20,7 @@ from .moe_split import (expert_gate_up_split, _default_split, _check_split,
                                 _swiglu_finish_kernel)
 from .moe_gemv import gemv_gate_up, gemv_down, _fp8_halves
 from .formats import _pow2
-from .fused_moe import _mxfp4_pair, _e2m1_pair16
+from .formats import _mxfp4_pair, _e2m1_pair16
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PLANE_READ_PAIRS',

@@ -13,6 +13,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import kernel_backend, use_kernels
 from dsv41_nb.formats import cache_format
 from dsv41_nb.records import store_records
+from dsv41_nb import indexer
 from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits,
                               index_logits_reference, topk_reference, ragged_topk, candidate_pool,
                               candidate_pool_reference, pool_mask, sparse_topk,
@@ -57,16 +58,22 @@ def batches(draw, max_context=3000, max_requests=3, max_queries=5):
 @needs_triton
 @given(batches(),
        st.sampled_from([(6, 'index_mxfp4'), (6, 'index_fp8'), (2, 'index_mxfp4'), (2, 'index_fp8')]),
-       st.integers(0, 2**31))
-@example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1)
-@example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2)
+       st.integers(0, 2**31), st.sampled_from([2, 1]))
+@example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1,
+         version=2)
+@example(b=([300, 1, 40], [(0, 299), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1, version=1)
+@example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2, version=2)
 @settings(max_examples=examples(10))
-def test_logits_kernel_equals_reference(b, layer_fmt, seed):
+def test_logits_kernel_equals_reference(b, layer_fmt, seed, version):
+    "Both versions of the MXFP4 decoding (`LOGITS_TUNING['pairs']`) and the FP8 keys against the reference"
     contexts, queries = b
     ix = Indexer(TINY, *layer_fmt)
     q, w, cache, batch = world(ix, contexts, queries, seed)                  # at ratio 2 a query sees half its context
     ref = index_logits_reference(q, w, cache, batch, ix.codec)
-    with use_kernels('triton'): got = index_logits(q, w, cache, batch, ix.codec)
+    old, indexer.LOGITS_TUNING['pairs'] = indexer.LOGITS_TUNING['pairs'], version == 2
+    try:
+        with use_kernels('triton'): got = index_logits(q, w, cache, batch, ix.codec)
+    finally: indexer.LOGITS_TUNING['pairs'] = old
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert ((got - ref)[fin].abs() <= logits_error_bound(q, w, cache, batch, ix.codec)[fin]).all()

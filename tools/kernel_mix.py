@@ -6,6 +6,7 @@ as a record a notebook can read.
                                [--machine NAME] [--commit SHA] [--launch JSON]
     python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch | --planes] [--json OUT.json]
     python tools/kernel_mix.py --compile-gemv OUT_DIR --json OUT.json
+    python tools/kernel_mix.py --compile-index OUT_DIR --json OUT.json
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
 (the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
@@ -18,7 +19,9 @@ machine, this checkout). --compile-gate-up compiles the fused MoE's gate/up kern
 OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's gives the GPU's code), and with --json
 their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-gemv compiles the decode GEMV
 (08e_moe_gemv) of the bench layer's gate/up and down stages on codes and through each reading of the planes, and
-records each one's routed loop (SASS instructions) and registers. --quick: a check of the script on a small PTX and
+records each one's routed loop (SASS instructions) and registers. --compile-index does the same for the full-scan
+index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys.
+--quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, json, math, re, sys, tempfile
 from collections import Counter
@@ -157,6 +160,31 @@ def ncu_metrics(text: str) -> dict:
     return out
 
 
+def compile_index(out: Path) -> list[dict]:
+    ("The full-scan index logits kernel (04_indexer) for sm_90 at the bench geometry (32 heads x 128, MXFP4 keys, "
+     "the ratio-1 source's pages), with no GPU, through each version of the key decoding and at FP8 keys: the tile "
+     "loop's SASS instructions and opcodes, and the registers a thread holds, one row each")
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.indexer import _index_logits_kernel, LOGITS_TUNING
+    from dsv41_nb.formats import cache_format
+    cfg, t, rows = ModelConfig.bench(), LOGITS_TUNING, []
+    ptrs = dict(q_ptr='*bf16', w_ptr='*fp32', cache_ptr='*u8', bt_ptr='*i32', row_ptr='*i32', pos_ptr='*i32',
+                aux_ptr='*fp32', out_ptr='*fp32')
+    for name, fmt, pairs in (('version 1', 'index_mxfp4', False), ('version 2', 'index_mxfp4', True),
+                             ('fp8 keys', 'index_fp8', True)):
+        codec = cache_format(cfg, fmt)
+        const = dict(H=cfg.index_n_heads, H_P2=cfg.index_n_heads, DH=cfg.index_head_dim, RATIO=1, PER=128,
+                     FP4=fmt == 'index_mxfp4', REC=codec.record_bytes, BLOCK_T=t['block_t'], TILES=t['tiles'],
+                     BF16_DOT=True, MODE=0, CBS=cfg.candidate_block_size, PAIRS=pairs)
+        sig = {n: 'constexpr' if n in const else ptrs.get(n, 'i32') for n in _index_logits_kernel.arg_names}
+        tag = f"index_{name.replace(' ', '_')}"
+        regs = _sm90(_index_logits_kernel, sig, list(ptrs), const, t['num_warps'], 3, out, tag)
+        loop = sass_loop((out / f'{tag}.sass').read_text())
+        rows.append(dict(kernel=name, format=fmt, loop_instructions=len(loop), registers=regs,
+                         block_t=t['block_t'], num_warps=t['num_warps'], opcodes=sass_opcodes(loop)))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--ptx')
@@ -165,6 +193,7 @@ def main(argv=None):
     ap.add_argument('--prefetch', action='store_true', help='with --compile-gate-up: the scales a step ahead')
     ap.add_argument('--planes', action='store_true', help='with --compile-gate-up: version 3 (08f_moe_planes)')
     ap.add_argument('--compile-gemv', metavar='OUT_DIR')
+    ap.add_argument('--compile-index', metavar='OUT_DIR')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -179,6 +208,15 @@ def main(argv=None):
         (d / 'n.txt').write_text('    Duration                         us       684.16\n'
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
+    if args.compile_index:
+        if not args.json: ap.error('--compile-index needs --json')
+        rows = compile_index(Path(args.compile_index))
+        rec = dict(machine=args.machine or 'compiled for sm_90, no GPU', commit=args.commit or git_commit(),
+                   date=str(datetime.date.today()), config='bench', rows=rows)
+        Path(args.json).write_text(json.dumps(rec, indent=1))
+        for r in rows: print(f"{r['kernel']:10s} {r['loop_instructions']:5d} instructions a tile, "
+                             f"{r['registers']} registers")
+        return
     if args.compile_gemv:
         if not args.json: ap.error('--compile-gemv needs --json')
         rows = compile_gemv(Path(args.compile_gemv))
