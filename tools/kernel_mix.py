@@ -208,23 +208,17 @@ def main(argv=None):
         (d / 'n.txt').write_text('    Duration                         us       684.16\n'
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
-    if args.compile_index:
-        if not args.json: ap.error('--compile-index needs --json')
-        rows = compile_index(Path(args.compile_index))
+    if args.compile_index or args.compile_gemv:
+        which = 'index' if args.compile_index else 'gemv'
+        if not args.json: ap.error(f'--compile-{which} needs --json')
+        rows = (compile_index(Path(args.compile_index)) if args.compile_index
+                else compile_gemv(Path(args.compile_gemv)))
         rec = dict(machine=args.machine or 'compiled for sm_90, no GPU', commit=args.commit or git_commit(),
                    date=str(datetime.date.today()), config='bench', rows=rows)
         Path(args.json).write_text(json.dumps(rec, indent=1))
-        for r in rows: print(f"{r['kernel']:10s} {r['loop_instructions']:5d} instructions a tile, "
-                             f"{r['registers']} registers")
-        return
-    if args.compile_gemv:
-        if not args.json: ap.error('--compile-gemv needs --json')
-        rows = compile_gemv(Path(args.compile_gemv))
-        rec = dict(machine=args.machine or 'compiled for sm_90, no GPU', commit=args.commit or git_commit(),
-                   date=str(datetime.date.today()), config='bench', rows=rows)
-        Path(args.json).write_text(json.dumps(rec, indent=1))
-        for r in rows: print(f"{r['stage']:8s} {r['reading']:13s} {r['loop_instructions']:5d} instructions, "
-                             f"{r['registers']} registers")
+        for r in rows:
+            name = r['kernel'] if 'kernel' in r else f"{r['stage']:8s} {r['reading']}"
+            print(f"{name:22s} {r['loop_instructions']:5d} instructions, {r['registers']} registers")
         return
     if args.compile_gate_up:
         d = Path(args.compile_gate_up)
