@@ -2,25 +2,76 @@
 """Measure the lightning indexer's kernels: the full-scan logits per query token against its floor, a Reindex layer's
 sparse (candidate-pool) scoring against scoring the whole context and masking, and the candidate stage's recall.
 
-    python tools/bench_indexer.py [--json out.json] [--quick]
+    python tools/bench_indexer.py [--json out.json] [--quick] [--ncu PROFILE.json]
 
 Default (a GPU): the `bench` geometry (32 heads x 128, MXFP4 keys, 2,048 x 8 candidates) at the ratio-1 source, where a
 context of N tokens is N entries; decode batches of 32 requests; the full scan at 8K, 128K and 512K, sparse vs dense at
 128K and 512K, recall from 16K to 512K on random and clustered keys. `--quick` runs the `tiny` geometry on small
 contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean nothing; it checks that it all
 runs)."""
-import argparse, datetime, json
+import argparse, datetime, json, shutil, subprocess, sys
+from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
-from dsv41_nb.indexer import benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall
+from dsv41_nb.indexer import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall, LOGITS_TUNING,
+                              index_logits, _decode_batch)
+from dsv41_nb.formats import cache_format
+from dsv41_nb.dispatch import use_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_mix import ncu_metrics         # noqa: E402  (an ncu text report's numbers by name)
+from bench_engine import git_commit        # noqa: E402
+
+NCU_SECTIONS = ('SpeedOfLight', 'Occupancy', 'LaunchStats', 'SchedulerStats', 'WarpStateStats',
+                'MemoryWorkloadAnalysis', 'ComputeWorkloadAnalysis')
+NCU_CONTEXT, NCU_BATCH = 524288, 32
+
+
+def ncu_child(version: int):
+    "The profiled process: the full scan at 512K entries, decode batch 32, MXFP4 keys, twice (ncu records the second)"
+    cfg = ModelConfig.bench()
+    codec = cache_format(cfg, 'index_mxfp4')
+    q, w, cache, ib = _decode_batch(cfg, codec, NCU_BATCH, NCU_CONTEXT, 'cuda')
+    LOGITS_TUNING['pairs'] = version == 2
+    with use_kernels('triton'):
+        for _ in range(2): index_logits(q, w, cache, ib, codec, width=NCU_CONTEXT)
+    torch.cuda.synchronize()
+
+
+def ncu_profile(path: str):
+    "One Nsight Compute run per version of the key decoding; their numbers by name, one row each, to `path`"
+    ncu = shutil.which('ncu')
+    if ncu is None: raise SystemExit('--ncu: ncu is not on PATH')
+    rows = []
+    for version in (1, 2):
+        cmd = ([ncu, '--clock-control', 'none', '--kernel-name', 'regex:_index_logits_kernel',
+                '--launch-skip', '1', '--launch-count', '1']
+               + [a for s in NCU_SECTIONS for a in ('--section', s)]
+               + [sys.executable, __file__, '--ncu-child', str(version)])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        m = ncu_metrics(res.stdout)
+        if res.returncode or 'Duration' not in m:
+            raise SystemExit(f'--ncu: version {version}: {(res.stderr or res.stdout)[-1500:]}')
+        rows.append(dict(launch=f'version {version}', ncu=m))
+        print(f"version {version}: {m['Duration']} us, SM throughput {m.get('Compute (SM) Throughput')}%, "
+              f"DRAM {m.get('DRAM Throughput')}%, issued warps per scheduler {m.get('Issued Warp Per Scheduler')}")
+    rec = dict(machine=torch.cuda.get_device_name(), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}',
+               commit=git_commit(), config='bench', context=NCU_CONTEXT, batch=NCU_BATCH,
+               what=('one ncu run per version (--clock-control none; ' + ', '.join(NCU_SECTIONS)
+                     + ') of the full-scan index logits, MXFP4 keys, second launch'), rows=rows)
+    Path(path).write_text(json.dumps(rec, indent=1))
+    print('wrote', path)
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()
     ap.add_argument('--json', help='write the results here')
     ap.add_argument('--quick', action='store_true',
                     help='tiny geometry, small contexts (runs under TRITON_INTERPRET=1)')
+    ap.add_argument('--ncu', metavar='PATH', help='Nsight Compute on the full scan, both versions; summary to PATH')
+    ap.add_argument('--ncu-child', type=int, choices=(1, 2), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ncu_child: ncu_child(args.ncu_child); sys.exit(0)
+    if args.ncu: ncu_profile(args.ncu); sys.exit(0)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if kernel_backend(torch.zeros(1, device=device)) != 'triton':
         raise SystemExit('needs a GPU, or TRITON_INTERPRET=1 on a CPU')
