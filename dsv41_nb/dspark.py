@@ -28,8 +28,8 @@ from .scheduler import SamplingParams
 __all__ = ['Drafter', 'window_positions', 'reference_draft', 'sample_tokens', 'Draft', 'reference_accept_greedy', 'accept_greedy',
            'reference_accept_sampled', 'accept_sampled', 'prefix_survival', 'expected_accepted', 'best_verify_length',
            'roofline_step_cost', 'choose_verify_lengths', 'brute_force_verify_lengths', 'DSparkProposer', 'SpecStats',
-           'speculative_generate', 'greedy_training_data', 'drafter_anchors', 'drafter_loss', 'train_drafter',
-           'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov', 'dspark_proposer',
+           'speculative_generate', 'greedy_training_data', 'drafter_anchors', 'walk_anchors', 'drafter_loss',
+           'train_drafter', 'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov', 'dspark_proposer',
            'StepCostProfile', 'profile_drafts', 'ScriptedDrafts', 'profile_step_costs', 'load_step_costs']
 
 # %% ../nbs/14_dspark.ipynb #b37c1511
@@ -673,6 +673,21 @@ def drafter_anchors(rows: int, seq_len: int, prompt_len: int, block: int) -> tor
     p = torch.arange(max(prompt_len - 2, 0), seq_len - 1 - block)
     grid = torch.broadcast_tensors(torch.arange(rows)[:, None], p[None])
     return torch.stack(grid, -1).flatten(0, 1)
+
+# %% ../nbs/14_dspark.ipynb #2fa10ea9
+def walk_anchors(accepted: torch.Tensor,  # (R, A) drafts accepted at each row's consecutive anchors
+                ) -> list:                # the counts decoding meets, row after row
+    ("The anchors greedy decoding drafts from: each row's first, then a + 1 past the last one "
+     "where a drafts were accepted, until the row's anchors end")
+    ok = (isinstance(accepted, torch.Tensor) and accepted.ndim == 2 and accepted.numel() > 0
+          and bool((accepted >= 0).all()) and bool((accepted == accepted.round()).all()))
+    require(ok, "walk_anchors: expected a non-empty (rows, anchors) tensor of counts >= 0, "
+                f"got {accepted if not isinstance(accepted, torch.Tensor) else tuple(accepted.shape)}")
+    out = []
+    for row in accepted.long().tolist():
+        a = 0
+        while a < len(row): out.append(row[a]); a += row[a] + 1
+    return out
 
 # %% ../nbs/14_dspark.ipynb #235aafa5
 def drafter_loss(

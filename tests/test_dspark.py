@@ -25,7 +25,7 @@ from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_position
                              brute_force_verify_lengths, roofline_step_cost, speculative_generate, greedy_training_data,
                              drafter_anchors, drafter_loss, train_drafter, drafter_state, save_drafter, load_drafter,
                              set_successor_markov, StepCostProfile, profile_drafts, profile_step_costs,
-                             load_step_costs, ScriptedDrafts)
+                             load_step_costs, ScriptedDrafts, walk_anchors)
 
 TINY = ModelConfig.tiny()
 
@@ -327,6 +327,9 @@ BAD = [
     (lambda: greedy_training_data(_drafter().model, torch.tensor([[1, 2]]), 3), ValueError,
      'n = 3; expected at least 7'),
     (lambda: drafter_anchors(1, 8, 4, 5), ValueError, 'hold no full block of 5'),
+    (lambda: walk_anchors(torch.tensor([[1.5, 0.0]])), ValueError, 'counts >= 0'),
+    (lambda: walk_anchors(torch.tensor([[1, -1]])), ValueError, 'counts >= 0'),
+    (lambda: walk_anchors(torch.zeros(3)), ValueError, 'expected a non-empty (rows, anchors)'),
     (lambda: train_drafter(_drafter(), None, None, None, 0), ValueError, 'steps = 0'),
     (lambda: load_drafter(_drafter(), '/nonexistent/d.safetensors'), Exception, 'No such file'),
     (lambda: StepCostProfile((2, 1), ((0,), (0,)), ((1.0,), (1.0,))), ValueError, 'must be distinct and ascending'),
@@ -343,6 +346,22 @@ BAD = [
     (lambda: ScriptedDrafts(0), ValueError, 'k = 0'),
     (lambda: DSparkProposer(_drafter(), adaptive=True, step_cost=3.0), ValueError, 'or a StepCostProfile'),
 ]
+
+
+@given(st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=30), min_size=1, max_size=4).filter(
+    lambda rows: len({len(r) for r in rows}) == 1))
+@settings(max_examples=examples(50), deadline=None)
+def test_walk_anchors_follows_a_decode(rows):
+    "Each row walked as greedy decoding would take its blocks: from anchor a, a + accepted + 1 further on"
+    want = []
+    for row in rows:
+        at = 0
+        while at < len(row): want.append(row[at]); at += row[at] + 1
+    got = walk_anchors(torch.tensor(rows))
+    assert got == want
+    # the tokens a walk's blocks cover reach each row's last anchor, and no block starts past it
+    n = len(rows[0])
+    assert sum(a + 1 for a in got) >= len(rows) * n and len(got) >= len(rows)
 
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for _, _, m in BAD])
