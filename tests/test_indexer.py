@@ -190,6 +190,7 @@ def test_bad_inputs():
         (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32),
                             torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
+        (lambda: indexer.benchmark_index_logits(TINY, 64, version=3), 'version = 3; expected 1 or 2'),
     ]: fct.test_fail(fn, contains=msg)
 
 @needs_triton
