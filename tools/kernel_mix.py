@@ -7,6 +7,7 @@ as a record a notebook can read.
     python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch | --planes] [--json OUT.json]
     python tools/kernel_mix.py --compile-gemv OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-index OUT_DIR --json OUT.json
+    python tools/kernel_mix.py --compile-sparse-decode OUT_DIR --json OUT.json
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
 (the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
@@ -20,7 +21,8 @@ OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's give
 their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-gemv compiles the decode GEMV
 (08e_moe_gemv) of the bench layer's gate/up and down stages on codes and through each reading of the planes, and
 records each one's routed loop (SASS instructions) and registers. --compile-index does the same for the full-scan
-index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys.
+index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys;
+--compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two passes.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, json, math, re, sys, tempfile
@@ -54,15 +56,19 @@ def opcode_counts(body: list[str]) -> dict:
     return dict(ops.most_common())
 
 
-def sass_loop(text: str) -> list[str]:
-    "The instructions of the longest loop in `cuobjdump -sass` output: from a branch's target to the branch back"
+def sass_loops(text: str) -> list[list[str]]:
+    "The instructions of every loop in `cuobjdump -sass` output (a branch's target to the branch back), longest first"
     ins = [(int(m.group(1), 16), m.group(2).strip()) for l in text.split('\n')
            if (m := re.match(r'\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;', l))]
     loops = [(int(m.group(1), 16), a) for a, s in ins
              if (m := re.search(r'\bBRA\b.*?0x([0-9a-f]+)', s)) and int(m.group(1), 16) < a]
     if not loops: raise ValueError('the SASS has no loop (no branch back to an earlier address)')
-    lo, hi = max(loops, key=lambda l: l[1] - l[0])
-    return [s for a, s in ins if lo <= a <= hi]
+    return sorted(([s for a, s in ins if lo <= a <= hi] for lo, hi in loops), key=len, reverse=True)
+
+
+def sass_loop(text: str) -> list[str]:
+    "The instructions of the longest loop in `cuobjdump -sass` output"
+    return sass_loops(text)[0]
 
 
 def sass_opcodes(body: list[str]) -> dict:
@@ -185,6 +191,34 @@ def compile_index(out: Path) -> list[dict]:
     return rows
 
 
+def compile_sparse_decode(out: Path) -> list[dict]:
+    ("The sparse MLA decode kernel (06_sparse_decode) for sm_90 at the bench geometry (64 heads, 128 `window_fp8` + "
+     "512 `ds_fp4` records) in DECODE_TUNING's shape for a large batch, with no GPU: each pass's tile loop (SASS "
+     "instructions and opcodes) and the registers a thread holds. The window pass widens each E4M3 value through "
+     "FP16 (one HADD2 a value), the top-k pass decodes FP4 with shifts: the loop with more HADD2 is the window's")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sweep_sparse_decode import POINTERS, ALIGNED
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.formats import cache_format
+    from dsv41_nb import sparse_decode as sd
+    cfg = ModelConfig.bench()
+    L = sd.decode_launch(256, cfg.n_heads, cfg.window_size, cfg.index_topk, 'cpu', 1)
+    const = dict(D=cfg.head_dim, BLOCK_H=L['BLOCK_H'], BLOCK_N=L['BLOCK_N'], ONE_SPLIT=True,
+                 SCALE_TILE=L['SCALE_TILE'], HW_CVT=True, F32_DOT=False,
+                 **sd._format_meta(cache_format(cfg, 'window_fp8'), cfg.head_dim, 'W'),
+                 **sd._format_meta(cache_format(cfg, 'ds_fp4'), cfg.head_dim, 'C'))
+    fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
+    sig = {n: 'constexpr' if n in const else POINTERS.get(n, 'i32') for n in fn.arg_names}
+    aligned = [n for n in fn.arg_names if sig[n].startswith('*') or n in ALIGNED]
+    regs = _sm90(fn, sig, aligned, const, L['num_warps'], L['num_stages'], out, 'sparse_decode')
+    loops = sass_loops((out / 'sparse_decode.sass').read_text())[:2]
+    ops = [sass_opcodes(l) for l in loops]
+    window = max(range(2), key=lambda i: ops[i].get('HADD2', 0))
+    return [dict(kernel=name, loop_instructions=len(loops[i]), registers=regs, block_h=L['BLOCK_H'],
+                 block_n=L['BLOCK_N'], num_warps=L['num_warps'], opcodes=ops[i])
+            for name, i in (('window pass (FP8)', window), ('top-k pass (FP4)', 1 - window))]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--ptx')
@@ -194,6 +228,7 @@ def main(argv=None):
     ap.add_argument('--planes', action='store_true', help='with --compile-gate-up: version 3 (08f_moe_planes)')
     ap.add_argument('--compile-gemv', metavar='OUT_DIR')
     ap.add_argument('--compile-index', metavar='OUT_DIR')
+    ap.add_argument('--compile-sparse-decode', metavar='OUT_DIR')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -208,11 +243,11 @@ def main(argv=None):
         (d / 'n.txt').write_text('    Duration                         us       684.16\n'
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
-    if args.compile_index or args.compile_gemv:
-        which = 'index' if args.compile_index else 'gemv'
-        if not args.json: ap.error(f'--compile-{which} needs --json')
-        rows = (compile_index(Path(args.compile_index)) if args.compile_index
-                else compile_gemv(Path(args.compile_gemv)))
+    compilers = dict(index=compile_index, gemv=compile_gemv, sparse_decode=compile_sparse_decode)
+    which = next((k for k in compilers if getattr(args, f'compile_{k}')), None)
+    if which:
+        if not args.json: ap.error(f"--compile-{which.replace('_', '-')} needs --json")
+        rows = compilers[which](Path(getattr(args, f'compile_{which}')))
         rec = dict(machine=args.machine or 'compiled for sm_90, no GPU', commit=args.commit or git_commit(),
                    date=str(datetime.date.today()), config='bench', rows=rows)
         Path(args.json).write_text(json.dumps(rec, indent=1))
