@@ -15,8 +15,8 @@ _forced: str | None = None
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
            'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'mm_f32',
-           'gpu_cell_note', 'skip_gpu_cells', 'save_figure', 'capturing', 'as_captured', 'HostReads', 'cuda_graph',
-           'graph_time', 'pdl_launch', 'pdl_wait']
+           'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured', 'HostReads',
+           'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -177,6 +177,19 @@ def skip_gpu_cells() -> bool:
 
 # %% ../nbs/00a_dispatch.ipynb #62f93b68
 skip_gpu_cells();
+
+# %% ../nbs/00a_dispatch.ipynb #f9f7b401
+import json
+def printed_rows(nb,            # a notebook's path
+                 marker: str,   # text that one `#| gpu` cell of it holds, and no other
+                ) -> list:      # each table row's fields, as printed
+    "The rows of the table that `nb`'s `#| gpu` cell holding `marker` printed, from its saved outputs"
+    cells = [c for c in json.load(open(nb))['cells'] if c['cell_type'] == 'code'
+             and _GPU_CELL.match(''.join(c['source'])) and marker in ''.join(c['source'])]
+    if len(cells) != 1:
+        raise ValueError(f"{nb}: {len(cells)} GPU cells hold {marker!r}, expected 1")
+    text = ''.join(''.join(o.get('text', '')) for o in cells[0].get('outputs', []))
+    return [l.split() for l in text.splitlines() if re.match(r'\s*\d+\s+\d', l)]
 
 # %% ../nbs/00a_dispatch.ipynb #45053db6
 def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png)

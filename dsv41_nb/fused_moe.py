@@ -12,8 +12,8 @@ import triton.language as tl
 from .config import ModelConfig
 from .dispatch import (kernel_backend, triton_interpreting, median_time, graph_time,
                                copy_bandwidth, sm_count)
-from .formats import (_ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits, _mxfp4_pair,
-                              _e2m1_pair16)
+from .formats import (_ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _bf16_bits,
+                              _mxfp4_pair)
 from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_hidden,
                           expert_output, moe_experts_reference, moe_bytes_flops,
                           _check_routing, _check_x, _shape)

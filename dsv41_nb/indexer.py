@@ -5,6 +5,7 @@
 # %% ../nbs/04_indexer.ipynb #efb57431
 from __future__ import annotations
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass
 import torch
 import triton
@@ -23,9 +24,9 @@ from .rope_norm import rope, norm_layer
 
 # %% auto #0
 __all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'qdq_mxfp4_fused', 'IndexBatch', 'index_logits_reference', 'topk_reference',
-           'candidate_pool_reference', 'pool_mask', 'sparse_topk_reference', 'index_logits_torch', 'index_logits',
-           'logits_error_bound', 'ragged_topk', 'candidate_pool', 'pool_entries', 'sparse_topk', 'random_key_cache',
-           'benchmark_index_logits', 'benchmark_sparse_vs_dense', 'candidate_recall']
+           'candidate_pool_reference', 'pool_mask', 'sparse_topk_reference', 'index_logits_torch', 'key_decoding',
+           'index_logits', 'logits_error_bound', 'ragged_topk', 'candidate_pool', 'pool_entries', 'sparse_topk',
+           'random_key_cache', 'benchmark_index_logits', 'benchmark_sparse_vs_dense', 'candidate_recall']
 
 # %% ../nbs/04_indexer.ipynb #c07588fe
 class Indexer(nn.Module):
@@ -453,6 +454,15 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
 # entries per tile, tiles per program, warps (compiled); MXFP4 keys decoded by version 2
 LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, pairs=True)
 
+# %% ../nbs/04_indexer.ipynb #377f0e05
+@contextmanager
+def key_decoding(version: int): # 1: value by value, two products; 2: two codes at a time
+    "Within the block, the full scan decodes MXFP4 keys by `version` (`LOGITS_TUNING['pairs']`)"
+    if version not in (1, 2): raise ValueError(f"version = {version!r}; expected 1 or 2")
+    old, LOGITS_TUNING['pairs'] = LOGITS_TUNING['pairs'], version == 2
+    try: yield
+    finally: LOGITS_TUNING['pairs'] = old
+
 # %% ../nbs/04_indexer.ipynb #37097157
 def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
                  w: torch.Tensor,          # (T, H) fp32 head weights
@@ -796,15 +806,12 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")
-    if version not in (1, 2): raise ValueError(f"version = {version!r}; expected 1 or 2")
     codec = cache_format(cfg, fmt)
-    q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
-    bw = bandwidth or copy_bandwidth(device=device)
-    old, LOGITS_TUNING['pairs'] = LOGITS_TUNING['pairs'], version == 2
-    try:
+    with key_decoding(version):
+        q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
+        bw = bandwidth or copy_bandwidth(device=device)
         with use_kernels('triton'):
             t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
-    finally: LOGITS_TUNING['pairs'] = old
     moved = (batch * context * (codec.record_bytes + 4) + q.numel() * 2
              + batch * (4 * q.shape[1] + 12))
     return dict(context=context, batch=batch, format=fmt, version=version, us_per_query=t / batch * 1e6,

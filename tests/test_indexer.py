@@ -65,15 +65,13 @@ def batches(draw, max_context=3000, max_requests=3, max_queries=5):
 @example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2, version=2)
 @settings(max_examples=examples(10))
 def test_logits_kernel_equals_reference(b, layer_fmt, seed, version):
-    "Both versions of the MXFP4 decoding (`LOGITS_TUNING['pairs']`) and the FP8 keys against the reference"
+    "Both versions of the MXFP4 decoding (`key_decoding`) and the FP8 keys against the reference"
     contexts, queries = b
     ix = Indexer(TINY, *layer_fmt)
     q, w, cache, batch = world(ix, contexts, queries, seed)                  # at ratio 2 a query sees half its context
     ref = index_logits_reference(q, w, cache, batch, ix.codec)
-    old, indexer.LOGITS_TUNING['pairs'] = indexer.LOGITS_TUNING['pairs'], version == 2
-    try:
-        with use_kernels('triton'): got = index_logits(q, w, cache, batch, ix.codec)
-    finally: indexer.LOGITS_TUNING['pairs'] = old
+    with indexer.key_decoding(version), use_kernels('triton'):
+        got = index_logits(q, w, cache, batch, ix.codec)
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert ((got - ref)[fin].abs() <= logits_error_bound(q, w, cache, batch, ix.codec)[fin]).all()
@@ -191,6 +189,7 @@ def test_bad_inputs():
                             torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
         (lambda: indexer.benchmark_index_logits(TINY, 64, version=3), 'version = 3; expected 1 or 2'),
+        (lambda: indexer.key_decoding(0).__enter__(), 'version = 0; expected 1 or 2'),
     ]: fct.test_fail(fn, contains=msg)
 
 @needs_triton

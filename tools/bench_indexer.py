@@ -14,7 +14,7 @@ from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
-from dsv41_nb.indexer import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall, LOGITS_TUNING,
+from dsv41_nb.indexer import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall, key_decoding,
                               index_logits, _decode_batch)
 from dsv41_nb.formats import cache_format
 from dsv41_nb.dispatch import use_kernels
@@ -32,8 +32,7 @@ def ncu_child(version: int):
     cfg = ModelConfig.bench()
     codec = cache_format(cfg, 'index_mxfp4')
     q, w, cache, ib = _decode_batch(cfg, codec, NCU_BATCH, NCU_CONTEXT, 'cuda')
-    LOGITS_TUNING['pairs'] = version == 2
-    with use_kernels('triton'):
+    with key_decoding(version), use_kernels('triton'):
         for _ in range(2): index_logits(q, w, cache, ib, codec, width=NCU_CONTEXT)
     torch.cuda.synchronize()
 
