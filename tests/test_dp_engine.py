@@ -220,12 +220,14 @@ def test_llm_hook():
 SCRIPT = """
 import sys, argparse
 from dsv41_nb.dp_engine import dp_generate, dp_bench
+from dsv41_nb.__main__ import _rank_exit
 common = dict(checkpoint={ckpt!r}, speculative=0, device='cpu', threads=1, kernels='torch', seed=0,
               async_scheduling=False, data_parallel_size=None)
 def error(msg): sys.exit(msg)
 dp_generate(argparse.Namespace(prompt='the cat', max_tokens=6, temperature=0.0, top_p=1.0, top_k=-1, **common), error)
-sys.exit(dp_bench(argparse.Namespace(num_prompts=3, prompt_len=5, max_tokens=3, max_num_seqs=8,
-                                     max_num_batched_tokens=64, json=None, **common), error))
+# the command line's end under torchrun: leave the group, then exit without the interpreter's shutdown
+_rank_exit(dp_bench(argparse.Namespace(num_prompts=3, prompt_len=5, max_tokens=3, max_num_seqs=8,
+                                       max_num_batched_tokens=64, json=None, **common), error))
 """
 
 def test_torchrun_generate_and_bench(tmp_path):
