@@ -472,6 +472,30 @@ def _mxfp4_pair(byte, scale):
      "(fp32: 2^14 x UE8M0 scale)")
     return _e2m1_pair16(byte * 4097, scale)     # the high nibble moved to bits 16-19
 
+# %% ../nbs/01_formats.ipynb #6dc83fd6
+@triton.jit
+def _e2m1_bf16_pair(t):
+    ("Two E2M1 codes at bits 0-3 and 16-19 of int32 `t` (its other bits ignored) -> int32 of two "
+     "BF16 patterns, each its code's value times 2^-126")
+    return ((t << 6) & 0x01C001C0) | ((t << 12) & -0x7FFF8000)
+
+# %% ../nbs/01_formats.ipynb #259e3a36
+@triton.jit
+def _ue8m0_bf16(code):
+    "UE8M0 code (int32) -> the BF16 pattern of its value (int32): 2^(code-127), 0xFF -> NaN"
+    return tl.where(code == 0, 0x40, tl.where(code == 255, 0x7FC0, code << 7))   # 0: 2^-127
+
+# %% ../nbs/01_formats.ipynb #71a2df1b
+@triton.jit
+def _bf16_scaled(k16, s16, BF16_MATH: tl.constexpr):
+    ("BF16 patterns (int16) of E2M1 x 2^-126 and of scales -> the values times their scales, exact: "
+     "BF16 arithmetic compiled (BF16_MATH), else fp32 (the interpreter's)")
+    if BF16_MATH: k, s = k16.to(tl.bfloat16, bitcast=True), s16.to(tl.bfloat16, bitcast=True)
+    else:
+        k = (k16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        s = (s16.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return k * 8.507059173023462e+37 * s    # x 2^126 (now each code's own value), x the scale
+
 # %% ../nbs/01_formats.ipynb #9853727c
 @triton.jit
 def _bf16_bits(v):

@@ -12,21 +12,21 @@ import triton
 import triton.language as tl
 from torch import nn
 from fastcore.basics import patch
-from .config import ModelConfig, source_layer
+from .config import ModelConfig, source_layer, check_int
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
                                use_kernels, capturing)
 from .formats import (FP4Record, FP8Record, cache_format, quantize_fp4, dequantize_fp4,
                               _e2m1_value, _ue8m0_value, _e4m3_value, _e2m1_code, _ue8m0_code,
-                              _pow2, _mxfp4_pair)
+                              _pow2, _mxfp4_pair, _e2m1_bf16_pair, _ue8m0_bf16, _bf16_scaled)
 from .records import store_records
 from .compressor import Compressor, layer_inv_freq, RMSNorm, new_record_cache
 from .rope_norm import rope, norm_layer
 
 # %% auto #0
 __all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'qdq_mxfp4_fused', 'IndexBatch', 'index_logits_reference', 'topk_reference',
-           'candidate_pool_reference', 'pool_mask', 'sparse_topk_reference', 'index_logits_torch', 'key_decoding',
-           'index_logits', 'logits_error_bound', 'ragged_topk', 'candidate_pool', 'pool_entries', 'sparse_topk',
-           'random_key_cache', 'benchmark_index_logits', 'benchmark_sparse_vs_dense', 'candidate_recall']
+           'candidate_pool_reference', 'pool_mask', 'sparse_topk_reference', 'slot_dims', 'index_logits_torch',
+           'key_decoding', 'index_logits', 'logits_error_bound', 'ragged_topk', 'candidate_pool', 'pool_entries',
+           'sparse_topk', 'random_key_cache', 'benchmark_index_logits', 'benchmark_sparse_vs_dense', 'candidate_recall']
 
 # %% ../nbs/04_indexer.ipynb #c07588fe
 class Indexer(nn.Module):
@@ -315,6 +315,41 @@ def _fp4_key_tile(rec, valid, DH: tl.constexpr):
     lo, hi = _mxfp4_pair(b, f)
     return tl.reshape(tl.join(lo, hi), (BT, DH))   # dims 2j, 2j + 1 back side by side
 
+# %% ../nbs/04_indexer.ipynb #004c8afd
+def slot_dims(dh: int) -> torch.Tensor:
+    "The key dim each slot of version 3's tile holds: slot 8j + 2l + h is dim 2(l dh/8 + j) + h"
+    check_int('slot_dims', 'dh', dh, 32)
+    if dh % 32: raise ValueError(f"slot_dims: dh = {dh}; expected a multiple of 32 (MXFP4 blocks)")
+    kp = torch.arange(dh)
+    return 2 * ((kp % 8) // 2 * (dh // 8) + kp // 8) + kp % 2
+
+# %% ../nbs/04_indexer.ipynb #c24fe631
+@triton.jit
+def _slot_bytes(rec, valid, DH: tl.constexpr):
+    "(BLOCK_T, DH/2) int32 MXFP4 code bytes in slot-pair order: pair 4j + l is byte l DH/8 + j"
+    l, j = tl.arange(0, 4)[None, :, None], tl.arange(0, DH // 8)[None, None, :]
+    b = tl.load(rec[:, :, None] + l * (DH // 8) + j, mask=valid[:, None, None], other=0)
+    return tl.reshape(tl.permute(b.to(tl.int32), (0, 2, 1)), (rec.shape[0], DH // 2))
+
+# %% ../nbs/04_indexer.ipynb #1c405444
+@triton.jit
+def _slot_scales(rec, valid, DH: tl.constexpr):
+    "(BLOCK_T, DH) int16 BF16 patterns of each slot's block scale"
+    BT: tl.constexpr = rec.shape[0]
+    s = tl.load(rec + DH // 2 + tl.arange(0, DH // 32)[None, :], mask=valid[:, None], other=0)
+    s = _ue8m0_bf16(s.to(tl.int32)).to(tl.int16)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BT, DH // 32, 16)), (BT, 4, DH // 8))  # a byte's
+    s = tl.reshape(tl.permute(s, (0, 2, 1)), (BT, DH // 2))                               # a pair's
+    return tl.reshape(tl.join(s, s), (BT, DH))
+
+# %% ../nbs/04_indexer.ipynb #5f0de6e5
+@triton.jit
+def _fp4_key_slots(rec, valid, DH: tl.constexpr, BF16_MATH: tl.constexpr):
+    "(BLOCK_T, DH) MXFP4 keys in slot order, exact: BF16 (compiled), else fp32 (the interpreter)"
+    p = _e2m1_bf16_pair(_slot_bytes(rec, valid, DH) * 4097)   # each pair's two BF16 patterns
+    k16 = tl.reshape(tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)), (rec.shape[0], DH))
+    return _bf16_scaled(k16, _slot_scales(rec, valid, DH), BF16_MATH)
+
 # %% ../nbs/04_indexer.ipynb #a0e40038
 @triton.jit
 def _fp8_key_tile(rec, valid, DH: tl.constexpr):
@@ -329,7 +364,7 @@ def _fp8_key_tile(rec, valid, DH: tl.constexpr):
 def _dot_t(a, k, BF16_DOT: tl.constexpr):
     "a @ k^T in fp32: bf16 operands on the tensor cores (exact here), fp32 in the interpreter"
     if BF16_DOT: return tl.dot(a, tl.trans(k.to(tl.bfloat16)))
-    return tl.dot(a.to(tl.float32), tl.trans(k))
+    return tl.dot(a.to(tl.float32), tl.trans(k.to(tl.float32)))
 
 # %% ../nbs/04_indexer.ipynb #40f66b92
 @triton.jit
@@ -372,7 +407,7 @@ def _index_logits_kernel(
     MODE: tl.constexpr,       # 0: every visible entry; 1: and -inf outside the kept blocks;
                               # 2: the pool's entries only
     CBS: tl.constexpr,        # candidate block size (modes 1, 2)
-    PAIRS: tl.constexpr = True,   # MXFP4: version 2 (`_fp4_key_tile`), else 1 (two halves)
+    VERSION: tl.constexpr = 2,   # MXFP4 keys: 1 two halves, 2 `_fp4_key_tile`, 3 `_fp4_key_slots`
 ):
     s = tl.program_id(0)
     row = tl.load(row_ptr + s)
@@ -383,10 +418,14 @@ def _index_logits_kernel(
         qrow = q_ptr + s.to(tl.int64) * H * DH + h[:, None] * DH
         w = tl.load(w_ptr + s.to(tl.int64) * H + h, mask=h < H, other=0.0)
         # version 1: split into even and odd dims, as the nibbles of each byte are
-        if FP4 and not PAIRS:
+        if FP4 and VERSION == 1:
             j = tl.arange(0, DH // 2)
             q_even = tl.load(qrow + 2 * j[None, :], mask=(h < H)[:, None], other=0.0)
             q_odd = tl.load(qrow + 2 * j[None, :] + 1, mask=(h < H)[:, None], other=0.0)
+        elif FP4 and VERSION == 3:   # in slot order (`slot_dims`)
+            kp = tl.arange(0, DH)
+            dim = 2 * ((kp % 8) // 2 * (DH // 8) + kp // 8) + kp % 2
+            q = tl.load(qrow + dim[None, :], mask=(h < H)[:, None], other=0.0)
         else: q = tl.load(qrow + tl.arange(0, DH)[None, :], mask=(h < H)[:, None], other=0.0)
         for i in range(TILES):                                 # TILES tiles of BLOCK_T entries
             # (BLOCK_T,) output columns
@@ -395,15 +434,19 @@ def _index_logits_kernel(
             page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid,
                            other=0).to(tl.int64)
             rec = _record_rows(cache_ptr, page * PER + e % PER, zero, REC)
-            if FP4 and PAIRS: scores = _dot_t(q, _fp4_key_tile(rec, valid, DH), BF16_DOT)
-            elif FP4:
-                k_even, k_odd = _fp4_key_halves(rec, valid, DH)
-                # (H_P2, BLOCK_T), never stored
-                scores = _dot_t(q_even, k_even, BF16_DOT) + _dot_t(q_odd, k_odd, BF16_DOT)
-            else:
-                k, ks = _fp8_key_tile(rec, valid, DH)
-                scores = _dot_t(q, k, BF16_DOT) * ks[None, :]   # the keys' scale, after the dot
-            logit = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
+            if FP4 and VERSION == 3:   # keys on the left: (BLOCK_T, H_P2), summed over heads
+                st = _dot_t(_fp4_key_slots(rec, valid, DH, BF16_DOT), q, BF16_DOT)
+                logit = tl.sum(tl.maximum(st, 0.0) * w[None, :], axis=1)
+            else:                      # (H_P2, BLOCK_T), never stored
+                if FP4 and VERSION == 2:
+                    scores = _dot_t(q, _fp4_key_tile(rec, valid, DH), BF16_DOT)
+                elif FP4:
+                    k_even, k_odd = _fp4_key_halves(rec, valid, DH)
+                    scores = _dot_t(q_even, k_even, BF16_DOT) + _dot_t(q_odd, k_odd, BF16_DOT)
+                else:
+                    k, ks = _fp8_key_tile(rec, valid, DH)
+                    scores = _dot_t(q, k, BF16_DOT) * ks[None, :]   # the keys' scale, after it
+                logit = tl.sum(tl.maximum(scores, 0.0) * w[:, None], axis=0)
             tl.store(out_ptr + s.to(tl.int64) * L + t, tl.where(valid, logit, -float('inf')),
                      mask=t < L)
 
@@ -451,17 +494,17 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
     return out
 
 # %% ../nbs/04_indexer.ipynb #c6d3bf6b
-# entries per tile, tiles per program, warps (compiled); MXFP4 keys decoded by version 2
-LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, pairs=True)
+# entries per tile, tiles per program, warps (compiled); the MXFP4 keys' version
+LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=2)
 
 # %% ../nbs/04_indexer.ipynb #377f0e05
 @contextmanager
-def key_decoding(version: int): # 1: value by value, two products; 2: two codes at a time
-    "Within the block, the full scan decodes MXFP4 keys by `version` (`LOGITS_TUNING['pairs']`)"
-    if version not in (1, 2): raise ValueError(f"version = {version!r}; expected 1 or 2")
-    old, LOGITS_TUNING['pairs'] = LOGITS_TUNING['pairs'], version == 2
+def key_decoding(version: int): # 1: value by value; 2: two codes at a time; 3: BF16, keys on the left
+    "Within the block, the full scan decodes MXFP4 keys by `version` (`LOGITS_TUNING['version']`)"
+    if version not in (1, 2, 3): raise ValueError(f"version = {version!r}; expected 1, 2 or 3")
+    old, LOGITS_TUNING['version'] = LOGITS_TUNING['version'], version
     try: yield
-    finally: LOGITS_TUNING['pairs'] = old
+    finally: LOGITS_TUNING['version'] = old
 
 # %% ../nbs/04_indexer.ipynb #37097157
 def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
@@ -507,7 +550,7 @@ def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
         RATIO=batch.ratio, PER=batch.per_block, FP4=fp4, REC=codec.record_bytes,
         BLOCK_T=block_t, TILES=tiles, BF16_DOT=not triton_interpreting(),
         MODE=2 if pool is not None else (1 if keep is not None else 0), CBS=cbs,
-        PAIRS=LOGITS_TUNING["pairs"], num_warps=warps)
+        VERSION=LOGITS_TUNING["version"], num_warps=warps)
     return out
 
 # %% ../nbs/04_indexer.ipynb #5844a3bc
@@ -802,7 +845,7 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                            device='cuda',
                            bandwidth=None,            # copy bandwidth in B/s (default: measured)
                            rep: int = 100,            # timed repetitions
-                           version: int = 2,          # MXFP4 keys: decoded by version 1 or 2
+                           version: int = 2,          # MXFP4 keys: decoded by version 1, 2 or 3
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")

@@ -9,14 +9,16 @@ record's subnormal BF16 tail exactly as the reference does: the fault is the int
 GPU tier (tools/gpu_tests.sh) runs these cases with the subnormals kept."""
 import pytest
 import torch, triton
+import triton.language as tl
 from hypothesis import given, strategies as st, settings
 from budget import examples
 from dsv41_nb.config import ModelConfig
 from fastcore import test as fct           # fct.test_fail: pytest would collect a bare test_fail
 from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
 from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, e4m3_codes,
-                              e4m3_values, e2m1_codes, e2m1_values,
-                              quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX)
+                              e4m3_values, e2m1_codes, e2m1_values, unpack_nibbles,
+                              quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX,
+                              _e2m1_bf16_pair, _ue8m0_bf16, _bf16_scaled)
 from dsv41_nb.records import (store_records, gather_records, KERNEL_VERSIONS, edge_case_vectors, every_value_blocks,
                               kernel_version)
 
@@ -170,6 +172,26 @@ def test_kernels_match_reference(codec, data):
                   data.draw(st.sampled_from([torch.float32, torch.bfloat16])), version, g)
 
 ODD_TAIL = FP8Record('fp8', 18, 16, rope_dim=2, pad_to=1)    # 16 E4M3, 2 BF16, 1 scale: 21 bytes, version 1 runs
+
+@triton.jit
+def _bf16_pair_probe(x_ptr, y_ptr, n, BLOCK: tl.constexpr, GPU: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.load(x_ptr + offs, mask=offs < n, other=0)           # a byte of two codes | its scale << 8
+    pair, s16 = _e2m1_bf16_pair((c & 255) * 4097), _ue8m0_bf16(c >> 8).to(tl.int16)
+    for h in tl.static_range(2):
+        v = _bf16_scaled((pair >> (16 * h)).to(tl.int16), s16, GPU).to(tl.float32)
+        tl.store(y_ptr + 2 * offs + h, v, mask=offs < n)
+
+@needs_triton
+def test_bf16_pairs_every_byte_under_every_scale():
+    "Both codes of every byte times every UE8M0 scale through BF16 patterns: the reference's values bit for bit"
+    every = torch.arange(1 << 16, dtype=torch.int32)
+    want = e2m1_values(unpack_nibbles((every & 255).to(torch.uint8)[:, None])) \
+        * ue8m0_values((every >> 8).to(torch.uint8))[:, None]
+    got = torch.empty(every.numel(), 2, device=DEV)
+    _bf16_pair_probe[(64,)](every.to(DEV), got, every.numel(), BLOCK=1024, GPU=not triton_interpreting())
+    assert want.isinf().any() and want.isnan().any()
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
 
 @pytest.mark.parametrize('seed', range(4))
 @pytest.mark.parametrize('version', KERNEL_VERSIONS)

@@ -6,11 +6,12 @@ Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them
 import pytest
 import torch
 import triton
+import triton.language as tl
 from hypothesis import example, given, settings, strategies as st
 from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
 from dsv41_nb.records import store_records
 from dsv41_nb import indexer
@@ -58,14 +59,17 @@ def batches(draw, max_context=3000, max_requests=3, max_queries=5):
 @needs_triton
 @given(batches(),
        st.sampled_from([(6, 'index_mxfp4'), (6, 'index_fp8'), (2, 'index_mxfp4'), (2, 'index_fp8')]),
-       st.integers(0, 2**31), st.sampled_from([2, 1]))
+       st.integers(0, 2**31), st.sampled_from([2, 1, 3]))
 @example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1,
          version=2)
 @example(b=([300, 1, 40], [(0, 299), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=1, version=1)
 @example(b=([2500, 7], [(0, 2499), (1, 0), (1, 1)]), layer_fmt=(2, 'index_fp8'), seed=2, version=2)
+@example(b=([3000, 1, 40], [(0, 2999), (1, 0), (-1, 3), (2, 17)]), layer_fmt=(6, 'index_mxfp4'), seed=3,
+         version=3)
+@example(b=([700, 33], [(0, 699), (1, 32)]), layer_fmt=(2, 'index_mxfp4'), seed=4, version=3)
 @settings(max_examples=examples(10))
 def test_logits_kernel_equals_reference(b, layer_fmt, seed, version):
-    "Both versions of the MXFP4 decoding (`key_decoding`) and the FP8 keys against the reference"
+    "Every version of the MXFP4 decoding (`key_decoding`) and the FP8 keys against the reference"
     contexts, queries = b
     ix = Indexer(TINY, *layer_fmt)
     q, w, cache, batch = world(ix, contexts, queries, seed)                  # at ratio 2 a query sees half its context
@@ -75,6 +79,29 @@ def test_logits_kernel_equals_reference(b, layer_fmt, seed, version):
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
     assert ((got - ref)[fin].abs() <= logits_error_bound(q, w, cache, batch, ix.codec)[fin]).all()
+
+@triton.jit
+def _key_slots_probe(cache_ptr, out_ptr, REC: tl.constexpr, DH: tl.constexpr, N: tl.constexpr,
+                     GPU: tl.constexpr):
+    rows = tl.arange(0, N)
+    k = indexer._fp4_key_slots(cache_ptr + rows[:, None] * REC, rows >= 0, DH, GPU)
+    tl.store(out_ptr + rows[:, None] * DH + tl.arange(0, DH)[None, :], k.to(tl.float32))
+
+@needs_triton
+@pytest.mark.parametrize('cfg', [TINY, ModelConfig.bench()], ids=['tiny', 'bench'])
+def test_version_3_decodes_every_scale_in_slot_order(cfg):
+    "Version 3's key tile is the reference's decoding in `slot_dims` order, bit for bit, at all 256 scale codes"
+    codec = cache_format(cfg, 'index_mxfp4')
+    dh, nb = cfg.index_head_dim, cfg.index_head_dim // 32
+    n = 256 // nb
+    g = torch.Generator().manual_seed(0)
+    rec = torch.randint(0, 256, (n, codec.record_bytes), generator=g, dtype=torch.uint8)
+    rec[:, dh // 2:] = torch.arange(256, dtype=torch.uint8).view(n, nb)   # every UE8M0 code, 255 (NaN) too
+    out = torch.empty(n, dh, device=DEV)
+    _key_slots_probe[(1,)](rec.to(DEV), out, REC=codec.record_bytes, DH=dh, N=n,
+                           GPU=not triton_interpreting())
+    want = codec.unpack(rec)[:, indexer.slot_dims(dh)]
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0, equal_nan=True)
 
 @st.composite
 def score_rows(draw):
@@ -188,8 +215,10 @@ def test_bad_inputs():
         (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32),
                             torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
-        (lambda: indexer.benchmark_index_logits(TINY, 64, version=3), 'version = 3; expected 1 or 2'),
-        (lambda: indexer.key_decoding(0).__enter__(), 'version = 0; expected 1 or 2'),
+        (lambda: indexer.benchmark_index_logits(TINY, 64, version=4), 'version = 4; expected 1, 2 or 3'),
+        (lambda: indexer.key_decoding(0).__enter__(), 'version = 0; expected 1, 2 or 3'),
+        (lambda: indexer.slot_dims(48), 'dh = 48; expected a multiple of 32'),
+        (lambda: indexer.slot_dims(16), 'dh = 16; expected at least 32'),
     ]: fct.test_fail(fn, contains=msg)
 
 @needs_triton

@@ -176,12 +176,12 @@ def compile_index(out: Path) -> list[dict]:
     cfg, t, rows = ModelConfig.bench(), LOGITS_TUNING, []
     ptrs = dict(q_ptr='*bf16', w_ptr='*fp32', cache_ptr='*u8', bt_ptr='*i32', row_ptr='*i32', pos_ptr='*i32',
                 aux_ptr='*fp32', out_ptr='*fp32')
-    for name, fmt, pairs in (('version 1', 'index_mxfp4', False), ('version 2', 'index_mxfp4', True),
-                             ('fp8 keys', 'index_fp8', True)):
+    for name, fmt, version in (('version 1', 'index_mxfp4', 1), ('version 2', 'index_mxfp4', 2),
+                               ('version 3', 'index_mxfp4', 3), ('fp8 keys', 'index_fp8', 2)):
         codec = cache_format(cfg, fmt)
         const = dict(H=cfg.index_n_heads, H_P2=cfg.index_n_heads, DH=cfg.index_head_dim, RATIO=1, PER=128,
                      FP4=fmt == 'index_mxfp4', REC=codec.record_bytes, BLOCK_T=t['block_t'], TILES=t['tiles'],
-                     BF16_DOT=True, MODE=0, CBS=cfg.candidate_block_size, PAIRS=pairs)
+                     BF16_DOT=True, MODE=0, CBS=cfg.candidate_block_size, VERSION=version)
         sig = {n: 'constexpr' if n in const else ptrs.get(n, 'i32') for n in _index_logits_kernel.arg_names}
         tag = f"index_{name.replace(' ', '_')}"
         regs = _sm90(_index_logits_kernel, sig, list(ptrs), const, t['num_warps'], 3, out, tag)
