@@ -2,11 +2,12 @@
 """Measure the lightning indexer's kernels: the full-scan logits per query token against its floor, a Reindex layer's
 sparse (candidate-pool) scoring against scoring the whole context and masking, and the candidate stage's recall.
 
-    python tools/bench_indexer.py [--json out.json] [--quick] [--ncu PROFILE.json]
+    python tools/bench_indexer.py [--json out.json] [--quick] [--versions 2 3] [--ncu PROFILE.json]
 
 Default (a GPU): the `bench` geometry (32 heads x 128, MXFP4 keys, 2,048 x 8 candidates) at the ratio-1 source, where a
 context of N tokens is N entries; decode batches of 32 requests; the full scan at 8K, 128K and 512K, sparse vs dense at
-128K and 512K, recall from 16K to 512K on random and clustered keys. `--quick` runs the `tiny` geometry on small
+128K and 512K, recall from 16K to 512K on random and clustered keys. `--versions` times the full scan with each of
+those MXFP4 key decodings (default: the default one, LOGITS_TUNING['version']); `--ncu` profiles all three. `--quick` runs the `tiny` geometry on small
 contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean nothing; it checks that it all
 runs)."""
 import argparse, datetime, json, shutil, subprocess, sys
@@ -15,7 +16,7 @@ import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
 from dsv41_nb.indexer import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall, key_decoding,
-                              index_logits, _decode_batch)
+                              index_logits, _decode_batch, LOGITS_TUNING)
 from dsv41_nb.formats import cache_format
 from dsv41_nb.dispatch import use_kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,12 +38,12 @@ def ncu_child(version: int):
     torch.cuda.synchronize()
 
 
-def ncu_profile(path: str):
+def ncu_profile(path: str, versions=(1, 2, 3)):
     "One Nsight Compute run per version of the key decoding; their numbers by name, one row each, to `path`"
     ncu = shutil.which('ncu')
     if ncu is None: raise SystemExit('--ncu: ncu is not on PATH')
     rows = []
-    for version in (1, 2):
+    for version in versions:
         cmd = ([ncu, '--clock-control', 'none', '--kernel-name', 'regex:_index_logits_kernel',
                 '--launch-skip', '1', '--launch-count', '1']
                + [a for s in NCU_SECTIONS for a in ('--section', s)]
@@ -66,11 +67,13 @@ if __name__ == '__main__':
     ap.add_argument('--json', help='write the results here')
     ap.add_argument('--quick', action='store_true',
                     help='tiny geometry, small contexts (runs under TRITON_INTERPRET=1)')
-    ap.add_argument('--ncu', metavar='PATH', help='Nsight Compute on the full scan, both versions; summary to PATH')
-    ap.add_argument('--ncu-child', type=int, choices=(1, 2), help=argparse.SUPPRESS)
+    ap.add_argument('--ncu', metavar='PATH', help='Nsight Compute on the full scan, every version (or --versions); summary to PATH')
+    ap.add_argument('--ncu-child', type=int, choices=(1, 2, 3), help=argparse.SUPPRESS)
+    ap.add_argument('--versions', type=int, nargs='+', choices=(1, 2, 3),
+                    help='MXFP4 key decodings to time in the full scan (default: the default one)')
     args = ap.parse_args()
     if args.ncu_child: ncu_child(args.ncu_child); sys.exit(0)
-    if args.ncu: ncu_profile(args.ncu); sys.exit(0)
+    if args.ncu: ncu_profile(args.ncu, args.versions or (1, 2, 3)); sys.exit(0)
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if kernel_backend(torch.zeros(1, device=device)) != 'triton':
         raise SystemExit('needs a GPU, or TRITON_INTERPRET=1 on a CPU')
@@ -84,10 +87,12 @@ if __name__ == '__main__':
     bw = copy_bandwidth(nbytes=(1 << 24) if args.quick else (2 << 30), device=device)
     print(f'copy bandwidth {bw / 1e9:.0f} GB/s\n\nfull-scan index logits, decode batch {batch}, '
           'MXFP4 keys + 4 B of logits per entry')
-    scan_rows = [benchmark_index_logits(cfg, n, batch=batch, device=device, bandwidth=bw, rep=rep) for n in scan]
-    print(f"{'context':>8s} {'us/query':>9s} {'floor us':>9s} {'of floor':>9s} {'GB/s':>7s}")
+    scan_rows = [benchmark_index_logits(cfg, n, batch=batch, device=device, bandwidth=bw, rep=rep, version=v)
+                 for v in (args.versions or [LOGITS_TUNING['version']]) for n in scan]
+    print(f"{'version':>7s} {'context':>8s} {'us/query':>9s} {'floor us':>9s} {'of floor':>9s} {'GB/s':>7s}")
     for r in scan_rows:
-        print(f"{r['context']:8d} {r['us_per_query']:9.2f} {r['floor_us']:9.2f} {r['of_floor']:9.0%} {r['GBps']:7.0f}")
+        print(f"{r['version']:7d} {r['context']:8d} {r['us_per_query']:9.2f} {r['floor_us']:9.2f} {r['of_floor']:9.0%} "
+              f"{r['GBps']:7.0f}")
     print(f"\nReindex layer selection per query token: whole context scored and masked to the pool vs the pool only "
           f"({cfg.candidate_topk_blocks} x {cfg.candidate_block_size} entries), each + top-{cfg.index_topk}")
     sd_rows = [benchmark_sparse_vs_dense(cfg, n, batch=batch, device=device, rep=rep) for n in sparse]
