@@ -488,8 +488,8 @@ def _ue8m0_bf16(code):
 # %% ../nbs/01_formats.ipynb #71a2df1b
 @triton.jit
 def _bf16_scaled(k16, s16, BF16_MATH: tl.constexpr):
-    ("BF16 patterns (int16) of E2M1 x 2^-126 and of scales -> the values times their scales, exact: "
-     "BF16 arithmetic compiled (BF16_MATH), else fp32 (the interpreter's)")
+    ("BF16 patterns (int16) of E2M1 x 2^-126 and of scales -> the values times their scales, "
+     "exact: BF16 arithmetic compiled (BF16_MATH), else fp32 (the interpreter's)")
     if BF16_MATH: k, s = k16.to(tl.bfloat16, bitcast=True), s16.to(tl.bfloat16, bitcast=True)
     else:
         k = (k16.to(tl.int32) << 16).to(tl.float32, bitcast=True)

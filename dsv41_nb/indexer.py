@@ -499,7 +499,7 @@ LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=2)
 
 # %% ../nbs/04_indexer.ipynb #377f0e05
 @contextmanager
-def key_decoding(version: int): # 1: value by value; 2: two codes at a time; 3: BF16, keys on the left
+def key_decoding(version: int): # 1: value by value; 2: two codes at once; 3: BF16, keys left
     "Within the block, the full scan decodes MXFP4 keys by `version` (`LOGITS_TUNING['version']`)"
     if version not in (1, 2, 3): raise ValueError(f"version = {version!r}; expected 1, 2 or 3")
     old, LOGITS_TUNING['version'] = LOGITS_TUNING['version'], version
