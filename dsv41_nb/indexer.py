@@ -352,12 +352,14 @@ def _fp4_key_slots(rec, valid, DH: tl.constexpr, BF16_MATH: tl.constexpr):
 
 # %% ../nbs/04_indexer.ipynb #a0e40038
 @triton.jit
-def _fp8_key_tile(rec, valid, DH: tl.constexpr):
+def _fp8_key_tile(rec, valid, DH: tl.constexpr,
+                  HW_CVT: tl.constexpr = False):   # the GPU's conversion to BF16 (version 3)
     "((BLOCK_T, DH) E4M3 values, exact in bf16, and (BLOCK_T,) their fp32 scale, which is not)"
-    c = tl.load(rec + tl.arange(0, DH)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    c = tl.load(rec + tl.arange(0, DH)[None, :], mask=valid[:, None], other=0)
+    if HW_CVT: v = c.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    else: v = _e4m3_value(c.to(tl.int32))
     sb = tl.load(rec + DH + tl.arange(0, 4)[None, :], mask=valid[:, None], other=0).to(tl.int32)
-    return (_e4m3_value(c),
-            tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True))
+    return v, tl.sum(sb << (8 * tl.arange(0, 4))[None, :], axis=1).to(tl.float32, bitcast=True)
 
 # %% ../nbs/04_indexer.ipynb #210c08ae
 @triton.jit
@@ -407,7 +409,7 @@ def _index_logits_kernel(
     MODE: tl.constexpr,       # 0: every visible entry; 1: and -inf outside the kept blocks;
                               # 2: the pool's entries only
     CBS: tl.constexpr,        # candidate block size (modes 1, 2)
-    VERSION: tl.constexpr = 2,   # MXFP4 keys: 1 two halves, 2 `_fp4_key_tile`, 3 `_fp4_key_slots`
+    VERSION: tl.constexpr = 2,   # 1 two halves, 2 `_fp4_key_tile`, 3 `_fp4_key_slots`, keys left
 ):
     s = tl.program_id(0)
     row = tl.load(row_ptr + s)
@@ -434,8 +436,11 @@ def _index_logits_kernel(
             page = tl.load(bt_ptr + row.to(tl.int64) * W + e // PER, mask=valid,
                            other=0).to(tl.int64)
             rec = _record_rows(cache_ptr, page * PER + e % PER, zero, REC)
-            if FP4 and VERSION == 3:   # keys on the left: (BLOCK_T, H_P2), summed over heads
-                st = _dot_t(_fp4_key_slots(rec, valid, DH, BF16_DOT), q, BF16_DOT)
+            if VERSION == 3:   # keys on the left: (BLOCK_T, H_P2), summed over heads
+                if FP4: st = _dot_t(_fp4_key_slots(rec, valid, DH, BF16_DOT), q, BF16_DOT)
+                else:
+                    k, ks = _fp8_key_tile(rec, valid, DH, BF16_DOT)
+                    st = _dot_t(k, q, BF16_DOT) * ks[:, None]
                 logit = tl.sum(tl.maximum(st, 0.0) * w[None, :], axis=1)
             else:                      # (H_P2, BLOCK_T), never stored
                 if FP4 and VERSION == 2:
@@ -500,7 +505,8 @@ LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=2)
 # %% ../nbs/04_indexer.ipynb #377f0e05
 @contextmanager
 def key_decoding(version: int): # 1: value by value; 2: two codes at once; 3: BF16, keys left
-    "Within the block, the full scan decodes MXFP4 keys by `version` (`LOGITS_TUNING['version']`)"
+    ("Within the block, the full scan decodes its keys by `version` (`LOGITS_TUNING['version']`): "
+     "MXFP4 keys by 1, 2 or 3; FP8 keys the same way in 1 and 2, on the left in 3")
     if version not in (1, 2, 3): raise ValueError(f"version = {version!r}; expected 1, 2 or 3")
     old, LOGITS_TUNING['version'] = LOGITS_TUNING['version'], version
     try: yield

@@ -177,7 +177,8 @@ def compile_index(out: Path) -> list[dict]:
     ptrs = dict(q_ptr='*bf16', w_ptr='*fp32', cache_ptr='*u8', bt_ptr='*i32', row_ptr='*i32', pos_ptr='*i32',
                 aux_ptr='*fp32', out_ptr='*fp32')
     for name, fmt, version in (('version 1', 'index_mxfp4', 1), ('version 2', 'index_mxfp4', 2),
-                               ('version 3', 'index_mxfp4', 3), ('fp8 keys', 'index_fp8', 2)):
+                               ('version 3', 'index_mxfp4', 3), ('fp8 keys', 'index_fp8', 2),
+                               ('fp8 keys, version 3', 'index_fp8', 3)):
         codec = cache_format(cfg, fmt)
         const = dict(H=cfg.index_n_heads, H_P2=cfg.index_n_heads, DH=cfg.index_head_dim, RATIO=1, PER=128,
                      FP4=fmt == 'index_mxfp4', REC=codec.record_bytes, BLOCK_T=t['block_t'], TILES=t['tiles'],
