@@ -7,9 +7,9 @@ sparse (candidate-pool) scoring against scoring the whole context and masking, a
 Default (a GPU): the `bench` geometry (32 heads x 128, MXFP4 keys, 2,048 x 8 candidates) at the ratio-1 source, where a
 context of N tokens is N entries; decode batches of 32 requests; the full scan at 8K, 128K and 512K, sparse vs dense at
 128K and 512K, recall from 16K to 512K on random and clustered keys. `--versions` times the full scan with each of
-those MXFP4 key decodings (default: the default one, LOGITS_TUNING['version']); `--ncu` profiles all three. `--quick` runs the `tiny` geometry on small
-contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean nothing; it checks that it all
-runs)."""
+those key decodings (default: the default one, LOGITS_TUNING['version']); `--ncu` profiles all three. `--quick` runs
+the `tiny` geometry on small contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean
+nothing; it checks that it all runs)."""
 import argparse, datetime, json, shutil, subprocess, sys
 from pathlib import Path
 import torch, triton
@@ -67,7 +67,8 @@ if __name__ == '__main__':
     ap.add_argument('--json', help='write the results here')
     ap.add_argument('--quick', action='store_true',
                     help='tiny geometry, small contexts (runs under TRITON_INTERPRET=1)')
-    ap.add_argument('--ncu', metavar='PATH', help='Nsight Compute on the full scan, every version (or --versions); summary to PATH')
+    ap.add_argument('--ncu', metavar='PATH',
+                    help='Nsight Compute on the full scan, every version (or --versions); summary to PATH')
     ap.add_argument('--ncu-child', type=int, choices=(1, 2, 3), help=argparse.SUPPRESS)
     ap.add_argument('--versions', type=int, nargs='+', choices=(1, 2, 3),
                     help='MXFP4 key decodings to time in the full scan (default: the default one)')
