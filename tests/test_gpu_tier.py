@@ -26,6 +26,9 @@ from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, asse
 from dsv41_nb.moe import quantize_weight
 from dsv41_nb.fp8_linear import fp8_linear, assert_linear_close, FP8_GEMV_TUNING, FP8_LINEAR_TUNING, SHORT_K
 from dsv41_nb.mhc import MHC_TUNING, mhc_seam, check_seam
+from dsv41_nb.formats import cache_format
+from dsv41_nb.indexer import (index_logits, index_logits_reference, logits_error_bound, key_decoding, _decode_batch,
+                              pool_mask)
 from dsv41_nb.checkpoint import load_model
 from dsv41_nb.model import ByteTokenizer
 from dsv41_nb.engine import LLM
@@ -94,6 +97,34 @@ def test_moe_planes_every_tuning_entry(entry):
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=plane_gate_up(W)))
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,                  # and the shared expert on cuBLAS, as served
                     stages=partial(_fused_stages, gate_up=plane_gate_up(W), shared=DenseShared(W)))
+
+
+@pytest.mark.parametrize('fmt', ['index_mxfp4', 'index_fp8'])
+@pytest.mark.parametrize('version', [1, 2, 3])
+def test_index_logits_bench_geometry(version, fmt):
+    """The indexer's logits kernel at the bench geometry (32 heads x 128) in its compiled tile shape (LOGITS_TUNING),
+    each key decoding, in each mode (every entry; the kept blocks; the pool's entries alone), against the reference"""
+    cfg = ModelConfig.bench()
+    codec, cbs = cache_format(cfg, fmt), cfg.candidate_block_size
+    q, w, cache, ib = _decode_batch(cfg, codec, 4, 5000, DEV, seed=version)
+    ib.positions[1], ib.positions[2] = 1234, 5                  # a shorter context; one that sees 6 entries
+    ref, bound = index_logits_reference(q, w, cache, ib, codec), logits_error_bound(q, w, cache, ib, codec)
+    g = torch.Generator(device=DEV).manual_seed(version)
+    pool = torch.randint(0, 5000 // cbs, (4, 64), device=DEV, generator=g, dtype=torch.int32)
+    keep = pool_mask(pool, (5000 + cbs - 1) // cbs, 1)
+    with key_decoding(version), use_kernels('triton'):
+        full = index_logits(q, w, cache, ib, codec)
+        kept = index_logits(q, w, cache, ib, codec, keep=keep, cbs=cbs)
+        sparse = index_logits(q, w, cache, ib, codec, pool=pool, cbs=cbs)
+    inside = keep.repeat_interleave(cbs, 1)[:, :ref.shape[1]]
+    e = (pool.long()[:, :, None] * cbs + torch.arange(cbs, device=DEV)).flatten(1)
+    for got, want, ok in ((full, ref, bound), (kept, ref.masked_fill(~inside, -torch.inf), bound),
+                          (sparse, ref.gather(1, e.clamp_max(ref.shape[1] - 1)).masked_fill(e >= ref.shape[1],
+                                                                                             -torch.inf),
+                           bound.gather(1, e.clamp_max(ref.shape[1] - 1)))):
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got))
+        assert ((got - want)[fin].abs() <= ok[fin]).all()
 
 
 def test_moe_planes_bench_layer():
