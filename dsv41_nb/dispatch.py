@@ -328,3 +328,18 @@ def pdl_wait(ON: tl.constexpr):
     if ON:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+# %% ../nbs/00a_dispatch.ipynb #d76cefa5
+import types
+def _rebound(kernel, **calls):
+    "`kernel`'s source compiled against other versions of the functions it calls (by name)"
+    fn = kernel.fn
+    if missing := [n for n in calls if n not in fn.__code__.co_names]:
+        raise ValueError(f"_rebound: {fn.__name__} calls no {', '.join(missing)}")
+    twin = types.FunctionType(fn.__code__, dict(fn.__globals__, **calls), fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    # what a def sets beside its code: the annotations say which arguments are `tl.constexpr`
+    twin.__annotations__, twin.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+    twin.__doc__ = fn.__doc__
+    # the interpreter's functions specialise nothing and keep no list
+    return triton.jit(twin, do_not_specialize=getattr(kernel, 'do_not_specialize', ()))

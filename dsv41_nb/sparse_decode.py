@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_sparse_decode.ipynb #7797fdef
 from __future__ import annotations
-import itertools, math, types
+import itertools, math
 from dataclasses import replace
 import torch
 import triton
@@ -12,7 +12,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
 from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels,
-                               cuda_graph, graph_time, sm_count, pdl_launch, pdl_wait)
+                               cuda_graph, graph_time, sm_count, pdl_launch, pdl_wait, _rebound)
 from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value,
                               _ue8m0_value)
 from .rope_norm import rope, _check_rope, _rotate_pairs
@@ -314,17 +314,6 @@ def _sparse_decode_kernel(
                stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H, num_splits, D, BLOCK_H,
                BLOCK_N, ONE_SPLIT, SCALE_TILE, C_FP4, C_QDIM, C_BLOCK, C_ROPE, C_SCALE_OFF,
                C_REC, C_E4M3, HW_CVT, F32_DOT)
-
-# %% ../nbs/06_sparse_decode.ipynb #9edf197a
-def _rebound(kernel, **calls):
-    "`kernel`'s source compiled against other versions of the functions it calls"
-    fn = kernel.fn
-    twin = types.FunctionType(fn.__code__, dict(fn.__globals__, **calls), fn.__name__,
-                              fn.__defaults__, fn.__closure__)
-    # what a def sets beside its code: the annotations say which arguments are `tl.constexpr`
-    twin.__annotations__, twin.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-    twin.__doc__ = fn.__doc__
-    return triton.jit(twin, do_not_specialize=_UNSPECIALIZED)
 
 # %% ../nbs/06_sparse_decode.ipynb #be96593e
 _sparse_decode_separate = _rebound(_sparse_decode_kernel,
