@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 from fastcore.basics import patch
-from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .dispatch import kernel_backend, triton_interpreting, sm_count, _rebound
 from .config import check_int
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,
@@ -24,9 +24,9 @@ from .formats import _mxfp4_pair, _e2m1_pair16
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PLANE_READ_PAIRS',
-           'PLANES_DOWN_TUNING', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
+           'PLANES_DOWN_TUNING', 'SLOTS_MAXNREG', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
            'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes', 'fits_planes',
-           'served_gate_up', 'expert_down_planes', 'gemv_down_planes']
+           'served_gate_up', 'expert_down_planes', 'gemv_down_planes', 'pair_order']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -113,6 +113,18 @@ def _dot_t(w, a, acc, HW_CVT: tl.constexpr):
     if HW_CVT: return tl.dot(w, tl.trans(a), acc)
     else: return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc)
 
+# %% ../nbs/08f_moe_planes.ipynb #fb15c507
+@triton.jit
+def _plane_step(w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, k0, n_mask, PAIR: tl.constexpr):
+    "A K step's (BN, 16) words and (BN, 1) scale words of W1 (and of W3 with PAIR, else W1's again)"
+    at = w_row[:, None] + (k0 // 8 + tl.arange(0, 16))[None, :]
+    q1 = tl.load(w1_ptr + at, mask=n_mask[:, None], other=0)
+    q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0) if PAIR else q1
+    sw1 = tl.load(s1_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
+    sw3 = (tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None] if PAIR
+           else sw1)
+    return q1, sw1, q3, sw3
+
 # %% ../nbs/08f_moe_planes.ipynb #fbc9216a
 @triton.jit
 def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
@@ -124,12 +136,8 @@ def _gemm_planes(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, exper
     s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)   # (BN,) scale words
     j = tl.arange(0, 16)
     for k0 in range(k_start, k_start + KS, 128):
-        # (BN, 16) words, (BN, 1) scale words
-        at = w_row[:, None] + (k0 // 8 + j)[None, :]
-        q1 = tl.load(w1_ptr + at, mask=n_mask[:, None], other=0)
-        if PAIR: q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0)
-        sw1 = tl.load(s1_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
-        if PAIR: sw3 = tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0x7F7F7F7F)[:, None]
+        q1, sw1, q3, sw3 = _plane_step(w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, k0, n_mask,
+                                       PAIR)
         for i in tl.static_range(4):                 # planes 2i, 2i+1: columns k0 + 32i .. + 31
             # (BM, 16) each
             at = x_row[:, None] + k0 + 32 * i + j[None, :]
@@ -197,17 +205,18 @@ def _check_planes(name, p, a):
     _check_x(a, p.shape[2], 'activations')
 
 # %% ../nbs/08f_moe_planes.ipynb #f862c419
-def _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split):
+def _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split,
+                          kernel=None, **launch): # the K-slice kernel (default version 3's)
     "`expert_gate_up_planes` with K split over `split` programs a tile, then `08c`'s finish"
     (E, N, K), bn = w1.shape, shape['block_n']
     part = torch.empty(split, align.n_assign, 2, N, dtype=torch.float32, device=xq.device)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
-    _gate_up_planes_partial_kernel[(align.num_blocks * triton.cdiv(N, bn), split)](
+    (kernel or _gate_up_planes_partial_kernel)[(align.num_blocks * triton.cdiv(N, bn), split)](
         xq.contiguous(), w1.words, w1.scale_words, w3.words, w3.scale_words, part,
         align.sorted_ids, align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
         TOPK=align.topk, BM=align.block_m, BN=bn, SPLIT=split, GROUP_M=8,
         HW_CVT=not triton_interpreting(), num_warps=shape['num_warps'],
-        num_stages=shape['num_stages'])
+        num_stages=shape['num_stages'], **launch)
     fb = min(256, triton.next_power_of_2(N))
     _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](
         part, h, topk_weights.float().contiguous(), align.n_assign, align.n_assign,
@@ -219,6 +228,14 @@ def _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape, 
 # version 3's own values, by regime, where they beat the regime's shape (timed below)
 PLANES_TUNING = dict(large=dict(block_n=64, num_warps=4))
 
+# %% ../nbs/08f_moe_planes.ipynb #7158f3ae
+def _stage_kernels(slots: bool, block_m: int) -> tuple:
+    "((tile kernel, K-slice kernel), launch keywords) of version 3, or of version 4 with `slots`"
+    if not slots: return (_gate_up_planes_kernel, _gate_up_planes_partial_kernel), {}
+    small = block_m <= 32 and not triton_interpreting()
+    return ((_gate_up_slots_kernel, _gate_up_slots_partial_kernel),
+            dict(maxnreg=SLOTS_MAXNREG) if small else {})
+
 # %% ../nbs/08f_moe_planes.ipynb #bbf5100b
 def expert_gate_up_planes(
     xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
@@ -228,9 +245,11 @@ def expert_gate_up_planes(
     swiglu_limit: float,
     shape: dict | None = None, # launch shape (default `moe_launch_shape`; block_k is 128 here)
     split: int | None = 1, # K slices per tile (None: as many as `expert_gate_up_split` takes)
+    slots: bool = False, # version 4 (the last section): the activations in `pair_order`
 ) -> torch.Tensor:
-    "`expert_gate_up` (version 3): (n_assign, inter) BF16, the weights' codes read in planes"
+    "`expert_gate_up` (version 3, or 4): (n_assign, inter) BF16, the weights' codes read in planes"
     for name, w in (('w1', w1), ('w3', w3)): _check_planes(name, w, xq)
+    if not isinstance(slots, bool): raise TypeError(f"slots must be a bool, got {slots!r}")
     if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
         raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
     if xq.shape[0] * align.topk != align.n_assign:
@@ -248,24 +267,27 @@ def expert_gate_up_planes(
     shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), PLANES_TUNING)
     if split is None: split = _default_split(align, N, K, {**shape, 'block_k': 128},
                                              sm_count(xq.device, default=16))
+    kernels, launch = _stage_kernels(slots, align.block_m)
+    if slots: xq = pair_order(xq)
     if split > 1: return _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit,
-                                               shape, split)
+                                               shape, split, kernels[1], **launch)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
     meta, grid = _launch(align, N, K, shape, xq.device)
-    _gate_up_planes_kernel[grid](
+    kernels[0][grid](
         xq.contiguous(), w1.words, w1.scale_words, w3.words, w3.scale_words, h, align.sorted_ids,
         align.block_expert, topk_weights.float().contiguous(), align.n_assign, align.num_blocks,
         float(swiglu_limit), K=K, N=N, TOPK=align.topk, BM=meta['BM'], BN=meta['BN'],
         GROUP_M=meta['GROUP_M'], CLAMP=swiglu_limit > 0, HW_CVT=meta['HW_CVT'],
-        num_warps=meta['num_warps'], num_stages=meta['num_stages'])
+        num_warps=meta['num_warps'], num_stages=meta['num_stages'], **launch)
     return h
 
 # %% ../nbs/08f_moe_planes.ipynb #0bfe3c03
 def plane_gate_up(W: MoEWeights,
                   split: int | None = 1, # K slices per tile (None: as `expert_gate_up_split` takes)
                   shared=None, # the shared expert's stage (default `expert_gate_up`)
-                  sms: int | None = None): # multiprocessors to split for (default: the device's)
-    ("A `gate_up` stage for `fused_moe_experts`: version 3 on `W`'s routed experts "
+                  sms: int | None = None, # multiprocessors to split for (default: the device's)
+                  slots: bool = False): # version 4's stage (the last section)
+    ("A `gate_up` stage for `fused_moe_experts`: version 3 (or 4) on `W`'s routed experts "
      "(their planes, made now if `W` holds codes)")
     p1, p3 = ((W.w1, W.w3) if isinstance(W.w1, PlaneWeight)
               else (mxfp4_planes(W.w1, 'w1'), mxfp4_planes(W.w3, 'w3')))
@@ -278,7 +300,8 @@ def plane_gate_up(W: MoEWeights,
         s = split
         if s is None and sms is not None:
             s = _default_split(align, w1.shape[1], w1.shape[2], {**shape, 'block_k': 128}, sms)
-        return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape, s)
+        return expert_gate_up_planes(xq, p1, p3, align, topk_weights, swiglu_limit, shape, s,
+                                     slots)
     return gate_up
 
 # %% ../nbs/08f_moe_planes.ipynb #6e37f23f
@@ -520,3 +543,52 @@ def gemv_down_planes(h: torch.Tensor, topk_ids: torch.Tensor,
         raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     _check_planes('w2', W.w2, h)
     return gemv_down(h, topk_ids, W, split, routed=(_PlaneRows.of(W.w2), _gemv_read(read)))
+
+# %% ../nbs/08f_moe_planes.ipynb #a83434c8
+def pair_order(x: torch.Tensor) -> torch.Tensor:
+    "x (rows, K) with each 32 columns in version 4's order: slot 2j + h holds column 16h + j"
+    if not isinstance(x, torch.Tensor) or x.ndim != 2 or x.shape[1] % 32:
+        raise ValueError(f"pair_order: expected a (rows, K) tensor with K a multiple of 32, "
+                         f"got {_shape(x)}")
+    return x.reshape(x.shape[0], -1, 2, 16).transpose(-1, -2).reshape(x.shape)
+
+# %% ../nbs/08f_moe_planes.ipynb #57f87ebd
+@triton.jit
+def _plane_slots(t, s, HW_CVT: tl.constexpr):
+    "(BN, 32) BF16: the codes at bits 12-15 and 28-31 of `t`'s words as slots 2j and 2j + 1"
+    BN: tl.constexpr = t.shape[0]
+    if HW_CVT:   # each word is the register of its two slots: one BF16x2 multiply by the scale
+        o = (t & -0x7FFF8000) | ((t & 0x70007000) >> 6)          # E2M1 x 2^-126, as _plane_pair
+        m = (s.to(tl.int32) + 126) << 7                            # 2^(s-1) in BF16
+        return tl.inline_asm_elementwise(
+            "mul.rn.bf16x2 $0, $1, $3;", "=r,r,r,r,r",
+            [tl.reshape(tl.join(o, o), (BN, 32)), tl.broadcast_to(m | (m << 16), (BN, 32))],
+            dtype=tl.bfloat16, is_pure=True, pack=2)
+    lo, hi = _plane_pair(t, s, HW_CVT)
+    return tl.reshape(tl.join(lo, hi), (BN, 32))
+
+# %% ../nbs/08f_moe_planes.ipynb #539999c8
+@triton.jit
+def _gemm_slots(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
+                k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr,
+                PAIR: tl.constexpr = True):
+    "`_gemm_planes` on activations in `pair_order`: each pair of planes one product over 32 slots"
+    w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)
+    s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)
+    c = tl.arange(0, 32)
+    for k0 in range(k_start, k_start + KS, 128):
+        q1, sw1, q3, sw3 = _plane_step(w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, k0, n_mask,
+                                       PAIR)
+        for i in tl.static_range(4):                 # slots k0 + 32i .. + 31
+            a = tl.load(x_row[:, None] + k0 + 32 * i + c[None, :], mask=valid[:, None], other=0.0)
+            acc1 = _dot_t(_plane_slots(q1 << (4 * i), (sw1 >> (8 * i)) & 0xFF, HW_CVT), a, acc1,
+                          HW_CVT)
+            if PAIR:
+                acc3 = _dot_t(_plane_slots(q3 << (4 * i), (sw3 >> (8 * i)) & 0xFF, HW_CVT), a,
+                              acc3, HW_CVT)
+    return acc1, acc3
+
+# %% ../nbs/08f_moe_planes.ipynb #9a818523
+_gate_up_slots_kernel = _rebound(_gate_up_planes_kernel, _gemm_planes=_gemm_slots)
+_gate_up_slots_partial_kernel = _rebound(_gate_up_planes_partial_kernel, _gemm_planes=_gemm_slots)
+SLOTS_MAXNREG = 128   # registers a thread, with row blocks of at most 32

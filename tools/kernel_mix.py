@@ -5,6 +5,7 @@ as a record a notebook can read.
     python tools/kernel_mix.py --ptx KERNEL.ptx [--sass KERNEL.sass] [--ncu NCU.txt] --json OUT.json
                                [--machine NAME] [--commit SHA] [--launch JSON]
     python tools/kernel_mix.py --compile-gate-up OUT_DIR [--prefetch | --planes] [--json OUT.json]
+    python tools/kernel_mix.py --compile-gate-up-versions OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-gemv OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-index OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-sparse-decode OUT_DIR --json OUT.json
@@ -23,6 +24,7 @@ their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-ge
 records each one's routed loop (SASS instructions) and registers. --compile-index does the same for the full-scan
 index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys;
 --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two passes.
+--compile-gate-up-versions compiles 08f_moe_planes' gate/up stage, versions 3 and 4, at 32 to 2,048 tokens.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, json, math, re, sys, tempfile
@@ -80,13 +82,14 @@ def sass_opcodes(body: list[str]) -> dict:
     return dict(ops.most_common())
 
 
-def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes: bool = False) -> dict:
+def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes: bool = False,
+                    slots: bool = False) -> dict:
     ("PTX and SASS of the gate/up kernel (version 2, or version 3 of 08f_moe_planes with `planes`) for sm_90 at "
      "the bench layer's launch for `tokens`, compiled with no GPU; the launch, with the registers a thread holds")
     import triton, triton.language as tl
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.fused_moe import _gate_up_kernel, moe_launch_shape
-    from dsv41_nb.moe_planes import _gate_up_planes_kernel
+    from dsv41_nb.moe_planes import _gate_up_planes_kernel, _stage_kernels
     cfg = ModelConfig.bench()
     shape = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
     words = '*i32' if planes else '*u8'
@@ -94,18 +97,42 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes
                 sorted_ptr='*i32', block_expert_ptr='*i32', weight_ptr='*fp32')
     const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=shape['block_m'],
                  BN=shape['block_n'], GROUP_M=8, CLAMP=True, HW_CVT=True)
-    if planes: fn, shape, prefetch = _gate_up_planes_kernel, {**shape, 'block_k': 128}, False
+    launch = {}
+    if slots: (fn, _), launch = _stage_kernels(True, shape['block_m'])
+    if planes or slots:
+        fn, shape, prefetch = fn if slots else _gate_up_planes_kernel, {**shape, 'block_k': 128}, False
     else:
         fn = _gate_up_kernel
         const.update(BK=shape['block_k'], W_FP4=True, HAS_WEIGHT=True, IDENTITY=False, DOT=tl.bfloat16,
                      SCALED=True, PREFETCH=prefetch)
     sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
-    regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'gate_up')
-    return dict(kernel=fn.fn.__name__ if hasattr(fn, 'fn') else fn.__name__, tokens=tokens, config='bench',
-                **{**shape, 'prefetch': prefetch}, triton=triton.__version__, target='sm_90', registers=regs)
+    regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'gate_up',
+                 launch.get('maxnreg'))
+    return dict(kernel=('version 4' if slots else fn.fn.__name__ if hasattr(fn, 'fn') else fn.__name__),
+                tokens=tokens, config='bench', **{**shape, 'prefetch': prefetch}, **launch,
+                triton=triton.__version__, target='sm_90', registers=regs)
 
 
-def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages: int, out: Path, name: str):
+def compile_gate_up_versions(out: Path) -> list[dict]:
+    ("The gate/up stage of 08f_moe_planes for sm_90 at the bench layer, version 3 and version 4 (`slots`, with its "
+     "launch's register cap), at a decode batch, a serving batch and two larger ones, with no GPU: the K loop's SASS "
+     "instructions per weight (two matrices, BN x 128 weights a step, over the threads), registers, spills")
+    rows = []
+    for tokens in (32, 128, 512, 2048):
+        for name, slots in (('version 3', False), ('version 4', True)):
+            r = compile_gate_up(out, tokens=tokens, planes=True, slots=slots)
+            loop = sass_loop((out / 'gate_up.sass').read_text())
+            ops = sass_opcodes(loop)
+            weights = 2 * r['block_n'] * 128 / (32 * r['num_warps'])
+            rows.append(dict(kernel=name, tokens=tokens, block_m=r['block_m'], block_n=r['block_n'],
+                             num_warps=r['num_warps'], maxnreg=r.get('maxnreg'), loop_instructions=len(loop),
+                             per_weight=round(len(loop) / weights, 3), registers=r['registers'],
+                             spills=ops.get('STL', 0) + ops.get('LDL', 0), opcodes=ops))
+    return rows
+
+
+def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages: int, out: Path, name: str,
+          maxnreg: int | None = None):
     "Compile `fn` for sm_90 with no GPU; write OUT/NAME.ptx, .cubin and .sass; the registers a thread holds"
     import subprocess
     import triton
@@ -116,7 +143,8 @@ def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages:
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
     k = triton.compile(src, target=GPUTarget('cuda', 90, 32),
-                       options=dict(num_warps=num_warps, num_stages=num_stages))
+                       options=dict(num_warps=num_warps, num_stages=num_stages,
+                                    **({'maxnreg': maxnreg} if maxnreg else {})))
     out.mkdir(parents=True, exist_ok=True)
     (out / f'{name}.ptx').write_text(k.asm['ptx']); (out / f'{name}.cubin').write_bytes(k.asm['cubin'])
     tool = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'
@@ -227,6 +255,7 @@ def main(argv=None):
     ap.add_argument('--compile-gate-up', metavar='OUT_DIR')
     ap.add_argument('--prefetch', action='store_true', help='with --compile-gate-up: the scales a step ahead')
     ap.add_argument('--planes', action='store_true', help='with --compile-gate-up: version 3 (08f_moe_planes)')
+    ap.add_argument('--compile-gate-up-versions', metavar='OUT_DIR')
     ap.add_argument('--compile-gemv', metavar='OUT_DIR')
     ap.add_argument('--compile-index', metavar='OUT_DIR')
     ap.add_argument('--compile-sparse-decode', metavar='OUT_DIR')
@@ -244,7 +273,8 @@ def main(argv=None):
         (d / 'n.txt').write_text('    Duration                         us       684.16\n'
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
-    compilers = dict(index=compile_index, gemv=compile_gemv, sparse_decode=compile_sparse_decode)
+    compilers = dict(index=compile_index, gemv=compile_gemv, sparse_decode=compile_sparse_decode,
+                     gate_up_versions=compile_gate_up_versions)
     which = next((k for k in compilers if getattr(args, f'compile_{k}')), None)
     if which:
         if not args.json: ap.error(f"--compile-{which.replace('_', '-')} needs --json")
@@ -253,7 +283,8 @@ def main(argv=None):
                    date=str(datetime.date.today()), config='bench', rows=rows)
         Path(args.json).write_text(json.dumps(rec, indent=1))
         for r in rows:
-            name = r['kernel'] if 'kernel' in r else f"{r['stage']:8s} {r['reading']}"
+            name = (f"{r['kernel']}, {r['tokens']} tokens" if 'tokens' in r else r['kernel'] if 'kernel' in r
+                    else f"{r['stage']:8s} {r['reading']}")
             print(f"{name:22s} {r['loop_instructions']:5d} instructions, {r['registers']} registers")
         return
     if args.compile_gate_up:
