@@ -97,6 +97,9 @@ def test_moe_planes_every_tuning_entry(entry):
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=plane_gate_up(W)))
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,                  # and the shared expert on cuBLAS, as served
                     stages=partial(_fused_stages, gate_up=plane_gate_up(W), shared=DenseShared(W)))
+    for split in (1, None):                                          # version 4: its PTX multiply, its cap
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
+                        stages=partial(_fused_stages, gate_up=plane_gate_up(W, split=split, slots=True)))
 
 
 @pytest.mark.parametrize('fmt', ['index_mxfp4', 'index_fp8'])
@@ -143,6 +146,19 @@ def test_moe_planes_bench_layer():
         if T in (128, 512):            # the down stage's own shape at 512; the shared expert on cuBLAS
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit)
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage, shared=shared))
+
+
+def test_moe_slots_bench_layer():
+    """Version 4 of the gate/up stage (`slots`) on the bench layer at a decode batch, a serving batch (the launch's
+    register cap), the `mid` regime and the `large` one, in one tile and with K split, within the reference"""
+    cfg = ModelConfig.bench()
+    W = MoEWeights.random(cfg, 0, DEV)
+    for T in (1, 128, 512, 2048):
+        x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        for split in (1, None):
+            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
+                            stages=partial(_fused_stages, gate_up=plane_gate_up(W, split=split, slots=True)))
 
 
 def test_moe_down_planes_bench_layer():

@@ -1,6 +1,6 @@
 """Version 3 of the gate/up stage (08f_moe_planes): the plane layout read back exactly, and the kernel bit for bit equal
 to version 2 (`expert_gate_up`) over random layers, on the interpreter (CI) and compiled (the GPU test tier, where the
-BF16 path of the upcast runs)."""
+BF16 path of the upcast runs). Version 4 (`slots`: the activations in `pair_order`) within the reference's bound."""
 from dataclasses import replace
 from functools import partial
 import pytest
@@ -14,7 +14,7 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
                                   expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
                                   gemv_gate_up_planes, planes_moe, PLANE_READ, PLANE_READ_ONCE,
-                                  PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
+                                  PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes, pair_order)
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
 from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS, gemv_stages, moe_gemv_experts
 from dsv41_nb import moe_planes
@@ -65,6 +65,27 @@ def test_version_3_equals_version_2(E, k, D, I, T, seed):
     v3 = expert_gate_up_planes(xq, mxfp4_planes(W.w1), mxfp4_planes(W.w3), al, tw, cfg.swiglu_limit, shape)
     assert torch.equal(v3, v2)
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=plane_gate_up(W)))
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([128, 256]), st.sampled_from([32, 96]),
+       st.integers(1, 40), st.sampled_from([1, None]), st.integers(0, 2**31))
+def test_version_4_within_the_reference(E, k, D, I, T, split, seed):
+    "Version 4's stage (one tile, or K split) through the whole layer, within the reference's bound"
+    k = min(k, E)
+    cfg, W = _layer(E, k, D, I, seed % 1000)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, k, cfg.route_scale)
+    stage = plane_gate_up(W, split=split, slots=True)
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage))
+
+
+def test_pair_order():
+    "Slot 2j + h of each 32 columns holds column 16h + j"
+    x = torch.arange(2 * 64).view(2, 64)
+    y = pair_order(x)
+    for c, j, h in ((0, 0, 0), (1, 5, 1), (1, 15, 0), (0, 15, 1)):
+        assert torch.equal(y[:, 32 * c + 2 * j + h], x[:, 32 * c + 16 * h + j])
 
 
 def test_through_the_layer():
@@ -125,10 +146,20 @@ def _bad_cases():
         (lambda: gemv_down_planes(hg, ti, W128.w2), 'W: expected MoEWeights, got QuantWeight'),
         (lambda: gemv_down_planes(hg, ti, P128, read={'FP4_SUMS': None}), 'read: expected'),
         (lambda: gemv_down_planes(hg[1:], ti, P128), 'h: expected BF16 (15, 128) rows from gemv_gate_up'),
+        (lambda: pair_order(torch.zeros(4, 48)), 'pair_order: expected a (rows, K) tensor with K a multiple of 32'),
+        (lambda: pair_order(torch.zeros(64)), 'got (64,)'),
+        (lambda: expert_gate_up_planes(xq, p, p, al, tw, 10.0, slots=1), 'slots must be a bool, got 1'),
     ]
 
 
-@pytest.mark.parametrize('case', range(30))
+BAD_CASES = 33
+
+
+def test_every_bad_case_is_run():
+    assert len(_bad_cases()) == BAD_CASES
+
+
+@pytest.mark.parametrize('case', range(BAD_CASES))
 def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()

@@ -12,9 +12,10 @@ grid of launch shapes per size and prints the best (the shapes `MOE_TUNING` shou
 the kernels' version 1 weight tiles (dequantised element by element) in place of version 2's (`tl.dot_scaled`); the run
 checks the chosen tiles against the reference loop first. `--prefetch` also times each size's launch shape with the
 gate/up loop's scales loaded a step ahead and in their step (`prefetch` on and off, alternating, the best of two
-medians each). `--planes` times the layer with the gate/up stage of 08f_moe_planes (version 3: codes in planes) against
-version 2 the same way, each checked against the reference first. `--quick` runs the tiny config
-at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check of the script, not a measurement."""
+medians each). `--planes` times the layer with the gate/up stage of 08f_moe_planes (version 3: codes in planes;
+version 4: the activations in pair order) against version 2 the same way, each checked against the reference first.
+`--quick` runs the tiny config at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check
+of the script, not a measurement."""
 import os, sys
 if '--quick' in sys.argv and not os.environ.get('TRITON_INTERPRET'):
     import torch
@@ -80,7 +81,7 @@ def prefetch_ab(cfg, sizes, device):
     return rows
 
 def planes_ab(cfg, sizes, device):
-    "Fused-MoE ms per size with the gate/up stage of version 2 and of version 3 (codes in planes), alternately"
+    "Fused-MoE ms per size with the gate/up stage of versions 2, 3 (codes in planes) and 4 (pair order), alternately"
     from functools import partial
     from dsv41_nb.fused_moe import _fused_stages
     from dsv41_nb.moe_planes import plane_gate_up, PLANE_STEP
@@ -88,16 +89,17 @@ def planes_ab(cfg, sizes, device):
         print(f"version 3 needs the model dim a multiple of {PLANE_STEP} (this config's is {cfg.dim}): not timed")
         return None
     W, rows = MoEWeights.random(cfg, 0, device), []
-    stage = plane_gate_up(W)
+    stages = dict(v2=None, v3=plane_gate_up(W), v4=plane_gate_up(W, slots=True))
     for T in sizes:
         x = (3 * torch.randn(T, cfg.dim, device=device)).to(torch.bfloat16)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
-        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=stage))
+        for g in list(stages.values())[1:]:
+            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=partial(_fused_stages, gate_up=g))
         t = alternately({v: lambda g=g: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, check_ids=False,
-                                                          gate_up=g) for v, g in (('v2', None), ('v3', stage))})
-        rows.append(dict(tokens=T, v2_ms=t['v2'], v3_ms=t['v3']))
-        print(f"{T:6d} tokens: version 2 {rows[-1]['v2_ms']:.3f} ms, version 3 {rows[-1]['v3_ms']:.3f} ms "
-              f"({rows[-1]['v2_ms'] / rows[-1]['v3_ms']:.2f}x)")
+                                                          gate_up=g) for v, g in stages.items()})
+        rows.append(dict(tokens=T, v2_ms=t['v2'], v3_ms=t['v3'], v4_ms=t['v4']))
+        print(f"{T:6d} tokens: version 2 {t['v2']:.3f} ms, version 3 {t['v3']:.3f} ms "
+              f"({t['v2'] / t['v3']:.2f}x), version 4 {t['v4']:.3f} ms ({t['v2'] / t['v4']:.2f}x)")
     return rows
 
 if __name__ == '__main__':
@@ -107,7 +109,8 @@ if __name__ == '__main__':
     ap.add_argument('--json', help='write the rows (and the machine) to this file')
     ap.add_argument('--sweep', action='store_true', help='time a grid of launch shapes per size first')
     ap.add_argument('--prefetch', action='store_true', help="time the launch shapes with prefetch on and off")
-    ap.add_argument('--planes', action='store_true', help="time version 3's gate/up stage against version 2's")
+    ap.add_argument('--planes', action='store_true',
+                    help="time versions 3 and 4 of the gate/up stage against version 2")
     ap.add_argument('--tiles', default=MOE_TILES[0], choices=MOE_TILES,
                     help="the weight tiles: 'scaled' (version 2, tl.dot_scaled) or 'dequantised' (version 1)")
     ap.add_argument('--quick', action='store_true', help='tiny config, sizes 1 8 32: checks the script on any machine')
