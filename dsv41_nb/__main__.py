@@ -403,9 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _rank_exit(code: int):
     "A torchrun rank's end: leave the process group, flush, exit without the interpreter's shutdown"
     from dsv41_nb.dp_engine import leave_dp_group
+    from dsv41_nb.distributed import exit_rank
     leave_dp_group()
-    sys.stdout.flush(); sys.stderr.flush()
-    os._exit(code or 0)
+    exit_rank(code or 0)
 
 # %% ../nbs/99_cli.ipynb #00dc1e39
 def main(argv: list | None = None, # command-line arguments (default `sys.argv[1:]`)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_distributed.ipynb #01936b28
 from __future__ import annotations
-import contextlib, math, os, socket, tempfile
+import contextlib, math, os, socket, sys, tempfile
 from dataclasses import replace
 from datetime import timedelta
 import torch
@@ -25,12 +25,12 @@ from .moe_planes import PlaneWeight, expert_gate_up_planes, expert_down_planes
 from .accounting import expert_touch_fraction, expert_params
 
 # %% auto #0
-__all__ = ['BACKENDS', 'DISPATCH_META', 'free_port', 'rank_device', 'rank_threads', 'run_ranks', 'exchange', 'exchange_job',
-           'expert_range', 'local_experts', 'dispatch_order', 'dispatch_codec', 'pack_dispatch', 'unpack_dispatch',
-           'local_expert_outputs', 'shared_expert', 'ep_combine', 'ep_moe_simulated', 'ep_moe_forward', 'ep_moe_job',
-           'dp_steps', 'dp_moe_steps', 'dp_moe_job', 'gather_rows', 'check_engram_plan', 'sharded_engram_lookup',
-           'engram_shard_job', 'EPMoE', 'ShardedEngram', 'shard_model_', 'dummy_step', 'step_trace', 'dp_model_job',
-           'ep_traffic']
+__all__ = ['BACKENDS', 'DISPATCH_META', 'free_port', 'rank_device', 'rank_threads', 'exit_rank', 'run_ranks', 'exchange',
+           'exchange_job', 'expert_range', 'local_experts', 'dispatch_order', 'dispatch_codec', 'pack_dispatch',
+           'unpack_dispatch', 'local_expert_outputs', 'shared_expert', 'ep_combine', 'ep_moe_simulated',
+           'ep_moe_forward', 'ep_moe_job', 'dp_steps', 'dp_moe_steps', 'dp_moe_job', 'gather_rows', 'check_engram_plan',
+           'sharded_engram_lookup', 'engram_shard_job', 'EPMoE', 'ShardedEngram', 'shard_model_', 'dummy_step',
+           'step_trace', 'dp_model_job', 'ep_traffic']
 
 # %% ../nbs/15_distributed.ipynb #fd4ad52c
 BACKENDS = ('gloo', 'nccl')
@@ -59,6 +59,13 @@ def rank_threads(world_size: int):
     try: yield
     finally: torch.set_num_threads(before)
 
+# %% ../nbs/15_distributed.ipynb #1c0cd9ab
+def exit_rank(code: int = 0):
+    "End this rank's process now: flush its output, skip the interpreter's shutdown (gloo's threads)"
+    check_int('exit_rank', 'code', code, 0)
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code)
+
 # %% ../nbs/15_distributed.ipynb #163bab31
 def _rank_main(rank, world_size, backend, port, jobs, out_dir, timeout_s):
     "One spawned rank: join the group, run the jobs in order, save their results for the parent"
@@ -69,6 +76,7 @@ def _rank_main(rank, world_size, backend, port, jobs, out_dir, timeout_s):
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         try: torch.save([fn(*args) for fn, args in jobs], os.path.join(out_dir, f'rank{rank}.pt'))
         finally: dist.destroy_process_group()
+    exit_rank(0)
 
 # %% ../nbs/15_distributed.ipynb #7ddff7aa
 def run_ranks(

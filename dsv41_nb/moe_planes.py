@@ -512,9 +512,11 @@ def expert_down_planes(
     w2: PlaneWeight, # the routed experts' down weights, in planes
     align: ExpertAlignment, # the same rows as the gate/up stage
     shape: dict | None = None, # launch shape (default `moe_launch_shape`; block_k is 128 here)
+    slots: bool = False, # version 4's loop (the last section): `h` read in `pair_order`
 ) -> torch.Tensor:
     "`expert_down` on the routed experts' down weights in planes: (n_assign, dim) BF16"
     _check_planes('w2', w2, h)
+    if not isinstance(slots, bool): raise TypeError(f"slots must be a bool, got {slots!r}")
     if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
         raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
     if h.dtype != torch.bfloat16 or h.shape[0] != align.n_assign:
@@ -526,7 +528,8 @@ def expert_down_planes(
     shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), PLANES_DOWN_TUNING)
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
     meta, grid = _launch(align, N, K, shape, h.device)
-    _down_planes_kernel[grid](
+    if slots: h = pair_order(h)
+    (_down_slots_kernel if slots else _down_planes_kernel)[grid](
         h.contiguous(), w2.words, w2.scale_words, out, align.sorted_ids, align.block_expert,
         align.n_assign, align.num_blocks, K=K, N=N, TOPK=align.topk, BM=meta['BM'],
         BN=meta['BN'], GROUP_M=meta['GROUP_M'], HW_CVT=meta['HW_CVT'],
@@ -592,3 +595,6 @@ def _gemm_slots(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert
 _gate_up_slots_kernel = _rebound(_gate_up_planes_kernel, _gemm_planes=_gemm_slots)
 _gate_up_slots_partial_kernel = _rebound(_gate_up_planes_partial_kernel, _gemm_planes=_gemm_slots)
 SLOTS_MAXNREG = 128   # registers a thread, with row blocks of at most 32
+
+# %% ../nbs/08f_moe_planes.ipynb #a7bffe70
+_down_slots_kernel = _rebound(_down_planes_kernel, _gemm_planes=_gemm_slots)

@@ -25,7 +25,7 @@ from .engine import EngineArgs, LLM, RequestOutput, CompletionOutput
 from .kv_manager import CacheCapacityError
 from .scheduler import SamplingParams
 from .serving import percentiles, served_checkpoint, serving_problem
-from .distributed import _group, free_port, rank_device
+from .distributed import _group, free_port, rank_device, exit_rank
 from .dp_engine import (DPLLM, DPLLMEngine, DPServingEngine, control_group, core_stats,
                                 follow, init_dp_group, rank_model, torchrun_env)
 log = logging.getLogger(__name__)
@@ -960,7 +960,7 @@ def _spawned_rank(rank: int, world_size: int, backend: str, port: int, job: tupl
                             world_size=world_size)
     try: code = dp_serve_rank(*job)
     finally: dist.destroy_process_group()
-    if code: sys.exit(code)
+    exit_rank(code or 0)      # no interpreter shutdown (15_distributed)
 
 # %% ../nbs/16_server.ipynb #792535b4
 def spawn_serve(job: tuple, # dp_serve_rank's arguments

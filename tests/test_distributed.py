@@ -207,6 +207,8 @@ def test_bad_inputs():
             (lambda: dd.run_ranks([], backend='mpi'), "backend 'mpi'"),
             (lambda: dd.run_ranks([dd.exchange_job]), 'jobs must be a list of (function, args tuple) pairs'),
             (lambda: dd.run_ranks([], world_size=0), 'world_size = 0'),
+            (lambda: dd.exit_rank(-1), 'exit_rank: code = -1; expected at least 0'),
+            (lambda: dd.exit_rank(1.0), 'exit_rank: code must be an int, got 1.0'),
             (lambda: dd.ep_moe_forward(x, half, TINY), 'world size mismatch'),
             (lambda: dd.ep_moe_forward(x[:, :32], W, TINY), 'x: expected shape (tokens, 64)'),
             (lambda: dd.ep_moe_forward(x, W, TINY, token_ids=torch.zeros(3, dtype=torch.int64)), 'token_ids'),

@@ -163,15 +163,19 @@ def test_moe_slots_bench_layer():
 
 def test_moe_down_planes_bench_layer():
     """The down stage on the bench layer's down weights in planes, compiled, under `check_fused_moe` at a serving batch
-    and each regime (64 experts, dim 5120, inter 2304), with version 3's gate/up and the shared expert on cuBLAS"""
+    and each regime (64 experts, dim 5120, inter 2304), with version 3's gate/up and the shared expert on cuBLAS; and
+    both stages in version 4"""
     cfg = ModelConfig.bench()
     W = planes_moe(MoEWeights.random(cfg, 1, DEV), down=True)
     stages = partial(_fused_stages, gate_up=plane_gate_up(W), shared=DenseShared(W), down=expert_down_planes)
+    v4 = partial(_fused_stages, gate_up=plane_gate_up(W, slots=True), shared=DenseShared(W),
+                 down=partial(expert_down_planes, slots=True))
     for T in (5, 128, 512, 2048):
         x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
         x[0, :7] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 448.0, -448.0, 1e4])
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
         check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=stages)
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, stages=v4)          # both stages in version 4
 
 
 @pytest.mark.parametrize('T', range(1, GEMV_MAX_TOKENS + 1))

@@ -149,10 +149,11 @@ def _bad_cases():
         (lambda: pair_order(torch.zeros(4, 48)), 'pair_order: expected a (rows, K) tensor with K a multiple of 32'),
         (lambda: pair_order(torch.zeros(64)), 'got (64,)'),
         (lambda: expert_gate_up_planes(xq, p, p, al, tw, 10.0, slots=1), 'slots must be a bool, got 1'),
+        (lambda: expert_down_planes(h, P128.w2, al, slots='yes'), "slots must be a bool, got 'yes'"),
     ]
 
 
-BAD_CASES = 33
+BAD_CASES = 34
 
 
 def test_every_bad_case_is_run():
@@ -292,7 +293,8 @@ def test_pairs_in_place_equal_each_word_once(T, D, I, seed):
 @given(st.sampled_from([3, 8]), st.sampled_from([128, 256]), st.integers(1, 40), st.integers(0, 2**31))
 def test_down_stage_on_planes(E, D, T, seed):
     """The fused MoE with the routed down weights in planes (and version 3's gate/up) passes `check_fused_moe`: the
-    down stage's rows within the BF16 bound of the reference's; the layer equals the pipeline's stages"""
+    down stage's rows within the BF16 bound of the reference's; the layer equals the pipeline's stages; and the same
+    with both stages in version 4"""
     cfg, W = _layer(E, 2, D, 128, seed % 1000)
     P = planes_moe(W, down=True)
     assert isinstance(P.w2, PlaneWeight) and torch.equal(planes_weight(P.w2).codes, W.w2.codes)
@@ -302,6 +304,8 @@ def test_down_stage_on_planes(E, D, T, seed):
     s = check_fused_moe(x, tw, ti, P, cfg.swiglu_limit, stages=stages)
     y = fused_moe_experts(x, tw, ti, P, cfg.swiglu_limit, gate_up=plane_gate_up(P), down=expert_down_planes)
     assert torch.equal(y, stages(x, tw, ti, P, cfg.swiglu_limit)['y'])
+    v4 = partial(_fused_stages, gate_up=plane_gate_up(P, slots=True), down=partial(expert_down_planes, slots=True))
+    check_fused_moe(x, tw, ti, P, cfg.swiglu_limit, stages=v4)              # both stages in version 4
 
 
 @pytest.mark.parametrize('T', [1, 2])           # compiled, the GPU tier takes 1 to GEMV_MAX_TOKENS

@@ -24,10 +24,10 @@ their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-ge
 records each one's routed loop (SASS instructions) and registers. --compile-index does the same for the full-scan
 index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys;
 --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two passes.
---compile-gate-up-versions compiles 08f_moe_planes' gate/up stage, versions 3 and 4, at 32 to 2,048 tokens.
+--compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
-import argparse, datetime, json, math, re, sys, tempfile
+import argparse, datetime, itertools, json, math, re, sys, tempfile
 from collections import Counter
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -113,18 +113,39 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes
                 triton=triton.__version__, target='sm_90', registers=regs)
 
 
+def compile_down(out: Path, tokens: int, slots: bool) -> dict:
+    ("The routed down stage in planes (08f_moe_planes), version 3 or 4 (`slots`), for sm_90 at the bench layer's "
+     "launch for `tokens`, with no GPU; the launch, with the registers a thread holds")
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.fused_moe import moe_launch_shape, stage_shape
+    from dsv41_nb.moe_planes import _down_planes_kernel, _down_slots_kernel, PLANES_DOWN_TUNING
+    cfg = ModelConfig.bench()
+    shape = stage_shape(moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts),
+                        PLANES_DOWN_TUNING)
+    fn = _down_slots_kernel if slots else _down_planes_kernel
+    ptrs = dict(h_ptr='*bf16', w_ptr='*i32', ws_ptr='*i32', out_ptr='*bf16', sorted_ptr='*i32',
+                block_expert_ptr='*i32')
+    const = dict(K=cfg.moe_inter_dim, N=cfg.dim, TOPK=cfg.n_activated_experts, BM=shape['block_m'],
+                 BN=shape['block_n'], GROUP_M=8, HW_CVT=True)
+    sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', **{k: 'constexpr' for k in const}}
+    regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'down')
+    return dict(block_m=shape['block_m'], block_n=shape['block_n'], num_warps=shape['num_warps'], registers=regs)
+
+
 def compile_gate_up_versions(out: Path) -> list[dict]:
-    ("The gate/up stage of 08f_moe_planes for sm_90 at the bench layer, version 3 and version 4 (`slots`, with its "
-     "launch's register cap), at a decode batch, a serving batch and two larger ones, with no GPU: the K loop's SASS "
-     "instructions per weight (two matrices, BN x 128 weights a step, over the threads), registers, spills")
+    ("08f_moe_planes' gate/up stage (two matrices) and routed down stage (one) for sm_90 at the bench layer, version "
+     "3 and version 4 (`slots`, with its launch's register cap), at a decode batch, a serving batch and two larger "
+     "ones, with no GPU: the K loop's SASS instructions per weight (BN x 128 weights a matrix and step, over the "
+     "threads), registers, spills")
     rows = []
-    for tokens in (32, 128, 512, 2048):
+    for stage, tokens in itertools.product(('gate/up', 'down'), (32, 128, 512, 2048)):
         for name, slots in (('version 3', False), ('version 4', True)):
-            r = compile_gate_up(out, tokens=tokens, planes=True, slots=slots)
-            loop = sass_loop((out / 'gate_up.sass').read_text())
+            if stage == 'down': r, matrices, f = compile_down(out, tokens, slots), 1, 'down.sass'
+            else: r, matrices, f = compile_gate_up(out, tokens=tokens, planes=True, slots=slots), 2, 'gate_up.sass'
+            loop = sass_loop((out / f).read_text())
             ops = sass_opcodes(loop)
-            weights = 2 * r['block_n'] * 128 / (32 * r['num_warps'])
-            rows.append(dict(kernel=name, tokens=tokens, block_m=r['block_m'], block_n=r['block_n'],
+            weights = matrices * r['block_n'] * 128 / (32 * r['num_warps'])
+            rows.append(dict(stage=stage, kernel=name, tokens=tokens, block_m=r['block_m'], block_n=r['block_n'],
                              num_warps=r['num_warps'], maxnreg=r.get('maxnreg'), loop_instructions=len(loop),
                              per_weight=round(len(loop) / weights, 3), registers=r['registers'],
                              spills=ops.get('STL', 0) + ops.get('LDL', 0), opcodes=ops))
@@ -283,7 +304,7 @@ def main(argv=None):
                    date=str(datetime.date.today()), config='bench', rows=rows)
         Path(args.json).write_text(json.dumps(rec, indent=1))
         for r in rows:
-            name = (f"{r['kernel']}, {r['tokens']} tokens" if 'tokens' in r else r['kernel'] if 'kernel' in r
+            name = (f"{r['stage']} {r['kernel']}, {r['tokens']}" if 'tokens' in r else r['kernel'] if 'kernel' in r
                     else f"{r['stage']:8s} {r['reading']}")
             print(f"{name:22s} {r['loop_instructions']:5d} instructions, {r['registers']} registers")
         return
