@@ -471,16 +471,18 @@ def fits_planes(w) -> bool:
 
 # %% ../nbs/08f_moe_planes.ipynb #9f913e04
 def served_gate_up(W: MoEWeights,
-                   sms: int | None = None): # multiprocessors to split K for (default: the device's)
-    ("The engine's gate/up stage for `W`: version 3 on the routed experts (`W`'s planes, or made "
+                   sms: int | None = None, # multiprocessors to split K for (default: the device's)
+                   slots: bool = False): # version 4 (the last section) in place of version 3
+    ("The engine's gate/up stage for `W`: version 3 (or 4) on the routed experts (`W`'s planes, or made "
      "now from its codes), K split where `expert_gate_up_split` would split it; "
      "`expert_gate_up_split` itself for the shared expert")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"served_gate_up: expected MoEWeights, got {type(W).__name__}")
     if sms is not None: check_int('served_gate_up', 'sms', sms, 1)
+    if not isinstance(slots, bool): raise TypeError(f"served_gate_up: slots must be a bool, got {slots!r}")
     planes = isinstance(W.w1, PlaneWeight) and isinstance(W.w3, PlaneWeight)
     if not (planes or fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
-    return plane_gate_up(W, split=None, shared=expert_gate_up_split, sms=sms)
+    return plane_gate_up(W, split=None, shared=expert_gate_up_split, sms=sms, slots=slots)
 
 # %% ../nbs/08f_moe_planes.ipynb #f6bbeb1f
 @triton.jit

@@ -36,11 +36,11 @@ from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['SERVED_PLANES', 'SERVED_PLANES_DOWN', 'SERVED_SHARED_DENSE', 'WEIGHT_KINDS', 'PagedLinear', 'truncate_window',
-           'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram', 'block_seam',
-           'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe', 'token_history',
-           'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention', 'logits_tolerance', 'BF16Record',
-           'context_blocks', 'single_request_steps', 'replay_agreement']
+__all__ = ['SERVED_PLANES', 'SERVED_PLANES_DOWN', 'SERVED_SHARED_DENSE', 'SERVED_SLOTS', 'WEIGHT_KINDS', 'PagedLinear',
+           'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram',
+           'block_seam', 'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe',
+           'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
+           'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
 class PagedLinear(nn.Linear):
@@ -219,12 +219,14 @@ def block_seam(block: Block, sub: str) -> HCWeights:
 SERVED_PLANES = True   # served layers hold the routed gate and up weights in planes (08f), not codes
 SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
+SERVED_SLOTS = False   # the planes' stages in 08f's version 4 (activations in pair order)
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
      "(`planes_moe`, if `SERVED_PLANES` and `fits_planes`; the down weights too if "
      "`SERVED_PLANES_DOWN`), the router's gate widened to fp32 "
-     "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, else 08c's) "
+     "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, in version 4 if "
+     "`SERVED_SLOTS`, else 08c's) "
      "and the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
@@ -236,7 +238,8 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
             l.moe = planes_moe(l.moe, down)           # the codes go: nothing holds them now
         l._moe32 = replace(l.moe, gate=l.moe.gate.float())
         planes = isinstance(l.moe.w1, PlaneWeight)
-        l._gate_up = served_gate_up(l._moe32) if planes else expert_gate_up_split
+        l._gate_up = (served_gate_up(l._moe32, slots=SERVED_SLOTS) if planes
+                      else expert_gate_up_split)
         l._shared = DenseShared(l._moe32) if SERVED_SHARED_DENSE else None
     return l._moe32, l._gate_up
 
@@ -512,7 +515,8 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
                                     router=partial(fused_route, split_k=True),
                                     down=gemv_down_planes if down else None)
         return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route,
-                           shared=l._shared, down=expert_down_planes if down else None)
+                           shared=l._shared,
+                           down=partial(expert_down_planes, slots=SERVED_SLOTS) if down else None)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()

@@ -125,6 +125,7 @@ def _bad_cases():
          "plane_gate_up: these planes were made for another layer's weights"),
         (lambda: served_gate_up(W.w1), 'served_gate_up: expected MoEWeights, got QuantWeight'),
         (lambda: served_gate_up(W, sms=0), 'sms'),
+        (lambda: served_gate_up(W, slots=1), 'served_gate_up: slots must be a bool, got 1'),
         (lambda: gemv_gate_up_planes(x, tw, ti, W, 10.0), 'w1: expected a PlaneWeight'),
         (lambda: gemv_gate_up_planes(x, tw, ti, W.w1, 10.0), 'W: expected MoEWeights, got QuantWeight'),
         (lambda: planes_moe(W.w1), 'planes_moe: expected MoEWeights, got QuantWeight'),
@@ -153,7 +154,7 @@ def _bad_cases():
     ]
 
 
-BAD_CASES = 34
+BAD_CASES = 35
 
 
 def test_every_bad_case_is_run():

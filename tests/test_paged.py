@@ -255,6 +255,29 @@ def test_a_captured_verification_step_reads_nothing_back(models):
     assert torch.equal(got, want) and all(torch.equal(r.rows, recorded[l]) for l, r in sm.ring_rows.items())
 
 
+def test_served_moe_in_version_4(monkeypatch):
+    """SERVED_SLOTS serves both stages on planes in 08f's version 4: the activations of each go through `pair_order`,
+    and the layer's output is version 3's to within a few FP8 steps of its largest value"""
+    from types import SimpleNamespace
+    from dsv41_nb.moe import MoEWeights
+    from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
+    from dsv41_nb import paged, moe_planes
+    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if not (dev.type == 'cuda' or triton_interpreting()): pytest.skip('the kernel path (a GPU or the interpreter)')
+    cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=128, n_routed_experts=8, n_activated_experts=2)
+    codes = MoEWeights.random(cfg, 0, dev)
+    y = torch.randn(GEMV_MAX_TOKENS + 9, cfg.dim, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
+    monkeypatch.setattr(paged, 'SERVED_PLANES_DOWN', True)
+    out, calls = {}, []
+    order = moe_planes.pair_order
+    monkeypatch.setattr(moe_planes, 'pair_order', lambda x: calls.append(tuple(x.shape)) or order(x))
+    for slots in (False, True):
+        monkeypatch.setattr(paged, 'SERVED_SLOTS', slots)
+        out[slots] = paged.served_moe(SimpleNamespace(moe=codes), y, cfg)
+        assert len(calls) == (2 if slots else 0)         # the gate/up stage's activations, the down stage's
+    assert (out[True].float() - out[False].float()).abs().max() <= 0.05 * out[False].float().abs().max()
+
+
 def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
     """The served MoE turns a layer's routed gate and up codes into planes once (SERVED_PLANES, weights the planes can
     hold) and keeps no codes for them; every path then reads the planes: the GEMVs, the fused MoE's stage and the

@@ -6,7 +6,7 @@ token.
     python tools/bench_engine.py [--config bench|small|tiny] [--experts N] [--concurrency 1 4 16 32 64 128 256]
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
-                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--planes-down]
+                                 [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--planes-down] [--slots]
                                  [--shared-fp8]
                                  [--json out.json] [--quick]
 
@@ -330,6 +330,8 @@ def main():
                     help="layers keep the routed experts' codes (version 2 gate/up), not planes (08f), to compare")
     ap.add_argument('--planes-down', action='store_true',
                     help="layers hold the routed down weights in planes too (08f's down stage), not codes")
+    ap.add_argument('--slots', action='store_true',
+                    help="the planes' stages in 08f's version 4 (the activations in pair order), not version 3")
     ap.add_argument('--shared-fp8', action='store_true',
                     help="the shared expert through the MoE's kernels on its FP8 codes, not cuBLAS (08c), to compare")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
@@ -337,6 +339,7 @@ def main():
     paged.SERVED_PLANES = not args.codes
     paged.SERVED_PLANES_DOWN = args.planes_down
     paged.SERVED_SHARED_DENSE = not args.shared_fp8
+    paged.SERVED_SLOTS = args.slots
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
         (args.config, args.naive_config, args.concurrency, args.prompt_len,
