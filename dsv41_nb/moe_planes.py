@@ -20,7 +20,7 @@ from .moe_split import (expert_gate_up_split, _default_split, _check_split,
                                 _swiglu_finish_kernel)
 from .moe_gemv import gemv_gate_up, gemv_down, _fp8_halves
 from .formats import _pow2
-from .formats import _mxfp4_pair, _e2m1_pair16
+from .formats import _mxfp4_pair, _e2m1_pair16, _e2m1_bf16_pair
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PLANE_READ_PAIRS',
@@ -94,8 +94,8 @@ def _plane_pair(t,                    # int32 words, the wanted planes' codes at
                 HW_CVT: tl.constexpr, # BF16 arithmetic (a GPU), else fp32 (the interpreter)
                ):
     "Two BF16 tiles: the values of the codes at bits 12-15 and at bits 28-31 of `t`"
-    # two BF16 patterns worth E2M1 x 2^-126: signs kept, magnitudes moved down by 6
-    o = (t & -0x7FFF8000) | ((t & 0x70007000) >> 6)
+    # two BF16 patterns worth E2M1 x 2^-126 (01_formats), the codes brought down to bits 0, 16
+    o = _e2m1_bf16_pair(t >> 12)
     if HW_CVT:
         m = ((s.to(tl.int32) + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^(s-1)
         lo = (o & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True) * m
@@ -563,7 +563,7 @@ def _plane_slots(t, s, HW_CVT: tl.constexpr):
     "(BN, 32) BF16: the codes at bits 12-15 and 28-31 of `t`'s words as slots 2j and 2j + 1"
     BN: tl.constexpr = t.shape[0]
     if HW_CVT:   # each word is the register of its two slots: one BF16x2 multiply by the scale
-        o = (t & -0x7FFF8000) | ((t & 0x70007000) >> 6)          # E2M1 x 2^-126, as _plane_pair
+        o = _e2m1_bf16_pair(t >> 12)                               # E2M1 x 2^-126, as _plane_pair
         m = (s.to(tl.int32) + 126) << 7                            # 2^(s-1) in BF16
         return tl.inline_asm_elementwise(
             "mul.rn.bf16x2 $0, $1, $3;", "=r,r,r,r,r",

@@ -227,7 +227,8 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
      "`SERVED_PLANES_DOWN`), the router's gate widened to fp32 "
      "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, in version 4 if "
      "`SERVED_SLOTS`, else 08c's) "
-     "and the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None)")
+     "the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None) "
+     "and the routed down stage (`l._down`: 08f's on planes, else None, the default)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
             f"got {type(l).__name__}",
@@ -241,6 +242,8 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
         l._gate_up = (served_gate_up(l._moe32, slots=SERVED_SLOTS) if planes
                       else expert_gate_up_split)
         l._shared = DenseShared(l._moe32) if SERVED_SHARED_DENSE else None
+        l._down = (partial(expert_down_planes, slots=SERVED_SLOTS)
+                   if isinstance(l.moe.w2, PlaneWeight) else None)   # the fused MoE's down stage
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a
@@ -515,8 +518,7 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
                                     router=partial(fused_route, split_k=True),
                                     down=gemv_down_planes if down else None)
         return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route,
-                           shared=l._shared,
-                           down=partial(expert_down_planes, slots=SERVED_SLOTS) if down else None)
+                           shared=l._shared, down=l._down)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()
