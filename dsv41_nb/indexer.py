@@ -500,7 +500,7 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
 
 # %% ../nbs/04_indexer.ipynb #c6d3bf6b
 # entries per tile, tiles per program, warps (compiled); the MXFP4 keys' version
-LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=2)
+LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=3)
 
 # %% ../nbs/04_indexer.ipynb #377f0e05
 @contextmanager
@@ -851,11 +851,11 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                            device='cuda',
                            bandwidth=None,            # copy bandwidth in B/s (default: measured)
                            rep: int = 100,            # timed repetitions
-                           version: int = 2,          # MXFP4 keys: decoded by version 1, 2 or 3
+                           version: int | None = None,  # key decoding 1, 2 or 3 (default: LOGITS_TUNING's)
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")
-    codec = cache_format(cfg, fmt)
+    codec, version = cache_format(cfg, fmt), version or LOGITS_TUNING['version']
     with key_decoding(version):
         q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
         bw = bandwidth or copy_bandwidth(device=device)
