@@ -50,7 +50,8 @@ def load_config(
 def layer_map_legend(c: ModelConfig, # the config whose layer map is printed
                      width: int = 110, # wrap lines at this many characters
                     ) -> str:
-    "What each column of `topology_table(c)` means (`TOPOLOGY_COLUMNS`), and the sizes behind them in `c`"
+    ("What each column of `topology_table(c)` means "
+     "(`TOPOLOGY_COLUMNS`), and the sizes behind them in `c`")
     expect_config(c, 'layer_map_legend')
     def fill(label, text):
         return textwrap.fill(text, width, initial_indent=f'  {label:12s}',
@@ -65,7 +66,8 @@ def layer_map_legend(c: ModelConfig, # the config whose layer map is printed
 # %% ../nbs/99_cli.ipynb #02ff284a
 def accounting_summary(rows: list, # rows of `accounting_rows`, laid out as `ROW_HEADER`
                       ) -> str:
-    "The checks of `rows` counted, the rows that differ from their source listed, and the sources' titles"
+    ("The checks of `rows` counted, the rows that differ "
+     "from their source listed, and the sources' titles")
     if any(len(r) != len(ROW_HEADER) for r in rows):
         raise ValueError(f"accounting_summary: rows must be laid out as {ROW_HEADER}")
     rows = [dict(zip(ROW_HEADER, r)) for r in rows]
@@ -187,7 +189,8 @@ def format_sweep(rows: list) -> str:
 
 # %% ../nbs/99_cli.ipynb #46d97109
 def write_problem(path) -> str | None:
-    "Why `path` cannot be written (None if it can): tried now, and a file the try creates is removed"
+    ("Why `path` cannot be written (None if it can): "
+     "tried now, and a file the try creates is removed")
     p = Path(path); existed = p.exists()
     try: open(p, 'a').close()
     except OSError as e: return f"cannot write {path}: {e.strerror}"
@@ -196,7 +199,8 @@ def write_problem(path) -> str | None:
 
 # %% ../nbs/99_cli.ipynb #3007c03b
 def served_with(args, error):
-    "The device and kernels checked, the checkpoint found (a note if not the shipped one), threads set"
+    ("The device and kernels checked, the checkpoint "
+     "found (a note if not the shipped one), threads set")
     if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)
@@ -303,7 +307,8 @@ def bench_command(
 def program_name(
     argv0: str | None = None, # the path the program was started as (default `sys.argv[0]`)
     ) -> str:
-    "How to call this program in a usage line: `dsv41` for the console script, else `python -m dsv41_nb`"
+    ("How to call this program in a usage line: `dsv41` "
+     "for the console script, else `python -m dsv41_nb`")
     name = Path(sys.argv[0] if argv0 is None else argv0).name
     return name if name.startswith('dsv41') and not name.endswith('.py') else 'python -m dsv41_nb'
 

@@ -80,7 +80,8 @@ HEADER_DTYPES = {'fp4': ('F4', 'U8', 'I8'), 'fp8': ('F8_E4M3',), 'e8m0': ('F8_E8
 
 # %% ../nbs/10a_checkpoint.ipynb #5a4067e7
 def stored_shape(spec: TensorSpec) -> tuple:
-    "Shape of the torch tensor in the file: FP4 packs two values per byte along the last (K) dimension"
+    ("Shape of the torch tensor in the file: FP4 packs "
+     "two values per byte along the last (K) dimension")
     return spec.shape[:-1] + (spec.shape[-1] // 2,) if spec.dtype == 'fp4' else spec.shape
 
 # %% ../nbs/10a_checkpoint.ipynb #b75974af
@@ -113,7 +114,8 @@ def random_state(cfg: ModelConfig, seed: int = 0) -> dict:
 
 # %% ../nbs/10a_checkpoint.ipynb #9fe61c1b
 def fp8_tile_rows(weight: TensorSpec, scale: TensorSpec) -> int:
-    "Rows one UE8M0 scale covers: 32 (32x32 tiles of a linear) or 1 (32 values of a row: the Engram tables)"
+    ("Rows one UE8M0 scale covers: 32 (32x32 tiles of a "
+     "linear) or 1 (32 values of a row: the Engram tables)")
     return 1 if scale.shape[0] == weight.shape[0] else 32
 
 # %% ../nbs/10a_checkpoint.ipynb #7c6e9fbc
@@ -190,7 +192,8 @@ def _check_state(state, cfg: ModelConfig, what: str) -> dict:
 
 # %% ../nbs/10a_checkpoint.ipynb #5f2c670a
 def _finite(t: torch.Tensor) -> bool:
-    "No NaN and no infinity among `t`'s values (one-byte float types widened first: not every op takes them)"
+    ("No NaN and no infinity among `t`'s values (one-byte "
+     "float types widened first: not every op takes them)")
     return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())
 
 # %% ../nbs/10a_checkpoint.ipynb #fb2112d1
@@ -227,7 +230,8 @@ def _header_entry(t) -> tuple:
 
 # %% ../nbs/10a_checkpoint.ipynb #3f422859
 def _check_file_tensors(found: dict, cfg: ModelConfig, where: str, files: dict | None = None):
-    "`found` = {name: (safetensors dtype, header shape)} against the manifest: names, then dtypes and shapes"
+    ("`found` = {name: (safetensors dtype, header shape)} "
+     "against the manifest: names, then dtypes and shapes")
     specs = _specs(cfg)[0]
     missing, extra = [k for k in specs if k not in found], [k for k in found if k not in specs]
     if missing or extra:
@@ -386,7 +390,8 @@ def load_state(directory, cfg: ModelConfig | None = None) -> dict:
 
 # %% ../nbs/10a_checkpoint.ipynb #7db72014
 def shard_header(path) -> dict:
-    "{name: (safetensors dtype, shape, (first, end) byte offsets in the file)} from a shard's JSON header"
+    ("{name: (safetensors dtype, shape, (first, end) byte "
+     "offsets in the file)} from a shard's JSON header")
     with open(path, 'rb') as fh:
         n = int.from_bytes(fh.read(8), 'little')
         head = json.loads(fh.read(n))
@@ -421,7 +426,8 @@ def _fill(dest: torch.Tensor, # the tensor to fill
           scale: TensorSpec | None,
           chunk_bytes: int, # fp32 bytes dequantised at once
           where: str = ''): # the shard, for messages
-    "Dequantise one file tensor into `dest`, a slab of rows at a time; read(r0, r1) gives stored rows"
+    ("Dequantise one file tensor into `dest`, a slab of "
+     "rows at a time; read(r0, r1) gives stored rows")
     tile = fp8_tile_rows(spec, scale) if scale is not None and spec.dtype == 'fp8' else 1
     for r0, r1 in _row_chunks(spec.shape[0], math.prod(spec.shape[1:]), chunk_bytes):
         part = read(r0, r1).to(dest.device)                                  # (rows, stored width)
@@ -466,7 +472,8 @@ def load_weights(target, # an nn.Module, or a dict of tensors named as `master_s
 
 # %% ../nbs/10a_checkpoint.ipynb #d01135af
 def module_from_state(state: dict) -> torch.nn.Module:
-    "An nn.Module whose state dict is `state` (dotted names become submodules); parameters share its tensors"
+    ("An nn.Module whose state dict is `state` (dotted "
+     "names become submodules); parameters share its tensors")
     root = torch.nn.Module()
     for name, t in state.items():
         *path, leaf = name.split('.')
@@ -479,7 +486,8 @@ def module_from_state(state: dict) -> torch.nn.Module:
 
 # %% ../nbs/10a_checkpoint.ipynb #8c1415ba
 def load_model(directory, engram_map=None, device='cpu'):
-    "The `Transformer` of a checkpoint directory, built from its config.json on `device`, weights streamed in"
+    ("The `Transformer` of a checkpoint directory, built "
+     "from its config.json on `device`, weights streamed in")
     cfg = load_config(directory)
     with torch.device(device): model = Transformer(cfg, engram_map=engram_map)
     return load_weights(model, directory, cfg)

@@ -141,7 +141,8 @@ def require(ok, msg: str, exc: type = ValueError):
 
 # %% ../nbs/00_config.ipynb #742cea09
 class ConfigError(ValueError):
-    "A model config that cannot describe a working V4.1 model; the message names the field and the value"
+    ("A model config that cannot describe a working V4.1 "
+     "model; the message names the field and the value")
 
 _RULES = {}  # name -> rule(c), run in order by `validate`
 
@@ -351,7 +352,8 @@ def is_prime(n: int) -> bool:
 
 # %% ../nbs/00_config.ipynb #981e1e9c
 def engram_bucket_primes(c: ModelConfig) -> tuple:
-    "Bucket sizes [engram layer][n-gram order 2..max][head]: next unused primes above `engram_vocab_size`"
+    ("Bucket sizes [engram layer][n-gram order 2..max][head]: "
+     "next unused primes above `engram_vocab_size`")
     expect_config(c, 'engram_bucket_primes')
     seen, layers = set(), []
     for _ in c.engram_layer_ids:

@@ -61,7 +61,8 @@ def role_table(cfg: ModelConfig) -> str:
 
 # %% ../nbs/05_csa2.ipynb #77e38d0d
 def plot_csa2_roles(cfg: ModelConfig, ax=None):
-    "The backbone layers coloured by CSA2 role, with arrows from each consumer to its sources (needs matplotlib)"
+    ("The backbone layers coloured by CSA2 role, with arrows "
+     "from each consumer to its sources (needs matplotlib)")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     topo = layer_topology(expect_config(cfg, 'plot_csa2_roles'))[:cfg.n_layers]
@@ -146,7 +147,8 @@ def read(self: CSA2State, kind: str, layer: int, step) -> torch.Tensor:
 # %% ../nbs/05_csa2.ipynb #8a69f650
 @dataclass
 class CSA2Step:
-    "One forward step's tokens and cache addresses (the part of vLLM's attention metadata CSA2 reads)"
+    ("One forward step's tokens and cache addresses (the "
+     "part of vLLM's attention metadata CSA2 reads)")
     positions: torch.Tensor        # (T,) int64 token positions
     # (T,) int32 block-table row of each token's request, -1 = padding
     rows: torch.Tensor
@@ -200,7 +202,8 @@ def random_block_tables(n_requests: int,          # rows of the table
                         generator=None,           # the random generator (drawn on its device)
                         device=None,              # device of the table
                        ) -> torch.Tensor:
-    "(n_requests, blocks_per_request) int32 distinct block ids drawn from 1..num_blocks-1 (block 0 is the null block)"
+    ("(n_requests, blocks_per_request) int32 distinct block ids "
+     "drawn from 1..num_blocks-1 (block 0 is the null block)")
     need = n_requests * blocks_per_request
     if need > num_blocks - 1:
         raise ValueError(f"{n_requests} x {blocks_per_request} blocks do not fit in "
@@ -215,7 +218,8 @@ def window_indices(step: CSA2Step,  # the step's tokens and window block table
                    # (T,) first position each token may read (None: any)
                    floor: torch.Tensor | None = None,
                   ) -> tuple:
-    "(slots (T, window) int32, lens (T,) int32): each token's window positions, oldest first, as window-cache slots"
+    ("(slots (T, window) int32, lens (T,) int32): each token's "
+     "window positions, oldest first, as window-cache slots")
     check_int('window_indices', 'window', window, 1)
     p, bs, bt = step.positions.long(), step.swa_block_size, step.swa_block_table.long()
     if floor is not None and (not isinstance(floor, torch.Tensor) or floor.shape != p.shape
@@ -254,7 +258,8 @@ def step_window(step: CSA2Step, window: int) -> tuple:
 @triton.jit
 def _window_slots_kernel(pos_ptr, rows_ptr, floor_ptr, bt_ptr, stride_bt, slots_ptr, lens_ptr,
                          window, bs, W_P2: tl.constexpr, FLOOR: tl.constexpr, PAD: tl.constexpr):
-    "One token: its window's length (cut at its floor if FLOOR) and the cache slots of those positions, oldest first"
+    ("One token: its window's length (cut at its floor if FLOOR) "
+     "and the cache slots of those positions, oldest first")
     t = tl.program_id(0)
     p, row = tl.load(pos_ptr + t).to(tl.int64), tl.load(rows_ptr + t).to(tl.int64)
     n = tl.where(row >= 0, tl.minimum(p + 1, window), 0)
@@ -287,7 +292,8 @@ def _window_indices_triton(step: CSA2Step, window: int, floor) -> tuple:
 # %% ../nbs/05_csa2.ipynb #c1ec952b
 @dataclass
 class SparseIndices:
-    "The records each query token attends to: its window (cache slots) and its top-k (compressed-state indices)"
+    ("The records each query token attends to: its window "
+     "(cache slots) and its top-k (compressed-state indices)")
     window_slots: torch.Tensor  # (T, W) int32 window-cache slots, -1 = skip
     window_lens: torch.Tensor   # (T,) int32 leading entries of window_slots to read
     topk: torch.Tensor          # (T, K) int32 compressed-state indices, -1 = skip (K may be 0)
@@ -298,7 +304,8 @@ class SparseIndices:
 
 # %% ../nbs/05_csa2.ipynb #e149098c
 def topk_slots(idx: SparseIndices) -> torch.Tensor:
-    "(T, K) int64 compressed-cache slots of the selected states: block_table[row, i // per] * per + i % per, -1 kept"
+    ("(T, K) int64 compressed-cache slots of the selected "
+     "states: block_table[row, i // per] * per + i % per, -1 kept")
     i, per = idx.topk.long(), idx.per_block
     blk = idx.block_table.long()[idx.rows.clamp_min(0).long()[:, None], i.clamp_min(0) // per]
     return torch.where(i >= 0, blk * per + i % per, PAD_SLOT_ID)
@@ -324,7 +331,8 @@ def _int_tensor(name, t, shape):
 
 # %% ../nbs/05_csa2.ipynb #3733ae3b
 def _check_ranges(*checks):
-    "Each (name, t, lo, hi): t within lo..hi-1, else an IndexError naming it; one read back to the host for them all"
+    ("Each (name, t, lo, hi): t within lo..hi-1, else an "
+     "IndexError naming it; one read back to the host for them all")
     checks = [c for c in checks if c[1].numel() and not capturing()]
     if not checks: return
     out_of_range = torch.stack([((t < lo) | (t >= hi)).any() for _, t, lo, hi in checks])
@@ -349,7 +357,8 @@ def _check_paged(name, p, D, device):
 
 # %% ../nbs/05_csa2.ipynb #ec3220f2
 def check_attention_inputs(q, window, compressed, idx, sink, scale, check_indices: bool = True):
-    "Raise a clear error for anything `sparse_attention_reference` or the sparse decode kernel cannot take"
+    ("Raise a clear error for anything `sparse_attention_reference` "
+     "or the sparse decode kernel cannot take")
     if not isinstance(q, torch.Tensor) or q.ndim != 3 or not q.is_floating_point():
         raise TypeError(f"q: expected a (tokens, heads, head_dim) float tensor, "
                         f"got {getattr(q, 'dtype', type(q).__name__)} "
@@ -383,7 +392,8 @@ def check_attention_inputs(q, window, compressed, idx, sink, scale, check_indice
 
 # %% ../nbs/05_csa2.ipynb #67a946c4
 def gather_keys(window: PagedRecords, compressed: PagedRecords | None, idx: SparseIndices) -> tuple:
-    "(keys (T, W+K, D) fp32, live (T, W+K) bool): every record each token reads, window first, dead ones zero"
+    ("(keys (T, W+K, D) fp32, live (T, W+K) bool): every "
+     "record each token reads, window first, dead ones zero")
     W, K = idx.window_slots.shape[1], idx.topk.shape[1]
     ar = lambda n: torch.arange(n, device=idx.rows.device)
     w_live = (ar(W) < idx.window_lens[:, None]) & (idx.window_slots >= 0)
@@ -486,7 +496,8 @@ def window_kv(self: CSA2Attention, x: torch.Tensor, positions: torch.Tensor) -> 
 # %% ../nbs/05_csa2.ipynb #33da5eb5
 @patch
 def select(self: CSA2Attention, x, qr, step: CSA2Step, state: CSA2State, topk=None) -> tuple:
-    "(SparseIndices, the compressed cache read or None): run this layer's role for `step`, publishing what it makes"
+    ("(SparseIndices, the compressed cache read or None): run "
+     "this layer's role for `step`, publishing what it makes")
     T, l, dev = len(step.positions), self.layer, step.positions.device
     w_slots, w_lens = step_window(step, self.window)
     if self.ratio == 0:
@@ -552,7 +563,8 @@ def project_out(self: CSA2Attention, o: torch.Tensor, positions: torch.Tensor) -
 @patch
 def attention(self: CSA2Attention, x, step: CSA2Step, state: CSA2State, topk=None,
               **attend_kw) -> tuple:  # passed on to the attention core (`10b_paged`: `out_rope`)
-    "(o (T, H, D) bf16, lse (T, H)): this layer's attention for `step`, caches updated, selections published"
+    ("(o (T, H, D) bf16, lse (T, H)): this layer's attention "
+     "for `step`, caches updated, selections published")
     if x.ndim != 2 or x.shape[0] != len(step.positions):
         raise ValueError(f"x: expected ({len(step.positions)}, dim) "
                          f"hidden states for the step's tokens, got {tuple(x.shape)}")
@@ -578,7 +590,8 @@ def allocate(self: CSA2State,
              block_size: int,      # tokens per global block
              device=None,
             ) -> CSA2State:
-    "Empty caches for `layers` (CSA2Attention modules): `num_blocks` blocks per cache, block 0 the null block"
+    ("Empty caches for `layers` (CSA2Attention modules): "
+     "`num_blocks` blocks per cache, block 0 the null block")
     for m in layers:
         self.window[m.layer] = torch.zeros(num_blocks, swa_block_size, m.window_codec.record_bytes,
                                            dtype=torch.uint8, device=device)

@@ -183,7 +183,8 @@ import json
 def printed_rows(nb,            # a notebook's path
                  marker: str,   # text that one `#| gpu` cell of it holds, and no other
                 ) -> list:      # each table row's fields, as printed
-    "The rows of the table that `nb`'s `#| gpu` cell holding `marker` printed, from its saved outputs"
+    ("The rows of the table that `nb`'s `#| gpu` cell "
+     "holding `marker` printed, from its saved outputs")
     cells = [c for c in json.load(open(nb))['cells'] if c['cell_type'] == 'code'
              and _GPU_CELL.match(''.join(c['source'])) and marker in ''.join(c['source'])]
     if len(cells) != 1:

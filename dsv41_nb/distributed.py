@@ -37,7 +37,8 @@ BACKENDS = ('gloo', 'nccl')
 
 # %% ../nbs/15_distributed.ipynb #4853d5b6
 def free_port() -> int:
-    "A TCP port on this machine that nothing listens on now (the OS picks it), for the ranks' rendezvous"
+    ("A TCP port on this machine that nothing listens on "
+     "now (the OS picks it), for the ranks' rendezvous")
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
@@ -61,7 +62,8 @@ def rank_threads(world_size: int):
 
 # %% ../nbs/15_distributed.ipynb #1c0cd9ab
 def exit_rank(code: int = 0):
-    "End this rank's process now: flush its output, skip the interpreter's shutdown (gloo's threads)"
+    ("End this rank's process now: flush its output, "
+     "skip the interpreter's shutdown (gloo's threads)")
     check_int('exit_rank', 'code', code, 0)
     sys.stdout.flush(); sys.stderr.flush()
     os._exit(code)
@@ -120,7 +122,8 @@ def exchange(
     recv_counts: list[int],  # rows from each rank (what each sends here)
     group=None,
 ) -> torch.Tensor:
-    "All-to-all along dim 0 with split sizes: what every rank sent here, in rank order, (sum(recv_counts), ...)"
+    ("All-to-all along dim 0 with split sizes: what every "
+     "rank sent here, in rank order, (sum(recv_counts), ...)")
     _, world_size = _group('exchange', group)
     if len(send_counts) != world_size or len(recv_counts) != world_size:
         raise ValueError(f"exchange: {len(send_counts)} send and {len(recv_counts)} receive counts "
@@ -161,7 +164,8 @@ def local_experts(
     rank: int,
     world_size: int,
 ) -> MoEWeights:
-    "This rank's copy of a MoE layer: router (gate, biases) and shared expert whole, routed experts its range only"
+    ("This rank's copy of a MoE layer: router (gate, biases) "
+     "and shared expert whole, routed experts its range only")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"local_experts: expected MoEWeights, got {type(W).__name__}")
     E, held = W.n_experts, W.w1.shape[0]
@@ -198,7 +202,8 @@ DISPATCH_META = 8  # bytes after the FP8 row: int32 expert id on its owner, fp32
 
 # %% ../nbs/15_distributed.ipynb #e17d43b8
 def dispatch_codec(dim: int) -> FP8Record:
-    "A token row as it travels: E4M3 values and one UE8M0 scale per 32, the quantisation its experts apply anyway"
+    ("A token row as it travels: E4M3 values and one UE8M0 "
+     "scale per 32, the quantisation its experts apply anyway")
     if check_int('dispatch_codec', 'dim', dim, 32) % 32:
         raise ValueError(f"dispatch_codec: dim = {dim} is not a multiple of 32")
     return FP8Record('ep_dispatch', dim, 32)
@@ -210,7 +215,8 @@ def pack_dispatch(
     order: torch.Tensor,  # (tokens*k,) from `dispatch_order`
     n_local: int,  # experts per rank
 ) -> torch.Tensor:
-    "(tokens*k, dim + dim/32 + 8) uint8 in `order`: the FP8 token row, expert id on its owner, routing weight"
+    ("(tokens*k, dim + dim/32 + 8) uint8 in `order`: the "
+     "FP8 token row, expert id on its owner, routing weight")
     k = ids.shape[1]
     if (x.ndim != 2 or x.shape[0] != ids.shape[0] or weights.shape != ids.shape
             or order.shape != (ids.numel(),)):
@@ -228,7 +234,8 @@ def unpack_dispatch(
     records: torch.Tensor,
     dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    "Dispatch records -> (xq (n, dim) BF16 FP8-quantised rows, expert (n,) int64 on this rank, weight (n,) fp32)"
+    ("Dispatch records -> (xq (n, dim) BF16 FP8-quantised "
+     "rows, expert (n,) int64 on this rank, weight (n,) fp32)")
     codec = dispatch_codec(dim)
     B = codec.record_bytes
     if not isinstance(records, torch.Tensor) or records.dtype != torch.uint8 or records.ndim != 2 \
@@ -249,7 +256,8 @@ def local_expert_outputs(
     W: MoEWeights,  # this rank's layer (`local_experts`)
     swiglu_limit: float,
 ) -> torch.Tensor:
-    "(n, dim) BF16: each row through its expert, the weight applied before the down projection (08's grouped GEMMs)"
+    ("(n, dim) BF16: each row through its expert, the weight "
+     "applied before the down projection (08's grouped GEMMs)")
     n, held = xq.shape[0], W.w1.shape[0]
     if n == 0: return xq.new_zeros(0, W.dim, dtype=torch.bfloat16)
     shape = moe_launch_shape(n, held)
@@ -261,7 +269,8 @@ def local_expert_outputs(
 
 # %% ../nbs/15_distributed.ipynb #e806f9ba
 def shared_expert(xq: torch.Tensor, W: MoEWeights, swiglu_limit: float) -> torch.Tensor:
-    "(tokens, dim) BF16: the shared expert on FP8-quantised rows `xq`, which every rank runs for its own tokens"
+    ("(tokens, dim) BF16: the shared expert on FP8-quantised "
+     "rows `xq`, which every rank runs for its own tokens")
     T = xq.shape[0]
     if T == 0: return xq.new_zeros(0, W.dim, dtype=torch.bfloat16)
     shape = moe_launch_shape(T, 1)
@@ -276,7 +285,8 @@ def ep_combine(back: torch.Tensor,  # (tokens*k, dim) BF16 expert outputs in dis
                ids: torch.Tensor,  # (tokens, k) global expert ids
                shared: torch.Tensor,  # (tokens, dim) the shared expert's output
               ) -> torch.Tensor:
-    "(tokens, dim) BF16: a token's outputs added in fp32 by ascending expert id, as the reference loop adds them"
+    ("(tokens, dim) BF16: a token's outputs added in fp32 by "
+     "ascending expert id, as the reference loop adds them")
     T, k = ids.shape
     if shared.shape[0] != T or back.shape != (T * k, shared.shape[1]) or order.shape != (T * k,):
         got = f"{tuple(back.shape)}, {tuple(order.shape)}, {tuple(shared.shape)}"
@@ -293,7 +303,8 @@ def ep_combine(back: torch.Tensor,  # (tokens*k, dim) BF16 expert outputs in dis
 # %% ../nbs/15_distributed.ipynb #f5082228
 def ep_moe_simulated(xs: list,  # one (tokens, dim) batch per simulated rank
                      W: MoEWeights, cfg: ModelConfig) -> dict:
-    "Expert parallelism over len(xs) ranks in one process, the all-to-alls as lists: outputs and (src, dst) counts"
+    ("Expert parallelism over len(xs) ranks in one process, "
+     "the all-to-alls as lists: outputs and (src, dst) counts")
     world_size, limit = len(xs), cfg.swiglu_limit
     shards = [local_experts(W, r, world_size) for r in range(world_size)]
     routes = [route_layer(x, W, cfg) for x in xs]
@@ -320,7 +331,8 @@ def ep_moe_forward(
     token_ids: torch.Tensor | None = None,  # (tokens,) raw ids: image-span tokens take the image bias
     info: dict | None = None,  # when given, filled with the routing and the row counts
 ) -> torch.Tensor:
-    "The MoE layer with its experts spread over ranks: route, all-to-all, local experts, all-to-all back, combine"
+    ("The MoE layer with its experts spread over ranks: route, "
+     "all-to-all, local experts, all-to-all back, combine")
     rank, world_size = _group('ep_moe_forward', group)
     W = local_experts(W, rank, world_size)
     weights, ids = route_layer(x, W, cfg, token_ids)  # (tokens, k) each
@@ -349,7 +361,8 @@ def _moe_to(W: MoEWeights, device) -> MoEWeights:
 
 # %% ../nbs/15_distributed.ipynb #944cf765
 def ep_moe_job(xs: list, W: MoEWeights, cfg: ModelConfig, kernels: str | None = None) -> dict:
-    "Worker: rank r runs xs[r] through `ep_moe_forward` (kernels forced to `kernels` if given): output and routing"
+    ("Worker: rank r runs xs[r] through `ep_moe_forward` "
+     "(kernels forced to `kernels` if given): output and routing")
     rank, world_size = _group('ep_moe_job')
     dev, info = rank_device(), {}
     with use_kernels(kernels):
@@ -366,7 +379,8 @@ def dp_steps(
     device,
     group=None,
 ) -> tuple[list, list]:
-    "Data-parallel steps: all ranks step while any has work, one without runs `dummy`. (an output per step, log)"
+    ("Data-parallel steps: all ranks step while any has work, "
+     "one without runs `dummy`. (an output per step, log)")
     _group('dp_steps', group)
     outs, log = [], []
     while True:
@@ -389,7 +403,8 @@ def dp_moe_steps(batches: list,  # this rank's (tokens, dim) batches, one per st
 
 # %% ../nbs/15_distributed.ipynb #e977c70e
 def dp_moe_job(batches: list, W: MoEWeights, cfg: ModelConfig, kernels: str | None = None) -> dict:
-    "Worker: rank r serves batches[r], its list of per-step batches, through `dp_moe_steps` (kernels as `ep_moe_job`)"
+    ("Worker: rank r serves batches[r], its list of per-step "
+     "batches, through `dp_moe_steps` (kernels as `ep_moe_job`)")
     rank, world_size = _group('dp_moe_job')
     dev = rank_device()
     with use_kernels(kernels):
@@ -430,7 +445,8 @@ def sharded_engram_lookup(
     plan: list,  # head_shards(cfg, world_size)[layer]: (first col, end col, first row, end row)
     group=None,
 ) -> torch.Tensor:
-    "(tokens, cols, head_dim) BF16 rows: each rank looks up its heads for every rank's tokens; FP8 records travel"
+    ("(tokens, cols, head_dim) BF16 rows: each rank looks up "
+     "its heads for every rank's tokens; FP8 records travel")
     rank, world_size = _group('sharded_engram_lookup', group)
     check_engram_plan(shard, plan, rank, world_size)
     cols = plan[-1][1]
@@ -456,7 +472,8 @@ def sharded_engram_lookup(
 
 # %% ../nbs/15_distributed.ipynb #576547f4
 def engram_shard_job(ids: list, table: EngramTable, plan: list) -> torch.Tensor:
-    "Worker: keep the rows `plan` gives this rank, look up ids[rank] through `sharded_engram_lookup`"
+    ("Worker: keep the rows `plan` gives this rank, "
+     "look up ids[rank] through `sharded_engram_lookup`")
     rank, _ = _group('engram_shard_job')
     dev = rank_device()
     *_, r0, r1 = plan[rank]
@@ -466,7 +483,8 @@ def engram_shard_job(ids: list, table: EngramTable, plan: list) -> torch.Tensor:
 
 # %% ../nbs/15_distributed.ipynb #0fc94d01
 class EPMoE(nn.Module):
-    "A block's MoE on one rank: `MoE.forward`'s contract through `ep_moe_forward`; routing and row counts in `info`"
+    ("A block's MoE on one rank: `MoE.forward`'s contract "
+     "through `ep_moe_forward`; routing and row counts in `info`")
     def __init__(self, W: MoEWeights,  # this rank's layer (`local_experts`)
                  cfg: ModelConfig, group=None):
         super().__init__()
@@ -490,7 +508,8 @@ class EPMoE(nn.Module):
 
 # %% ../nbs/15_distributed.ipynb #e0fc3c91
 class ShardedEngram(nn.Module):
-    "An Engram module on one rank: `DenseEngram`'s projection and gates, its hash heads' rows of the table"
+    ("An Engram module on one rank: `DenseEngram`'s "
+     "projection and gates, its hash heads' rows of the table")
     def __init__(self,
                  dense: DenseEngram,  # the whole module, whose table this rank no longer keeps
                  shard: EngramTable,  # this rank's rows: plan[rank]'s hash heads, FP8 records
@@ -520,7 +539,8 @@ class ShardedEngram(nn.Module):
 
 # %% ../nbs/15_distributed.ipynb #afe0ebc3
 def shard_model_(model: Transformer, group=None) -> Transformer:
-    "`model`, in place, as one rank of `group` holds it: each MoE an `EPMoE`, each Engram module a `ShardedEngram`"
+    ("`model`, in place, as one rank of `group` holds it: each "
+     "MoE an `EPMoE`, each Engram module a `ShardedEngram`")
     rank, world_size = _group('shard_model_', group)
     if not isinstance(model, Transformer):
         raise TypeError(f"shard_model_: expected a Transformer, got {type(model).__name__}")
@@ -543,7 +563,8 @@ def shard_model_(model: Transformer, group=None) -> Transformer:
 
 # %% ../nbs/15_distributed.ipynb #e561c4d5
 def dummy_step(model: Transformer) -> dict:
-    "An idle rank's share of a step: each layer's Engram lookup and MoE with no tokens. {'routes': each MoE's `info`}"
+    ("An idle rank's share of a step: each layer's Engram lookup "
+     "and MoE with no tokens. {'routes': each MoE's `info`}")
     if (not isinstance(model, Transformer)
             or not all(isinstance(l.ffn, EPMoE) for l in model.layers)):
         raise ValueError("dummy_step: expected a sharded model (`shard_model_`)")
@@ -558,7 +579,8 @@ def dummy_step(model: Transformer) -> dict:
 
 # %% ../nbs/15_distributed.ipynb #77bf9be7
 def step_trace(model: Transformer, ids: torch.Tensor) -> dict:
-    "`model(ids)`, whole or sharded, traced: {'logits': (B, S, vocab), 'routes': each layer's routing}"
+    ("`model(ids)`, whole or sharded, traced: {'logits': "
+     "(B, S, vocab), 'routes': each layer's routing}")
     trace = dict(routes=[])
     def record(m, inputs, out):
         trace['routes'].append(m.info if isinstance(m, EPMoE) else dict(ids=out[1]))
@@ -572,7 +594,8 @@ def step_trace(model: Transformer, ids: torch.Tensor) -> dict:
 
 # %% ../nbs/15_distributed.ipynb #cc65b151
 def dp_model_job(model: Transformer, requests: list, kernels: str | None = 'torch') -> dict:
-    "Worker: rank r keeps its share of `model`, serves requests[r] (token ids (requests, seq), one per step), traced"
+    ("Worker: rank r keeps its share of `model`, serves "
+     "requests[r] (token ids (requests, seq), one per step), traced")
     rank, dev = _group('dp_model_job')[0], rank_device()
     model = shard_model_(model.to(dev))
     with use_kernels(kernels):
@@ -582,7 +605,8 @@ def dp_model_job(model: Transformer, requests: list, kernels: str | None = 'torc
 
 # %% ../nbs/15_distributed.ipynb #1db9f561
 def ep_traffic(cfg: ModelConfig, world_size: int, batch: int) -> dict:
-    "Per rank and decode step over all layers, routing uniform: bytes the all-to-alls send, expert weights read"
+    ("Per rank and decode step over all layers, routing "
+     "uniform: bytes the all-to-alls send, expert weights read")
     E, k, D, L = cfg.n_routed_experts, cfg.n_activated_experts, cfg.dim, cfg.n_layers
     lo, hi = expert_range(E, 0, world_size)
     per, remote = hi - lo, (world_size - 1) / world_size

@@ -462,7 +462,8 @@ class DSparkProposer:
 # %% ../nbs/14_dspark.ipynb #3072d9f2
 @patch(as_prop=True)
 def tap_layers(self: DSparkProposer) -> tuple:
-    "The target layers whose averaged input streams the drafter reads (an engine's runner keeps them)"
+    ("The target layers whose averaged input streams "
+     "the drafter reads (an engine's runner keeps them)")
     return tuple(self.drafter.cfg.dspark_target_layer_ids)
 
 @patch(as_prop=True)

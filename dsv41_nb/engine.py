@@ -42,7 +42,8 @@ __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASE
 # %% ../nbs/13_engine.ipynb #e44687c0
 @dataclass
 class InputBatch:
-    "One step's model inputs, built from a SchedulerOutput (vLLM's input batch after `_prepare_inputs`)"
+    ("One step's model inputs, built from a SchedulerOutput "
+     "(vLLM's input batch after `_prepare_inputs`)")
     request_ids: list  # (R,) in row order
     token_ids: torch.Tensor  # (T,) int64: every row's id, the runner's own sampled ids filled in
     positions: torch.Tensor  # (T,) int64
@@ -67,7 +68,8 @@ class InputBatch:
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
-    "The dense reference path behind the step interface: each sampled request's whole sequence re-run, no cache read"
+    ("The dense reference path behind the step interface: each "
+     "sampled request's whole sequence re-run, no cache read")
     supports_cuda_graphs = False
     def __init__(self, model: Transformer):
         if not isinstance(model, Transformer):
@@ -346,7 +348,8 @@ def _rows(self: ModelRunner, sr, st: SimpleNamespace, row: int) -> tuple:
 # %% ../nbs/13_engine.ipynb #82fbbbed
 @patch
 def prepare_inputs(self: ModelRunner, so: SchedulerOutput) -> tuple:
-    "(InputBatch, sample plan: (request id, first logits row, drafts, tokens before the drafts) per sampling request)"
+    ("(InputBatch, sample plan: (request id, first logits row, "
+     "drafts, tokens before the drafts) per sampling request)")
     if self.fast and so.all_decode and (got := self._prepare_decode(so)) is not None: return got
     ids, new, prefix, plan, logits_rows, row, fill = [], set(), {}, [], [], 0, []
     B = self.buffers
@@ -512,7 +515,8 @@ def _sample_decode(self: ModelRunner, logits: torch.Tensor, plan: DecodePlan) ->
 # %% ../nbs/13_engine.ipynb #73a45e3a
 @patch
 def _stop_mask(self: ModelRunner, logits: torch.Tensor, plan: list):
-    "Stop ids to -inf on rows of requests below min_tokens outputs (vLLM's min-tokens processor), in place"
+    ("Stop ids to -inf on rows of requests below min_tokens "
+     "outputs (vLLM's min-tokens processor), in place")
     for rid, o, drafts, keep in plan:
         if rid not in self._masking: continue
         st = self.requests[rid]; sp = st.params
@@ -526,7 +530,8 @@ def _stop_mask(self: ModelRunner, logits: torch.Tensor, plan: list):
 # %% ../nbs/13_engine.ipynb #1f9018d0
 @patch
 def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
-    "(accepted, token) of the step's sampling rows, as tensors on the device (accepted None: nothing to verify)"
+    ("(accepted, token) of the step's sampling rows, as "
+     "tensors on the device (accepted None: nothing to verify)")
     self._stop_mask(logits, plan)
     # all greedy and no drafts: what `draw` gives, in two launches
     if (self._random.isdisjoint(rid for rid, *_ in plan)
@@ -540,7 +545,8 @@ def _tokens(self: ModelRunner, logits: torch.Tensor, plan: list) -> tuple:
 # %% ../nbs/13_engine.ipynb #0ba750bc
 @patch
 def _sample(self: ModelRunner, logits: torch.Tensor, plan: list) -> dict:
-    "request id -> its new tokens (accepted drafts, then one drawn token); the runner's rows updated"
+    ("request id -> its new tokens (accepted drafts, "
+     "then one drawn token); the runner's rows updated")
     accepted, token = self._tokens(logits, plan)
     accepted, token = ([False] * len(token) if accepted is None else accepted.tolist(),
                        token.tolist())
@@ -760,7 +766,8 @@ def _known(self: ModelRunner, rid: str, n: int) -> list:
 # %% ../nbs/13_engine.ipynb #61bad4c6
 @patch
 def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
-    "Run one step: forget finished and preempted requests, build the batch, run the model, sample, draft"
+    ("Run one step: forget finished and preempted requests, "
+     "build the batch, run the model, sample, draft")
     self._forget(so)
     if not so.req_ids: return ModelRunnerOutput({}, {})
     # a step that keeps no taps (one replayed from a graph captured without them) leaves None
@@ -790,7 +797,8 @@ class StepFuture:
 # %% ../nbs/13_engine.ipynb #a7a3744b
 @patch
 def execute_model_async(self: ModelRunner, so: SchedulerOutput) -> StepFuture:
-    "Launch one step and return without waiting: its sampled ids come back, and join the runner's, on `result()`"
+    ("Launch one step and return without waiting: its sampled "
+     "ids come back, and join the runner's, on `result()`")
     if self.proposer is not None:
         if not (self._plain and so.all_decode): return self._speculative_async(so)
         self._drafts.clear(); self._pending = False; self.plain_steps += 1  # a plain step
@@ -879,7 +887,8 @@ def plan_drafts(self: ModelRunner) -> bool:
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
 class CompletionOutput:
-    "One completion of a request (vLLM's CompletionOutput); in a streamed (delta) output, only what is new"
+    ("One completion of a request (vLLM's CompletionOutput); "
+     "in a streamed (delta) output, only what is new")
     index: int  # which completion of its request (one per request here: 0)
     text: str
     token_ids: list
@@ -900,7 +909,8 @@ class RequestOutput:
 
 # %% ../nbs/13_engine.ipynb #aefb41f6
 class IncrementalDetokenizer:
-    "The text of a growing list of byte-tokenizer ids: bytes decoded as they come, a split character held back"
+    ("The text of a growing list of byte-tokenizer ids: "
+     "bytes decoded as they come, a split character held back")
     def __init__(self):
         self._utf8, self.text = codecs.getincrementaldecoder('utf-8')(errors='replace'), ''
 
@@ -960,7 +970,8 @@ class EngineArgs:
 
 # %% ../nbs/13_engine.ipynb #93d2e5bb
 def make_step_model(model: Transformer, kv_cache_config: KVCacheConfig, runner: str = 'auto'):
-    "The model the runner calls: the paged path (runner 'auto' or 'paged'), or the reference that recomputes"
+    ("The model the runner calls: the paged path (runner "
+     "'auto' or 'paged'), or the reference that recomputes")
     if runner not in RUNNERS: raise ValueError(f"runner = {runner!r}; expected one of {RUNNERS}")
     if runner == 'recompute': return RecomputeModel(model)
     return paged_step_model(model, kv_cache_config)
@@ -1101,7 +1112,8 @@ def _proposer(self: LLMEngine, proposer) -> Proposer | None:
 # %% ../nbs/13_engine.ipynb #0e1c7ad1
 @patch
 def process_prompt(self: LLMEngine, prompt) -> tuple:
-    "(text or None, token ids) of a prompt, checked: not empty, ids in the vocabulary, at most max_model_len tokens"
+    ("(text or None, token ids) of a prompt, checked: not empty, "
+     "ids in the vocabulary, at most max_model_len tokens")
     if isinstance(prompt, dict):
         if len(prompt) != 1 or not {'prompt', 'prompt_token_ids'} & set(prompt):
             raise ValueError(f"a dict prompt needs exactly one key, "
@@ -1269,7 +1281,8 @@ def prefix_gap(model: Transformer, ids: torch.Tensor) -> float:
 # %% ../nbs/13_engine.ipynb #ebb67496
 @torch.no_grad()
 def greedy_shortfall(model: Transformer, prompt: Sequence[int], tokens: Sequence[int]) -> list:
-    "Per token of a continuation of `prompt`: how far its logit falls below the reference's best given the same prefix"
+    ("Per token of a continuation of `prompt`: how far its logit "
+     "falls below the reference's best given the same prefix")
     check_token_ids(list(prompt) + list(tokens), model.cfg.vocab_size)
     seq, out = [int(t) for t in prompt], []
     for t in tokens:
@@ -1285,7 +1298,8 @@ def assert_greedy_match(
     want: Sequence,
     margin: float,
 ) -> int:
-    "`got` equals `want` (greedy continuations of `prompts`), or differs only at near ties: the requests that differ"
+    ("`got` equals `want` (greedy continuations of `prompts`), "
+     "or differs only at near ties: the requests that differ")
     if not len(prompts) == len(got) == len(want):
         raise ValueError(f"assert_greedy_match: {len(prompts)} prompts, "
                          f"{len(got)} and {len(want)} continuations")
@@ -1357,7 +1371,8 @@ def _add_requests(self: LLM, prompts, sampling_params) -> list:
 # %% ../nbs/13_engine.ipynb #62b31bbc
 @patch
 def _run(self: LLM, rids: list, delta: bool | str) -> Iterator[RequestOutput]:
-    "Step the engine until `rids` finish, yielding their outputs; those unfinished when it stops are aborted"
+    ("Step the engine until `rids` finish, yielding their "
+     "outputs; those unfinished when it stops are aborted")
     mine, done = set(rids), set()
     try:
         while len(done) < len(rids):

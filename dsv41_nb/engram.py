@@ -116,7 +116,8 @@ def ngram_hashes_reference(
     token_mask: Sequence[bool] | None = None,  # False for image tokens
     history: Sequence[int] = (),               # token ids before the sequence, -1 for image tokens
 ) -> list:
-    "Plain Python: [position][engram layer][column] table rows of the n-grams ending at each position"
+    ("Plain Python: [position][engram layer][column] "
+     "table rows of the n-grams ending at each position")
     primes, mult = engram_bucket_primes(cfg), hash_multipliers(cfg).tolist()
     n, pad = cfg.engram_max_ngram_size, lookup[cfg.engram_pad_id]
     seq = [None if t < 0 else lookup[t] for t in history]
@@ -276,7 +277,8 @@ def hash_spread(
 
 # %% ../nbs/09_engram.ipynb #859715bd
 def engram_row_codec(cfg: ModelConfig) -> FP8Record:
-    "One table row: `engram_head_dim` E4M3 values, then one UE8M0 scale per 32 (264 B at head_dim 256)"
+    ("One table row: `engram_head_dim` E4M3 values, then "
+     "one UE8M0 scale per 32 (264 B at head_dim 256)")
     return FP8Record('engram_row', expect_config(cfg, 'engram_row_codec').engram_head_dim, 32)
 
 # %% ../nbs/09_engram.ipynb #3aff3708

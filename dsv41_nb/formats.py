@@ -233,7 +233,8 @@ def __repr__(self: RecordCodec):
 
 # %% ../nbs/01_formats.ipynb #db6008fa
 def _fresh(t: torch.Tensor) -> torch.Tensor:
-    "A densely laid out copy (slices of records, and empty tensors, can have strides `view` refuses)"
+    ("A densely laid out copy (slices of records, and "
+     "empty tensors, can have strides `view` refuses)")
     out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     return out.copy_(t)
 

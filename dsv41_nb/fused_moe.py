@@ -27,7 +27,8 @@ __all__ = ['MOE_TILES', 'MOE_TUNING', 'MOE_DOWN_TUNING', 'ExpertAlignment', 'ali
 # %% ../nbs/08b_fused_moe.ipynb #5d228fe3
 @dataclass
 class ExpertAlignment:
-    "Assignments (token t, slot j) -> row a = t*k + j, grouped by expert and padded to whole row blocks"
+    ("Assignments (token t, slot j) -> row a = t*k + j, "
+     "grouped by expert and padded to whole row blocks")
     # (num_blocks * block_m,) int32 ids by expert, n_assign = padding; None: identity
     sorted_ids: torch.Tensor | None
     # (num_blocks,) int32 expert of each row block, -1 = past the end
@@ -364,7 +365,8 @@ def _swiglu(gate, up, limit, CLAMP: tl.constexpr, HW_CVT: tl.constexpr):
 # %% ../nbs/08b_fused_moe.ipynb #d9a8918e
 @triton.jit
 def _fp8_quant_tile(h, R: tl.constexpr, C: tl.constexpr, HW_CVT: tl.constexpr):
-    "(R, C) fp32 -> rounded to BF16, then FP8-quantised in groups of 32 along C (act_quant), as fp32"
+    ("(R, C) fp32 -> rounded to BF16, then FP8-quantised "
+     "in groups of 32 along C (act_quant), as fp32")
     return tl.reshape(_fp8_qdq_groups(tl.reshape(_round_bf16(h, HW_CVT), (R, C // 32, 32)), HW_CVT),
                       (R, C))
 

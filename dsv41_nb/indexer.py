@@ -30,7 +30,8 @@ __all__ = ['LOGITS_TUNING', 'Indexer', 'qdq_mxfp4', 'qdq_mxfp4_fused', 'IndexBat
 
 # %% ../nbs/04_indexer.ipynb #c07588fe
 class Indexer(nn.Module):
-    "An index-source layer's lightning indexer: index keys (Full layers), queries and head weights, top-k selection"
+    ("An index-source layer's lightning indexer: index keys "
+     "(Full layers), queries and head weights, top-k selection")
     def __init__(self,
                  cfg: ModelConfig, # model geometry
                  layer: int, # an index-source layer of `cfg`
@@ -73,7 +74,8 @@ def __repr__(self: Indexer):
 # %% ../nbs/04_indexer.ipynb #4492f214
 @patch
 def keys(self: Indexer, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    "(T, head_dim) bf16 index keys of (T, d) unrotated latents, rotated at each entry's first position p + 1 - ratio"
+    ("(T, head_dim) bf16 index keys of (T, d) unrotated latents, "
+     "rotated at each entry's first position p + 1 - ratio")
     if not self.owns_keys:
         raise ValueError(f"layer {self.layer} reads the index keys of layer {self.kv_source}; "
                          "it makes none")
@@ -159,7 +161,8 @@ def qdq_mxfp4_fused(x: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/04_indexer.ipynb #b405ae05
 @patch
 def queries(self: Indexer, qr: torch.Tensor, x: torch.Tensor, positions: torch.Tensor) -> tuple:
-    "(q, w): (T, heads, head_dim) bf16 index queries (rotated, MXFP4-rounded) and (T, heads) fp32 head weights"
+    ("(q, w): (T, heads, head_dim) bf16 index queries "
+     "(rotated, MXFP4-rounded) and (T, heads) fp32 head weights")
     q = self.wq_b(qr.to(torch.bfloat16)).unflatten(-1, (self.n_heads, self.head_dim))
     q = qdq_mxfp4_fused(rope(q, self.inv_freq, positions))
     w = self.weights_proj(x.to(torch.bfloat16)) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
@@ -213,7 +216,8 @@ def index_logits_reference(q: torch.Tensor,         # (T, H, DH) index queries
                            batch: IndexBatch,       # positions, block-table rows, the table
                            codec,                   # the key record format
                           ) -> torch.Tensor:
-    "(T, most visible) fp32: sum_h relu(q_h . k_t) * w_h for every entry t a query sees, -inf past its row's end"
+    ("(T, most visible) fp32: sum_h relu(q_h . k_t) * w_h "
+     "for every entry t a query sees, -inf past its row's end")
     vis = batch.visible
     out = torch.full((len(vis), int(vis.max()) if len(vis) else 0), -torch.inf, device=q.device)
     records = key_cache.view(-1, codec.record_bytes)
@@ -269,7 +273,8 @@ def sparse_topk_reference(logits: torch.Tensor,  # (T, L) fp32 dense logits
                           k: int,                # entries to keep per query
                           block_size: int,       # entries per candidate block
                          ) -> torch.Tensor:
-    "(T, k) int32: each query's top-k among its candidate pool's visible entries (the dense logits masked to the pool)"
+    ("(T, k) int32: each query's top-k among its candidate pool's "
+     "visible entries (the dense logits masked to the pool)")
     masked = logits.masked_fill(~pool_mask(pool, logits.shape[1], block_size), -torch.inf)
     seen = torch.arange(logits.shape[1], device=logits.device) < visible[:, None]
     n_pool = pool_mask(pool, logits.shape[1], block_size).logical_and(seen).sum(1)
@@ -293,7 +298,8 @@ def _record_rows(cache_ptr, slot, zero, REC: tl.constexpr):
 # %% ../nbs/04_indexer.ipynb #c8ee35ca
 @triton.jit
 def _fp4_key_halves(rec, valid, DH: tl.constexpr):
-    "(even dims, odd dims) of MXFP4 keys, (BLOCK_T, DH/2) fp32 each: one contiguous load of the code bytes, no reshape"
+    ("(even dims, odd dims) of MXFP4 keys, (BLOCK_T, DH/2) fp32 "
+     "each: one contiguous load of the code bytes, no reshape")
     j = tl.arange(0, DH // 2)
     # byte j: dims 2j (low), 2j+1
     b = tl.load(rec + j[None, :], mask=valid[:, None], other=0).to(tl.int32)
@@ -475,7 +481,8 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
                        pool=None,          # (T, n) int32 candidate blocks: score only their entries
                        cbs: int = 1,       # candidate block size (with `keep` / `pool`)
                       ):
-    "PyTorch path of `index_logits`: each request's keys decoded once and scored against all of its queries"
+    ("PyTorch path of `index_logits`: each request's keys "
+     "decoded once and scored against all of its queries")
     out, vis = torch.full((q.shape[0], width), -torch.inf, device=q.device), batch.visible
     records = key_cache.view(-1, codec.record_bytes)
     for r in batch.rows.unique().tolist():
@@ -561,7 +568,8 @@ def index_logits(q: torch.Tensor,          # (T, H, DH) bf16 index queries
 
 # %% ../nbs/04_indexer.ipynb #5844a3bc
 def logits_error_bound(q, w, key_cache, batch: IndexBatch, codec) -> torch.Tensor:
-    "Per logit: (DH + H + 2) 2^-23 sum_h |w_h| sum_d |q_hd k_td|, how far another summation order may move it"
+    ("Per logit: (DH + H + 2) 2^-23 sum_h |w_h| sum_d |q_hd "
+     "k_td|, how far another summation order may move it")
     vis, records = batch.visible, key_cache.view(-1, codec.record_bytes)
     out = torch.zeros(len(vis), int(vis.max()) if len(vis) else 0, device=q.device)
     for s in range(len(vis)):
@@ -606,7 +614,8 @@ def _radix_threshold(row, n, K: tl.constexpr, BLOCK: tl.constexpr):
 # %% ../nbs/04_indexer.ipynb #27884ca5
 @triton.jit
 def _pool_prefix(pool, P, visible, CBS: tl.constexpr, P_P2: tl.constexpr):
-    "`pool_entries` of one row: every pool block full except the newest, which holds what is visible of it"
+    ("`pool_entries` of one row: every pool block full "
+     "except the newest, which holds what is visible of it")
     p = tl.arange(0, P_P2)
     blocks = tl.sum((tl.load(pool + p, mask=p < P, other=-1) >= 0).to(tl.int32), 0)
     fill = visible - tl.maximum(visible - 1, 0) // CBS * CBS
@@ -615,7 +624,8 @@ def _pool_prefix(pool, P, visible, CBS: tl.constexpr, P_P2: tl.constexpr):
 # %% ../nbs/04_indexer.ipynb #23ece659
 @triton.jit
 def _pool_entry(pool, t, live, CBS: tl.constexpr):
-    "Positions t of a sparse row as the entries they stand for (CBS > 0: through the pool's blocks), else t itself"
+    ("Positions t of a sparse row as the entries they stand "
+     "for (CBS > 0: through the pool's blocks), else t itself")
     if CBS > 0: return tl.load(pool + t // CBS, mask=live, other=0) * CBS + t % CBS
     else: return t
 
@@ -741,7 +751,8 @@ def candidate_pool(logits: torch.Tensor,   # (T, L) fp32 logits of the candidate
 
 # %% ../nbs/04_indexer.ipynb #a652e6b3
 def pool_entries(pool: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
-    "(T,) valid positions at the front of each query's sparse row: every pool block full except the newest"
+    ("(T,) valid positions at the front of each query's "
+     "sparse row: every pool block full except the newest")
     blocks = (pool >= 0).sum(1)
     newest_fill = visible - (visible - 1).clamp_min(0) // block_size * block_size
     return torch.where(blocks > 0, (blocks - 1) * block_size + newest_fill, 0)
@@ -756,7 +767,8 @@ def sparse_topk(q,                   # (T, H, DH) bf16 index queries
                 k: int,              # entries to keep per query
                 block_size: int,     # the pool's block size
                ) -> torch.Tensor:
-    "(T, k) int32 entries: each query's top-k scored over its candidate pool only (sparse logits), ascending, -1 pads"
+    ("(T, k) int32 entries: each query's top-k scored over its "
+     "candidate pool only (sparse logits), ascending, -1 pads")
     # (T, pool * block_size)
     logits = index_logits(q, w, key_cache, batch, codec, skip=k, pool=pool, cbs=block_size)
     # the pool's prefix and entries in the kernel
@@ -798,7 +810,8 @@ def forward(self: Indexer,
             # the pool the candidate source published (Reindex layers above it)
             pool=None,
            ) -> tuple:
-    "Store this step's index keys (Full layers), make the queries, select: returns `select`'s (entries, pool)"
+    ("Store this step's index keys (Full layers), make the "
+     "queries, select: returns `select`'s (entries, pool)")
     if self.owns_keys:
         if latent is None or compressed_slots is None:
             raise ValueError(f"layer {self.layer} makes index keys: "
@@ -814,7 +827,8 @@ def random_key_cache(codec,            # the key record format
                      ratio: int,       # tokens per entry
                      device,
                      seed=0):
-    "A paged key cache of random valid records, `entries` per request, in shuffled pages; returns (cache, block table)"
+    ("A paged key cache of random valid records, `entries` per "
+     "request, in shuffled pages; returns (cache, block table)")
     g = torch.Generator(device=device).manual_seed(seed)
     per = block_size // ratio
     pages = triton.cdiv(entries, per)

@@ -317,7 +317,8 @@ def _round(v, BF16: tl.constexpr, HW_CVT: tl.constexpr):
 # %% ../nbs/07_mhc.ipynb #e9e2d458
 @triton.jit
 def _fp8_block_codes(v, G: tl.constexpr, BLOCK_T: tl.constexpr, inv_max, HW_CVT: tl.constexpr):
-    "(BLOCK_T, G*32) fp32 -> E4M3 codes (BLOCK_T, G*32) and UE8M0 codes (BLOCK_T, G), as `quantize_fp8`"
+    ("(BLOCK_T, G*32) fp32 -> E4M3 codes (BLOCK_T, G*32) "
+     "and UE8M0 codes (BLOCK_T, G), as `quantize_fp8`")
     g = tl.reshape(v, (BLOCK_T, G, 32))
     poison = tl.sum(g * 0.0, axis=2)
     # a NaN or an Inf in the block
@@ -780,7 +781,8 @@ def _ptr(t, dummy): return dummy if t is None else t.contiguous()
 
 # %% ../nbs/07_mhc.ipynb #135a475c
 def _marked(name: str):
-    "A profiler range around a Triton launch while a profiler runs (so `count_launches` sees it on a CPU)"
+    ("A profiler range around a Triton launch while a "
+     "profiler runs (so `count_launches` sees it on a CPU)")
     if not torch.autograd.profiler._is_profiler_enabled: return contextlib.nullcontext()
     return torch.profiler.record_function(f'triton::{name}')
 

@@ -28,7 +28,8 @@ __all__ = ['WEIGHT_FMTS', 'ByteTokenizer', 'master_dtype', 'Weight', 'Norm', 'st
 
 # %% ../nbs/10_model.ipynb #50d0de5e
 class ByteTokenizer:
-    "UTF-8 bytes as ids 0..255, then BOS, EOS, PAD; the image and drafter-noise ids come from the config"
+    ("UTF-8 bytes as ids 0..255, then BOS, EOS, PAD; the "
+     "image and drafter-noise ids come from the config")
     BOS, EOS, PAD = 256, 257, 258
 
     def __init__(self, cfg: ModelConfig):
@@ -75,7 +76,8 @@ def token_strings(self: ByteTokenizer) -> list[str]:
 # %% ../nbs/10_model.ipynb #07a2d52a
 @patch
 def engram_map(self: ByteTokenizer) -> torch.Tensor:
-    "(vocab_size,) int64 token id -> Engram compressed id (`compressed_token_map` of `token_strings`)"
+    ("(vocab_size,) int64 token id -> Engram compressed "
+     "id (`compressed_token_map` of `token_strings`)")
     lookup, n = compressed_token_map(self.token_strings())
     if n > self.cfg.engram_compressed_vocab_size:
         raise ValueError(f"engram_map: {n} compressed ids do not fit "
@@ -110,7 +112,8 @@ class Norm(RMSNorm):
 
 # %% ../nbs/10_model.ipynb #094557ca
 def ste(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    "y in the forward pass, the identity's gradient to x in the backward pass (a straight-through estimator)"
+    ("y in the forward pass, the identity's gradient to x "
+     "in the backward pass (a straight-through estimator)")
     return y.to(x.dtype) + (x - x.detach())
 
 # %% ../nbs/10_model.ipynb #d7820f18
@@ -141,7 +144,8 @@ def mxfp4_qdq(x: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/10_model.ipynb #dd56961e
 class Linear(nn.Module):
-    "A checkpoint linear: a master `weight` (out, in) and the format `fmt` the checkpoint stores it in"
+    ("A checkpoint linear: a master `weight` (out, in) "
+     "and the format `fmt` the checkpoint stores it in")
     def __init__(self, in_features: int, out_features: int, fmt: str, device=None):
         super().__init__()
         if fmt not in WEIGHT_FMTS:
@@ -157,7 +161,8 @@ class Linear(nn.Module):
 # %% ../nbs/10_model.ipynb #ca09a319
 @patch
 def grid_weight(self: Linear) -> torch.Tensor:
-    "The weight on its checkpoint grid; kept while no gradient is wanted and the master is unchanged"
+    ("The weight on its checkpoint grid; kept while no "
+     "gradient is wanted and the master is unchanged")
     w = self.weight
     if self.fmt == 'bf16': return w
     if w.requires_grad and torch.is_grad_enabled(): return weight_qdq(w, self.fmt)
@@ -306,7 +311,8 @@ def mhc_in(x, pre, fn, scale, base, norm_weight, n, iters, hc_eps, norm_eps) -> 
 
 # %% ../nbs/10_model.ipynb #d2033472
 class Block(nn.Module):
-    "One block: mHC coefficients, pre-norms, attention, MoE, and the Engram module in front of it (if any)"
+    ("One block: mHC coefficients, pre-norms, attention, "
+     "MoE, and the Engram module in front of it (if any)")
     def __init__(self, cfg: ModelConfig, layer: int, device=None):
         super().__init__()
         self.cfg, self.layer, n = cfg, layer, cfg.hc_mult
@@ -341,7 +347,8 @@ class DrafterBlock(Block):
 
 # %% ../nbs/10_model.ipynb #95f00da5
 class Transformer(nn.Module):
-    "DeepSeek-V4.1 on the reference path: embedding, blocks, final norm, LM head; drafter blocks under `mtp`"
+    ("DeepSeek-V4.1 on the reference path: embedding, "
+     "blocks, final norm, LM head; drafter blocks under `mtp`")
     def __init__(self, cfg: ModelConfig,
                  engram_map: torch.Tensor | None = None,  # (vocab_size,) token id -> Engram compressed id
                  # longest sequence `forward` accepts (default: the YaRN context)
@@ -362,7 +369,8 @@ class Transformer(nn.Module):
 
 # %% ../nbs/10_model.ipynb #c86a38b8
 def _engram_hasher(cfg, engram_map):
-    "The n-gram hasher over `engram_map` (the byte tokenizer's when None), its shape and range checked"
+    ("The n-gram hasher over `engram_map` (the byte "
+     "tokenizer's when None), its shape and range checked")
     emap = ByteTokenizer(cfg).engram_map() if engram_map is None else engram_map
     if (not isinstance(emap, torch.Tensor) or emap.dtype != torch.int64
             or emap.shape != (cfg.vocab_size,)):
@@ -402,7 +410,8 @@ def _init_std(name: str, shape: tuple, cfg: ModelConfig) -> float | str:
 
 # %% ../nbs/10_model.ipynb #b69dfcda
 def init_value(name: str, shape: tuple, cfg: ModelConfig, seed: int, device=None) -> torch.Tensor:
-    "fp32 initial value of parameter `name` (shape `shape`), from a generator seeded by `seed` and the name"
+    ("fp32 initial value of parameter `name` (shape `shape`), "
+     "from a generator seeded by `seed` and the name")
     std = _init_std(name, tuple(shape), cfg)
     if std == 'ones': return torch.ones(shape, device=device)
     if std == 'zeros': return torch.zeros(shape, device=device)
@@ -443,7 +452,8 @@ def init_random(cfg: ModelConfig,
 # %% ../nbs/10_model.ipynb #c0c16a15
 @dataclass
 class DenseRun:
-    "What one dense forward pass hands up the layers, each source's output keyed by the layer that wrote it"
+    ("What one dense forward pass hands up the layers, each "
+     "source's output keyed by the layer that wrote it")
     cfg: ModelConfig
     positions: torch.Tensor                  # (S,) int64: 0 .. S-1
     quant: bool                              # round as the checkpoint and the public kernels do
@@ -462,7 +472,8 @@ class DenseRun:
 # %% ../nbs/10_model.ipynb #1db43294
 @patch
 def rope(self: DenseRun, ratio: int, positions=None) -> tuple:
-    "(cos, sin) (n, rope_dim/2) at `positions` (default: every token) for a layer of compress ratio `ratio`"
+    ("(cos, sin) (n, rope_dim/2) at `positions` (default: "
+     "every token) for a layer of compress ratio `ratio`")
     key = (ratio > 0, None if positions is None else ratio)
     if key not in self._rope:
         pos = self.positions if positions is None else positions
@@ -494,7 +505,8 @@ def window_kv(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
 # %% ../nbs/10_model.ipynb #f37bc961
 @patch
 def compress(self: Attention, x: torch.Tensor, run: DenseRun) -> tuple:
-    "(latent (B, L, D) unrotated, kv (B, L, D) rotated at j*ratio and rounded as stored), L = S // ratio"
+    ("(latent (B, L, D) unrotated, kv (B, L, D) rotated "
+     "at j*ratio and rounded as stored), L = S // ratio")
     c, r, L = self.compressor, self.ratio, x.shape[1] // self.ratio
     if r == 1: pooled = c.wkv(x)  # (B, S, D), no gate
     else:
@@ -510,7 +522,8 @@ def compress(self: Attention, x: torch.Tensor, run: DenseRun) -> tuple:
 # %% ../nbs/10_model.ipynb #c7c35a72
 @patch
 def keys(self: DenseIndexer, latent: torch.Tensor, run: DenseRun) -> torch.Tensor:
-    "(B, L, head_dim) index keys of unrotated latents (B, L, D), rotated at each entry's first position"
+    ("(B, L, head_dim) index keys of unrotated latents "
+     "(B, L, D), rotated at each entry's first position")
     k = self.k_norm(self.wk(latent))
     k = apply_rope(k, *run.rope(self.ratio, torch.arange(k.shape[1], device=k.device) * self.ratio))
     return mxfp4_qdq(k) if run.quant else k
@@ -518,7 +531,8 @@ def keys(self: DenseIndexer, latent: torch.Tensor, run: DenseRun) -> torch.Tenso
 # %% ../nbs/10_model.ipynb #3468520e
 @patch
 def queries(self: DenseIndexer, x: torch.Tensor, qr: torch.Tensor, run: DenseRun) -> tuple:
-    "(q (B, S, heads, head_dim) rotated, w (B, S, heads) fp32 head weights with both scales folded in)"
+    ("(q (B, S, heads, head_dim) rotated, w (B, S, heads) "
+     "fp32 head weights with both scales folded in)")
     q = self.wq_b(qr, run.quant).unflatten(-1, (self.n_heads, self.head_dim))
     cos, sin = run.rope(self.ratio)
     q = apply_rope(q, cos[:, None], sin[:, None])
@@ -531,7 +545,8 @@ def index_scores(q: torch.Tensor,        # (B, S, heads, head_dim) index queries
                  k: torch.Tensor,        # (B, L, head_dim) index keys
                  visible: torch.Tensor,  # (S,) entries each query sees
                 ) -> torch.Tensor:       # (B, S, L) fp32
-    "sum_h relu(q_h . k_t) * w_h for every query and entry, -inf where the query cannot see the entry"
+    ("sum_h relu(q_h . k_t) * w_h for every query and "
+     "entry, -inf where the query cannot see the entry")
     s = (torch.einsum('bshd,btd->bsht', q.float(), k.float()).relu() * w[..., None]).sum(2)
     return s.masked_fill(torch.arange(k.shape[1], device=k.device) >= visible[:, None], -torch.inf)
 
@@ -542,7 +557,8 @@ def select_topk(scores: torch.Tensor,        # (..., S, L) fp32, -inf where not 
                 # (..., S, L) bool: score only inside it (select-all ignores it)
                 pool: torch.Tensor | None = None,
                ) -> torch.Tensor:            # (..., S, L) bool
-    "Each query's top k visible entries (ties to the lower entry), or all of them when it sees at most k"
+    ("Each query's top k visible entries (ties to the "
+     "lower entry), or all of them when it sees at most k")
     L = scores.shape[-1]
     if pool is not None: scores = scores.masked_fill(~pool, -torch.inf)
     order = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
@@ -572,7 +588,8 @@ def candidate_pool_mask(scores: torch.Tensor,   # (..., S, L) fp32, -inf where n
 # %% ../nbs/10_model.ipynb #18fc8bdc
 @patch
 def forward(self: DenseIndexer, x: torch.Tensor, qr: torch.Tensor, run: DenseRun) -> torch.Tensor:
-    "(B, S, L) bool selected entries; publishes the candidate pool if this layer is the candidate source"
+    ("(B, S, L) bool selected entries; publishes the "
+     "candidate pool if this layer is the candidate source")
     scores = index_scores(*self.queries(x, qr, run), run.index_keys[self.kv_source],
                           run.visible(self.ratio))
     pool = run.pool[self.candidate_source] if self.candidates == 'filtered' else None
@@ -584,7 +601,8 @@ def forward(self: DenseIndexer, x: torch.Tensor, qr: torch.Tensor, run: DenseRun
 # %% ../nbs/10_model.ipynb #babfde27
 @patch
 def select(self: Attention, x: torch.Tensor, qr: torch.Tensor, run: DenseRun) -> tuple:
-    "(compressed KV (B, L, D) this layer reads, (B, S, L) bool entries each query attends to), running its role"
+    ("(compressed KV (B, L, D) this layer reads, (B, S, L) "
+     "bool entries each query attends to), running its role")
     if self.role == 'Full':
         latent, run.compressed[self.layer] = self.compress(x, run)
         run.index_keys[self.layer] = self.indexer.keys(latent, run)
@@ -598,7 +616,8 @@ def dense_attention(q: torch.Tensor,        # (B, S, H, D) queries
                     sink: torch.Tensor,     # (H,) per-head sink logits
                     scale: float,           # softmax scale, head_dim ** -0.5
                    ) -> torch.Tensor:       # (B, S, H, D) in q's dtype
-    "Softmax attention over the allowed latents, exp(sink) added to each head's denominator, in fp32"
+    ("Softmax attention over the allowed latents, "
+     "exp(sink) added to each head's denominator, in fp32")
     s = torch.einsum('bshd,bnd->bshn', q.float(), keys.float()) * scale               # (B, S, H, N)
     s = s.masked_fill(~allowed[:, :, None, :], -torch.inf)
     sinks = sink.float().expand(*s.shape[:-1])[..., None]
@@ -674,7 +693,8 @@ def forward(self: MoE, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
 # %% ../nbs/10_model.ipynb #e27487f3
 @patch
 def expert_stack(self: MoE, name: str) -> torch.Tensor:
-    "(E, in, out) view of projection `name` ('w1', 'w2', 'w3') of every routed expert, for `_grouped_mm`"
+    ("(E, in, out) view of projection `name` ('w1', 'w2', "
+     "'w3') of every routed expert, for `_grouped_mm`")
     return torch.stack([getattr(e, name).weight for e in self.experts]).transpose(1, 2)
 
 # %% ../nbs/10_model.ipynb #671b01f3
@@ -749,7 +769,8 @@ def forward(self: Block, h: torch.Tensor, pre: torch.Tensor, run: DenseRun) -> t
 # %% ../nbs/10_model.ipynb #e8e035ed
 @patch
 def check_ids(self: Transformer, input_ids) -> torch.Tensor:
-    "`input_ids` if it is an int64 (batch, seq) tensor of token ids this model accepts; else a clear error"
+    ("`input_ids` if it is an int64 (batch, seq) tensor "
+     "of token ids this model accepts; else a clear error")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:
         raise TypeError(f"input_ids: expected an int64 tensor (batch, seq), got "
                         f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
@@ -792,7 +813,8 @@ def run_layer(self: Transformer,
               run: DenseRun,             # what the layers hand up
               taps: list | None = None,  # gets the DSpark tap where layer i is one
              ) -> tuple:
-    "Layer i on copies h (B, S, hc, dim): its Engram module, the DSpark tap (appended to `taps`), the block"
+    ("Layer i on copies h (B, S, hc, dim): its Engram "
+     "module, the DSpark tap (appended to `taps`), the block")
     layer = self.layers[i]
     if layer.engram is not None: h = layer.engram(h, run)
     if taps is not None and i in self.cfg.dspark_target_layer_ids: taps.append(h.mean(2))

@@ -58,7 +58,8 @@ def route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
           bias_image: torch.Tensor | None = None,
           image_mask: torch.Tensor | None = None,  # (tokens,) bool, True inside an image span
          ) -> tuple[torch.Tensor, torch.Tensor]:
-    "Routing weights (tokens, k) fp32 and expert ids (tokens, k) int64: top-k of sqrt(softplus(x Wᵀ)) + bias"
+    ("Routing weights (tokens, k) fp32 and expert ids "
+     "(tokens, k) int64: top-k of sqrt(softplus(x Wᵀ)) + bias")
     check_route_args(x, gate_weight, bias, n_activated, bias_image, image_mask)
     scores = F.softplus(x.float() @ gate_weight.float().T).sqrt()  # (tokens, n_experts) fp32
     if bias_image is not None and image_mask is not None:
@@ -74,7 +75,8 @@ WEIGHT_FORMATS = ('mxfp4', 'fp8')
 
 @dataclass
 class QuantWeight:
-    "Linear weights, stacked over experts, as the checkpoint stores them: MXFP4 (routed experts) or FP8 (the rest)"
+    ("Linear weights, stacked over experts, as the checkpoint "
+     "stores them: MXFP4 (routed experts) or FP8 (the rest)")
     # uint8 mxfp4: (experts, out, in/2) E2M1 pairs; fp8: (experts, out, in) E4M3
     codes: torch.Tensor
     # uint8 UE8M0 mxfp4: (experts, out, in/32), one per 32 along K; fp8: (experts, out/32, in/32)
@@ -122,7 +124,8 @@ def quantize_weight(w: torch.Tensor,  # (experts, out, in) float weights, out an
 # %% ../nbs/08_moe.ipynb #96480183
 @dataclass
 class MoEWeights:
-    "One layer's MoE as the checkpoint stores it: `ffn.gate`, `ffn.experts.{e}.w1/w2/w3` stacked, `ffn.shared_experts`"
+    ("One layer's MoE as the checkpoint stores it: `ffn.gate`, "
+     "`ffn.experts.{e}.w1/w2/w3` stacked, `ffn.shared_experts`")
     gate: torch.Tensor  # (n_experts, dim) BF16 router weight
     bias: torch.Tensor  # (n_experts,) fp32 selection bias
     # (n_experts,) fp32 selection bias of image-span tokens (vision checkpoints)
@@ -160,7 +163,8 @@ def random(cls: MoEWeights, cfg: ModelConfig,  # geometry: dim, moe_inter_dim, n
 # %% ../nbs/08_moe.ipynb #d282f947
 @patch
 def check(self: MoEWeights, cfg: ModelConfig, n_experts: int | None = None):
-    "Raise if these weights do not fit `cfg` (with `n_experts` routed experts, default cfg.n_routed_experts)"
+    ("Raise if these weights do not fit `cfg` (with "
+     "`n_experts` routed experts, default cfg.n_routed_experts)")
     E, D, I = n_experts or cfg.n_routed_experts, cfg.dim, cfg.moe_inter_dim
     if not isinstance(self.gate, torch.Tensor) or self.gate.shape != (E, D):
         raise ValueError(f"gate: expected shape ({E}, {D}), got {_shape(self.gate)}")
@@ -183,12 +187,14 @@ def check(self: MoEWeights, cfg: ModelConfig, n_experts: int | None = None):
 
 # %% ../nbs/08_moe.ipynb #8633f781
 def fp8_qdq(x: torch.Tensor) -> torch.Tensor:
-    "The public code's activation quantisation: BF16, then E4M3 with one UE8M0 scale per 32; returns the values (fp32)"
+    ("The public code's activation quantisation: BF16, then E4M3 "
+     "with one UE8M0 scale per 32; returns the values (fp32)")
     return dequantize_fp8(*quantize_fp8(x.to(torch.bfloat16), 32), 32)
 
 # %% ../nbs/08_moe.ipynb #2d2e1c7b
 def _gemm_bf16(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    "a @ wᵀ as a GEMM with a BF16 output: exact sum rounded once (fp32 weights), or a BF16 GEMM (BF16 weights)"
+    ("a @ wᵀ as a GEMM with a BF16 output: exact sum rounded "
+     "once (fp32 weights), or a BF16 GEMM (BF16 weights)")
     if w.dtype == torch.bfloat16: return a.to(torch.bfloat16) @ w.T
     return (a.double() @ w.double().T).to(torch.bfloat16)
 
@@ -200,7 +206,8 @@ def expert_hidden(xq: torch.Tensor,  # (n, dim) FP8-quantised activations (value
                   # (n, 1) routing weights, applied before the down projection
                   weights: torch.Tensor | None = None,
                  ) -> torch.Tensor:
-    "(n, inter): weights · silu(clamp(w1 x)) · clamp(w3 x), rounded to BF16 and FP8-quantised for the down GEMM"
+    ("(n, inter): weights · silu(clamp(w1 x)) · clamp(w3 x), "
+     "rounded to BF16 and FP8-quantised for the down GEMM")
     gate, up = _gemm_bf16(xq, w1).float(), _gemm_bf16(xq, w3).float()
     if swiglu_limit > 0:
         gate, up = gate.clamp(max=swiglu_limit), up.clamp(-swiglu_limit, swiglu_limit)
@@ -282,7 +289,8 @@ def route_layer(x: torch.Tensor,  # (tokens, dim) FFN input
 # %% ../nbs/08_moe.ipynb #1c1cd28c
 def moe_reference(x, W: MoEWeights, cfg: ModelConfig, token_ids=None,
                   n_activated=None) -> torch.Tensor:
-    "Router and per-expert loop: the public code's MoE layer, (tokens, dim) BF16 (arguments as `route_layer`)"
+    ("Router and per-expert loop: the public code's MoE "
+     "layer, (tokens, dim) BF16 (arguments as `route_layer`)")
     return moe_experts_reference(x, *route_layer(x, W, cfg, token_ids, n_activated), W,
                                  cfg.swiglu_limit)
 
@@ -292,7 +300,8 @@ def moe_bytes_flops(cfg: ModelConfig,  # geometry: dim, moe_inter_dim, experts p
                     experts_touched: int,  # routed experts the batch touches
                     n_activated: int | None = None,  # default cfg.n_activated_experts
                    ) -> tuple:
-    "What a MoE layer must move and compute: (bytes: touched MXFP4 experts + FP8 shared expert + BF16 in/out, FLOPs)"
+    ("What a MoE layer must move and compute: (bytes: touched "
+     "MXFP4 experts + FP8 shared expert + BF16 in/out, FLOPs)")
     k = n_activated or cfg.n_activated_experts
     per_expert = 3 * cfg.dim * cfg.moe_inter_dim
     weight_bytes = experts_touched * per_expert * (0.5 + 1 / 32) + per_expert * (1 + 1 / 1024)

@@ -57,7 +57,8 @@ def _x_halves(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
 # %% ../nbs/08e_moe_gemv.ipynb #86b85d94
 @triton.jit
 def _x_groups(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.constexpr):
-    "BF16 activations k0..k0+32G as (G, 32) fp32, rounded to FP8 in groups of 32 (act_quant) if QUANT"
+    ("BF16 activations k0..k0+32G as (G, 32) fp32, "
+     "rounded to FP8 in groups of 32 (act_quant) if QUANT")
     x = tl.load(x_row + k0 + tl.arange(0, G)[:, None] * 32
                 + tl.arange(0, 32)[None, :]).to(tl.float32)
     if QUANT: x = tl.reshape(_fp8_qdq_groups(tl.reshape(x, (1, G, 32)), HW_CVT), (G, 32))
@@ -66,7 +67,8 @@ def _x_groups(x_row, k0, G: tl.constexpr, QUANT: tl.constexpr, HW_CVT: tl.conste
 # %% ../nbs/08e_moe_gemv.ipynb #68abdd9d
 @triton.jit
 def _fp4_sums(w_ptr, s_ptr, w_row, s_row, k0, ev, od, G: tl.constexpr):
-    "(BN, G): each group of 32 of the MXFP4 rows at byte offsets `w_row` dotted with the activations, times its scale"
+    ("(BN, G): each group of 32 of the MXFP4 rows at byte offsets "
+     "`w_row` dotted with the activations, times its scale")
     g, j = tl.arange(0, G), tl.arange(0, 16)
     # read once: leave L2 to what is read again
     byte = tl.load(w_ptr + w_row[:, None, None] + (k0 // 2 + g * 16)[None, :, None]
@@ -240,7 +242,8 @@ def gemv_gate_up(x: torch.Tensor,            # (tokens, dim) FFN input
                  # kernel functions that read it, {'X_PAIR': .., 'FP4_SUMS': ..} (default: W's)
                  routed: tuple | None = None,
                 ) -> torch.Tensor:
-    "(tokens·(k+1), inter) BF16: every assignment's weighted, FP8-rounded SwiGLU, then every token's shared expert's"
+    ("(tokens·(k+1), inter) BF16: every assignment's weighted, "
+     "FP8-rounded SwiGLU, then every token's shared expert's")
     _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids)
     (T, k), I = topk_ids.shape, W.inter_dim
     n_assign, R = T * k, T * (k + 1)
@@ -267,7 +270,8 @@ def gemv_down(h: torch.Tensor,              # (tokens·(k+1), inter) BF16: `gemv
               # that read it, as `gemv_gate_up`'s `routed` (default: W's)
               routed: tuple | None = None,
              ) -> torch.Tensor:
-    "(tokens, dim) BF16: each row's down projection, the routed outputs added in slot order, then the shared expert's"
+    ("(tokens, dim) BF16: each row's down projection, the routed "
+     "outputs added in slot order, then the shared expert's")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.ndim != 2:
@@ -320,7 +324,8 @@ def moe_gemv_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activ
 # %% ../nbs/08e_moe_gemv.ipynb #58a29e1a
 def gemv_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float, shape=None,
                 split=None, gate_up=None, down=None) -> dict:
-    "The GEMV pipeline's stages by `check_fused_moe`'s names (`shape` is unused: the GEMVs take `GEMV_TUNING`)"
+    ("The GEMV pipeline's stages by `check_fused_moe`'s "
+     "names (`shape` is unused: the GEMVs take `GEMV_TUNING`)")
     (T, k), block = topk_ids.shape, 16
     h = (gate_up or gemv_gate_up)(x, topk_weights, topk_ids, W, swiglu_limit, split)
     align = align_by_expert_torch(topk_ids, W.n_experts, block)

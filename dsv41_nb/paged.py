@@ -188,7 +188,8 @@ def paged_attention(att: Attention,           # a reference layer's attention (m
 
 # %% ../nbs/10b_paged.ipynb #4bdac1ff
 def moe_weights(moe: MoE, cfg: ModelConfig) -> MoEWeights:
-    "A reference MoE's weights as the checkpoint stores them: routed experts MXFP4, the shared expert FP8"
+    ("A reference MoE's weights as the checkpoint stores "
+     "them: routed experts MXFP4, the shared expert FP8")
     if (cfg.expert_dtype or cfg.dtype, cfg.dtype) != ('fp4', 'fp8'):
         raise ValueError(f"moe_weights: the fused MoE takes MXFP4 experts and "
                          f"an FP8 shared expert, the config stores "
@@ -269,7 +270,8 @@ class PagedLayer(nn.Module):
 
 # %% ../nbs/10b_paged.ipynb #f8b09630
 class PagedModel(nn.Module):
-    "The model on the serving path: checkpoint-format weights, paged caches, one `forward` per scheduler step"
+    ("The model on the serving path: checkpoint-format "
+     "weights, paged caches, one `forward` per scheduler step")
     def __init__(self, cfg: ModelConfig,
                  kv_cache_config: KVCacheConfig,  # the cache layout
                  layers: list,                    # the `PagedLayer`s, in order
@@ -319,7 +321,8 @@ def from_model(cls: PagedModel, model: Transformer,
                # attention core for every layer (default `sparse_decode`)
                attend=None,
               ) -> PagedModel:
-    "The serving-path model of a reference `Transformer`, its weights quantised as the checkpoint stores them"
+    ("The serving-path model of a reference `Transformer`, "
+     "its weights quantised as the checkpoint stores them")
     if not isinstance(model, Transformer):
         raise TypeError(f"from_model: expected a Transformer, got {type(model).__name__}")
     cfg = model.cfg
@@ -429,7 +432,8 @@ def _tensor(name, t, shape, dtypes):
 # %% ../nbs/10b_paged.ipynb #1db7e9ab
 @patch
 def check(self: PagedModel, s: PagedStep) -> PagedStep:
-    "`s` if this model can run it; else an error naming the field (one device sync: the values are checked)"
+    ("`s` if this model can run it; else an error naming "
+     "the field (one device sync: the values are checked)")
     if not isinstance(s, PagedStep) or not isinstance(s.slots, SlotMappings):
         raise TypeError(f"forward: expected a PagedStep with SlotMappings, got {type(s).__name__}")
     ints = (torch.int32, torch.int64)
@@ -483,7 +487,8 @@ def decoder_step(step: PagedCSA2Step, rows: torch.Tensor, floor: torch.Tensor) -
 # %% ../nbs/10b_paged.ipynb #f6f24396
 @patch
 def _enter(self: PagedModel, l: PagedLayer, x, f, post, comb, pre, hashes, mask) -> SeamOut:
-    "Layer `l` up to its attention input: Engram on the updated copies (if any), then the attention seam"
+    ("Layer `l` up to its attention input: Engram on the "
+     "updated copies (if any), then the attention seam")
     if l.engram is not None:
         if f is not None:
             x, f, post, comb = mhc_seam(x, f, post, comb, cfg=self.cfg).x, None, None, None
@@ -493,7 +498,8 @@ def _enter(self: PagedModel, l: PagedLayer, x, f, post, comb, pre, hashes, mask)
 # %% ../nbs/10b_paged.ipynb #9fa2b4f7
 @patch
 def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -> tuple:
-    "Layer `l` from its attention input on: (copies, pending MoE output, its post, comb, the next input mix)"
+    ("Layer `l` from its attention input on: (copies, "
+     "pending MoE output, its post, comb, the next input mix)")
     f = l.attn(sa.y, step, self.state)
     sf = mhc_seam(sa.x, f, sa.post, sa.comb, sa.pre, l.hc_ffn, l.ffn_norm, self.cfg)
     return sf.x, self._moe(l, sf.y), sf.post, sf.comb, sf.pre
@@ -611,7 +617,8 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
 # %% ../nbs/10b_paged.ipynb #beabf23a
 @patch
 def _logits(self: PagedModel, x, pre, f, post, comb, lr) -> torch.Tensor:
-    "(len(lr), vocab) fp32 logits of the decoder rows `lr`: the streams collapsed, the final norm, the head"
+    ("(len(lr), vocab) fp32 logits of the decoder rows "
+     "`lr`: the streams collapsed, the final norm, the head")
     y = hc_collapse(x[lr], pre[lr], self.norm, self.cfg, f[lr], post[lr], comb[lr])    # (m, dim)
     if self.head.dtype == torch.bfloat16 and kernel_backend(y, self.head) == 'triton':
         return head_logits(y, self.head)          # reads the BF16 head itself
@@ -679,7 +686,8 @@ def _step(self: PagedRunner, reqs: list, plan: list) -> PagedStep:
 # %% ../nbs/10b_paged.ipynb #a484e4ad
 @patch
 def generate(self: PagedRunner, prompts: list, n: int) -> tuple:
-    "(each prompt followed by its n greedy tokens, the (n, vocab) fp32 logits each token was chosen from)"
+    ("(each prompt followed by its n greedy tokens, the "
+     "(n, vocab) fp32 logits each token was chosen from)")
     check_int('generate', 'n', n, 1)
     if not prompts or any(not isinstance(p, (list, tuple)) or not p for p in prompts):
         raise ValueError("generate: expected a non-empty list of prompts, "
@@ -757,7 +765,8 @@ def logits_tolerance(paged: PagedModel) -> float:
 
 # %% ../nbs/10b_paged.ipynb #18f4bbd0
 class BF16Record(RecordCodec):
-    "Vectors stored as their BF16 values, 2 bytes each: an exact cache for comparisons (PyTorch path only)"
+    ("Vectors stored as their BF16 values, 2 bytes each: "
+     "an exact cache for comparisons (PyTorch path only)")
     def __init__(self, name: str, dim: int):
         self.name, self.dim = name, check_int('BF16Record', 'dim', dim, 1)
         self.record_bytes = 2 * dim
@@ -768,7 +777,8 @@ class BF16Record(RecordCodec):
 # %% ../nbs/10b_paged.ipynb #71c5dd05
 @patch
 def exact_caches(self: PagedModel) -> PagedModel:
-    "This model with BF16 window and compressed-KV records in every layer (allocate after calling it)"
+    ("This model with BF16 window and compressed-KV "
+     "records in every layer (allocate after calling it)")
     for l in self.layers:
         l.attn.window_codec = BF16Record('window_bf16', self.cfg.head_dim)
         if l.attn.compressor is not None:

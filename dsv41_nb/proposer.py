@@ -16,7 +16,8 @@ __all__ = ['reference_ngram_propose', 'Proposer', 'NgramProposer']
 def reference_ngram_propose(tokens: Sequence[int], # the context
                             min_n: int, max_n: int, # n-gram lengths to try
                             k: int) -> list: # most tokens to propose
-    "Tokens after the earliest earlier occurrence of the longest matching suffix n-gram (a test oracle)"
+    ("Tokens after the earliest earlier occurrence of "
+     "the longest matching suffix n-gram (a test oracle)")
     L = len(tokens)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
         suffix = list(tokens[L - n:])
@@ -27,7 +28,8 @@ def reference_ngram_propose(tokens: Sequence[int], # the context
 
 # %% ../nbs/11a_ngram.ipynb #aa1eef90
 class Proposer(Protocol):
-    "Drafts up to `num_speculative_tokens` next tokens per request from each request's tokens so far"
+    ("Drafts up to `num_speculative_tokens` next tokens "
+     "per request from each request's tokens so far")
     num_speculative_tokens: int
     def propose(self, requests: Sequence[Sequence[int]]) -> list: ...
 

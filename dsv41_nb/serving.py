@@ -16,7 +16,8 @@ from .checkpoint import save_model
 
 # %% ../nbs/13b_serving.ipynb #bd8aa52d
 def shipped_checkpoint() -> Path | None:
-    "`checkpoints/small` in the installed package or at the root of its source checkout, if one holds a config"
+    ("`checkpoints/small` in the installed package or at "
+     "the root of its source checkout, if one holds a config")
     import dsv41_nb
     pkg = Path(dsv41_nb.__file__).resolve().parent
     places = (pkg / 'checkpoints' / 'small', pkg.parent / 'checkpoints' / 'small')
@@ -25,7 +26,8 @@ def shipped_checkpoint() -> Path | None:
 # %% ../nbs/13b_serving.ipynb #9f59d1f5
 def random_checkpoint(cache_dir=None, # default: $XDG_CACHE_HOME or ~/.cache
                      ) -> Path:
-    "`dsv41_nb/tiny-random` under `cache_dir`: a tiny random-weight checkpoint, written once and reused"
+    ("`dsv41_nb/tiny-random` under `cache_dir`: a tiny "
+     "random-weight checkpoint, written once and reused")
     cache = cache_dir or os.environ.get('XDG_CACHE_HOME') or Path.home() / '.cache'
     root = Path(cache) / 'dsv41_nb'
     d = root / 'tiny-random'
@@ -38,7 +40,8 @@ def random_checkpoint(cache_dir=None, # default: $XDG_CACHE_HOME or ~/.cache
 
 # %% ../nbs/13b_serving.ipynb #25949534
 def served_checkpoint(path=None) -> tuple:
-    "(checkpoint directory, a note for standard error or None): `path`, the shipped one, or the random one"
+    ("(checkpoint directory, a note for standard error or "
+     "None): `path`, the shipped one, or the random one")
     if path is not None: return Path(path), None
     if (d := shipped_checkpoint()) is not None: return d, None
     d = random_checkpoint()

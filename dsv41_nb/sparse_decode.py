@@ -46,7 +46,8 @@ def decode_cost(cfg: ModelConfig, # the model's shapes (heads, head dim)
 def _block_scales(ptr, base, live, BN: tl.constexpr, D: tl.constexpr, QDIM: tl.constexpr,
                   BLOCK: tl.constexpr, SCALE_OFF: tl.constexpr, E4M3_SCALE: tl.constexpr,
                   HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
-    "(BN, D) fp32: the block scale of every value of the records at byte offsets `base` (0 where not `live`)"
+    ("(BN, D) fp32: the block scale of every value of the "
+     "records at byte offsets `base` (0 where not `live`)")
     if SCALE_TILE:
         # one byte per block, broadcast over its values
         g = tl.arange(0, D // BLOCK)
@@ -69,7 +70,8 @@ def _block_scales(ptr, base, live, BN: tl.constexpr, D: tl.constexpr, QDIM: tl.c
 def _kv_tile(ptr, half_ptr, slot, live, D: tl.constexpr, FP4: tl.constexpr, QDIM: tl.constexpr,
              BLOCK: tl.constexpr, ROPE: tl.constexpr, SCALE_OFF: tl.constexpr, REC: tl.constexpr,
              E4M3_SCALE: tl.constexpr, HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
-    "(len(slot), D) BF16 vectors decoded from the records at `slot` of a paged cache (zeros where not `live`)"
+    ("(len(slot), D) BF16 vectors decoded from the records "
+     "at `slot` of a paged cache (zeros where not `live`)")
     BN: tl.constexpr = slot.shape[0]
     # (BN,) byte offset of each record
     base = slot.to(tl.int64) * REC
@@ -100,7 +102,8 @@ def _kv_tile(ptr, half_ptr, slot, live, D: tl.constexpr, FP4: tl.constexpr, QDIM
 
 # %% ../nbs/06_sparse_decode.ipynb #140c01a1
 def _format_meta(codec: RecordCodec, D: int, prefix: str) -> dict:
-    "The kernel's compile-time description of a record format (FP8 with UE8M0 block scales and a BF16 tail, or FP4)"
+    ("The kernel's compile-time description of a record format "
+     "(FP8 with UE8M0 block scales and a BF16 tail, or FP4)")
     if isinstance(codec, FP4Record):
         m = dict(FP4=True, QDIM=codec.dim, BLOCK=codec.block, ROPE=0, SCALE_OFF=codec.scale_offset,
                  E4M3=codec.scale_format == 'e4m3')
@@ -118,7 +121,8 @@ def _format_meta(codec: RecordCodec, D: int, prefix: str) -> dict:
 
 # %% ../nbs/06_sparse_decode.ipynb #d12ac765
 def _half_view(cache: torch.Tensor) -> torch.Tensor:
-    "The cache as int16 elements (how the kernel reads a BF16 tail) when its record width allows, else itself"
+    ("The cache as int16 elements (how the kernel reads a "
+     "BF16 tail) when its record width allows, else itself")
     return cache.view(torch.int16) if cache.shape[-1] % 2 == 0 else cache
 
 # %% ../nbs/06_sparse_decode.ipynb #b7ecf0db
@@ -127,7 +131,8 @@ def _tile_probe(ptr, half_ptr, slot_ptr, out_ptr, n, D: tl.constexpr, BN: tl.con
                 P_FP4: tl.constexpr, P_QDIM: tl.constexpr, P_BLOCK: tl.constexpr,
                 P_ROPE: tl.constexpr, P_SCALE_OFF: tl.constexpr, P_REC: tl.constexpr,
                 P_E4M3: tl.constexpr, HW_CVT: tl.constexpr, SCALE_TILE: tl.constexpr):
-    "Decode the records at the first `n` of `BN` slots into `out_ptr` (n, D) bf16: the tile builder on its own"
+    ("Decode the records at the first `n` of `BN` slots into "
+     "`out_ptr` (n, D) bf16: the tile builder on its own")
     r = tl.arange(0, BN)
     slot = tl.load(slot_ptr + r, mask=r < n, other=-1)
     v = _kv_tile(ptr, half_ptr, slot, slot >= 0, D, P_FP4, P_QDIM, P_BLOCK, P_ROPE, P_SCALE_OFF,
@@ -144,7 +149,8 @@ def _mm(a, b, F32_DOT: tl.constexpr):
 # %% ../nbs/06_sparse_decode.ipynb #5ad1a8ee
 @triton.jit
 def _attend_tile(q, kv, live, m_i, l_i, acc, scale_log2, F32_DOT: tl.constexpr):
-    "One online-softmax step over a (BLOCK_N, D) tile used as keys and values; returns the new (max, sum, accumulator)"
+    ("One online-softmax step over a (BLOCK_N, D) tile used as "
+     "keys and values; returns the new (max, sum, accumulator)")
     # (BLOCK_H, BLOCK_N) base-2 scores
     s = _mm(q, tl.trans(kv), F32_DOT) * scale_log2
     s = tl.where(live[None, :], s, -float('inf'))
@@ -189,7 +195,8 @@ def _load_partial(part, hm, col, po_ptr, pl_ptr, D: tl.constexpr):
 @triton.jit
 def _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_ot, stride_oh,
             lse_ptr, po_ptr, pl_ptr, H, D: tl.constexpr, ONE_SPLIT: tl.constexpr):
-    "One split: add the sink, normalise, write out and lse. Several: write the normalised partial and its base-2 lse"
+    ("One split: add the sink, normalise, write out and lse. "
+     "Several: write the normalised partial and its base-2 lse")
     if ONE_SPLIT:
         sink = tl.load(sink_ptr + heads, mask=hm, other=0.0) * 1.4426950408889634
         m = tl.maximum(m_i, sink)
@@ -212,7 +219,8 @@ def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_
                  W_FP4: tl.constexpr, W_QDIM: tl.constexpr, W_BLOCK: tl.constexpr,
                  W_ROPE: tl.constexpr, W_SCALE_OFF: tl.constexpr, W_REC: tl.constexpr,
                  W_E4M3: tl.constexpr, HW_CVT: tl.constexpr, F32_DOT: tl.constexpr):
-    "The program's window tiles, from an empty state; the state goes to its partial slot for `_topk_pass`"
+    ("The program's window tiles, from an empty state; "
+     "the state goes to its partial slot for `_topk_pass`")
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
     if lo < nw:
         t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -242,7 +250,8 @@ def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, 
                C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
                C_REC: tl.constexpr, C_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
                F32_DOT: tl.constexpr):
-    "The program's top-k tiles, from the window pass's state (if it had window tiles); then `_finish`"
+    ("The program's top-k tiles, from the window pass's "
+     "state (if it had window tiles); then `_finish`")
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
     t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
@@ -368,7 +377,8 @@ _LAUNCH_KEYS = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, scale_til
 
 # %% ../nbs/06_sparse_decode.ipynb #3668209b
 def _check_launch(launch: dict) -> dict:
-    "`launch` if its keys are launch keys and its values make sense, else an error naming the problem"
+    ("`launch` if its keys are launch keys and its values "
+     "make sense, else an error naming the problem")
     if not isinstance(launch, dict):
         raise TypeError(f"launch: expected a dict, got {type(launch).__name__}")
     unknown = sorted(set(launch) - set(_LAUNCH_KEYS))
@@ -413,13 +423,15 @@ def decode_launch(T: int,                       # query tokens in the launch
 
 # %% ../nbs/06_sparse_decode.ipynb #d79b347f
 def _as_i32(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    "An int32 copy when needed; a (T, 0) list becomes (T, 1) of -1 so the kernel has something to point at"
+    ("An int32 copy when needed; a (T, 0) list becomes "
+     "(T, 1) of -1 so the kernel has something to point at")
     if width == 0: return torch.full((t.shape[0], 1), -1, dtype=torch.int32, device=t.device)
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 # %% ../nbs/06_sparse_decode.ipynb #0934ff26
 def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_rope=None) -> tuple:
-    "(out, lse, compiled kernel or None): the kernel, and the combine step when the records are split"
+    ("(out, lse, compiled kernel or None): the kernel, "
+     "and the combine step when the records are split")
     T, H, D = q.shape
     W, K = idx.window_slots.shape[1], idx.topk.shape[1]
     # window only: any valid pointer will do
@@ -511,7 +523,8 @@ def sparse_decode(q: torch.Tensor,                  # (T, H, D) bf16 queries (Ro
 
 # %% ../nbs/06_sparse_decode.ipynb #704da2bd
 def random_records(codec: RecordCodec, shape: tuple, device=None, generator=None) -> torch.Tensor:
-    "Random valid records (no NaN codes, scales that keep values near unit size): for timing and large caches"
+    ("Random valid records (no NaN codes, scales that keep "
+     "values near unit size): for timing and large caches")
     r = torch.randint(0, 256, (*shape, codec.record_bytes), dtype=torch.uint8, device=device,
                       generator=generator)
     sc = r[..., codec.scale_offset:codec.scale_offset + codec.n_scales]

@@ -460,7 +460,8 @@ def routers(model: nn.Module, who: str = 'routers') -> dict:
 
 # %% ../nbs/11_train.ipynb #addfea3c
 class ModuleHooks:
-    "Forward hooks on some modules (`self.handles`), taken off together by `remove` or a `with` block"
+    ("Forward hooks on some modules (`self.handles`), "
+     "taken off together by `remove` or a `with` block")
     handles: list = []
     def remove(self):
         for h in self.handles: h.remove()
@@ -674,7 +675,8 @@ def train(
     stop: int | None = None,  # this piece ends before step `stop` (default: `steps`)
     state: TrainState | None = None,  # gone on from (at step > 0), brought to `stop` in place
 ) -> dict:
-    "Train `model` in place, steps `start..stop` of `steps`; the history of losses at each evaluation"
+    ("Train `model` in place, steps `start..stop` of "
+     "`steps`; the history of losses at each evaluation")
     _check_train_args(model, data, steps, lr, batch_size, seq_len, eval_every, clip)
     start, stop = _check_piece(steps, start, stop, state)
     device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
@@ -875,7 +877,8 @@ def compiled(fn):
 def fast_path(model: nn.Module,  # a `Transformer` (other models pass through unchanged)
               compile: bool = True,  # compile mHC's two sides (the GPU's path; slow to build on a CPU)
              ):
-    "Inside the block: `model`'s routed experts as grouped matmuls and, with `compile`, mHC compiled"
+    ("Inside the block: `model`'s routed experts as "
+     "grouped matmuls and, with `compile`, mHC compiled")
     if not isinstance(model, nn.Module):
         raise TypeError(f"fast_path: expected an nn.Module, got {type(model).__name__}")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
