@@ -878,7 +878,7 @@ def _time_steps(model, N, m, steps, prompt_len, device, **llm_kwargs) -> float:
         eng.add_request(f'p{r}', torch.randint(1, 256, (prompt_len,), generator=g).tolist(), sp)
     s = eng.scheduler
     prefilling = lambda: s.waiting or any(r.num_computed_tokens < r.prefill_len for r in s.running)
-    for _ in range(N * prompt_len):                    # prefill (chunked or not): a token a step at least
+    for _ in range(N * prompt_len):  # prefill (chunked or not): a token a step at least
         if not prefilling(): break
         eng.step()
     if prefilling() or len(s.running) < N:

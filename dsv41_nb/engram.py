@@ -194,7 +194,7 @@ def to(self: NgramHasher, device):
 @patch
 def compress(
     self: NgramHasher,
-    input_ids: torch.Tensor,                 # (..., L) token ids (-1 allowed only with `allow_gaps`)
+    input_ids: torch.Tensor,  # (..., L) token ids (-1 allowed only with `allow_gaps`)
     token_mask: torch.Tensor | None = None,  # (..., L) bool, False for tokens outside n-grams (image spans)
     check: bool = True,                      # validate the ids (one device sync)
     allow_gaps: bool = False,                # accept -1 as "no token" (for history)
@@ -424,7 +424,7 @@ ENGRAM_TUNING = dict(values_per_program=2048, num_warps=4)
 # %% ../nbs/09_engram.ipynb #885403a0
 def engram_lookup(
     table: EngramTable,    # the table, or this rank's shard of it
-    ids: torch.Tensor,     # (...) int32/int64 global row ids, e.g. (tokens, cols) from `NgramHasher`
+    ids: torch.Tensor,  # (...) int32/int64 global row ids, e.g. (tokens, cols) from `NgramHasher`
     dtype=torch.bfloat16,  # output dtype (the public code returns bf16)
     check: bool = True,    # validate the ids (one device sync)
 ) -> torch.Tensor:

@@ -395,7 +395,7 @@ def _e4m3_code(v):
     sign = (bits >> 24) & 0x80
     a = bits & 0x7FFFFFFF
     exp = a >> 23                                                      # biased fp32 exponent
-    r = a + 0x7FFFF + ((a >> 20) & 1)                                   # round the mantissa to 3 bits
+    r = a + 0x7FFFF + ((a >> 20) & 1)  # round the mantissa to 3 bits
     normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
     mant = (a & 0x7FFFFF) | 0x800000                                    # 24-bit significand
     shift = tl.minimum(141 - exp, 31)                                   # to units of 2^-9

@@ -531,7 +531,7 @@ def _head_gemm(y: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     "(T, V) fp32: one BF16 GEMM with an fp32 output over y's BF16 parts, the parts' products added"
     parts = bf16_parts(y)
     a = parts.flatten(0, 1)                                           # (P·T, K)
-    out = mm_f32(a, head)                          # cuBLAS on a GPU, the same exact products on a CPU
+    out = mm_f32(a, head)  # cuBLAS on a GPU, the same exact products on a CPU
     return out.view(len(parts), y.shape[0], -1).sum(0)
 
 # %% ../nbs/09a_fp8_linear.ipynb #3c3d0ddb

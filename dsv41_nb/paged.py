@@ -217,7 +217,7 @@ def block_seam(block: Block, sub: str) -> HCWeights:
                        for p in ('fn', 'base', 'scale')))
 
 # %% ../nbs/10b_paged.ipynb #75cdc2eb
-SERVED_PLANES = True   # served layers hold the routed gate and up weights in planes (08f), not codes
+SERVED_PLANES = True  # served layers hold the routed gate and up weights in planes (08f), not codes
 SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 SERVED_SLOTS = False   # the planes' stages in 08f's version 4 (activations in pair order)
