@@ -865,7 +865,7 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                            device='cuda',
                            bandwidth=None,            # copy bandwidth in B/s (default: measured)
                            rep: int = 100,            # timed repetitions
-                           version: int | None = None,  # key decoding 1, 2 or 3 (default: LOGITS_TUNING's)
+                           version: int | None = None,  # key decoding 1, 2 or 3 (default: the tuning's)
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")
@@ -877,7 +877,8 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
             t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
     moved = (batch * context * (codec.record_bytes + 4) + q.numel() * 2
              + batch * (4 * q.shape[1] + 12))
-    return dict(context=context, batch=batch, format=fmt, version=version, us_per_query=t / batch * 1e6,
+    return dict(context=context, batch=batch, format=fmt, version=version,
+                us_per_query=t / batch * 1e6,
                 floor_us=moved / bw / batch * 1e6, of_floor=moved / bw / t, GBps=moved / t / 1e9)
 
 # %% ../nbs/04_indexer.ipynb #bba95f46
