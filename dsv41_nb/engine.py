@@ -68,8 +68,7 @@ class InputBatch:
 
 # %% ../nbs/13_engine.ipynb #390a6f33
 class RecomputeModel:
-    ("The dense reference path behind the step interface: each "
-     "sampled request's whole sequence re-run, no cache read")
+    "The dense reference path behind the step interface: each sampled sequence re-run, no cache"
     supports_cuda_graphs = False
     def __init__(self, model: Transformer):
         if not isinstance(model, Transformer):
