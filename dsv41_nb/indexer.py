@@ -869,7 +869,8 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")
-    codec, version = cache_format(cfg, fmt), version or LOGITS_TUNING['version']
+    codec = cache_format(cfg, fmt)
+    if version is None: version = LOGITS_TUNING['version']   # key_decoding checks the rest
     with key_decoding(version):
         q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
         bw = bandwidth or copy_bandwidth(device=device)

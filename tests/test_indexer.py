@@ -217,6 +217,7 @@ def test_bad_inputs():
                             torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
         (lambda: indexer.benchmark_index_logits(TINY, 64, version=4), 'version = 4; expected 1, 2 or 3'),
+        (lambda: indexer.benchmark_index_logits(TINY, 64, version=0), 'version = 0; expected 1, 2 or 3'),
         (lambda: indexer.key_decoding(0).__enter__(), 'version = 0; expected 1, 2 or 3'),
         (lambda: indexer.slot_dims(48), 'dh = 48; expected a multiple of 32'),
         (lambda: indexer.slot_dims(16), 'dh = 16; expected at least 32'),
