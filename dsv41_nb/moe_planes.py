@@ -236,6 +236,20 @@ def _stage_kernels(slots: bool, block_m: int) -> tuple:
     return ((_gate_up_slots_kernel, _gate_up_slots_partial_kernel),
             dict(maxnreg=SLOTS_MAXNREG) if small else {})
 
+# %% ../nbs/08f_moe_planes.ipynb #a955d4c7
+def _check_routed(xq, align, topk_weights):
+    "The routed rows a gate/up stage is given: their alignment, one row per token, the routing weights"
+    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
+        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
+    if xq.shape[0] * align.topk != align.n_assign:
+        raise ValueError(f"activations: expected {align.n_assign // align.topk} rows for this "
+                         f"alignment, got {xq.shape[0]}")
+    if (not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point()
+            or tuple(topk_weights.shape) != (xq.shape[0], align.topk)):
+        raise ValueError(f"topk_weights: expected floats ({xq.shape[0]}, {align.topk}), "
+                         f"got {_shape(topk_weights)}")
+
+
 # %% ../nbs/08f_moe_planes.ipynb #bbf5100b
 def expert_gate_up_planes(
     xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
@@ -250,15 +264,7 @@ def expert_gate_up_planes(
     "`expert_gate_up` (version 3, or 4): (n_assign, inter) BF16, the weights' codes read in planes"
     for name, w in (('w1', w1), ('w3', w3)): _check_planes(name, w, xq)
     if not isinstance(slots, bool): raise TypeError(f"slots must be a bool, got {slots!r}")
-    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
-        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
-    if xq.shape[0] * align.topk != align.n_assign:
-        raise ValueError(f"activations: expected {align.n_assign // align.topk} rows for this "
-                         f"alignment, got {xq.shape[0]}")
-    if (not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point()
-            or tuple(topk_weights.shape) != (xq.shape[0], align.topk)):
-        raise ValueError(f"topk_weights: expected floats ({xq.shape[0]}, {align.topk}), "
-                         f"got {_shape(topk_weights)}")
+    _check_routed(xq, align, topk_weights)
     if split is not None: _check_split(split, w1.shape[2] // 128)
     if kernel_backend(xq, w1.words) == 'torch' or align.n_assign == 0:
         return expert_gate_up_torch(xq, planes_weight(w1), planes_weight(w3), align, topk_weights,

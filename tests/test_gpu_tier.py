@@ -21,6 +21,7 @@ from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_f
 from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
                                  PLANE_READ_ONCE, PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
 from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
+from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
 from dsv41_nb.moe import quantize_weight
@@ -159,6 +160,25 @@ def test_moe_slots_bench_layer():
         for split in (1, None):
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
                             stages=partial(_fused_stages, gate_up=plane_gate_up(W, split=split, slots=True)))
+
+
+def test_moe_fp8_bench_layer():
+    """Version 5 of the gate/up stage (FP8 products, the words through registers) on the bench layer at a decode batch,
+    a serving batch and the `mid` regime, at the regime's row blocks and at 16, in one tile and with K split, within
+    the reference; the activations' codes against their plain version"""
+    cfg = ModelConfig.bench()
+    W = MoEWeights.random(cfg, 0, DEV)
+    for T in (1, 128, 512):
+        x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
+        x[0, :7] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 448.0, -448.0, 1e4])
+        c, s = act_codes(fp8_act_quant(x))
+        c_ref, s_ref = act_codes_torch(fp8_act_quant(x))
+        assert torch.equal(c, c_ref) and torch.equal(s, s_ref)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        shape = moe_launch_shape(ti.numel(), W.n_experts)
+        for bm, split in ((shape['block_m'], 1), (16, 1), (16, None)):
+            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, dict(shape, block_m=bm),
+                            stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split)))
 
 
 def test_moe_down_planes_bench_layer():

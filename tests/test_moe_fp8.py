@@ -1,0 +1,150 @@
+"""Version 5 of the gate/up stage (08g_moe_fp8): the E2M1 -> E4M3 byte map on every code, the FP8 words read back
+exactly and decoded to each weight's byte, the activations' codes equal to `act_quant`'s values, and the stage
+through the whole layer within the reference, on the interpreter (CI) and compiled (the GPU test tier, where the
+words reach the FP8 MMA through registers)."""
+from dataclasses import replace
+from functools import partial
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from budget import examples
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.moe import route, MoEWeights, QuantWeight
+from dsv41_nb.formats import e2m1_values
+from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, fused_moe_experts,
+                                check_fused_moe, _fused_stages, ExpertAlignment)
+from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_words, fp8_words_weight,
+                              fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up)
+
+DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+
+
+def _layer(E, k, D, I, seed):
+    cfg = replace(ModelConfig.tiny(), n_routed_experts=E, n_activated_experts=k, dim=D, moe_inter_dim=I)
+    return cfg, MoEWeights.random(cfg, seed, DEV)
+
+
+def test_every_code_is_its_e4m3_byte():
+    "Each of the 16 E2M1 codes, as an E4M3 byte, is worth the code's value times 2^-6 (zeros and 0.5 included)"
+    c = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(e2m1_e4m3(c).view(torch.float8_e4m3fn).float() * 64, e2m1_values(c))
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(st.integers(1, 3), st.sampled_from([16, 48]), st.sampled_from([128, 256]), st.integers(0, 2**31))
+def test_words_round_trip(E, N, K, seed):
+    "Every code and scale comes back; the words decode to each column's E4M3 byte; the values are the checkpoint's"
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    scales = torch.randint(0, FP8_SCALE_MAX + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    w = QuantWeight(codes, scales, 'mxfp4')
+    p = mxfp4_fp8_words(w)
+    assert p.shape == (E, N, K) and p.words.dtype == p.scale_words.dtype == torch.int32
+    back = fp8_words_weight(p)
+    assert torch.equal(back.codes, codes) and torch.equal(back.scales, scales)
+    nibbles = torch.stack([codes & 0xF, codes >> 4], -1).flatten(-2)
+    assert torch.equal(fp8_words_bytes(p), e2m1_e4m3(nibbles))
+    assert torch.equal(p.dequantize(), w.dequantize())
+    assert p.nbytes == codes.numel() + scales.numel()
+
+
+def test_words_pair_columns_16_apart():
+    "Byte j of a 32-column block holds column j at bits 7,4,3,2 and column 16 + j at bits 6,5,1,0"
+    codes = torch.zeros(1, 1, 64, dtype=torch.uint8)
+    codes[0, 0, 3] = 0x0F                                 # column 6: code 15; column 7: 0
+    codes[0, 0, 10] = 0xF0                                # column 21 (16 + 5): code 15
+    p = mxfp4_fp8_words(QuantWeight(codes, torch.full((1, 1, 4), 127, dtype=torch.uint8), 'mxfp4'))
+    b = p.words.view(torch.uint8).view(-1)
+    assert b[6].item() == 0x9C and b[5].item() == 0x63 and b[[0, 1, 2, 3, 4, 7]].sum().item() == 0
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(st.integers(1, 9), st.sampled_from([32, 96, 256]), st.integers(0, 2**31))
+def test_act_codes_are_act_quant(T, D, seed):
+    "Codes x scales equal `fp8_act_quant`'s values bit for bit, from raw or already quantised activations"
+    g = torch.Generator().manual_seed(seed)
+    x = 3 * torch.randn(T, D, generator=g) * torch.exp2(torch.randint(-20, 20, (T, 1), generator=g).float())
+    x[0, :32] = 224 * 2.0 ** -5 * torch.sign(torch.randn(32, generator=g))   # a block at exactly 224 * 2^s
+    if D > 32: x[-1, 32:64] = 0.0                                              # an empty block
+    x = x.to(DEV)
+    for src in (x, fp8_act_quant(x), x.to(torch.bfloat16)):
+        c, s = act_codes(src)
+        c_ref, s_ref = act_codes_torch(src)
+        assert torch.equal(c, c_ref) and torch.equal(s, s_ref)
+        v = (c.view(torch.float8_e4m3fn).float().view(T, D // 32, 32) * s[..., None]).view(T, D)
+        assert torch.equal(v, fp8_act_quant(x).float())
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([128, 256]), st.sampled_from([32, 96]),
+       st.integers(1, 40), st.sampled_from([1, None]), st.sampled_from([None, 16]), st.integers(0, 2**31))
+def test_version_5_within_the_reference(E, k, D, I, T, split, block_m, seed):
+    "Version 5's stage (one tile or K split, the regime's rows or 16) through the whole layer, within the reference"
+    k = min(k, E)
+    cfg, W = _layer(E, k, D, I, seed % 1000)
+    x = (3 * torch.randn(T, D, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, k, cfg.route_scale)
+    shape = moe_launch_shape(T * k, E)
+    if block_m: shape['block_m'] = block_m
+    stage = fp8_gate_up(W, split=split)
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=stage))
+
+
+def test_through_the_layer():
+    "`fp8_gate_up` as the gate/up stage of `fused_moe_experts`: the pipeline's output, the shared expert its own"
+    cfg, W = _layer(8, 2, 128, 64, 3)
+    x = (3 * torch.randn(17, 128, generator=torch.Generator().manual_seed(3))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    st_ = partial(_fused_stages, gate_up=fp8_gate_up(W))
+    y = fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, gate_up=fp8_gate_up(W))
+    assert torch.equal(y, st_(x, tw, ti, W, cfg.swiglu_limit)['y'])
+
+
+def _bad_cases():
+    cfg, W = _layer(4, 2, 128, 64, 0)
+    _, W64 = _layer(4, 2, 64, 64, 0)
+    x = torch.randn(5, 128, device=DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    xq, p, p3 = fp8_act_quant(x), mxfp4_fp8_words(W.w1), mxfp4_fp8_words(W.w3)
+    al = align_by_expert(ti, 4, 16)
+    scaled = lambda s: QuantWeight(W.w1.codes, torch.full_like(W.w1.scales, s), 'mxfp4')
+    other = mxfp4_fp8_words(_layer(4, 2, 128, 32, 0)[1].w3)
+    return [
+        (lambda: e2m1_e4m3(torch.tensor([1, 16], dtype=torch.uint8)), 'e2m1_e4m3: codes are 4 bits (0..15), got 16'),
+        (lambda: e2m1_e4m3(torch.tensor([1])), 'e2m1_e4m3: expected uint8 codes'),
+        (lambda: mxfp4_fp8_words(W.shared_w1, 'shared_w1'), 'shared_w1: expected MXFP4 weights'),
+        (lambda: mxfp4_fp8_words(W64.w1, 'w1'), 'w1: planes need in-features a multiple of 128, got 64'),
+        (lambda: mxfp4_fp8_words(scaled(249)), 'FP8 words need block scale codes up to 248, got 249'),
+        (lambda: fp8_words_weight(W.w1), 'fp8_words_weight: expected FP8Words, got QuantWeight'),
+        (lambda: fp8_words_bytes(None), 'fp8_words_bytes: expected FP8Words, got NoneType'),
+        (lambda: act_codes(torch.zeros(3, 48)), 'act_codes: expected floats (tokens, dim) with dim a multiple of 32'),
+        (lambda: act_codes(torch.zeros(3, 64, dtype=torch.int32)), 'act_codes: expected floats'),
+        (lambda: act_codes_torch(torch.zeros(64)), 'act_codes_torch: expected floats (tokens, dim)'),
+        (lambda: expert_gate_up_fp8(xq, W.w1, p3, al, tw, 10.0), 'w1: expected FP8Words (mxfp4_fp8_words)'),
+        (lambda: expert_gate_up_fp8(xq, p, p3, al, tw, 10.0, split=3), 'split = 3; expected an int >= 1 dividing'),
+        (lambda: expert_gate_up_fp8(xq[:, :64], p, p3, al, tw, 10.0), 'activations: expected shape (tokens, 128)'),
+        (lambda: expert_gate_up_fp8(xq.int(), p, p3, al, tw, 10.0), 'activations: expected a floating-point tensor'),
+        (lambda: expert_gate_up_fp8(xq[:3], p, p3, al, tw, 10.0), 'activations: expected 5 rows for this alignment'),
+        (lambda: expert_gate_up_fp8(xq, p, p3, al, tw[:, :1], 10.0), 'topk_weights: expected floats (5, 2)'),
+        (lambda: expert_gate_up_fp8(xq, p, other, al, tw, 10.0), 'w3: expected the shape of w1 (4, 64, 128)'),
+        (lambda: expert_gate_up_fp8(xq, p, p3, ExpertAlignment.identity(5, 16), tw, 10.0),
+         "align: expected the routed experts' alignment"),
+        (lambda: fp8_gate_up(W.w1), 'fp8_gate_up: expected MoEWeights, got QuantWeight'),
+        (lambda: fp8_gate_up(W, split=0), 'split = 0; expected an int >= 1 dividing'),
+        (lambda: fused_moe_experts(x, tw, ti, W, 10.0, gate_up=fp8_gate_up(_layer(4, 2, 128, 64, 1)[1])),
+         "fp8_gate_up: these words were made for another layer's weights"),
+    ]
+
+
+BAD_CASES = 21
+
+
+def test_every_bad_case_is_run():
+    assert len(_bad_cases()) == BAD_CASES
+
+
+@pytest.mark.parametrize('case', range(BAD_CASES))
+def test_bad_input(case):
+    fn, message = _bad_cases()[case]
+    with pytest.raises((ValueError, TypeError)) as e: fn()
+    assert message in str(e.value)
