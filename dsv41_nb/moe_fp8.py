@@ -4,7 +4,8 @@
 
 # %% ../nbs/08g_moe_fp8.ipynb #8267c932
 from __future__ import annotations
-from dataclasses import dataclass
+import numbers
+from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
@@ -13,15 +14,16 @@ from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile, _launch,
                                 moe_launch_shape, stage_shape, expert_gate_up,
-                                expert_gate_up_torch, _round_bf16)
+                                expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
 from .moe_planes import _check_mxfp4, _check_routed
 from .formats import (e2m1_values, e4m3_codes, ue8m0_codes, _ue8m0_code, _pow2,
                               _e4m3_code)
 
 # %% auto #0
-__all__ = ['FP8_SCALE_MAX', 'FP8_TUNING', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes',
-           'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_gate_up']
+__all__ = ['FP8_SCALE_MAX', 'FP8_TUNING', 'FP8_DOWN_TUNING', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight',
+           'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up',
+           'expert_down_fp8']
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -90,12 +92,16 @@ def fp8_words_bytes(p: FP8Words) -> torch.Tensor:
 
 # %% ../nbs/08g_moe_fp8.ipynb #a1bbcb1a
 @patch
-def dequantize(self: FP8Words) -> torch.Tensor:
-    "fp32 weights (experts, out, in): each E4M3 byte times its block's 2^(s - 121)"
-    E, N, K = self.shape
-    s = self.scale_words.view(torch.uint8).view(E, N, K // 32).float()
-    v = fp8_words_bytes(self).view(torch.float8_e4m3fn).float().view(E, N, K // 32, 32)
-    return (v * torch.exp2(s - 121)[..., None]).view(E, N, K)
+def dequantize(self: FP8Words, expert=slice(None)) -> torch.Tensor:
+    "fp32 weights of `expert` (an index or a slice): each E4M3 byte times its block's 2^(s - 121)"
+    one = isinstance(expert, numbers.Integral)
+    p = FP8Words(self.words[expert:expert + 1] if one else self.words[expert],
+                 self.scale_words[expert:expert + 1] if one else self.scale_words[expert])
+    E, N, K = p.shape
+    s = p.scale_words.view(torch.uint8).view(E, N, K // 32).float()
+    v = fp8_words_bytes(p).view(torch.float8_e4m3fn).float().view(E, N, K // 32, 32)
+    v = (v * torch.exp2(s - 121)[..., None]).view(E, N, K)
+    return v[0] if one else v
 
 # %% ../nbs/08g_moe_fp8.ipynb #eebd6024
 @patch(as_prop=True)
@@ -176,25 +182,26 @@ def _codes_tile(w, HW_CVT: tl.constexpr):
 @triton.jit
 def _gemm_fp8(acc1, acc3, x_row, xs_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n,
               n_mask, k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-              HW_CVT: tl.constexpr):
+              HW_CVT: tl.constexpr, PAIR: tl.constexpr = True):   # False: W1 alone (down)
     "acc1, acc3 (BN, BM) += W1, W3 [expert, n] @ A[rows]ᵀ over columns k_start .. + KS, in FP8"
     w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)       # (BN,) words
     s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)   # scale words
     c, t = tl.arange(0, 32), tl.arange(0, 4)
     for k0 in range(k_start, k_start + KS, 128):
         sw1 = tl.load(s1_ptr + s_row + k0 // 128, mask=n_mask, other=0)
-        sw3 = tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0)
+        if PAIR: sw3 = tl.load(s3_ptr + s_row + k0 // 128, mask=n_mask, other=0)
         for i in tl.static_range(4):                 # columns k0 + 32i .. + 31
             at = w_row[:, None] + (k0 // 8 + 4 * i) + t[None, :]
             q1 = tl.load(w1_ptr + at, mask=n_mask[:, None], other=0)
-            q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0)
             xq = tl.load(x_row[:, None] + k0 + 32 * i + c[None, :], mask=valid[:, None])
             if not HW_CVT: xq = xq.to(tl.float8e4nv, bitcast=True)   # uint8 on the interpreter
             xs = tl.load(xs_row + k0 // 32 + i, mask=valid, other=0.0)[None, :]
             f1 = ((((sw1 >> (8 * i)) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)[:, None]
-            f3 = ((((sw3 >> (8 * i)) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)[:, None]
             acc1 += tl.dot(_codes_tile(q1, HW_CVT), tl.trans(xq)) * (f1 * xs)
-            acc3 += tl.dot(_codes_tile(q3, HW_CVT), tl.trans(xq)) * (f3 * xs)
+            if PAIR:
+                q3 = tl.load(w3_ptr + at, mask=n_mask[:, None], other=0)
+                f3 = ((((sw3 >> (8 * i)) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)[:, None]
+                acc3 += tl.dot(_codes_tile(q3, HW_CVT), tl.trans(xq)) * (f3 * xs)
     return acc1, acc3
 
 # %% ../nbs/08g_moe_fp8.ipynb #6b0201bd
@@ -292,19 +299,83 @@ def expert_gate_up_fp8(
                                              sm_count(xq.device, default=16))
     return _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split)
 
+# %% ../nbs/08g_moe_fp8.ipynb #d3f82e2b
+def fp8_moe(W: MoEWeights,
+            down: bool = False, # the down weights too
+           ) -> MoEWeights:
+    "`W` with its routed experts' gate and up weights (and down, if `down`) as FP8 words"
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"fp8_moe: expected MoEWeights, got {type(W).__name__}")
+    if not isinstance(down, bool): raise TypeError(f"fp8_moe: down: expected a bool, got {down!r}")
+    words = lambda w, name: w if isinstance(w, FP8Words) else mxfp4_fp8_words(w, name)
+    return replace(W, w1=words(W.w1, 'w1'), w3=words(W.w3, 'w3'),
+                   w2=words(W.w2, 'w2') if down else W.w2)
+
 # %% ../nbs/08g_moe_fp8.ipynb #9f255878
 def fp8_gate_up(W: MoEWeights,
                 split: int | None = 1, # K slices per tile (None: as `expert_gate_up_split` takes)
                 shared=None): # the shared expert's stage (default `expert_gate_up`)
-    "A `gate_up` stage for `fused_moe_experts`: version 5 on `W`'s routed experts"
+    ("A `gate_up` stage for `fused_moe_experts`: version 5 on `W`'s routed experts "
+     "(their FP8 words, made now if `W` holds codes)")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"fp8_gate_up: expected MoEWeights, got {type(W).__name__}")
     if split is not None: _check_split(split, W.w1.shape[2] // 128)
-    f1, f3 = mxfp4_fp8_words(W.w1, 'w1'), mxfp4_fp8_words(W.w3, 'w3')
+    Wf = fp8_moe(W)                                  # the words, made now if `W` holds codes
     def gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
         if align.sorted_ids is None:                                  # the shared expert
             return (shared or expert_gate_up)(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
         if w1 is not W.w1 or w3 is not W.w3:
             raise ValueError("fp8_gate_up: these words were made for another layer's weights")
-        return expert_gate_up_fp8(xq, f1, f3, align, topk_weights, swiglu_limit, shape, split)
+        return expert_gate_up_fp8(xq, Wf.w1, Wf.w3, align, topk_weights, swiglu_limit, shape, split)
     return gate_up
+
+# %% ../nbs/08g_moe_fp8.ipynb #b91b0071
+@triton.jit
+def _down_fp8_kernel(
+    x_ptr, xs_ptr,           # (n_assign, K) E4M3 codes of the SwiGLU outputs, (n_assign, K/32) scales
+    w_ptr, ws_ptr,           # down: (E, N, K/8) int32 words, (E, N, K/128) int32 scale words
+    out_ptr,                 # (n_assign, N) BF16 out: each assignment's expert output
+    sorted_ptr, block_expert_ptr, n_assign, num_m,   # the alignment
+    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, HW_CVT: tl.constexpr,
+):
+    expert, a, _, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
+                                           N, TOPK, BM, BN, GROUP_M, False)
+    if expert < 0: return
+    acc, a64 = tl.zeros((BN, BM), tl.float32), a.to(tl.int64)
+    acc, _ = _gemm_fp8(acc, acc, x_ptr + a64 * K, xs_ptr + a64 * (K // 32), valid, w_ptr, ws_ptr,
+                       w_ptr, ws_ptr, expert, n, n < N, 0, K, K, N, HW_CVT, False)
+    tl.store(out_ptr + a64[:, None] * N + n[None, :],
+             _round_bf16(tl.trans(acc), HW_CVT).to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (n < N)[None, :])
+
+# %% ../nbs/08g_moe_fp8.ipynb #d56d1f2f
+FP8_DOWN_TUNING = dict(decode=dict(block_n=128), batch=dict(block_n=128))   # counted, not yet timed
+
+# %% ../nbs/08g_moe_fp8.ipynb #c3383518
+def expert_down_fp8(
+    h: torch.Tensor, # (n_assign, inter) BF16 output of the gate/up stage
+    w2: FP8Words, # the routed experts' down weights, as FP8 words
+    align: ExpertAlignment, # the same rows as the gate/up stage
+    shape: dict | None = None, # launch shape (default `moe_launch_shape` with `FP8_DOWN_TUNING`)
+) -> torch.Tensor:
+    "`expert_down` (version 5) on the routed experts' down weights as FP8 words: (n_assign, dim) BF16"
+    _check_words('w2', w2, h)
+    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
+        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
+    if h.dtype != torch.bfloat16 or h.shape[0] != align.n_assign:
+        raise ValueError(f"h: expected BF16 ({align.n_assign}, {w2.shape[2]}) rows for this "
+                         f"alignment, got {h.dtype} {_shape(h)}")
+    if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
+        return expert_down_torch(h, fp8_words_weight(w2), align)
+    (E, N, K) = w2.shape
+    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), FP8_DOWN_TUNING)
+    x, xs = _fp8_operands(h)
+    out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
+    meta, grid = _launch(align, N, K, {**shape, 'block_k': 128}, h.device)
+    _down_fp8_kernel[grid](x, xs, w2.words, w2.scale_words, out, align.sorted_ids,
+                           align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
+                           TOPK=align.topk, BM=meta['BM'], BN=meta['BN'], GROUP_M=meta['GROUP_M'],
+                           HW_CVT=meta['HW_CVT'], num_warps=meta['num_warps'],
+                           num_stages=meta['num_stages'])
+    return out

@@ -21,7 +21,7 @@ from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_f
 from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
                                  PLANE_READ_ONCE, PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
 from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
-from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch
+from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch, fp8_moe, expert_down_fp8
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
 from dsv41_nb.moe import quantize_weight
@@ -164,10 +164,11 @@ def test_moe_slots_bench_layer():
 
 def test_moe_fp8_bench_layer():
     """Version 5 of the gate/up stage (FP8 products, the words through registers) on the bench layer at a decode batch,
-    a serving batch and the `mid` regime, at the regime's row blocks and at 16, in one tile and with K split, within
-    the reference; the activations' codes against their plain version"""
+    a serving batch and the `mid` regime, at the regime's row blocks and at 16, in one tile and with K split, and both
+    stages in version 5, within the reference; the activations' codes against their plain version"""
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, 0, DEV)
+    Wf = fp8_moe(W, down=True)                     # both stages in version 5, at 16-row blocks
     for T in (1, 128, 512):
         x = (3 * torch.randn(T, cfg.dim, device=DEV)).to(torch.bfloat16)
         x[0, :7] = torch.tensor([1e-39, -1e-39, 0.0, -0.0, 448.0, -448.0, 1e4])
@@ -179,6 +180,8 @@ def test_moe_fp8_bench_layer():
         for bm, split in ((shape['block_m'], 1), (16, 1), (16, None)):
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, dict(shape, block_m=bm),
                             stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split)))
+        check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, dict(shape, block_m=16),
+                        stages=partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8))
 
 
 def test_moe_down_planes_bench_layer():

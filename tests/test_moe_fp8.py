@@ -14,7 +14,8 @@ from dsv41_nb.formats import e2m1_values
 from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, fused_moe_experts,
                                 check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_words, fp8_words_weight,
-                              fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up)
+                              fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up,
+                              fp8_moe, expert_down_fp8)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
@@ -90,6 +91,23 @@ def test_version_5_within_the_reference(E, k, D, I, T, split, block_m, seed):
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=stage))
 
 
+@settings(max_examples=examples(5), deadline=None)
+@given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([128, 256]), st.integers(1, 40),
+       st.sampled_from([None, 16]), st.integers(0, 2**31))
+def test_both_stages_within_the_reference(E, k, I, T, block_m, seed):
+    "Gate/up and down in version 5 on a layer whose routed weights are all FP8 words, within the reference"
+    k = min(k, E)
+    cfg, W = _layer(E, k, 128, I, seed % 1000)
+    Wf = fp8_moe(W, down=True)
+    assert torch.equal(Wf.w2.dequantize(), W.w2.dequantize()) and fp8_moe(Wf, down=True).w2 is Wf.w2
+    x = (3 * torch.randn(T, 128, generator=torch.Generator().manual_seed(seed))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, k, cfg.route_scale)
+    shape = moe_launch_shape(T * k, E)
+    if block_m: shape['block_m'] = block_m
+    stages = partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8)
+    check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, shape, stages=stages)
+
+
 def test_through_the_layer():
     "`fp8_gate_up` as the gate/up stage of `fused_moe_experts`: the pipeline's output, the shared expert its own"
     cfg, W = _layer(8, 2, 128, 64, 3)
@@ -109,6 +127,9 @@ def _bad_cases():
     al = align_by_expert(ti, 4, 16)
     scaled = lambda s: QuantWeight(W.w1.codes, torch.full_like(W.w1.scales, s), 'mxfp4')
     other = mxfp4_fp8_words(_layer(4, 2, 128, 32, 0)[1].w3)
+    W128 = _layer(4, 2, 128, 128, 0)[1]                        # inter 128: down weights the words hold
+    F2 = fp8_moe(W128, down=True).w2
+    h = torch.zeros(al.n_assign, 128, dtype=torch.bfloat16, device=DEV)
     return [
         (lambda: e2m1_e4m3(torch.tensor([1, 16], dtype=torch.uint8)), 'e2m1_e4m3: codes are 4 bits (0..15), got 16'),
         (lambda: e2m1_e4m3(torch.tensor([1])), 'e2m1_e4m3: expected uint8 codes'),
@@ -133,10 +154,18 @@ def _bad_cases():
         (lambda: fp8_gate_up(W, split=0), 'split = 0; expected an int >= 1 dividing'),
         (lambda: fused_moe_experts(x, tw, ti, W, 10.0, gate_up=fp8_gate_up(_layer(4, 2, 128, 64, 1)[1])),
          "fp8_gate_up: these words were made for another layer's weights"),
+        (lambda: fp8_moe(W.w1), 'fp8_moe: expected MoEWeights, got QuantWeight'),
+        (lambda: fp8_moe(W, down='yes'), "fp8_moe: down: expected a bool, got 'yes'"),
+        (lambda: fp8_moe(W, down=True), 'w2: planes need in-features a multiple of 128, got 64'),
+        (lambda: expert_down_fp8(h, W128.w2, al), 'w2: expected FP8Words (mxfp4_fp8_words), got QuantWeight'),
+        (lambda: expert_down_fp8(h[1:], F2, al), 'h: expected BF16 (10, 128) rows for this alignment'),
+        (lambda: expert_down_fp8(h.float(), F2, al), 'h: expected BF16 (10, 128) rows'),
+        (lambda: expert_down_fp8(h[:, :64], F2, al), 'activations: expected shape (tokens, 128), got (10, 64)'),
+        (lambda: expert_down_fp8(h, F2, ExpertAlignment.identity(5, 16)), "align: expected the routed experts'"),
     ]
 
 
-BAD_CASES = 21
+BAD_CASES = 29
 
 
 def test_every_bad_case_is_run():

@@ -26,7 +26,7 @@ records each one's routed loop (SASS instructions) and registers. --compile-inde
 index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys;
 --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two passes.
 --compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
---compile-gate-up-fp8 compiles 08g_moe_fp8's gate/up stage (version 5) beside version 4, at 32 to 512 tokens.
+--compile-gate-up-fp8 compiles 08g_moe_fp8's stages (version 5) beside version 4's, at 32 to 512 tokens.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, itertools, json, math, re, sys, tempfile
@@ -155,40 +155,47 @@ def compile_gate_up_versions(out: Path) -> list[dict]:
 
 
 def compile_gate_up_fp8(out: Path) -> list[dict]:
-    ("08g_moe_fp8's gate/up stage (version 5: FP8 products) for sm_90 at the bench layer, with no GPU, beside version "
-     "4 at its launch: at a decode batch, a serving batch and a larger one, version 5 at 16-row blocks and at the "
-     "regime's (and at 64 weight rows a program once); the K loop's SASS instructions per weight, registers, spills, "
-     "and the scale step's FMUL + FFMA per weight")
+    ("08g_moe_fp8's stages (version 5: FP8 products) for sm_90 at the bench layer, with no GPU, beside version 4 at "
+     "its launch: the gate/up stage and the routed down stage at a decode batch, a serving batch and a larger one, "
+     "version 5 at 16-row blocks and at the regime's (the gate/up stage also at 64 weight rows a program once); the "
+     "K loop's SASS instructions per weight, registers, spills, and the scale step's FMUL + FFMA per weight")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.fused_moe import moe_launch_shape, stage_shape
-    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, FP8_TUNING
+    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_TUNING, FP8_DOWN_TUNING
     cfg, rows = ModelConfig.bench(), []
-    for tokens in (32, 128, 512):
-        r = compile_gate_up(out, tokens=tokens, planes=True, slots=True)
-        rows.append(_loop_row(out / 'gate_up.sass', 'version 4', tokens, r))
-        shape = stage_shape(moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts), FP8_TUNING)
+    ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
+                out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
+    down_ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w_ptr='*i32', ws_ptr='*i32', out_ptr='*bf16',
+                     sorted_ptr='*i32', block_expert_ptr='*i32')
+    for stage, tokens in itertools.product(('gate/up', 'down'), (32, 128, 512)):
+        gu = stage == 'gate/up'
+        r = compile_gate_up(out, tokens=tokens, planes=True, slots=True) if gu else compile_down(out, tokens, True)
+        rows.append(_loop_row(out / ('gate_up.sass' if gu else 'down.sass'), stage, 'version 4', tokens, r))
+        base = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
+        shape = stage_shape(base, FP8_TUNING if gu else FP8_DOWN_TUNING)
         variants = [(bm, shape['block_n']) for bm in sorted({16, shape['block_m']})]
-        if tokens == 32: variants.append((16, 64))
+        if gu and tokens == 32: variants.append((16, 64))
         for bm, bn in variants:
-            ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32',
-                        w3s_ptr='*i32', out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
-            const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=bm, BN=bn, SPLIT=1,
-                         GROUP_M=8, CLAMP=True, HW_CVT=True)
-            sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
-            regs = _sm90(_gate_up_fp8_kernel, sig, [*ptrs, 'n_assign'], const, shape['num_warps'],
-                         shape['num_stages'], out, 'gate_up_fp8')
-            rows.append(_loop_row(out / 'gate_up_fp8.sass', 'version 5', tokens,
+            const = dict(K=cfg.dim if gu else cfg.moe_inter_dim, N=cfg.moe_inter_dim if gu else cfg.dim,
+                         TOPK=cfg.n_activated_experts, BM=bm, BN=bn, **({'SPLIT': 1} if gu else {}), GROUP_M=8,
+                         **({'CLAMP': True} if gu else {}), HW_CVT=True)
+            p = ptrs if gu else down_ptrs
+            sig = {**p, 'n_assign': 'i32', 'num_m': 'i32', **({'limit': 'fp32'} if gu else {}),
+                   **{k: 'constexpr' for k in const}}
+            regs = _sm90(_gate_up_fp8_kernel if gu else _down_fp8_kernel, sig, [*p, 'n_assign'], const,
+                         shape['num_warps'], shape['num_stages'], out, 'fp8')
+            rows.append(_loop_row(out / 'fp8.sass', stage, 'version 5', tokens,
                                   dict(block_m=bm, block_n=bn, num_warps=shape['num_warps'], registers=regs)))
     return rows
 
 
-def _loop_row(sass: Path, kernel: str, tokens: int, r: dict) -> dict:
-    ("A gate/up loop's record row: SASS instructions per weight (two matrices, BN x 128 weights a step), "
-     "registers, spills")
+def _loop_row(sass: Path, stage: str, kernel: str, tokens: int, r: dict) -> dict:
+    ("A stage's record row: its K loop's SASS instructions per weight (BN x 128 weights a step and matrix, two "
+     "matrices for gate/up), registers, spills")
     loop = sass_loop(sass.read_text())
     ops = sass_opcodes(loop)
-    weights = 2 * r['block_n'] * 128 / (32 * r['num_warps'])
-    return dict(stage='gate/up', kernel=kernel, tokens=tokens, block_m=r['block_m'], block_n=r['block_n'],
+    weights = (2 if stage == 'gate/up' else 1) * r['block_n'] * 128 / (32 * r['num_warps'])
+    return dict(stage=stage, kernel=kernel, tokens=tokens, block_m=r['block_m'], block_n=r['block_n'],
                 num_warps=r['num_warps'],
                 maxnreg=r.get('maxnreg'), loop_instructions=len(loop), per_weight=round(len(loop) / weights, 3),
                 registers=r['registers'], spills=ops.get('STL', 0) + ops.get('LDL', 0),
