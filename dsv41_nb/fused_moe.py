@@ -706,11 +706,11 @@ def _fused_stages(x, topk_weights, topk_ids, W: MoEWeights, swiglu_limit: float,
 
 # %% ../nbs/08b_fused_moe.ipynb #20fe46ac
 def moe_forward(x, W: MoEWeights, cfg: ModelConfig, token_ids=None, n_activated=None, gate_up=None,
-                router=None, shared=None, down=None) -> torch.Tensor:
+                router=None, shared=None, down=None, shape=None) -> torch.Tensor:
     ("The MoE layer: route, then the fused experts; (tokens, dim) BF16 "
-     "(arguments as `route_layer`; `gate_up`, `shared`, `down` as `fused_moe_experts`)")
+     "(arguments as `route_layer`; `gate_up`, `shared`, `down`, `shape` as `fused_moe_experts`)")
     return fused_moe_experts(x, *route_layer(x, W, cfg, token_ids, n_activated, router), W,
-                             cfg.swiglu_limit, check_ids=False, gate_up=gate_up,
+                             cfg.swiglu_limit, shape, check_ids=False, gate_up=gate_up,
                              shared=shared, down=down)
 
 # %% ../nbs/08b_fused_moe.ipynb #303f5ac7

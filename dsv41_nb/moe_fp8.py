@@ -16,14 +16,15 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
                                 moe_launch_shape, stage_shape, expert_gate_up,
                                 expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
-from .moe_planes import _check_mxfp4, _check_routed
+from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, PlaneWeight, planes_weight,
+                                 PLANE_STEP)
 from .formats import (e2m1_values, e4m3_codes, ue8m0_codes, _ue8m0_code, _pow2,
                               _e4m3_code)
 
 # %% auto #0
 __all__ = ['FP8_SCALE_MAX', 'FP8_TUNING', 'FP8_DOWN_TUNING', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight',
            'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up',
-           'expert_down_fp8']
+           'expert_down_fp8', 'fits_fp8_words', 'fp8_down', 'fp8_launch_shape']
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -94,20 +95,18 @@ def fp8_words_bytes(p: FP8Words) -> torch.Tensor:
 @patch
 def dequantize(self: FP8Words, expert=slice(None)) -> torch.Tensor:
     "fp32 weights of `expert` (an index or a slice): each E4M3 byte times its block's 2^(s - 121)"
-    one = isinstance(expert, numbers.Integral)
-    p = FP8Words(self.words[expert:expert + 1] if one else self.words[expert],
-                 self.scale_words[expert:expert + 1] if one else self.scale_words[expert])
+    if isinstance(expert, numbers.Integral): return self.dequantize(slice(expert, expert + 1))[0]
+    p = FP8Words(self.words[expert], self.scale_words[expert])
     E, N, K = p.shape
     s = p.scale_words.view(torch.uint8).view(E, N, K // 32).float()
     v = fp8_words_bytes(p).view(torch.float8_e4m3fn).float().view(E, N, K // 32, 32)
-    v = (v * torch.exp2(s - 121)[..., None]).view(E, N, K)
-    return v[0] if one else v
+    return (v * torch.exp2(s - 121)[..., None]).view(E, N, K)
 
 # %% ../nbs/08g_moe_fp8.ipynb #eebd6024
 @patch(as_prop=True)
 def nbytes(self: FP8Words) -> int:
     "Bytes held: as many as the codes and scales they were made from"
-    return 4 * (self.words.numel() + self.scale_words.numel())
+    return self.words.nbytes + self.scale_words.nbytes
 
 # %% ../nbs/08g_moe_fp8.ipynb #b850a497
 @patch
@@ -303,11 +302,14 @@ def expert_gate_up_fp8(
 def fp8_moe(W: MoEWeights,
             down: bool = False, # the down weights too
            ) -> MoEWeights:
-    "`W` with its routed experts' gate and up weights (and down, if `down`) as FP8 words"
+    ("`W` with its routed experts' gate and up weights (and down, if `down`) as FP8 words, "
+     "made from codes or from planes")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"fp8_moe: expected MoEWeights, got {type(W).__name__}")
     if not isinstance(down, bool): raise TypeError(f"fp8_moe: down: expected a bool, got {down!r}")
-    words = lambda w, name: w if isinstance(w, FP8Words) else mxfp4_fp8_words(w, name)
+    def words(w, name):                # from codes, or from 08f's planes of the same codes
+        if isinstance(w, FP8Words): return w
+        return mxfp4_fp8_words(planes_weight(w) if isinstance(w, PlaneWeight) else w, name)
     return replace(W, w1=words(W.w1, 'w1'), w3=words(W.w3, 'w3'),
                    w2=words(W.w2, 'w2') if down else W.w2)
 
@@ -331,14 +333,11 @@ def fp8_gate_up(W: MoEWeights,
 
 # %% ../nbs/08g_moe_fp8.ipynb #b91b0071
 @triton.jit
-def _down_fp8_kernel(
-    x_ptr, xs_ptr,           # (n_assign, K) E4M3 codes of the SwiGLU outputs, (n_assign, K/32) scales
-    w_ptr, ws_ptr,           # down: (E, N, K/8) int32 words, (E, N, K/128) int32 scale words
-    out_ptr,                 # (n_assign, N) BF16 out: each assignment's expert output
-    sorted_ptr, block_expert_ptr, n_assign, num_m,   # the alignment
-    K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, HW_CVT: tl.constexpr,
-):
+def _down_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_assign,
+                     num_m, K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, GROUP_M: tl.constexpr, HW_CVT: tl.constexpr):
+    ("`_down_planes_kernel` in FP8: x, xs the SwiGLU outputs' E4M3 codes (n_assign, K) and fp32 scales, "
+     "w, ws the down weights' FP8 words and scale words; out (n_assign, N) BF16")
     expert, a, _, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
                                            N, TOPK, BM, BN, GROUP_M, False)
     if expert < 0: return
@@ -361,11 +360,7 @@ def expert_down_fp8(
 ) -> torch.Tensor:
     "`expert_down` (version 5) on the routed experts' down weights as FP8 words: (n_assign, dim) BF16"
     _check_words('w2', w2, h)
-    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
-        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
-    if h.dtype != torch.bfloat16 or h.shape[0] != align.n_assign:
-        raise ValueError(f"h: expected BF16 ({align.n_assign}, {w2.shape[2]}) rows for this "
-                         f"alignment, got {h.dtype} {_shape(h)}")
+    _check_down_rows(h, w2, align)
     if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
         return expert_down_torch(h, fp8_words_weight(w2), align)
     (E, N, K) = w2.shape
@@ -379,3 +374,28 @@ def expert_down_fp8(
                            HW_CVT=meta['HW_CVT'], num_warps=meta['num_warps'],
                            num_stages=meta['num_stages'])
     return out
+
+# %% ../nbs/08g_moe_fp8.ipynb #1ca87674
+def fits_fp8_words(w) -> bool:
+    "Whether `mxfp4_fp8_words` takes `w` (or takes the codes of `w`'s planes)"
+    if isinstance(w, PlaneWeight): return True            # codes 2..128, columns in 128s
+    return (isinstance(w, QuantWeight) and w.fmt == 'mxfp4' and w.shape[2] % PLANE_STEP == 0
+            and (w.scales.numel() == 0 or int(w.scales.max()) <= FP8_SCALE_MAX))
+
+# %% ../nbs/08g_moe_fp8.ipynb #f7394904
+def fp8_down(W: MoEWeights) -> callable:
+    ("A `down` stage for `fused_moe_experts`: version 5 on `W`'s routed down weights "
+     "(their FP8 words, made now from codes or planes)")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"fp8_down: expected MoEWeights, got {type(W).__name__}")
+    w2 = fp8_moe(W, down=True).w2
+    def down(h, w, align, shape=None):
+        if w is not W.w2: raise ValueError("fp8_down: these words were made for another layer's weights")
+        return expert_down_fp8(h, w2, align, shape)
+    return down
+
+# %% ../nbs/08g_moe_fp8.ipynb #e0c8cacc
+def fp8_launch_shape(n_assign: int, n_experts: int) -> dict:
+    "`moe_launch_shape`, with 16-row blocks up to 32 rows an expert (the `decode` and `batch` regimes)"
+    shape = moe_launch_shape(n_assign, n_experts)
+    return dict(shape, block_m=16) if shape['block_m'] <= 32 else shape

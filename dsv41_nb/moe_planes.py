@@ -514,6 +514,16 @@ def _down_planes_kernel(
 # the planes down stage's own values, by regime, where they beat the regime's shape (timed below)
 PLANES_DOWN_TUNING = dict(mid=dict(block_n=128), large=dict(block_n=128, num_warps=4))
 
+# %% ../nbs/08f_moe_planes.ipynb #06824360
+def _check_down_rows(h, w2, align):
+    "The down stage's rows: the gate/up stage's BF16 output, one row per routed assignment"
+    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
+        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
+    if h.dtype != torch.bfloat16 or h.shape[0] != align.n_assign:
+        raise ValueError(f"h: expected BF16 ({align.n_assign}, {w2.shape[2]}) rows for this "
+                         f"alignment, got {h.dtype} {_shape(h)}")
+
+
 # %% ../nbs/08f_moe_planes.ipynb #797de48e
 def expert_down_planes(
     h: torch.Tensor, # (n_assign, inter) BF16 output of the gate/up stage
@@ -525,11 +535,7 @@ def expert_down_planes(
     "`expert_down` on the routed experts' down weights in planes: (n_assign, dim) BF16"
     _check_planes('w2', w2, h)
     if not isinstance(slots, bool): raise TypeError(f"slots must be a bool, got {slots!r}")
-    if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
-        raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
-    if h.dtype != torch.bfloat16 or h.shape[0] != align.n_assign:
-        raise ValueError(f"h: expected BF16 ({align.n_assign}, {w2.shape[2]}) rows for this "
-                         f"alignment, got {h.dtype} {_shape(h)}")
+    _check_down_rows(h, w2, align)
     if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
         return expert_down_torch(h, w2, align)
     (E, N, K) = w2.shape

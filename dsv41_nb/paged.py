@@ -28,6 +28,7 @@ from .rope_norm import rope
 from .moe_planes import (served_gate_up, planes_moe, fits_planes, PlaneWeight,
                                   gemv_gate_up_planes, gemv_down_planes, expert_down_planes)
 from .moe_split import expert_gate_up_split, DenseShared
+from .moe_fp8 import fp8_gate_up, fp8_down, fits_fp8_words, fp8_launch_shape
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
@@ -36,16 +37,15 @@ from . import model as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0
-__all__ = ['SERVED_PLANES', 'SERVED_PLANES_DOWN', 'SERVED_SHARED_DENSE', 'SERVED_SLOTS', 'WEIGHT_KINDS', 'PagedLinear',
-           'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights', 'paged_engram',
-           'block_seam', 'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step', 'served_moe',
-           'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
+__all__ = ['SERVED_PLANES', 'SERVED_PLANES_DOWN', 'SERVED_SHARED_DENSE', 'SERVED_SLOTS', 'SERVED_FP8', 'WEIGHT_KINDS',
+           'PagedLinear', 'truncate_window', 'PagedCSA2Step', 'PagedAttention', 'paged_attention', 'moe_weights',
+           'paged_engram', 'block_seam', 'served_moe_caches', 'PagedLayer', 'PagedModel', 'PagedStep', 'decoder_step',
+           'served_moe', 'token_history', 'PagedRunner', 'dense_attention_fp64', 'attention_fp64', 'fp64_attention',
            'logits_tolerance', 'BF16Record', 'context_blocks', 'single_request_steps', 'replay_agreement']
 
 # %% ../nbs/10b_paged.ipynb #291e35c3
 class PagedLinear(nn.Linear):
-    ("A linear with fixed weights: the input rounded to FP8 first (`fp8_act`), "
-     "the output handed on in fp32 (`fp32_out`)")
+    "A fixed-weight linear: input rounded to FP8 (`fp8_act`), output handed on in fp32 (`fp32_out`)"
     def __init__(self,
                  weight: torch.Tensor,  # (out, in) BF16: the FP8 grid's values when `fp8_act`
                  # round the input to E4M3 with a UE8M0 scale per 32 (the public `act_quant`)
@@ -221,6 +221,7 @@ SERVED_PLANES = True  # served layers hold the routed gate and up weights in pla
 SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 SERVED_SLOTS = False   # the planes' stages in 08f's version 4 (activations in pair order)
+SERVED_FP8 = False     # the fused MoE's routed stages in 08g's version 5 (FP8 words beside the planes)
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
@@ -229,7 +230,9 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
      "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, in version 4 if "
      "`SERVED_SLOTS`, else 08c's) "
      "the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None) "
-     "and the routed down stage (`l._down`: 08f's on planes, else None, the default)")
+     "and the routed down stage (`l._down`: 08f's on planes, else None, the default); with "
+     "`SERVED_FP8`, both routed stages in 08g's version 5 (`l._fp8`), the weights held as FP8 "
+     "words too (the GEMVs read the planes)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
             f"got {type(l).__name__}",
@@ -245,6 +248,8 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
         l._shared = DenseShared(l._moe32) if SERVED_SHARED_DENSE else None
         l._down = (partial(expert_down_planes, slots=SERVED_SLOTS)
                    if isinstance(l.moe.w2, PlaneWeight) else None)   # the fused MoE's down stage
+        l._fp8 = SERVED_FP8 and all(fits_fp8_words(w) for w in (l.moe.w1, l.moe.w3, l.moe.w2))
+        if l._fp8: l._gate_up, l._down = fp8_gate_up(l._moe32, split=None), fp8_down(l._moe32)
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a
@@ -523,8 +528,10 @@ def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`
             return moe_gemv_forward(y, W, cfg, n_activated=n_activated, gate_up=gemv,
                                     router=partial(fused_route, split_k=True),
                                     down=gemv_down_planes if down else None)
+        k = n_activated or cfg.n_activated_experts
+        shape = fp8_launch_shape(y.shape[0] * k, W.n_experts) if l._fp8 else None
         return moe_forward(y, W, cfg, n_activated=n_activated, gate_up=gate_up, router=fused_route,
-                           shared=l._shared, down=l._down)
+                           shared=l._shared, down=l._down, shape=shape)
     # BF16 weights: the loop's GEMMs are then the reference's own
     if getattr(l, '_dense_moe', None) is None:
         l._dense_moe = {n: getattr(l.moe, n).dequantize().bfloat16()

@@ -278,6 +278,38 @@ def test_served_moe_in_version_4(monkeypatch):
     assert (out[True].float() - out[False].float()).abs().max() <= 0.05 * out[False].float().abs().max()
 
 
+def test_served_moe_in_version_5(monkeypatch):
+    """SERVED_FP8 serves both routed stages of the fused MoE in 08g's version 5, in 16-row blocks up to 32 rows an
+    expert, beside the planes (which the GEMVs still read); the layer's output is the default's to within a few FP8
+    steps of its largest value, and a layer whose weights the words cannot hold keeps the default stages"""
+    from types import SimpleNamespace
+    from dsv41_nb.moe import MoEWeights
+    from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
+    from dsv41_nb.moe_planes import PlaneWeight
+    from dsv41_nb import paged, fused_moe
+    dev = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    if not (dev.type == 'cuda' or triton_interpreting()): pytest.skip('the kernel path (a GPU or the interpreter)')
+    cfg = replace(ModelConfig.tiny(), dim=256, moe_inter_dim=128, n_routed_experts=8, n_activated_experts=2)
+    codes = MoEWeights.random(cfg, 0, dev)
+    y = torch.randn(GEMV_MAX_TOKENS + 36, cfg.dim, generator=torch.Generator().manual_seed(1)).to(dev, torch.bfloat16)
+    blocks, align = [], fused_moe.align_by_expert
+    monkeypatch.setattr(fused_moe, 'align_by_expert', lambda t, e, bm: blocks.append(bm) or align(t, e, bm))
+    out, layers = {}, {}
+    for fp8 in (False, True):
+        monkeypatch.setattr(paged, 'SERVED_FP8', fp8)
+        layers[fp8] = l = SimpleNamespace(moe=codes)
+        out[fp8] = paged.served_moe(l, y, cfg)
+        assert l._fp8 == fp8 and isinstance(l.moe.w1, PlaneWeight)          # the GEMVs' planes either way
+    assert blocks == [32, 16]                 # 80 rows over 8 experts: the `batch` regime, in 16-row blocks
+    assert (out[True].float() - out[False].float()).abs().max() <= 0.05 * out[False].float().abs().max()
+    small = y[:2]                             # the GEMVs' tokens: the same path with or without SERVED_FP8
+    assert torch.equal(paged.served_moe(layers[True], small, cfg), paged.served_moe(layers[False], small, cfg))
+    wide = replace(ModelConfig.tiny(), dim=64, moe_inter_dim=64, n_routed_experts=8, n_activated_experts=2)
+    l = SimpleNamespace(moe=MoEWeights.random(wide, 0, dev))                # 64 columns: no words
+    paged.served_moe(l, torch.randn(9, 64, device=dev).to(torch.bfloat16), wide)
+    assert l._fp8 is False
+
+
 def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
     """The served MoE turns a layer's routed gate and up codes into planes once (SERVED_PLANES, weights the planes can
     hold) and keeps no codes for them; every path then reads the planes: the GEMVs, the fused MoE's stage and the

@@ -7,7 +7,7 @@ token.
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
                                  [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--planes-down] [--slots]
-                                 [--shared-fp8]
+                                 [--shared-fp8] [--fp8]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -334,12 +334,16 @@ def main():
                     help="the planes' stages in 08f's version 4 (the activations in pair order), not version 3")
     ap.add_argument('--shared-fp8', action='store_true',
                     help="the shared expert through the MoE's kernels on its FP8 codes, not cuBLAS (08c), to compare")
+    ap.add_argument('--fp8', action='store_true',
+                    help="the fused MoE's routed stages in 08g's version 5 (FP8 products, 16-row blocks), the layers "
+                         "holding FP8 words beside the planes")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
     paged.SERVED_PLANES = not args.codes
     paged.SERVED_PLANES_DOWN = args.planes_down
     paged.SERVED_SHARED_DENSE = not args.shared_fp8
     paged.SERVED_SLOTS = args.slots
+    paged.SERVED_FP8 = args.fp8
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
         (args.config, args.naive_config, args.concurrency, args.prompt_len,
