@@ -16,8 +16,8 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
                                 moe_launch_shape, stage_shape, expert_gate_up,
                                 expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
-from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, PlaneWeight, planes_weight,
-                                 PLANE_STEP)
+from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, PlaneWeight,
+                                 planes_weight, PLANE_STEP)
 from .formats import (e2m1_values, e4m3_codes, ue8m0_codes, _ue8m0_code, _pow2,
                               _e4m3_code)
 
@@ -28,7 +28,8 @@ __all__ = ['FP8_SCALE_MAX', 'FP8_TUNING', 'FP8_DOWN_TUNING', 'e2m1_e4m3', 'FP8Wo
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
-    "E2M1 codes (uint8, 0..15) -> E4M3 bytes worth each code's value times 2^-6: sign to bit 7, magnitude to bits 2-4"
+    ("E2M1 codes (uint8, 0..15) -> E4M3 bytes worth each code's value times 2^-6: "
+     "sign to bit 7, magnitude to bits 2-4")
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
         raise TypeError(f"e2m1_e4m3: expected uint8 codes, got {_shape(codes)}")
     if codes.numel() and int(codes.max()) > 15:
@@ -38,7 +39,7 @@ def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/08g_moe_fp8.ipynb #c8b6151a
 @dataclass
 class FP8Words:
-    "MXFP4 weights as int32 words whose bytes are two E4M3 weights each (A and B sets), and scale words"
+    "MXFP4 weights as int32 words whose bytes hold two E4M3 weights (A and B sets); scale words"
     words: torch.Tensor         # (experts, out, in/8) int32: per 32 columns, four words
     scale_words: torch.Tensor   # (experts, out, in/128) int32: four UE8M0 block scale codes each
 
@@ -77,12 +78,12 @@ def fp8_words_weight(p: FP8Words) -> QuantWeight:
     a = ((byte >> 4) & 8) | ((byte >> 2) & 7)
     b = ((byte >> 3) & 12) | (byte & 3)
     c = torch.cat([a, b], -1).view(E, N, K // 2, 2)
-    return QuantWeight(c[..., 0] | (c[..., 1] << 4), p.scale_words.view(torch.uint8).view(E, N, K // 32),
-                       'mxfp4')
+    scales = p.scale_words.view(torch.uint8).view(E, N, K // 32)
+    return QuantWeight(c[..., 0] | (c[..., 1] << 4), scales, 'mxfp4')
 
 # %% ../nbs/08g_moe_fp8.ipynb #68311b1d
 def fp8_words_bytes(p: FP8Words) -> torch.Tensor:
-    "(experts, out, in) uint8: the E4M3 byte of every weight, as the kernel makes it from `p`'s words"
+    "(experts, out, in) uint8: each weight's E4M3 byte, as the kernel makes it from `p`'s words"
     if not isinstance(p, FP8Words):
         raise TypeError(f"fp8_words_bytes: expected FP8Words, got {type(p).__name__}")
     E, N, K = p.shape
@@ -164,7 +165,7 @@ def act_codes(x: torch.Tensor, # (tokens, dim) activations, dim a multiple of 32
 # %% ../nbs/08g_moe_fp8.ipynb #19c0a3bf
 @triton.jit
 def _codes_tile(w, HW_CVT: tl.constexpr):
-    "(BN, 32) E4M3 weights of a block from its (BN, 4) words: column 4t + i (+ 16) is byte i of word t"
+    "(BN, 32) E4M3 weights of a block from its (BN, 4) words: column 4t + i (+ 16) in byte i of t"
     BN: tl.constexpr = w.shape[0]
     a = w & -1667457892                                  # 0x9C9C9C9C: the A set
     b = (((w << 1) & -2139062144) | ((w >> 1) & 0x10101010)   # 0x80808080: the B set's sign
@@ -207,7 +208,7 @@ def _gemm_fp8(acc1, acc3, x_row, xs_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, 
 @triton.jit
 def _gate_up_fp8_kernel(
     x_ptr, xs_ptr,           # (tokens, K) E4M3 activation codes, (tokens, K/32) fp32 scales
-    w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,   # gate, up: (E, N, K/8) int32 words, (E, N, K/128) scale words
+    w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,   # gate, up: (E, N, K/8) words, (E, N, K/128) scale words
     out_ptr,                 # SPLIT 1: (n_assign, N) BF16 h; else (SPLIT, n_assign, 2, N) fp32 sums
     weight_ptr, sorted_ptr, block_expert_ptr,   # (n_assign,) routing weights; the alignment
     n_assign, num_m, limit,  # assignments, row blocks, swiglu_limit (CLAMP)
@@ -218,7 +219,7 @@ def _gate_up_fp8_kernel(
                                              N, TOPK, BM, BN, GROUP_M, False)
     if expert < 0: return
     KS: tl.constexpr = K // SPLIT
-    if SPLIT == 1: k_start = 0                     # a constant: the compiler knows the loop's bounds
+    if SPLIT == 1: k_start = 0                 # a constant: the compiler knows the loop's bounds
     else: k_start = tl.program_id(1) * KS
     acc, tok = tl.zeros((BN, BM), tl.float32), tok.to(tl.int64)
     gate, up = _gemm_fp8(acc, acc, x_ptr + tok * K, xs_ptr + tok * (K // 32), valid, w1_ptr,
@@ -336,8 +337,8 @@ def fp8_gate_up(W: MoEWeights,
 def _down_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, n_assign,
                      num_m, K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, GROUP_M: tl.constexpr, HW_CVT: tl.constexpr):
-    ("`_down_planes_kernel` in FP8: x, xs the SwiGLU outputs' E4M3 codes (n_assign, K) and fp32 scales, "
-     "w, ws the down weights' FP8 words and scale words; out (n_assign, N) BF16")
+    ("`_down_planes_kernel` in FP8: x, xs the SwiGLU outputs' E4M3 codes (n_assign, K) and "
+     "fp32 scales, w, ws the down weights' FP8 words and scale words; out (n_assign, N) BF16")
     expert, a, _, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
                                            N, TOPK, BM, BN, GROUP_M, False)
     if expert < 0: return
@@ -358,7 +359,7 @@ def expert_down_fp8(
     align: ExpertAlignment, # the same rows as the gate/up stage
     shape: dict | None = None, # launch shape (default `moe_launch_shape` with `FP8_DOWN_TUNING`)
 ) -> torch.Tensor:
-    "`expert_down` (version 5) on the routed experts' down weights as FP8 words: (n_assign, dim) BF16"
+    "`expert_down` (version 5) on the routed experts' down weights as FP8 words: (n_assign, dim)"
     _check_words('w2', w2, h)
     _check_down_rows(h, w2, align)
     if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
@@ -390,12 +391,13 @@ def fp8_down(W: MoEWeights) -> callable:
         raise TypeError(f"fp8_down: expected MoEWeights, got {type(W).__name__}")
     w2 = fp8_moe(W, down=True).w2
     def down(h, w, align, shape=None):
-        if w is not W.w2: raise ValueError("fp8_down: these words were made for another layer's weights")
+        if w is not W.w2:
+            raise ValueError("fp8_down: these words were made for another layer's weights")
         return expert_down_fp8(h, w2, align, shape)
     return down
 
 # %% ../nbs/08g_moe_fp8.ipynb #e0c8cacc
 def fp8_launch_shape(n_assign: int, n_experts: int) -> dict:
-    "`moe_launch_shape`, with 16-row blocks up to 32 rows an expert (the `decode` and `batch` regimes)"
+    "`moe_launch_shape` with 16-row blocks up to 32 rows an expert (the `decode`, `batch` regimes)"
     shape = moe_launch_shape(n_assign, n_experts)
     return dict(shape, block_m=16) if shape['block_m'] <= 32 else shape
