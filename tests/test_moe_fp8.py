@@ -50,13 +50,16 @@ def test_words_round_trip(E, N, K, seed):
 
 
 def test_words_pair_columns_16_apart():
-    "Byte j of a 32-column block holds column j at bits 7,4,3,2 and column 16 + j at bits 6,5,1,0"
+    """Byte j of a 32-column block holds column j at bits 7,4,3,2 (sign, exponent, mantissa) and column 16 + j with
+    its sign at bit 5, its exponent at bits 6 and 1, its mantissa at bit 0"""
     codes = torch.zeros(1, 1, 64, dtype=torch.uint8)
     codes[0, 0, 3] = 0x0F                                 # column 6: code 15; column 7: 0
-    codes[0, 0, 10] = 0xF0                                # column 21 (16 + 5): code 15
+    codes[0, 0, 10] = 0x90                                # column 21 (16 + 5): code 9 (sign, mantissa)
+    codes[0, 0, 9] = 0x40                                 # column 19 (16 + 3): code 4 (exponent's top bit)
     p = mxfp4_fp8_words(QuantWeight(codes, torch.full((1, 1, 4), 127, dtype=torch.uint8), 'mxfp4'))
     b = p.words.view(torch.uint8).view(-1)
-    assert b[6].item() == 0x9C and b[5].item() == 0x63 and b[[0, 1, 2, 3, 4, 7]].sum().item() == 0
+    assert (b[6].item(), b[5].item(), b[3].item()) == (0x9C, 0x21, 0x40)
+    assert b[[0, 1, 2, 4, 7]].sum().item() == 0
 
 
 @settings(max_examples=examples(10), deadline=None)
