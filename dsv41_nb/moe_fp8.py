@@ -13,7 +13,7 @@ from fastcore.basics import patch
 from .dispatch import kernel_backend, triton_interpreting, sm_count
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile, _launch,
-                                moe_launch_shape, stage_shape, expert_gate_up,
+                                moe_launch_shape, expert_gate_up,
                                 expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
 from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, PlaneWeight,
@@ -22,9 +22,9 @@ from .formats import (e2m1_values, e4m3_codes, ue8m0_codes, _ue8m0_code, _pow2,
                               _e4m3_code)
 
 # %% auto #0
-__all__ = ['FP8_SCALE_MAX', 'FP8_TUNING', 'FP8_DOWN_TUNING', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight',
-           'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up',
-           'expert_down_fp8', 'fits_fp8_words', 'fp8_down', 'fp8_launch_shape']
+__all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes',
+           'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up', 'expert_down_fp8',
+           'fits_fp8_words', 'fp8_down', 'fp8_launch_shape']
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,11 @@ def _gate_up_fp8_kernel(
         tl.store(out_ptr + off + N, tl.trans(up), mask=m)
 
 # %% ../nbs/08g_moe_fp8.ipynb #7c5160cf
-FP8_TUNING = dict(decode=dict(block_n=128), batch=dict(block_n=128))   # counted, not yet timed
+FP8_BLOCK_N = {16: 128}   # weight rows a program, by row block (counted, not yet timed)
+
+def _fp8_shape(shape: dict, align: ExpertAlignment) -> dict:
+    "`shape` with `FP8_BLOCK_N`'s weight rows for the alignment's row block, where it has them"
+    return {**shape, 'block_n': FP8_BLOCK_N.get(align.block_m, shape['block_n']), 'block_k': 128}
 
 # %% ../nbs/08g_moe_fp8.ipynb #8b1c4e32
 def _fp8_operands(xq):
@@ -249,7 +253,7 @@ def _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split):
     "Run `_gate_up_fp8_kernel` over the tiles (and K slices), then `08c`'s finish if K is split"
     (E, N, K), dev, interp = w1.shape, xq.device, triton_interpreting()
     x, xs = _fp8_operands(xq)
-    meta, grid = _launch(align, N, K, {**shape, 'block_k': 128}, dev)
+    meta, grid = _launch(align, N, K, shape, dev)
     out = (torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=dev) if split == 1 else
            torch.empty(split, align.n_assign, 2, N, dtype=torch.float32, device=dev))
     tw = topk_weights.float().contiguous()
@@ -280,7 +284,7 @@ def expert_gate_up_fp8(
     align: ExpertAlignment, # the rows: `align_by_expert`
     topk_weights: torch.Tensor, # (tokens, k) routing weights
     swiglu_limit: float,
-    shape: dict | None = None, # launch shape (default `moe_launch_shape` with `FP8_TUNING`)
+    shape: dict | None = None, # launch shape (default `moe_launch_shape`; see `FP8_BLOCK_N`)
     split: int | None = 1, # K slices per tile (None: as many as `expert_gate_up_split` takes)
 ) -> torch.Tensor:
     "`expert_gate_up` (version 5): (n_assign, inter) BF16, the products in FP8"
@@ -293,8 +297,8 @@ def expert_gate_up_fp8(
         return expert_gate_up_torch(xq, fp8_words_weight(w1), fp8_words_weight(w3), align,
                                     topk_weights, swiglu_limit)
     (E, N, K) = w1.shape
-    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), FP8_TUNING)
-    if split is None: split = _default_split(align, N, K, {**shape, 'block_k': 128},
+    shape = _fp8_shape(shape or moe_launch_shape(align.n_assign, E), align)
+    if split is None: split = _default_split(align, N, K, shape,
                                              sm_count(xq.device, default=16))
     return _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split)
 
@@ -348,15 +352,12 @@ def _down_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_ex
              _round_bf16(tl.trans(acc), HW_CVT).to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & (n < N)[None, :])
 
-# %% ../nbs/08g_moe_fp8.ipynb #d56d1f2f
-FP8_DOWN_TUNING = dict(decode=dict(block_n=128), batch=dict(block_n=128))   # counted, not yet timed
-
 # %% ../nbs/08g_moe_fp8.ipynb #c3383518
 def expert_down_fp8(
     h: torch.Tensor, # (n_assign, inter) BF16 output of the gate/up stage
     w2: FP8Words, # the routed experts' down weights, as FP8 words
     align: ExpertAlignment, # the same rows as the gate/up stage
-    shape: dict | None = None, # launch shape (default `moe_launch_shape` with `FP8_DOWN_TUNING`)
+    shape: dict | None = None, # launch shape (default `moe_launch_shape`; see `FP8_BLOCK_N`)
 ) -> torch.Tensor:
     "`expert_down` (version 5) on the routed experts' down weights as FP8 words: (n_assign, dim)"
     _check_words('w2', w2, h)
@@ -364,10 +365,10 @@ def expert_down_fp8(
     if kernel_backend(h, w2.words) == 'torch' or align.n_assign == 0:
         return expert_down_torch(h, fp8_words_weight(w2), align)
     (E, N, K) = w2.shape
-    shape = stage_shape(shape or moe_launch_shape(align.n_assign, E), FP8_DOWN_TUNING)
+    shape = _fp8_shape(shape or moe_launch_shape(align.n_assign, E), align)
     x, xs = _fp8_operands(h)
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
-    meta, grid = _launch(align, N, K, {**shape, 'block_k': 128}, h.device)
+    meta, grid = _launch(align, N, K, shape, h.device)
     _down_fp8_kernel[grid](x, xs, w2.words, w2.scale_words, out, align.sorted_ids,
                            align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
                            TOPK=align.topk, BM=meta['BM'], BN=meta['BN'], GROUP_M=meta['GROUP_M'],

@@ -160,8 +160,8 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
      "version 5 at 16-row blocks and at the regime's (the gate/up stage also at 64 weight rows a program once); the "
      "K loop's SASS instructions per weight, registers, spills, and the scale step's FMUL + FFMA per weight")
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.fused_moe import moe_launch_shape, stage_shape
-    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_TUNING, FP8_DOWN_TUNING
+    from dsv41_nb.fused_moe import moe_launch_shape
+    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_BLOCK_N
     cfg, rows = ModelConfig.bench(), []
     ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
                 out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
@@ -171,9 +171,8 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
         gu = stage == 'gate/up'
         r = compile_gate_up(out, tokens=tokens, planes=True, slots=True) if gu else compile_down(out, tokens, True)
         rows.append(_loop_row(out / ('gate_up.sass' if gu else 'down.sass'), stage, 'version 4', tokens, r))
-        base = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
-        shape = stage_shape(base, FP8_TUNING if gu else FP8_DOWN_TUNING)
-        variants = [(bm, shape['block_n']) for bm in sorted({16, shape['block_m']})]
+        shape = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
+        variants = [(bm, FP8_BLOCK_N.get(bm, shape['block_n'])) for bm in sorted({16, shape['block_m']})]
         if gu and tokens == 32: variants.append((16, 64))
         for bm, bn in variants:
             const = dict(K=cfg.dim if gu else cfg.moe_inter_dim, N=cfg.moe_inter_dim if gu else cfg.dim,
