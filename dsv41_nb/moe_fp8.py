@@ -24,7 +24,7 @@ from .formats import (e2m1_values, e4m3_codes, ue8m0_codes, _ue8m0_code, _pow2,
 # %% auto #0
 __all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes',
            'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up', 'expert_down_fp8',
-           'fits_fp8_words', 'fp8_down', 'fp8_launch_shape']
+           'fits_fp8_words', 'fp8_down', 'fp8_launch_shape', 'by_row_block']
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -398,6 +398,20 @@ def fp8_down(W: MoEWeights) -> callable:
 
 # %% ../nbs/08g_moe_fp8.ipynb #e0c8cacc
 def fp8_launch_shape(n_assign: int, n_experts: int) -> dict:
-    "`moe_launch_shape` with 16-row blocks up to 32 rows an expert (the `decode`, `batch` regimes)"
+    "`moe_launch_shape`, with 16-row blocks wherever an expert gets at most 16 rows"
     shape = moe_launch_shape(n_assign, n_experts)
-    return dict(shape, block_m=16) if shape['block_m'] <= 32 else shape
+    rows = n_assign / max(1, min(n_experts, n_assign))
+    return dict(shape, block_m=16) if rows <= 16 else shape
+
+# %% ../nbs/08g_moe_fp8.ipynb #d6a6c91f
+def by_row_block(fp8_stage, other, # two stages called alike
+                 align_at: int, # where their arguments hold the alignment (3 for gate/up, 2 for down)
+                ) -> callable:
+    "A stage that runs `fp8_stage` where the alignment has 16-row blocks, `other` where it has more"
+    if not callable(fp8_stage) or not callable(other):
+        raise TypeError("by_row_block: expected two stages (callables)")
+    if not isinstance(align_at, int) or isinstance(align_at, bool) or align_at not in (2, 3):
+        raise ValueError(f"by_row_block: align_at = {align_at!r}; expected 3 (gate/up) or 2 (down)")
+    def stage(*args, **kwargs):
+        return (fp8_stage if args[align_at].block_m <= 16 else other)(*args, **kwargs)
+    return stage

@@ -21,14 +21,14 @@ from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices, gather_keys
 from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
-from .fused_moe import fp8_act_quant, moe_forward
+from .fused_moe import fp8_act_quant, moe_forward, expert_down
 from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
 from .moe_planes import (served_gate_up, planes_moe, fits_planes, PlaneWeight,
                                   gemv_gate_up_planes, gemv_down_planes, expert_down_planes)
 from .moe_split import expert_gate_up_split, DenseShared
-from .moe_fp8 import fp8_gate_up, fp8_down, fits_fp8_words, fp8_launch_shape
+from .moe_fp8 import fp8_gate_up, fp8_down, fits_fp8_words, fp8_launch_shape, by_row_block
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
@@ -221,7 +221,7 @@ SERVED_PLANES = True  # served layers hold the routed gate and up weights in pla
 SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 SERVED_SLOTS = False   # the planes' stages in 08f's version 4 (activations in pair order)
-SERVED_FP8 = False     # the fused MoE's routed stages in 08g's version 5 (FP8 words beside the planes)
+SERVED_FP8 = False     # the fused MoE's routed stages in 08g's version 5 where experts get <= 16 rows
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
@@ -231,8 +231,8 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
      "`SERVED_SLOTS`, else 08c's) "
      "the shared expert's stage (`l._shared`: `DenseShared` if `SERVED_SHARED_DENSE`, else None) "
      "and the routed down stage (`l._down`: 08f's on planes, else None, the default); with "
-     "`SERVED_FP8`, both routed stages in 08g's version 5 (`l._fp8`), the weights held as FP8 "
-     "words too (the GEMVs read the planes)")
+     "`SERVED_FP8`, both routed stages in 08g's version 5 on 16-row blocks (`l._fp8`), the weights "
+     "held as FP8 words too (the GEMVs read the planes)")
     require(isinstance(getattr(l, 'moe', None), MoEWeights),
             f"served_moe_caches: expected a layer holding MoEWeights as .moe, "
             f"got {type(l).__name__}",
@@ -249,7 +249,9 @@ def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `Pag
         l._down = (partial(expert_down_planes, slots=SERVED_SLOTS)
                    if isinstance(l.moe.w2, PlaneWeight) else None)   # the fused MoE's down stage
         l._fp8 = SERVED_FP8 and all(fits_fp8_words(w) for w in (l.moe.w1, l.moe.w3, l.moe.w2))
-        if l._fp8: l._gate_up, l._down = fp8_gate_up(l._moe32, split=None), fp8_down(l._moe32)
+        if l._fp8:                # version 5 on 16-row blocks, the stages above on larger ones
+            l._gate_up = by_row_block(fp8_gate_up(l._moe32, split=None), l._gate_up, 3)
+            l._down = by_row_block(fp8_down(l._moe32), l._down or expert_down, 2)
     return l._moe32, l._gate_up
 
 # %% ../nbs/10b_paged.ipynb #20566c2a

@@ -15,7 +15,7 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
                                 check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_words, fp8_words_weight,
                               fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up,
-                              fp8_moe, expert_down_fp8)
+                              fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape)
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
@@ -111,6 +111,14 @@ def test_both_stages_within_the_reference(E, k, I, T, block_m, seed):
     check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, shape, stages=stages)
 
 
+def test_launch_shape_takes_16_row_blocks_up_to_16_rows_an_expert():
+    from dsv41_nb.fused_moe import moe_launch_shape
+    for n_assign, E in ((6, 64), (768, 64), (1024, 64), (1088, 64), (1536, 64), (3072, 64), (80, 8), (200, 8)):
+        rows, want = n_assign / min(E, n_assign), moe_launch_shape(n_assign, E)
+        got = fp8_launch_shape(n_assign, E)
+        assert got == (dict(want, block_m=16) if rows <= 16 else want), (n_assign, E)
+
+
 def test_through_the_layer():
     "`fp8_gate_up` as the gate/up stage of `fused_moe_experts`: the pipeline's output, the shared expert its own"
     cfg, W = _layer(8, 2, 128, 64, 3)
@@ -165,10 +173,12 @@ def _bad_cases():
         (lambda: expert_down_fp8(h.float(), F2, al), 'h: expected BF16 (10, 128) rows'),
         (lambda: expert_down_fp8(h[:, :64], F2, al), 'activations: expected shape (tokens, 128), got (10, 64)'),
         (lambda: expert_down_fp8(h, F2, ExpertAlignment.identity(5, 16)), "align: expected the routed experts'"),
+        (lambda: by_row_block(None, len, 3), 'by_row_block: expected two stages (callables)'),
+        (lambda: by_row_block(len, len, True), 'by_row_block: align_at = True; expected 3 (gate/up) or 2 (down)'),
     ]
 
 
-BAD_CASES = 29
+BAD_CASES = 31
 
 
 def test_every_bad_case_is_run():

@@ -279,9 +279,10 @@ def test_served_moe_in_version_4(monkeypatch):
 
 
 def test_served_moe_in_version_5(monkeypatch):
-    """SERVED_FP8 serves both routed stages of the fused MoE in 08g's version 5, in 16-row blocks up to 32 rows an
-    expert, beside the planes (which the GEMVs still read); the layer's output is the default's to within a few FP8
-    steps of its largest value, and a layer whose weights the words cannot hold keeps the default stages"""
+    """SERVED_FP8 serves both routed stages of the fused MoE in 08g's version 5 in 16-row blocks where experts get at
+    most 16 rows, beside the planes (which the GEMVs still read): the layer's output is the default's to within a few
+    FP8 steps of its largest value; with more rows it is the default's exactly, and a layer whose weights the words
+    cannot hold keeps the default stages"""
     from types import SimpleNamespace
     from dsv41_nb.moe import MoEWeights
     from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS
@@ -302,6 +303,9 @@ def test_served_moe_in_version_5(monkeypatch):
         assert l._fp8 == fp8 and isinstance(l.moe.w1, PlaneWeight)          # the GEMVs' planes either way
     assert blocks == [32, 16]                 # 80 rows over 8 experts: the `batch` regime, in 16-row blocks
     assert (out[True].float() - out[False].float()).abs().max() <= 0.05 * out[False].float().abs().max()
+    many = y.repeat(3, 1)[:100]               # 25 rows an expert: 32-row blocks and the default stages, exactly
+    assert torch.equal(paged.served_moe(layers[True], many, cfg), paged.served_moe(layers[False], many, cfg))
+    assert blocks[-2:] == [32, 32]
     small = y[:2]                             # the GEMVs' tokens: the same path with or without SERVED_FP8
     assert torch.equal(paged.served_moe(layers[True], small, cfg), paged.served_moe(layers[False], small, cfg))
     wide = replace(ModelConfig.tiny(), dim=64, moe_inter_dim=64, n_routed_experts=8, n_activated_experts=2)
