@@ -510,7 +510,7 @@ def expert_gate_up(
     xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
     w1: QuantWeight, w3: QuantWeight, # gate and up weights: routed MXFP4, or the shared FP8
     align: ExpertAlignment, # the rows: `align_by_expert`, or `ExpertAlignment.identity`
-    topk_weights: torch.Tensor | None, # (tokens, k) routing weights; None: unweighted (shared expert)
+    topk_weights: torch.Tensor | None, # (tokens, k) routing weights; None: unweighted (shared)
     swiglu_limit: float,
     shape: dict | None = None, # launch shape (default `moe_launch_shape`)
 ) -> torch.Tensor:
@@ -603,7 +603,7 @@ def expert_down(
     h: torch.Tensor, # (n_assign, inter) BF16 output of `expert_gate_up`
     w2: QuantWeight, # down weights: routed MXFP4, or the shared FP8
     align: ExpertAlignment, # the same rows as the gate/up stage
-    routed: torch.Tensor | None = None, # (tokens * k, dim) routed outputs: the shared expert adds them
+    routed: torch.Tensor | None = None, # (tokens * k, dim) routed outputs, the shared expert adds
     shape: dict | None = None, # launch shape (default `moe_launch_shape`)
 ) -> torch.Tensor:
     ("(n_assign, dim) BF16 expert outputs, one row per assignment; "
@@ -645,7 +645,7 @@ def assert_bf16_close(
     abs_sum: torch.Tensor, # Σ|w||h| of each output: what the fp32 accumulation error scales with
     K: int, # GEMM depth: terms per fp32 sum
     parts_abs: torch.Tensor | float = 0.0, # Σ|part| where BF16 parts (up to 16) are added in fp32
-    extra: torch.Tensor | float = 0.0): # any further allowed difference (flipped inputs, propagated)
+    extra: torch.Tensor | float = 0.0): # any further allowed difference (flipped inputs)
     ("Assert BF16 results of the same sums, accumulated in different orders, "
      "differ by at most the rounding bound")
     got, want = got.float().cpu(), want.float().cpu()

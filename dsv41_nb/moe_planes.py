@@ -238,7 +238,7 @@ def _stage_kernels(slots: bool, block_m: int) -> tuple:
 
 # %% ../nbs/08f_moe_planes.ipynb #a955d4c7
 def _check_routed(xq, align, topk_weights):
-    "The routed rows a gate/up stage is given: their alignment, one row per token, the routing weights"
+    "The routed rows a gate/up stage is given: their alignment, a row a token, the routing weights"
     if not isinstance(align, ExpertAlignment) or align.sorted_ids is None:
         raise ValueError("align: expected the routed experts' alignment (align_by_expert)")
     if xq.shape[0] * align.topk != align.n_assign:
@@ -392,7 +392,8 @@ def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
                         W: MoEWeights, # the layer, its routed gate and up weights in planes
                         swiglu_limit: float, split: int | None = None,
                         check_ids: bool = True,
-                        read: dict | None = None) -> torch.Tensor: # the kernel's reading (GEMV_PLANE_READ)
+                        read: dict | None = None, # the kernel's reading (GEMV_PLANE_READ)
+                       ) -> torch.Tensor:
     ("`gemv_gate_up` (same arguments and rows) on a layer whose routed experts' gate and up "
      "weights are in planes (`planes_moe`)")
     if not isinstance(W, MoEWeights):
@@ -479,13 +480,15 @@ def fits_planes(w) -> bool:
 def served_gate_up(W: MoEWeights,
                    sms: int | None = None, # multiprocessors to split K for (default: the device's)
                    slots: bool = False): # version 4 (the last section) in place of version 3
-    ("The engine's gate/up stage for `W`: version 3 (or 4) on the routed experts (`W`'s planes, or made "
-     "now from its codes), K split where `expert_gate_up_split` would split it; "
+    ("The engine's gate/up stage for `W`: version 3 (or 4) on the routed experts "
+     "(`W`'s planes, or made now from its codes), K split where `expert_gate_up_split` "
+     "would split it; "
      "`expert_gate_up_split` itself for the shared expert")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"served_gate_up: expected MoEWeights, got {type(W).__name__}")
     if sms is not None: check_int('served_gate_up', 'sms', sms, 1)
-    if not isinstance(slots, bool): raise TypeError(f"served_gate_up: slots must be a bool, got {slots!r}")
+    if not isinstance(slots, bool):
+        raise TypeError(f"served_gate_up: slots must be a bool, got {slots!r}")
     planes = isinstance(W.w1, PlaneWeight) and isinstance(W.w3, PlaneWeight)
     if not (planes or fits_planes(W.w1) and fits_planes(W.w3)): return expert_gate_up_split
     return plane_gate_up(W, split=None, shared=expert_gate_up_split, sms=sms, slots=slots)
@@ -554,7 +557,8 @@ def expert_down_planes(
 def gemv_down_planes(h: torch.Tensor, topk_ids: torch.Tensor,
                      W: MoEWeights, # the layer, its routed down weights in planes
                      split: int | None = None,
-                     read: dict | None = None) -> torch.Tensor: # the kernel's reading (GEMV_PLANE_READ)
+                     read: dict | None = None, # the kernel's reading (GEMV_PLANE_READ)
+                    ) -> torch.Tensor:
     "`gemv_down` (same arguments and rows) on a layer whose routed down weights are in planes"
     if not isinstance(W, MoEWeights):
         raise TypeError(f"W: expected MoEWeights, got {type(W).__name__}")
