@@ -18,7 +18,7 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
 from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, PlaneWeight,
                                  planes_weight, PLANE_STEP)
-from .formats import (e2m1_values, e4m3_codes, ue8m0_codes, _ue8m0_code, _pow2,
+from .formats import (e2m1_values, quantize_fp8, ue8m0_values, _ue8m0_code, _pow2,
                               _e4m3_code)
 
 # %% auto #0
@@ -118,10 +118,8 @@ def act_codes_torch(x: torch.Tensor, # (tokens, dim) activations, dim a multiple
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     "(E4M3 codes (tokens, dim) uint8, fp32 block scales (tokens, dim/32)): `x` as `fp8_act_quant`"
     _check_acts('act_codes_torch', x)
-    T, D = x.shape
-    g = x.to(torch.bfloat16).float().view(T, D // 32, 32)
-    s = torch.exp2(ue8m0_codes(g.abs().amax(-1).clamp_min(1e-4), 448.0).float() - 127)
-    return e4m3_codes(g / s[..., None]).view(T, D), s
+    codes, exp = quantize_fp8(x.to(torch.bfloat16), 32)     # the BF16 input, as `act_quant` takes it
+    return codes, ue8m0_values(exp)
 
 # %% ../nbs/08g_moe_fp8.ipynb #8d987145
 def _check_acts(fn, x):
