@@ -185,7 +185,17 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
                          shape['num_warps'], shape['num_stages'], out, 'fp8')
             rows.append(_loop_row(out / 'fp8.sass', stage, 'version 5', tokens,
                                   dict(block_m=bm, block_n=bn, num_warps=shape['num_warps'], registers=regs)))
+            rows[-1]['asm_layouts'] = inline_asm_layouts((out / 'fp8.ttgir').read_text())
     return rows
+
+
+def inline_asm_layouts(ttgir: str) -> list[str]:
+    ("The layouts (aliases written out) of the results of every `tt.elementwise_inline_asm` in a kernel's TTGIR, "
+     "each once: which elements of a tensor each thread holds where the assembly runs")
+    alias = dict(re.findall(r'^(#[\w.]+) = (#ttg\.\w+<.*>)$', ttgir, re.M))
+    def expand(t): return re.sub(r'#[\w.]+\b(?![<.])', lambda m: expand(alias.get(m.group(0), m.group(0))), t)
+    found = re.findall(r'tt\.elementwise_inline_asm .* -> tensor<[^,]+, (.*)> loc', ttgir)
+    return sorted({expand(t) for t in found})
 
 
 def _loop_row(sass: Path, stage: str, kernel: str, tokens: int, r: dict) -> dict:
@@ -203,7 +213,7 @@ def _loop_row(sass: Path, stage: str, kernel: str, tokens: int, r: dict) -> dict
 
 def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages: int, out: Path, name: str,
           maxnreg: int | None = None):
-    "Compile `fn` for sm_90 with no GPU; write OUT/NAME.ptx, .cubin and .sass; the registers a thread holds"
+    "Compile `fn` for sm_90 with no GPU; write OUT/NAME.ttgir, .ptx, .cubin and .sass; the registers a thread holds"
     import subprocess
     import triton
     from triton.backends.compiler import GPUTarget
@@ -217,6 +227,7 @@ def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages:
                                     **({'maxnreg': maxnreg} if maxnreg else {})))
     out.mkdir(parents=True, exist_ok=True)
     (out / f'{name}.ptx').write_text(k.asm['ptx']); (out / f'{name}.cubin').write_bytes(k.asm['cubin'])
+    (out / f'{name}.ttgir').write_text(k.asm['ttgir'])
     tool = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'
     run = lambda *a: subprocess.run([str(tool), *a, str(out / f'{name}.cubin')], capture_output=True, text=True,
                                     check=True).stdout
