@@ -272,7 +272,7 @@ class ModelRunner:
         proposer: Proposer | None = None, # drafts for the next step (synchronous scheduling)
         seed: int = 0, # the engine's generator, for unseeded random requests
         device=None, # where the batch goes (default: the CPU)
-        # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
+        # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
         kernels: str | None = None,
     ):
         if not all(callable(getattr(model, f, None)) for f in ('forward', 'release')):
@@ -780,7 +780,8 @@ def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
                | (self._sample(logits, plan) if plan else {}))
     lists = [self._known(r, keep) + sampled[r] for r, _, _, keep in plan]
     kw = {} if self.tap_model is None else {'hidden': self._hidden(so, sampled, plan, lists)}
-    drafts = self.proposer.propose(lists, **kw) if self.proposer is not None and plan else []
+    with use_kernels(self.kernels) if self.kernels else nullcontext():   # the drafter's too
+        drafts = self.proposer.propose(lists, **kw) if self.proposer is not None and plan else []
     # drafts to verify, or accepted ones the scheduler has not seen: the next step has drafts
     self._pending = any(map(len, drafts)) or any(len(t) > 1 for t in sampled.values())
     return ModelRunnerOutput(sampled, dict(zip([r for r, *_ in plan], drafts)))
@@ -948,7 +949,7 @@ class EngineArgs:
     drafter: str | None = None  # the drafter's weights (LLM: beside the checkpoint it loads)
     runner: str = 'auto'  # one of RUNNERS
     cuda_graphs: bool = True  # capture decode steps on a GPU when the model allows it
-    # force 'triton' or 'torch' kernels in the model (None: the dispatch decides)
+    # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
     kernels: str | None = None
     seed: int = 0  # the generator of unseeded random requests
     def __post_init__(self):

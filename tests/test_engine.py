@@ -927,3 +927,20 @@ def test_the_engine_tells_an_adaptive_proposer_its_decode_steps(tmp_path, asyn):
     led = prop.pacer
     assert led.rate is not None and led.time == pytest.approx(sum(s for s, _, _ in seen))
     assert led.stats['held'] > 0, led
+
+
+@pytest.mark.parametrize('forced', ['torch', 'triton'])
+def test_forced_kernels_reach_the_proposer(forced, monkeypatch):
+    """`kernels` forces the backend in the proposer's drafting (a drafter with a model of its own runs
+    kernels) as in the model's step; under the interpreter the default would be Triton's"""
+    from dsv41_nb.dispatch import kernel_backend
+    monkeypatch.setenv('TRITON_INTERPRET', '1')
+    class Spy:
+        num_speculative_tokens = 2
+        def __init__(self): self.seen = []
+        def propose(self, lists):
+            self.seen.append(kernel_backend(torch.zeros(1))); return [[] for _ in lists]
+    spy = Spy()
+    host_engine(TINY, 256, proposer=spy, kernels=forced).generate(
+        [[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert spy.seen and set(spy.seen) == {forced}, spy.seen
