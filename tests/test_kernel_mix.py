@@ -100,3 +100,25 @@ def test_profile_names_every_kernel_of_the_package():
     assert names['_gate_up_planes_kernel'] == names['_down_kernel'] == names['_moe_gemv_kernel'] == 'MoE'
     assert pe.component('_gate_up_planes_kernel', names) == 'MoE'
     assert 'PyTorch ops' not in names.values()
+
+
+TTGIR = """#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 16, 32]}>
+#blocked = #ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [32, 1], warpsPerCTA = [4, 1], order = [1, 0]}>
+  %a = tt.elementwise_inline_asm "mov.b32 $0, $1;" {packed_element = 4 : i32, pure = true} %s : tensor<128x32xi32, \
+#ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>> -> tensor<128x32xf8E4M3FN, #ttg.dot_op<{opIdx = 0, parent = #mma, \
+kWidth = 4}>> loc(#loc9)
+  %b = tt.elementwise_inline_asm "mov.b32 $0, $1;" {packed_element = 4 : i32, pure = true} %t : tensor<64x32xi32, \
+#blocked> -> tensor<64x32xf8E4M3FN, #blocked> loc(#loc9)
+  %c = tt.elementwise_inline_asm "mov.b32 $0, $1;" {packed_element = 4 : i32, pure = true} %s : tensor<128x32xi32, \
+#ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 4}>> -> tensor<128x32xf8E4M3FN, #ttg.dot_op<{opIdx = 0, parent = #mma, \
+kWidth = 4}>> loc(#loc9)
+"""
+
+
+def test_inline_asm_layouts():
+    "Each inline assembly's result layout once, its aliases written out"
+    assert km.inline_asm_layouts(TTGIR) == [
+        '#ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [32, 1], warpsPerCTA = [4, 1], order = [1, 0]}>',
+        '#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = '
+        '[4, 1], instrShape = [16, 16, 32]}>, kWidth = 4}>']
+    assert km.inline_asm_layouts('tt.return') == []
