@@ -255,8 +255,8 @@ def generate_command(
           file=sys.stderr)
     if args.speculative:
         st = llm.llm_engine.scheduler.stats
-        print(f"{args.speculative}: {st['accepted_tokens']} of {st['draft_tokens']} drafts accepted",
-              file=sys.stderr)
+        print(f"{args.speculative}: {st['accepted_tokens']} of {st['draft_tokens']} "
+              f"drafts accepted", file=sys.stderr)
     return 0
 
 # %% ../nbs/99_cli.ipynb #c4bacdad

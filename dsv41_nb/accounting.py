@@ -389,7 +389,8 @@ def decode_kv_read_bytes(c: ModelConfig,
                          main_fmt: str = 'ds_fp4', index_fmt: str = 'index_mxfp4',
                          window_fmt: str = 'window_fp8') -> int:
     "Cache bytes one decode token reads: its window, its top-k compressed records, its index keys"
-    expect_config(c, 'decode_kv_read_bytes'); check_int('decode_kv_read_bytes', 'context', context, 0)
+    expect_config(c, 'decode_kv_read_bytes')
+    check_int('decode_kv_read_bytes', 'context', context, 0)
     win, main, idx = (record_bytes(c, f) for f in (window_fmt, main_fmt, index_fmt))
     total = 0
     for info in layer_topology(c)[:c.n_layers]:
@@ -403,7 +404,8 @@ def decode_kv_read_bytes(c: ModelConfig,
 # %% ../nbs/01a_accounting.ipynb #bc091585
 def decode_flops_per_token(c: ModelConfig, context: int) -> float:
     "FLOPs of one decode token: 2 per active parameter, attention over what it reads, index scores"
-    expect_config(c, 'decode_flops_per_token'); check_int('decode_flops_per_token', 'context', context, 0)
+    expect_config(c, 'decode_flops_per_token')
+    check_int('decode_flops_per_token', 'context', context, 0)
     flops = 2 * active_params_per_token(c, 'decode')['total']
     for info in layer_topology(c)[:c.n_layers]:
         keys = min(context, c.window_size)

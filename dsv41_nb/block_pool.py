@@ -570,7 +570,8 @@ def subscribe(self: BlockPool, fn: Callable) -> Callable: # called with each eve
 
 # %% ../nbs/02a_block_pool.ipynb #88c531b7
 @patch
-def _events_on(self: BlockPool) -> bool: return self.enable_kv_cache_events or bool(self._subscribers)
+def _events_on(self: BlockPool) -> bool:
+    return self.enable_kv_cache_events or bool(self._subscribers)
 
 # %% ../nbs/02a_block_pool.ipynb #159b04e6
 @patch

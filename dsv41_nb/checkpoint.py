@@ -150,10 +150,11 @@ def quantize_weight(w: torch.Tensor,  # (out, in) master weight
     return codes.view(STORAGE_DTYPES['fp8']), scale.squeeze(-1).view(STORAGE_DTYPES['e8m0'])
 
 # %% ../nbs/10a_checkpoint.ipynb #45a7aa50
-def dequantize_weight(q: torch.Tensor,  # stored weight: float8_e4m3fn (out, in) or float4_e2m1fn_x2 (out, in/2)
-                      s: torch.Tensor,  # its float8_e8m0fnu scales
-                      tile: int = 32,   # fp8 only: rows one scale covers
-                     ) -> torch.Tensor:
+def dequantize_weight(
+    q: torch.Tensor,  # stored weight: float8_e4m3fn (out, in) or float4_e2m1fn_x2 (out, in/2)
+    s: torch.Tensor,  # its float8_e8m0fnu scales
+    tile: int = 32,   # fp8 only: rows one scale covers
+) -> torch.Tensor:
     "fp32 values of a stored (weight, scale) pair; the kind follows the weight's dtype"
     if q.dtype == STORAGE_DTYPES['fp4']:
         return dequantize_fp4(q.view(torch.uint8), s.view(torch.uint8), 32, 'ue8m0')

@@ -223,13 +223,14 @@ def _check_sizes(c):
 # %% ../nbs/00_config.ipynb #de822d49
 @_rule
 def _check_blocks(c):
-    for name in ('dim', 'head_dim', 'q_lora_rank', 'o_lora_rank', 'moe_inter_dim', 'index_head_dim'):
+    for name in ('dim', 'head_dim', 'q_lora_rank', 'o_lora_rank', 'moe_inter_dim',
+                 'index_head_dim'):
         require(getattr(c, name) % 32 == 0,
                 f"{name} = {getattr(c, name)} is not a multiple of 32, "
                 f"the FP8/FP4 quantisation block", ConfigError)
     require(c.rope_head_dim % 2 == 0 and c.rope_head_dim <= min(c.head_dim, c.index_head_dim),
-            f"rope_head_dim = {c.rope_head_dim}; expected an even number <= head_dim ({c.head_dim}) "
-            f"and index_head_dim ({c.index_head_dim})", ConfigError)
+            f"rope_head_dim = {c.rope_head_dim}; expected an even number "
+            f"<= head_dim ({c.head_dim}) and index_head_dim ({c.index_head_dim})", ConfigError)
     require(c.n_heads % c.o_groups == 0,
             f"n_heads = {c.n_heads} is not divisible by o_groups = {c.o_groups}", ConfigError)
 
@@ -570,7 +571,8 @@ def plot_layer_map(c: ModelConfig, title: str = '', ax=None):
     ax.set_xticks(range(0, len(topo), 2 if len(topo) > 20 else 1))
     ax.tick_params(axis='x', labelsize=7)
     marks = [Line2D([], [], ls='', marker=m, color=col, label=lab) for m, col, lab in
-             (('o', 'purple', 'Engram'), ('v', 'black', 'DSpark tap'), ('*', 'red', 'candidate source'))]
+             (('o', 'purple', 'Engram'), ('v', 'black', 'DSpark tap'),
+              ('*', 'red', 'candidate source'))]
     ax.legend(handles=[Patch(color=v, label=k) for k, v in ROLE_COLORS.items()] + marks,
               loc='upper left', bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(title, fontsize=9)

@@ -36,7 +36,7 @@ def padded_batch_size(n: int, sizes: Sequence[int] = CAPTURE_SIZES) -> int | Non
 def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per request, each sampled
                      size: int, # requests after padding
                      widths: Sequence[int], # block-table width per cache group
-                     # real requests kept (default: all; 0: an all-padding batch of the same structure)
+                     # real requests kept (default: all; 0: an all-padding batch, same structure)
                      n: int | None = None,
                     ):
     ("`batch` padded to `size` requests of one row each: "
@@ -63,7 +63,8 @@ def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per req
 def tapped_model(model):
     ("The model under `model` (itself, or down its `.model` chain) that keeps a step's taps "
      "(`last_taps`), or None")
-    while model is not None and not hasattr(model, 'last_taps'): model = getattr(model, 'model', None)
+    while model is not None and not hasattr(model, 'last_taps'):
+        model = getattr(model, 'model', None)
     return model
 
 # %% ../nbs/12c_cuda_graphs.ipynb #9c184d0d
@@ -73,7 +74,8 @@ class CUDAGraphModel:
     # batches come built on the host: padded and prepared there, sent in one copy
     input_device = torch.device('cpu')
     def __init__(self, model, # a step model with supports_cuda_graphs = True
-                 kv_cache_config: KVCacheConfig, # the cache layout (block-table widths, compressed ratios)
+                 # the cache layout (block-table widths, compressed ratios)
+                 kv_cache_config: KVCacheConfig,
                  max_model_len: int, # longest sequence: sets the block-table width
                  capture_sizes: Sequence[int] = CAPTURE_SIZES, # padded batch sizes
                  emulate: bool = False): # replay eagerly (CPU): pads and copies without a graph
@@ -139,7 +141,7 @@ class StagedInputs:
     ("Device copies of the tensors in a structure, all views into one buffer, "
      "filled from host twins in one pinned buffer")
     def __init__(self,
-                 # a structure of host tensors (what `prepare` makes): their shapes and dtypes, and first values
+                 # a structure of host tensors (what `prepare` makes): shapes, dtypes, first values
                  like,
                  device): # where the copies live
         ts = _tensors(like)
@@ -155,7 +157,8 @@ class StagedInputs:
         self.buffer = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
         view = lambda buf, o, t: buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         self.host_views, it = [view(self.host, o, t) for o, t in zip(offs, ts)], iter(offs)
-        # the same views as arrays (copying into one costs less than a tensor copy), and their shapes
+        # the same views as arrays (copying into one costs less than a tensor copy),
+        # and their shapes
         self._arrays = [h.numpy() for h in self.host_views]
         self._shapes = [(h.shape, h.dtype) for h in self.host_views]
         # what a graph captures
@@ -191,7 +194,8 @@ def load(self: StagedInputs, src) -> None:
 # %% ../nbs/12c_cuda_graphs.ipynb #341abbe9
 @patch
 def load_rows(self: StagedInputs,
-              src, # structured as the one staged, each tensor's first n rows (tables may be narrower)
+              # structured as the one staged, each tensor's first n rows (tables may be narrower)
+              src,
               n: int) -> None: # the rows that are the step's
     ("Copy the first n rows of `src` into the device copies, with the staged padding everywhere "
      "else: one transfer")
@@ -229,7 +233,8 @@ def fill_token_ids(
             r0, i0, n = int(rows[0]), int(idx[0]), len(rows)
             token_ids[r0:r0 + n] = src[i0:i0 + n].to(token_ids.device)
         else:
-            token_ids[_sent(rows, token_ids.device)] = src[_sent(idx, src.device)].to(token_ids.device)
+            token_ids[_sent(rows, token_ids.device)] = (
+                src[_sent(idx, src.device)].to(token_ids.device))
 
 def _run_of(v: np.ndarray) -> bool:
     "v is k, k + 1, ..., k + len(v) - 1"

@@ -68,11 +68,12 @@ def median_time(fn, # the call to time, with no arguments
                 rep: int = 100,
                ) -> float:
     "Median seconds per call of `fn` (warm-up first; CUDA events on a GPU)"
-    if not callable(fn): raise TypeError(f"median_time: fn must be callable, got {type(fn).__name__}")
+    if not callable(fn):
+        raise TypeError(f"median_time: fn must be callable, got {type(fn).__name__}")
     for name, v in (('warmup', warmup), ('rep', rep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == 'warmup' else 1):
-            raise ValueError(f"median_time: {name} must be an int >= {0 if name == 'warmup' else 1}, "
-                             f"got {v!r}")
+            raise ValueError(f"median_time: {name} must be an int "
+                             f">= {0 if name == 'warmup' else 1}, got {v!r}")
     if torch.cuda.is_available():
         import triton.testing
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode='median') / 1e3
@@ -103,7 +104,8 @@ def machine_name(device='cuda') -> str:
 
 # %% ../nbs/00a_dispatch.ipynb #8ff349da
 @functools.lru_cache(None)
-def _sm_count(index: int) -> int: return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 # %% ../nbs/00a_dispatch.ipynb #c8ff5dc1
 def sm_count(device, # a torch.device or its name
@@ -208,7 +210,8 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
 _as_captured = False
 
 def capturing() -> bool:
-    ("Is this code being captured into a CUDA graph (or run as one would be, inside `as_captured`), "
+    ("Is this code being captured into a CUDA graph "
+     "(or run as one would be, inside `as_captured`), "
      "or traced by `torch.compile`? Then it may not read device values")
     return (_as_captured or torch.compiler.is_compiling()
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
@@ -249,15 +252,17 @@ class HostReads(TorchDispatchMode):
     def count(self) -> int: return sum(self.sites.values())
 
 # %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
-def cuda_graph(fn, # the work to capture, no arguments: the tensors it touches stay the graph's buffers
+def cuda_graph(fn, # the work to capture, no arguments: tensors it touches stay the graph's buffers
                # eager calls first, on a side stream (compile kernels, settle the allocator)
                warmup: int = 3,
                calls: int = 1, # calls of `fn` recorded back to back in the graph
-               pool=None, # a memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`)
+               # a memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`)
+               pool=None,
               ):
     ("Capture `calls` calls of `fn` in one CUDA graph (after `warmup` eager calls); "
      "return the graph's replay")
-    if not callable(fn): raise TypeError(f"cuda_graph: fn must be callable, got {type(fn).__name__}")
+    if not callable(fn):
+        raise TypeError(f"cuda_graph: fn must be callable, got {type(fn).__name__}")
     for name, v, lo in (('warmup', warmup, 0), ('calls', calls, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"cuda_graph: {name} must be an int >= {lo}, got {v!r}")
@@ -279,7 +284,8 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
               ) -> float:
     ("Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph "
      "(no launch overhead); `fn(0)` by the host clock off the GPU")
-    if not callable(fn): raise TypeError(f"graph_time: fn must be callable, got {type(fn).__name__}")
+    if not callable(fn):
+        raise TypeError(f"graph_time: fn must be callable, got {type(fn).__name__}")
     for name, v in (('calls', calls), ('reps', reps)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"graph_time: {name} must be an int >= 1, got {v!r}")

@@ -117,7 +117,8 @@ def _group(caller: str, group=None) -> tuple[int, int]:
 
 # %% ../nbs/15_distributed.ipynb #9059a7f2
 def exchange(
-    rows: torch.Tensor,  # (n, ...) grouped by destination: the first send_counts[0] rows go to rank 0, ...
+    # (n, ...) grouped by destination: the first send_counts[0] rows go to rank 0, ...
+    rows: torch.Tensor,
     send_counts: list[int],  # rows for each rank
     recv_counts: list[int],  # rows from each rank (what each sends here)
     group=None,
@@ -328,7 +329,8 @@ def ep_moe_forward(
     W: MoEWeights,  # all routed experts, or this rank's slice (`local_experts`)
     cfg: ModelConfig,
     group=None,  # the expert-parallel process group (default: the world)
-    token_ids: torch.Tensor | None = None,  # (tokens,) raw ids: image-span tokens take the image bias
+    # (tokens,) raw ids: image-span tokens take the image bias
+    token_ids: torch.Tensor | None = None,
     info: dict | None = None,  # when given, filled with the routing and the row counts
 ) -> torch.Tensor:
     ("The MoE layer with its experts spread over ranks: route, "
@@ -355,7 +357,8 @@ def _moe_to(W: MoEWeights, device) -> MoEWeights:
         if isinstance(v, torch.Tensor): return v.to(device)
         if isinstance(v, QuantWeight):
             return QuantWeight(v.codes.to(device), v.scales.to(device), v.fmt)
-        if isinstance(v, PlaneWeight): return PlaneWeight(v.words.to(device), v.scale_words.to(device))
+        if isinstance(v, PlaneWeight):
+            return PlaneWeight(v.words.to(device), v.scale_words.to(device))
         return v
     return MoEWeights(**{f: move(getattr(W, f)) for f in W.__dataclass_fields__})
 

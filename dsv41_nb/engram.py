@@ -195,7 +195,8 @@ def to(self: NgramHasher, device):
 def compress(
     self: NgramHasher,
     input_ids: torch.Tensor,  # (..., L) token ids (-1 allowed only with `allow_gaps`)
-    token_mask: torch.Tensor | None = None,  # (..., L) bool, False for tokens outside n-grams (image spans)
+    # (..., L) bool, False for tokens outside n-grams (image spans)
+    token_mask: torch.Tensor | None = None,
     check: bool = True,                      # validate the ids (one device sync)
     allow_gaps: bool = False,                # accept -1 as "no token" (for history)
 ) -> torch.Tensor:
@@ -209,7 +210,8 @@ def compress(
 def windows(
     self: NgramHasher,
     compressed: torch.Tensor,             # (..., L) compressed ids, -1 = gap
-    history: torch.Tensor | None = None,  # (..., <= n-1) compressed ids before; fewer = the sequence starts
+    # (..., <= n-1) compressed ids before; fewer = the sequence starts
+    history: torch.Tensor | None = None,
 ) -> torch.Tensor:
     "(..., L, n) the ids ending at each position, newest first, the pad id from the first gap on"
     n, L = self.cfg.engram_max_ngram_size, compressed.shape[-1]
@@ -247,7 +249,8 @@ def __call__(
     self: NgramHasher,
     input_ids: torch.Tensor,                 # (..., L) token ids
     token_mask: torch.Tensor | None = None,  # (..., L) False for image tokens
-    history: torch.Tensor | None = None,     # (..., <= n-1) token ids before the chunk, -1 for image tokens
+    # (..., <= n-1) token ids before the chunk, -1 for image tokens
+    history: torch.Tensor | None = None,
     check: bool = True,                      # validate ids (device syncs)
 ) -> torch.Tensor:
     "(..., L, engram layers, cols) table rows for a chunk of tokens"

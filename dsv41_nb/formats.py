@@ -148,7 +148,8 @@ def quantize_fp4(x: torch.Tensor, # (..., n) values
      "scale_format 'ue8m0' (MXFP4) or 'e4m3' (DS-FP4)")
     _require_floats('quantize_fp4', x); check_int('quantize_fp4', 'block', block, 2)
     _require_scale_format('quantize_fp4', scale_format)
-    if block % 2: raise ValueError(f"quantize_fp4: block {block} must be even (two values per byte)")
+    if block % 2:
+        raise ValueError(f"quantize_fp4: block {block} must be even (two values per byte)")
     if x.shape[-1] % block:
         raise ValueError(f"quantize_fp4: last dimension {x.shape[-1]} "
                          f"is not a multiple of the block {block}")

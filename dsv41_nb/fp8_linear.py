@@ -36,7 +36,8 @@ def fp8_linear_torch(
     x: torch.Tensor, # (T, K), or (T, G, K) for a grouped weight
     w: QuantWeight, # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
     act_quant: bool = True, # round x to E4M3 with a UE8M0 scale per 32 first (the public act_quant)
-    dense: torch.Tensor | None = None, # w's values (G, N, K) if already at hand (`FP8Linear` keeps them)
+    # w's values (G, N, K) if already at hand (`FP8Linear` keeps them)
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor: # (T, N) or (T, G, N), in x's dtype
     "The FP8 projection as the BF16 grid computes it: x (rounded) times the dequantised weight"
     xg = _as_groups(x, w)
@@ -414,7 +415,8 @@ def fp8_linear_norm(
     norm_weight: torch.Tensor, # (N,) the RMSNorm's weight
     eps: float, # and its eps
     act_quant: bool = True, # as `fp8_linear`'s
-    inv_freq: torch.Tensor | None = None, # (rope_dim/2,) fp32: rotate the last rope_dim columns (`rope`)
+    # (rope_dim/2,) fp32: rotate the last rope_dim columns (`rope`)
+    inv_freq: torch.Tensor | None = None,
     positions: torch.Tensor | None = None, # (T,) integer positions, with inv_freq
     split: int | None = None, # K slices of the GEMV (default: the launch rule's)
 ) -> torch.Tensor: # (T, N) BF16
@@ -453,10 +455,10 @@ def fp8_linear_norm(
 
 # %% ../nbs/09a_fp8_linear.ipynb #eab2a04c
 def fp8_linear_rope(x: torch.Tensor,          # (T, K) BF16
-                    w: QuantWeight,           # 'fp8', one group: (1, N, K), N a multiple of head_dim
+                    w: QuantWeight,           # 'fp8', one group (1, N, K), N a multiple of head_dim
                     inv_freq: torch.Tensor,   # (rope_dim/2,) fp32 frequencies
                     positions: torch.Tensor,  # (T,) integer positions
-                    head_dim: int,            # columns a head: each head's last rope_dim are rotated
+                    head_dim: int,            # columns a head: its last rope_dim are rotated
                     act_quant: bool = True, split: int | None = None,   # as `fp8_linear`'s
                    ) -> torch.Tensor:         # (T, N) BF16
     ("`rope` of `fp8_linear(x, w)`'s heads at `positions`: "

@@ -865,7 +865,8 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
                            device='cuda',
                            bandwidth=None,            # copy bandwidth in B/s (default: measured)
                            rep: int = 100,            # timed repetitions
-                           version: int | None = None,  # key decoding 1, 2 or 3 (default: the tuning's)
+                           # key decoding 1, 2 or 3 (default: the tuning's)
+                           version: int | None = None,
                           ) -> dict:
     ("Full-scan logits kernel for a decode step of `batch` requests at `context` entries: "
      "time per query token against its floor")

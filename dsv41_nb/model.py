@@ -176,7 +176,8 @@ def grid_weight(self: Linear) -> torch.Tensor:
 @patch
 def forward(self: Linear,
             x: torch.Tensor,         # (..., in)
-            quant: bool = False,     # round x and the weight as an FP8/FP4 GEMM of the public code does
+            # round x and the weight as an FP8/FP4 GEMM of the public code does
+            quant: bool = False,
             act: bool = True,        # with quant: round x (False: x is already on the FP8 grid)
            ) -> torch.Tensor:        # (..., out) in x's dtype
     if not quant or self.fmt == 'bf16': return F.linear(x, self.weight.to(x.dtype))
@@ -325,7 +326,8 @@ class Block(nn.Module):
         self.ffn_norm = Norm(cfg.dim, cfg.norm_eps, device)
         self.attn, self.ffn = Attention(cfg, layer, device), MoE(cfg, layer, device)
         self.engram = DenseEngram(cfg, layer, device) if layer in cfg.engram_layer_ids else None
-        # mHC on a sublayer's two sides (its entry, its residual update); training swaps in compiled copies
+        # mHC on a sublayer's two sides (its entry, its residual update);
+        # training swaps in compiled copies
         self.hc_in, self.hc_out = mhc_in, hc_post
 
 # %% ../nbs/10_model.ipynb #b69e4b30
@@ -350,7 +352,8 @@ class Transformer(nn.Module):
     ("DeepSeek-V4.1 on the reference path: embedding, "
      "blocks, final norm, LM head; drafter blocks under `mtp`")
     def __init__(self, cfg: ModelConfig,
-                 engram_map: torch.Tensor | None = None,  # (vocab_size,) token id -> Engram compressed id
+                 # (vocab_size,) token id -> Engram compressed id
+                 engram_map: torch.Tensor | None = None,
                  # longest sequence `forward` accepts (default: the YaRN context)
                  max_seq_len: int | None = None,
                  device=None):                            # where to allocate ('meta': nowhere)
@@ -704,7 +707,8 @@ def sort_by_expert(ids: torch.Tensor,  # (T, k) chosen experts
     "(order, offs): assignments t*k+j sorted by expert (stable), and int32 cumulative counts (E,)"
     if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype != torch.int64:
         raise ValueError(f"sort_by_expert: ids must be an int64 (tokens, k) tensor, "
-                         f"got {getattr(ids, 'dtype', type(ids))} {tuple(getattr(ids, 'shape', ()))}")
+                         f"got {getattr(ids, 'dtype', type(ids))} "
+                         f"{tuple(getattr(ids, 'shape', ()))}")
     flat = ids.flatten()
     counts = F.one_hot(flat, n_experts).sum(0)            # a fixed shape: no read-back
     return flat.argsort(stable=True), counts.cumsum(0).to(torch.int32)
@@ -748,7 +752,8 @@ def coefficients(self: Block, x: torch.Tensor, sub: str) -> tuple:
     "(pre, post, comb) of sublayer `sub` ('attn' or 'ffn') predicted from the copies x (T, hc, dim)"
     c = self.cfg
     fn, scale, base = (getattr(self, f'hc_{sub}_{p}') for p in ('fn', 'scale', 'base'))
-    return hc_split(hc_mixes(x, fn, c.norm_eps), scale, base, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps)
+    return hc_split(hc_mixes(x, fn, c.norm_eps), scale, base, c.hc_mult, c.hc_sinkhorn_iters,
+                    c.hc_eps)
 
 # %% ../nbs/10_model.ipynb #6aba4e39
 @patch

@@ -118,7 +118,7 @@ def act_codes_torch(x: torch.Tensor, # (tokens, dim) activations, dim a multiple
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     "(E4M3 codes (tokens, dim) uint8, fp32 block scales (tokens, dim/32)): `x` as `fp8_act_quant`"
     _check_acts('act_codes_torch', x)
-    codes, exp = quantize_fp8(x.to(torch.bfloat16), 32)     # the BF16 input, as `act_quant` takes it
+    codes, exp = quantize_fp8(x.to(torch.bfloat16), 32)   # the BF16 input, as `act_quant` takes it
     return codes, ue8m0_values(exp)
 
 # %% ../nbs/08g_moe_fp8.ipynb #8d987145
@@ -403,7 +403,7 @@ def fp8_launch_shape(n_assign: int, n_experts: int) -> dict:
 
 # %% ../nbs/08g_moe_fp8.ipynb #d6a6c91f
 def by_row_block(fp8_stage, other, # two stages called alike
-                 align_at: int, # where their arguments hold the alignment (3 for gate/up, 2 for down)
+                 align_at: int, # the alignment's place among their arguments (3: gate/up, 2: down)
                 ) -> callable:
     "A stage that runs `fp8_stage` where the alignment has 16-row blocks, `other` where it has more"
     if not callable(fp8_stage) or not callable(other):

@@ -310,7 +310,8 @@ def moe_gemv_experts(
     _check_layer(x, topk_weights, topk_ids, W, swiglu_limit, check_ids)
     if kernel_backend(x, topk_ids, W.shared_w2.codes) == 'torch':
         return moe_experts_reference(x, topk_weights, topk_ids, W, swiglu_limit)
-    h = (gate_up or gemv_gate_up)(x, topk_weights, topk_ids, W, swiglu_limit, split, check_ids=False)
+    h = (gate_up or gemv_gate_up)(x, topk_weights, topk_ids, W, swiglu_limit, split,
+                                  check_ids=False)
     return (down or gemv_down)(h, topk_ids, W, split)
 
 # %% ../nbs/08e_moe_gemv.ipynb #1e7a8aff

@@ -156,7 +156,8 @@ def _shared_combine_kernel(
     n = tl.program_id(1) * FB + tl.arange(0, FB)
     m = n < N
     total = tl.zeros((FB,), tl.float32)
-    for j in tl.static_range(TOPK):             # as `_down_kernel`'s combine: slot order, then shared
+    # as `_down_kernel`'s combine: slot order, then shared
+    for j in tl.static_range(TOPK):
         row = (t * TOPK + j).to(tl.int64) * N
         total += tl.load(routed_ptr + row + n, mask=m, other=0.0).to(tl.float32)
     own = _round_bf16(tl.load(acc_ptr + t.to(tl.int64) * N + n, mask=m, other=0.0), HW_CVT)

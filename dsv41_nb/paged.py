@@ -221,11 +221,12 @@ SERVED_PLANES = True  # served layers hold the routed gate and up weights in pla
 SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 SERVED_SLOTS = False   # the planes' stages in 08f's version 4 (activations in pair order)
-SERVED_FP8 = False     # the fused MoE's routed stages in 08g's version 5 where experts get <= 16 rows
+# the fused MoE's routed stages in 08g's version 5 where experts get <= 16 rows
+SERVED_FP8 = False
 
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
-    ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into planes "
-     "(`planes_moe`, if `SERVED_PLANES` and `fits_planes`; the down weights too if "
+    ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into "
+     "planes (`planes_moe`, if `SERVED_PLANES` and `fits_planes`; the down weights too if "
      "`SERVED_PLANES_DOWN`), the router's gate widened to fp32 "
      "(`l._moe32`), the gate/up stage (`l._gate_up`: `served_gate_up` on planes, in version 4 if "
      "`SERVED_SLOTS`, else 08c's) "
@@ -515,7 +516,8 @@ def _finish(self: PagedModel, l: PagedLayer, sa: SeamOut, step: PagedCSA2Step) -
 def served_moe(l, # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`); caches go on it
                y: torch.Tensor, # (T, dim) the FFN input
                cfg: ModelConfig,
-               n_activated: int | None = None) -> torch.Tensor: # top-k (default the config's); (T, dim) BF16
+               n_activated: int | None = None, # top-k (default the config's)
+              ) -> torch.Tensor: # (T, dim) BF16
     ("The MoE: GEMVs up to `GEMV_MAX_TOKENS` tokens, else the fused MoE with `served_gate_up` "
      "and the shared expert on cuBLAS (both with the router in two launches); "
      "on the PyTorch path the reference loop, the experts dequantised once to BF16 (exactly)")

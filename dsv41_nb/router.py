@@ -199,9 +199,9 @@ def fused_route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
                 n_activated: int,  # as `route`'s
                 route_scale: float, bias_image: torch.Tensor | None = None,
                 image_mask: torch.Tensor | None = None,
-                # True: logits in the kernel too (one launch); False: `route`'s own GEMM, then the kernel
+                # logits in the kernel too (one launch), else `route`'s own GEMM, then the kernel
                 one_launch: bool = False,
-                # with two launches: the logits by `_route_logits_kernel` over K slices instead of the GEMM
+                # with two launches: logits by `_route_logits_kernel` over K slices, not the GEMM
                 split_k: bool = False,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     ("`route` in one or two launches: weights (tokens, k) fp32 and ids (tokens, k) int64; "

@@ -52,7 +52,8 @@ class SamplingBatch:
 
 # %% ../nbs/12b_sampler.ipynb #f5d7c513
 def sampling_batch(params: Sequence[SamplingParams], # one per row
-                   generators: Sequence | None = None, # one per row: a seeded request's generator, or None
+                   # one per row: a seeded request's generator, or None
+                   generators: Sequence | None = None,
                    vocab_size: int = 1 << 30, device=None) -> SamplingBatch:
     "The rows' parameters gathered into tensors on `device`"
     gens = [None] * len(params) if generators is None else list(generators)
@@ -106,7 +107,8 @@ def _argmax_chunk(V: int, least: int) -> int:
 
 # %% ../nbs/12b_sampler.ipynb #93a24ff1
 def argmax_rows(logits: torch.Tensor, # (N, vocab) float logits
-                chunk: int | None = None, # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
+                # logits per chunk (default ARGMAX_CHUNK on a GPU; 0: one pass)
+                chunk: int | None = None,
                ) -> torch.Tensor: # (N,) int64: each row's first maximum, as `logits.argmax(-1)`
     "Each row's argmax in two passes over chunks of the row (on a GPU), else in one"
     if not isinstance(logits, torch.Tensor) or logits.ndim != 2 or not logits.is_floating_point():
@@ -129,7 +131,8 @@ def argmax_rows(logits: torch.Tensor, # (N, vocab) float logits
 def draw(probs: torch.Tensor, # (N, vocab) fp32 sampling distributions
          draft: torch.Tensor, # (N,) int64: the draft each row verifies, -1 where none
          sb: SamplingBatch, # greedy rows draw nothing; seeded rows draw from their own generator
-         generator: torch.Generator | None = None, # the engine's generator, for the other random rows
+         # the engine's generator, for the other random rows
+         generator: torch.Generator | None = None,
         ) -> tuple: # (accepted (N,) bool, token (N,) int64)
     ("Accept each row's draft with probability p(draft); "
      "draw its token from p, or from p without the draft")

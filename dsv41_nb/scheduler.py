@@ -301,7 +301,7 @@ def block_table(self: SchedulerOutput, group_id: int) -> torch.Tensor:
 class ModelRunnerOutput:
     "What the runner returns for one step"
     def __init__(self,
-                 # request id -> sampled ids: 1 + accepted drafts ([] for a prefill chunk that does not sample)
+                 # request id -> sampled ids: 1 + accepted drafts ([]: a prefill chunk not sampling)
                  sampled_token_ids: dict | None = None,
                  # request id -> drafts for its next step (synchronous scheduling)
                  draft_token_ids: dict | None = None,
@@ -383,7 +383,8 @@ def add_request(self: Scheduler, request_id: str, # unique among unfinished requ
                 prompt_token_ids: Sequence[int], # the prompt, at least one token
                 sampling_params: SamplingParams | None = None, # default SamplingParams()
                 eos_token_id: int | None = None, # the tokenizer's EOS id (None: none)
-                cache_salt: str | None = None) -> SchedulerRequest: # share prefixes only within a salt
+                cache_salt: str | None = None, # share prefixes only within a salt
+               ) -> SchedulerRequest:
     "Validate a request and put it at the back of the waiting line"
     sp = SamplingParams() if sampling_params is None else sampling_params
     if not isinstance(sp, SamplingParams):
@@ -780,7 +781,9 @@ def execute_model(self: ToyRunner, scheduler_output: SchedulerOutput) -> ModelRu
 def run_until_done(scheduler: Scheduler, # holds the requests
                    runner, # anything with execute_model(SchedulerOutput) -> ModelRunnerOutput
                    max_steps: int = 100_000, # give up after this many steps
-                   on_step=None) -> dict: # called with (SchedulerOutput, ModelRunnerOutput) after each execution
+                   # called with (SchedulerOutput, ModelRunnerOutput) after each execution
+                   on_step=None,
+                  ) -> dict:
     ("Run every request to its end; returns request id -> (output ids, finish reason); "
      "async keeps one step in flight")
     results, pending = {}, None

@@ -875,7 +875,8 @@ def compiled(fn):
 # %% ../nbs/11_train.ipynb #763ce0a0
 @contextlib.contextmanager
 def fast_path(model: nn.Module,  # a `Transformer` (other models pass through unchanged)
-              compile: bool = True,  # compile mHC's two sides (the GPU's path; slow to build on a CPU)
+              # compile mHC's two sides (the GPU's path; slow to build on a CPU)
+              compile: bool = True,
              ):
     ("Inside the block: `model`'s routed experts as "
      "grouped matmuls and, with `compile`, mHC compiled")
@@ -898,7 +899,8 @@ def held_out_prompts(val_docs: list[str], n: int = 20, length: int = 64,
     check_int('held_out_prompts', 'n', n, 1); check_int('held_out_prompts', 'length', length, 1)
     g, out = torch.Generator().manual_seed(seed), []
     texts = [d.encode() for d in val_docs if len(d.encode()) > 2 * length]
-    if not texts: raise ValueError(f"held_out_prompts: no document is longer than {2 * length} bytes")
+    if not texts:
+        raise ValueError(f"held_out_prompts: no document is longer than {2 * length} bytes")
     while len(out) < n:
         b = texts[int(torch.randint(len(texts), (1,), generator=g))]
         starts = [0] + [k + 1 for k in range(len(b) - length) if b[k] == 10]
@@ -957,7 +959,8 @@ def known_words(text: bytes, vocabulary: set) -> float:
 def ends_in_loop(text: bytes, n: int = 64) -> bool:
     "Do the last n bytes of `text` repeat one unit of at most n/2 bytes?"
     tail = text[-n:]
-    return len(tail) == n and any(tail == (tail[:k] * (n // k + 1))[:n] for k in range(1, n // 2 + 1))
+    return len(tail) == n and any(tail == (tail[:k] * (n // k + 1))[:n]
+                                  for k in range(1, n // 2 + 1))
 
 # %% ../nbs/11_train.ipynb #78eae497
 def text_quality(model: nn.Module, tok, prompts: list[bytes], vocabulary: set, n: int = 128,
@@ -969,7 +972,8 @@ def text_quality(model: nn.Module, tok, prompts: list[bytes], vocabulary: set, n
         for mode, (t, p) in {'greedy': (0.0, 1.0), 'sampled': (0.8, 0.95)}.items():
             texts = continue_prompts(model, tok, prompts, n, t, p, seed)
             out[mode] = dict(distinct_4grams=sum(map(distinct_4grams, texts)) / len(texts),
-                             known_words=sum(known_words(x, vocabulary) for x in texts) / len(texts),
+                             known_words=sum(known_words(x, vocabulary) for x in texts)
+                                         / len(texts),
                              loops=sum(map(ends_in_loop, texts)) / len(texts),
                              texts=[x.decode('utf-8', 'replace') for x in texts])
     finally: model.train(was_training)
