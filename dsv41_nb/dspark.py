@@ -229,7 +229,8 @@ class Draft:
     @property
     def accept_probs(self) -> torch.Tensor: return torch.sigmoid(self.confidence)   # (N, B)
     @property
-    def probs(self) -> torch.Tensor:  # (N, B, vocab) the distribution each draft was drawn from (one-hot when greedy)
+    # (N, B, vocab): the distribution each draft was drawn from (one-hot when greedy)
+    def probs(self) -> torch.Tensor:
         if self.temperature == 0: return F.one_hot(self.tokens, self.logits.shape[-1]).float()
         return torch.softmax(self.logits / self.temperature, -1)
 
@@ -683,7 +684,8 @@ def walk_anchors(accepted: torch.Tensor,  # (R, A) drafts accepted at each row's
     ok = (isinstance(accepted, torch.Tensor) and accepted.ndim == 2 and accepted.numel() > 0
           and bool((accepted >= 0).all()) and bool((accepted == accepted.round()).all()))
     require(ok, "walk_anchors: expected a non-empty (rows, anchors) tensor of counts >= 0, "
-                f"got {accepted if not isinstance(accepted, torch.Tensor) else tuple(accepted.shape)}")
+                "got " + (f"{tuple(accepted.shape)}" if isinstance(accepted, torch.Tensor)
+                          else f"{accepted}"))
     out = []
     for row in accepted.long().tolist():
         a = 0
@@ -789,7 +791,8 @@ def set_successor_markov(drafter: Drafter, vocab: int, scale: float = 50.0):
 # %% ../nbs/14_dspark.ipynb #0b988ccb
 def dspark_proposer(model: Transformer, # the target: the drafter's weights go into its mtp.* blocks
                     path, # the drafter's weights (`save_drafter`'s file)
-                    num_speculative_tokens: int | None = None, # drafts per step (default: the block)
+                    # drafts per step (default: the block)
+                    num_speculative_tokens: int | None = None,
                     **kwargs) -> DSparkProposer: # more `DSparkProposer` arguments (adaptive, ...)
     "A `DSparkProposer` on `model` with the drafter stored at `path`"
     require(isinstance(path, (str, Path)),

@@ -255,7 +255,8 @@ def tap_model(model, proposer):
      "kept by each step); None if the proposer reads none or no such model is there")
     layers, m = tuple(getattr(proposer, 'tap_layers', ())), tapped_model(model)
     if not layers or m is None: return None
-    if isinstance(w := getattr(proposer, 'tap_window', None), bool) or not isinstance(w, int) or w < 1:
+    w = getattr(proposer, 'tap_window', None)
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
         raise TypeError(f"ModelRunner: {type(proposer).__name__} reads tap layers {layers} but its "
                         f"tap_window is {w!r}; expected the positions it reads back, an int >= 1")
     m.tap_layers = layers
