@@ -16,8 +16,8 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
                                 moe_launch_shape, expert_gate_up,
                                 expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
-from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, PlaneWeight,
-                                 planes_weight, PLANE_STEP)
+from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, _routed_as,
+                                 PlaneWeight, planes_weight, PLANE_STEP)
 from .formats import (e2m1_values, quantize_fp8, ue8m0_values, _ue8m0_code, _pow2,
                               _e4m3_code)
 
@@ -306,14 +306,10 @@ def fp8_moe(W: MoEWeights,
            ) -> MoEWeights:
     ("`W` with its routed experts' gate and up weights (and down, if `down`) as FP8 words, "
      "made from codes or from planes")
-    if not isinstance(W, MoEWeights):
-        raise TypeError(f"fp8_moe: expected MoEWeights, got {type(W).__name__}")
-    if not isinstance(down, bool): raise TypeError(f"fp8_moe: down: expected a bool, got {down!r}")
     def words(w, name):                # from codes, or from 08f's planes of the same codes
         if isinstance(w, FP8Words): return w
         return mxfp4_fp8_words(planes_weight(w) if isinstance(w, PlaneWeight) else w, name)
-    return replace(W, w1=words(W.w1, 'w1'), w3=words(W.w3, 'w3'),
-                   w2=words(W.w2, 'w2') if down else W.w2)
+    return _routed_as('fp8_moe', W, down, words)
 
 # %% ../nbs/08g_moe_fp8.ipynb #9f255878
 def fp8_gate_up(W: MoEWeights,

@@ -330,17 +330,23 @@ def nbytes(self: PlaneWeight) -> int:
 def __repr__(self: PlaneWeight) -> str: return f"PlaneWeight({self.shape}, {self.nbytes:,} bytes)"
 
 # %% ../nbs/08f_moe_planes.ipynb #0963215e
+def _routed_as(fn: str, W: MoEWeights, down: bool, convert) -> MoEWeights:
+    ("`W` with its routed gate and up weights (and down, if `down`) each `convert(w, name)`; "
+     "`fn` names the caller in errors")
+    if not isinstance(W, MoEWeights):
+        raise TypeError(f"{fn}: expected MoEWeights, got {type(W).__name__}")
+    if not isinstance(down, bool): raise TypeError(f"{fn}: down: expected a bool, got {down!r}")
+    names = ('w1', 'w3', 'w2') if down else ('w1', 'w3')
+    return replace(W, **{n: convert(getattr(W, n), n) for n in names})
+
+# %% ../nbs/08f_moe_planes.ipynb #ec1c18a7
 def planes_moe(W: MoEWeights,
                down: bool = False, # the down weights too (the section on the down stage)
               ) -> MoEWeights:
     ("`W` with its routed experts' gate and up weights (and down, if `down`) in planes in place "
      "of their codes (the same bytes; `W` itself unchanged)")
-    if not isinstance(W, MoEWeights):
-        raise TypeError(f"planes_moe: expected MoEWeights, got {type(W).__name__}")
-    if not isinstance(down, bool): raise TypeError(f"down: expected a bool, got {down!r}")
-    names = ('w1', 'w3', 'w2') if down else ('w1', 'w3')
-    return replace(W, **{n: mxfp4_planes(getattr(W, n), n) for n in names
-                         if not isinstance(getattr(W, n), PlaneWeight)})
+    return _routed_as('planes_moe', W, down,
+                      lambda w, n: w if isinstance(w, PlaneWeight) else mxfp4_planes(w, n))
 
 # %% ../nbs/08f_moe_planes.ipynb #99f83c3f
 @triton.jit

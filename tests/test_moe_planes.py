@@ -135,7 +135,7 @@ def _bad_cases():
         (lambda: gemv_gate_up_planes(x, tw, ti, replace(planes_moe(W), w3=mxfp4_planes(_layer(4, 2, 128, 32, 0)[1].w3)),
                                      10.0),
          'w3: expected planes of shape (4, 64, 128), got (4, 32, 128)'),
-        (lambda: planes_moe(W, down=1), 'down: expected a bool, got 1'),
+        (lambda: planes_moe(W, down=1), 'planes_moe: down: expected a bool, got 1'),
         (lambda: planes_moe(W, down=True), 'w2: planes need in-features a multiple of 128, got 64'),
         (lambda: expert_down_planes(h, W128.w2, al), 'w2: expected a PlaneWeight (mxfp4_planes), got QuantWeight'),
         (lambda: expert_down_planes(h[1:], P128.w2, al), 'h: expected BF16 (10, 128) rows for this alignment'),
