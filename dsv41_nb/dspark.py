@@ -26,11 +26,12 @@ from .scheduler import SamplingParams
 
 # %% auto #0
 __all__ = ['Drafter', 'window_positions', 'reference_draft', 'sample_tokens', 'Draft', 'reference_accept_greedy', 'accept_greedy',
-           'reference_accept_sampled', 'accept_sampled', 'prefix_survival', 'expected_accepted', 'best_verify_length',
-           'roofline_step_cost', 'choose_verify_lengths', 'brute_force_verify_lengths', 'DSparkProposer', 'SpecStats',
-           'speculative_generate', 'greedy_training_data', 'drafter_anchors', 'walk_anchors', 'drafter_loss',
-           'train_drafter', 'drafter_state', 'save_drafter', 'load_drafter', 'set_successor_markov', 'dspark_proposer',
-           'StepCostProfile', 'profile_drafts', 'ScriptedDrafts', 'profile_step_costs', 'load_step_costs']
+           'reference_accept_sampled', 'accept_sampled', 'block_stops', 'accept_block', 'reference_accept_block',
+           'prefix_survival', 'expected_accepted', 'best_verify_length', 'roofline_step_cost', 'choose_verify_lengths',
+           'brute_force_verify_lengths', 'DSparkProposer', 'SpecStats', 'speculative_generate', 'greedy_training_data',
+           'drafter_anchors', 'walk_anchors', 'drafter_loss', 'train_drafter', 'drafter_state', 'save_drafter',
+           'load_drafter', 'set_successor_markov', 'dspark_proposer', 'StepCostProfile', 'profile_drafts',
+           'ScriptedDrafts', 'profile_step_costs', 'load_step_costs']
 
 # %% ../nbs/14_dspark.ipynb #b37c1511
 class Drafter:
@@ -336,6 +337,65 @@ def accept_sampled(
     resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)  # p == q: nothing to correct
     return n, _inverse_cdf(resid, v)
 
+# %% ../nbs/14_dspark.ipynb #d466ab22
+def block_stops(drafts: torch.Tensor, # (N, k) int64 drafted ids
+                q: torch.Tensor, # (N, k, V) the distributions the drafts were drawn from
+                p: torch.Tensor, # (N, k + 1, V) the target's distribution at each verified row
+               ) -> tuple: # weights w (N, k + 1), stop probabilities h (N, k + 1)
+    "Block verification's weights w_i and stop probabilities h_i (w_0 = h_0 = 1)"
+    N, k = drafts.shape
+    at = drafts[..., None]
+    ratio = (p[:, :k].gather(-1, at) / q.gather(-1, at))[..., 0]
+    w = [torch.ones(N, dtype=p.dtype, device=p.device)]
+    for i in range(k): w.append((w[-1] * ratio[:, i]).clamp(max=1))
+    w = torch.stack(w, 1)
+    r = (w[:, :k, None] * p[:, :k] - q).clamp(min=0).sum(-1)           # residual mass (N, k)
+    h = torch.where(r > 0, torch.where(w[:, :k] >= 1, 1.0, r / (r + 1 - w[:, :k])), 0.0)
+    return w, (torch.cat([torch.ones_like(w[:, :1]), h[:, 1:], w[:, k:]], 1) if k
+               else torch.ones_like(w))
+
+# %% ../nbs/14_dspark.ipynb #12038761
+def accept_block(
+    drafts: torch.Tensor,             # (N, k) int64 drafted ids
+    q: torch.Tensor,                  # (N, k, V) the distributions the drafts were drawn from
+    p: torch.Tensor,                  # (N, k + 1, V) the target's distribution at each verified row
+    generator=None,
+    eta: torch.Tensor | None = None,  # (N, k) uniforms of the stops at prefixes 1 .. k
+    v: torch.Tensor | None = None,    # (N,) uniforms of the final draw
+) -> tuple:                           # accepted (N,), the step's last token (N,)
+    ("Block verification: keep the longest prefix i with eta_i <= h_i; "
+     "draw the last token from norm(max(0, w_i p_i - q_i))")
+    N, k = drafts.shape
+    require(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
+            f"accept_block: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, "
+            f"p {tuple(p.shape)}; expected (N, k), (N, k, V), (N, k + 1, V)")
+    dev = generator.device if generator is not None else drafts.device
+    if eta is None: eta = torch.rand(N, k, generator=generator, device=dev).to(drafts.device)
+    if v is None: v = torch.rand(N, generator=generator, device=dev).to(drafts.device)
+    w, h = block_stops(drafts, q, p)
+    i = torch.arange(1, k + 1, device=drafts.device)
+    n = torch.where(eta <= h[:, 1:], i, 0).amax(1) if k else i.new_zeros(N)
+    rows = torch.arange(N, device=drafts.device)
+    pn, qn = p[rows, n], torch.cat([q, q.new_zeros(N, 1, q.shape[2])], 1)[rows, n]
+    resid = (w[rows, n, None] * pn - qn).clamp(min=0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)
+    return n, _inverse_cdf(resid, v)
+
+# %% ../nbs/14_dspark.ipynb #5383b686
+def reference_accept_block(drafts: list, q: torch.Tensor, p: torch.Tensor, eta: list,
+                           v: float) -> tuple:
+    ("(accepted, next token) of one request by block verification: drafts (k,), q (k, V), "
+     "p (k + 1, V), uniforms eta (k,), v (a test oracle)")
+    k, w, tau = len(drafts), [1.0], 0
+    for i, d in enumerate(drafts): w.append(min(1.0, w[-1] * float(p[i, d]) / float(q[i, d])))
+    for i in range(1, k + 1):
+        r = float((w[i] * p[i] - q[i]).clamp(min=0).sum()) if i < k else 0.0
+        h = w[k] if i == k else 0.0 if r == 0 else 1.0 if w[i] >= 1 else r / (r + 1 - w[i])
+        if eta[i - 1] <= h: tau = i
+    resid = (w[tau] * p[tau] - (q[tau] if tau < k else 0)).clamp(min=0)
+    dist = resid if resid.sum() > 0 else p[tau]
+    return tau, int(_inverse_cdf(dist[None], torch.tensor([v], dtype=dist.dtype))[0])
+
 # %% ../nbs/14_dspark.ipynb #f6bfe278
 def prefix_survival(a: torch.Tensor) -> torch.Tensor:
     "(..., B): S_k = a_1 ⋯ a_k, the probability that the first k drafts are all accepted"
@@ -595,7 +655,8 @@ class SpecStats:
                 f"{self.emitted / max(1, self.request_steps):.2f} tokens per request-step)")
 
 # %% ../nbs/14_dspark.ipynb #13212bb1
-def _verify_rows(logits: torch.Tensor, drafts: list, q, temperature: float, generator) -> tuple:
+def _verify_rows(logits: torch.Tensor, drafts: list, q, temperature: float, generator,
+                 rejection: str = 'token') -> tuple:
     "(accepted, next token) of one request from its k + 1 target rows (k + 1, V)"
     d = torch.tensor([drafts], dtype=torch.int64, device=logits.device)                  # (1, k)
     if temperature == 0:
@@ -604,7 +665,7 @@ def _verify_rows(logits: torch.Tensor, drafts: list, q, temperature: float, gene
         return a, int(tgt[0, a])
     p = torch.softmax(logits.float() / temperature, -1)[None]  # (1, k + 1, V)
     q = p.new_zeros(1, 0, p.shape[-1]) if q is None or not len(drafts) else q[None].to(p)
-    a, nxt = accept_sampled(d, q, p, generator)
+    a, nxt = (accept_block if rejection == 'block' else accept_sampled)(d, q, p, generator)
     return int(a[0]), int(nxt[0])
 
 # %% ../nbs/14_dspark.ipynb #681344fd
@@ -614,12 +675,16 @@ def speculative_generate(
     n: int,                    # tokens to add to every prompt
     proposer=None,             # a `DSparkProposer` (None: one token per step)
     temperature: float = 0.0,  # 0: greedy; else rejection sampling against softmax(logits / T)
-    generator=None, stats: SpecStats | None = None) -> list:
+    generator=None, stats: SpecStats | None = None,
+    rejection: str = 'token',  # with sampling: 'token' (the rule above) or 'block'
+) -> list:
     ("Every prompt followed by `n` tokens; "
      "each step the target verifies every live request's drafts in one forward")
     check_int('speculative_generate', 'n', n, 0)
     require(isinstance(temperature, (int, float)) and temperature >= 0,
             f"speculative_generate: temperature = {temperature!r}; expected >= 0")
+    require(rejection in ('token', 'block'),
+            f"speculative_generate: rejection = {rejection!r}; expected 'token' or 'block'")
     require(len(prompts) > 0 and all(len(p) > 0 for p in prompts),
             "speculative_generate: expected non-empty prompts")
     dev, st = model.embed.weight.device, stats if stats is not None else SpecStats()
@@ -638,7 +703,7 @@ def speculative_generate(
         for j, i in enumerate(live):
             s0, k = len(seqs[i]), len(drafts[i])
             a, nxt = _verify_rows(logits[j, s0 - 1:s0 + k], drafts[i], qs[i], temperature,
-                                  generator)
+                                  generator, rejection)
             seqs[i] += (drafts[i][:a] + [nxt])[:want[i] - s0]
             st.add(k, a, len(seqs[i]) - s0)
         drafts = [[] for _ in seqs]

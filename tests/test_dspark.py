@@ -21,6 +21,7 @@ from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ToyR
                                 run_until_done)
 from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_positions, reference_draft, accept_greedy,
                              reference_accept_greedy, accept_sampled, reference_accept_sampled,
+                             accept_block, reference_accept_block, block_stops,
                              prefix_survival, expected_accepted, best_verify_length, choose_verify_lengths,
                              brute_force_verify_lengths, roofline_step_cost, speculative_generate, greedy_training_data,
                              drafter_anchors, drafter_loss, train_drafter, drafter_state, save_drafter, load_drafter,
@@ -155,6 +156,90 @@ def test_the_distribution_test_can_fail():
     ok = torch.rand(N, generator=g) * q[0, d] < p[0, d]
     out = torch.where(ok, d, torch.multinomial(p[0], N, replacement=True, generator=g))
     assert chi_square_pvalue(torch.bincount(out, minlength=vocab), p[0]) < 1e-6
+
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 30), k=st.integers(0, 5), vocab=st.integers(2, 9),
+       same=st.booleans())
+def test_accept_block_matches_walk(seed, n, k, vocab, same):
+    "Block verification, batched, against the plain walk of each request with the same uniforms"
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(n, k + 1, vocab, generator=g) * 2, -1)
+    # p == q: every weight 1, empty residuals
+    q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=g) * 2, -1)
+    d = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(n, k) if k else torch.zeros(n, 0, dtype=torch.int64)
+    eta, v = torch.rand(n, k, generator=g), torch.rand(n, generator=g)
+    a, t = accept_block(d, q, p, eta=eta, v=v)
+    assert (list(zip(a.tolist(), t.tolist()))
+            == [reference_accept_block(d[i].tolist(), q[i], p[i], eta[i].tolist(), float(v[i])) for i in range(n)])
+
+
+def _chain_tables(V, depth, seed, scale=1.5):
+    "Target and drafter distributions (prefixes, V) for every prefix up to `depth` tokens; a prefix's row index"
+    g = torch.Generator().manual_seed(seed)
+    offset = [(V ** n - 1) // (V - 1) for n in range(depth + 2)]
+    P, Q = (torch.softmax(scale * torch.randn(offset[-1], V, generator=g, dtype=torch.float64), -1) for _ in range(2))
+    return P, Q, offset
+
+
+def _emitted_law_pvalue(verify, V=3, k=3, L=4, N=60_000, seed=2):
+    """Decode N sequences block after block with `verify` on a chain whose every prefix has its own target and drafter
+    distribution; the chi-square p-value of their first L tokens against the target's law over all V^L sequences"""
+    P, Q, off = _chain_tables(V, L + k, seed=seed)
+    off, g = torch.tensor(off), torch.Generator().manual_seed(1)
+    digits, length = torch.zeros(N, dtype=torch.int64), torch.zeros(N, dtype=torch.int64)   # the emitted prefix
+    while (live := (length < L).nonzero()[:, 0]).numel():
+        dg, ln, rows, drafts = digits[live], length[live], [], []
+        for i in range(k + 1):                   # each draft drawn from the drafter at its own prefix
+            rows.append(off[ln + i] + dg)
+            if i == k: break
+            drafts.append(torch.multinomial(Q[rows[-1]], 1, generator=g)[:, 0]); dg = dg * V + drafts[-1]
+        r, d = torch.stack(rows, 1), torch.stack(drafts, 1)
+        n, last = verify(d, Q[r[:, :k]], P[r], g)
+        out = torch.cat([d, torch.zeros_like(d[:, :1])], 1)
+        out[torch.arange(len(live)), n] = last
+        for j in range(k + 1):                   # drafts 0 .. n-1, then the draw, up to L tokens
+            m = (j <= n) & (length[live] < L)
+            digits[live[m]] = digits[live[m]] * V + out[m, j]; length[live[m]] += 1
+    want = torch.ones(V ** L, dtype=torch.float64)
+    for s in range(V ** L):
+        toks = [s // V ** (L - 1 - i) % V for i in range(L)]
+        for i in range(L): want[s] *= P[off[i] + sum(t * V ** (i - 1 - j) for j, t in enumerate(toks[:i])), toks[i]]
+    return chi_square_pvalue(torch.bincount(digits, minlength=V ** L), want)
+
+
+@pytest.mark.parametrize('rule', ['token', 'block'])
+def test_verification_emits_the_targets_law(rule):
+    "Both rules emit the target's law of the first four tokens (fixed seeds, p-value > 1e-3)"
+    assert _emitted_law_pvalue(accept_block if rule == 'block' else accept_sampled) > 1e-3
+
+
+def test_the_law_test_sees_an_unweighted_residual(monkeypatch):
+    "Block verification drawing its last token from max(0, p - q), the classic rule's residual, fails the same test"
+    from dsv41_nb import dspark
+    stops = dspark.block_stops
+    monkeypatch.setattr(dspark, 'block_stops', lambda d, q, p: (torch.ones(len(d), d.shape[1] + 1), stops(d, q, p)[1]))
+    assert _emitted_law_pvalue(dspark.accept_block) < 1e-6
+
+
+def test_block_verification_at_temperature_0_is_greedy():
+    "Point masses for p (the target's argmax) and q (greedy drafts): accept_greedy's drafts and the argmax after them"
+    g = torch.Generator().manual_seed(6)
+    tgt = torch.randint(0, 4, (400, 6), generator=g)
+    drf = torch.where(torch.rand(400, 5, generator=g) < 0.8, tgt[:, :5], torch.randint(0, 4, (400, 5), generator=g))
+    n, t = accept_block(drf, torch.nn.functional.one_hot(drf, 4).double(),
+                        torch.nn.functional.one_hot(tgt, 4).double(), g)
+    assert torch.equal(n, accept_greedy(drf, tgt)) and torch.equal(t, tgt.gather(1, n[:, None])[:, 0])
+
+
+def test_block_stops_weights():
+    "w carries min(1, w p/q) along the drafts; h_0 = 1, h_k = w_k, and no stop where the residual is empty"
+    p = torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]], dtype=torch.float64)
+    q = torch.tensor([[[0.25, 0.75], [0.9, 0.1]]], dtype=torch.float64)
+    w, h = block_stops(torch.tensor([[0, 0]]), q, p)
+    assert torch.allclose(w, torch.tensor([[1.0, 1.0, 1.0]], dtype=torch.float64))
+    assert h[0, 0] == 1 and h[0, 2] == w[0, 2] and h[0, 1] == 0    # row 1: p == q with weight 1, nothing left
 
 
 # ---------------------------------------------------------------- adaptive verification
@@ -310,6 +395,10 @@ BAD = [
      'expected (N, k) and (N, k + 1)'),
     (lambda: accept_sampled(torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2, 4), torch.ones(1, 2, 4)), ValueError,
      'expected (N, k), (N, k, V), (N, k + 1, V)'),
+    (lambda: accept_block(torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2, 4), torch.ones(1, 2, 4)), ValueError,
+     'accept_block: drafts (1, 2), q (1, 2, 4), p (1, 2, 4); expected (N, k), (N, k, V), (N, k + 1, V)'),
+    (lambda: speculative_generate(_drafter().model, [[1]], 3, rejection='blocks'), ValueError,
+     "rejection = 'blocks'; expected 'token' or 'block'"),
     (lambda: prefix_survival(torch.tensor([-0.1])), ValueError, 'values in [0, 1]'),
     (lambda: best_verify_length(torch.ones(3), torch.zeros(4)), ValueError, '(B + 1,) positive'),
     (lambda: choose_verify_lengths(torch.ones(2, 3), lambda T: T * 0.0), ValueError, 'positive seconds'),
