@@ -310,6 +310,29 @@ def reference_accept_sampled(drafts: list, q: torch.Tensor, p: torch.Tensor, u: 
         return i, int(_inverse_cdf(dist[None], torch.tensor([v]))[0])
     return len(drafts), int(_inverse_cdf(p[len(drafts)][None], torch.tensor([v]))[0])
 
+# %% ../nbs/14_dspark.ipynb #8197743b
+def _uniforms(fn: str, drafts, q, p, generator, u, v) -> tuple:
+    "drafts (N, k), q (N, k, V), p (N, k + 1, V) checked for `fn`; uniforms u (N, k), v (N,), drawn if None"
+    N, k = drafts.shape
+    require(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
+            f"{fn}: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, "
+            f"p {tuple(p.shape)}; expected (N, k), (N, k, V), (N, k + 1, V)")
+    dev = generator.device if generator is not None else drafts.device
+    if u is None: u = torch.rand(N, k, generator=generator, device=dev).to(drafts.device)
+    if v is None: v = torch.rand(N, generator=generator, device=dev).to(drafts.device)
+    return u, v
+
+# %% ../nbs/14_dspark.ipynb #07ca0432
+def _last_token(q, p, n, w, v) -> torch.Tensor:
+    ("Each request's last token at its row n: norm(max(0, w p - q)), q = 0 on the bonus row "
+     "(p itself where that is empty)")
+    N = len(n)
+    rows = torch.arange(N, device=n.device)
+    pn, qn = p[rows, n], torch.cat([q, q.new_zeros(N, 1, q.shape[2])], 1)[rows, n]
+    resid = (w[:, None] * pn - qn).clamp(min=0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)  # p == q: nothing to correct
+    return _inverse_cdf(resid, v)
+
 # %% ../nbs/14_dspark.ipynb #8f3756f0
 def accept_sampled(
     drafts: torch.Tensor,           # (N, k) int64 drafted ids
@@ -321,21 +344,11 @@ def accept_sampled(
 ) -> tuple:                         # accepted (N,), the step's last token (N,)
     ("Speculative sampling: accept draft i with probability min(1, p/q); "
      "at the first rejection draw from norm(max(0, p - q))")
-    N, k = drafts.shape
-    require(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
-            f"accept_sampled: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, "
-            f"p {tuple(p.shape)}; expected (N, k), (N, k, V), (N, k + 1, V)")
-    dev = generator.device if generator is not None else drafts.device
-    if u is None: u = torch.rand(N, k, generator=generator, device=dev).to(drafts.device)
-    if v is None: v = torch.rand(N, generator=generator, device=dev).to(drafts.device)
+    u, v = _uniforms('accept_sampled', drafts, q, p, generator, u, v)
+    k = drafts.shape[1]
     pd, qd = (t[:, :k].gather(-1, drafts[..., None]).squeeze(-1) for t in (p, q))  # (N, k)
     n = (u * qd < pd).long().cumprod(1).sum(1)  # (N,) accepted
-    rows = torch.arange(N, device=drafts.device)
-    # q = 0 on the bonus row
-    pn, qn = p[rows, n], torch.cat([q, q.new_zeros(N, 1, q.shape[2])], 1)[rows, n]
-    resid = (pn - qn).clamp(min=0)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)  # p == q: nothing to correct
-    return n, _inverse_cdf(resid, v)
+    return n, _last_token(q, p, n, torch.ones_like(n, dtype=p.dtype), v)
 
 # %% ../nbs/14_dspark.ipynb #d466ab22
 def block_stops(drafts: torch.Tensor, # (N, k) int64 drafted ids
@@ -365,21 +378,12 @@ def accept_block(
 ) -> tuple:                           # accepted (N,), the step's last token (N,)
     ("Block verification: keep the longest prefix i with eta_i <= h_i; "
      "draw the last token from norm(max(0, w_i p_i - q_i))")
-    N, k = drafts.shape
-    require(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
-            f"accept_block: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, "
-            f"p {tuple(p.shape)}; expected (N, k), (N, k, V), (N, k + 1, V)")
-    dev = generator.device if generator is not None else drafts.device
-    if eta is None: eta = torch.rand(N, k, generator=generator, device=dev).to(drafts.device)
-    if v is None: v = torch.rand(N, generator=generator, device=dev).to(drafts.device)
+    eta, v = _uniforms('accept_block', drafts, q, p, generator, eta, v)
     w, h = block_stops(drafts, q, p)
+    k = drafts.shape[1]
     i = torch.arange(1, k + 1, device=drafts.device)
-    n = torch.where(eta <= h[:, 1:], i, 0).amax(1) if k else i.new_zeros(N)
-    rows = torch.arange(N, device=drafts.device)
-    pn, qn = p[rows, n], torch.cat([q, q.new_zeros(N, 1, q.shape[2])], 1)[rows, n]
-    resid = (w[rows, n, None] * pn - qn).clamp(min=0)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, pn)
-    return n, _inverse_cdf(resid, v)
+    n = torch.where(eta <= h[:, 1:], i, 0).amax(1) if k else i.new_zeros(len(drafts))
+    return n, _last_token(q, p, n, w.gather(1, n[:, None])[:, 0], v)
 
 # %% ../nbs/14_dspark.ipynb #5383b686
 def reference_accept_block(drafts: list, q: torch.Tensor, p: torch.Tensor, eta: list,

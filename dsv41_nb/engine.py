@@ -1105,6 +1105,10 @@ def _proposer(self: LLMEngine, proposer) -> Proposer | None:
             and callable(getattr(proposer, 'propose', None))):
         raise TypeError(f"proposer: expected num_speculative_tokens and propose(token lists), "
                         f"got {type(proposer).__name__}")
+    if getattr(proposer, 'temperature', 0) > 0:   # its drafts drawn from a q the runner never sees
+        raise ValueError(f"proposer: drafts drawn at temperature {proposer.temperature}; the "
+                         "runner verifies drafts as point masses, so the proposer must draft "
+                         "greedily (temperature 0)")
     if k and k != proposer.num_speculative_tokens:
         raise ValueError(f"num_speculative_tokens = {k} "
                          f"but the proposer drafts {proposer.num_speculative_tokens}")

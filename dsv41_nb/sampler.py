@@ -13,7 +13,7 @@ from .scheduler import SamplingParams
 
 # %% auto #0
 __all__ = ['ARGMAX_CHUNK', 'reference_probs', 'SamplingBatch', 'sampling_batch', 'sampling_probs', 'argmax_rows', 'draw',
-           'chi_square_pvalue']
+           'chi_square_pvalue', 'block_keep']
 
 # %% ../nbs/12b_sampler.ipynb #38d36736
 def reference_probs(logits: torch.Tensor, # (vocab,) one row of logits
@@ -176,3 +176,19 @@ def chi_square_pvalue(counts: torch.Tensor, # (V,) how often each token came out
     stat = ((counts[probs > 0] - expected) ** 2 / expected).sum()
     dof_half = torch.tensor((len(expected) - 1) / 2, dtype=torch.double)
     return torch.special.gammaincc(dof_half, stat / 2).item()
+
+# %% ../nbs/12b_sampler.ipynb #000c1eb3
+def block_keep(a: Sequence[float], # (k,) each draft's acceptance probability p(draft) at its row
+               eta: Sequence[float], # (k,) uniforms, one for each prefix 1 .. k
+              ) -> int: # how many drafts the block keeps
+    "Block verification of point-mass drafts: the longest prefix i whose uniform is <= h_i"
+    if len(a) != len(eta):
+        raise ValueError(f"block_keep: {len(a)} acceptance probabilities and {len(eta)} uniforms")
+    if not all(0 <= float(x) <= 1 for x in a):
+        raise ValueError(f"block_keep: acceptance probabilities must be in [0, 1], got {list(a)}")
+    k, w, keep = len(a), [1.0], 0
+    for x in a: w.append(w[-1] * float(x))
+    for i in range(1, k + 1):
+        h = w[k] if i == k else (w[i] - w[i + 1]) / (1 - w[i + 1]) if w[i + 1] < 1 else 0.0
+        if eta[i - 1] <= h: keep = i
+    return keep

@@ -233,6 +233,34 @@ def test_block_verification_at_temperature_0_is_greedy():
     assert torch.equal(n, accept_greedy(drf, tgt)) and torch.equal(t, tgt.gather(1, n[:, None])[:, 0])
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(seed=st.integers(0, 10 ** 6), k=st.integers(0, 5), vocab=st.integers(2, 6))
+def test_block_keep_is_block_verification_of_point_masses(seed, k, vocab):
+    """The sampler's point-mass form (`block_keep` on each draft's p(draft)) keeps the drafts `accept_block` keeps with
+    the same uniforms, drafts as point masses; `block_keep` with probabilities of exactly 0 and 1 included"""
+    from dsv41_nb.sampler import block_keep
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(50, k + 1, vocab, generator=g, dtype=torch.float64) * 2, -1)
+    p[::7] = torch.nn.functional.one_hot(p[::7].argmax(-1), vocab).double()
+    d = torch.randint(0, vocab, (50, k), generator=g)
+    eta = torch.rand(50, k, generator=g, dtype=torch.float64)
+    n, _ = accept_block(d, torch.nn.functional.one_hot(d, vocab).double(), p, eta=eta, v=torch.rand(50, generator=g))
+    a = p[:, :k].gather(-1, d[..., None])[..., 0]
+    assert n.tolist() == [block_keep(a[i].tolist(), eta[i].tolist()) for i in range(50)]
+
+
+def test_point_mass_drafts_keep_as_many_under_both_rules():
+    """Drafts as point masses: block verification keeps i drafts or more with probability w_i = a_1 ... a_i, the
+    row-by-row rule's (the stop probabilities telescope)"""
+    g = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(200, 5, 6, generator=g, dtype=torch.float64), -1)
+    d = torch.randint(0, 6, (200, 4), generator=g)
+    w, h = block_stops(d, torch.nn.functional.one_hot(d, 6).double(), p)
+    at_least = 1 - (1 - h[:, 1:]).flip(1).cumprod(1).flip(1)              # P(tau >= i), i = 1 .. k
+    assert torch.allclose(at_least, p[:, :4].gather(-1, d[..., None])[..., 0].cumprod(1)) and torch.allclose(
+        at_least, w[:, 1:])
+
+
 def test_block_stops_weights():
     "w carries min(1, w p/q) along the drafts; h_0 = 1, h_k = w_k, and no stop where the residual is empty"
     p = torch.tensor([[[0.5, 0.5], [0.9, 0.1], [0.2, 0.8]]], dtype=torch.float64)

@@ -78,6 +78,8 @@ BAD = [
     (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=RING), ValueError,
      f'async_scheduling with num_speculative_tokens = {RING}: at most {RING - 1}'),
     (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
+    (lambda: LLM(MODEL, proposer=SimpleNamespace(num_speculative_tokens=2, propose=list, temperature=0.7)),
+     ValueError, 'drafts drawn at temperature 0.7; the runner verifies drafts as point masses'),
     (lambda: LLM(MODEL, speculative='medusa'), ValueError, "speculative = 'medusa'; expected one of"),
     (lambda: LLM(MODEL, speculative=3), TypeError, "speculative = 3; expected a method's name"),
     (lambda: LLM(MODEL, speculative='ngram', proposer=NgramProposer(2)), ValueError,
