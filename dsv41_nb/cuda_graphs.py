@@ -18,8 +18,8 @@ from .kv_manager import SlotMappings
 from .paged_step import pad_rows
 
 # %% auto #0
-__all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'pad_decode_batch', 'tapped_model', 'CUDAGraphModel', 'StagedInputs',
-           'fill_token_ids']
+__all__ = ['CAPTURE_SIZES', 'padded_batch_size', 'capture_sizes', 'pad_decode_batch', 'tapped_model', 'CUDAGraphModel',
+           'StagedInputs', 'fill_token_ids']
 
 # %% ../nbs/12c_cuda_graphs.ipynb #86ef8c0e
 # padded decode batch sizes with a graph each: every size to 8, then steps of a quarter to a half
@@ -31,6 +31,24 @@ def padded_batch_size(n: int, sizes: Sequence[int] = CAPTURE_SIZES) -> int | Non
      "None when n is larger than all of them (that step runs eagerly)")
     return next((s for s in sorted(sizes) if s >= check_int('padded_batch_size', 'n', n, 1)),
                 None)
+
+# %% ../nbs/12c_cuda_graphs.ipynb #77a92cd8
+def capture_sizes(max_num_seqs: int, # most requests a step runs
+                  num_speculative_tokens: int = 0, # drafts a request verifies a step
+                  # largest step in rows (None: vLLM's default, 2 · max_num_seqs · (1 + drafts),
+                  # at most 512)
+                  max_size: int | None = None,
+                 ) -> tuple:
+    "Padded sizes, in rows, that an engine replays from graphs"
+    n = check_int('capture_sizes', 'max_num_seqs', max_num_seqs, 1)
+    k = check_int('capture_sizes', 'num_speculative_tokens', num_speculative_tokens, 0)
+    top = (min(2 * n * (1 + k), 512) if max_size is None
+           else check_int('capture_sizes', 'max_size', max_size, 1))
+    sizes, s = [c for c in CAPTURE_SIZES if c <= top], CAPTURE_SIZES[-1]
+    while s < top:
+        s += 2 ** (s.bit_length() - 3)                    # a quarter of the power of two below
+        if s <= top: sizes.append(s)
+    return tuple(sizes) if sizes[-1] == top else (*sizes, top)
 
 # %% ../nbs/12c_cuda_graphs.ipynb #a347cab2
 def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per request, each sampled

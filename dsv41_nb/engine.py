@@ -30,7 +30,9 @@ from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME
 from .paged_step import step_model as paged_step_model, PagedStepModel
 from .sampler import SamplingBatch, sampling_batch, sampling_probs, draw, argmax_rows
-from .cuda_graphs import CUDAGraphModel, fill_token_ids, _map_tensors, tapped_model, _sent
+from .compressor import RING_DEPTH
+from .cuda_graphs import (CUDAGraphModel, fill_token_ids, _map_tensors, tapped_model, _sent,
+                                  capture_sizes)
 
 # %% auto #0
 __all__ = ['RING', 'RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'HOST_PHASES', 'InputBatch', 'RecomputeModel',
@@ -950,6 +952,9 @@ class EngineArgs:
     drafter: str | None = None  # the drafter's weights (LLM: beside the checkpoint it loads)
     runner: str = 'auto'  # one of RUNNERS
     cuda_graphs: bool = True  # capture decode steps on a GPU when the model allows it
+    # largest step, in rows, replayed from a graph (vLLM's; None: 2 · max_num_seqs ·
+    # (1 + drafts), at most 512)
+    max_cudagraph_capture_size: int | None = None
     # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
     kernels: str | None = None
     seed: int = 0  # the generator of unseeded random requests
@@ -958,6 +963,9 @@ class EngineArgs:
             raise ValueError(f"runner = {self.runner!r}; expected one of {RUNNERS}")
         if self.kernels not in (None, *BACKENDS):
             raise ValueError(f"kernels = {self.kernels!r}; expected None or one of {BACKENDS}")
+        if self.max_cudagraph_capture_size is not None:
+            check_int('EngineArgs', 'max_cudagraph_capture_size',
+                      self.max_cudagraph_capture_size, 1)
         if self.max_model_len is not None:
             check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
         if self.gpu_memory_utilization is not None:
@@ -1019,10 +1027,15 @@ class LLMEngine:
             num_speculative_tokens=getattr(self.proposer, 'num_speculative_tokens', 0),
             bounded_replay=a.bounded_replay))
         make = step_model or (lambda kc: make_step_model(model, kc, a.runner))
+        # the padded sizes, in rows, of the steps replayed from graphs (verifying steps too)
+        k = self.scheduler.config.num_speculative_tokens
+        self.capture_sizes = capture_sizes(a.max_num_seqs, k, a.max_cudagraph_capture_size)
         step_model = make(self.kv_cache_config)
+        self._check_drafts(step_model, k)
         if (a.cuda_graphs and step_model.device.type == 'cuda'
                 and getattr(step_model, 'supports_cuda_graphs', False)):
-            step_model = CUDAGraphModel(step_model, self.kv_cache_config, self.max_model_len)
+            step_model = CUDAGraphModel(step_model, self.kv_cache_config, self.max_model_len,
+                                        self.capture_sizes)
         if callable(getattr(self.proposer, 'serve', None)):   # a proposer with a model of its own
             graphs = isinstance(step_model, CUDAGraphModel)
             self.proposer.serve(capture=a.max_num_seqs if graphs else 0)
@@ -1031,6 +1044,17 @@ class LLMEngine:
         self.tracked, self._pending = {}, None
         # a proposer that paces itself by measured step times is told of each decode step
         self._observer, self._tally = getattr(self.proposer, 'observe_step', None), (0, 0)
+
+# %% ../nbs/13_engine.ipynb #97741821
+@patch
+def _check_drafts(self: LLMEngine, step_model, k: int):
+    "Refuse more drafts than the step model can undo: its ring layers journal a request's last rows"
+    m = step_model
+    while m is not None and not hasattr(m, 'ring_ratio'): m = getattr(m, 'model', None)
+    if k and m is not None and m.ring_ratio and k + 1 > RING_DEPTH:
+        raise ValueError(f"num_speculative_tokens = {k}: the paged step keeps a request's last "
+                         f"{RING_DEPTH} rows of a step to undo rejected drafts; at most "
+                         f"{RING_DEPTH - 1} drafts")
 
 # %% ../nbs/13_engine.ipynb #980b573b
 @patch

@@ -27,7 +27,8 @@ from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer
                              TapContexts, ReferenceTapContexts, kv_pool_blocks)
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
-from dsv41_nb.cuda_graphs import CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids
+from dsv41_nb.cuda_graphs import (CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids,
+                                  capture_sizes)
 from dsv41_nb.serving import random_checkpoint, percentiles
 from dsv41_nb.__main__ import random_prompts
 
@@ -78,6 +79,9 @@ BAD = [
     (lambda: LLM(MODEL, runner='paged', async_scheduling=True, num_speculative_tokens=RING), ValueError,
      f'async_scheduling with num_speculative_tokens = {RING}: at most {RING - 1}'),
     (lambda: LLM(MODEL, num_speculative_tokens=-1), ValueError, 'num_speculative_tokens = -1'),
+    (lambda: LLM(MODEL, max_cudagraph_capture_size=0), ValueError, 'max_cudagraph_capture_size = 0'),
+    (lambda: LLM(MODEL, runner='paged', num_speculative_tokens=8), ValueError,
+     'num_speculative_tokens = 8: the paged step keeps a request\'s last 8 rows of a step to undo rejected drafts'),
     (lambda: LLM(MODEL, proposer=SimpleNamespace(num_speculative_tokens=2, propose=list, temperature=0.7)),
      ValueError, 'drafts drawn at temperature 0.7; the runner verifies drafts as point masses'),
     (lambda: LLM(MODEL, speculative='medusa'), ValueError, "speculative = 'medusa'; expected one of"),
@@ -324,6 +328,26 @@ def test_seeded_requests_reproducible_whatever_the_batch():
     alone = outputs(llm, [PROMPTS[0]], sp)[0]
     crowd = outputs(llm, [PROMPTS[2], PROMPTS[0], PROMPTS[1]], [SamplingParams(seed=1), sp, SamplingParams()])
     assert crowd[1] == alone
+
+def test_steps_verifying_drafts_replay_past_256_rows():
+    """The engine's capture sizes reach past 256 rows when requests verify drafts (vLLM's default cap, 512, or
+    max_cudagraph_capture_size); a verifying step of 33 requests x 8 rows replays from its graph (emulated), journaled,
+    and greedy output is the eager engine's"""
+    eng = LLM(MODEL, max_model_len=64, num_speculative_tokens=3).llm_engine
+    assert eng.capture_sizes == capture_sizes(256, 3) and eng.capture_sizes[-1] == 512
+    assert LLM(MODEL, max_model_len=64, max_cudagraph_capture_size=40).llm_engine.capture_sizes[-1] == 40
+    class Seven:            # seven drafts a request, the most a paged step can undo: wrong ones, verified all the same
+        num_speculative_tokens = 7
+        def propose(self, lists): return [[(t[-1] + 1 + j) % TINY.vocab_size for j in range(7)] for t in lists]
+    box, prompts = {}, [[3 + i % 200, 7, 11 + i % 100] for i in range(33)]     # 33 x 8 = 264 rows
+    def graphs(kc):
+        box['cg'] = CUDAGraphModel(paged_step_model(MODEL, kc), kc, 256, capture_sizes(33, 7), emulate=True)
+        return box['cg']
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)   # room for seven drafts after the first
+    got = outputs(LLM(MODEL, **EXACT, proposer=Seven(), step_model=graphs), prompts, sp)
+    assert got == outputs(LLM(MODEL, **EXACT), prompts, sp)
+    assert padded_batch_size(264, capture_sizes(33, 7)) in box['cg'].journaled, box['cg']
+
 
 def test_abort_frees_blocks():
     llm = LLM(MODEL, **EXACT)
