@@ -312,7 +312,8 @@ def reference_accept_sampled(drafts: list, q: torch.Tensor, p: torch.Tensor, u: 
 
 # %% ../nbs/14_dspark.ipynb #8197743b
 def _uniforms(fn: str, drafts, q, p, generator, u, v) -> tuple:
-    "drafts (N, k), q (N, k, V), p (N, k + 1, V) checked for `fn`; uniforms u (N, k), v (N,), drawn if None"
+    ("drafts (N, k), q (N, k, V), p (N, k + 1, V) checked for `fn`; "
+     "uniforms u (N, k), v (N,), drawn if None")
     N, k = drafts.shape
     require(q.shape[:2] == (N, k) and p.shape[:2] == (N, k + 1) and q.shape[2] == p.shape[2],
             f"{fn}: drafts {tuple(drafts.shape)}, q {tuple(q.shape)}, "
