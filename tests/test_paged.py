@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from budget import examples
+from budget import examples, SLOW
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting, HostReads, as_captured
@@ -227,23 +227,34 @@ class _ThreeDrafts:
 @pytest.mark.skipif(not triton_interpreting(),
                     reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1); the GPU tier '
                            'captures verification steps for real')
-def test_a_captured_verification_step_reads_nothing_back(models):
-    """A step that verifies drafts (each request's row and three drafts, every row sampled) is decode-only with its
-    ring rows recorded: run as a capture it reads nothing back and gives the eager step's logits"""
+class _SevenDrafts:
+    num_speculative_tokens = 7
+    def propose(self, requests): return [[1, 2, 3, 4, 5, 6, 7] for _ in requests]
+
+
+@pytest.mark.parametrize('lengths,proposer', [
+    ((75, 6), _ThreeDrafts()),
+    pytest.param(tuple(6 + i % 9 for i in range(41)), _SevenDrafts(), id='328-rows',
+                 marks=pytest.mark.skipif(not SLOW, reason='328 rows on the interpreter, about 12 minutes: DSV41_SLOW=1'))])
+def test_a_captured_verification_step_reads_nothing_back(models, lengths, proposer):
+    """A step that verifies drafts (each request's row and its drafts, every row sampled) is decode-only with its ring
+    rows recorded: run as a capture it reads nothing back and gives the eager step's logits; with DSV41_SLOW=1 also a
+    step of 41 requests and seven drafts each, 328 rows, past the 256 of a decode step"""
     engine = pytest.importorskip('dsv41_nb.engine')
     from dsv41_nb.scheduler import SamplingParams
     model, _ = models
     g = torch.Generator().manual_seed(3)
-    llm = engine.LLM(model, max_model_len=256, kernels='torch', proposer=_ThreeDrafts())
+    llm = engine.LLM(model, max_model_len=256, kernels='torch', proposer=proposer, max_num_seqs=len(lengths))
     eng, sm = llm.llm_engine, llm.llm_engine.runner.model
-    for i, n in enumerate((75, 6)):
+    for i, n in enumerate(lengths):
         eng.add_request(str(i), torch.randint(1, TINY.vocab_size, (n,), generator=g).tolist(),
-                        SamplingParams(max_tokens=12))
+                        SamplingParams(max_tokens=30))
     eng.step(); eng.step()                                                     # the prefill, a first verification
     batch, _ = eng.runner.prepare_inputs(eng.scheduler.schedule())
     with use_kernels('triton'): inputs = sm.prepare(batch)
     T, R = len(batch.token_ids), len(batch.request_ids)
-    assert (T, R) == (8, 2) and inputs.step.decode_only and inputs.replayable and inputs.journal
+    assert (T, R) == (len(lengths) * (1 + proposer.num_speculative_tokens), len(lengths))
+    assert inputs.step.decode_only and inputs.replayable and inputs.journal
     assert all(len(t) == T for t in inputs.step.block_tables)                 # a row of tables per row
     rings = {l: r.clone() for l, r in sm.model.state.rings.items()}
     with use_kernels('triton'):
