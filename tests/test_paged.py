@@ -235,7 +235,8 @@ class _SevenDrafts:
 @pytest.mark.parametrize('lengths,proposer', [
     ((75, 6), _ThreeDrafts()),
     pytest.param(tuple(6 + i % 9 for i in range(41)), _SevenDrafts(), id='328-rows',
-                 marks=pytest.mark.skipif(not SLOW, reason='328 rows on the interpreter, about 12 minutes: DSV41_SLOW=1'))])
+                 marks=pytest.mark.skipif(not SLOW,
+                                          reason='328 rows on the interpreter, about 12 minutes: DSV41_SLOW=1'))])
 def test_a_captured_verification_step_reads_nothing_back(models, lengths, proposer):
     """A step that verifies drafts (each request's row and its drafts, every row sampled) is decode-only with its ring
     rows recorded: run as a capture it reads nothing back and gives the eager step's logits; with DSV41_SLOW=1 also a
