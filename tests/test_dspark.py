@@ -112,20 +112,24 @@ def test_accept_greedy_matches_walk(seed, n, k, vocab):
                                                 for a, b in zip(drf.tolist(), tgt.tolist())]
 
 
-@settings(max_examples=examples(60), deadline=None)
+RULES = {'token': (accept_sampled, reference_accept_sampled), 'block': (accept_block, reference_accept_block)}
+
+
+@settings(max_examples=examples(120), deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 30), k=st.integers(0, 5), vocab=st.integers(2, 9),
-       same=st.booleans())
-def test_accept_sampled_matches_walk(seed, n, k, vocab, same):
+       same=st.booleans(), rule=st.sampled_from(sorted(RULES)))
+def test_verification_matches_walk(seed, n, k, vocab, same, rule):
+    "Each rule, batched, against the plain walk of each request with the same uniforms"
+    batched, walk = RULES[rule]
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(n, k + 1, vocab, generator=g) * 2, -1)
-    # p == q: empty residual
+    # p == q: every weight 1, empty residuals
     q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=g) * 2, -1)
     d = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(n, k) if k else torch.zeros(n, 0, dtype=torch.int64)
     u, v = torch.rand(n, k, generator=g), torch.rand(n, generator=g)
-    a, t = accept_sampled(d, q, p, u=u, v=v)
+    a, t = batched(d, q, p, None, u, v)
     assert (list(zip(a.tolist(), t.tolist()))
-            == [reference_accept_sampled(d[i].tolist(), q[i], p[i], u[i].tolist(), float(v[i]))
-                for i in range(n)])
+            == [walk(d[i].tolist(), q[i], p[i], u[i].tolist(), float(v[i])) for i in range(n)])
 
 
 @pytest.mark.parametrize('seed,vocab,greedy_drafts', [(0, 8, False), (1, 8, True), (2, 5, False)])
@@ -157,22 +161,6 @@ def test_the_distribution_test_can_fail():
     out = torch.where(ok, d, torch.multinomial(p[0], N, replacement=True, generator=g))
     assert chi_square_pvalue(torch.bincount(out, minlength=vocab), p[0]) < 1e-6
 
-
-
-@settings(max_examples=examples(60), deadline=None)
-@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 30), k=st.integers(0, 5), vocab=st.integers(2, 9),
-       same=st.booleans())
-def test_accept_block_matches_walk(seed, n, k, vocab, same):
-    "Block verification, batched, against the plain walk of each request with the same uniforms"
-    g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(torch.randn(n, k + 1, vocab, generator=g) * 2, -1)
-    # p == q: every weight 1, empty residuals
-    q = p[:, :k].clone() if same else torch.softmax(torch.randn(n, k, vocab, generator=g) * 2, -1)
-    d = torch.multinomial(q.flatten(0, 1), 1, generator=g).view(n, k) if k else torch.zeros(n, 0, dtype=torch.int64)
-    eta, v = torch.rand(n, k, generator=g), torch.rand(n, generator=g)
-    a, t = accept_block(d, q, p, eta=eta, v=v)
-    assert (list(zip(a.tolist(), t.tolist()))
-            == [reference_accept_block(d[i].tolist(), q[i], p[i], eta[i].tolist(), float(v[i])) for i in range(n)])
 
 
 def _chain_tables(V, depth, seed, scale=1.5):
@@ -212,7 +200,7 @@ def _emitted_law_pvalue(verify, V=3, k=3, L=4, N=60_000, seed=2):
 @pytest.mark.parametrize('rule', ['token', 'block'])
 def test_verification_emits_the_targets_law(rule):
     "Both rules emit the target's law of the first four tokens (fixed seeds, p-value > 1e-3)"
-    assert _emitted_law_pvalue(accept_block if rule == 'block' else accept_sampled) > 1e-3
+    assert _emitted_law_pvalue(RULES[rule][0]) > 1e-3
 
 
 def test_the_law_test_sees_an_unweighted_residual(monkeypatch):
