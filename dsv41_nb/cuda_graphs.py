@@ -78,10 +78,10 @@ def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per req
         history=None if batch.history is None else pad(batch.history, -1))
 
 # %% ../nbs/12c_cuda_graphs.ipynb #352420d4
-def tapped_model(model):
-    ("The model under `model` (itself, or down its `.model` chain) that keeps a step's taps "
-     "(`last_taps`), or None")
-    while model is not None and not hasattr(model, 'last_taps'):
+def tapped_model(model,
+                 attr: str = 'last_taps'): # what it must have (default: a step's taps, kept)
+    "The model under `model` (itself, or down its `.model` chain) that has `attr`, or None"
+    while model is not None and not hasattr(model, attr):
         model = getattr(model, 'model', None)
     return model
 

@@ -1049,8 +1049,7 @@ class LLMEngine:
 @patch
 def _check_drafts(self: LLMEngine, step_model, k: int):
     "Refuse more drafts than the step model can undo: its ring layers journal a request's last rows"
-    m = step_model
-    while m is not None and not hasattr(m, 'ring_ratio'): m = getattr(m, 'model', None)
+    m = tapped_model(step_model, 'ring_ratio')
     if k and m is not None and m.ring_ratio and k + 1 > RING_DEPTH:
         raise ValueError(f"num_speculative_tokens = {k}: the paged step keeps a request's last "
                          f"{RING_DEPTH} rows of a step to undo rejected drafts; at most "
