@@ -224,14 +224,14 @@ class _ThreeDrafts:
     def propose(self, requests): return [[1, 2, 3] for _ in requests]
 
 
-@pytest.mark.skipif(not triton_interpreting(),
-                    reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1); the GPU tier '
-                           'captures verification steps for real')
 class _SevenDrafts:
     num_speculative_tokens = 7
     def propose(self, requests): return [[1, 2, 3, 4, 5, 6, 7] for _ in requests]
 
 
+@pytest.mark.skipif(not triton_interpreting(),
+                    reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1); the GPU tier '
+                           'captures verification steps for real')
 @pytest.mark.parametrize('lengths,proposer', [
     ((75, 6), _ThreeDrafts()),
     pytest.param(tuple(6 + i % 9 for i in range(41)), _SevenDrafts(), id='328-rows',
