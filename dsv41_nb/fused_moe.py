@@ -455,13 +455,15 @@ def _check_shape(shape):
         raise ValueError(f"prefetch = {shape['prefetch']!r}; expected True or False")
 
 # %% ../nbs/08b_fused_moe.ipynb #020f00f7
-def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device) -> tuple[dict, tuple]:
+def _launch(align: ExpertAlignment, N: int, K: int, shape: dict, device,
+            min_bn: int = 32, # the fewest weight rows a program may be narrowed to
+           ) -> tuple[dict, tuple]:
     "Meta-parameters and grid for a GEMM of N output columns over K"
     _check_shape(shape)
     bn, tiles = shape['block_n'], shape.get('tiles', MOE_TILES[0])
-    if device.type == 'cuda':
+    if device.type == 'cuda':      # narrower programs, more of them, until the GPU is filled
         sms = sm_count(device)
-        while bn > 32 and align.num_blocks * triton.cdiv(N, bn) < 2 * sms: bn //= 2
+        while bn > min_bn and align.num_blocks * triton.cdiv(N, bn) < 2 * sms: bn //= 2
     interp = triton_interpreting()
     meta = dict(BM=align.block_m, BN=bn, BK=math.gcd(K, shape['block_k']), GROUP_M=8,
                 HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,

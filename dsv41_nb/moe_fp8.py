@@ -5,6 +5,7 @@
 # %% ../nbs/08g_moe_fp8.ipynb #8267c932
 from __future__ import annotations
 import numbers
+import re
 from dataclasses import dataclass, replace
 import torch
 import triton
@@ -22,9 +23,10 @@ from .formats import (e2m1_values, quantize_fp8, ue8m0_values, _ue8m0_code, _pow
                               _e4m3_code)
 
 # %% auto #0
-__all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes',
-           'act_codes_torch', 'act_codes', 'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up', 'expert_down_fp8',
-           'fits_fp8_words', 'fp8_down', 'fp8_launch_shape', 'by_row_block']
+__all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'FP8_MIN_BLOCK_N', 'FP8_MOVE_LAYOUT', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words',
+           'fp8_words_weight', 'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'asm_layouts', 'expert_gate_up_fp8',
+           'fp8_moe', 'fp8_gate_up', 'expert_down_fp8', 'fits_fp8_words', 'fp8_down', 'fp8_launch_shape',
+           'by_row_block']
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -235,10 +237,36 @@ def _gate_up_fp8_kernel(
 
 # %% ../nbs/08g_moe_fp8.ipynb #7c5160cf
 FP8_BLOCK_N = {16: 128}   # weight rows a program, by row block (counted, not yet timed)
+FP8_MIN_BLOCK_N = 64      # fewer, and Triton takes Ampere's MMA, where the move is wrong (below)
 
 def _fp8_shape(shape: dict, align: ExpertAlignment) -> dict:
-    "`shape` with `FP8_BLOCK_N`'s weight rows for the alignment's row block, where it has them"
-    return {**shape, 'block_n': FP8_BLOCK_N.get(align.block_m, shape['block_n']), 'block_k': 128}
+    "`shape` with `FP8_BLOCK_N`'s weight rows for the alignment's row block, at least 64"
+    bn = FP8_BLOCK_N.get(align.block_m, shape['block_n'])
+    return {**shape, 'block_n': max(FP8_MIN_BLOCK_N, bn), 'block_k': 128}
+
+# %% ../nbs/08g_moe_fp8.ipynb #f98a9951
+def asm_layouts(ttgir: str) -> list[str]:
+    "The layouts (aliases written out) the `tt.elementwise_inline_asm`s of a TTGIR run in, once each"
+    if not isinstance(ttgir, str):
+        raise TypeError(f"asm_layouts: expected TTGIR text, got {type(ttgir).__name__}")
+    alias = dict(re.findall(r'^(#[\w.]+) = (#ttg\.\w+<.*>)$', ttgir, re.M))
+    def expand(t): return re.sub(r'#[\w.]+\b(?![<.])',
+                                 lambda m: expand(alias.get(m.group(0), m.group(0))), t)
+    found = re.findall(r'tt\.elementwise_inline_asm .* -> tensor<[^,]+, (.*)> loc', ttgir)
+    return sorted({expand(t) for t in found})
+
+# %% ../nbs/08g_moe_fp8.ipynb #1c4d44c5
+FP8_MOVE_LAYOUT = re.compile(r'#ttg\.dot_op<\{opIdx = 0, parent = #ttg\.nvidia_mma<\{versionMajor = 3, '
+                             r'[^<>]*\}>, kWidth = 4\}>')
+_moves_checked = set()   # the hashes of the compiled kernels whose move was checked
+
+def _check_move(kernel):
+    "Refuse a compiled kernel whose move runs in another layout than `FP8_MOVE_LAYOUT`"
+    if getattr(kernel, 'asm', None) is None or kernel.hash in _moves_checked: return
+    bad = [l for l in asm_layouts(kernel.asm['ttgir']) if not FP8_MOVE_LAYOUT.fullmatch(l)]
+    if bad: raise RuntimeError(f"version 5's move compiled in {bad[0]}, where it is wrong; it needs "
+                               "the register operand of Hopper's MMA (kWidth 4)")
+    _moves_checked.add(kernel.hash)
 
 # %% ../nbs/08g_moe_fp8.ipynb #8b1c4e32
 def _fp8_operands(xq):
@@ -251,16 +279,17 @@ def _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split):
     "Run `_gate_up_fp8_kernel` over the tiles (and K slices), then `08c`'s finish if K is split"
     (E, N, K), dev, interp = w1.shape, xq.device, triton_interpreting()
     x, xs = _fp8_operands(xq)
-    meta, grid = _launch(align, N, K, shape, dev)
+    meta, grid = _launch(align, N, K, shape, dev, min_bn=FP8_MIN_BLOCK_N)
     out = (torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=dev) if split == 1 else
            torch.empty(split, align.n_assign, 2, N, dtype=torch.float32, device=dev))
     tw = topk_weights.float().contiguous()
-    _gate_up_fp8_kernel[(grid[0], split)](
+    k = _gate_up_fp8_kernel[(grid[0], split)](
         x, xs, w1.words, w1.scale_words, w3.words, w3.scale_words, out, tw, align.sorted_ids,
         align.block_expert, align.n_assign, align.num_blocks, float(swiglu_limit), K=K, N=N,
         TOPK=align.topk, BM=align.block_m, BN=meta['BN'], SPLIT=split, GROUP_M=8,
         CLAMP=swiglu_limit > 0, HW_CVT=not interp, num_warps=meta['num_warps'],
         num_stages=meta['num_stages'])
+    _check_move(k)
     if split == 1: return out
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=dev)
     fb = min(256, triton.next_power_of_2(N))
@@ -362,12 +391,13 @@ def expert_down_fp8(
     shape = _fp8_shape(shape or moe_launch_shape(align.n_assign, E), align)
     x, xs = _fp8_operands(h)
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
-    meta, grid = _launch(align, N, K, shape, h.device)
-    _down_fp8_kernel[grid](x, xs, w2.words, w2.scale_words, out, align.sorted_ids,
+    meta, grid = _launch(align, N, K, shape, h.device, min_bn=FP8_MIN_BLOCK_N)
+    k = _down_fp8_kernel[grid](x, xs, w2.words, w2.scale_words, out, align.sorted_ids,
                            align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
                            TOPK=align.topk, BM=meta['BM'], BN=meta['BN'], GROUP_M=meta['GROUP_M'],
                            HW_CVT=meta['HW_CVT'], num_warps=meta['num_warps'],
                            num_stages=meta['num_stages'])
+    _check_move(k)
     return out
 
 # %% ../nbs/08g_moe_fp8.ipynb #1ca87674

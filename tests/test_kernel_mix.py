@@ -2,6 +2,7 @@
 import importlib.util, json
 from pathlib import Path
 import pytest
+from dsv41_nb.moe_fp8 import asm_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location('kernel_mix', ROOT / 'tools' / 'kernel_mix.py')
@@ -115,10 +116,10 @@ kWidth = 4}>> loc(#loc9)
 """
 
 
-def test_inline_asm_layouts():
+def test_asm_layouts():
     "Each inline assembly's result layout once, its aliases written out"
-    assert km.inline_asm_layouts(TTGIR) == [
+    assert asm_layouts(TTGIR) == [
         '#ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [32, 1], warpsPerCTA = [4, 1], order = [1, 0]}>',
         '#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = '
         '[4, 1], instrShape = [16, 16, 32]}>, kWidth = 4}>']
-    assert km.inline_asm_layouts('tt.return') == []
+    assert asm_layouts('tt.return') == []

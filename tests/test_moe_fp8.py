@@ -3,6 +3,7 @@ exactly and decoded to each weight's byte, the activations' codes equal to `act_
 through the whole layer within the reference, on the interpreter (CI) and compiled (the GPU test tier, where the
 words reach the FP8 MMA through registers)."""
 from dataclasses import replace
+from types import SimpleNamespace
 from functools import partial
 import pytest
 import torch
@@ -15,7 +16,9 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
                                 check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_words, fp8_words_weight,
                               fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up,
-                              fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape)
+                              fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape, asm_layouts,
+                              FP8_MIN_BLOCK_N, _check_move, _fp8_shape)
+from dsv41_nb import fused_moe as fm
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
@@ -129,6 +132,46 @@ def test_through_the_layer():
     assert torch.equal(y, st_(x, tw, ti, W, cfg.swiglu_limit)['y'])
 
 
+HOPPER = ('#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, '
+          'warpsPerCTA = [4, 1], instrShape = [16, 16, 32]}>, kWidth = 4}>')
+AMPERE = ('#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, '
+          'warpsPerCTA = [1, 8], instrShape = [16, 8]}>, kWidth = 8}>')
+LINEAR = ('#ttg.linear<{register = [[0, 16], [0, 1], [0, 2]], lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], '
+          'warp = [[8, 0], [16, 0]], block = []}>')   # where Triton 3.6 ran the move at 32 weight rows
+
+
+def _compiled(*layouts):
+    "A compiled kernel as `_check_move` reads it: a hash and a TTGIR with one inline assembly per layout"
+    lines = [f'#l{i} = {l}' for i, l in enumerate(layouts)] + [
+        f'%c{i} = tt.elementwise_inline_asm "mov.b32 $0, $1;" %s : tensor<64x32xi32, #l{i}> -> '
+        f'tensor<64x32xf8E4M3FN, #l{i}> loc(#loc1)' for i in range(len(layouts))]
+    return SimpleNamespace(hash='|'.join(layouts), asm={'ttgir': '\n'.join(lines)})
+
+
+def test_the_launch_refuses_the_move_in_another_layout():
+    "Hopper's MMA register operand passes (and is remembered); Ampere's operand or a plain layout is refused by name"
+    _check_move(None)                                         # the interpreter's launch returns no kernel
+    k = _compiled(HOPPER)
+    _check_move(k)
+    k.asm = None                                              # checked once: not read again
+    _check_move(_compiled(HOPPER))
+    for bad in ((AMPERE,), (LINEAR,), (HOPPER, AMPERE), (HOPPER.replace('kWidth = 4', 'kWidth = 2'),)):
+        with pytest.raises(RuntimeError, match="version 5's move compiled in #ttg"):
+            _check_move(_compiled(*bad))
+
+
+def test_version_5_keeps_64_weight_rows_a_program(monkeypatch):
+    "The launch narrows programs to fill a GPU, but never version 5's below FP8_MIN_BLOCK_N (Ampere's MMA below)"
+    ti = torch.tensor([[0], [1], [2]])
+    al = align_by_expert(ti, 64, 16)
+    monkeypatch.setattr(fm, 'sm_count', lambda device, default=None: 132)
+    shape = dict(moe_launch_shape(3, 64), block_n=128)
+    cuda = torch.device('cuda')
+    assert fm._launch(al, 2304, 5120, shape, cuda)[0]['BN'] == 32          # three blocks: narrowed
+    assert fm._launch(al, 2304, 5120, shape, cuda, min_bn=FP8_MIN_BLOCK_N)[0]['BN'] == 64
+    assert _fp8_shape(dict(shape, block_n=32), ExpertAlignment.identity(3, 32))['block_n'] == 64
+
+
 def _bad_cases():
     cfg, W = _layer(4, 2, 128, 64, 0)
     _, W64 = _layer(4, 2, 64, 64, 0)
@@ -175,10 +218,11 @@ def _bad_cases():
         (lambda: expert_down_fp8(h, F2, ExpertAlignment.identity(5, 16)), "align: expected the routed experts'"),
         (lambda: by_row_block(None, len, 3), 'by_row_block: expected two stages (callables)'),
         (lambda: by_row_block(len, len, True), 'by_row_block: align_at = True; expected 3 (gate/up) or 2 (down)'),
+        (lambda: asm_layouts(None), 'asm_layouts: expected TTGIR text, got NoneType'),
     ]
 
 
-BAD_CASES = 31
+BAD_CASES = 32
 
 
 def test_every_bad_case_is_run():

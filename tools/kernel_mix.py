@@ -157,11 +157,12 @@ def compile_gate_up_versions(out: Path) -> list[dict]:
 def compile_gate_up_fp8(out: Path) -> list[dict]:
     ("08g_moe_fp8's stages (version 5: FP8 products) for sm_90 at the bench layer, with no GPU, beside version 4 at "
      "its launch: the gate/up stage and the routed down stage at a decode batch, a serving batch and a larger one, "
-     "version 5 at 16-row blocks and at the regime's (the gate/up stage also at 64 weight rows a program once); the "
+     "version 5 at 16-row blocks and at the regime's (the gate/up stage also at 64 weight rows a program once, and "
+     "at 32, which the launch refuses, to show why); the "
      "K loop's SASS instructions per weight, registers, spills, and the scale step's FMUL + FFMA per weight")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.fused_moe import moe_launch_shape
-    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_BLOCK_N
+    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_BLOCK_N, asm_layouts
     cfg, rows = ModelConfig.bench(), []
     ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
                 out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
@@ -173,7 +174,7 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
         rows.append(_loop_row(out / ('gate_up.sass' if gu else 'down.sass'), stage, 'version 4', tokens, r))
         shape = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
         variants = [(bm, FP8_BLOCK_N.get(bm, shape['block_n'])) for bm in sorted({16, shape['block_m']})]
-        if gu and tokens == 32: variants.append((16, 64))
+        if gu and tokens == 32: variants += [(16, 64), (16, 32)]   # 32: below FP8_MIN_BLOCK_N
         for bm, bn in variants:
             const = dict(K=cfg.dim if gu else cfg.moe_inter_dim, N=cfg.moe_inter_dim if gu else cfg.dim,
                          TOPK=cfg.n_activated_experts, BM=bm, BN=bn, **({'SPLIT': 1} if gu else {}), GROUP_M=8,
@@ -183,19 +184,11 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
                    **{k: 'constexpr' for k in const}}
             regs = _sm90(_gate_up_fp8_kernel if gu else _down_fp8_kernel, sig, [*p, 'n_assign'], const,
                          shape['num_warps'], shape['num_stages'], out, 'fp8')
-            rows.append(_loop_row(out / 'fp8.sass', stage, 'version 5', tokens,
+            kernel = 'version 5' if bn >= 64 else f'version 5 at {bn} rows (refused)'
+            rows.append(_loop_row(out / 'fp8.sass', stage, kernel, tokens,
                                   dict(block_m=bm, block_n=bn, num_warps=shape['num_warps'], registers=regs)))
-            rows[-1]['asm_layouts'] = inline_asm_layouts((out / 'fp8.ttgir').read_text())
+            rows[-1]['asm_layouts'] = asm_layouts((out / 'fp8.ttgir').read_text())
     return rows
-
-
-def inline_asm_layouts(ttgir: str) -> list[str]:
-    ("The layouts (aliases written out) of the results of every `tt.elementwise_inline_asm` in a kernel's TTGIR, "
-     "each once: which elements of a tensor each thread holds where the assembly runs")
-    alias = dict(re.findall(r'^(#[\w.]+) = (#ttg\.\w+<.*>)$', ttgir, re.M))
-    def expand(t): return re.sub(r'#[\w.]+\b(?![<.])', lambda m: expand(alias.get(m.group(0), m.group(0))), t)
-    found = re.findall(r'tt\.elementwise_inline_asm .* -> tensor<[^,]+, (.*)> loc', ttgir)
-    return sorted({expand(t) for t in found})
 
 
 def _loop_row(sass: Path, stage: str, kernel: str, tokens: int, r: dict) -> dict:
