@@ -263,7 +263,9 @@ _moves_checked = set()   # the hashes of the compiled kernels whose move was che
 def _check_move(kernel):
     "Refuse a compiled kernel whose move runs in another layout than `FP8_MOVE_LAYOUT`"
     if getattr(kernel, 'asm', None) is None or kernel.hash in _moves_checked: return
-    bad = [l for l in asm_layouts(kernel.asm['ttgir']) if not FP8_MOVE_LAYOUT.fullmatch(l)]
+    layouts = asm_layouts(kernel.asm['ttgir'])
+    if not layouts: raise RuntimeError("version 5's move not found in its kernel's TTGIR")
+    bad = [l for l in layouts if not FP8_MOVE_LAYOUT.fullmatch(l)]
     if bad: raise RuntimeError(f"version 5's move compiled in {bad[0]}, where it is wrong; it needs "
                                "the register operand of Hopper's MMA (kWidth 4)")
     _moves_checked.add(kernel.hash)

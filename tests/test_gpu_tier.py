@@ -165,7 +165,8 @@ def test_moe_slots_bench_layer():
 def test_moe_fp8_bench_layer():
     """Version 5 of the gate/up stage (FP8 products, the words through registers) on the bench layer at a decode batch,
     a serving batch and the `mid` regime, at the regime's row blocks and at 16, in one tile and with K split, and both
-    stages in version 5, within the reference; the activations' codes against their plain version"""
+    stages in version 5, within the reference (one request: where the launch narrowed programs to 32 weight rows); the
+    activations' codes against their plain version"""
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, 0, DEV)
     Wf = fp8_moe(W, down=True)                     # both stages in version 5, at 16-row blocks
@@ -182,6 +183,8 @@ def test_moe_fp8_bench_layer():
                             stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split)))
         check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, dict(shape, block_m=16),
                         stages=partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8))
+    from dsv41_nb import moe_fp8
+    assert moe_fp8._moves_checked          # every kernel compiled here had its move's layout read and passed
 
 
 def test_moe_down_planes_bench_layer():

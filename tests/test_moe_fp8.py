@@ -149,7 +149,8 @@ def _compiled(*layouts):
 
 
 def test_the_launch_refuses_the_move_in_another_layout():
-    "Hopper's MMA register operand passes (and is remembered); Ampere's operand or a plain layout is refused by name"
+    ("Hopper's MMA register operand passes (and is remembered); Ampere's operand or a plain layout is refused by "
+     "name, and so is a kernel in which no move is found")
     _check_move(None)                                         # the interpreter's launch returns no kernel
     k = _compiled(HOPPER)
     _check_move(k)
@@ -158,6 +159,8 @@ def test_the_launch_refuses_the_move_in_another_layout():
     for bad in ((AMPERE,), (LINEAR,), (HOPPER, AMPERE), (HOPPER.replace('kWidth = 4', 'kWidth = 2'),)):
         with pytest.raises(RuntimeError, match="version 5's move compiled in #ttg"):
             _check_move(_compiled(*bad))
+    with pytest.raises(RuntimeError, match="move not found"):  # a TTGIR the reader cannot parse: no silent pass
+        _check_move(_compiled())
 
 
 def test_version_5_keeps_64_weight_rows_a_program(monkeypatch):
