@@ -23,10 +23,10 @@ from .formats import (e2m1_values, quantize_fp8, ue8m0_values, _ue8m0_code, _pow
                               _e4m3_code)
 
 # %% auto #0
-__all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'FP8_MIN_BLOCK_N', 'FP8_MOVE_LAYOUT', 'e2m1_e4m3', 'FP8Words', 'mxfp4_fp8_words',
-           'fp8_words_weight', 'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'asm_layouts', 'expert_gate_up_fp8',
-           'fp8_moe', 'fp8_gate_up', 'expert_down_fp8', 'fits_fp8_words', 'fp8_down', 'fp8_launch_shape',
-           'by_row_block']
+__all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'FP8_MIN_BLOCK_N', 'FP8_MOVE_LAYOUT', 'FP8_MMA_BITS', 'e2m1_e4m3', 'FP8Words',
+           'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'asm_layouts',
+           'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up', 'expert_down_fp8', 'fits_fp8_words', 'fp8_down',
+           'fp8_launch_shape', 'by_row_block']
 
 # %% ../nbs/08g_moe_fp8.ipynb #91d409ee
 def e2m1_e4m3(codes: torch.Tensor) -> torch.Tensor:
@@ -246,7 +246,7 @@ def _fp8_shape(shape: dict, align: ExpertAlignment) -> dict:
 
 # %% ../nbs/08g_moe_fp8.ipynb #f98a9951
 def asm_layouts(ttgir: str) -> list[str]:
-    "The layouts (aliases written out) the `tt.elementwise_inline_asm`s of a TTGIR run in, once each"
+    "The layouts (aliases written out) of a TTGIR's `tt.elementwise_inline_asm`s, once each"
     if not isinstance(ttgir, str):
         raise TypeError(f"asm_layouts: expected TTGIR text, got {type(ttgir).__name__}")
     alias = dict(re.findall(r'^(#[\w.]+) = (#ttg\.\w+<.*>)$', ttgir, re.M))
@@ -256,8 +256,8 @@ def asm_layouts(ttgir: str) -> list[str]:
     return sorted({expand(t) for t in found})
 
 # %% ../nbs/08g_moe_fp8.ipynb #1c4d44c5
-FP8_MOVE_LAYOUT = re.compile(r'#ttg\.dot_op<\{opIdx = 0, parent = #ttg\.nvidia_mma<\{versionMajor = 3, '
-                             r'[^<>]*\}>, kWidth = 4\}>')
+FP8_MOVE_LAYOUT = re.compile(r'#ttg\.dot_op<\{opIdx = 0, parent = #ttg\.nvidia_mma<\{'
+                             r'versionMajor = 3, [^<>]*\}>, kWidth = 4\}>')
 _moves_checked = set()   # the hashes of the compiled kernels whose move was checked
 
 def _check_move(kernel):
@@ -266,8 +266,8 @@ def _check_move(kernel):
     layouts = asm_layouts(kernel.asm['ttgir'])
     if not layouts: raise RuntimeError("version 5's move not found in its kernel's TTGIR")
     bad = [l for l in layouts if not FP8_MOVE_LAYOUT.fullmatch(l)]
-    if bad: raise RuntimeError(f"version 5's move compiled in {bad[0]}, where it is wrong; it needs "
-                               "the register operand of Hopper's MMA (kWidth 4)")
+    if bad: raise RuntimeError(f"version 5's move compiled in {bad[0]}, where it is wrong; "
+                               "it needs the register operand of Hopper's MMA (kWidth 4)")
     _moves_checked.add(kernel.hash)
 
 # %% ../nbs/08g_moe_fp8.ipynb #8b1c4e32
@@ -359,6 +359,9 @@ def fp8_gate_up(W: MoEWeights,
             raise ValueError("fp8_gate_up: these words were made for another layer's weights")
         return expert_gate_up_fp8(xq, Wf.w1, Wf.w3, align, topk_weights, swiglu_limit, shape, split)
     return gate_up
+
+# %% ../nbs/08g_moe_fp8.ipynb #423b6a90
+FP8_MMA_BITS = 13   # bits of each 32-product sum Hopper's FP8 MMA keeps, at least (measured below)
 
 # %% ../nbs/08g_moe_fp8.ipynb #b91b0071
 @triton.jit

@@ -21,7 +21,7 @@ from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_f
 from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
                                  PLANE_READ_ONCE, PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
 from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
-from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch, fp8_moe, expert_down_fp8
+from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch, fp8_moe, expert_down_fp8, FP8_MMA_BITS
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
 from dsv41_nb.moe import quantize_weight
@@ -180,9 +180,11 @@ def test_moe_fp8_bench_layer():
         shape = moe_launch_shape(ti.numel(), W.n_experts)
         for bm, split in ((shape['block_m'], 1), (16, 1), (16, None)):
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, dict(shape, block_m=bm),
-                            stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split)))
+                            stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split)),
+                            mma_bits=FP8_MMA_BITS)
         check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, dict(shape, block_m=16),
-                        stages=partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8))
+                        stages=partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8),
+                        mma_bits=FP8_MMA_BITS)
     from dsv41_nb import moe_fp8
     assert moe_fp8._moves_checked          # every kernel compiled here had its move's layout read and passed
 

@@ -17,7 +17,7 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
 from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_words, fp8_words_weight,
                               fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up,
                               fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape, asm_layouts,
-                              FP8_MIN_BLOCK_N, _check_move, _fp8_shape)
+                              FP8_MIN_BLOCK_N, FP8_MMA_BITS, _check_move, _fp8_shape)
 from dsv41_nb import fused_moe as fm
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -94,7 +94,8 @@ def test_version_5_within_the_reference(E, k, D, I, T, split, block_m, seed):
     shape = moe_launch_shape(T * k, E)
     if block_m: shape['block_m'] = block_m
     stage = fp8_gate_up(W, split=split)
-    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=stage))
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, shape, stages=partial(_fused_stages, gate_up=stage),
+                    mma_bits=FP8_MMA_BITS)
 
 
 @settings(max_examples=examples(5), deadline=None)
@@ -111,7 +112,8 @@ def test_both_stages_within_the_reference(E, k, I, T, block_m, seed):
     shape = moe_launch_shape(T * k, E)
     if block_m: shape['block_m'] = block_m
     stages = partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8)
-    check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, shape, stages=stages)
+    check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, shape, stages=stages,
+                    mma_bits=FP8_MMA_BITS)
 
 
 def test_launch_shape_takes_16_row_blocks_up_to_16_rows_an_expert():
@@ -237,3 +239,19 @@ def test_bad_input(case):
     fn, message = _bad_cases()[case]
     with pytest.raises((ValueError, TypeError)) as e: fn()
     assert message in str(e.value)
+
+
+def test_the_mma_allowance_keeps_its_teeth():
+    "With the FP8 MMA's allowance a true stage passes, and one whose outputs are a column over still fails"
+    from dsv41_nb.fused_moe import expert_gate_up
+    cfg, W = _layer(8, 2, 256, 128, 5)
+    x = (3 * torch.randn(9, 256, generator=torch.Generator().manual_seed(5))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+
+    def shifted(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
+        h = expert_gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
+        return h if align.sorted_ids is None else h.roll(1, dims=1)      # routed rows: a column over
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS)
+    with pytest.raises(AssertionError, match='differ by more than one FP8 step'):
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS,
+                        stages=partial(_fused_stages, gate_up=shifted))
