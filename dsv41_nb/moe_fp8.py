@@ -361,7 +361,7 @@ def fp8_gate_up(W: MoEWeights,
     return gate_up
 
 # %% ../nbs/08g_moe_fp8.ipynb #423b6a90
-FP8_MMA_BITS = 13   # bits of each 32-product sum Hopper's FP8 MMA keeps, at least (measured below)
+FP8_MMA_BITS = 10   # bits of each 32-product sum Hopper's FP8 MMA keeps, at least (measured below)
 
 # %% ../nbs/08g_moe_fp8.ipynb #b91b0071
 @triton.jit
