@@ -398,10 +398,10 @@ def expert_down_fp8(
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
     meta, grid = _launch(align, N, K, shape, h.device, min_bn=FP8_MIN_BLOCK_N)
     k = _down_fp8_kernel[grid](x, xs, w2.words, w2.scale_words, out, align.sorted_ids,
-                           align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
-                           TOPK=align.topk, BM=meta['BM'], BN=meta['BN'], GROUP_M=meta['GROUP_M'],
-                           HW_CVT=meta['HW_CVT'], num_warps=meta['num_warps'],
-                           num_stages=meta['num_stages'])
+                               align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
+                               TOPK=align.topk, BM=meta['BM'], BN=meta['BN'],
+                               GROUP_M=meta['GROUP_M'], HW_CVT=meta['HW_CVT'],
+                               num_warps=meta['num_warps'], num_stages=meta['num_stages'])
     _check_move(k)
     return out
 
