@@ -242,8 +242,8 @@ def test_bad_input(case):
 
 
 def test_the_mma_allowance_keeps_its_teeth():
-    "With the FP8 MMA's allowance a true stage passes, and one whose outputs are a column over still fails"
-    from dsv41_nb.fused_moe import expert_gate_up
+    "With the FP8 MMA's allowance a true layer passes, and a gate/up or down stage a column over still fails"
+    from dsv41_nb.fused_moe import expert_gate_up, expert_down
     cfg, W = _layer(8, 2, 256, 128, 5)
     x = (3 * torch.randn(9, 256, generator=torch.Generator().manual_seed(5))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
@@ -255,3 +255,9 @@ def test_the_mma_allowance_keeps_its_teeth():
     with pytest.raises(AssertionError, match='differ by more than one FP8 step'):
         check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS,
                         stages=partial(_fused_stages, gate_up=shifted))
+
+    def shifted_down(h, w2, align, shape=None):                         # the down sums a column over
+        return expert_down(h, w2, align, shape=shape).roll(1, dims=1)
+    with pytest.raises(AssertionError, match='beyond the BF16 rounding bound'):
+        check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS,
+                        stages=partial(_fused_stages, down=shifted_down))
