@@ -18,13 +18,14 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
                                 expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
 from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, _routed_as,
-                                 PlaneWeight, planes_weight, PLANE_STEP)
+                                 PlaneWeight, planes_weight, PLANE_STEP, asm_layouts,
+                                 _move_check)
 from .formats import (e2m1_values, quantize_fp8, ue8m0_values, _ue8m0_code, _pow2,
                               _e4m3_code)
 
 # %% auto #0
 __all__ = ['FP8_SCALE_MAX', 'FP8_BLOCK_N', 'FP8_MIN_BLOCK_N', 'FP8_MOVE_LAYOUT', 'FP8_MMA_BITS', 'e2m1_e4m3', 'FP8Words',
-           'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes', 'act_codes_torch', 'act_codes', 'asm_layouts',
+           'mxfp4_fp8_words', 'fp8_words_weight', 'fp8_words_bytes', 'act_codes_torch', 'act_codes',
            'expert_gate_up_fp8', 'fp8_moe', 'fp8_gate_up', 'expert_down_fp8', 'fits_fp8_words', 'fp8_down',
            'fp8_launch_shape', 'by_row_block']
 
@@ -244,31 +245,11 @@ def _fp8_shape(shape: dict, align: ExpertAlignment) -> dict:
     bn = FP8_BLOCK_N.get(align.block_m, shape['block_n'])
     return {**shape, 'block_n': max(FP8_MIN_BLOCK_N, bn), 'block_k': 128}
 
-# %% ../nbs/08g_moe_fp8.ipynb #f98a9951
-def asm_layouts(ttgir: str) -> list[str]:
-    "The layouts (aliases written out) of a TTGIR's `tt.elementwise_inline_asm`s, once each"
-    if not isinstance(ttgir, str):
-        raise TypeError(f"asm_layouts: expected TTGIR text, got {type(ttgir).__name__}")
-    alias = dict(re.findall(r'^(#[\w.]+) = (#ttg\.\w+<.*>)$', ttgir, re.M))
-    def expand(t): return re.sub(r'#[\w.]+\b(?![<.])',
-                                 lambda m: expand(alias.get(m.group(0), m.group(0))), t)
-    found = re.findall(r'tt\.elementwise_inline_asm .* -> tensor<[^,]+, (.*)> loc', ttgir)
-    return sorted({expand(t) for t in found})
-
 # %% ../nbs/08g_moe_fp8.ipynb #1c4d44c5
 FP8_MOVE_LAYOUT = re.compile(r'#ttg\.dot_op<\{opIdx = 0, parent = #ttg\.nvidia_mma<\{'
                              r'versionMajor = 3, [^<>]*\}>, kWidth = 4\}>')
-_moves_checked = set()   # the hashes of the compiled kernels whose move was checked
-
-def _check_move(kernel):
-    "Refuse a compiled kernel whose move runs in another layout than `FP8_MOVE_LAYOUT`"
-    if getattr(kernel, 'asm', None) is None or kernel.hash in _moves_checked: return
-    layouts = asm_layouts(kernel.asm['ttgir'])
-    if not layouts: raise RuntimeError("version 5's move not found in its kernel's TTGIR")
-    bad = [l for l in layouts if not FP8_MOVE_LAYOUT.fullmatch(l)]
-    if bad: raise RuntimeError(f"version 5's move compiled in {bad[0]}, where it is wrong; "
-                               "it needs the register operand of Hopper's MMA (kWidth 4)")
-    _moves_checked.add(kernel.hash)
+_check_move = _move_check(FP8_MOVE_LAYOUT, 'version 5',
+                          "the register operand of Hopper's MMA (kWidth 4)")
 
 # %% ../nbs/08g_moe_fp8.ipynb #8b1c4e32
 def _fp8_operands(xq):

@@ -4,7 +4,11 @@
 
 # %% ../nbs/08f_moe_planes.ipynb #7cc608cb
 from __future__ import annotations
+import json
 import numbers
+import re
+from types import SimpleNamespace
+import numpy as np
 from dataclasses import dataclass, replace
 import torch
 import triton
@@ -24,9 +28,10 @@ from .formats import _mxfp4_pair, _e2m1_pair16, _e2m1_bf16_pair
 
 # %% auto #0
 __all__ = ['PLANE_STEP', 'PLANE_NIBBLE', 'PLANES_TUNING', 'PLANE_READ', 'GEMV_PLANE_READ', 'PLANE_READ_ONCE', 'PLANE_READ_PAIRS',
-           'PLANES_DOWN_TUNING', 'SLOTS_MAXNREG', 'PlaneWeight', 'mxfp4_planes', 'planes_weight', 'planes_values',
-           'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes', 'fits_planes',
-           'served_gate_up', 'expert_down_planes', 'gemv_down_planes', 'pair_order']
+           'PLANES_DOWN_TUNING', 'SLOT_MOVE_LAYOUT', 'SLOTS_MAXNREG', 'PlaneWeight', 'mxfp4_planes', 'planes_weight',
+           'planes_values', 'expert_gate_up_planes', 'plane_gate_up', 'planes_moe', 'gemv_gate_up_planes',
+           'fits_planes', 'served_gate_up', 'expert_down_planes', 'gemv_down_planes', 'pair_order', 'asm_layouts',
+           'layout_map', 'held', 'pairs_ok']
 
 # %% ../nbs/08f_moe_planes.ipynb #dcffb16e
 PLANE_STEP = 128                          # columns per K step of the layout: 8 planes of 16
@@ -206,17 +211,21 @@ def _check_planes(name, p, a):
 
 # %% ../nbs/08f_moe_planes.ipynb #f862c419
 def _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split,
-                          kernel=None, **launch): # the K-slice kernel (default version 3's)
+                          kernel=None, # the K-slice kernel (default version 3's)
+                          slots: bool = False, # the kernel is version 4's: check its move
+                          **launch):
     "`expert_gate_up_planes` with K split over `split` programs a tile, then `08c`'s finish"
     (E, N, K), bn = w1.shape, shape['block_n']
     part = torch.empty(split, align.n_assign, 2, N, dtype=torch.float32, device=xq.device)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
-    (kernel or _gate_up_planes_partial_kernel)[(align.num_blocks * triton.cdiv(N, bn), split)](
+    k = (kernel or _gate_up_planes_partial_kernel)[(align.num_blocks * triton.cdiv(N, bn),
+                                                    split)](
         xq.contiguous(), w1.words, w1.scale_words, w3.words, w3.scale_words, part,
         align.sorted_ids, align.block_expert, align.n_assign, align.num_blocks, K=K, N=N,
         TOPK=align.topk, BM=align.block_m, BN=bn, SPLIT=split, GROUP_M=8,
         HW_CVT=not triton_interpreting(), num_warps=shape['num_warps'],
         num_stages=shape['num_stages'], **launch)
+    if slots: _check_slots(k)
     fb = min(256, triton.next_power_of_2(N))
     _swiglu_finish_kernel[(align.n_assign, triton.cdiv(N, fb))](
         part, h, topk_weights.float().contiguous(), align.n_assign, align.n_assign,
@@ -276,15 +285,16 @@ def expert_gate_up_planes(
     kernels, launch = _stage_kernels(slots, align.block_m)
     if slots: xq = pair_order(xq)
     if split > 1: return _gate_up_planes_split(xq, w1, w3, align, topk_weights, swiglu_limit,
-                                               shape, split, kernels[1], **launch)
+                                               shape, split, kernels[1], slots, **launch)
     h = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=xq.device)
     meta, grid = _launch(align, N, K, shape, xq.device)
-    kernels[0][grid](
+    k = kernels[0][grid](
         xq.contiguous(), w1.words, w1.scale_words, w3.words, w3.scale_words, h, align.sorted_ids,
         align.block_expert, topk_weights.float().contiguous(), align.n_assign, align.num_blocks,
         float(swiglu_limit), K=K, N=N, TOPK=align.topk, BM=meta['BM'], BN=meta['BN'],
         GROUP_M=meta['GROUP_M'], CLAMP=swiglu_limit > 0, HW_CVT=meta['HW_CVT'],
         num_warps=meta['num_warps'], num_stages=meta['num_stages'], **launch)
+    if slots: _check_slots(k)
     return h
 
 # %% ../nbs/08f_moe_planes.ipynb #0bfe3c03
@@ -552,11 +562,12 @@ def expert_down_planes(
     out = torch.empty(align.n_assign, N, dtype=torch.bfloat16, device=h.device)
     meta, grid = _launch(align, N, K, shape, h.device)
     if slots: h = pair_order(h)
-    (_down_slots_kernel if slots else _down_planes_kernel)[grid](
+    k = (_down_slots_kernel if slots else _down_planes_kernel)[grid](
         h.contiguous(), w2.words, w2.scale_words, out, align.sorted_ids, align.block_expert,
         align.n_assign, align.num_blocks, K=K, N=N, TOPK=align.topk, BM=meta['BM'],
         BN=meta['BN'], GROUP_M=meta['GROUP_M'], HW_CVT=meta['HW_CVT'],
         num_warps=meta['num_warps'], num_stages=meta['num_stages'])
+    if slots: _check_slots(k)
     return out
 
 # %% ../nbs/08f_moe_planes.ipynb #f8168141
@@ -594,6 +605,36 @@ def _plane_slots(t, s, HW_CVT: tl.constexpr):
     lo, hi = _plane_pair(t, s, HW_CVT)
     return tl.reshape(tl.join(lo, hi), (BN, 32))
 
+# %% ../nbs/08f_moe_planes.ipynb #d4233d10
+def asm_layouts(ttgir: str) -> list[str]:
+    "The layouts (aliases written out) of a TTGIR's `tt.elementwise_inline_asm`s, once each"
+    if not isinstance(ttgir, str):
+        raise TypeError(f"asm_layouts: expected TTGIR text, got {type(ttgir).__name__}")
+    alias = dict(re.findall(r'^(#[\w.]+) = (#ttg\.\w+<.*>)$', ttgir, re.M))
+    def expand(t): return re.sub(r'#[\w.]+\b(?![<.])',
+                                 lambda m: expand(alias.get(m.group(0), m.group(0))), t)
+    found = re.findall(r'tt\.elementwise_inline_asm .* -> tensor<[^,]+, (.*)> loc', ttgir)
+    return sorted({expand(t) for t in found})
+
+# %% ../nbs/08f_moe_planes.ipynb #c61eb133
+def _move_check(layout: re.Pattern, name: str, need: str):
+    "A check refusing a compiled kernel whose inline assembly runs in a layout not `layout`"
+    def check(kernel):
+        if getattr(kernel, 'asm', None) is None or kernel.hash in check.checked: return
+        layouts = asm_layouts(kernel.asm['ttgir'])
+        if not layouts: raise RuntimeError(f"{name}'s move not found in its kernel's TTGIR")
+        bad = [l for l in layouts if not layout.fullmatch(l)]
+        if bad: raise RuntimeError(f"{name}'s move compiled in {bad[0]}; it is right only in {need}")
+        check.checked.add(kernel.hash)
+    check.checked = set()   # the hashes of the compiled kernels whose move was checked, once each
+    return check
+
+# %% ../nbs/08f_moe_planes.ipynb #3b3ea03d
+SLOT_MOVE_LAYOUT = re.compile(r'#ttg\.dot_op<\{opIdx = 0, parent = #ttg\.nvidia_mma<\{'
+                              r'versionMajor = [23], [^<>]*\}>, kWidth = [24]\}>')
+_check_slots = _move_check(SLOT_MOVE_LAYOUT, 'version 4',
+                           "an MMA's register operand of 2 or 4 elements a run")
+
 # %% ../nbs/08f_moe_planes.ipynb #539999c8
 @triton.jit
 def _gemm_slots(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
@@ -622,3 +663,45 @@ SLOTS_MAXNREG = 128   # registers a thread, with row blocks of at most 32
 
 # %% ../nbs/08f_moe_planes.ipynb #a7bffe70
 _down_slots_kernel = _rebound(_down_planes_kernel, _gemm_planes=_gemm_slots)
+
+# %% ../nbs/08f_moe_planes.ipynb #81b3c8fb
+def layout_map(text: str, shape):
+    "Triton's linear map of a recorded MMA dot-operand or `#ttg.linear` layout, at `shape`"
+    if not isinstance(text, str) or not re.match(r'#ttg\.(dot_op|linear)<', text):
+        raise ValueError(f"layout_map: expected a #ttg.dot_op or #ttg.linear layout, got {text!r}")
+    shape = [check_int('layout_map', f'shape[{i}]', s, 1) for i, s in enumerate(shape)]
+    if text.startswith('#ttg.linear'):
+        def bases(key): return json.loads(re.search(key + r' = (\[\[.*?\]\]|\[\])', text)[1])
+        return SimpleNamespace(reg_bases=bases('register'), lane_bases=bases('lane'),
+                               warp_bases=bases('warp'))
+    from triton._C.libtriton import ir, gluon_ir
+    from triton.experimental.gluon.language import _layouts as gl
+    def ints(key): return [int(v) for v in re.search(key + r' = \[([\d, ]+)\]', text)[1].split(',')]
+    def one(key): return int(re.search(key + r' = (\d+)', text)[1])
+    mma = gl.NVMMADistributedLayout([one('versionMajor'), one('versionMinor')],
+                                    ints('warpsPerCTA'), ints('instrShape'))
+    op = gl.DotOperandLayout(one('opIdx'), mma, one('kWidth'))
+    ctx = ir.context(); ir.load_dialects(ctx)
+    try: b = gluon_ir.GluonOpBuilder(ctx)
+    except TypeError: b = gluon_ir.GluonOpBuilder(ctx, 'sm_90')   # newer Triton: and a target
+    return b.to_linear_layout(op._to_ir(b), shape)
+
+# %% ../nbs/08f_moe_planes.ipynb #0e18a639
+def held(ll) -> np.ndarray:
+    "(threads, registers, 2): the (row, column) each register of each thread holds under `ll`"
+    if not all(hasattr(ll, k) for k in ('reg_bases', 'lane_bases', 'warp_bases')):
+        raise TypeError(f"held: expected a linear layout (layout_map), got {type(ll).__name__}")
+    def at(bases, i):
+        return np.bitwise_xor.reduce([b for j, b in enumerate(bases) if i >> j & 1] or [[0, 0]])
+    threads = ll.lane_bases + ll.warp_bases
+    return np.array([[at(threads, t) ^ at(ll.reg_bases, r) for r in range(1 << len(ll.reg_bases))]
+                     for t in range(1 << len(threads))])
+
+# %% ../nbs/08f_moe_planes.ipynb #dfce1fed
+def pairs_ok(e: np.ndarray) -> bool:
+    "Whether each pair of registers in `held`'s list is columns 2j, 2j + 1 of one row, in order"
+    if not isinstance(e, np.ndarray) or e.ndim != 3 or e.shape[1] % 2 or e.shape[2] != 2:
+        raise ValueError(f"pairs_ok: expected held's (threads, registers, 2) with registers even, "
+                         f"got {getattr(e, 'shape', type(e).__name__)}")
+    g = e.reshape(e.shape[0], -1, 2, 2)
+    return bool((g[..., 0, :] == g[..., 1, :] - [0, 1]).all() and (g[..., 0, 1] % 2 == 0).all())

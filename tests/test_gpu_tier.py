@@ -160,6 +160,8 @@ def test_moe_slots_bench_layer():
         for split in (1, None):
             check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
                             stages=partial(_fused_stages, gate_up=plane_gate_up(W, split=split, slots=True)))
+    from dsv41_nb import moe_planes
+    assert moe_planes._check_slots.checked     # every kernel compiled here had its move's layout read and passed
 
 
 def test_moe_fp8_bench_layer():
@@ -186,7 +188,7 @@ def test_moe_fp8_bench_layer():
                         stages=partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8),
                         mma_bits=FP8_MMA_BITS)
     from dsv41_nb import moe_fp8
-    assert moe_fp8._moves_checked          # every kernel compiled here had its move's layout read and passed
+    assert moe_fp8._check_move.checked          # every kernel compiled here had its move's layout read and passed
 
 
 def test_moe_down_planes_bench_layer():

@@ -2,7 +2,7 @@
 import importlib.util, json
 from pathlib import Path
 import pytest
-from dsv41_nb.moe_fp8 import asm_layouts
+from dsv41_nb.moe_planes import asm_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location('kernel_mix', ROOT / 'tools' / 'kernel_mix.py')

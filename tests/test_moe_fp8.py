@@ -16,8 +16,9 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
                                 check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_words, fp8_words_weight,
                               fp8_words_bytes, act_codes, act_codes_torch, expert_gate_up_fp8, fp8_gate_up,
-                              fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape, asm_layouts,
+                              fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape,
                               FP8_MIN_BLOCK_N, FP8_MMA_BITS, _check_move, _fp8_shape)
+from dsv41_nb.moe_planes import asm_layouts
 from dsv41_nb import fused_moe as fm
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')

@@ -1,7 +1,10 @@
 """Version 3 of the gate/up stage (08f_moe_planes): the plane layout read back exactly, and the kernel bit for bit equal
 to version 2 (`expert_gate_up`) over random layers, on the interpreter (CI) and compiled (the GPU test tier, where the
 BF16 path of the upcast runs). Version 4 (`slots`: the activations in `pair_order`) within the reference's bound."""
+import json
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 from functools import partial
 import pytest
 import torch
@@ -14,7 +17,8 @@ from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
                                   expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
                                   gemv_gate_up_planes, planes_moe, PLANE_READ, PLANE_READ_ONCE,
-                                  PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes, pair_order)
+                                  PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes, pair_order,
+                                  layout_map, held, pairs_ok, SLOT_MOVE_LAYOUT, _check_slots)
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
 from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS, gemv_stages, moe_gemv_experts
 from dsv41_nb import moe_planes
@@ -151,10 +155,15 @@ def _bad_cases():
         (lambda: pair_order(torch.zeros(64)), 'got (64,)'),
         (lambda: expert_gate_up_planes(xq, p, p, al, tw, 10.0, slots=1), 'slots must be a bool, got 1'),
         (lambda: expert_down_planes(h, P128.w2, al, slots='yes'), "slots must be a bool, got 'yes'"),
+        (lambda: layout_map('#ttg.blocked<{sizePerThread = [1, 4]}>', (64, 32)),
+         'layout_map: expected a #ttg.dot_op or #ttg.linear layout'),
+        (lambda: layout_map(LINEAR_32, (0, 32)), 'layout_map: shape[0] = 0; expected at least 1'),
+        (lambda: held(None), 'held: expected a linear layout (layout_map), got NoneType'),
+        (lambda: pairs_ok(torch.zeros(4, 3, 2)), "pairs_ok: expected held's (threads, registers, 2)"),
     ]
 
 
-BAD_CASES = 35
+BAD_CASES = 39
 
 
 def test_every_bad_case_is_run():
@@ -347,3 +356,68 @@ def test_down_stage_takes_its_own_shapes(monkeypatch):
     assert shapes[0] == {**large, 'block_n': 128, 'num_warps': 4} != large
     assert shapes[1] == batch and shapes[2] == decode
     assert shapes[3] == {**mid, 'block_n': 128} != mid and shapes[4] == dict(mid, num_stages=2)
+
+
+# where Triton 3.6 ran version 5's move at 32 weight rows (08g_moe_fp8): register pairs (0, 16), (1, 17)
+LINEAR_32 = ('#ttg.linear<{register = [[0, 16], [0, 1], [0, 2]], lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], '
+             'warp = [[8, 0], [16, 0]], block = []}>')
+
+
+def _recorded_slot_layouts():
+    "(layout, weight rows) of every launch of version 4 compiled for Hopper (tools/kernel_mix.py's record)"
+    rec = json.loads((Path(__file__).parent.parent / 'records' / 'moe_slots_sm90.json').read_text())
+    return sorted({(l, r['block_n']) for r in rec['rows'] for l in r.get('asm_layouts', [])})
+
+
+def test_version_4_moves_in_register_pairs():
+    ("Every layout version 4's move was compiled in (a narrowed launch's included) holds slots 2j, 2j + 1 of a row in "
+     "each pair of registers, by Triton's own linear map; the layout version 5 failed in does not, nor a pair swapped")
+    recorded = _recorded_slot_layouts()
+    assert any('versionMajor = 2' in l for l, _ in recorded) and any('versionMajor = 3' in l for l, _ in recorded)
+    for layout, rows in recorded:
+        e = held(layout_map(layout, (rows, 32)))
+        assert pairs_ok(e), layout
+        assert len({tuple(x) for x in e.reshape(-1, 2)}) == rows * 32          # each element held once
+        assert SLOT_MOVE_LAYOUT.fullmatch(layout)
+    assert not pairs_ok(e[:, [1, 0, *range(2, e.shape[1])]])
+    assert not pairs_ok(held(layout_map(LINEAR_32, (32, 32))))
+
+
+def _slots_compiled(*layouts):
+    "A compiled kernel as `_check_slots` reads it: a hash and a TTGIR with one inline assembly per layout"
+    lines = [f'#l{i} = {l}' for i, l in enumerate(layouts)] + [
+        f'%c{i} = tt.elementwise_inline_asm "mul.rn.bf16x2 $0, $1, $3;" %s, %t : tensor<64x32xi32, #l{i}>, '
+        f'tensor<64x32xi32, #l{i}> -> tensor<64x32xbf16, #l{i}> loc(#loc1)' for i in range(len(layouts))]
+    return SimpleNamespace(hash='|'.join(layouts), asm={'ttgir': '\n'.join(lines)})
+
+
+def test_version_4_refuses_its_move_in_another_layout():
+    "The recorded operands pass (once a kernel); a plain layout, 8 elements a run, or no move found are refused"
+    ok = [l for l, _ in _recorded_slot_layouts()]
+    _check_slots(None)                                          # the interpreter's launch returns no kernel
+    k = _slots_compiled(*ok)
+    _check_slots(k)
+    k.asm = None                                                # checked once: not read again
+    _check_slots(_slots_compiled(*ok))
+    hopper = next(l for l in ok if 'kWidth = 2' in l)
+    for bad in ((LINEAR_32,), (hopper, LINEAR_32), (hopper.replace('kWidth = 2', 'kWidth = 8'),)):
+        with pytest.raises(RuntimeError, match="version 4's move compiled in #ttg"):
+            _check_slots(_slots_compiled(*bad))
+    with pytest.raises(RuntimeError, match="version 4's move not found"):
+        _check_slots(_slots_compiled())
+
+
+def test_version_4_launches_check_their_move(monkeypatch):
+    "Each launch of version 4 (gate/up in one tile and split, down) hands its kernel to `_check_slots`; version 3 not"
+    cfg, W = _layer(4, 2, 256, 128, 0)
+    P = planes_moe(W, down=True)
+    calls = []
+    monkeypatch.setattr(moe_planes, '_check_slots', lambda k: calls.append(k))
+    x = torch.randn(6, 256).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    al = align_by_expert(ti, 4, 16)
+    xq = fp8_act_quant(x)
+    for slots in (False, True):
+        for split in (1, 2): expert_gate_up_planes(xq, P.w1, P.w3, al, tw, 10.0, split=split, slots=slots)
+        expert_down_planes(torch.zeros(12, 128, dtype=torch.bfloat16, device=DEV), P.w2, al, slots=slots)
+        assert len(calls) == (3 if slots else 0)

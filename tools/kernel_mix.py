@@ -85,7 +85,7 @@ def sass_opcodes(body: list[str]) -> dict:
 
 
 def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes: bool = False,
-                    slots: bool = False) -> dict:
+                    slots: bool = False, block_n: int | None = None) -> dict:
     ("PTX and SASS of the gate/up kernel (version 2, or version 3 of 08f_moe_planes with `planes`) for sm_90 at "
      "the bench layer's launch for `tokens`, compiled with no GPU; the launch, with the registers a thread holds")
     import triton, triton.language as tl
@@ -94,6 +94,7 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes
     from dsv41_nb.moe_planes import _gate_up_planes_kernel, _stage_kernels
     cfg = ModelConfig.bench()
     shape = moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts)
+    if block_n: shape = {**shape, 'block_n': block_n}
     words = '*i32' if planes else '*u8'
     ptrs = dict(x_ptr='*bf16', w1_ptr=words, w1s_ptr=words, w3_ptr=words, w3s_ptr=words, h_ptr='*bf16',
                 sorted_ptr='*i32', block_expert_ptr='*i32', weight_ptr='*fp32')
@@ -115,7 +116,7 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes
                 triton=triton.__version__, target='sm_90', registers=regs)
 
 
-def compile_down(out: Path, tokens: int, slots: bool) -> dict:
+def compile_down(out: Path, tokens: int, slots: bool, block_n: int | None = None) -> dict:
     ("The routed down stage in planes (08f_moe_planes), version 3 or 4 (`slots`), for sm_90 at the bench layer's "
      "launch for `tokens`, with no GPU; the launch, with the registers a thread holds")
     from dsv41_nb.config import ModelConfig
@@ -124,6 +125,7 @@ def compile_down(out: Path, tokens: int, slots: bool) -> dict:
     cfg = ModelConfig.bench()
     shape = stage_shape(moe_launch_shape(tokens * cfg.n_activated_experts, cfg.n_routed_experts),
                         PLANES_DOWN_TUNING)
+    if block_n: shape = {**shape, 'block_n': block_n}
     fn = _down_slots_kernel if slots else _down_planes_kernel
     ptrs = dict(h_ptr='*bf16', w_ptr='*i32', ws_ptr='*i32', out_ptr='*bf16', sorted_ptr='*i32',
                 block_expert_ptr='*i32')
@@ -139,18 +141,24 @@ def compile_gate_up_versions(out: Path) -> list[dict]:
      "3 and version 4 (`slots`, with its launch's register cap), at a decode batch, a serving batch and two larger "
      "ones, with no GPU: the K loop's SASS instructions per weight (BN x 128 weights a matrix and step, over the "
      "threads), registers, spills")
+    from dsv41_nb.moe_planes import asm_layouts
     rows = []
     for stage, tokens in itertools.product(('gate/up', 'down'), (32, 128, 512, 2048)):
-        for name, slots in (('version 3', False), ('version 4', True)):
-            if stage == 'down': r, matrices, f = compile_down(out, tokens, slots), 1, 'down.sass'
-            else: r, matrices, f = compile_gate_up(out, tokens=tokens, planes=True, slots=slots), 2, 'gate_up.sass'
-            loop = sass_loop((out / f).read_text())
+        # version 4 also at 32 weight rows a program, as the launch narrows a decode batch's on a GPU
+        runs = [('version 3', False, None), ('version 4', True, None)]
+        if tokens == 32: runs.append(('version 4 at 32 rows', True, 32))
+        for name, slots, bn in runs:
+            if stage == 'down': r, matrices, f = compile_down(out, tokens, slots, bn), 1, 'down'
+            else: r, matrices, f = compile_gate_up(out, tokens=tokens, planes=True, slots=slots,
+                                                   block_n=bn), 2, 'gate_up'
+            loop = sass_loop((out / f'{f}.sass').read_text())
             ops = sass_opcodes(loop)
             weights = matrices * r['block_n'] * 128 / (32 * r['num_warps'])
             rows.append(dict(stage=stage, kernel=name, tokens=tokens, block_m=r['block_m'], block_n=r['block_n'],
                              num_warps=r['num_warps'], maxnreg=r.get('maxnreg'), loop_instructions=len(loop),
                              per_weight=round(len(loop) / weights, 3), registers=r['registers'],
                              spills=ops.get('STL', 0) + ops.get('LDL', 0), opcodes=ops))
+            if slots: rows[-1]['asm_layouts'] = asm_layouts((out / f'{f}.ttgir').read_text())
     return rows
 
 
@@ -162,7 +170,8 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
      "K loop's SASS instructions per weight, registers, spills, and the scale step's FMUL + FFMA per weight")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.fused_moe import moe_launch_shape
-    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_BLOCK_N, asm_layouts
+    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_BLOCK_N
+    from dsv41_nb.moe_planes import asm_layouts
     cfg, rows = ModelConfig.bench(), []
     ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
                 out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
