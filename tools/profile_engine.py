@@ -15,7 +15,8 @@ captured, and then
 - four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs
   captured again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by
   the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
-  kernels apart;
+  kernels apart; and the host's time per step inside each CUDA runtime and driver call (`runtime_us`: graph launches,
+  copies, kernel launches), which is where the host part of a replayed step goes beyond Python's;
 - the step floor at B (`step_floor` of 01a_accounting, at the measured copy bandwidth) for scale.
 
 `--prefill` adds one eager prefill step of 64 prompts (8,192 tokens), timed and profiled the same way. Writes
@@ -93,16 +94,22 @@ def kernels_of(prof, steps: int, triton_names: dict) -> dict:
         by_comp[component(e.name, triton_names)] += e.device_time_total / steps
         by_kernel[e.name[:80]] += e.device_time_total / steps; n += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    # the host's time inside the CUDA runtime and driver (graph launches, copies, kernel launches), per step
+    runtime = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(('cuda', 'cu')):
+            runtime[e.name] += e.cpu_time_total / steps
     return dict(gpu_us=sum(by_comp.values()), kernels=round(n / steps),
                 components=dict(sorted(by_comp.items(), key=lambda kv: -kv[1])),
-                top=[dict(kernel=k, us=v) for k, v in top])
+                top=[dict(kernel=k, us=v) for k, v in top],
+                runtime_us=dict(sorted(runtime.items(), key=lambda kv: -kv[1])))
 
 
 def profile_steps(llm, device, steps: int, triton_names: dict) -> dict:
     "torch.profiler over `steps` engine steps (launched without programmatic dependent launch)"
     from torch.profiler import profile, ProfilerActivity
     eng = llm.llm_engine
-    acts = [ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [ProfilerActivity.CPU]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [])
     with pdl_off(llm):
         for _ in range(2): eng.step('final')               # graphs captured again, without PDL
         sync(device)
@@ -159,6 +166,9 @@ def summary(res: dict) -> str:
                    f"(" + ', '.join(f"{k} {h[k]:.0f}" for k, *_ in HOST_PHASES)
                    + f" us), waiting {h['wait'] / 1e3:.2f} ms")
         out += [f"    {v / 1e3:8.3f} ms  {v / r['gpu_us']:5.1%}  {k}" for k, v in r['components'].items()]
+        rt = list(r.get('runtime_us', {}).items())[:5]
+        if rt: out.append("  host time in the CUDA runtime a step (profiled steps): "
+                          + ', '.join(f"{k} {v:.0f} us" for k, v in rt))
     if 'prefill' in res:
         p = res['prefill']
         out.append(f"eager prefill step, {p['prompts']} prompts ({p['tokens']} tokens): "
