@@ -8,7 +8,7 @@ client that hangs up on one rank while the other rank's request goes on, no bloc
 rank; and a table of bad flags, refused before any rank starts.
 The server runs on 127.0.0.1 on a free port, its engine on the PyTorch kernels (the Triton interpreter, which CI
 switches on, would take minutes a step)."""
-import argparse, asyncio, json, os, signal, subprocess, sys, time
+import argparse, asyncio, json, os, select, signal, subprocess, sys, time
 from pathlib import Path
 import httpx, openai, pytest, torch
 from dsv41_nb.checkpoint import load_model
@@ -324,9 +324,12 @@ def test_the_command_line_has_serve_and_bench_serve(argv, usage):
 DP_FLAGS = ['serve', '--port', '0', '--kernels', 'torch', '--max-model-len', str(MAX_LEN), '--log-level', 'warning']
 
 
-def start_serving(cmd):
-    "A server process started by `cmd`; (process, URL) once it prints its address"
+def start_serving(cmd, timeout=180):
+    "A server process started by `cmd`; (process, URL) once it prints its address (failing, not hanging, without)"
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    if not select.select([p.stderr], [], [], timeout)[0]:
+        p.kill()
+        pytest.fail(f"no address from {' '.join(cmd[1:])} in {timeout} s; its standard error: {p.stderr.read()}")
     line = p.stderr.readline()
     assert ' 2 data-parallel ranks) at http://' in line, line + p.stderr.read()
     return p, line.split(' at ')[-1].strip()

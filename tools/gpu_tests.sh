@@ -23,13 +23,15 @@ mkdir -p "$OUTDIR"
 setup=$(( $(date +%s) - start ))
 # Two phases, as CI runs them: the tests that start process groups of their own (spawned ranks, torchrun) run after
 # the rest, alone (one pytest process), not beside twelve workers that take the cores their ranks need.
-run() {   # run NAME MARKERS WORKERS
-  python3 -m pytest ${TESTS:-tests/} -m "$2" -n "$3" -q -p no:cacheprovider \
+# PROCESSES_LIMIT_S: interrupt the second phase (SIGINT) after that many seconds: pytest then still writes its report
+# and prints where it stood, so that a test that hangs on some machine is named and the rest is recorded.
+run() {   # run NAME MARKERS WORKERS [LIMIT_S]
+  ${4:+timeout -s INT -k 20 "$4"} python3 -m pytest ${TESTS:-tests/} -m "$2" -n "$3" -q -p no:cacheprovider \
     --junitxml="$OUTDIR/gpu_tier_junit_$1.xml" --durations=15 2>&1 | tee "$OUTDIR/gpu_tier_$1.log" | tail -40
   return "${PIPESTATUS[0]}"
 }
 run main "not cpu_exact and not processes" "${WORKERS:-12}"; status=$?
-run processes "processes and not cpu_exact" 0; s2=$?
+run processes "processes and not cpu_exact" 0 "${PROCESSES_LIMIT_S:-}"; s2=$?
 # pytest's 5: nothing collected (TESTS without such tests)
 [ "$s2" = 5 ] && s2=0; [ "$status" = 0 ] && status=$s2
 reports=$(ls "$OUTDIR"/gpu_tier_junit_main.xml "$OUTDIR"/gpu_tier_junit_processes.xml 2>/dev/null)
