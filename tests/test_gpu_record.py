@@ -36,3 +36,11 @@ def test_reports_of_several_phases_are_summed(tmp_path):
 def test_no_report_is_named():
     import pytest
     with pytest.raises(ValueError, match='at least one'): gpu_record.summarise()
+
+
+def test_dated_by_the_first_report(tmp_path):
+    (tmp_path / 'a.xml').write_text('<testsuites><testsuite timestamp="2026-12-05T14:22:29.5+00:00"/></testsuites>')
+    (tmp_path / 'b.xml').write_text('<testsuites><testsuite timestamp="2026-12-05T14:31:02+00:00"/></testsuites>')
+    assert gpu_record.started(tmp_path / 'b.xml', tmp_path / 'a.xml') == '2026-12-05 14:22 UTC'
+    (tmp_path / 'c.xml').write_text(XML)
+    assert gpu_record.started(tmp_path / 'c.xml') is None

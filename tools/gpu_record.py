@@ -1,9 +1,10 @@
 """The GPU test tier's record: pytest's JUnit XML summed per test file, with the commit, machine, date and wall time.
 
     python tools/gpu_record.py JUNIT_XML [JUNIT_XML ...] --out records/gpu_tier.json [--commit SHA] [--wall-s S]
-                               [--setup-s S]
+                               [--setup-s S] [--machine TEXT]
 
-Several reports (the tier's phases) are summed into one record. Prints one line per file (passed / failed / skipped /
+Several reports (the tier's phases) are summed into one record, which names the phases it holds (the reports' names
+after gpu_tier_junit_) and is dated by when the first of them started. Prints one line per file (passed / failed / skipped /
 seconds) and the failures' names, and writes the JSON."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
@@ -34,6 +35,16 @@ def summarise(*paths) -> tuple[dict, list]:
     return dict(sorted(files.items())), failed
 
 
+def started(*paths) -> str | None:
+    "When the earliest of the reports' test suites started (UTC), from their `timestamp`s; None if none has one"
+    stamps = [t.get('timestamp') for p in paths for t in ET.parse(p).getroot().iter('testsuite') if t.get('timestamp')]
+    if not stamps: return None
+    from datetime import datetime, timezone
+    first = min(datetime.fromisoformat(s) for s in stamps)
+    first = first.astimezone(timezone.utc) if first.tzinfo else first
+    return f'{first:%Y-%m-%d %H:%M} UTC'
+
+
 def machine() -> str:
     try:
         import torch, triton
@@ -47,12 +58,15 @@ def main():
     ap.add_argument('junit', nargs='+'); ap.add_argument('--out', required=True)
     ap.add_argument('--commit', default=os.environ.get('DSV41_COMMIT'))
     ap.add_argument('--wall-s', type=float, default=None); ap.add_argument('--setup-s', type=float, default=None)
+    ap.add_argument('--machine', help='the GPU, torch and Triton the reports ran on (default: this machine\'s)')
     a = ap.parse_args()
     commit = (a.commit or subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
               or None)
     files, failed = summarise(*a.junit)
     tot = {k: sum(r[k] for r in files.values()) for k in ('passed', 'failed', 'skipped')}
-    rec = dict(commit=commit, machine=machine(), date=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+    rec = dict(commit=commit, machine=a.machine or machine(),
+               date=started(*a.junit) or time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
+               phases=[Path(p).stem.removeprefix('gpu_tier_junit_') for p in a.junit],
                examples_scale=float(os.environ.get('DSV41_EXAMPLES', 1)), wall_s=a.wall_s, setup_s=a.setup_s,
                **tot, failures=failed, files=files)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
