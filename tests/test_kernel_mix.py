@@ -2,6 +2,7 @@
 import importlib.util, json
 from pathlib import Path
 import pytest
+import torch
 from dsv41_nb.moe_planes import asm_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,6 +102,23 @@ def test_profile_names_every_kernel_of_the_package():
     assert names['_gate_up_planes_kernel'] == names['_down_kernel'] == names['_moe_gemv_kernel'] == 'MoE'
     assert pe.component('_gate_up_planes_kernel', names) == 'MoE'
     assert 'PyTorch ops' not in names.values()
+
+
+def test_profile_counts_the_host_time_in_the_cuda_runtime():
+    """kernels_of: the GPU's time per step by component from the device's events, and the host's time per step in each
+    CUDA runtime or driver call from the CPU's (PyTorch's own CPU ops left out)"""
+    from types import SimpleNamespace
+    spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
+    pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
+    CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    ev = lambda name, dev, gpu=0.0, cpu=0.0: SimpleNamespace(name=name, device_type=dev, device_time_total=gpu,
+                                                             cpu_time_total=cpu)
+    prof = SimpleNamespace(events=lambda: [
+        ev('_down_kernel', CUDA, gpu=40.0), ev('Memcpy HtoD', CUDA, gpu=4.0), ev('cudaGraphLaunch', CPU, cpu=300.0),
+        ev('cudaMemcpyAsync', CPU, cpu=20.0), ev('cuLaunchKernel', CPU, cpu=8.0), ev('aten::copy_', CPU, cpu=50.0)])
+    r = pe.kernels_of(prof, 2, {'_down_kernel': 'MoE'})
+    assert r['components'] == {'MoE': 20.0, 'copies': 2.0} and r['kernels'] == 1
+    assert r['runtime_us'] == {'cudaGraphLaunch': 150.0, 'cudaMemcpyAsync': 10.0, 'cuLaunchKernel': 4.0}
 
 
 TTGIR = """#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 16, 32]}>

@@ -97,7 +97,7 @@ def kernels_of(prof, steps: int, triton_names: dict) -> dict:
     # the host's time inside the CUDA runtime and driver (graph launches, copies, kernel launches), per step
     runtime = defaultdict(float)
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(('cuda', 'cu')):
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith('cu'):
             runtime[e.name] += e.cpu_time_total / steps
     return dict(gpu_us=sum(by_comp.values()), kernels=round(n / steps),
                 components=dict(sorted(by_comp.items(), key=lambda kv: -kv[1])),
