@@ -624,7 +624,8 @@ def _move_check(layout: re.Pattern, name: str, need: str):
         layouts = asm_layouts(kernel.asm['ttgir'])
         if not layouts: raise RuntimeError(f"{name}'s move not found in its kernel's TTGIR")
         bad = [l for l in layouts if not layout.fullmatch(l)]
-        if bad: raise RuntimeError(f"{name}'s move compiled in {bad[0]}; it is right only in {need}")
+        if bad:
+            raise RuntimeError(f"{name}'s move compiled in {bad[0]}; it is right only in {need}")
         check.checked.add(kernel.hash)
     check.checked = set()   # the hashes of the compiled kernels whose move was checked, once each
     return check
@@ -669,6 +670,8 @@ def layout_map(text: str, shape):
     "Triton's linear map of a recorded MMA dot-operand or `#ttg.linear` layout, at `shape`"
     if not isinstance(text, str) or not re.match(r'#ttg\.(dot_op|linear)<', text):
         raise ValueError(f"layout_map: expected a #ttg.dot_op or #ttg.linear layout, got {text!r}")
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2:
+        raise ValueError(f"layout_map: shape: expected (rows, columns), got {shape!r}")
     shape = [check_int('layout_map', f'shape[{i}]', s, 1) for i, s in enumerate(shape)]
     if text.startswith('#ttg.linear'):
         def bases(key): return json.loads(re.search(key + r' = (\[\[.*?\]\]|\[\])', text)[1])
@@ -676,8 +679,12 @@ def layout_map(text: str, shape):
                                warp_bases=bases('warp'))
     from triton._C.libtriton import ir, gluon_ir
     from triton.experimental.gluon.language import _layouts as gl
-    def ints(key): return [int(v) for v in re.search(key + r' = \[([\d, ]+)\]', text)[1].split(',')]
-    def one(key): return int(re.search(key + r' = (\d+)', text)[1])
+    def field(key, pat):
+        if not (m := re.search(key + ' = ' + pat, text)):
+            raise ValueError(f"layout_map: no {key} in {text!r}")
+        return m[1]
+    def ints(key): return [int(v) for v in field(key, r'\[([\d, ]+)\]').split(',')]
+    def one(key): return int(field(key, r'(\d+)'))
     mma = gl.NVMMADistributedLayout([one('versionMajor'), one('versionMinor')],
                                     ints('warpsPerCTA'), ints('instrShape'))
     op = gl.DotOperandLayout(one('opIdx'), mma, one('kWidth'))

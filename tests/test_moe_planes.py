@@ -158,12 +158,14 @@ def _bad_cases():
         (lambda: layout_map('#ttg.blocked<{sizePerThread = [1, 4]}>', (64, 32)),
          'layout_map: expected a #ttg.dot_op or #ttg.linear layout'),
         (lambda: layout_map(LINEAR_32, (0, 32)), 'layout_map: shape[0] = 0; expected at least 1'),
+        (lambda: layout_map(LINEAR_32, 32), 'layout_map: shape: expected (rows, columns), got 32'),
+        (lambda: layout_map('#ttg.dot_op<{opIdx = 0, kWidth = 2}>', (64, 32)), 'layout_map: no versionMajor in'),
         (lambda: held(None), 'held: expected a linear layout (layout_map), got NoneType'),
         (lambda: pairs_ok(torch.zeros(4, 3, 2)), "pairs_ok: expected held's (threads, registers, 2)"),
     ]
 
 
-BAD_CASES = 39
+BAD_CASES = 41
 
 
 def test_every_bad_case_is_run():
