@@ -4,8 +4,8 @@
                                [--setup-s S] [--machine TEXT]
 
 Several reports (the tier's phases) are summed into one record, which names the phases it holds (the reports' names
-after gpu_tier_junit_) and is dated by when the first of them started. Prints one line per file (passed / failed / skipped /
-seconds) and the failures' names, and writes the JSON."""
+after gpu_tier_junit_) and is dated by when the first of them started. Prints one line per file (passed / failed /
+skipped / seconds) and the failures' names, and writes the JSON."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
 from collections import defaultdict
