@@ -69,8 +69,9 @@ def exit_rank(code: int = 0):
     os._exit(code)
 
 # %% ../nbs/15_distributed.ipynb #163bab31
-def _rank_main(rank, world_size, backend, port, jobs, out_dir, timeout_s):
-    "One spawned rank: join the group, run the jobs in order, save their results for the parent"
+def _rank_main(rank, world_size, backend, port, out_dir, timeout_s):
+    "One spawned rank: join the group, run the jobs (saved by the parent) in order, save their results"
+    jobs = torch.load(os.path.join(out_dir, 'jobs.pt'), weights_only=False)
     if backend == 'nccl': torch.cuda.set_device(rank)
     # a share of the cores
     with rank_threads(world_size) if backend == 'gloo' else contextlib.nullcontext():
@@ -101,7 +102,10 @@ def run_ranks(
         raise ValueError(f"run_ranks: {world_size} NCCL ranks need {world_size} GPUs, "
                          f"this machine has {torch.cuda.device_count()}")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rank_main, args=(world_size, backend, free_port(), list(jobs), d, timeout_s),
+        # the jobs go through a file: as spawn arguments their tensors would move into shared
+        # memory, each holding a file descriptor of this process for as long as it lives
+        torch.save(list(jobs), os.path.join(d, 'jobs.pt'))
+        mp.spawn(_rank_main, args=(world_size, backend, free_port(), d, timeout_s),
                  nprocs=world_size)
         done = [torch.load(os.path.join(d, f'rank{r}.pt'), map_location='cpu', weights_only=False)
                 for r in range(world_size)]

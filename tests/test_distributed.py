@@ -8,7 +8,7 @@ one process: the same bits on any kernel path), 09_engram's `engram_lookup`, and
 traffic formulas, and for the whole-model step 10_model's `Transformer` forward in one process (with a rank's share
 of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the default-path
 scenario runs the Triton kernels."""
-import copy, itertools, math
+import copy, itertools, math, os
 from dataclasses import replace
 import pytest
 import torch
@@ -258,3 +258,18 @@ def test_a_rank_cuts_and_runs_experts_held_in_planes():
     expert, weight = torch.tensor([0, 3, 1, 0, 2, 3]), torch.rand(6, generator=g)
     assert torch.equal(dd.local_expert_outputs(xq, expert, weight, mine, cfg.swiglu_limit),
                        dd.local_expert_outputs(xq, expert, weight, dd.local_experts(Wc, 1, 2), cfg.swiglu_limit))
+
+
+def _sum_all(xs): return sum(float(x.sum()) for x in xs)
+
+
+def test_ranks_leave_no_descriptors_behind():
+    ("The jobs' tensors reach the ranks through a file: passed as spawn arguments they would move into shared memory, "
+     "each keeping a file descriptor of this process open while it lives (hundreds per model: past 1,023, `select` "
+     "and other calls fail)")
+    xs = [torch.full((4,), float(i)) for i in range(64)]          # 64 storages
+    fds = lambda: len(os.listdir('/proc/self/fd'))
+    before = fds()
+    assert dd.run_ranks([(_sum_all, (xs,))]) == [[_sum_all(xs)] * 2]
+    assert fds() - before < 8
+    assert all(not x.is_shared() for x in xs)

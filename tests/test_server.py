@@ -8,7 +8,7 @@ client that hangs up on one rank while the other rank's request goes on, no bloc
 rank; and a table of bad flags, refused before any rank starts.
 The server runs on 127.0.0.1 on a free port, its engine on the PyTorch kernels (the Triton interpreter, which CI
 switches on, would take minutes a step)."""
-import argparse, asyncio, json, os, select, signal, subprocess, sys, time
+import argparse, asyncio, json, os, selectors, signal, subprocess, sys, time
 from pathlib import Path
 import httpx, openai, pytest, torch
 from dsv41_nb.checkpoint import load_model
@@ -327,7 +327,10 @@ DP_FLAGS = ['serve', '--port', '0', '--kernels', 'torch', '--max-model-len', str
 def start_serving(cmd, timeout=180):
     "A server process started by `cmd`; (process, URL) once it prints its address (failing, not hanging, without)"
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    if not select.select([p.stderr], [], [], timeout)[0]:
+    with selectors.DefaultSelector() as sel:     # not select(): it refuses descriptors past 1023
+        sel.register(p.stderr, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+    if not ready:
         p.kill()
         pytest.fail(f"no address from {' '.join(cmd[1:])} in {timeout} s; its standard error: {p.stderr.read()}")
     line = p.stderr.readline()
