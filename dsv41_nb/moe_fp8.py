@@ -18,8 +18,7 @@ from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile
                                 expert_gate_up_torch, expert_down_torch, _round_bf16)
 from .moe_split import _default_split, _check_split, _swiglu_finish_kernel
 from .moe_planes import (_check_mxfp4, _check_routed, _check_down_rows, _routed_as,
-                                 PlaneWeight, planes_weight, PLANE_STEP, asm_layouts,
-                                 _move_check)
+                                 PlaneWeight, planes_weight, PLANE_STEP, _move_check)
 from .formats import (e2m1_values, quantize_fp8, ue8m0_values, _ue8m0_code, _pow2,
                               _e4m3_code)
 

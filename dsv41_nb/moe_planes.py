@@ -605,6 +605,27 @@ def _plane_slots(t, s, HW_CVT: tl.constexpr):
     lo, hi = _plane_pair(t, s, HW_CVT)
     return tl.reshape(tl.join(lo, hi), (BN, 32))
 
+# %% ../nbs/08f_moe_planes.ipynb #539999c8
+@triton.jit
+def _gemm_slots(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
+                k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr,
+                PAIR: tl.constexpr = True):
+    "`_gemm_planes` on activations in `pair_order`: each pair of planes one product over 32 slots"
+    w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)
+    s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)
+    c = tl.arange(0, 32)
+    for k0 in range(k_start, k_start + KS, 128):
+        q1, sw1, q3, sw3 = _plane_step(w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, k0, n_mask,
+                                       PAIR)
+        for i in tl.static_range(4):                 # slots k0 + 32i .. + 31
+            a = tl.load(x_row[:, None] + k0 + 32 * i + c[None, :], mask=valid[:, None], other=0.0)
+            acc1 = _dot_t(_plane_slots(q1 << (4 * i), (sw1 >> (8 * i)) & 0xFF, HW_CVT), a, acc1,
+                          HW_CVT)
+            if PAIR:
+                acc3 = _dot_t(_plane_slots(q3 << (4 * i), (sw3 >> (8 * i)) & 0xFF, HW_CVT), a,
+                              acc3, HW_CVT)
+    return acc1, acc3
+
 # %% ../nbs/08f_moe_planes.ipynb #d4233d10
 def asm_layouts(ttgir: str) -> list[str]:
     "The layouts (aliases written out) of a TTGIR's `tt.elementwise_inline_asm`s, once each"
@@ -635,27 +656,6 @@ SLOT_MOVE_LAYOUT = re.compile(r'#ttg\.dot_op<\{opIdx = 0, parent = #ttg\.nvidia_
                               r'versionMajor = [23], [^<>]*\}>, kWidth = [24]\}>')
 _check_slots = _move_check(SLOT_MOVE_LAYOUT, 'version 4',
                            "an MMA's register operand of 2 or 4 elements a run")
-
-# %% ../nbs/08f_moe_planes.ipynb #539999c8
-@triton.jit
-def _gemm_slots(acc1, acc3, x_row, valid, w1_ptr, s1_ptr, w3_ptr, s3_ptr, expert, n, n_mask,
-                k_start, KS: tl.constexpr, K: tl.constexpr, N: tl.constexpr, HW_CVT: tl.constexpr,
-                PAIR: tl.constexpr = True):
-    "`_gemm_planes` on activations in `pair_order`: each pair of planes one product over 32 slots"
-    w_row = expert.to(tl.int64) * N * (K // 8) + n.to(tl.int64) * (K // 8)
-    s_row = expert.to(tl.int64) * N * (K // 128) + n.to(tl.int64) * (K // 128)
-    c = tl.arange(0, 32)
-    for k0 in range(k_start, k_start + KS, 128):
-        q1, sw1, q3, sw3 = _plane_step(w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_row, s_row, k0, n_mask,
-                                       PAIR)
-        for i in tl.static_range(4):                 # slots k0 + 32i .. + 31
-            a = tl.load(x_row[:, None] + k0 + 32 * i + c[None, :], mask=valid[:, None], other=0.0)
-            acc1 = _dot_t(_plane_slots(q1 << (4 * i), (sw1 >> (8 * i)) & 0xFF, HW_CVT), a, acc1,
-                          HW_CVT)
-            if PAIR:
-                acc3 = _dot_t(_plane_slots(q3 << (4 * i), (sw3 >> (8 * i)) & 0xFF, HW_CVT), a,
-                              acc3, HW_CVT)
-    return acc1, acc3
 
 # %% ../nbs/08f_moe_planes.ipynb #9a818523
 _gate_up_slots_kernel = _rebound(_gate_up_planes_kernel, _gemm_planes=_gemm_slots)

@@ -3,7 +3,6 @@ exactly and decoded to each weight's byte, the activations' codes equal to `act_
 through the whole layer within the reference, on the interpreter (CI) and compiled (the GPU test tier, where the
 words reach the FP8 MMA through registers)."""
 from dataclasses import replace
-from types import SimpleNamespace
 from functools import partial
 import pytest
 import torch
@@ -19,6 +18,7 @@ from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_word
                               fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape,
                               FP8_MIN_BLOCK_N, FP8_MMA_BITS, _check_move, _fp8_shape)
 from dsv41_nb.moe_planes import asm_layouts
+from test_moe_planes import compiled, LINEAR_32
 from dsv41_nb import fused_moe as fm
 
 DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -139,31 +139,21 @@ HOPPER = ('#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 3, v
           'warpsPerCTA = [4, 1], instrShape = [16, 16, 32]}>, kWidth = 4}>')
 AMPERE = ('#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, '
           'warpsPerCTA = [1, 8], instrShape = [16, 8]}>, kWidth = 8}>')
-LINEAR = ('#ttg.linear<{register = [[0, 16], [0, 1], [0, 2]], lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], '
-          'warp = [[8, 0], [16, 0]], block = []}>')   # where Triton 3.6 ran the move at 32 weight rows
-
-
-def _compiled(*layouts):
-    "A compiled kernel as `_check_move` reads it: a hash and a TTGIR with one inline assembly per layout"
-    lines = [f'#l{i} = {l}' for i, l in enumerate(layouts)] + [
-        f'%c{i} = tt.elementwise_inline_asm "mov.b32 $0, $1;" %s : tensor<64x32xi32, #l{i}> -> '
-        f'tensor<64x32xf8E4M3FN, #l{i}> loc(#loc1)' for i in range(len(layouts))]
-    return SimpleNamespace(hash='|'.join(layouts), asm={'ttgir': '\n'.join(lines)})
 
 
 def test_the_launch_refuses_the_move_in_another_layout():
     ("Hopper's MMA register operand passes (and is remembered); Ampere's operand or a plain layout is refused by "
      "name, and so is a kernel in which no move is found")
     _check_move(None)                                         # the interpreter's launch returns no kernel
-    k = _compiled(HOPPER)
+    k = compiled(HOPPER)
     _check_move(k)
     k.asm = None                                              # checked once: not read again
-    _check_move(_compiled(HOPPER))
-    for bad in ((AMPERE,), (LINEAR,), (HOPPER, AMPERE), (HOPPER.replace('kWidth = 4', 'kWidth = 2'),)):
+    _check_move(compiled(HOPPER))
+    for bad in ((AMPERE,), (LINEAR_32,), (HOPPER, AMPERE), (HOPPER.replace('kWidth = 4', 'kWidth = 2'),)):
         with pytest.raises(RuntimeError, match="version 5's move compiled in #ttg"):
-            _check_move(_compiled(*bad))
+            _check_move(compiled(*bad))
     with pytest.raises(RuntimeError, match="move not found"):  # a TTGIR the reader cannot parse: no silent pass
-        _check_move(_compiled())
+        _check_move(compiled())
 
 
 def test_version_5_keeps_64_weight_rows_a_program(monkeypatch):

@@ -385,11 +385,12 @@ def test_version_4_moves_in_register_pairs():
     assert not pairs_ok(held(layout_map(LINEAR_32, (32, 32))))
 
 
-def _slots_compiled(*layouts):
-    "A compiled kernel as `_check_slots` reads it: a hash and a TTGIR with one inline assembly per layout"
+def compiled(*layouts, out='bf16'):
+    ("A compiled kernel as a move's check (`_move_check`) reads it: a hash and a TTGIR with one inline assembly per "
+     "layout, whose result is `out`")
     lines = [f'#l{i} = {l}' for i, l in enumerate(layouts)] + [
-        f'%c{i} = tt.elementwise_inline_asm "mul.rn.bf16x2 $0, $1, $3;" %s, %t : tensor<64x32xi32, #l{i}>, '
-        f'tensor<64x32xi32, #l{i}> -> tensor<64x32xbf16, #l{i}> loc(#loc1)' for i in range(len(layouts))]
+        f'%c{i} = tt.elementwise_inline_asm "..." %s : tensor<64x32xi32, #l{i}> -> tensor<64x32x{out}, #l{i}> '
+        'loc(#loc1)' for i in range(len(layouts))]
     return SimpleNamespace(hash='|'.join(layouts), asm={'ttgir': '\n'.join(lines)})
 
 
@@ -397,16 +398,16 @@ def test_version_4_refuses_its_move_in_another_layout():
     "The recorded operands pass (once a kernel); a plain layout, 8 elements a run, or no move found are refused"
     ok = [l for l, _ in _recorded_slot_layouts()]
     _check_slots(None)                                          # the interpreter's launch returns no kernel
-    k = _slots_compiled(*ok)
+    k = compiled(*ok)
     _check_slots(k)
     k.asm = None                                                # checked once: not read again
-    _check_slots(_slots_compiled(*ok))
+    _check_slots(compiled(*ok))
     hopper = next(l for l in ok if 'kWidth = 2' in l)
     for bad in ((LINEAR_32,), (hopper, LINEAR_32), (hopper.replace('kWidth = 2', 'kWidth = 8'),)):
         with pytest.raises(RuntimeError, match="version 4's move compiled in #ttg"):
-            _check_slots(_slots_compiled(*bad))
+            _check_slots(compiled(*bad))
     with pytest.raises(RuntimeError, match="version 4's move not found"):
-        _check_slots(_slots_compiled())
+        _check_slots(compiled())
 
 
 def test_version_4_launches_check_their_move(monkeypatch):

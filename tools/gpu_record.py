@@ -8,6 +8,7 @@ after gpu_tier_junit_) and is dated by when the first of them started. Prints on
 skipped / seconds) and the failures' names, and writes the JSON."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,7 +40,6 @@ def started(*paths) -> str | None:
     "When the earliest of the reports' test suites started (UTC), from their `timestamp`s; None if none has one"
     stamps = [t.get('timestamp') for p in paths for t in ET.parse(p).getroot().iter('testsuite') if t.get('timestamp')]
     if not stamps: return None
-    from datetime import datetime, timezone
     first = min(datetime.fromisoformat(s) for s in stamps)
     first = first.astimezone(timezone.utc) if first.tzinfo else first
     return f'{first:%Y-%m-%d %H:%M} UTC'
