@@ -1,0 +1,136 @@
+"""What holds version 5 of the MoE's gate/up stage (FP8 products, 08g) behind version 4 (08f's slots) on one GPU.
+
+    python tools/moe_fp8_limits.py --run {4,5} [--tokens 128]     the stage in fused_moe_experts, three calls (for ncu)
+    python tools/moe_fp8_limits.py --registers --json OUT.json      version 5 with its registers capped, timed
+    python tools/moe_fp8_limits.py --ncu V4.txt V5.txt --json OUT.json   two `ncu` reports into the record
+    python tools/moe_fp8_limits.py --quick                          all three on a small layer on the CPU (interpreter)
+
+On the bench layer (random weights, 128 tokens routed unless --tokens says otherwise). `--ncu` reads the last report of
+each file (the third call) with kernel_mix's reader, stall reasons included when ncu was asked for them:
+    ncu --clock-control none -k regex:_gate_up_planes --launch-skip 2 --launch-count 1 \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \\
+        --section WarpStateStats --section MemoryWorkloadAnalysis \\
+        --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio' \\
+        python3 tools/moe_fp8_limits.py --run 4 > v4.txt           (and -k regex:_gate_up_fp8 ... --run 5 > v5.txt)
+`--registers` times version 4 and version 5 as compiled, then with `maxnreg` 168 and 128 (the registers a thread may
+hold: fewer let more programs share a multiprocessor, at the cost of spills), each checked against the reference
+(`check_fused_moe`, with the FP8 MMA's kept bits) before it is timed, and records each launch's registers and spills.
+"""
+import argparse, datetime, json, os, re, sys
+if '--quick' in sys.argv: os.environ.setdefault('TRITON_INTERPRET', '1')   # before Triton is imported
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+import torch, triton
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_mix import ncu_metrics
+from bench_engine import git_commit
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.moe import MoEWeights, route
+from dsv41_nb.fused_moe import fused_moe_experts, moe_launch_shape, check_fused_moe, _fused_stages
+from dsv41_nb.moe_planes import plane_gate_up
+from dsv41_nb import moe_fp8
+from dsv41_nb.moe_fp8 import fp8_gate_up, FP8_MMA_BITS
+from dsv41_nb.dispatch import median_time, machine_name, triton_interpreting
+
+CAPS = (None, 168, 128)   # maxnreg: as compiled, then capped
+
+
+def layer(quick: bool):
+    "(config, weights, device): the bench layer on the GPU, a small one (dim 256) on the CPU"
+    if quick: return replace(ModelConfig.tiny(), dim=256, moe_inter_dim=256), 'cpu'
+    return ModelConfig.bench(), 'cuda'
+
+
+def routed(cfg, W, T: int, dev):
+    torch.manual_seed(T)
+    x = (3 * torch.randn(T, cfg.dim, device=dev)).to(torch.bfloat16)
+    tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+    return x, tw, ti
+
+
+def run(cfg, W, dev, version: str, T: int):
+    "The stage of `version` in fused_moe_experts, three calls"
+    x, tw, ti = routed(cfg, W, T, dev)
+    gu = plane_gate_up(W, slots=True) if version == '4' else fp8_gate_up(W)
+    sh = moe_launch_shape(ti.numel(), W.n_experts)
+    for _ in range(3): fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, sh, check_ids=False, gate_up=gu, down=None)
+    if dev == 'cuda': torch.cuda.synchronize()
+    print(f"version {version}, {T} tokens, launch {sh}", flush=True)
+
+
+class Capped:
+    "`_gate_up_fp8_kernel` launched with maxnreg (None: as compiled); the compiled kernels' registers and spills"
+    def __init__(self, kernel, cap): self.kernel, self.cap, self.seen = kernel, cap, None
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            if self.cap and not triton_interpreting(): k['maxnreg'] = self.cap
+            c = self.kernel[grid](*a, **k)
+            self.seen = dict(registers=getattr(c, 'n_regs', None), spills=getattr(c, 'n_spills', None))
+            return c
+        return launch
+
+
+def registers(cfg, W, dev, tokens) -> list[dict]:
+    "Versions 4 and 5 at each size and row block, version 5 at each cap; each checked, then timed"
+    v4, v5, rows, orig = plane_gate_up(W, slots=True), fp8_gate_up(W), [], moe_fp8._gate_up_fp8_kernel
+    for T in tokens:
+        x, tw, ti = routed(cfg, W, T, dev)
+        sh = moe_launch_shape(ti.numel(), W.n_experts)
+        for bm in sorted({sh['block_m'], 16}):
+            s = dict(sh, block_m=bm)
+            call = lambda gu: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, s, check_ids=False, gate_up=gu,
+                                                down=None)
+            row = dict(tokens=T, block_m=bm, version_4_ms=median_time(lambda: call(v4)) * 1e3, version_5=[])
+            try:
+                for cap in CAPS:
+                    moe_fp8._gate_up_fp8_kernel = k = Capped(orig, cap)
+                    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, s, mma_bits=FP8_MMA_BITS,
+                                    stages=partial(_fused_stages, gate_up=v5, down=None))
+                    row['version_5'].append(dict(maxnreg=cap, ms=median_time(lambda: call(v5)) * 1e3, **k.seen))
+            finally: moe_fp8._gate_up_fp8_kernel = orig
+            rows.append(row)
+            print(f"{T:4d} tokens, {bm:3d} rows: version 4 {row['version_4_ms']:.3f} ms; version 5 " + ', '.join(
+                f"maxnreg {r['maxnreg']} {r['ms']:.3f} ms ({r['registers']} registers, {r['spills']} spills)"
+                for r in row['version_5']), flush=True)
+    return rows
+
+
+def last_report(text: str) -> dict:
+    "The metrics of the last kernel report in an ncu text output, with the kernel's name"
+    lines = text.split('\n')
+    heads = [i for i, l in enumerate(lines) if re.match(r'^  \w+_kernel \(', l)]
+    if not heads: raise ValueError("no kernel report found in the ncu output")
+    i = heads[-1]
+    return dict(kernel=lines[i].split()[0], **ncu_metrics('\n'.join(lines[i + 1:])))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--run', choices=('4', '5'))
+    ap.add_argument('--tokens', type=int, default=128)
+    ap.add_argument('--registers', action='store_true')
+    ap.add_argument('--ncu', nargs=2, metavar=('V4', 'V5'))
+    ap.add_argument('--json')
+    ap.add_argument('--quick', action='store_true', help='a small layer on the CPU: a check of the script')
+    args = ap.parse_args()
+    cfg, dev = layer(args.quick)
+    if dev == 'cuda' and not torch.cuda.is_available(): sys.exit('this needs a GPU (--quick checks it on a CPU)')
+    W = MoEWeights.random(cfg, 0, dev) if (args.run or args.registers or args.quick) else None
+    if args.run: return run(cfg, W, dev, args.run, args.tokens)
+    res = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
+    res.update(machine=machine_name(dev),
+               date=f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC',
+               commit=os.environ.get('DSV41_COMMIT') or git_commit(), torch=torch.__version__,
+               triton=triton.__version__, config='small check' if args.quick else 'bench')
+    if args.registers or args.quick:
+        res['registers'] = registers(cfg, W, dev, (8,) if args.quick else (32, 128, 512))
+    if args.ncu:
+        res['ncu'] = {v: last_report(Path(p).read_text()) for v, p in zip(('version 4', 'version 5'), args.ncu)}
+        res['ncu_tokens'] = args.tokens
+    if args.quick: run(cfg, W, dev, '5', 8)
+    if args.json: Path(args.json).write_text(json.dumps(res, indent=1) + '\n'); print('wrote', args.json)
+
+
+if __name__ == '__main__':
+    main()
