@@ -141,3 +141,43 @@ def test_asm_layouts():
         '#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = '
         '[4, 1], instrShape = [16, 16, 32]}>, kWidth = 4}>']
     assert asm_layouts('tt.return') == []
+
+
+def _bench_engine():
+    import sys
+    sys.path.insert(0, str(ROOT / 'tools'))
+    spec = importlib.util.spec_from_file_location('bench_engine', ROOT / 'tools' / 'bench_engine.py')
+    be = importlib.util.module_from_spec(spec); spec.loader.exec_module(be)
+    return be
+
+
+def test_pool_counts_the_weights_still_to_be_built():
+    """pool_blocks: the KV pool for the requests, with the random-weight model's bytes counted as taken; a GPU they
+    leave too little of says how much the weights take and names --experts"""
+    from dataclasses import replace
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
+    be, GiB = _bench_engine(), 2 ** 30
+    cfg = ModelConfig.bench()
+    kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, max_model_len=256))
+    w = be.weight_bytes(cfg)
+    assert 50 * GiB < w < 70 * GiB                                  # the bench checkpoint's size, 64 experts
+    assert be.weight_bytes(replace(cfg, n_routed_experts=32)) < 0.7 * w
+    need = be.pool_blocks(cfg, kc, 4, 140 * GiB, 140 * GiB)          # room for every request
+    assert need == be.kv_pool_blocks(kc, 4, 0.9, 140 * GiB, 140 * GiB)
+    # with the weights counted, a budget that holds two requests' blocks gives two requests' blocks, not four
+    per = (need - 1) // 4
+    free = w + int(0.1 * 100 * GiB) + 2 * per * kc.page_bytes + kc.page_bytes // 2
+    assert be.pool_blocks(cfg, kc, 4, free, 100 * GiB) == 2 * per
+    with pytest.raises(ValueError, match=r'GiB of weights \(64 routed experts a layer\).*--experts'):
+        be.pool_blocks(cfg, kc, 4, 60 * GiB, 80 * GiB)
+
+
+def test_a_model_that_does_not_fit_names_experts(monkeypatch):
+    "paged_llm: a model whose weights run out of GPU memory as they are built says so and names --experts"
+    from dsv41_nb.config import ModelConfig
+    be = _bench_engine()
+    def oom(*a, **k): raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.81 GiB")
+    monkeypatch.setattr(be.PagedModel, 'init_random', oom)
+    with pytest.raises(MemoryError, match=r'routed experts a layer.*pass --experts with fewer.*2\.81 GiB'):
+        be.paged_llm(ModelConfig.tiny(), 0, 'cpu', kernels='torch')

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL, gpu_memory
-from dsv41_nb.accounting import decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE
+from dsv41_nb.accounting import (decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE, memory_table,
+                                 GiB)
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
@@ -59,18 +60,39 @@ from dsv41_nb.__main__ import load_test, load_summary, random_prompts
 from dsv41_nb.checkpoint import load_model
 
 
+def weight_bytes(cfg: ModelConfig) -> int:
+    "About what the random-weight model holds on a GPU: its checkpoint's bytes (`memory_table` of 01a_accounting)"
+    return int(memory_table(cfg)['total'] * GiB)
+
+
+def pool_blocks(cfg: ModelConfig, kc, max_num_seqs: int, free: int, total: int, utilization: float = 0.9) -> int:
+    """KV pool blocks for `max_num_seqs` requests (`kv_pool_blocks`) at `utilization` of a GPU with `free` of `total`
+    bytes, the weights still to be built (`weight_bytes`) counted as taken; where they leave too little, the error says
+    how much they take and what to pass"""
+    w = weight_bytes(cfg)
+    try: return kv_pool_blocks(kc, max_num_seqs, utilization, max(0, free - w), total)
+    except ValueError as e:
+        raise ValueError(f"{e}, after about {w / GiB:.1f} GiB of weights ({cfg.n_routed_experts} routed experts a "
+                         f"layer): fewer experts (--experts) or a larger GPU") from None
+
+
 def paged_llm(cfg: ModelConfig, seed: int, device, **engine_args) -> LLM:
     """An LLM over a random-weight PagedModel built on `device` for the engine's own cache layout. On a GPU the KV pool
-    holds the blocks the requests can need (`kv_pool_blocks` at 0.9 of the GPU, sized here since the engine sees only
-    a meta model), not the fixed default budget, so that the weights have the rest"""
+    holds the blocks the requests can need (`pool_blocks` at 0.9 of the GPU, sized here since the engine sees only a
+    meta model, with the weights to be built counted as taken), not the fixed default budget; a model that does not
+    fit beside it says so and names `--experts`"""
     if torch.device(device).type == 'cuda' and 'num_gpu_blocks' not in engine_args:
         mml = engine_args.get('max_model_len') or CacheConfig.for_model(cfg).max_model_len
         kc = get_kv_cache_config(cfg, CacheConfig.for_model(cfg, max_model_len=mml))
-        engine_args['num_gpu_blocks'] = kv_pool_blocks(kc, engine_args.get('max_num_seqs', 256), 0.9,
-                                                       *gpu_memory(device))
+        engine_args['num_gpu_blocks'] = pool_blocks(cfg, kc, engine_args.get('max_num_seqs', 256),
+                                                    *gpu_memory(device))
     built = {}
     def build(kc):
-        m = PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc)
+        try: m = PagedModel.init_random(cfg, seed=seed, device=device, kv_cache_config=kc)
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(f"the random-weight model ({cfg.n_routed_experts} routed experts a layer, about "
+                              f"{weight_bytes(cfg) / GiB:.1f} GiB) did not fit on {device} beside a KV pool of "
+                              f"{kc.num_blocks:,} blocks: pass --experts with fewer ({e})") from None
         built['planes'] = sum(isinstance(l.moe.w1, PlaneWeight) for l in m.layers)
         built['planes_down'] = sum(isinstance(l.moe.w2, PlaneWeight) for l in m.layers)
         return PagedStepModel(m)
