@@ -181,3 +181,24 @@ def test_a_model_that_does_not_fit_names_experts(monkeypatch):
     monkeypatch.setattr(be.PagedModel, 'init_random', oom)
     with pytest.raises(MemoryError, match=r'routed experts a layer.*pass --experts with fewer.*2\.81 GiB'):
         be.paged_llm(ModelConfig.tiny(), 0, 'cpu', kernels='torch')
+
+
+def test_model_host_split_times_the_parts_and_puts_them_back():
+    "model_host_split: the forward's host time by part while inside, every wrapped method as it was afterwards"
+    from dsv41_nb import cuda_graphs
+    spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
+    pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
+    class Inner:
+        def prepare(self, b): return b
+    class Model:
+        def __init__(self): self.model = Inner()
+        def forward(self, b): return self.model.prepare(b)
+    m, before = Model(), (cuda_graphs.StagedInputs.load, cuda_graphs.StagedInputs.load_rows,
+                          cuda_graphs.fill_token_ids)
+    with pe.model_host_split(m) as t:
+        assert m.forward(1) == 1 and m.forward(2) == 2
+    assert set(t) == {'prepare', 'forward'} and t['forward'] >= t['prepare'] > 0
+    assert (cuda_graphs.StagedInputs.load, cuda_graphs.StagedInputs.load_rows, cuda_graphs.fill_token_ids) == before
+    assert 'forward' not in vars(m) and 'prepare' not in vars(m.model)
+    assert pe.split_per_step({'prepare': 10, 'staged': 30, 'forward': 100}, 2) == {
+        'prepare': 5, 'staged': 15, 'fill ids': 0, 'replay': 0, 'rest': 30}

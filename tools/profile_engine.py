@@ -11,7 +11,9 @@ captured, and then
 
 - `--steps` decode steps are timed: the wall time per step (the GPU's, since under async scheduling the host's part of
   step n + 1 runs while step n computes) and the host's part by phase (`StepTimer` of 13_engine: schedule, inputs, model
-  host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids);
+  host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids),
+  and the model host's part by part (`model_host_us`: the step model's prepare, the staged inputs' copy with its wait
+  for the last transfer, the ids filled on the device, the graph's launch, the rest);
 - four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs
   captured again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by
   the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
@@ -24,6 +26,7 @@ OUT_DIR/profile_engine.json and OUT_DIR/profile_engine.txt (the summary printed)
 for the bench config. `--quick` runs tiny on the CPU (emulated graphs, no kernels to profile): a check of the script."""
 import argparse, dataclasses, datetime, importlib, json, os, statistics, sys, time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 import torch, triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,6 +36,7 @@ from dsv41_nb.dispatch import machine_name, copy_bandwidth
 from dsv41_nb.accounting import step_floor, HARDWARE
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import StepTimer, HOST_PHASES
+from dsv41_nb import cuda_graphs
 from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.__main__ import random_prompts
 
@@ -119,6 +123,42 @@ def profile_steps(llm, device, steps: int, triton_names: dict) -> dict:
     return kernels_of(prof, steps, triton_names)
 
 
+MODEL_HOST_PARTS = ('prepare', 'staged', 'fill ids', 'replay')   # the replayed step's host work, in order
+
+
+@contextmanager
+def model_host_split(model):
+    """Host microseconds, summed while inside, in the parts of a CUDAGraphModel's forward: the step model's `prepare`,
+    the staged inputs' copy (`StagedInputs.load` / `load_rows`, their wait for the last transfer included), the ids
+    filled on the device (`fill_token_ids`) and the graph's launch (`CUDAGraph.replay`); the forward's total as
+    'forward'. The methods are wrapped in place and put back on exit"""
+    times, undo = defaultdict(float), []
+    def wrap(owner, name, part):
+        f, own = getattr(owner, name), name in vars(owner)
+        def timed(*a, **k):
+            t = time.perf_counter_ns()
+            try: return f(*a, **k)
+            finally: times[part] += (time.perf_counter_ns() - t) / 1e3
+        setattr(owner, name, timed); undo.append((owner, name, f, own))
+    inner = getattr(model, 'model', None)
+    if hasattr(inner, 'prepare'): wrap(inner, 'prepare', 'prepare')
+    for name in ('load', 'load_rows'): wrap(cuda_graphs.StagedInputs, name, 'staged')
+    wrap(cuda_graphs, 'fill_token_ids', 'fill ids')
+    if torch.cuda.is_available(): wrap(torch.cuda.CUDAGraph, 'replay', 'replay')
+    wrap(model, 'forward', 'forward')
+    try: yield times
+    finally:
+        for owner, name, f, own in reversed(undo):
+            if own: setattr(owner, name, f)
+            else: delattr(owner, name)
+
+
+def split_per_step(times: dict, steps: int) -> dict:
+    "Microseconds a step by part of the model's host work, the forward's time outside the parts as 'rest'"
+    parts = {k: times.get(k, 0.0) / steps for k in MODEL_HOST_PARTS}
+    return parts | {'rest': times.get('forward', 0.0) / steps - sum(parts.values())}
+
+
 def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> dict:
     eng = llm.llm_engine
     decode_ready(eng, B, args.prompt_len, args.steps * 3 + 16, seed=B)
@@ -126,7 +166,7 @@ def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> di
     if isinstance(model, CUDAGraphModel) and model._template is not None:
         t0 = time.perf_counter(); new = model.capture_all([s for s in model.sizes if s <= B])
         print(f"  captured {new} in {time.perf_counter() - t0:.1f} s", flush=True)
-    with StepTimer(eng) as timer:
+    with StepTimer(eng) as timer, model_host_split(model) as parts:
         sync(device); t0 = time.perf_counter()
         rows = [timer.step() for _ in range(args.steps)]
         sync(device); wall = (time.perf_counter() - t0) / args.steps
@@ -136,7 +176,8 @@ def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> di
     ctx = args.prompt_len + args.steps
     floor = step_floor(cfg, dataclasses.replace(HARDWARE['H200'], bandwidth=bw), B, ctx)['seconds']
     work = sum(v for k, v in host.items() if k not in ('wait', 'total'))
-    return dict(batch=B, wall_step_s=wall, host_us=host, host_work_us=work, floor_s=floor, **prof)
+    return dict(batch=B, wall_step_s=wall, host_us=host, host_work_us=work,
+                model_host_us=split_per_step(parts, args.steps), floor_s=floor, **prof)
 
 
 def prefill_profile(llm, device, args, triton_names: dict) -> dict:
@@ -165,6 +206,8 @@ def summary(res: dict) -> str:
                    f"({r['wall_step_s'] / r['floor_s']:.1f}x); host work {r['host_work_us'] / 1e3:.2f} ms "
                    f"(" + ', '.join(f"{k} {h[k]:.0f}" for k, *_ in HOST_PHASES)
                    + f" us), waiting {h['wait'] / 1e3:.2f} ms")
+        if 'model_host_us' in r: out.append("  model host a step: " + ', '.join(
+            f"{k} {v:.0f}" for k, v in r['model_host_us'].items()) + " us")
         out += [f"    {v / 1e3:8.3f} ms  {v / r['gpu_us']:5.1%}  {k}" for k, v in r['components'].items()]
         rt = list(r.get('runtime_us', {}).items())[:5]
         if rt: out.append("  host time in the CUDA runtime a step (profiled steps): "
