@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from budget import examples
-from dsv41_nb.config import ModelConfig
 from dsv41_nb.moe import route, MoEWeights, QuantWeight
 from dsv41_nb.formats import e2m1_values
 from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, fused_moe_experts,
@@ -18,16 +17,8 @@ from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_word
                               fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape,
                               FP8_MIN_BLOCK_N, FP8_MMA_BITS, _check_move, _fp8_shape)
 from dsv41_nb.moe_planes import asm_layouts
-from test_moe_planes import compiled, LINEAR_32
+from test_moe_planes import compiled, LINEAR_32, bad_input_tests, _layer, DEV
 from dsv41_nb import fused_moe as fm
-
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-
-
-def _layer(E, k, D, I, seed):
-    cfg = replace(ModelConfig.tiny(), n_routed_experts=E, n_activated_experts=k, dim=D, moe_inter_dim=I)
-    return cfg, MoEWeights.random(cfg, seed, DEV)
-
 
 def test_every_code_is_its_e4m3_byte():
     "Each of the 16 E2M1 codes, as an E4M3 byte, is worth the code's value times 2^-6 (zeros and 0.5 included)"
@@ -218,18 +209,7 @@ def _bad_cases():
     ]
 
 
-BAD_CASES = 32
-
-
-def test_every_bad_case_is_run():
-    assert len(_bad_cases()) == BAD_CASES
-
-
-@pytest.mark.parametrize('case', range(BAD_CASES))
-def test_bad_input(case):
-    fn, message = _bad_cases()[case]
-    with pytest.raises((ValueError, TypeError)) as e: fn()
-    assert message in str(e.value)
+test_every_bad_case_is_run, test_bad_input = bad_input_tests(_bad_cases, 32)
 
 
 def test_the_mma_allowance_keeps_its_teeth():

@@ -165,18 +165,20 @@ def _bad_cases():
     ]
 
 
-BAD_CASES = 41
+def bad_input_tests(cases, n: int) -> tuple:
+    """The two tests of a bad-input table (`cases()`: (call, message) pairs, built when run): that it holds `n`
+    cases, and that each call raises a ValueError or TypeError naming its message"""
+    def test_every_bad_case_is_run(): assert len(cases()) == n
+
+    @pytest.mark.parametrize('case', range(n))
+    def test_bad_input(case):
+        fn, message = cases()[case]
+        with pytest.raises((ValueError, TypeError)) as e: fn()
+        assert message in str(e.value)
+    return test_every_bad_case_is_run, test_bad_input
 
 
-def test_every_bad_case_is_run():
-    assert len(_bad_cases()) == BAD_CASES
-
-
-@pytest.mark.parametrize('case', range(BAD_CASES))
-def test_bad_input(case):
-    fn, message = _bad_cases()[case]
-    with pytest.raises((ValueError, TypeError)) as e: fn()
-    assert message in str(e.value)
+test_every_bad_case_is_run, test_bad_input = bad_input_tests(_bad_cases, 41)
 
 
 def test_fits_planes():
