@@ -206,7 +206,7 @@ def summary(res: dict) -> str:
                    f"({r['wall_step_s'] / r['floor_s']:.1f}x); host work {r['host_work_us'] / 1e3:.2f} ms "
                    f"(" + ', '.join(f"{k} {h[k]:.0f}" for k, *_ in HOST_PHASES)
                    + f" us), waiting {h['wait'] / 1e3:.2f} ms")
-        if 'model_host_us' in r: out.append("  model host a step: " + ', '.join(
+        if 'model_host_us' in r: out.append("  model host a step (mean of the timed steps): " + ', '.join(
             f"{k} {v:.0f}" for k, v in r['model_host_us'].items()) + " us")
         out += [f"    {v / 1e3:8.3f} ms  {v / r['gpu_us']:5.1%}  {k}" for k, v in r['components'].items()]
         rt = list(r.get('runtime_us', {}).items())[:5]
