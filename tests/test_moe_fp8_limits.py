@@ -53,3 +53,10 @@ def test_capped_launch_passes_the_cap_and_keeps_what_compiled():
     fct.test_eq(k.seen, dict(registers=128, spills=16))
     seen.clear(); lim.Capped(Kernel(), None)[(1,)]()
     fct.test_eq(seen, [((1,), (), {})])
+
+
+def test_programs_a_multiprocessor_holds_by_registers():
+    "Registers are allocated 8 a thread at a time from 65,536; at most 64 warps a multiprocessor"
+    fct.test_eq([lim.programs_by_registers(r, w) for r, w in ((128, 4), (129, 4), (184, 4), (104, 8), (66, 8))],
+                [4, 3, 2, 2, 3])
+    fct.test_eq(lim.programs_by_registers(16, 4), 16)          # the warp slots, not the registers

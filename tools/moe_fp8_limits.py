@@ -3,7 +3,8 @@
     python tools/moe_fp8_limits.py --run {4,5} [--tokens 128]     the stage in fused_moe_experts, three calls (for ncu)
     python tools/moe_fp8_limits.py --registers --json OUT.json      version 5 with its registers capped, timed
     python tools/moe_fp8_limits.py --ncu V4.txt V5.txt --json OUT.json   two `ncu` reports into the record
-    python tools/moe_fp8_limits.py --quick                          all three on a small layer on the CPU (interpreter)
+    python tools/moe_fp8_limits.py --compile OUT_DIR --json OUT.json  version 5 compiled for sm_90, with no GPU
+    python tools/moe_fp8_limits.py --quick                          the GPU modes on a small layer on the CPU
 
 On the bench layer (random weights, 128 tokens routed unless --tokens says otherwise). `--ncu` reads the last report of
 each file (the third call) with kernel_mix's reader, stall reasons included when ncu was asked for them:
@@ -13,8 +14,10 @@ each file (the third call) with kernel_mix's reader, stall reasons included when
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio' \\
         python3 tools/moe_fp8_limits.py --run 4 > v4.txt           (and -k regex:_gate_up_fp8 ... --run 5 > v5.txt)
 `--registers` times version 4 and version 5 as compiled, then with `maxnreg` 168 and 128 (the registers a thread may
-hold: fewer let more programs share a multiprocessor, at the cost of spills), each checked against the reference
-(`check_fused_moe`, with the FP8 MMA's kept bits) before it is timed, and records each launch's registers and spills.
+hold: fewer let more programs share a multiprocessor, at the cost of spills), and with 8 warps a program (the same
+tile over twice the threads), each checked against the reference (`check_fused_moe`, with the FP8 MMA's kept bits)
+before it is timed, and records each launch's registers and spills. `--compile` needs Triton's compiler for sm_90
+(the GPU's Triton version gives the GPU's code); it merges its table into an existing record.
 """
 import argparse, datetime, json, os, re, sys
 if '--quick' in sys.argv: os.environ.setdefault('TRITON_INTERPRET', '1')   # before Triton is imported
@@ -83,16 +86,53 @@ def registers(cfg, W, dev, tokens) -> list[dict]:
                                                 down=None)
             row = dict(tokens=T, block_m=bm, version_4_ms=median_time(lambda: call(v4)) * 1e3, version_5=[])
             try:
-                for cap in CAPS:
+                for cap, warps in [(c, s['num_warps']) for c in CAPS] + [(None, 8)]:
                     moe_fp8._gate_up_fp8_kernel = k = Capped(orig, cap)
+                    s = dict(s, num_warps=warps)
                     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, s, mma_bits=FP8_MMA_BITS,
                                     stages=partial(_fused_stages, gate_up=v5, down=None))
-                    row['version_5'].append(dict(maxnreg=cap, ms=median_time(lambda: call(v5)) * 1e3, **k.seen))
+                    row['version_5'].append(dict(maxnreg=cap, num_warps=warps,
+                                                 ms=median_time(lambda: call(v5)) * 1e3, **k.seen))
             finally: moe_fp8._gate_up_fp8_kernel = orig
             rows.append(row)
             print(f"{T:4d} tokens, {bm:3d} rows: version 4 {row['version_4_ms']:.3f} ms; version 5 " + ', '.join(
-                f"maxnreg {r['maxnreg']} {r['ms']:.3f} ms ({r['registers']} registers, {r['spills']} spills)"
+                f"maxnreg {r['maxnreg']}, {r['num_warps']} warps: {r['ms']:.3f} ms ({r['registers']} registers, "
+                f"{r['spills']} spills)"
                 for r in row['version_5']), flush=True)
+    return rows
+
+
+LAUNCHES = [(bm, bn, w) for bm, bn in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64)) for w in (4, 8)]
+REGISTERS_PER_SM, MAX_WARPS_PER_SM = 65536, 64     # Hopper's register file and warp slots a multiprocessor
+
+
+def programs_by_registers(registers: int, warps: int) -> int:
+    "Programs of `warps` warps a Hopper multiprocessor can hold by their registers (allocated 8 a thread at a time)"
+    per = -(-registers // 8) * 8 * 32 * warps
+    return min(REGISTERS_PER_SM // per, MAX_WARPS_PER_SM // warps)
+
+
+def compile_launches(out: Path) -> list[dict]:
+    """Version 5's gate/up kernel compiled for sm_90 with no GPU (`kernel_mix`'s way: Triton's compiler, ptxas,
+    cuobjdump) at the bench layer, for each row block, weight rows and warps of `LAUNCHES`: registers, spills, the
+    K loop's instructions, and the programs and warps a multiprocessor holds by registers"""
+    from kernel_mix import _sm90, sass_loop, sass_opcodes
+    cfg, rows = ModelConfig.bench(), []
+    ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
+                out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
+    for bm, bn, warps in LAUNCHES:
+        const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=bm, BN=bn, SPLIT=1,
+                     GROUP_M=8, CLAMP=True, HW_CVT=True)
+        sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
+        regs = _sm90(moe_fp8._gate_up_fp8_kernel, sig, [*ptrs, 'n_assign'], const, warps, 3, out, 'fp8')
+        ops = sass_opcodes(sass_loop((out / 'fp8.sass').read_text()))
+        progs = programs_by_registers(regs, warps)
+        rows.append(dict(block_m=bm, block_n=bn, num_warps=warps, registers=regs,
+                         spill_instructions=ops.get('STL', 0) + ops.get('LDL', 0), loop_instructions=sum(ops.values()),
+                         programs=progs, warps_per_sm=progs * warps))
+        print(f"{bm:3d} rows x {bn:3d} weight rows, {warps} warps: {regs} registers, "
+              f"{rows[-1]['spill_instructions']} spill instructions in the loop, {progs} programs "
+              f"({progs * warps} warps) a multiprocessor", flush=True)
     return rows
 
 
@@ -111,9 +151,17 @@ def main():
     ap.add_argument('--tokens', type=int, default=128)
     ap.add_argument('--registers', action='store_true')
     ap.add_argument('--ncu', nargs=2, metavar=('V4', 'V5'))
+    ap.add_argument('--compile', metavar='OUT_DIR', help="compile version 5's launches for sm_90 with no GPU")
     ap.add_argument('--json')
     ap.add_argument('--quick', action='store_true', help='a small layer on the CPU: a check of the script')
     args = ap.parse_args()
+    if args.compile:
+        res = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
+        res.update(compiled=dict(date=f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC',
+                                 commit=os.environ.get('DSV41_COMMIT') or git_commit(), triton=triton.__version__,
+                                 target='sm_90', launches=compile_launches(Path(args.compile))))
+        if args.json: Path(args.json).write_text(json.dumps(res, indent=1) + '\n'); print('wrote', args.json)
+        return
     cfg, dev = layer(args.quick)
     if dev == 'cuda' and not torch.cuda.is_available(): sys.exit('this needs a GPU (--quick checks it on a CPU)')
     W = MoEWeights.random(cfg, 0, dev) if (args.run or args.registers or args.quick) else None
