@@ -76,7 +76,8 @@ class Capped:
 
 def registers(cfg, W, dev, tokens) -> list[dict]:
     "Versions 4 and 5 at each size and row block, version 5 at each cap; each checked, then timed"
-    v4, v5, rows, orig = plane_gate_up(W, slots=True), fp8_gate_up(W), [], moe_fp8._gate_up_fp8_kernel
+    v4, v5, rows = plane_gate_up(W, slots=True), fp8_gate_up(W), []
+    orig, table = moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N
     for T in tokens:
         x, tw, ti = routed(cfg, W, T, dev)
         sh = moe_launch_shape(ti.numel(), W.n_experts)
@@ -85,18 +86,24 @@ def registers(cfg, W, dev, tokens) -> list[dict]:
             call = lambda gu: fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, s, check_ids=False, gate_up=gu,
                                                 down=None)
             row = dict(tokens=T, block_m=bm, version_4_ms=median_time(lambda: call(v4)) * 1e3, version_5=[])
+            # (maxnreg, warps, weight rows by row block): as launched, capped, at 8 warps, and at 16-row blocks
+            # with the launch shape's weight rows instead of FP8_BLOCK_N's
+            runs = [(c, s['num_warps'], table) for c in CAPS] + [(None, 8, table)]
+            if bm == 16: runs += [(None, 4, {}), (None, 8, {})]
             try:
-                for cap, warps in [(c, s['num_warps']) for c in CAPS] + [(None, 8)]:
-                    moe_fp8._gate_up_fp8_kernel = k = Capped(orig, cap)
-                    s = dict(s, num_warps=warps)
+                for cap, warps, rows_by_bm in runs:
+                    k, s = Capped(orig, cap), dict(s, num_warps=warps)
+                    moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N = k, rows_by_bm
+                    bn = max(moe_fp8.FP8_MIN_BLOCK_N, rows_by_bm.get(bm, s['block_n']))
                     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, s, mma_bits=FP8_MMA_BITS,
                                     stages=partial(_fused_stages, gate_up=v5, down=None))
-                    row['version_5'].append(dict(maxnreg=cap, num_warps=warps,
+                    row['version_5'].append(dict(maxnreg=cap, num_warps=warps, block_n=bn,
                                                  ms=median_time(lambda: call(v5)) * 1e3, **k.seen))
-            finally: moe_fp8._gate_up_fp8_kernel = orig
+            finally: moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N = orig, table
             rows.append(row)
             print(f"{T:4d} tokens, {bm:3d} rows: version 4 {row['version_4_ms']:.3f} ms; version 5 " + ', '.join(
-                f"maxnreg {r['maxnreg']}, {r['num_warps']} warps: {r['ms']:.3f} ms ({r['registers']} registers, "
+                f"maxnreg {r['maxnreg']}, {r['block_n']} weight rows, {r['num_warps']} warps: {r['ms']:.3f} ms "
+                f"({r['registers']} registers, "
                 f"{r['spills']} spills)"
                 for r in row['version_5']), flush=True)
     return rows
