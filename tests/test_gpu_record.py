@@ -44,3 +44,11 @@ def test_dated_by_the_first_report(tmp_path):
     assert gpu_record.started(tmp_path / 'b.xml', tmp_path / 'a.xml') == '2026-12-05 14:22 UTC'
     (tmp_path / 'c.xml').write_text(XML)
     assert gpu_record.started(tmp_path / 'c.xml') is None
+
+
+def test_each_phase_keeps_its_time(tmp_path):
+    "suite_seconds: a report's test suites' own time, summed; None for a report that has none"
+    (tmp_path / 'a.xml').write_text('<testsuites><testsuite time="234.42"/><testsuite time="1.5"/></testsuites>')
+    assert gpu_record.suite_seconds(tmp_path / 'a.xml') == 235.92
+    (tmp_path / 'c.xml').write_text(XML)
+    assert gpu_record.suite_seconds(tmp_path / 'c.xml') is None

@@ -4,7 +4,8 @@
                                [--setup-s S] [--machine TEXT]
 
 Several reports (the tier's phases) are summed into one record, which names the phases it holds (the reports' names
-after gpu_tier_junit_) and is dated by when the first of them started. Prints one line per file (passed / failed /
+after gpu_tier_junit_) with each one's time (its test suites' own, `phase_s`), and is dated by when the first of them
+started. Prints one line per file (passed / failed /
 skipped / seconds) and the failures' names, and writes the JSON."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
@@ -45,6 +46,12 @@ def started(*paths) -> str | None:
     return f'{first:%Y-%m-%d %H:%M} UTC'
 
 
+def suite_seconds(path) -> float | None:
+    "A report's own time: the sum of its test suites' `time` (pytest's run of that phase); None if none has one"
+    times = [float(t.get('time')) for t in ET.parse(path).getroot().iter('testsuite') if t.get('time')]
+    return round(sum(times), 2) if times else None
+
+
 def machine() -> str:
     try:
         import torch, triton
@@ -67,6 +74,7 @@ def main():
     rec = dict(commit=commit, machine=a.machine or machine(),
                date=started(*a.junit) or time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()),
                phases=[Path(p).stem.removeprefix('gpu_tier_junit_') for p in a.junit],
+               phase_s={Path(p).stem.removeprefix('gpu_tier_junit_'): suite_seconds(p) for p in a.junit},
                examples_scale=float(os.environ.get('DSV41_EXAMPLES', 1)), wall_s=a.wall_s, setup_s=a.setup_s,
                **tot, failures=failed, files=files)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
