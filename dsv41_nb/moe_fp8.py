@@ -213,6 +213,7 @@ def _gate_up_fp8_kernel(
     n_assign, num_m, limit,  # assignments, row blocks, swiglu_limit (CLAMP)
     K: tl.constexpr, N: tl.constexpr, TOPK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     SPLIT: tl.constexpr, GROUP_M: tl.constexpr, CLAMP: tl.constexpr, HW_CVT: tl.constexpr,
+    LOOPS: tl.constexpr = 1,   # 2: the gate's K loop, then the up's
 ):
     expert, a, tok, valid, n = _program_tile(sorted_ptr, block_expert_ptr, n_assign, num_m,
                                              N, TOPK, BM, BN, GROUP_M, False)
@@ -221,8 +222,15 @@ def _gate_up_fp8_kernel(
     if SPLIT == 1: k_start = 0                 # a constant: the compiler knows the loop's bounds
     else: k_start = tl.program_id(1) * KS
     acc, tok = tl.zeros((BN, BM), tl.float32), tok.to(tl.int64)
-    gate, up = _gemm_fp8(acc, acc, x_ptr + tok * K, xs_ptr + tok * (K // 32), valid, w1_ptr,
-                         w1s_ptr, w3_ptr, w3s_ptr, expert, n, n < N, k_start, KS, K, N, HW_CVT)
+    x_row, xs_row = x_ptr + tok * K, xs_ptr + tok * (K // 32)
+    if LOOPS == 1:
+        gate, up = _gemm_fp8(acc, acc, x_row, xs_row, valid, w1_ptr, w1s_ptr, w3_ptr, w3s_ptr,
+                             expert, n, n < N, k_start, KS, K, N, HW_CVT)
+    else:
+        gate, _ = _gemm_fp8(acc, acc, x_row, xs_row, valid, w1_ptr, w1s_ptr, w1_ptr, w1s_ptr,
+                            expert, n, n < N, k_start, KS, K, N, HW_CVT, False)
+        up, _ = _gemm_fp8(acc, acc, x_row, xs_row, valid, w3_ptr, w3s_ptr, w3_ptr, w3s_ptr,
+                          expert, n, n < N, k_start, KS, K, N, HW_CVT, False)
     m = valid[:, None] & (n < N)[None, :]
     if SPLIT == 1:
         h = _swiglu(tl.trans(gate), tl.trans(up), limit, CLAMP, HW_CVT)
@@ -257,7 +265,7 @@ def _fp8_operands(xq):
     return (c if triton_interpreting() else c.view(torch.float8_e4m3fn)), s
 
 # %% ../nbs/08g_moe_fp8.ipynb #e54c4227
-def _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split):
+def _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split, loops=1):
     "Run `_gate_up_fp8_kernel` over the tiles (and K slices), then `08c`'s finish if K is split"
     (E, N, K), dev, interp = w1.shape, xq.device, triton_interpreting()
     x, xs = _fp8_operands(xq)
@@ -269,7 +277,7 @@ def _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split):
         x, xs, w1.words, w1.scale_words, w3.words, w3.scale_words, out, tw, align.sorted_ids,
         align.block_expert, align.n_assign, align.num_blocks, float(swiglu_limit), K=K, N=N,
         TOPK=align.topk, BM=align.block_m, BN=meta['BN'], SPLIT=split, GROUP_M=8,
-        CLAMP=swiglu_limit > 0, HW_CVT=not interp, num_warps=meta['num_warps'],
+        CLAMP=swiglu_limit > 0, HW_CVT=not interp, LOOPS=loops, num_warps=meta['num_warps'],
         num_stages=meta['num_stages'])
     _check_move(k)
     if split == 1: return out
@@ -286,6 +294,10 @@ def _check_words(name, p, a):
         raise TypeError(f"{name}: expected FP8Words (mxfp4_fp8_words), got {type(p).__name__}")
     _check_x(a, p.shape[2], 'activations')
 
+def _check_loops(fn, loops):
+    if loops not in (1, 2) or isinstance(loops, bool):
+        raise ValueError(f"{fn}: loops = {loops!r}; expected 1 (gate and up together) or 2")
+
 # %% ../nbs/08g_moe_fp8.ipynb #c0d831bb
 def expert_gate_up_fp8(
     xq: torch.Tensor, # (tokens, dim) BF16 FP8-quantised activations (`fp8_act_quant`)
@@ -295,6 +307,7 @@ def expert_gate_up_fp8(
     swiglu_limit: float,
     shape: dict | None = None, # launch shape (default `moe_launch_shape`; see `FP8_BLOCK_N`)
     split: int | None = 1, # K slices per tile (None: as many as `expert_gate_up_split` takes)
+    loops: int = 1, # K loops: 1, gate and up together; 2, the gate's then the up's
 ) -> torch.Tensor:
     "`expert_gate_up` (version 5): (n_assign, inter) BF16, the products in FP8"
     for name, w in (('w1', w1), ('w3', w3)): _check_words(name, w, xq)
@@ -302,6 +315,7 @@ def expert_gate_up_fp8(
         raise ValueError(f"w3: expected the shape of w1 {w1.shape}, got {w3.shape}")
     _check_routed(xq, align, topk_weights)
     if split is not None: _check_split(split, w1.shape[2] // 128)
+    _check_loops('expert_gate_up_fp8', loops)
     if kernel_backend(xq, w1.words) == 'torch' or align.n_assign == 0:
         return expert_gate_up_torch(xq, fp8_words_weight(w1), fp8_words_weight(w3), align,
                                     topk_weights, swiglu_limit)
@@ -309,7 +323,7 @@ def expert_gate_up_fp8(
     shape = _fp8_shape(shape or moe_launch_shape(align.n_assign, E), align)
     if split is None: split = _default_split(align, N, K, shape,
                                              sm_count(xq.device, default=16))
-    return _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split)
+    return _launch_fp8(xq, w1, w3, align, topk_weights, swiglu_limit, shape, split, loops)
 
 # %% ../nbs/08g_moe_fp8.ipynb #d3f82e2b
 def fp8_moe(W: MoEWeights,
@@ -325,19 +339,22 @@ def fp8_moe(W: MoEWeights,
 # %% ../nbs/08g_moe_fp8.ipynb #9f255878
 def fp8_gate_up(W: MoEWeights,
                 split: int | None = 1, # K slices per tile (None: as `expert_gate_up_split` takes)
-                shared=None): # the shared expert's stage (default `expert_gate_up`)
+                shared=None, # the shared expert's stage (default `expert_gate_up`)
+                loops: int = 1): # K loops a tile (`expert_gate_up_fp8`)
     ("A `gate_up` stage for `fused_moe_experts`: version 5 on `W`'s routed experts "
      "(their FP8 words, made now if `W` holds codes)")
     if not isinstance(W, MoEWeights):
         raise TypeError(f"fp8_gate_up: expected MoEWeights, got {type(W).__name__}")
     if split is not None: _check_split(split, W.w1.shape[2] // 128)
+    _check_loops('fp8_gate_up', loops)
     Wf = fp8_moe(W)                                  # the words, made now if `W` holds codes
     def gate_up(xq, w1, w3, align, topk_weights, swiglu_limit, shape=None):
         if align.sorted_ids is None:                                  # the shared expert
             return (shared or expert_gate_up)(xq, w1, w3, align, topk_weights, swiglu_limit, shape)
         if w1 is not W.w1 or w3 is not W.w3:
             raise ValueError("fp8_gate_up: these words were made for another layer's weights")
-        return expert_gate_up_fp8(xq, Wf.w1, Wf.w3, align, topk_weights, swiglu_limit, shape, split)
+        return expert_gate_up_fp8(xq, Wf.w1, Wf.w3, align, topk_weights, swiglu_limit, shape, split,
+                                  loops)
     return gate_up
 
 # %% ../nbs/08g_moe_fp8.ipynb #423b6a90

@@ -166,7 +166,8 @@ def test_moe_slots_bench_layer():
 
 def test_moe_fp8_bench_layer():
     """Version 5 of the gate/up stage (FP8 products, the words through registers) on the bench layer at a decode batch,
-    a serving batch and the `mid` regime, at the regime's row blocks and at 16, in one tile and with K split, and both
+    a serving batch and the `mid` regime, at the regime's row blocks and at 16, in one tile and with K split, in two
+    K loops (gate, then up) and at eight warps a program, and both
     stages in version 5, within the reference (one request: where the launch narrowed programs to 32 weight rows); the
     activations' codes against their plain version"""
     cfg = ModelConfig.bench()
@@ -180,9 +181,10 @@ def test_moe_fp8_bench_layer():
         assert torch.equal(c, c_ref) and torch.equal(s, s_ref)
         tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
         shape = moe_launch_shape(ti.numel(), W.n_experts)
-        for bm, split in ((shape['block_m'], 1), (16, 1), (16, None)):
-            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, dict(shape, block_m=bm),
-                            stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split)),
+        for bm, split, loops, warps in ((shape['block_m'], 1, 1, 4), (16, 1, 1, 4), (16, None, 1, 4),
+                                        (shape['block_m'], 1, 2, 4), (shape['block_m'], 1, 2, 8), (16, 1, 1, 8)):
+            check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, dict(shape, block_m=bm, num_warps=warps),
+                            stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split, loops=loops)),
                             mma_bits=FP8_MMA_BITS)
         check_fused_moe(x, tw, ti, Wf, cfg.swiglu_limit, dict(shape, block_m=16),
                         stages=partial(_fused_stages, gate_up=fp8_gate_up(Wf), down=expert_down_fp8),

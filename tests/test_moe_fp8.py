@@ -126,6 +126,20 @@ def test_through_the_layer():
     assert torch.equal(y, st_(x, tw, ti, W, cfg.swiglu_limit)['y'])
 
 
+
+@pytest.mark.parametrize('split', [1, 2])
+def test_two_loops_give_the_same_bits(split):
+    "Version 5 with the gate's K loop and then the up's: the same products in the same order, the same output"
+    cfg, W = _layer(8, 2, 256, 64, 4)
+    x = (3 * torch.randn(23, 256, generator=torch.Generator().manual_seed(4))).to(DEV)
+    tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    one, two = (fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, gate_up=fp8_gate_up(W, split=split, loops=n))
+                for n in (1, 2))
+    assert torch.equal(one, two)
+    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS,
+                    stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split, loops=2)))
+
+
 HOPPER = ('#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, '
           'warpsPerCTA = [4, 1], instrShape = [16, 16, 32]}>, kWidth = 4}>')
 AMPERE = ('#ttg.dot_op<{opIdx = 0, parent = #ttg.nvidia_mma<{versionMajor = 2, versionMinor = 0, '
@@ -193,6 +207,8 @@ def _bad_cases():
          "align: expected the routed experts' alignment"),
         (lambda: fp8_gate_up(W.w1), 'fp8_gate_up: expected MoEWeights, got QuantWeight'),
         (lambda: fp8_gate_up(W, split=0), 'split = 0; expected an int >= 1 dividing'),
+        (lambda: fp8_gate_up(W, loops=3), 'fp8_gate_up: loops = 3; expected 1 (gate and up together) or 2'),
+        (lambda: expert_gate_up_fp8(xq, p, p3, al, tw, 10.0, loops=True), 'expert_gate_up_fp8: loops = True'),
         (lambda: fused_moe_experts(x, tw, ti, W, 10.0, gate_up=fp8_gate_up(_layer(4, 2, 128, 64, 1)[1])),
          "fp8_gate_up: these words were made for another layer's weights"),
         (lambda: fp8_moe(W.w1), 'fp8_moe: expected MoEWeights, got QuantWeight'),
@@ -209,7 +225,7 @@ def _bad_cases():
     ]
 
 
-test_every_bad_case_is_run, test_bad_input = bad_input_tests(_bad_cases, 32)
+test_every_bad_case_is_run, test_bad_input = bad_input_tests(_bad_cases, 34)
 
 
 def test_the_mma_allowance_keeps_its_teeth():

@@ -14,10 +14,11 @@ each file (the third call) with kernel_mix's reader, stall reasons included when
         --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio' \\
         python3 tools/moe_fp8_limits.py --run 4 > v4.txt           (and -k regex:_gate_up_fp8 ... --run 5 > v5.txt)
 `--registers` times version 4 and version 5 as compiled, then with `maxnreg` 168 and 128 (the registers a thread may
-hold: fewer let more programs share a multiprocessor, at the cost of spills), and with 8 warps a program (the same
-tile over twice the threads), each checked against the reference (`check_fused_moe`, with the FP8 MMA's kept bits)
-before it is timed, and records each launch's registers and spills. `--compile` needs Triton's compiler for sm_90
-(the GPU's Triton version gives the GPU's code); it merges its table into an existing record.
+hold: fewer let more programs share a multiprocessor, at the cost of spills), with 8 warps a program (the same tile
+over twice the threads) and in two K loops (the gate's, then the up's: `loops=2`), each checked against the reference
+(`check_fused_moe`, with the FP8 MMA's kept bits) before it is timed, and records each launch's registers and spills.
+`--compile` needs Triton's compiler for sm_90 (the GPU's Triton version gives the GPU's code); it merges its table
+into an existing record.
 """
 import argparse, datetime, json, os, re, sys
 if '--quick' in sys.argv: os.environ.setdefault('TRITON_INTERPRET', '1')   # before Triton is imported
@@ -76,7 +77,7 @@ class Capped:
 
 def registers(cfg, W, dev, tokens) -> list[dict]:
     "Versions 4 and 5 at each size and row block, version 5 at each cap; each checked, then timed"
-    v4, v5, rows = plane_gate_up(W, slots=True), fp8_gate_up(W), []
+    v4, rows = plane_gate_up(W, slots=True), []
     orig, table = moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N
     for T in tokens:
         x, tw, ti = routed(cfg, W, T, dev)
@@ -88,28 +89,32 @@ def registers(cfg, W, dev, tokens) -> list[dict]:
             row = dict(tokens=T, block_m=bm, version_4_ms=median_time(lambda: call(v4)) * 1e3, version_5=[])
             # (maxnreg, warps, weight rows by row block): as launched, capped, at 8 warps, and at 16-row blocks
             # with the launch shape's weight rows instead of FP8_BLOCK_N's
-            runs = [(c, s['num_warps'], table) for c in CAPS] + [(None, 8, table)]
-            if bm == 16: runs += [(None, 4, {}), (None, 8, {})]
+            # and in two K loops (gate, then up) at 4 and 8 warps
+            runs = [(c, s['num_warps'], table, 1) for c in CAPS] + [(None, 8, table, 1)]
+            if bm == 16: runs += [(None, 4, {}, 1), (None, 8, {}, 1)]
+            runs += [(None, 4, table, 2), (None, 8, table, 2)]
             try:
-                for cap, warps, rows_by_bm in runs:
-                    k, s = Capped(orig, cap), dict(s, num_warps=warps)
+                for cap, warps, rows_by_bm, loops in runs:
+                    k, s, gu = Capped(orig, cap), dict(s, num_warps=warps), fp8_gate_up(W, loops=loops)
                     moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N = k, rows_by_bm
                     bn = max(moe_fp8.FP8_MIN_BLOCK_N, rows_by_bm.get(bm, s['block_n']))
                     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, s, mma_bits=FP8_MMA_BITS,
-                                    stages=partial(_fused_stages, gate_up=v5, down=None))
-                    row['version_5'].append(dict(maxnreg=cap, num_warps=warps, block_n=bn,
-                                                 ms=median_time(lambda: call(v5)) * 1e3, **k.seen))
+                                    stages=partial(_fused_stages, gate_up=gu, down=None))
+                    row['version_5'].append(dict(maxnreg=cap, num_warps=warps, block_n=bn, loops=loops,
+                                                 ms=median_time(lambda: call(gu)) * 1e3, **k.seen))
             finally: moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N = orig, table
             rows.append(row)
             print(f"{T:4d} tokens, {bm:3d} rows: version 4 {row['version_4_ms']:.3f} ms; version 5 " + ', '.join(
-                f"maxnreg {r['maxnreg']}, {r['block_n']} weight rows, {r['num_warps']} warps: {r['ms']:.3f} ms "
+                f"maxnreg {r['maxnreg']}, {r['block_n']} weight rows, {r['num_warps']} warps, {r['loops']} loop(s): "
+                f"{r['ms']:.3f} ms "
                 f"({r['registers']} registers, "
                 f"{r['spills']} spills)"
                 for r in row['version_5']), flush=True)
     return rows
 
 
-LAUNCHES = [(bm, bn, w) for bm, bn in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64)) for w in (4, 8)]
+LAUNCHES = [(bm, bn, w, loops) for bm, bn in ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64))
+            for loops in (1, 2) for w in (4, 8)]
 REGISTERS_PER_SM, MAX_WARPS_PER_SM = 65536, 64     # Hopper's register file and warp slots a multiprocessor
 
 
@@ -122,22 +127,26 @@ def programs_by_registers(registers: int, warps: int) -> int:
 def compile_launches(out: Path) -> list[dict]:
     """Version 5's gate/up kernel compiled for sm_90 with no GPU (`kernel_mix`'s way: Triton's compiler, ptxas,
     cuobjdump) at the bench layer, for each row block, weight rows and warps of `LAUNCHES`: registers, spills, the
-    K loop's instructions, and the programs and warps a multiprocessor holds by registers"""
+    K loop's instructions, the programs and warps a multiprocessor holds by registers, and whether every inline move
+    compiled in the layout the launch accepts (`FP8_MOVE_LAYOUT`)"""
     from kernel_mix import _sm90, sass_loop, sass_opcodes
+    from dsv41_nb.moe_planes import asm_layouts
     cfg, rows = ModelConfig.bench(), []
     ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
                 out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
-    for bm, bn, warps in LAUNCHES:
+    for bm, bn, warps, loops in LAUNCHES:
         const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=bm, BN=bn, SPLIT=1,
-                     GROUP_M=8, CLAMP=True, HW_CVT=True)
+                     GROUP_M=8, CLAMP=True, HW_CVT=True, LOOPS=loops)
         sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
         regs = _sm90(moe_fp8._gate_up_fp8_kernel, sig, [*ptrs, 'n_assign'], const, warps, 3, out, 'fp8')
         ops = sass_opcodes(sass_loop((out / 'fp8.sass').read_text()))
         progs = programs_by_registers(regs, warps)
-        rows.append(dict(block_m=bm, block_n=bn, num_warps=warps, registers=regs,
+        layouts = asm_layouts((out / 'fp8.ttgir').read_text())
+        rows.append(dict(block_m=bm, block_n=bn, num_warps=warps, loops=loops, registers=regs,
+                         move_layout_ok=bool(layouts) and all(moe_fp8.FP8_MOVE_LAYOUT.fullmatch(l) for l in layouts),
                          spill_instructions=ops.get('STL', 0) + ops.get('LDL', 0), loop_instructions=sum(ops.values()),
                          programs=progs, warps_per_sm=progs * warps))
-        print(f"{bm:3d} rows x {bn:3d} weight rows, {warps} warps: {regs} registers, "
+        print(f"{bm:3d} rows x {bn:3d} weight rows, {warps} warps, {loops} loop(s): {regs} registers, "
               f"{rows[-1]['spill_instructions']} spill instructions in the loop, {progs} programs "
               f"({progs * warps} warps) a multiprocessor", flush=True)
     return rows
