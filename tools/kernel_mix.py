@@ -162,6 +162,29 @@ def compile_gate_up_versions(out: Path) -> list[dict]:
     return rows
 
 
+FP8_PTRS = {'gate/up': dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32',
+                            w3s_ptr='*i32', out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32',
+                            block_expert_ptr='*i32'),
+            'down': dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w_ptr='*i32', ws_ptr='*i32', out_ptr='*bf16',
+                         sorted_ptr='*i32', block_expert_ptr='*i32')}
+
+
+def compile_fp8(out: Path, stage: str, block_m: int, block_n: int, num_warps: int, num_stages: int = 3,
+                loops: int = 1) -> int:
+    ("One of 08g_moe_fp8's kernels (version 5: `stage` 'gate/up' or 'down') for sm_90 at the bench layer, with no "
+     "GPU, into OUT/fp8.*; `loops` K loops for gate/up; the registers a thread holds")
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel
+    cfg, gu, p = ModelConfig.bench(), stage == 'gate/up', FP8_PTRS[stage]
+    const = dict(K=cfg.dim if gu else cfg.moe_inter_dim, N=cfg.moe_inter_dim if gu else cfg.dim,
+                 TOPK=cfg.n_activated_experts, BM=block_m, BN=block_n, **({'SPLIT': 1} if gu else {}), GROUP_M=8,
+                 **({'CLAMP': True} if gu else {}), HW_CVT=True, **({'LOOPS': loops} if gu else {}))
+    sig = {**p, 'n_assign': 'i32', 'num_m': 'i32', **({'limit': 'fp32'} if gu else {}),
+           **{k: 'constexpr' for k in const}}
+    return _sm90(_gate_up_fp8_kernel if gu else _down_fp8_kernel, sig, [*p, 'n_assign'], const, num_warps,
+                 num_stages, out, 'fp8')
+
+
 def compile_gate_up_fp8(out: Path) -> list[dict]:
     ("08g_moe_fp8's stages (version 5: FP8 products) for sm_90 at the bench layer, with no GPU, beside version 4 at "
      "its launch: the gate/up stage and the routed down stage at a decode batch, a serving batch and a larger one, "
@@ -170,13 +193,9 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
      "K loop's SASS instructions per weight, registers, spills, and the scale step's FMUL + FFMA per weight")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.fused_moe import moe_launch_shape
-    from dsv41_nb.moe_fp8 import _gate_up_fp8_kernel, _down_fp8_kernel, FP8_BLOCK_N
+    from dsv41_nb.moe_fp8 import FP8_BLOCK_N
     from dsv41_nb.moe_planes import asm_layouts
     cfg, rows = ModelConfig.bench(), []
-    ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
-                out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
-    down_ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w_ptr='*i32', ws_ptr='*i32', out_ptr='*bf16',
-                     sorted_ptr='*i32', block_expert_ptr='*i32')
     for stage, tokens in itertools.product(('gate/up', 'down'), (32, 128, 512)):
         gu = stage == 'gate/up'
         r = compile_gate_up(out, tokens=tokens, planes=True, slots=True) if gu else compile_down(out, tokens, True)
@@ -185,14 +204,7 @@ def compile_gate_up_fp8(out: Path) -> list[dict]:
         variants = [(bm, FP8_BLOCK_N.get(bm, shape['block_n'])) for bm in sorted({16, shape['block_m']})]
         if gu and tokens == 32: variants += [(16, 64), (16, 32)]   # 32: below FP8_MIN_BLOCK_N
         for bm, bn in variants:
-            const = dict(K=cfg.dim if gu else cfg.moe_inter_dim, N=cfg.moe_inter_dim if gu else cfg.dim,
-                         TOPK=cfg.n_activated_experts, BM=bm, BN=bn, **({'SPLIT': 1} if gu else {}), GROUP_M=8,
-                         **({'CLAMP': True} if gu else {}), HW_CVT=True)
-            p = ptrs if gu else down_ptrs
-            sig = {**p, 'n_assign': 'i32', 'num_m': 'i32', **({'limit': 'fp32'} if gu else {}),
-                   **{k: 'constexpr' for k in const}}
-            regs = _sm90(_gate_up_fp8_kernel if gu else _down_fp8_kernel, sig, [*p, 'n_assign'], const,
-                         shape['num_warps'], shape['num_stages'], out, 'fp8')
+            regs = compile_fp8(out, stage, bm, bn, shape['num_warps'], shape['num_stages'])
             kernel = 'version 5' if bn >= 64 else f'version 5 at {bn} rows (refused)'
             rows.append(_loop_row(out / 'fp8.sass', stage, kernel, tokens,
                                   dict(block_m=bm, block_n=bn, num_warps=shape['num_warps'], registers=regs)))

@@ -41,7 +41,7 @@ CAPS = (None, 168, 128)   # maxnreg: as compiled, then capped
 
 
 def layer(quick: bool):
-    "(config, weights, device): the bench layer on the GPU, a small one (dim 256) on the CPU"
+    "(config, device): the bench layer on the GPU, a small one (dim 256) on the CPU"
     if quick: return replace(ModelConfig.tiny(), dim=256, moe_inter_dim=256), 'cpu'
     return ModelConfig.bench(), 'cuda'
 
@@ -126,25 +126,21 @@ def programs_by_registers(registers: int, warps: int) -> int:
 
 def compile_launches(out: Path) -> list[dict]:
     """Version 5's gate/up kernel compiled for sm_90 with no GPU (`kernel_mix`'s way: Triton's compiler, ptxas,
-    cuobjdump) at the bench layer, for each row block, weight rows and warps of `LAUNCHES`: registers, spills, the
-    K loop's instructions, the programs and warps a multiprocessor holds by registers, and whether every inline move
-    compiled in the layout the launch accepts (`FP8_MOVE_LAYOUT`)"""
-    from kernel_mix import _sm90, sass_loop, sass_opcodes
+    cuobjdump) at the bench layer, for each row block, weight rows, warps and K loops of `LAUNCHES`: registers, spill
+    instructions and instructions in the K loop, the programs and warps a multiprocessor holds by registers, and
+    whether every inline move compiled in the layout the launch accepts (`FP8_MOVE_LAYOUT`)"""
+    from kernel_mix import compile_fp8, _loop_row
     from dsv41_nb.moe_planes import asm_layouts
-    cfg, rows = ModelConfig.bench(), []
-    ptrs = dict(x_ptr='*fp8e4nv', xs_ptr='*fp32', w1_ptr='*i32', w1s_ptr='*i32', w3_ptr='*i32', w3s_ptr='*i32',
-                out_ptr='*bf16', weight_ptr='*fp32', sorted_ptr='*i32', block_expert_ptr='*i32')
+    rows = []
     for bm, bn, warps, loops in LAUNCHES:
-        const = dict(K=cfg.dim, N=cfg.moe_inter_dim, TOPK=cfg.n_activated_experts, BM=bm, BN=bn, SPLIT=1,
-                     GROUP_M=8, CLAMP=True, HW_CVT=True, LOOPS=loops)
-        sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
-        regs = _sm90(moe_fp8._gate_up_fp8_kernel, sig, [*ptrs, 'n_assign'], const, warps, 3, out, 'fp8')
-        ops = sass_opcodes(sass_loop((out / 'fp8.sass').read_text()))
+        regs = compile_fp8(out, 'gate/up', bm, bn, warps, loops=loops)
+        loop = _loop_row(out / 'fp8.sass', 'gate/up', 'version 5', None,
+                         dict(block_m=bm, block_n=bn, num_warps=warps, registers=regs))
         progs = programs_by_registers(regs, warps)
         layouts = asm_layouts((out / 'fp8.ttgir').read_text())
         rows.append(dict(block_m=bm, block_n=bn, num_warps=warps, loops=loops, registers=regs,
                          move_layout_ok=bool(layouts) and all(moe_fp8.FP8_MOVE_LAYOUT.fullmatch(l) for l in layouts),
-                         spill_instructions=ops.get('STL', 0) + ops.get('LDL', 0), loop_instructions=sum(ops.values()),
+                         spill_instructions=loop['spills'], loop_instructions=loop['loop_instructions'],
                          programs=progs, warps_per_sm=progs * warps))
         print(f"{bm:3d} rows x {bn:3d} weight rows, {warps} warps, {loops} loop(s): {regs} registers, "
               f"{rows[-1]['spill_instructions']} spill instructions in the loop, {progs} programs "
@@ -179,11 +175,13 @@ def main():
         if args.json: Path(args.json).write_text(json.dumps(res, indent=1) + '\n'); print('wrote', args.json)
         return
     cfg, dev = layer(args.quick)
-    if dev == 'cuda' and not torch.cuda.is_available(): sys.exit('this needs a GPU (--quick checks it on a CPU)')
-    W = MoEWeights.random(cfg, 0, dev) if (args.run or args.registers or args.quick) else None
+    needs_layer = args.run or args.registers or args.quick         # --ncu alone reads reports: any machine
+    if needs_layer and dev == 'cuda' and not torch.cuda.is_available():
+        sys.exit('this needs a GPU (--quick checks it on a CPU)')
+    W = MoEWeights.random(cfg, 0, dev) if needs_layer else None
     if args.run: return run(cfg, W, dev, args.run, args.tokens)
     res = json.loads(Path(args.json).read_text()) if args.json and Path(args.json).exists() else {}
-    res.update(machine=machine_name(dev),
+    res.update(machine=machine_name(dev) if needs_layer or torch.cuda.is_available() else res.get('machine'),
                date=f'{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC',
                commit=os.environ.get('DSV41_COMMIT') or git_commit(), torch=torch.__version__,
                triton=triton.__version__, config='small check' if args.quick else 'bench')
