@@ -128,13 +128,21 @@ def test_through_the_layer():
 
 
 @pytest.mark.parametrize('split', [1, 2])
-def test_two_loops_give_the_same_bits(split):
+def test_two_loops_give_the_same_bits(split, monkeypatch):
     "Version 5 with the gate's K loop and then the up's: the same products in the same order, the same output"
+    from dsv41_nb import moe_fp8
     cfg, W = _layer(8, 2, 256, 64, 4)
     x = (3 * torch.randn(23, 256, generator=torch.Generator().manual_seed(4))).to(DEV)
     tw, ti = route(x, W.gate, W.bias, 2, cfg.route_scale)
+    kernel, loops_run = moe_fp8._gate_up_fp8_kernel, []
+    class Seen:                                     # the kernel as launched: which loop count it was given
+        def __getitem__(self, grid):
+            def launch(*a, **k): loops_run.append(k['LOOPS']); return kernel[grid](*a, **k)
+            return launch
+    monkeypatch.setattr(moe_fp8, '_gate_up_fp8_kernel', Seen())
     one, two = (fused_moe_experts(x, tw, ti, W, cfg.swiglu_limit, gate_up=fp8_gate_up(W, split=split, loops=n))
                 for n in (1, 2))
+    assert sorted(set(loops_run)) == [1, 2]
     assert torch.equal(one, two)
     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS,
                     stages=partial(_fused_stages, gate_up=fp8_gate_up(W, split=split, loops=2)))

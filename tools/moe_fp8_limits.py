@@ -25,6 +25,7 @@ if '--quick' in sys.argv: os.environ.setdefault('TRITON_INTERPRET', '1')   # bef
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 import torch, triton
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_mix import ncu_metrics
@@ -97,7 +98,7 @@ def registers(cfg, W, dev, tokens) -> list[dict]:
                 for cap, warps, rows_by_bm, loops in runs:
                     k, s, gu = Capped(orig, cap), dict(s, num_warps=warps), fp8_gate_up(W, loops=loops)
                     moe_fp8._gate_up_fp8_kernel, moe_fp8.FP8_BLOCK_N = k, rows_by_bm
-                    bn = max(moe_fp8.FP8_MIN_BLOCK_N, rows_by_bm.get(bm, s['block_n']))
+                    bn = moe_fp8._fp8_shape(s, SimpleNamespace(block_m=bm))['block_n']   # before narrowing
                     check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, s, mma_bits=FP8_MMA_BITS,
                                     stages=partial(_fused_stages, gate_up=gu, down=None))
                     row['version_5'].append(dict(maxnreg=cap, num_warps=warps, block_n=bn, loops=loops,
