@@ -190,14 +190,17 @@ def test_model_host_split_times_the_parts_and_puts_them_back():
     pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
     class Inner:
         def prepare(self, b): return b
-    class Model:
-        def __init__(self): self.model = Inner()
-        def forward(self, b): return self.model.prepare(b)
+    replays = []
+    entry = (lambda: replays.append(1), 'staged', 'logits', None, ((), None))
+    class Model:   # a graph's entry holds its replay as bound at capture, as CUDAGraphModel's do
+        def __init__(self): self.model, self.graphs, self.journaled = Inner(), {4: entry}, {}
+        def forward(self, b): self.graphs[4][0](); return self.model.prepare(b)
     m, before = Model(), (cuda_graphs.StagedInputs.load, cuda_graphs.StagedInputs.load_rows,
                           cuda_graphs.fill_token_ids)
     with pe.model_host_split(m) as t:
         assert m.forward(1) == 1 and m.forward(2) == 2
-    assert set(t) == {'prepare', 'forward'} and t['forward'] >= t['prepare'] > 0
+    assert set(t) == {'prepare', 'replay', 'forward'} and t['forward'] >= t['prepare'] > 0
+    assert replays == [1, 1] and t['replay'] > 0 and m.graphs == {4: entry}
     assert (cuda_graphs.StagedInputs.load, cuda_graphs.StagedInputs.load_rows, cuda_graphs.fill_token_ids) == before
     assert 'forward' not in vars(m) and 'prepare' not in vars(m.model)
     assert pe.split_per_step({'prepare': 10, 'staged': 30, 'forward': 100}, 2) == {

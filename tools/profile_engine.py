@@ -130,24 +130,31 @@ MODEL_HOST_PARTS = ('prepare', 'staged', 'fill ids', 'replay')   # the replayed 
 def model_host_split(model):
     """Host microseconds, summed while inside, in the parts of a CUDAGraphModel's forward: the step model's `prepare`,
     the staged inputs' copy (`StagedInputs.load` / `load_rows`, their wait for the last transfer included), the ids
-    filled on the device (`fill_token_ids`) and the graph's launch (`CUDAGraph.replay`); the forward's total as
-    'forward'. The methods are wrapped in place and put back on exit"""
-    times, undo = defaultdict(float), []
-    def wrap(owner, name, part):
-        f, own = getattr(owner, name), name in vars(owner)
+    filled on the device (`fill_token_ids`) and the graphs' launches (the replay each captured graph's entry holds: a
+    method bound at capture, so the graphs' entries are wrapped, not `CUDAGraph.replay`); the forward's total as
+    'forward'. The methods and entries are wrapped in place and put back on exit"""
+    times, undo, entries = defaultdict(float), [], []
+    def timer(f, part):
         def timed(*a, **k):
             t = time.perf_counter_ns()
             try: return f(*a, **k)
             finally: times[part] += (time.perf_counter_ns() - t) / 1e3
-        setattr(owner, name, timed); undo.append((owner, name, f, own))
+        return timed
+    def wrap(owner, name, part):
+        f, own = getattr(owner, name), name in vars(owner)
+        setattr(owner, name, timer(f, part)); undo.append((owner, name, f, own))
     inner = getattr(model, 'model', None)
     if hasattr(inner, 'prepare'): wrap(inner, 'prepare', 'prepare')
     for name in ('load', 'load_rows'): wrap(cuda_graphs.StagedInputs, name, 'staged')
     wrap(cuda_graphs, 'fill_token_ids', 'fill ids')
-    if torch.cuda.is_available(): wrap(torch.cuda.CUDAGraph, 'replay', 'replay')
+    for graphs in (getattr(model, 'graphs', None), getattr(model, 'journaled', None)):
+        for size, entry in (graphs or {}).items():
+            entries.append((graphs, size, entry))
+            graphs[size] = (timer(entry[0], 'replay'),) + tuple(entry[1:])
     wrap(model, 'forward', 'forward')
     try: yield times
     finally:
+        for graphs, size, entry in entries: graphs[size] = entry
         for owner, name, f, own in reversed(undo):
             if own: setattr(owner, name, f)
             else: delattr(owner, name)
