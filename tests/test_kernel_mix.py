@@ -205,3 +205,21 @@ def test_model_host_split_times_the_parts_and_puts_them_back():
     assert 'forward' not in vars(m) and 'prepare' not in vars(m.model)
     assert pe.split_per_step({'prepare': 10, 'staged': 30, 'forward': 100}, 2) == {
         'prepare': 5, 'staged': 15, 'fill ids': 0, 'replay': 0, 'rest': 30}
+
+
+def test_idle_steps_time_each_phase_after_a_sync(monkeypatch):
+    "idle_steps: every step of the host engine timed by phase, the device synced before each, the graphs' entries kept"
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.engine import host_engine, HOST_PHASES
+    spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
+    pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
+    llm = host_engine(ModelConfig.tiny(), 64, async_scheduling=True)
+    eng, syncs = llm.llm_engine, []
+    pe.decode_ready(eng, 3, 8, 20, seed=0)
+    model = eng.runner.model; graphs = dict(model.graphs)
+    monkeypatch.setattr(pe, 'sync', lambda device: syncs.append(device))
+    host, parts = pe.idle_steps(eng, model, 'cpu', 4)
+    assert syncs == ['cpu'] * 4 and model.graphs == graphs and graphs
+    assert {k for k, *_ in HOST_PHASES} <= set(host) and host['model host'] > 0
+    assert parts['replay'] > 0 and parts['forward'] >= parts['replay'] + parts['prepare']
+    pe.drain(eng)

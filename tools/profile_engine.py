@@ -13,7 +13,8 @@ captured, and then
   step n + 1 runs while step n computes) and the host's part by phase (`StepTimer` of 13_engine: schedule, inputs, model
   host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids),
   and the model host's part by part (`model_host_us`: the step model's prepare, the staged inputs' copy with its wait
-  for the last transfer, the ids filled on the device, the graph's launch, the rest);
+  for the last transfer, the ids filled on the device, the graph's launch, the rest); then as many steps each started
+  with the GPU idle (`host_idle_us`, `model_host_idle_us`): the host's own work, no launch waiting behind a running step;
 - four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs
   captured again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by
   the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
@@ -166,6 +167,15 @@ def split_per_step(times: dict, steps: int) -> dict:
     return parts | {'rest': times.get('forward', 0.0) / steps - sum(parts.values())}
 
 
+def idle_steps(eng, model, device, steps: int) -> tuple:
+    """(median microseconds by phase, model host parts summed) of `steps` steps each started with the GPU idle (synced
+    before it): the host's own work, with no launch waiting for room behind a step still running"""
+    rows = []
+    with StepTimer(eng) as timer, model_host_split(model) as parts:
+        for _ in range(steps): sync(device); rows.append(timer.step())
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}, parts
+
+
 def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> dict:
     eng = llm.llm_engine
     decode_ready(eng, B, args.prompt_len, args.steps * 3 + 16, seed=B)
@@ -178,13 +188,15 @@ def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> di
         rows = [timer.step() for _ in range(args.steps)]
         sync(device); wall = (time.perf_counter() - t0) / args.steps
     host = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    idle, idle_parts = idle_steps(eng, model, device, args.steps)
     prof = profile_steps(llm, device, 4, triton_names)
     drain(eng)
     ctx = args.prompt_len + args.steps
     floor = step_floor(cfg, dataclasses.replace(HARDWARE['H200'], bandwidth=bw), B, ctx)['seconds']
     work = sum(v for k, v in host.items() if k not in ('wait', 'total'))
     return dict(batch=B, wall_step_s=wall, host_us=host, host_work_us=work,
-                model_host_us=split_per_step(parts, args.steps), floor_s=floor, **prof)
+                model_host_us=split_per_step(parts, args.steps), host_idle_us=idle,
+                model_host_idle_us=split_per_step(idle_parts, args.steps), floor_s=floor, **prof)
 
 
 def prefill_profile(llm, device, args, triton_names: dict) -> dict:
@@ -215,6 +227,11 @@ def summary(res: dict) -> str:
                    + f" us), waiting {h['wait'] / 1e3:.2f} ms")
         if 'model_host_us' in r: out.append("  model host a step (mean of the timed steps): " + ', '.join(
             f"{k} {v:.0f}" for k, v in r['model_host_us'].items()) + " us")
+        if 'host_idle_us' in r:
+            hi = r['host_idle_us']
+            out.append("  each step started on an idle GPU: host work " + ', '.join(
+                f"{k} {hi[k]:.0f}" for k, *_ in HOST_PHASES) + " us; model host " + ', '.join(
+                f"{k} {v:.0f}" for k, v in r['model_host_idle_us'].items()) + " us")
         out += [f"    {v / 1e3:8.3f} ms  {v / r['gpu_us']:5.1%}  {k}" for k, v in r['components'].items()]
         rt = list(r.get('runtime_us', {}).items())[:5]
         if rt: out.append("  host time in the CUDA runtime a step (profiled steps): "
