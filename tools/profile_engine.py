@@ -14,7 +14,7 @@ captured, and then
   host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids),
   and the model host's part by part (`model_host_us`: the step model's prepare, the staged inputs' copy with its wait
   for the last transfer, the ids filled on the device, the graph's launch, the rest); then as many steps each started
-  with the GPU idle (`host_idle_us`, `model_host_idle_us`): the host's own work, no launch waiting behind a running step;
+  with the GPU idle (`host_idle_us`, `model_host_idle_us`): the host's own work, no launch waiting behind a step;
 - four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs
   captured again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by
   the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
