@@ -6,7 +6,9 @@ idle before it, timed from the call to its return (the launch) and to the GPU's 
 
 The engine is `tools/bench_engine.py`'s (`paged_llm`: random weights, CUDA graphs, async scheduling) with 256 requests
 decoding; every capture size is captured, and then the largest that 256 requests use (256) is captured again last, to
-tell a graph's size from its place in the capture order. Medians of `--repeats` launches. Needs a GPU."""
+tell a graph's size from its place in the capture order. Beside each launch: a small kernel launched right behind it and
+a second launch of the graph behind the first, whose host times say whether a launch waits for room behind queued work.
+Medians of `--repeats` launches. Needs a GPU."""
 import argparse, dataclasses, datetime, json, statistics, sys, time
 from pathlib import Path
 import torch, triton
@@ -17,13 +19,24 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name
 
 
-def launch_times(replay, repeats: int) -> tuple:
-    "(median launch microseconds, median launch-and-run milliseconds) of `replay`, the GPU idle before each"
-    launch, run = [], []
+def launch_times(replay, repeats: int) -> dict:
+    """Medians of `repeats` replays of `replay`, the GPU idle before each: the launch (`launch_us`, host time), then one
+    small kernel launched behind it (`after_us`: whether a launch waits for room behind the graph's work), launch and
+    run (`run_ms`); and a second launch right behind the first, before it has run (`behind_us`)"""
+    x, rows = torch.zeros(1, device='cuda'), []
     for _ in range(repeats):
         torch.cuda.synchronize(); a = time.perf_counter(); replay(); b = time.perf_counter()
-        torch.cuda.synchronize(); launch.append((b - a) * 1e6); run.append((time.perf_counter() - a) * 1e3)
-    return statistics.median(launch), statistics.median(run)
+        x.add_(1); c = time.perf_counter(); torch.cuda.synchronize(); d = time.perf_counter()
+        replay(); e = time.perf_counter(); replay(); f = time.perf_counter(); torch.cuda.synchronize()
+        rows.append(dict(launch_us=(b - a) * 1e6, after_us=(c - b) * 1e6, run_ms=(d - a) * 1e3,
+                         behind_us=(f - e) * 1e6))
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def described(r: dict) -> str:
+    return (f"size {r.get('size', 256):4d}: launch {r['launch_us']:7.1f} us, a kernel behind it "
+            f"{r['after_us']:7.1f} us, launch and run {r['run_ms']:6.2f} ms, a launch behind a launch "
+            f"{r['behind_us']:7.1f} us")
 
 
 def main():
@@ -41,15 +54,14 @@ def main():
     model.capture_all()
     rows = []
     for size in sorted(model.graphs):
-        us, ms = launch_times(model.graphs[size][0], args.repeats)
-        rows.append(dict(size=size, launch_us=us, run_ms=ms)); print(f"size {size:4d}: launch {us:7.1f} us, "
-                                                                     f"launch and run {ms:7.2f} ms", flush=True)
+        rows.append(dict(size=size, **launch_times(model.graphs[size][0], args.repeats)))
+        print(described(rows[-1]), flush=True)
     del model.graphs[256]; model.capture_all([256])
-    us, ms = launch_times(model.graphs[256][0], args.repeats)
-    print(f"256 captured again, last: launch {us:.1f} us, launch and run {ms:.2f} ms")
+    again = launch_times(model.graphs[256][0], args.repeats)
+    print('256 captured again, last:', described(again))
     res = dict(machine=machine_name('cuda'), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', commit=git_commit(),
                torch=torch.__version__, triton=triton.__version__, experts=args.experts, sizes=rows,
-               recaptured_256=dict(launch_us=us, run_ms=ms))
+               recaptured_256=again)
     if args.json: Path(args.json).write_text(json.dumps(res, indent=1) + '\n')
 
 
