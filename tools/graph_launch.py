@@ -2,7 +2,7 @@
 """The host's time to launch each captured decode graph of the bench engine, alone: each graph replayed with the GPU
 idle before it, timed from the call to its return (the launch) and to the GPU's end (launch and run).
 
-    python tools/graph_launch.py [--experts 8] [--repeats 7] [--json out.json]
+    python tools/graph_launch.py [--experts 8] [--repeats 7] [--sizes 128 256] [--json out.json]
 
 The engine is `tools/bench_engine.py`'s (`paged_llm`: random weights, CUDA graphs, async scheduling) with 256 requests
 decoding; every capture size is captured, and then the largest that 256 requests use (256) is captured again last, to
@@ -43,6 +43,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--experts', type=int, default=8, help='routed experts a layer (the launch, not the MoE, is timed)')
     ap.add_argument('--repeats', type=int, default=7)
+    ap.add_argument('--sizes', type=int, nargs='+', help='capture sizes to time (default: all up to 512)')
     ap.add_argument('--json')
     args = ap.parse_args()
     if not torch.cuda.is_available(): sys.exit('graph_launch needs a GPU')
@@ -51,9 +52,11 @@ def main():
     llm = paged_llm(cfg, 0, 'cuda', max_num_seqs=256, async_scheduling=True, max_model_len=256)
     eng = llm.llm_engine; model = eng.runner.model
     decode_ready(eng, 256, 128, 60, seed=1)
-    model.capture_all()
+    bad = [s for s in args.sizes or () if s not in model.sizes]
+    if bad: sys.exit(f'--sizes {bad}: not capture sizes {model.sizes}')
+    model.capture_all(args.sizes)
     rows = []
-    for size in sorted(model.graphs):
+    for size in sorted(args.sizes or model.graphs):
         rows.append(dict(size=size, **launch_times(model.graphs[size][0], args.repeats)))
         print(described(rows[-1]), flush=True)
     del model.graphs[256]; model.capture_all([256])
