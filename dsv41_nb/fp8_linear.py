@@ -13,7 +13,7 @@ from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch
                                mm_f32)
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
-from .fused_moe import _fp8_quant_tile, _round_bf16, _fp8_qdq_groups, fp8_act_quant
+from .fused_moe import _round_bf16, _fp8_qdq_groups, fp8_act_quant
 from .compressor import _bf16_round
 from .rope_norm import rms_norm_fused, rope, _check_rope, _rotate_pairs
 import struct
@@ -50,14 +50,14 @@ def fp8_linear_torch(
 # %% ../nbs/09a_fp8_linear.ipynb #fedc465b
 @triton.jit
 def _fp8_linear_kernel(
-    x_ptr, stride_xt, stride_xg,   # (T, G, K) activations, any float dtype, K contiguous
+    x_ptr, stride_xt, stride_xg,   # (T, G, K) BF16 activations, rounded already; K contiguous
     w_ptr, s_ptr,                  # (G, N, K) E4M3 codes, (G, N/32, K/32) UE8M0 codes
     y_ptr, stride_yt, stride_yg,   # (T, G, N) out (SPLIT == 1)
     part_ptr,                      # (SPLIT, T, G, N) fp32 partial sums (SPLIT > 1)
     T, G,
     K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
     STEPS: tl.constexpr,           # K steps per slice
-    BM: tl.constexpr, BK: tl.constexpr, ACT: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_n, split, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     grp, rows = pid_mg % G, (pid_mg // G) * BM + tl.arange(0, BM)
@@ -73,7 +73,6 @@ def _fp8_linear_kernel(
         k0 = step * BK
         # (BM, BK)
         a = tl.load(x_row[:, None] + k0 + kk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-        a = _fp8_quant_tile(a, BM, BK, HW_CVT) if ACT else _round_bf16(a, HW_CVT)
         # (BK/32,) block scales
         sw = _pow2(tl.load(s_row + k0 // 32 + tl.arange(0, BK // 32)).to(tl.int32))
         # exact: powers of two
@@ -249,14 +248,14 @@ def fp8_linear(
     w: QuantWeight, # 'fp8': codes (G, N, K), scales (G, N/32, K/32)
     act_quant: bool = True, # round x to E4M3 with a UE8M0 scale per 32 first
     split: int | None = None, # K slices of the kernel (default: the launch rule's)
-    max_t: int | None = None, # most rows the kernels take (default FP8_LINEAR_MAX_T; at most 64)
+    max_t: int | None = None, # most rows the kernels take (default FP8_LINEAR_MAX_T; at most 256)
     dense: torch.Tensor | None = None, # w's BF16 values, for the rows the kernel does not take
 ) -> torch.Tensor: # (T, N) or (T, G, N), in x's dtype
     ("x times the FP8 weight as stored: the GEMV for one or two rows, "
      "the MMA kernel up to `max_t`, the BF16 reference otherwise")
     _check(x, w, act_quant)
-    if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 64):
-        raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..64")
+    if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 256):
+        raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..256")
     if split is not None and (not isinstance(split, int) or isinstance(split, bool) or split < 1):
         raise ValueError(f"fp8_linear: split = {split!r}; expected an int >= 1")   # on every path
     T, (G, N, K) = x.shape[0], w.shape
@@ -299,10 +298,13 @@ def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None):
         s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
         part = (torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device)
                 if s['split'] > 1 else y)
+        # rounded once for every program (to BF16, then to FP8 if asked), not once per program
+        xb = xg.reshape(T * G, K).to(torch.bfloat16)
+        xb = (fp8_act_quant(xb) if act_quant else xb).view(T, G, K)
         _fp8_linear_kernel[s['grid']](
-            xg, xg.stride(0), xg.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part,
+            xb, xb.stride(0), xb.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part,
             T, G, K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'],
-            ACT=act_quant, HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
+            HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
             num_warps=s['num_warps'], num_stages=s['num_stages'])
     return part, s['split']
 

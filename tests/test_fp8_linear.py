@@ -126,7 +126,7 @@ def test_bad_inputs_are_named():
     cases = [(dict(w=w.dequantize()), 'QuantWeight'), (dict(w=QuantWeight(w.codes, w.scales, 'mxfp4')), "'mxfp4'"),
              (dict(x=x.int()), 'floating-point'), (dict(x=x[:, :64]), 'takes (T, 96)'),
              (dict(x=[1.0]), 'floating-point'), (dict(act_quant='yes'), 'bool'),
-             (dict(max_t=65), 'max_t = 65'), (dict(max_t=-1), 'max_t = -1'),
+             (dict(max_t=257), 'max_t = 257'), (dict(max_t=-1), 'max_t = -1'),
              (dict(split=0), 'split = 0'), (dict(split=2.0), 'split = 2.0')]
     for kw, msg in cases: fails_with(lambda: fp8_linear(**{**dict(x=x, w=w), **kw}), contains=msg)
     fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
@@ -165,3 +165,10 @@ def test_fused_forms_bad_inputs_are_named():
               'at most head_dim / 2 = 16 frequencies'),
              (lambda: fp8_linear_rope(x.int(), w, inv, pos, 32), 'floating-point')]
     for f, msg in cases: fails_with(f, contains=msg)
+
+@needs_triton
+def test_mma_kernel_takes_more_than_one_row_block():
+    "Past 64 rows (max_t up to 256) the MMA kernel runs several row blocks, each against the reference"
+    for T, G, act in ((65, 1, True), (130, 2, False)):
+        w, x = _weight(G, 32, 64, T), _x(T, G, 64, T)
+        assert_linear_close(fp8_linear(x, w, act, max_t=256), x, w, act)

@@ -10,6 +10,7 @@ as a record a notebook can read.
     python tools/kernel_mix.py --compile-gate-up-fp8 OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-index OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-sparse-decode OUT_DIR --json OUT.json
+    python tools/kernel_mix.py --compile-fp8-linear OUT_DIR --json OUT.json
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
 (the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
@@ -27,6 +28,7 @@ index logits kernel (04_indexer): its tile loop through each version of the MXFP
 --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two passes.
 --compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
 --compile-gate-up-fp8 compiles 08g_moe_fp8's stages (version 5) beside version 4's, at 32 to 512 tokens.
+--compile-fp8-linear compiles 09a_fp8_linear's MMA kernel at each of its row tiles on the bench layer's wq_b.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, itertools, json, math, re, sys, tempfile
@@ -277,6 +279,31 @@ def compile_gemv(out: Path) -> list[dict]:
     return rows
 
 
+def compile_fp8_linear(out: Path, fn=None, extra: dict | None = None) -> list[dict]:
+    ("The MMA kernel of the FP8 projections (09a_fp8_linear, `fn`: `_fp8_linear_kernel` unless given, with `extra` "
+     "constexprs) for sm_90 with no GPU, at each row of FP8_LINEAR_TUNING on the bench layer's `wq_b`, one slice: "
+     "the K loop's SASS instructions, the registers a thread holds, and warp instructions a weight")
+    import triton.language as tl
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.fp8_linear import _fp8_linear_kernel, FP8_LINEAR_TUNING
+    cfg, fn, rows = ModelConfig.bench(), fn or _fp8_linear_kernel, []
+    N, K = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
+    for tokens, t in FP8_LINEAR_TUNING.items():
+        bk = math.gcd(K, t['block_k'])
+        ptrs = dict(x_ptr='*bf16', w_ptr='*u8', s_ptr='*u8', y_ptr='*bf16', part_ptr='*fp32')
+        ints = dict(stride_xt='i32', stride_xg='i32', stride_yt='i32', stride_yg='i32', T='i32', G='i32')
+        const = dict(K=K, N=N, SPLIT=1, STEPS=K // bk, BM=t['block_m'], BK=bk, HW_CVT=True, DOT=tl.bfloat16,
+                     **(extra or {}))
+        sig = {n: ptrs.get(n) or ints.get(n) or 'constexpr' for n in fn.arg_names}
+        name = f'fp8_linear_{tokens}'
+        regs = _sm90(fn, sig, list(ptrs), const, t['num_warps'], t['num_stages'], out, name)
+        loop = sass_loop((out / f'{name}.sass').read_text())
+        rows.append(dict(stage='wq_b', kernel='fp8_linear', tokens=tokens, block_m=t['block_m'], block_k=bk,
+                         loop_instructions=len(loop), registers=regs,
+                         per_weight=len(loop) * t['num_warps'] / (32 * bk)))
+    return rows
+
+
 def ncu_metrics(text: str) -> dict:
     "Numeric metrics of an `ncu` text report: name -> value ('1,234.5' read as 1234.5; a repeated name gets its unit)"
     out = {}
@@ -355,6 +382,7 @@ def main(argv=None):
     ap.add_argument('--compile-gate-up-fp8', metavar='OUT_DIR')
     ap.add_argument('--compile-index', metavar='OUT_DIR')
     ap.add_argument('--compile-sparse-decode', metavar='OUT_DIR')
+    ap.add_argument('--compile-fp8-linear', metavar='OUT_DIR')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -370,7 +398,8 @@ def main(argv=None):
                                  '    Registers Per Thread             register/thread             218\n')
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
     compilers = dict(index=compile_index, gemv=compile_gemv, sparse_decode=compile_sparse_decode,
-                     gate_up_versions=compile_gate_up_versions, gate_up_fp8=compile_gate_up_fp8)
+                     gate_up_versions=compile_gate_up_versions, gate_up_fp8=compile_gate_up_fp8,
+                     fp8_linear=compile_fp8_linear)
     which = next((k for k in compilers if getattr(args, f'compile_{k}')), None)
     if which:
         if not args.json: ap.error(f"--compile-{which.replace('_', '-')} needs --json")
