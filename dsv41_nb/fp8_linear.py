@@ -22,9 +22,10 @@ from .config import check_int
 from .moe_gemv import _fp8_sums, _codes_f32
 
 # %% auto #0
-__all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS', 'HEAD_MAX_T',
-           'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear',
-           'fp8_linear_norm', 'fp8_linear_rope', 'bf16_parts', 'head_logits']
+__all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS',
+           'FP8_LINEAR_WT_TUNING', 'HEAD_MAX_T', 'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch',
+           'fp8_linear', 'assert_linear_close', 'FP8Linear', 'fp8_linear_norm', 'fp8_linear_rope', 'bf16_parts',
+           'head_logits']
 
 # %% ../nbs/09a_fp8_linear.ipynb #91e62af6
 def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -57,35 +58,43 @@ def _fp8_linear_kernel(
     T, G,
     K: tl.constexpr, N: tl.constexpr, SPLIT: tl.constexpr,
     STEPS: tl.constexpr,           # K steps per slice
-    BM: tl.constexpr, BK: tl.constexpr, HW_CVT: tl.constexpr, DOT: tl.constexpr,
+    BM: tl.constexpr,              # tokens a program
+    BN: tl.constexpr,              # weight rows a program: 32 (a row of scale blocks) or W_LEFT's
+    BK: tl.constexpr,
+    W_LEFT: tl.constexpr,          # version 2: the weights scaled, the MMA's left operand
+    HW_CVT: tl.constexpr, DOT: tl.constexpr,
 ):
     pid_n, split, pid_mg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    grp, rows = pid_mg % G, (pid_mg // G) * BM + tl.arange(0, BM)
-    rm, r64, n, kk = (rows < T, rows.to(tl.int64), pid_n * 32 + tl.arange(0, 32),
-                      tl.arange(0, BK))
-    # (32, 1) row starts
-    w_rows = w_ptr + grp.to(tl.int64) * (N * K) + n.to(tl.int64)[:, None] * K
-    # this program's scale row
-    s_row = s_ptr + grp.to(tl.int64) * ((N // 32) * (K // 32)) + pid_n * (K // 32)
-    x_row = x_ptr + r64 * stride_xt + grp * stride_xg
-    acc = tl.zeros((BM, 32), tl.float32)
+    grp, t = pid_mg % G, (pid_mg // G) * BM + tl.arange(0, BM)
+    n, kk, t64 = pid_n * BN + tl.arange(0, BN), tl.arange(0, BK), t.to(tl.int64)
+    w_rows = w_ptr + grp.to(tl.int64) * (N * K) + n.to(tl.int64)[:, None] * K     # (BN, 1)
+    s_grp = s_ptr + grp.to(tl.int64) * ((N // 32) * (K // 32))
+    x_rows = x_ptr + t64[:, None] * stride_xt + grp * stride_xg                   # (BM, 1)
+    if W_LEFT: acc = tl.zeros((BN, BM), tl.float32)
+    else: acc = tl.zeros((BM, BN), tl.float32)
     for step in range(split * STEPS, tl.minimum((split + 1) * STEPS, K // BK)):
-        k0 = step * BK
-        # (BM, BK)
-        a = tl.load(x_row[:, None] + k0 + kk[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
-        # (BK/32,) block scales
-        sw = _pow2(tl.load(s_row + k0 // 32 + tl.arange(0, BK // 32)).to(tl.int32))
-        # exact: powers of two
-        a = tl.reshape(tl.reshape(a, (BM, BK // 32, 32)) * sw[None, :, None], (BM, BK))
-        codes = tl.load(w_rows + k0 + kk[None, :])   # (32, BK) uint8
-        acc = tl.dot(a.to(DOT), tl.trans(_codes_f32(codes, HW_CVT).to(DOT)), acc)
-    m2 = rm[:, None] & (n < N)[None, :]
+        k0, kb = step * BK, step * BK // 32 + tl.arange(0, BK // 32)
+        codes = tl.load(w_rows + k0 + kk[None, :], mask=(n < N)[:, None], other=0)  # (BN, BK)
+        x = tl.load(x_rows + k0 + kk[None, :], mask=(t < T)[:, None], other=0.0)   # (BM, BK)
+        if W_LEFT:   # each row's scales: exact, a code times a power of two
+            e = tl.load(s_grp + (n // 32)[:, None] * (K // 32) + kb[None, :],
+                        mask=(n < N)[:, None], other=127)
+            w = tl.reshape(_codes_f32(codes, HW_CVT), (BN, BK // 32, 32))
+            w = tl.reshape(w * _pow2(e.to(tl.int32))[:, :, None], (BN, BK))
+            acc = tl.dot(w.to(DOT), tl.trans(x.to(DOT)), acc)
+        else:        # the program's one row of scales, folded into the activation: exact too
+            sw = _pow2(tl.load(s_grp + pid_n * (K // 32) + kb).to(tl.int32))      # (BK/32,)
+            a = tl.reshape(x.to(tl.float32), (BM, BK // 32, 32)) * sw[None, :, None]
+            acc = tl.dot(tl.reshape(a, (BM, BK)).to(DOT),
+                         tl.trans(_codes_f32(codes, HW_CVT).to(DOT)), acc)
+    if W_LEFT: ti, ni = t64[None, :], n[:, None]    # the output transposed: (weight rows, tokens)
+    else: ti, ni = t64[:, None], n[None, :]
+    m2 = (ti < T) & (ni < N)
     if SPLIT == 1:
-        tl.store(y_ptr + r64[:, None] * stride_yt + grp * stride_yg + n[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=m2)
+        tl.store(y_ptr + ti * stride_yt + grp * stride_yg + ni, acc.to(y_ptr.dtype.element_ty),
+                 mask=m2)
     else:
-        off = ((split * T + r64[:, None]) * G + grp) * N + n[None, :]
-        tl.store(part_ptr + off, acc, mask=m2)
+        tl.store(part_ptr + ((split * T + ti) * G + grp) * N + ni, acc, mask=m2)
 
 # %% ../nbs/09a_fp8_linear.ipynb #1f284eef
 @triton.jit
@@ -174,6 +183,15 @@ FP8_LINEAR_TUNING = {
 FP8_LINEAR_MAX_T = 2
 SPLIT_MAX, SPLIT_PROGRAMS = 16, 4
 
+# %% ../nbs/09a_fp8_linear.ipynb #8781c677
+# tokens, at most -> version 2's tile (weight rows, tokens, K step) and launch
+FP8_LINEAR_WT_TUNING = {
+    16: dict(block_n=64, block_t=16, block_k=128, num_warps=4, num_stages=3),
+    32: dict(block_n=64, block_t=32, block_k=128, num_warps=4, num_stages=3),
+    64: dict(block_n=64, block_t=64, block_k=128, num_warps=4, num_stages=3),
+    256: dict(block_n=128, block_t=128, block_k=64, num_warps=8, num_stages=3),
+}
+
 # %% ../nbs/09a_fp8_linear.ipynb #2aa0b2f5
 def _slices(steps: int, tiles: int, programs: int, sms: int, split: int | None) -> int:
     ("K slices: `split` if given, else doubled while the grid holds fewer than `programs` "
@@ -212,16 +230,19 @@ def fp8_linear_launch(
     T: int, G: int, N: int, K: int,  # tokens, groups, output columns, input columns
     sms: int,                        # multiprocessors of the device
     split: int | None = None,        # K slices (default: fill the GPU)
+    mma: int = 1,                    # the MMA kernel's version: its table and weight rows a program
 ) -> dict:
-    "The MMA kernel's tile, slices and grid for a (T, G, K) x (G, N, K) product"
-    entry = next((v for k, v in FP8_LINEAR_TUNING.items() if T <= k),
-                 FP8_LINEAR_TUNING[max(FP8_LINEAR_TUNING)])
-    bm, bk = entry['block_m'], entry['block_k']
+    ("The MMA kernel's tile, slices and grid for a (T, G, K) x (G, N, K) product: version 1 "
+     "(FP8_LINEAR_TUNING, 32 weight rows a program) or 2 (FP8_LINEAR_WT_TUNING)")
+    table = FP8_LINEAR_TUNING if mma == 1 else FP8_LINEAR_WT_TUNING
+    entry = next((v for k, v in table.items() if T <= k), table[max(table)])
+    bt, bn = entry.get('block_t', entry.get('block_m')), entry.get('block_n', 32)
+    bk = entry['block_k']
     while K % bk: bk //= 2
-    steps, tiles = K // bk, triton.cdiv(N, 32) * G * triton.cdiv(max(T, 1), bm)
+    steps, tiles = K // bk, triton.cdiv(N, bn) * G * triton.cdiv(max(T, 1), bt)
     split = _slices(steps, tiles, SPLIT_PROGRAMS, sms, split)
-    return dict(entry, block_m=bm, block_k=bk, split=split, steps=triton.cdiv(steps, split),
-                grid=(triton.cdiv(N, 32), split, triton.cdiv(max(T, 1), bm) * G))
+    return dict(entry, block_k=bk, split=split, steps=triton.cdiv(steps, split),
+                grid=(triton.cdiv(N, bn), split, triton.cdiv(max(T, 1), bt) * G))
 
 # %% ../nbs/09a_fp8_linear.ipynb #54d59e01
 def _check(x, w, act_quant):
@@ -250,10 +271,13 @@ def fp8_linear(
     split: int | None = None, # K slices of the kernel (default: the launch rule's)
     max_t: int | None = None, # most rows the kernels take (default FP8_LINEAR_MAX_T; at most 256)
     dense: torch.Tensor | None = None, # w's BF16 values, for the rows the kernel does not take
+    mma: int = 2, # the MMA kernel above two rows: 1 (tokens as its rows) or 2 (weights as its rows)
 ) -> torch.Tensor: # (T, N) or (T, G, N), in x's dtype
     ("x times the FP8 weight as stored: the GEMV for one or two rows, "
      "the MMA kernel up to `max_t`, the BF16 reference otherwise")
     _check(x, w, act_quant)
+    if mma not in (1, 2) or isinstance(mma, bool):
+        raise ValueError(f"fp8_linear: mma = {mma!r}; expected 1 or 2 (the MMA kernel's version)")
     if max_t is not None and (not isinstance(max_t, int) or not 0 <= max_t <= 256):
         raise ValueError(f"fp8_linear: max_t = {max_t!r}; expected an int in 0..256")
     if split is not None and (not isinstance(split, int) or isinstance(split, bool) or split < 1):
@@ -269,7 +293,7 @@ def fp8_linear(
     xg = _as_groups(x, w)
     if xg.stride(2) != 1: xg = xg.contiguous()
     y = torch.empty(T, G, N, dtype=x.dtype, device=x.device)
-    part, slices = _launch(xg, w, act_quant, split, y)
+    part, slices = _launch(xg, w, act_quant, split, y, mma=mma)
     if slices > 1:
         fb = min(1024, triton.next_power_of_2(N))
         _slices_sum_kernel[(T * G, triton.cdiv(N, fb))](
@@ -278,7 +302,7 @@ def fp8_linear(
     return y[:, 0] if x.ndim == 2 else y
 
 # %% ../nbs/09a_fp8_linear.ipynb #bdb6ea05
-def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None):
+def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None, mma: int = 2):
     ("The kernel for xg's T rows (the GEMV up to FP8_LINEAR_MAX_T, else the MMA kernel): "
      "y written (one slice), or (slices, T, G, N) fp32 sums")
     T, (G, N, K), x = xg.shape[0], w.shape, xg
@@ -295,17 +319,20 @@ def _launch(xg, w, act_quant: bool, split, y, rope: dict | None = None):
             ROPE_D=r.get('ROPE_D', 0), HALF=r.get('HALF', 0), num_warps=s['num_warps'],
             **pdl_launch(x.device))
     else:
-        s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split)
+        s = fp8_linear_launch(T, G, N, K, sm_count(x.device), split, mma)
         part = (torch.empty(s['split'], T, G, N, dtype=torch.float32, device=x.device)
                 if s['split'] > 1 else y)
         # rounded once for every program (to BF16, then to FP8 if asked), not once per program
         xb = xg.reshape(T * G, K).to(torch.bfloat16)
         xb = (fp8_act_quant(xb) if act_quant else xb).view(T, G, K)
-        _fp8_linear_kernel[s['grid']](
-            xb, xb.stride(0), xb.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1), part,
-            T, G, K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BM=s['block_m'], BK=s['block_k'],
-            HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
-            num_warps=s['num_warps'], num_stages=s['num_stages'])
+        args = (xb, xb.stride(0), xb.stride(1), w.codes, w.scales, y, y.stride(0), y.stride(1),
+                part, T, G)
+        meta = dict(K=K, N=N, SPLIT=s['split'], STEPS=s['steps'], BK=s['block_k'],
+                    HW_CVT=not interp, DOT=tl.float32 if interp else tl.bfloat16,
+                    num_warps=s['num_warps'], num_stages=s['num_stages'])
+        tile = (dict(BM=s['block_m'], BN=32, W_LEFT=False) if mma == 1 else
+                dict(BM=s['block_t'], BN=s['block_n'], W_LEFT=True))
+        _fp8_linear_kernel[s['grid']](*args, **tile, **meta)
     return part, s['split']
 
 # %% ../nbs/09a_fp8_linear.ipynb #2b20e991

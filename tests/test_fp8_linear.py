@@ -33,10 +33,10 @@ def _x(T, G, K, seed, scale=3.0):
 @given(T=st.integers(1, 40), G=st.sampled_from([1, 1, 2]),
        N=st.sampled_from([32, 64, 96]), K=st.sampled_from([32, 64, 160, 256]),
        act=st.booleans(), split=st.sampled_from([None, 1, 2, 4]), seed=st.integers(0, 2**31),
-       scale=st.sampled_from([1e-3, 1.0, 50.0]))
-def test_kernel_within_the_summation_bound(T, G, N, K, act, split, seed, scale):
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), mma=st.sampled_from([1, 2]))
+def test_kernel_within_the_summation_bound(T, G, N, K, act, split, seed, scale, mma):
     w, x = _weight(G, N, K, seed), _x(T, G, K, seed, scale)
-    y = fp8_linear(x, w, act, split, max_t=64)
+    y = fp8_linear(x, w, act, split, max_t=64, mma=mma)
     assert y.dtype == x.dtype and y.shape == ((T, N) if G == 1 else (T, G, N))
     assert_linear_close(y, x, w, act)
 
@@ -108,18 +108,22 @@ def test_gemv_launch_rule(T, G, N, K):
 
 @needs_triton
 def test_one_or_two_rows_take_the_gemv(monkeypatch):
-    "Up to FP8_LINEAR_MAX_T rows launch the GEMV kernel, more (with max_t) the MMA kernel"
+    "Up to FP8_LINEAR_MAX_T rows launch the GEMV kernel, more (with max_t) the MMA kernel of version mma"
     import dsv41_nb.fp8_linear as fl
     launched = []
-    for name in ('_fp8_gemv_kernel', '_fp8_linear_kernel'):
-        k = getattr(fl, name)
-        monkeypatch.setattr(fl, name, type('K', (), {'__getitem__': lambda self, grid, k=k, name=name:
-                                                     launched.append(name) or k[grid]})())
+    def spy(name, k):   # records each launch: the kernel, and which version of the MMA kernel
+        def launch(*a, **kw):
+            launched.append(name + ('', ' v2' if kw.get('W_LEFT') else ' v1')['W_LEFT' in kw])
+            return k[grid[0]](*a, **kw)
+        grid = [None]
+        return type('K', (), {'__getitem__': lambda self, g: grid.__setitem__(0, g) or launch})()
+    for name in ('_fp8_gemv_kernel', '_fp8_linear_kernel'): monkeypatch.setattr(fl, name, spy(name, getattr(fl, name)))
     w = _weight(1, 64, 96, 11)
     for T in (1, FP8_LINEAR_MAX_T, FP8_LINEAR_MAX_T + 1):
         x = _x(T, 1, 96, T)
         assert_linear_close(fp8_linear(x, w, max_t=64), x, w)
-    assert launched == ['_fp8_gemv_kernel', '_fp8_gemv_kernel', '_fp8_linear_kernel']
+    assert_linear_close(fp8_linear(x, w, max_t=64, mma=1), x, w)
+    assert launched == ['_fp8_gemv_kernel', '_fp8_gemv_kernel', '_fp8_linear_kernel v2', '_fp8_linear_kernel v1']
 
 def test_bad_inputs_are_named():
     w, x = _weight(1, 64, 96, 9), _x(2, 1, 96, 9)
@@ -127,6 +131,7 @@ def test_bad_inputs_are_named():
              (dict(x=x.int()), 'floating-point'), (dict(x=x[:, :64]), 'takes (T, 96)'),
              (dict(x=[1.0]), 'floating-point'), (dict(act_quant='yes'), 'bool'),
              (dict(max_t=257), 'max_t = 257'), (dict(max_t=-1), 'max_t = -1'),
+             (dict(mma=3), 'mma = 3'), (dict(mma=True), 'mma = True'),
              (dict(split=0), 'split = 0'), (dict(split=2.0), 'split = 2.0')]
     for kw, msg in cases: fails_with(lambda: fp8_linear(**{**dict(x=x, w=w), **kw}), contains=msg)
     fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
@@ -168,7 +173,7 @@ def test_fused_forms_bad_inputs_are_named():
 
 @needs_triton
 def test_mma_kernel_takes_more_than_one_row_block():
-    "Past 64 rows (max_t up to 256) the MMA kernel runs several row blocks, each against the reference"
-    for T, G, act in ((65, 1, True), (130, 2, False)):
-        w, x = _weight(G, 32, 64, T), _x(T, G, 64, T)
-        assert_linear_close(fp8_linear(x, w, act, max_t=256), x, w, act)
+    "Past a row tile (max_t up to 256) both MMA kernels run several row blocks, each against the reference"
+    for T, G, act, N in ((65, 1, True, 32), (130, 2, False, 96), (200, 1, True, 160)):
+        w, x = _weight(G, N, 64, T), _x(T, G, 64, T)
+        for mma in (1, 2): assert_linear_close(fp8_linear(x, w, act, max_t=256, mma=mma), x, w, act)

@@ -2,11 +2,11 @@
 greedy tokens the same through CUDA graphs (waiting for each step or not) as eagerly, and the reference's argmax.
 
 A launch shape is chosen from a table by the number of tokens (sparse decode's `DECODE_TUNING`, the fused MoE's
-`MOE_TUNING`, the FP8 projections' `FP8_GEMV_TUNING` / `FP8_LINEAR_TUNING`, mHC's small and large token programs, the
-MoE GEMVs up to `GEMV_MAX_TOKENS`): the token counts below are read off those tables (each row's bound and the count
-past it), so a new row is tested without touching this file. The interpreter runs every kernel correctly where the
-compiled code may not (a launch shape once decoded DS-FP4 records wrongly only when compiled), so these run on a GPU
-alone; `tools/gpu_tests.sh` runs them with the rest of the suite compiled."""
+`MOE_TUNING`, the FP8 projections' `FP8_GEMV_TUNING` / `FP8_LINEAR_TUNING` / `FP8_LINEAR_WT_TUNING`, mHC's small and
+large token programs, the MoE GEMVs up to `GEMV_MAX_TOKENS`): the token counts below are read off those tables (each
+row's bound and the count past it), so a new row is tested without touching this file. The interpreter runs every
+kernel correctly where the compiled code may not (a launch shape once decoded DS-FP4 records wrongly only when
+compiled), so these run on a GPU alone; `tools/gpu_tests.sh` runs them with the rest of the suite compiled."""
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -25,7 +25,8 @@ from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch, fp8_moe, e
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close, fp8_act_quant
 from dsv41_nb.moe import quantize_weight
-from dsv41_nb.fp8_linear import fp8_linear, assert_linear_close, FP8_GEMV_TUNING, FP8_LINEAR_TUNING, SHORT_K
+from dsv41_nb.fp8_linear import (fp8_linear, assert_linear_close, FP8_GEMV_TUNING, FP8_LINEAR_TUNING,
+                                 FP8_LINEAR_WT_TUNING, SHORT_K)
 from dsv41_nb.mhc import MHC_TUNING, mhc_seam, check_seam
 from dsv41_nb.formats import cache_format
 from dsv41_nb.indexer import (index_logits, index_logits_reference, logits_error_bound, key_decoding, _decode_batch,
@@ -254,12 +255,13 @@ def _fp8_case(T, N, K, seed, scale):
 
 
 @pytest.mark.parametrize('K', [512, SHORT_K * 2])
-@pytest.mark.parametrize('T', row_counts(FP8_GEMV_TUNING) + row_counts(FP8_LINEAR_TUNING, low=3))
+@pytest.mark.parametrize('T', sorted({*row_counts(FP8_GEMV_TUNING), *row_counts(FP8_LINEAR_TUNING, low=3),
+                                     *row_counts(FP8_LINEAR_WT_TUNING, low=3)}))
 def test_fp8_linear_every_row(T, K):
-    "The FP8 GEMV (one or two rows, short and long K) and the MMA kernel at each row of its table, BF16 edge values in"
+    "The FP8 GEMV (one or two rows, short and long K), both MMA kernels at each row of their tables, BF16 edge values"
     for scale, act in ((1.0, True), (1e-3, True), (50.0, False)):
         w, x = _fp8_case(T, 96, K, seed=T * K, scale=scale)
-        assert_linear_close(fp8_linear(x, w, act, max_t=max(FP8_LINEAR_TUNING)), x, w, act)
+        for mma in (1, 2): assert_linear_close(fp8_linear(x, w, act, max_t=256, mma=mma), x, w, act)
 
 
 @pytest.mark.parametrize('fp8', [False, True])

@@ -280,27 +280,34 @@ def compile_gemv(out: Path) -> list[dict]:
 
 
 def compile_fp8_linear(out: Path, fn=None, extra: dict | None = None) -> list[dict]:
-    ("The MMA kernel of the FP8 projections (09a_fp8_linear, `fn`: `_fp8_linear_kernel` unless given, with `extra` "
-     "constexprs) for sm_90 with no GPU, at each row of FP8_LINEAR_TUNING on the bench layer's `wq_b`, one slice: "
-     "the K loop's SASS instructions, the registers a thread holds, and warp instructions a weight")
+    ("The MMA kernels of the FP8 projections (09a_fp8_linear) for sm_90 with no GPU on the bench layer's `wq_b`, one "
+     "slice: version 1 (`fn`, a kernel of an earlier commit, with `extra` constexprs, if given) at each row of "
+     "FP8_LINEAR_TUNING, then (unless `fn` is given) version 2 at each row of FP8_LINEAR_WT_TUNING; the K loop's "
+     "SASS instructions, the registers a thread holds, and warp instructions a weight")
     import triton.language as tl
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.fp8_linear import _fp8_linear_kernel, FP8_LINEAR_TUNING
-    cfg, fn, rows = ModelConfig.bench(), fn or _fp8_linear_kernel, []
+    from dsv41_nb.fp8_linear import _fp8_linear_kernel, FP8_LINEAR_TUNING, FP8_LINEAR_WT_TUNING
+    cfg, rows = ModelConfig.bench(), []
     N, K = cfg.n_heads * cfg.head_dim, cfg.q_lora_rank
-    for tokens, t in FP8_LINEAR_TUNING.items():
+    ptrs = dict(x_ptr='*bf16', w_ptr='*u8', s_ptr='*u8', y_ptr='*bf16', part_ptr='*fp32')
+    ints = dict(stride_xt='i32', stride_xg='i32', stride_yt='i32', stride_yg='i32', T='i32', G='i32')
+    v1 = dict(BN=32, W_LEFT=False) if fn is None else {}
+    launches = [(1, fn or _fp8_linear_kernel, tokens, t, dict(BM=t['block_m'], **v1, **(extra or {})), 32)
+                for tokens, t in FP8_LINEAR_TUNING.items()]
+    if fn is None:
+        launches += [(2, _fp8_linear_kernel, tokens, t, dict(BM=t['block_t'], BN=t['block_n'], W_LEFT=True),
+                      t['block_n']) for tokens, t in FP8_LINEAR_WT_TUNING.items()]
+    for version, kernel, tokens, t, tile, weight_rows in launches:
         bk = math.gcd(K, t['block_k'])
-        ptrs = dict(x_ptr='*bf16', w_ptr='*u8', s_ptr='*u8', y_ptr='*bf16', part_ptr='*fp32')
-        ints = dict(stride_xt='i32', stride_xg='i32', stride_yt='i32', stride_yg='i32', T='i32', G='i32')
-        const = dict(K=K, N=N, SPLIT=1, STEPS=K // bk, BM=t['block_m'], BK=bk, HW_CVT=True, DOT=tl.bfloat16,
-                     **(extra or {}))
-        sig = {n: ptrs.get(n) or ints.get(n) or 'constexpr' for n in fn.arg_names}
-        name = f'fp8_linear_{tokens}'
-        regs = _sm90(fn, sig, list(ptrs), const, t['num_warps'], t['num_stages'], out, name)
+        const = dict(K=K, N=N, SPLIT=1, STEPS=K // bk, BK=bk, HW_CVT=True, DOT=tl.bfloat16, **tile)
+        sig = {n: ptrs.get(n) or ints.get(n) or 'constexpr' for n in kernel.arg_names}
+        name = f'fp8_linear_v{version}_{tokens}'
+        regs = _sm90(kernel, sig, list(ptrs), const, t['num_warps'], t['num_stages'], out, name)
         loop = sass_loop((out / f'{name}.sass').read_text())
-        rows.append(dict(stage='wq_b', kernel='fp8_linear', tokens=tokens, block_m=t['block_m'], block_k=bk,
-                         loop_instructions=len(loop), registers=regs,
-                         per_weight=len(loop) * t['num_warps'] / (32 * bk)))
+        rows.append(dict(stage='wq_b', kernel=f'version {version}', tokens=tokens, version=version,
+                         tile={k: v for k, v in t.items() if k.startswith('block')} | dict(block_k=bk),
+                         num_warps=t['num_warps'], loop_instructions=len(loop), registers=regs,
+                         per_weight=len(loop) * t['num_warps'] / (weight_rows * bk)))
     return rows
 
 
