@@ -23,9 +23,9 @@ from .moe_gemv import _fp8_sums, _codes_f32
 
 # %% auto #0
 __all__ = ['FP8_GEMV_TUNING', 'SHORT_K', 'FP8_LINEAR_TUNING', 'FP8_LINEAR_MAX_T', 'SPLIT_MAX', 'SPLIT_PROGRAMS',
-           'FP8_LINEAR_WT_TUNING', 'HEAD_MAX_T', 'fp8_linear_torch', 'fp8_gemv_launch', 'fp8_linear_launch',
-           'fp8_linear', 'assert_linear_close', 'FP8Linear', 'fp8_linear_norm', 'fp8_linear_rope', 'bf16_parts',
-           'head_logits']
+           'FP8_LINEAR_WT_TUNING', 'FP8_LINEAR_MMA_T', 'HEAD_MAX_T', 'fp8_linear_torch', 'fp8_gemv_launch',
+           'fp8_linear_launch', 'fp8_linear', 'assert_linear_close', 'FP8Linear', 'fp8_linear_norm', 'fp8_linear_rope',
+           'bf16_parts', 'head_logits']
 
 # %% ../nbs/09a_fp8_linear.ipynb #91e62af6
 def _as_groups(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -399,11 +399,18 @@ def dense(self: FP8Linear) -> torch.Tensor:
         self._dense, self._dense_key = self.weight.dequantize().to(torch.bfloat16), key
     return self._dense
 
+# %% ../nbs/09a_fp8_linear.ipynb #8407b934
+# rows up to which FP8Linear runs the MMA kernel (version 2) on the codes instead of cuBLAS
+# on the BF16 copies; 0: never (the default until a GPU's benchmark says otherwise)
+FP8_LINEAR_MMA_T = 0
+
 # %% ../nbs/09a_fp8_linear.ipynb #34fcfed2
 @patch
 def forward(self: FP8Linear, x: torch.Tensor) -> torch.Tensor:
-    small = isinstance(x, torch.Tensor) and x.ndim >= 1 and 0 < x.shape[0] <= FP8_LINEAR_MAX_T
-    return fp8_linear(x, self.weight, self.act_quant, dense=None if small else self.dense())
+    rows = x.shape[0] if isinstance(x, torch.Tensor) and x.ndim >= 1 else 0
+    if 0 < rows <= max(FP8_LINEAR_MAX_T, FP8_LINEAR_MMA_T):   # the codes as stored
+        return fp8_linear(x, self.weight, self.act_quant, max_t=max(FP8_LINEAR_MMA_T, 2))
+    return fp8_linear(x, self.weight, self.act_quant, dense=self.dense())
 
 # %% ../nbs/09a_fp8_linear.ipynb #c1017a94
 @triton.jit

@@ -177,3 +177,18 @@ def test_mma_kernel_takes_more_than_one_row_block():
     for T, G, act, N in ((65, 1, True, 32), (130, 2, False, 96), (200, 1, True, 160)):
         w, x = _weight(G, N, 64, T), _x(T, G, 64, T)
         for mma in (1, 2): assert_linear_close(fp8_linear(x, w, act, max_t=256, mma=mma), x, w, act)
+
+@needs_triton
+def test_fp8linear_reads_the_codes_up_to_the_mma_rows(monkeypatch):
+    "With FP8_LINEAR_MMA_T raised, FP8Linear runs the MMA kernel on the codes up to it (no BF16 copy), cuBLAS past it"
+    import dsv41_nb.fp8_linear as fl
+    lin = FP8Linear.from_master(torch.randn(64, 96, generator=torch.Generator().manual_seed(4)).to(DEV))
+    monkeypatch.setattr(fl, 'FP8_LINEAR_MMA_T', 8)
+    x = _x(8, 1, 96, 4)
+    assert_linear_close(lin(x), x, lin.weight)
+    assert not hasattr(lin, '_dense')
+    x = _x(9, 1, 96, 5)
+    assert_linear_close(lin(x), x, lin.weight)
+    assert hasattr(lin, '_dense')
+    monkeypatch.setattr(fl, 'FP8_LINEAR_MMA_T', 300)
+    fails_with(lambda: lin(x), contains='max_t = 300')

@@ -7,7 +7,7 @@ token.
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
                                  [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--planes-down] [--slots]
-                                 [--shared-fp8] [--fp8]
+                                 [--shared-fp8] [--fp8] [--fp8-mma ROWS]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -50,7 +50,7 @@ from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
 from dsv41_nb.cuda_graphs import CUDAGraphModel
-from dsv41_nb import paged
+from dsv41_nb import paged, fp8_linear
 from dsv41_nb.paged import PagedModel
 from dsv41_nb.moe_planes import PlaneWeight
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
@@ -359,8 +359,13 @@ def main():
     ap.add_argument('--fp8', action='store_true',
                     help="the fused MoE's routed stages in 08g's version 5 (FP8 products, 16-row blocks), the layers "
                          "holding FP8 words beside the planes")
+    ap.add_argument('--fp8-mma', type=int, default=0, metavar='ROWS',
+                    help="the FP8 projections on their codes through 09a's MMA kernel (version 2) up to ROWS rows "
+                         "(at most 256), not cuBLAS on BF16 copies (FP8_LINEAR_MMA_T; 0: off)")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
+    if not 0 <= args.fp8_mma <= 256: ap.error(f'--fp8-mma {args.fp8_mma}: expected 0 to 256 rows')
+    fp8_linear.FP8_LINEAR_MMA_T = args.fp8_mma
     paged.SERVED_PLANES = not args.codes
     paged.SERVED_PLANES_DOWN = args.planes_down
     paged.SERVED_SHARED_DENSE = not args.shared_fp8
