@@ -303,8 +303,12 @@ def compile_fp8_linear(out: Path, fn=None, extra: dict | None = None) -> list[di
         sig = {n: ptrs.get(n) or ints.get(n) or 'constexpr' for n in kernel.arg_names}
         name = f'fp8_linear_v{version}_{tokens}'
         regs = _sm90(kernel, sig, list(ptrs), const, t['num_warps'], t['num_stages'], out, name)
-        loop = sass_loop((out / f'{name}.sass').read_text())
+        sass = (out / f'{name}.sass').read_text()
+        # Hopper's MMA (its left operand a register or a shared-memory descriptor), or Ampere's (registers)
+        loop, mma = sass_loop(sass), re.search(r'(HGMMA|HMMA)\.(\w+)\S* R\d+, (\w+)', sass)
         rows.append(dict(stage='wq_b', kernel=f'version {version}', tokens=tokens, version=version,
+                         mma=mma and f'{mma.group(1)}.{mma.group(2)}',
+                         left_in_registers=bool(mma and mma.group(3).startswith('R')),
                          tile={k: v for k, v in t.items() if k.startswith('block')} | dict(block_k=bk),
                          num_warps=t['num_warps'], loop_instructions=len(loop), registers=regs,
                          per_weight=len(loop) * t['num_warps'] / (weight_rows * bk)))
