@@ -307,14 +307,34 @@ def test_engine_steps_are_the_reference_argmax(small):
     steps (rounding to FP8, the indexer's top-k, the router) turn one ulp into logits that move by up to about one (the
     greedy_agreement tool measures 97% on the H200, where the dense reference's own GPU run reaches 98%); a launch
     shape that decodes wrongly drops far below."""
-    ref = load_model(SMALL, device='cpu')
-    tok = ByteTokenizer(ref.cfg)
     outs = _serve(small, PROMPTS, bounded_replay=False, async_scheduling=True)
-    agree = steps = 0
-    for p, out in zip(PROMPTS, outs):
+    agree, steps = _reference_argmax(PROMPTS, outs)
+    assert agree >= 0.9 * steps, f'{agree} of {steps} steps are the reference argmax'
+
+
+def _reference_argmax(prompts, outs) -> tuple:
+    "(steps whose greedy token is the CPU reference's argmax given the same prefix, steps)"
+    ref = load_model(SMALL, device='cpu')
+    tok, agree, steps = ByteTokenizer(ref.cfg), 0, 0
+    for p, out in zip(prompts, outs):
         ids = tok.encode(p)
         logits = ref(torch.tensor([ids + out]))[0, len(ids) - 1:-1]
         agree, steps = agree + int((logits.argmax(-1) == torch.tensor(out)).sum()), steps + len(out)
+    return agree, steps
+
+
+@torch.no_grad()
+@pytest.mark.parametrize('batch', [4, 64])
+def test_engine_on_the_fp8_codes_through_the_mma_kernel(small, monkeypatch, batch):
+    """With FP8_LINEAR_MMA_T raised, the projections of steps up to that many rows read their FP8 codes through the MMA
+    kernel (version 2) instead of cuBLAS on BF16 copies: the greedy tokens through CUDA graphs (async) equal the eager
+    path's, and at least 90% of the steps are the CPU reference's argmax, as on the default path"""
+    import dsv41_nb.fp8_linear as fl
+    monkeypatch.setattr(fl, 'FP8_LINEAR_MMA_T', 64)
+    prompts = [PROMPTS[i % len(PROMPTS)] + ' ' * (i // len(PROMPTS)) for i in range(batch)]
+    outs = _serve(small, prompts, bounded_replay=False, async_scheduling=True)
+    assert outs == _serve(small, prompts, bounded_replay=False, cuda_graphs=False)
+    agree, steps = _reference_argmax(prompts, outs)
     assert agree >= 0.9 * steps, f'{agree} of {steps} steps are the reference argmax'
 
 
