@@ -234,6 +234,8 @@ def fp8_linear_launch(
 ) -> dict:
     ("The MMA kernel's tile, slices and grid for a (T, G, K) x (G, N, K) product: version 1 "
      "(FP8_LINEAR_TUNING, 32 weight rows a program) or 2 (FP8_LINEAR_WT_TUNING)")
+    if mma not in (1, 2) or isinstance(mma, bool):
+        raise ValueError(f"fp8_linear_launch: mma = {mma!r}; expected 1 or 2")
     table = FP8_LINEAR_TUNING if mma == 1 else FP8_LINEAR_WT_TUNING
     entry = next((v for k, v in table.items() if T <= k), table[max(table)])
     bt, bn = entry.get('block_t', entry.get('block_m')), entry.get('block_n', 32)

@@ -134,6 +134,7 @@ def test_bad_inputs_are_named():
              (dict(mma=3), 'mma = 3'), (dict(mma=True), 'mma = True'),
              (dict(split=0), 'split = 0'), (dict(split=2.0), 'split = 2.0')]
     for kw, msg in cases: fails_with(lambda: fp8_linear(**{**dict(x=x, w=w), **kw}), contains=msg)
+    fails_with(lambda: fp8_linear_launch(8, 1, 64, 96, 132, mma=0), contains='mma = 0')
     fails_with(lambda: FP8Linear.from_master(torch.randn(96, 64), groups=5), contains='divisible')
     fails_with(lambda: FP8Linear.from_master(torch.randn(96)), contains='expected (out, in)')
     fails_with(lambda: FP8Linear(w.dequantize()), contains='QuantWeight')
