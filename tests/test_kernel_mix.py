@@ -223,3 +223,15 @@ def test_idle_steps_time_each_phase_after_a_sync(monkeypatch):
     assert {k for k, *_ in HOST_PHASES} <= set(host) and host['model host'] > 0
     assert parts['replay'] > 0 and parts['forward'] >= parts['replay'] + parts['prepare']
     pe.drain(eng)
+
+
+def test_graph_launch_times_each_graph_it_was_asked_for(tmp_path):
+    "tools/graph_launch.py --quick: the sizes asked for, each with its four times, the last size captured again, JSON"
+    spec = importlib.util.spec_from_file_location('graph_launch', ROOT / 'tools' / 'graph_launch.py')
+    gl = importlib.util.module_from_spec(spec); spec.loader.exec_module(gl)
+    out = tmp_path / 'g.json'
+    res = gl.main(['--quick', '--repeats', '1', '--sizes', '4', '8', '--json', str(out)])
+    assert [r['size'] for r in res['sizes']] == [4, 8]
+    assert all(set(r) == {'size', 'launch_us', 'after_us', 'run_ms', 'behind_us'} for r in res['sizes'])
+    assert res['recaptured_8']['launch_us'] > 0 and json.loads(out.read_text())['experts'] == res['experts']
+    with pytest.raises(SystemExit): gl.main(['--quick', '--sizes', '3'])       # not a capture size
