@@ -3,7 +3,7 @@
 kernel time per component against the host's part.
 
     python tools/profile_engine.py OUT_DIR [--batches 128 256] [--prompt-len 128] [--steps 8] [--experts N]
-                                           [--prefill] [--quick]
+                                           [--prefill] [--fp8-mma ROWS] [--quick]
 
 The engine is the `bench` one of `tools/bench_engine.py` (the paged path with random weights, CUDA graphs, async
 scheduling). For each batch size B: B random byte prompts are prefilled, every remaining capture size up to B is
@@ -37,7 +37,7 @@ from dsv41_nb.dispatch import machine_name, copy_bandwidth
 from dsv41_nb.accounting import step_floor, HARDWARE
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import StepTimer, HOST_PHASES
-from dsv41_nb import cuda_graphs
+from dsv41_nb import cuda_graphs, fp8_linear
 from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.__main__ import random_prompts
 
@@ -254,8 +254,12 @@ def main():
     ap.add_argument('--experts', type=int, help="routed experts (default: the config's)")
     ap.add_argument('--prefill', action='store_true', help='also one eager prefill step of 64 prompts')
     ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--fp8-mma', type=int, default=0, metavar='ROWS',
+                    help="the FP8 projections on their codes through 09a's MMA kernel up to ROWS rows (0: off)")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU: a check of the script')
     args = ap.parse_args()
+    if not 0 <= args.fp8_mma <= 256: ap.error(f'--fp8-mma {args.fp8_mma}: expected 0 to 256 rows')
+    fp8_linear.FP8_LINEAR_MMA_T = args.fp8_mma
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if device == 'cpu' and not args.quick:
         sys.exit('this profile needs a GPU (use --quick to check the script on a CPU)')
