@@ -10,14 +10,14 @@ tell a graph's size from its place in the capture order. Beside each launch: a s
 a second launch of the graph behind the first, whose host times say whether a launch waits for room behind queued work.
 Medians of `--repeats` launches. Needs a GPU; `--quick` runs the tiny config on the CPU (emulated graphs, 8 requests):
 a check of the script, not a measurement."""
-import argparse, dataclasses, datetime, json, statistics, sys, time
+import argparse, contextlib, dataclasses, datetime, json, statistics, sys, time
 from pathlib import Path
 import torch, triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import paged_llm, git_commit
 from profile_engine import decode_ready, sync
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import machine_name
+from dsv41_nb.dispatch import machine_name, use_kernels
 from dsv41_nb.cuda_graphs import CUDAGraphModel
 
 
@@ -50,8 +50,14 @@ def main(argv=None):
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU: a check of the script')
     args = ap.parse_args(argv)
     if args.experts < 1 or args.repeats < 1: ap.error('--experts and --repeats must be at least 1')
-    device = 'cpu' if args.quick else 'cuda'
     if not (args.quick or torch.cuda.is_available()): ap.error('graph_launch needs a GPU (or --quick)')
+    # on the CPU every kernel the PyTorch reference (the interpreter would take minutes)
+    with use_kernels('torch') if args.quick else contextlib.nullcontext(): return measure(args, ap)
+
+
+def measure(args, ap) -> dict:
+    "The launches of `main`'s arguments, timed; the record (written to --json if given)"
+    device = 'cpu' if args.quick else 'cuda'
     cfg = ModelConfig.tiny() if args.quick else ModelConfig.bench()
     cfg = dataclasses.replace(cfg, n_routed_experts=args.experts)
     n, mml = (8, 64) if args.quick else (256, 256)
