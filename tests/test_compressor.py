@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 import dsv41_nb.compressor as comp
 from dsv41_nb.dispatch import HostReads
@@ -18,9 +18,8 @@ from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, ap
                                  pool_group, Compressor, compress_reference, compress_torch,
                                  compress_step, compress_version, RingJournal,
                                  RingRows, ring_rewind_trial)
+from machine import DEV, HAS_TRITON
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
 FORMATS = ('ds_fp4', 'fp8_ds_mla', 'window_fp8')
 

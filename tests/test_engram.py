@@ -9,14 +9,13 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig, engram_bucket_primes
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.formats import quantize_fp8, dequantize_fp8
 from dsv41_nb.engram import (normalize_token, compressed_token_map, synthetic_token_strings, hash_multipliers,
                              ngram_hashes_reference, NgramHasher, hash_spread, EngramTable, engram_lookup, engram_kv,
                              engram_gate, Engram, head_shards, sharding_traffic)
+from machine import DEV, HAS_TRITON
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
 TINY_MAP = compressed_token_map(synthetic_token_strings(TINY.vocab_size, TINY.engram_compressed_vocab_size))
 

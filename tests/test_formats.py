@@ -14,16 +14,15 @@ from hypothesis import given, strategies as st, settings
 from budget import examples
 from dsv41_nb.config import ModelConfig
 from fastcore import test as fct           # fct.test_fail: pytest would collect a bare test_fail
-from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
+from dsv41_nb.dispatch import use_kernels, triton_interpreting
 from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, e4m3_codes,
                               e4m3_values, e2m1_codes, e2m1_values, unpack_nibbles,
                               quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX,
                               _e2m1_bf16_pair, _ue8m0_bf16, _bf16_scaled)
 from dsv41_nb.records import (store_records, gather_records, KERNEL_VERSIONS, edge_case_vectors, every_value_blocks,
                               kernel_version)
+from machine import DEV, HAS_TRITON, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
 
 @st.composite
 def fp8_codecs(draw):
@@ -122,7 +121,6 @@ def test_scalar_encodings_against_brute_force():
     grid4 = e2m1_values(torch.arange(16, dtype=torch.uint8))
     assert torch.equal((v - x.clamp(-6, 6)).abs(), (x.clamp(-6, 6)[:, None] - grid4[None]).abs().min(1).values)
 
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason='no Triton: needs a GPU or TRITON_INTERPRET=1')
 
 def check_kernels(codec, x, slots, num_slots, block_size, idx, out_dtype, version, g):
     "Store with the kernel and the reference into the same stale cache, gather back: bytes and values identical"

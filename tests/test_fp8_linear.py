@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.moe import QuantWeight, quantize_weight
 from dsv41_nb.model import weight_qdq
 from dsv41_nb.fused_moe import fp8_act_quant
@@ -14,10 +14,8 @@ from dsv41_nb.fp8_linear import (fp8_linear, fp8_linear_torch, fp8_linear_launch
                                  FP8Linear, FP8_LINEAR_MAX_T, FP8_GEMV_TUNING, SHORT_K, SPLIT_MAX, SPLIT_PROGRAMS,
                                  fp8_linear_norm, fp8_linear_rope)
 from dsv41_nb.rope_norm import rms_norm_fused, rope
+from machine import DEV, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
-                                  reason='the kernels need a GPU or TRITON_INTERPRET=1')
 
 def _weight(G, N, K, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ from hypothesis import example, given, settings, strategies as st
 from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
+from dsv41_nb.dispatch import use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
 from dsv41_nb.records import store_records
 from dsv41_nb import indexer
@@ -19,10 +19,8 @@ from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, i
                               index_logits_reference, topk_reference, ragged_topk, candidate_pool,
                               candidate_pool_reference, pool_mask, sparse_topk,
                               sparse_topk_reference, logits_error_bound)
+from machine import DEV, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 TINY = ModelConfig.tiny()
 
 def world(ix, contexts, queries, seed, block_size=16):

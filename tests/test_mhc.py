@@ -8,16 +8,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import use_kernels
 import triton, triton.language as tl
 from dsv41_nb.formats import _hw_cvt
 from dsv41_nb.mhc import (MHC_TUNING, SEAM_VERSIONS, HCWeights, check_seam, hc_expand, hc_collapse,
                           hc_mixes, mhc_seam, random_hc_layer, random_hc_weights, run_hc_stack,
                           seam_plan, seam_version, sinkhorn, _bf16_pieces, _rms_norm)
+from machine import DEV, HAS_TRITON, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 TINY = ModelConfig.tiny()
 ITERS, EPS = TINY.hc_sinkhorn_iters, TINY.hc_eps
 

@@ -9,16 +9,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend
 from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_experts_reference
 from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, benchmark_moe, ExpertAlignment,
                                 align_by_expert, align_by_expert_torch, fp8_act_quant,
                                 fused_moe_experts, moe_forward,
                                 check_fused_moe, expert_gate_up, expert_down, MOE_TUNING,
                                 MOE_DOWN_TUNING, stage_shape)
+from machine import DEV, HAS_TRITON
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
 TINY = ModelConfig.tiny()
 
 def _gen(seed): return torch.Generator().manual_seed(seed)

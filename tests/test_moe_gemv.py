@@ -14,10 +14,8 @@ from dsv41_nb.fused_moe import (ExpertAlignment, align_by_expert_torch, fp8_act_
                                 expert_down_torch, check_fused_moe)
 import dsv41_nb.moe_gemv as mg
 from dsv41_nb.moe_gemv import gemv_gate_up, gemv_down, gemv_split, gemv_stages, moe_gemv_experts, moe_gemv_forward
+from machine import DEV, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
-                                  reason='the kernels need a GPU or TRITON_INTERPRET=1')
 TINY = ModelConfig.tiny()
 WIDE = replace(TINY, dim=128)                       # gate/up K = 128: 4 steps of 32; down K = 64: 2 steps
 SMALL = dict(block_n=32, block_k=32, num_warps=4, programs=32)

@@ -24,8 +24,8 @@ from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS, gemv_stages, moe_ge
 from dsv41_nb import moe_planes
 from dsv41_nb.dispatch import sm_count
 from dsv41_nb.moe_split import expert_gate_up_split, _default_split
+from machine import DEV
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
 
 
 def _layer(E, k, D, I, seed):

@@ -14,10 +14,8 @@ from dsv41_nb.fused_moe import (ExpertAlignment, align_by_expert, fp8_act_quant,
                                 assert_fp8_close, check_fused_moe, moe_launch_shape, _fused_stages)
 from dsv41_nb.moe_split import expert_gate_up_split, split_count, SPLIT_MAX, DenseShared
 from dsv41_nb import moe_split as ms_mod
+from machine import DEV, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
-                                  reason='the kernels need a GPU or TRITON_INTERPRET=1')
 WIDE = replace(ModelConfig.tiny(), dim=256)          # K = 256: 8 steps of 32 to split
 SHAPE = dict(moe_launch_shape(16, WIDE.n_routed_experts), block_k=32)
 W = MoEWeights.random(WIDE, 0, DEV)

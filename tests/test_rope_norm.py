@@ -5,13 +5,10 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend
 from dsv41_nb.compressor import layer_inv_freq, rms_norm
 from dsv41_nb.rope_norm import rope, rope_torch, rms_norm_fused
+from machine import DEV, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
-                                  reason='the kernels need a GPU or TRITON_INTERPRET=1')
 
 @needs_triton
 @settings(max_examples=examples(12), deadline=None)

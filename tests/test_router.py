@@ -8,14 +8,12 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
-from dsv41_nb.dispatch import kernel_backend, use_kernels
+from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.moe import route
 import dsv41_nb.router as router
 from dsv41_nb.router import fused_route, check_fused_route, softplus_errors, route_ptx, TILE_ELEMS, _route_blocks
+from machine import DEV, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-needs_triton = pytest.mark.skipif(kernel_backend(torch.zeros(1, device=DEV)) != 'triton',
-                                  reason='the kernels need a GPU or TRITON_INTERPRET=1')
 
 def _inputs(T, E, D, scale, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)

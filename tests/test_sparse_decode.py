@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import kernel_backend, use_kernels, triton_interpreting
+from dsv41_nb.dispatch import use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
 from dsv41_nb.rope_norm import rope
 from dsv41_nb.csa2 import CSA2Attention, CSA2State, make_step, random_block_tables, sparse_attention_reference
@@ -21,10 +21,8 @@ from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, 
                                     decode_launch, decode_variants, distinct_kernels, launch_name,
                                     DECODE_TUNING, _check_launch, _format_meta, _half_view,
                                     _tile_probe)
+from machine import DEV, HAS_TRITON, needs_triton
 
-DEV = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-HAS_TRITON = kernel_backend(torch.zeros(1, device=DEV)) == 'triton'
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason='no Triton: needs a GPU or TRITON_INTERPRET=1')
 GPU = DEV.type == 'cuda'
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
 SMALL = replace(FULL, window_size=24)                    # full width (the formats need 512), few records per token
