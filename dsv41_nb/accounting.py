@@ -111,6 +111,7 @@ def _linear(name, out_f, in_f, dtype, group, fp4_block=32, fp8_block=32):
         return [w, TensorSpec(f'{name}.scale', blocks, 'e8m0', 'scales')]
     return [w]
 
+# %% ../nbs/01a_accounting.ipynb #c8b00eb6
 def _norm(name, n, group='norm'): return [TensorSpec(f'{name}.weight', (n,), 'bf16', group)]
 
 # %% ../nbs/01a_accounting.ipynb #8e905587
@@ -264,6 +265,7 @@ def _active_params(c, phase):
 # %% ../nbs/01a_accounting.ipynb #7c9f4c80
 GiB = 2 ** 30
 
+# %% ../nbs/01a_accounting.ipynb #c4eac17b
 MEMORY_ROWS = {  # the model card's rows, as predicates on a TensorSpec
     'routed + DSpark experts': lambda s: s.group in ('routed_experts', 'dspark_experts'),
     'Engram tables (values)': lambda s: s.group == 'engram',
@@ -315,6 +317,7 @@ class Hardware:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"Hardware {self.name}: {k} = {v!r}; expected a positive number")
 
+# %% ../nbs/01a_accounting.ipynb #e9a55d3f
 HARDWARE = {
     'B300': Hardware('NVIDIA B300', 288e9, 8e12,
                      'the serving briefing: 288 GB of HBM at 8 TB/s per GPU'),

@@ -82,6 +82,7 @@ def _link_after(self: FreeKVCacheBlockQueue,
     block.next_free_block, nxt.prev_free_block = nxt, block
     self.num_free_blocks += 1
 
+# %% ../nbs/02a_block_pool.ipynb #6ef7e81d
 @patch
 def append(self: FreeKVCacheBlockQueue, block: KVCacheBlock): # a block not in the queue
     "Put `block` at the tail: evicted last"
@@ -219,6 +220,7 @@ def reference_slot_mapping(block_ids: Sequence[int], # a block table
 PAD_SLOT_ID = -1  # a token that writes nothing in this cache
 NULL_BLOCK_ID = 0  # the null block's id
 
+# %% ../nbs/02a_block_pool.ipynb #dd0e2ad5
 def _check_geometry(fn, block_size, ratio=1):
     for name, v in (('block_size', block_size), ('ratio', ratio)):
         if not _positive_int(v):
@@ -308,6 +310,7 @@ def ring_slot_mapping(ring_block_id: int, # the request's one ring block
 NONE_HASH = hashlib.sha256(b'dsv41-nb: the empty prefix').digest()  # parent of every first block
 TOKEN_ID_LIMIT = 1 << 32  # ids are serialised as uint32
 
+# %% ../nbs/02a_block_pool.ipynb #e3e53c40
 def check_token_ids(token_ids, # a sequence, numpy array or 1-D tensor of integer ids
                     # ids must be < this (None: < 2**32, the serialisation's limit)
                     vocab_size: int | None = None,
@@ -409,6 +412,7 @@ class ImageSpan:
 _U32, _BIG_ENDIAN = struct.Struct('<I'), sys.byteorder == 'big'
 assert array('I').itemsize == 4, "token ids are kept as 4-byte unsigned ints"
 
+# %% ../nbs/02a_block_pool.ipynb #4dd27d41
 class Request:
     "What the KV cache needs to know about one request (the scheduler's request extends it)"
     def __init__(self, request_id: str, # unique among live requests

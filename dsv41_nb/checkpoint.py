@@ -74,6 +74,8 @@ from .model import Transformer, master_dtype
 # manifest dtype -> file tensor
 STORAGE_DTYPES = {'fp4': torch.float4_e2m1fn_x2, 'fp8': torch.float8_e4m3fn,
                   'e8m0': torch.float8_e8m0fnu, 'bf16': torch.bfloat16, 'fp32': torch.float32}
+
+# %% ../nbs/10a_checkpoint.ipynb #8fc8583e
 # safetensors dtypes accepted; we write the first
 HEADER_DTYPES = {'fp4': ('F4', 'U8', 'I8'), 'fp8': ('F8_E4M3',), 'e8m0': ('F8_E8M0', 'U8'),
                  'bf16': ('BF16',), 'fp32': ('F32',)}
@@ -221,6 +223,7 @@ _HEADER_NAMES = {torch.float4_e2m1fn_x2: 'F4', torch.float8_e4m3fn: 'F8_E4M3',
                  torch.float8_e8m0fnu: 'F8_E8M0', torch.bfloat16: 'BF16', torch.float32: 'F32',
                  torch.uint8: 'U8', torch.int8: 'I8'}
 
+# %% ../nbs/10a_checkpoint.ipynb #1318bcfb
 def _header_entry(t) -> tuple:
     "(safetensors dtype, shape as the header writes it: logical for F4) of a tensor"
     if not isinstance(t, torch.Tensor):

@@ -198,6 +198,8 @@ _POSITIVE = """vocab_size dim moe_inter_dim n_layers dspark_block_size dspark_ma
     index_head_dim index_topk candidate_topk_blocks candidate_block_size hc_mult hc_sinkhorn_iters
     hc_eps engram_vocab_size engram_compressed_vocab_size compress_rope_theta engram_n_heads
     engram_head_dim""".split()
+
+# %% ../nbs/00_config.ipynb #b280380f
 _NON_NEGATIVE = """n_mtp_layers n_shared_experts engram_max_ngram_size vision_n_layers vision_dim
     vision_n_heads vision_inter_dim vision_patch_size vision_downsample_ratio vision_max_n_token
     vision_min_pixels""".split()

@@ -117,6 +117,7 @@ class CUDAGraphModel:
 @patch
 def release(self: CUDAGraphModel, request_ids): self.model.release(request_ids)
 
+# %% ../nbs/12c_cuda_graphs.ipynb #cc37d7fd
 @patch
 def __repr__(self: CUDAGraphModel):
     return (f"CUDAGraphModel({self.model!r}, graphs for {sorted(self.graphs)}, "
@@ -126,6 +127,7 @@ def __repr__(self: CUDAGraphModel):
 @functools.lru_cache(maxsize=None)
 def _field_names(cls) -> tuple: return tuple(f.name for f in dataclasses.fields(cls))
 
+# %% ../nbs/12c_cuda_graphs.ipynb #7384ad5f
 def _tensors(x) -> list:
     ("Every tensor inside `x` "
      "(a tensor, or a dataclass, tuple, list, dict or namespace holding them), in a fixed order")
@@ -254,6 +256,7 @@ def fill_token_ids(
             token_ids[_sent(rows, token_ids.device)] = (
                 src[_sent(idx, src.device)].to(token_ids.device))
 
+# %% ../nbs/12c_cuda_graphs.ipynb #bf5a2919
 def _run_of(v: np.ndarray) -> bool:
     "v is k, k + 1, ..., k + len(v) - 1"
     n = len(v)
@@ -267,6 +270,7 @@ def _sent(v: np.ndarray, device) -> torch.Tensor:
     if torch.device(device).type != 'cuda': return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
+# %% ../nbs/12c_cuda_graphs.ipynb #01b77c04
 def _fills_below(fill: list, n: int) -> list:
     "The entries of `fill` for rows below n"
     out = []

@@ -154,6 +154,7 @@ def mm_f32(a: torch.Tensor, # (M, K) BF16
 import os, re
 _GPU_CELL = re.compile(r'\s*#\s*\|\s*gpu\b')
 
+# %% ../nbs/00a_dispatch.ipynb #894ac7d8
 def gpu_cell_note(lines: list) -> list:
     ("A `#| gpu` cell as a one-line note when there is no GPU (an input transformer); "
      "other cells unchanged")
@@ -182,6 +183,8 @@ skip_gpu_cells();
 
 # %% ../nbs/00a_dispatch.ipynb #f9f7b401
 import json
+
+# %% ../nbs/00a_dispatch.ipynb #d24082cc
 def printed_rows(nb,            # a notebook's path
                  marker: str,   # text that one `#| gpu` cell of it holds, and no other
                 ) -> list:      # each table row's fields, as printed
@@ -209,6 +212,7 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
 # %% ../nbs/00a_dispatch.ipynb #6b343ce8
 _as_captured = False
 
+# %% ../nbs/00a_dispatch.ipynb #5cde16f8
 def capturing() -> bool:
     ("Is this code being captured into a CUDA graph "
      "(or run as one would be, inside `as_captured`), "
@@ -230,6 +234,7 @@ def as_captured():
 _READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2',
           'unique_consecutive', 'equal', 'is_nonzero')
 
+# %% ../nbs/00a_dispatch.ipynb #6dbcebd1
 def _caller() -> str:
     "file:line function of the innermost frame outside torch and this mode"
     for f in reversed(traceback.extract_stack()[:-3]):
@@ -304,6 +309,7 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
 import triton
 import triton.language as tl
 
+# %% ../nbs/00a_dispatch.ipynb #3350329f
 # launch the decode path's kernels with programmatic dependent launch where the GPU has it
 PDL = dict(enabled=True)
 
@@ -338,6 +344,8 @@ def pdl_wait(ON: tl.constexpr):
 
 # %% ../nbs/00a_dispatch.ipynb #d76cefa5
 import types
+
+# %% ../nbs/00a_dispatch.ipynb #519f6855
 def _rebound(kernel, **calls):
     "`kernel`'s source compiled against other versions of the functions it calls (by name)"
     fn = kernel.fn

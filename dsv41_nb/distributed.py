@@ -70,7 +70,8 @@ def exit_rank(code: int = 0):
 
 # %% ../nbs/15_distributed.ipynb #163bab31
 def _rank_main(rank, world_size, backend, port, out_dir, timeout_s):
-    "One spawned rank: join the group, run the jobs (saved by the parent) in order, save their results"
+    ("One spawned rank: join the group, run the jobs (saved by the parent) in order, "
+     "save their results")
     jobs = torch.load(os.path.join(out_dir, 'jobs.pt'), weights_only=False)
     if backend == 'nccl': torch.cuda.set_device(rank)
     # a share of the cores

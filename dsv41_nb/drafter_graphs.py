@@ -241,6 +241,7 @@ def _pace(self: DSparkProposer, max_backoff: int = 32) -> DSparkProposer:
     if self.adaptive and self.pacer is None: self.pacer = DraftPacer(max_backoff)
     return self
 
+# %% ../nbs/14a_drafter_graphs.ipynb #e2c408c4
 @patch
 def observe_step(self: DSparkProposer, seconds: float, plain: bool, tokens: float):
     "An engine's decode step, measured (`13_engine`): into the pacer's ledger (if adaptive)"

@@ -532,6 +532,7 @@ def tap_layers(self: DSparkProposer) -> tuple:
      "the drafter reads (an engine's runner keeps them)")
     return tuple(self.drafter.cfg.dspark_target_layer_ids)
 
+# %% ../nbs/14_dspark.ipynb #deb01ef8
 @patch(as_prop=True)
 def tap_window(self: DSparkProposer) -> int: return self.drafter.window  # positions it reads back
 
@@ -608,6 +609,7 @@ def propose_with_probs(self: DSparkProposer, requests, hidden=None) -> tuple:
     toks = dr.tokens.tolist()
     return [t[:j] for t, j in zip(toks, k.tolist())], [p[:j] for p, j in zip(probs, k.tolist())]
 
+# %% ../nbs/14_dspark.ipynb #09191441
 @patch
 def propose(self: DSparkProposer, requests: Sequence[Sequence[int]], hidden=None) -> list:
     ("Up to k drafts per request (the scheduler's `Proposer` protocol), read back in one copy; "
@@ -879,6 +881,7 @@ def _dspark_method(eng, k: int) -> DSparkProposer:
             f"checkpoint directory looks for {DRAFTER_NAME} in it)")
     return dspark_proposer(eng.model, eng.args.drafter, k or None, max_model_len=eng.max_model_len)
 
+# %% ../nbs/14_dspark.ipynb #9c27b48d
 register_speculative('dspark', _dspark_method)
 
 # %% ../nbs/14_dspark.ipynb #7981dee9

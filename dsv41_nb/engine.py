@@ -622,6 +622,7 @@ def reset(self: TapContexts, rows: Sequence[int]): # rows whose taps are forgott
     rows = rows[rows < len(self.end)]
     self.end[rows], self.num[rows] = -1, 0
 
+# %% ../nbs/13_engine.ipynb #d201dae3
 @patch
 def clear(self: TapContexts): self.end[:], self.num[:] = -1, 0
 

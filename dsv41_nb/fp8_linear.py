@@ -170,6 +170,8 @@ FP8_GEMV_TUNING = {
     1: dict(block_n=16, block_k=1024, num_warps=4, programs=4),
     2: dict(block_n=16, block_k=512, num_warps=4, programs=4),
 }
+
+# %% ../nbs/09a_fp8_linear.ipynb #38d67eb8
 SHORT_K = 2048          # rows this short take 64 columns a program and K steps of 256
 
 # %% ../nbs/09a_fp8_linear.ipynb #4eb8279f
@@ -179,6 +181,8 @@ FP8_LINEAR_TUNING = {
     32: dict(block_m=32, block_k=256, num_warps=4, num_stages=4),
     64: dict(block_m=64, block_k=128, num_warps=4, num_stages=3),
 }
+
+# %% ../nbs/09a_fp8_linear.ipynb #3e55bfc6
 # above: the BF16 values and cuBLAS (the MMA form lost to it on the H200: see the benchmark)
 FP8_LINEAR_MAX_T = 2
 SPLIT_MAX, SPLIT_PROGRAMS = 16, 4

@@ -411,6 +411,8 @@ def _gate_up_kernel(
 # the weight tiles of version 2 by default;
 # `prefetch`: the gate/up loop loads its scales a step ahead.
 MOE_TILES = ('scaled', 'dequantised')
+
+# %% ../nbs/08b_fused_moe.ipynb #157ef626
 MOE_TUNING = dict(decode=dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3,
                               prefetch=True),
                   batch=dict(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3,

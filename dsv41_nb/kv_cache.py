@@ -41,6 +41,8 @@ WINDOW_FORMAT = 'window_fp8'  # the sliding-window record of every layer (528 B 
 MAIN_KV_FORMATS = ('ds_fp4', 'fp8_ds_mla')
 # index-key records: 68 B / 132 B at index_head_dim 128
 INDEX_KEY_FORMATS = ('index_mxfp4', 'index_fp8')
+
+# %% ../nbs/02b_kv_cache.ipynb #81f88546
 assert {WINDOW_FORMAT, *MAIN_KV_FORMATS, *INDEX_KEY_FORMATS} <= set(CACHE_FORMATS)
 
 # %% ../nbs/02b_kv_cache.ipynb #9541d19a
@@ -127,6 +129,7 @@ def for_model(cls: CacheConfig, cfg: ModelConfig, **changes):
 # %% ../nbs/02b_kv_cache.ipynb #49f8a95a
 MANAGER_KINDS = ('global', 'sliding_window', 'ring')
 
+# %% ../nbs/02b_kv_cache.ipynb #3ca98e3a
 @dataclass(frozen=True)
 class CacheMember:
     "One cache-owning module of one layer"
@@ -438,6 +441,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 # %% ../nbs/02b_kv_cache.ipynb #7a2bad69
 _NONE = range(0)
 
+# %% ../nbs/02b_kv_cache.ipynb #8f5b1856
 @patch
 def _skipped_run(self: SlidingWindowManager, request_id, num_computed_tokens) -> tuple:
     "(table, indices of still-held blocks wholly behind the window, newest first)"
@@ -476,6 +480,7 @@ def remove_skipped_blocks(self: SlidingWindowManager, request_id: str,
 # %% ../nbs/02b_kv_cache.ipynb #96e95b27
 _NEVER = 1 << 62   # a checkpoint position no request reaches
 
+# %% ../nbs/02b_kv_cache.ipynb #130b26c7
 @patch
 def checkpoints(self: SlidingWindowManager, request: Request, lo: int, hi: int) -> list:
     "Checkpoint positions p with lo < p <= hi"

@@ -923,6 +923,8 @@ _NO_KERNEL = {f'aten::{op}' for op in (
     'alias detach detach_ '
     'lift_fresh empty empty_like empty_strided result_type _unsafe_view split unbind narrow '
     'resolve_conj resolve_neg').split()}
+
+# %% ../nbs/07_mhc.ipynb #304f2249
 # a kernel only if they copy
 _COPY_IF_CHILDREN = {'aten::to', 'aten::contiguous', 'aten::reshape', 'aten::type_as'}
 

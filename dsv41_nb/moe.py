@@ -73,6 +73,7 @@ def route(x: torch.Tensor,  # (tokens, dim) the FFN input, after `ffn_norm`
 # %% ../nbs/08_moe.ipynb #4ed8e203
 WEIGHT_FORMATS = ('mxfp4', 'fp8')
 
+# %% ../nbs/08_moe.ipynb #5c353153
 @dataclass
 class QuantWeight:
     ("Linear weights, stacked over experts, as the checkpoint "

@@ -247,6 +247,7 @@ def _gate_up_fp8_kernel(
 FP8_BLOCK_N = {16: 128}   # weight rows a program, by row block (counted, not yet timed)
 FP8_MIN_BLOCK_N = 64      # fewer, and Triton takes Ampere's MMA, where the move is wrong (below)
 
+# %% ../nbs/08g_moe_fp8.ipynb #3ff81da8
 def _fp8_shape(shape: dict, align: ExpertAlignment) -> dict:
     "`shape` with `FP8_BLOCK_N`'s weight rows for the alignment's row block, at least 64"
     bn = FP8_BLOCK_N.get(align.block_m, shape['block_n'])
@@ -294,6 +295,7 @@ def _check_words(name, p, a):
         raise TypeError(f"{name}: expected FP8Words (mxfp4_fp8_words), got {type(p).__name__}")
     _check_x(a, p.shape[2], 'activations')
 
+# %% ../nbs/08g_moe_fp8.ipynb #c60fd647
 def _check_loops(fn, loops):
     if loops not in (1, 2) or isinstance(loops, bool):
         raise ValueError(f"{fn}: loops = {loops!r}; expected 1 (gate and up together) or 2")

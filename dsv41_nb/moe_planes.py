@@ -395,15 +395,18 @@ class _PlaneRows:
     @classmethod
     def of(cls, p: PlaneWeight): return cls(p.words, p.scale_words.view(torch.uint8), p.shape)
 
+# %% ../nbs/08f_moe_planes.ipynb #cf376f6c
 PLANE_READ = dict(X_PAIR=_x_plane_halves, FP4_SUMS=_plane_sums)
 GEMV_PLANE_READ = PLANE_READ     # the reading `gemv_gate_up_planes` takes by default
 
+# %% ../nbs/08f_moe_planes.ipynb #8ab950ff
 def _gemv_read(read: dict | None) -> dict:
     "The GEMV's reading of the planes: `read`, checked, or `GEMV_PLANE_READ`"
     if read is not None and set(read) != {'X_PAIR', 'FP4_SUMS'}:
         raise ValueError(f"read: expected {{'X_PAIR': .., 'FP4_SUMS': ..}}, got {sorted(read)}")
     return read or GEMV_PLANE_READ
 
+# %% ../nbs/08f_moe_planes.ipynb #bfa88e85
 def gemv_gate_up_planes(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         W: MoEWeights, # the layer, its routed gate and up weights in planes
                         swiglu_limit: float, split: int | None = None,

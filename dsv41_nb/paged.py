@@ -221,9 +221,12 @@ SERVED_PLANES = True  # served layers hold the routed gate and up weights in pla
 SERVED_PLANES_DOWN = False   # and the routed down weights too (08f's down stage and GEMV)
 SERVED_SHARED_DENSE = True   # and the shared expert in BF16 values for cuBLAS (08c)
 SERVED_SLOTS = False   # the planes' stages in 08f's version 4 (activations in pair order)
+
+# %% ../nbs/10b_paged.ipynb #8363bfb3
 # the fused MoE's routed stages in 08g's version 5 where experts get <= 16 rows
 SERVED_FP8 = False
 
+# %% ../nbs/10b_paged.ipynb #859ec035
 def served_moe_caches(l): # what holds a layer's `MoEWeights` as `l.moe` (a `PagedLayer`)
     ("Made once, what `served_moe` runs on: `l.moe`'s routed gate and up weights turned into "
      "planes (`planes_moe`, if `SERVED_PLANES` and `fits_planes`; the down weights too if "

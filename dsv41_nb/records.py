@@ -556,6 +556,8 @@ def _gather_fp4_kernel_v2(
 
 # %% ../nbs/01b_records.ipynb #ccb6afa1
 KERNEL_VERSIONS = (1, 2)
+
+# %% ../nbs/01b_records.ipynb #79e7c1b1
 # Launch shape per kernel version, for a family ('fp8', 'fp4') or one format by name: values handled
 # per program and warps per program, picked by `tools/bench_formats.py --sweep` on one NVIDIA H200.
 KERNEL_TUNING = {1: dict(fp8=dict(values_per_program=2048, num_warps=4),

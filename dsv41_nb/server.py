@@ -267,6 +267,7 @@ def field(body: dict, name: str, kind: str, # kind: a key of KINDS
 UNSUPPORTED = dict(logprobs=None, top_logprobs=None, echo=False, suffix=None, logit_bias=None,
                    tools=None, best_of=1, presence_penalty=0, frequency_penalty=0)
 
+# %% ../nbs/16_server.ipynb #c519152b
 def _refuse_unsupported(body: dict):
     for k, off in UNSUPPORTED.items():
         if body.get(k) not in (None, off, False): raise APIError(f"'{k}' is not supported here", k)
@@ -335,6 +336,7 @@ def completion_prompt(body: dict):
 # %% ../nbs/16_server.ipynb #df9408a4
 ROLES = ('system', 'user', 'assistant')
 
+# %% ../nbs/16_server.ipynb #89ff1303
 def _message(i: int, m) -> tuple:
     "(role, text) of messages[i], checked"
     at = f'messages[{i}]'
@@ -390,6 +392,8 @@ def sse(data) -> str: return f"data: {data if isinstance(data, str) else json.du
 GAUGES = [('num_requests_running', 'running', 'Requests in the running batch.'),
           ('num_requests_waiting', 'waiting', 'Requests waiting to be scheduled.'),
           ('kv_cache_usage_perc', 'kv_usage', 'KV-cache usage. 1 means 100 percent usage.')]
+
+# %% ../nbs/16_server.ipynb #a328eb45
 COUNTERS = [('prefix_cache_queries', 'prefix_queries', 'Prefix cache queries, in queried tokens.'),
             ('prefix_cache_hits', 'prefix_hits', 'Prefix cache hits, in cached tokens.'),
             ('num_preemptions', 'preemptions', 'Cumulative number of preemptions.')]
@@ -575,6 +579,7 @@ async def _generate(self: OpenAIServer, request: Request, body: dict, prompt, pa
 # %% ../nbs/16_server.ipynb #ccaca6dd
 def _failed(e): return APIError(f"generation failed: {e}", None, 500, 'server_error')
 
+# %% ../nbs/16_server.ipynb #ee935833
 @patch
 async def _complete(self: OpenAIServer, s: RequestStream, stops: list, meta: tuple):
     "The whole answer as one JSON response"
@@ -772,6 +777,7 @@ async def _sse_events(resp: httpx.Response):
         if line == 'data: [DONE]': return
         if line.startswith('data: '): yield json.loads(line[6:])
 
+# %% ../nbs/16_server.ipynb #987f9c5f
 def _bench_body(model, prompt, max_tokens, ignore_eos) -> dict:
     b = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
              stream_options={'include_usage': True})
@@ -889,6 +895,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # %% ../nbs/16_server.ipynb #e6778ffc
 def _exit(msg): sys.exit(f"error: {msg}")
 
+# %% ../nbs/16_server.ipynb #caa2fd39
 def _engine(args, error) -> tuple:
     "(LLM, checkpoint) of `serve`'s flags"
     if why := serving_problem(args.device, args.kernels): error(why)
@@ -919,6 +926,7 @@ def _engine_args(args) -> dict:
                 max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
                 kernels=args.kernels, seed=args.seed)
 
+# %% ../nbs/16_server.ipynb #0b25f39b
 def _front_options(args, ckpt) -> dict:
     return dict(host=args.host, port=args.port, log_level=args.log_level, device=args.device,
                 name=args.served_model_name or f"dsv41-{Path(ckpt).name}", threads=args.threads)

@@ -188,6 +188,7 @@ def _corpus_open(path: Path, mode: str):
     import gzip, lzma
     return {'.gz': gzip.open, '.xz': lzma.open}.get(path.suffix, open)(path, mode)
 
+# %% ../nbs/11_train.ipynb #5fe1ac2d
 def write_corpus(docs: list[str], path) -> Path:
     "Store `docs` as a corpus file (`.json`, `.json.gz` or `.json.xz`)"
     if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
@@ -444,6 +445,7 @@ def max_violation(counts: torch.Tensor) -> float:
         raise TypeError(f"max_violation: counts must be a non-empty 1-D tensor, got {got}")
     return _violation(counts).item()
 
+# %% ../nbs/11_train.ipynb #dd702cb4
 def _violation(counts: torch.Tensor) -> torch.Tensor:
     "`max_violation` as a 0-d tensor on the counts' device: no read-back"
     load = counts.float()
@@ -783,6 +785,7 @@ class TrainState:
 # %% ../nbs/11_train.ipynb #d7f1b3e4
 _STATE_KIND = 'dsv41_nb.TrainState'
 
+# %% ../nbs/11_train.ipynb #8e90b2b9
 def _cpu(obj):
     "A copy of `obj` (tensors in dicts, lists and tuples) with every tensor on the CPU"
     if isinstance(obj, torch.Tensor): return obj.detach().to('cpu', copy=True)
@@ -835,6 +838,7 @@ def _run_settings(steps, lr, batch_size, seq_len, warmup, weight_decay, clip, ev
                 weight_decay=weight_decay, clip=clip, eval_every=eval_every,
                 eval_batches=eval_batches, gamma=gamma, expert_dropout=expert_dropout, seed=seed)
 
+# %% ../nbs/11_train.ipynb #f37decda
 def _check_settings(state: TrainState, settings: dict):
     for k, v in settings.items():
         if state.settings.get(k) != v:
