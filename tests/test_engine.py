@@ -22,9 +22,9 @@ from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs,
                              LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
-                             NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, host_engine,
-                             host_step_times, HOST_PHASES, StepTimer, NullStepModel, InputBuffers, RING,
+                             NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, InputBuffers, RING,
                              TapContexts, ReferenceTapContexts, kv_pool_blocks)
+from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
 from dsv41_nb.cuda_graphs import (CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids,

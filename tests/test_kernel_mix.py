@@ -210,7 +210,7 @@ def test_model_host_split_times_the_parts_and_puts_them_back():
 def test_idle_steps_time_each_phase_after_a_sync(monkeypatch):
     "idle_steps: every step of the host engine timed by phase, the device synced before each, the graphs' entries kept"
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.engine import host_engine, HOST_PHASES
+    from dsv41_nb.host_steps import host_engine, HOST_PHASES
     spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
     pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
     llm = host_engine(ModelConfig.tiny(), 64, async_scheduling=True)

@@ -4,18 +4,18 @@
     python tools/host_profile.py [--config bench|tiny] [--requests 1 64 128 256] [--steps 60] [--clock wall|cpu]
                                  [--sync] [--general] [--json out.json]
 
-The engine is `host_engine` of 13_engine: the real scheduler, runner, step-model bookkeeping and CUDA-graph wrapper on
-the config's cache layout, with `NullStepModel.run` returning one-column logits at once, so that every microsecond
-counted is the host's. `host_step_times` adds the requests (prompts of staggered lengths, so that block boundaries
-spread over the steps as in serving), runs them into decode, and times `--steps` steps with `StepTimer` (the engine's
-own methods: schedule, inputs, model host, sample, update, outputs, the wait for a step's ids, the rest). `--clock cpu`
-counts the thread's CPU time instead of wall time (on a machine shared with other work the wall clock also counts what
-they take). `--general` switches the one-pass decode paths off (the scheduler's `fast_decode`, the runner's `fast`): the
-reference the fast paths replace."""
+The engine is `host_engine` of 13a_engine_speed: the real scheduler, runner, step-model bookkeeping and CUDA-graph
+wrapper on the config's cache layout, with `NullStepModel.run` returning one-column logits at once, so that every
+microsecond counted is the host's. `host_step_times` adds the requests (prompts of staggered lengths, so that block
+boundaries spread over the steps as in serving), runs them into decode, and times `--steps` steps with `StepTimer`
+(the engine's own methods: schedule, inputs, model host, sample, update, outputs, the wait for a step's ids, the
+rest). `--clock cpu` counts the thread's CPU time instead of wall time (on a machine shared with other work the wall
+clock also counts what they take). `--general` switches the one-pass decode paths off (the scheduler's `fast_decode`,
+the runner's `fast`): the reference the fast paths replace."""
 import argparse, datetime, json, os, platform, sys, time
 import torch
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.engine import host_engine, host_step_times
+from dsv41_nb.host_steps import host_engine, host_step_times
 
 
 def cpu_name() -> str:

@@ -10,11 +10,12 @@ scheduling). For each batch size B: B random byte prompts are prefilled, every r
 captured, and then
 
 - `--steps` decode steps are timed: the wall time per step (the GPU's, since under async scheduling the host's part of
-  step n + 1 runs while step n computes) and the host's part by phase (`StepTimer` of 13_engine: schedule, inputs, model
-  host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for a step's ids),
-  and the model host's part by part (`model_host_us`: the step model's prepare, the staged inputs' copy with its wait
-  for the last transfer, the ids filled on the device, the graph's launch, the rest); then as many steps each started
-  with the GPU idle (`host_idle_us`, `model_host_idle_us`): the host's own work, no launch waiting behind a step;
+  step n + 1 runs while step n computes) and the host's part by phase (`StepTimer` of 13a_engine_speed: schedule,
+  inputs, model host (padding, staging, launching the graph), sample, update, outputs; `wait` is the host waiting for
+  a step's ids), and the model host's part by part (`model_host_us`: the step model's prepare, the staged inputs' copy
+  with its wait for the last transfer, the ids filled on the device, the graph's launch, the rest); then as many steps
+  each started with the GPU idle (`host_idle_us`, `model_host_idle_us`): the host's own work, no launch waiting behind
+  a step;
 - four decode steps are profiled with torch.profiler, launched without programmatic dependent launch (the graphs
   captured again) so that a kernel's time is its own: the GPU time per step by component, each Triton kernel named by
   the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
@@ -36,7 +37,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name, copy_bandwidth
 from dsv41_nb.accounting import step_floor, HARDWARE
 from dsv41_nb.scheduler import SamplingParams
-from dsv41_nb.engine import StepTimer, HOST_PHASES
+from dsv41_nb.host_steps import StepTimer, HOST_PHASES
 from dsv41_nb import cuda_graphs, fp8_linear
 from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.__main__ import random_prompts
