@@ -51,7 +51,7 @@ def capture_sizes(max_num_seqs: int, # most requests a step runs
     return tuple(sizes) if sizes[-1] == top else (*sizes, top)
 
 # %% ../nbs/12c_cuda_graphs.ipynb #a347cab2
-def pad_decode_batch(batch, # a decode `InputBatch` (13_engine): one row per request, each sampled
+def pad_decode_batch(batch, # a decode `InputBatch` (12d_runner): one row per request, each sampled
                      size: int, # requests after padding
                      widths: Sequence[int], # block-table width per cache group
                      # real requests kept (default: all; 0: an all-padding batch, same structure)

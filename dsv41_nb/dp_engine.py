@@ -22,8 +22,8 @@ from .checkpoint import load_model, load_config
 from .paged import PagedModel
 from .paged_step import PagedStepModel
 from .scheduler import SamplingParams, SchedulerConfig
-from .engine import (LLM, LLMEngine, EngineArgs, InputBatch, RecomputeModel, RequestOutput,
-                             NGRAM_TOKENS, _as_list)
+from .runner import InputBatch, RecomputeModel
+from .engine import LLM, LLMEngine, EngineArgs, RequestOutput, NGRAM_TOKENS, _as_list
 from .serving import served_checkpoint, serving_problem
 from .distributed import (_group, rank_device, run_ranks, local_experts, ep_moe_forward,
                                   sharded_engram_lookup, shard_model_, dummy_step, expert_range,

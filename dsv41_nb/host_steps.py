@@ -15,7 +15,8 @@ from .scheduler import SamplingParams
 from .model import Transformer
 from .paged_step import PagedStepModel
 from .cuda_graphs import CUDAGraphModel
-from .engine import LLM, LLMEngine, StepFuture
+from .runner import StepFuture
+from .engine import LLM, LLMEngine
 
 # %% auto #0
 __all__ = ['HOST_PHASES', 'NullStepModel', 'host_engine', 'StepTimer', 'host_step_times']

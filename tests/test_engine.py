@@ -20,10 +20,10 @@ from dsv41_nb.block_pool import PAD_SLOT_ID
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
-from dsv41_nb.engine import (RecomputeModel, ModelRunner, IncrementalDetokenizer, EngineArgs,
-                             LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS, register_speculative,
-                             NGRAM_TOKENS, greedy_shortfall, assert_greedy_match, InputBuffers, RING,
-                             TapContexts, ReferenceTapContexts, kv_pool_blocks)
+from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
+from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS,
+                             register_speculative, NGRAM_TOKENS, greedy_shortfall, assert_greedy_match,
+                             kv_pool_blocks)
 from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
