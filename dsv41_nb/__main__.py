@@ -23,7 +23,7 @@ from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
 from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens
 from .checkpoint import DRAFTER_NAME
-from . import dspark   # imported for its side: it registers speculative='dspark'
+from . import dspark_serving   # imported for its side: it registers speculative='dspark'
 # and for this one: an engine serves the drafter (fused kernels, CUDA graphs)
 from . import drafter_graphs
 

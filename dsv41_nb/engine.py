@@ -90,7 +90,7 @@ class EngineArgs:
     bounded_replay: bool = True
     async_scheduling: bool = False
     num_speculative_tokens: int = 0  # drafts verified per step (0: none, unless a proposer says)
-    # the proposer by name (`SPECULATIVE_METHODS`: 'ngram', and 'dspark' once 14_dspark is loaded)
+    # the proposer by name (`SPECULATIVE_METHODS`: 'ngram', and 'dspark' once 14_dspark_serving is loaded)
     speculative: str | None = None
     drafter: str | None = None  # the drafter's weights (LLM: beside the checkpoint it loads)
     runner: str = 'auto'  # one of RUNNERS
@@ -264,7 +264,7 @@ def _proposer(self: LLMEngine, proposer) -> Proposer | None:
         if name not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative = {name!r}; expected one of "
                              f"{sorted(SPECULATIVE_METHODS)} ('dspark' is registered when "
-                             f"dsv41_nb.dspark is imported)")
+                             f"dsv41_nb.dspark_serving is imported)")
         proposer = SPECULATIVE_METHODS[name](self, k)
     if proposer is None: return None
     if not (isinstance(getattr(proposer, 'num_speculative_tokens', None), int)

@@ -8,7 +8,8 @@ import torch
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, DenseRun, ByteTokenizer
-from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions, save_drafter
+from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions
+from dsv41_nb.dspark_serving import save_drafter
 from dsv41_nb.paged import block_seam
 from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer, simulate_pacer
 from dsv41_nb.checkpoint import DRAFTER_NAME

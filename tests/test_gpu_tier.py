@@ -351,7 +351,7 @@ def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch, async_s
     """Adaptive DSpark priced so that it verifies nothing: the steps between its probes run as plain decode steps
     replayed from CUDA graphs (async: launched without waiting), the drafter reads the taps the graphs wrote (the
     target never runs again for them), and the tokens are the engine's own"""
-    from dsv41_nb.dspark import dspark_proposer
+    from dsv41_nb.dspark_serving import dspark_proposer
     from dsv41_nb.drafter_graphs import DraftPacer
     runs, want, keep = _count_target_runs(monkeypatch), _serve(small, PROMPTS), []
     never = dspark_proposer(small, SMALL / 'dspark.safetensors', 3, adaptive=True, step_cost=lambda T: T.double() ** 2)
@@ -363,7 +363,7 @@ def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch, async_s
 
 def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch):
     "Three drafts a step, verified in the engine's eager steps: greedy tokens as without speculation, no target re-run"
-    from dsv41_nb.dspark import dspark_proposer
+    from dsv41_nb.dspark_serving import dspark_proposer
     runs, want = _count_target_runs(monkeypatch), _serve(small, PROMPTS)
     assert _serve(small, PROMPTS, proposer=dspark_proposer(small, SMALL / 'dspark.safetensors', 3)) == want
     assert runs == []
@@ -373,7 +373,7 @@ def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch):
 def test_dspark_verification_steps_replay_from_graphs(small, async_scheduling):
     """Three drafts a step, verified in steps replayed from CUDA graphs that record the rings' rows: the tokens of the
     same verification run eagerly, some ring groups restored from what the graphs recorded"""
-    from dsv41_nb.dspark import dspark_proposer
+    from dsv41_nb.dspark_serving import dspark_proposer
     prop = lambda: dspark_proposer(small, SMALL / 'dspark.safetensors', 3)
     eager, keep = _serve(small, PROMPTS, proposer=prop(), cuda_graphs=False), []
     assert _serve(small, PROMPTS, keep, proposer=prop(), async_scheduling=async_scheduling) == eager
@@ -387,7 +387,8 @@ def test_drafter_graphs_draft_as_the_served_drafter(small):
     """The small checkpoint's drafter, served: greedy drafts replayed from CUDA graphs of padded sizes against the same
     drafter run eagerly at exactly N (a padded GEMM may round a near-tie apart: nine in ten slots at least), and the
     confidence logits of every request whose drafts agree"""
-    from dsv41_nb.dspark import Drafter, load_drafter, window_positions
+    from dsv41_nb.dspark import Drafter, window_positions
+    from dsv41_nb.dspark_serving import load_drafter
     from dsv41_nb.drafter_graphs import DrafterGraphs
     d = load_drafter(Drafter(small), SMALL / 'dspark.safetensors').serve()
     graphs, g = DrafterGraphs(d, sizes=(4, 8)), torch.Generator(device=DEV).manual_seed(0)

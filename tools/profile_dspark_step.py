@@ -14,7 +14,8 @@ import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.checkpoint import load_model
 import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fused kernels, CUDA graphs)
-from dsv41_nb.dspark import Drafter, load_drafter
+from dsv41_nb.dspark import Drafter
+from dsv41_nb.dspark_serving import load_drafter
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent))
