@@ -5,11 +5,11 @@
                                  [--json PATH] [--quick]
 
 Prompts are windows of the training corpus (held-in documents for training, held-out ones for evaluation). The target
-continues each greedily with its FP8/FP4 rounding on, as served, in fp32; one more forward gives the drafter's input at
-every position. The drafter trains on every anchor past the prompt (`dsv41_nb.dspark.train_drafter`), then is evaluated
-on the held-out continuations: drafts accepted per block (greedy verification), each slot's acceptance given the slots
-before it, the confidence head's mean prediction there, and the decode loop's tokens per step on a few held-out
-prompts. Writes the drafter (`save_drafter`) to --out (default: dspark.safetensors beside the checkpoint); with
+continues each greedily with its FP8/FP4 rounding on, as served, in fp32; one more forward gives the drafter's input
+at every position. The drafter trains on every anchor past the prompt (`dsv41_nb.dspark_serving.train_drafter`), then
+is evaluated on the held-out continuations: drafts accepted per block (greedy verification), each slot's acceptance
+given the slots before it, the confidence head's mean prediction there, and the decode loop's tokens per step on a few
+held-out prompts. Writes the drafter (`save_drafter`) to --out (default: dspark.safetensors beside the checkpoint); with
 --write-checkpoint also rewrites the checkpoint itself with the trained mtp.* tensors. The record (machine, date,
 settings, history, evaluation) goes to --json. --quick: a few steps on short sequences on the CPU, to check the script
 (the tiny random model when the checkpoint is missing)."""
