@@ -26,7 +26,7 @@ __all__ = ['SKIP_MODULES', 'SKIP_SOURCE', 'TEST_DIRS', 'CORPUS_VERSION', 'stdlib
            'routers', 'ModuleHooks', 'ExpertLoad', 'ExpertDropout', 'attention_mass', 'indexer_log_probs', 'indexer_kl',
            'indexer_layers', 'IndexerDistillation', 'lm_loss', 'evaluate', 'make_optimizer', 'train', 'TrainState',
            'compiled', 'fast_path', 'held_out_prompts', 'sample_next', 'continue_prompts', 'distinct_4grams',
-           'corpus_words', 'known_words', 'ends_in_loop', 'text_quality', 'interval_rates']
+           'corpus_words', 'known_words', 'ends_in_loop', 'text_quality']
 
 # %% ../nbs/11_train.ipynb #93ec95d5
 SKIP_MODULES = frozenset({'antigravity', 'this', 'idlelib', 'tkinter', 'turtle', 'turtledemo',
@@ -982,14 +982,3 @@ def text_quality(model: nn.Module, tok, prompts: list[bytes], vocabulary: set, n
                              texts=[x.decode('utf-8', 'replace') for x in texts])
     finally: model.train(was_training)
     return out
-
-# %% ../nbs/11_train.ipynb #bc5896ba
-def interval_rates(history: dict) -> list:
-    "Tokens a second between consecutive evaluations of a `train` history"
-    if not (isinstance(history, dict) and {'tokens', 'seconds'} <= history.keys()):
-        raise TypeError("interval_rates: expected a train history (a dict with 'tokens' and "
-                        f"'seconds'), got {type(history).__name__}")
-    t, s = history['tokens'], history['seconds']
-    if len(t) != len(s):
-        raise ValueError(f"interval_rates: {len(t)} token counts but {len(s)} times")
-    return [(b - a) / (s1 - s0) for a, b, s0, s1 in zip(t, t[1:], s, s[1:])]

@@ -10,11 +10,11 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
-                            module_documents, byte_data, lm_loss, compiled, interval_rates,
-                            trained_param_count, DenseBaseline, dense_param_count, lr_at, balance_router_bias,
-                            max_violation, ExpertLoad, ExpertDropout, evaluate, train, fast_path, source_files,
-                            held_out_prompts, sample_next, continue_prompts, distinct_4grams, known_words,
-                            ends_in_loop, corpus_words)
+                            module_documents, byte_data, lm_loss, compiled, trained_param_count, DenseBaseline,
+                            dense_param_count, lr_at, balance_router_bias, max_violation, ExpertLoad, ExpertDropout,
+                            evaluate, train, fast_path, source_files, held_out_prompts, sample_next, continue_prompts,
+                            distinct_4grams, known_words, ends_in_loop, corpus_words)
+from dsv41_nb.train_records import interval_rates
 
 def _gen(seed): return torch.Generator().manual_seed(seed)
 
