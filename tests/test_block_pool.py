@@ -220,3 +220,88 @@ def test_bad_input():
             (lambda: ring_slot_mapping(3, [3], 0), ValueError, 'ratio = 0')]:
         fct.test_fail(f, exc=exc, contains=msg)
     assert pool_snapshot(pool) == before
+
+
+# ---------------------------------------------------------------- edges: the last valid input, the first bad one
+def test_valid_edges():
+    "The smallest valid value of each argument is accepted (the bad-input table has the first invalid one)"
+    pool = BlockPool(2)                                   # the null block and one more
+    assert pool.get_num_free_blocks() == 1 and pool.get_new_blocks(0) == []
+    assert pool.get_num_free_blocks() == 1
+    assert ImageSpan(0, 1, 'img').offset == 0             # an image at the prompt's first token
+    assert RequestBlockHasher(4, 1 << 32).vocab_size == 1 << 32   # every uint32 id
+    assert RequestBlockHasher(1 << 20, 100).hash_block_size == 1 << 20
+
+
+def test_bad_edges():
+    "Bad values that only the first or the last element of an input carries, or of a type close to a valid one"
+    held = BlockPool(6)
+    req = Request('a', list(range(14)), RequestBlockHasher(4, 100))      # 3 full blocks of 4: 3 hashes
+    blocks = held.get_new_blocks(1)
+    for f, exc, msg in [
+            (lambda: slot_mapping([1, 2], torch.tensor([True]), 4), TypeError, 'positions must be integers'),
+            (lambda: check_token_ids(torch.tensor([True, False]), 100), TypeError, 'torch.bool'),
+            (lambda: compressed_state_slots([1, 2], [3, -2], 16, 2), ValueError, 'state_indices contains -2'),
+            (lambda: slot_mapping([3, 5], [1, 9], 4), ValueError,
+             'needs table entry 2 but the block table has 2 entries'),
+            (lambda: check_token_ids([1, 2 ** 70], None), ValueError,
+             f'token id {2 ** 70} at position 1 is outside the vocabulary'),
+            (lambda: check_token_ids([1, -2 ** 70], 100), ValueError, 'at position 1 is outside the vocabulary'),
+            # ids beyond int64 take Python's ints: the first bad one is still the one named
+            (lambda: check_token_ids([1 << 32, 2 ** 70], None), ValueError, f'token id {1 << 32} at position 0'),
+            (lambda: check_token_ids([0, 2 ** 70], None), ValueError, f'token id {2 ** 70} at position 1'),
+            (lambda: held.cache_full_blocks(req, blocks, [0], 16, 4, 0), ValueError,
+             "block 0 needs hash 3 but request 'a' has 3"),
+            (lambda: RequestBlockHasher(4, (1 << 32) + 1), ValueError, 'vocab_size = 4294967297'),
+            (lambda: RequestBlockHasher((1 << 20) + 1, 100), ValueError, 'hash_block_size = 1048577')]:
+        fct.test_fail(f, exc=exc, contains=msg)
+    held.free_blocks(blocks)
+
+
+def test_a_block_is_hashed_by_the_token_that_fills_it():
+    "One sampled token at a time: the block's hash exists as soon as its last token is appended"
+    h = RequestBlockHasher(4, 100)
+    r = Request('r', [1, 2, 3], h)
+    for t in range(20):
+        r.append_output_token_ids(t)
+        assert len(r.block_hashes) == r.num_tokens // 4
+    assert r.block_hashes == Request('s', [1, 2, 3] + list(range(20)), h).block_hashes
+
+
+def test_tokens_appended_without_a_hasher():
+    r = Request('r', [1, 2])
+    r.append_output_token_ids([3, 4]); r.append_output_token_ids(np.arange(5, 30))
+    r.append_output_token_ids(30); r.append_output_token_ids([])
+    assert r.all_token_ids == list(range(1, 31)) and r.block_hashes == []
+    hashed = Request('h', [1, 2], RequestBlockHasher(2, 100))
+    hashed.append_output_token_ids([]); assert hashed.num_tokens == 2 and len(hashed.block_hashes) == 1
+
+
+def test_images_enter_the_hashes_of_the_blocks_they_overlap():
+    "Same tokens, different images: different hashes exactly for the blocks an image overlaps"
+    h, t = RequestBlockHasher(4, 100), list(range(16))
+    plain = Request('p', t, h).block_hashes
+    for span, touched in ((ImageSpan(4, 4, 'x'), {1}),          # block 1 exactly
+                          (ImageSpan(3, 2, 'x'), {0, 1}),       # across the boundary of 0 and 1
+                          (ImageSpan(7, 1, 'x'), {1}),          # block 1's last token
+                          (ImageSpan(8, 1, 'x'), {2})):         # block 2's first token
+        a, b = (Request(n, t, h, mm_features=[ImageSpan(span.offset, span.length, n)]).block_hashes
+                for n in ('imgA', 'imgB'))
+        first = min(touched)
+        assert a[:first] == b[:first] == plain[:first]          # before the image: as without it
+        assert all(x != y for x, y in zip(a[first:], b[first:]))  # from it on: the chain differs
+        for i in range(4):
+            assert Request('q', t, h, mm_features=[span]).block_extra_keys(4 * i, 4 * i + 4) == \
+                (('x',) if i in touched else ())
+
+
+def test_a_block_cached_twice_stays_one_entry():
+    "Registering a block that already holds its hash (a prefix hit) changes nothing"
+    pool = BlockPool(6)
+    req = Request('a', list(range(8)), RequestBlockHasher(4, 100))
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(req, blocks, [0, 1], 4, 1, 0)
+    before = dict(pool.cached_block_hash_to_block)
+    pool.cache_full_blocks(req, blocks, [0, 1], 4, 1, 0)
+    assert pool.cached_block_hash_to_block == before
+    assert all(type(v) is KVCacheBlock for v in pool.cached_block_hash_to_block.values())
