@@ -8,9 +8,10 @@ Copies the package and the tests to a scratch directory, then for every mutable 
 `and`/`or` swapped, a `not` or a `+ 1`/`- 1` dropped, `min`/`max` swapped, `return True`/`False`
 swapped) and runs the tests against it (`pytest -x`, Triton's interpreter, no bytecode cache, so a
 mutant written in the same second as the last one is never run from the last one's bytecode).
-Prints each mutant that every test passed; `--json` writes them. Lines that raise or build a
-message are left alone: the bad-input tables check those. A survivor is either a missing test or an
-equivalent mutant (one that cannot change what the code does); the list says which to look at."""
+Prints each mutant that every test passed; `--json` writes them. Lines that raise, build a
+message or call a `check_` validator are left alone: the bad-input tables check those. A survivor
+is either a missing test or an equivalent mutant (one that cannot change what the code does); the
+list says which to look at."""
 import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
