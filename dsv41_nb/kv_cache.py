@@ -248,10 +248,8 @@ def get_kv_cache_config(
     if n < 2:
         raise ValueError(f"kv_cache_memory_bytes = {cc.kv_cache_memory_bytes:,} holds {n} page(s) "
                          f"of {page:,} B; the pool needs at least 2 (one is the null block)")
-    for g in groups:
-        if g.manager == 'global' and any(math.lcm(*sizes) % r for r in g.ratios):
-            raise ValueError(f"resume alignment {math.lcm(*sizes)} "
-                             f"splits a compression pair of ratios {g.ratios}")
+    # a resume point (a multiple of the global block) splits no compressed state: every global
+    # block holds whole states, which `get_kv_cache_groups` checked
     return KVCacheConfig(groups, page, n, math.gcd(*sizes), math.lcm(*sizes), cfg.vocab_size, cc)
 
 # %% ../nbs/02b_kv_cache.ipynb #047ac6be

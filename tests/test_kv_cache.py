@@ -11,7 +11,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import (BlockPool, Request, RequestBlockHasher, BlockStored,
                                  AllBlocksCleared, reference_slot_mapping, ring_slot_mapping)
 from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit,
-                               kv_bytes_per_token)
+                               kv_bytes_per_token, kv_cache_layout_table)
 from dsv41_nb.accounting import global_kv_bytes_per_token
 from dsv41_nb.kv_manager import KVCacheManager, CacheCapacityError, cache_snapshot
 
@@ -57,6 +57,9 @@ def test_full_layout_matches_the_blog_post():
             and [m.layer for m in g.members][::2] == [2, 8, 14, 20])
     assert len(s.members) == 43 and {m.record_bytes for m in s.members} == {528}
     assert [m.layer for m in r.members] == [2, 8, 14] and r.bytes_per_block == 3 * 2 * 1024 * 4
+    assert r.block_size == max(m.ratio for m in r.members) == 2                 # the ring's length
+    # a page per member, each as wide as the widest (layer 20's 128 main KV records), x 43 members
+    assert f'would need {128 * 288 * 43:,} B per block id' in kv_cache_layout_table(kc)
     assert g.bytes_per_block == 64 * 3 * (288 + 68) + 128 * (288 + 68)
     assert kc.page_bytes == 43 * 32 * 528 == max(x.bytes_per_block for x in kc.groups)
     assert [x.prefix_caching for x in kc.groups] == ['yes', 'retained tails only', 'never']
@@ -322,6 +325,8 @@ def test_coordinator_agrees_with_brute_force():
         assert len(g) * gm.block_size == L and len(s) * sm.block_size == L
         assert all(not b.is_null for b in g)
         assert all(not b.is_null for b in s[max(0, len(s) - sm.tail_blocks):])
+        for m in (gm, sm):                                 # each manager alone stays within the limit
+            assert len(m.find_longest_cache_hit(req.block_hashes, limit)) * m.block_size <= limit
     check()
 
 
@@ -480,3 +485,104 @@ def test_bad_input():
             (lambda: kv.slot_mappings([('ok', 0, 41)]), ValueError, 'need 11 blocks but the table has 10')]:
         fct.test_fail(f, exc=exc, contains=msg)
     assert cache_snapshot(kv) == before
+
+
+# ---------------------------------------------------------------- the window's edges, by brute force
+def swa_manager(swa=4, interval=0, blocks=400):
+    "The SWA manager of a tiny-config coordinator (window 16) with window blocks of `swa` tokens"
+    kc = get_kv_cache_config(TINY, CacheConfig(swa_block_size=swa, global_block_size=4 * swa,
+                                               num_gpu_blocks_override=blocks,
+                                               prefix_cache_retention_interval=interval))
+    pool = BlockPool(kc.num_blocks)
+    return KVCacheCoordinator(kc, pool).managers[SWA], pool
+
+
+def test_skipped_tokens_are_those_no_later_query_sees():
+    m, _ = swa_manager()
+    for c in range(0, 3 * m.window):
+        # the query at position q >= c sees keys q - window + 1 .. q
+        unseen = sum(1 for t in range(c) if all(t < q - m.window + 1 for q in range(c, c + 2 * m.window)))
+        assert m.num_skipped_tokens(c) == unseen, c
+
+
+@pytest.mark.parametrize('swa', [1, 2, 3, 4, 5, 8, 16])
+def test_window_release_against_brute_force(swa):
+    "After every step the released blocks are exactly those wholly behind the window, counted first"
+    m, pool = swa_manager(swa)
+    r = random.Random(swa)
+    for trial in range(6):
+        rid, n, c = f'r{trial}', r.randrange(1, 120), 0
+        m.allocate_new_blocks(rid, n)
+        blocks = m.req_to_blocks[rid]
+        shared = [b for b in blocks if r.random() < 0.3]
+        pool.touch(shared)                                 # held by a second request too
+        while c < n:
+            c = min(n, c + r.choice([1, 1, 2, 3, swa, 2 * swa, 17]))
+            was_null = [b.is_null for b in blocks]
+            held = list(blocks)
+            free_before = pool.get_num_free_blocks()
+            gone = [j for j in range(len(blocks)) if (j + 1) * swa <= max(0, c - m.window + 1)]
+            new = [j for j in gone if not was_null[j]]
+            want = sum(1 for j in new if held[j].ref_cnt == 1)
+            assert m.get_num_blocks_freed_by_skip(rid, c) == want, (trial, c)
+            m.remove_skipped_blocks(rid, c)
+            assert [j for j, b in enumerate(blocks) if b.is_null] == gone, (trial, c)
+            assert pool.get_num_free_blocks() - free_before == want
+            assert all(held[j].ref_cnt == 1 for j in new if held[j] in shared)
+        m.free(rid)
+        pool.free_blocks(shared)
+        assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+
+def brute_checkpoints(m, num_prompt_tokens, lo, hi):
+    k, a = m.retention_interval, m.alignment
+    return [p for p in range(lo + 1, hi + 1)
+            if (k and p % k == 0) or p == (num_prompt_tokens - 1) // a * a]
+
+
+@pytest.mark.parametrize('swa,interval', [(4, 0), (4, 16), (4, 48), (2, 8), (8, 32)])
+def test_checkpoints_against_brute_force(swa, interval):
+    m, _ = swa_manager(swa, interval)
+    r = random.Random(interval)
+    for _ in range(200):
+        P = r.randrange(1, 100)
+        req = Request('x', list(range(P)))
+        lo = r.randrange(0, 110); hi = r.randrange(lo, 120)
+        assert m.checkpoints(req, lo, hi) == brute_checkpoints(m, P, lo, hi), (P, lo, hi)
+
+
+@pytest.mark.parametrize('swa,interval', [(4, 0), (4, 16), (2, 8), (8, 32), (1, 4), (1, 0), (3, 0), (5, 0)])
+def test_checkpoint_tails_registered_as_tokens_become_known(swa, interval):
+    "After each call, the window-sized tail before every checkpoint reached is registered, and nothing else"
+    m, pool = swa_manager(swa, interval)
+    r = random.Random(swa * 100 + interval)
+    for trial, P in enumerate(range(1, 70)):
+        n = P + r.randrange(0, 40)
+        t = toks(n, trial)
+        req = Request(f'r{trial}', t[:P], RequestBlockHasher(m.hash_block_size, TINY.vocab_size))
+        if n > P: req.append_output_token_ids(t[P:])
+        m.allocate_new_blocks(req.request_id, n)
+        blocks, known = m.req_to_blocks[req.request_id], 0
+        while known < n:
+            known = min(n, known + r.choice([1, 2, swa, 3 * swa, 13]))
+            m.cache_blocks(req, known)
+            hi = min(known, len(blocks) * swa)
+            want = set()
+            for p in brute_checkpoints(m, P, 0, hi):      # the blocks holding keys p - window + 1 .. p - 1
+                want |= {j for j in range(p // swa) if (j + 1) * swa > p - m.window + 1}
+            got = {j for j, b in enumerate(blocks) if b.block_hash is not None}
+            assert got == want, (trial, P, known)
+        m.free(req.request_id)
+        pool.reset_prefix_cache()
+
+
+def test_cache_config_edges_are_accepted():
+    assert get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=2)).num_usable_blocks == 1
+    assert CacheConfig(swa_block_size=64, global_block_size=256, max_resume_alignment=256).resume_alignment == 256
+    with pytest.raises(ValueError, match='lcm = 256 tokens > max_resume_alignment = 255'):
+        CacheConfig(swa_block_size=64, global_block_size=256, max_resume_alignment=255)
+    page = get_kv_cache_config(TINY, CacheConfig.for_model(TINY, num_gpu_blocks_override=9)).page_bytes
+    assert get_kv_cache_config(TINY, CacheConfig.for_model(TINY, kv_cache_memory_bytes=2 * page)).num_blocks == 2
+    with pytest.raises(ValueError, match='holds 1 page'):
+        get_kv_cache_config(TINY, CacheConfig.for_model(TINY, kv_cache_memory_bytes=2 * page - 1))
+    assert FULL.window_size == 128 and CacheConfig.for_model(FULL).max_model_len == CacheConfig().max_model_len
