@@ -586,3 +586,38 @@ def test_cache_config_edges_are_accepted():
     with pytest.raises(ValueError, match='holds 1 page'):
         get_kv_cache_config(TINY, CacheConfig.for_model(TINY, kv_cache_memory_bytes=2 * page - 1))
     assert FULL.window_size == 128 and CacheConfig.for_model(FULL).max_model_len == CacheConfig().max_model_len
+
+
+# ---------------------------------------------------------------- the manager's switches and counters
+def test_skip_prefix_cache_and_delayed_registration():
+    kv = tiny_kv(80)
+    t = toks(40, 70)
+    a = kv.new_request('a', t)
+    assert kv.allocate_slots(a, 40, delay_cache_blocks=True) is not None
+    assert kv.block_pool.cached_block_hash_to_block == {}          # delayed: nothing registered yet
+    kv.free(a)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)
+    b = kv.new_request('b', t + [1], skip_prefix_cache=True)
+    assert kv.get_computed_blocks(b)[1] == 0                       # its prefix is cached, but not for b
+    assert kv.get_computed_blocks(kv.new_request('c', t + [1]))[1] == 32
+
+
+def test_prefix_cache_stats_count_every_lookup():
+    kv = tiny_kv(80)
+    t = toks(40, 71)
+    a = kv.new_request('a', t); run(kv, a); kv.free(a)
+    lookups = [kv.get_computed_blocks(kv.new_request(f'q{n}', t[:n])) for n in (1, 17, 33, 40)]
+    s = kv.prefix_cache_stats
+    assert (s.requests, s.queries) == (1 + 4, 39 + 0 + 16 + 32 + 39)
+    assert s.hits == sum(n for _, n in lookups) == 0 + 0 + 32 + 32      # resumes at the checkpoint 32
+
+
+def test_a_request_needing_every_usable_block_is_admitted():
+    kv = tiny_kv(16)                                               # 15 usable blocks
+    n = 48
+    while sum(kv.min_blocks(n + 1)) <= 15: n += 1
+    assert sum(kv.min_blocks(n)) == 15
+    a = kv.new_request('a', toks(n, 72))
+    assert run(kv, a, chunk=1) == 0                                # one token a step: it fits
+    b = kv.new_request('b', toks(n + 1, 73))
+    fct.test_fail(lambda: kv.allocate_slots(b, 1), exc=CacheCapacityError, contains="request 'b' can never fit")
