@@ -11,7 +11,8 @@ from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.kv_manager import CacheCapacityError, cache_snapshot
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
-                                toy_next_token, toy_next_tokens, toy_generate, run_until_done, table_slot_mappings)
+                                toy_next_token, toy_next_tokens, toy_generate, run_until_done, table_slot_mappings,
+                                check_stop)
 from dsv41_nb.proposer import NgramProposer, reference_ngram_propose
 
 TINY = ModelConfig.tiny()
@@ -43,6 +44,11 @@ def _applied_twice():
 BAD = [
     (lambda: SamplingParams(temperature=-1), ValueError, 'temperature = -1'),
     (lambda: SamplingParams(top_p=1.5), ValueError, 'top_p = 1.5'),
+    (lambda: SamplingParams(top_p=0), ValueError, 'top_p = 0'),
+    (lambda: SamplingParams(top_p='0.5'), ValueError, "top_p = '0.5'"),
+    (lambda: SamplingParams(temperature=float('inf')), ValueError, 'temperature = inf'),
+    (lambda: SamplingParams(temperature=True), ValueError, 'temperature = True'),
+    (lambda: SamplingParams(min_p=1.01), ValueError, 'min_p = 1.01'),
     (lambda: SamplingParams(top_k=0), ValueError, 'top_k = 0'),
     (lambda: SamplingParams(min_p=-0.1), ValueError, 'min_p = -0.1'),
     (lambda: SamplingParams(max_tokens=0), ValueError, 'max_tokens = 0'),
@@ -89,6 +95,23 @@ BAD = [
 def test_bad_input(f, exc, msg):
     fails_with(f, contains=msg)
     with pytest.raises(exc): f()
+
+
+def test_sampling_params_edges_are_accepted():
+    sp = SamplingParams(top_p=1, top_k=1, min_p=1, stop_token_ids=[0])
+    assert (sp.top_k, sp.min_p, sp.stop_token_ids) == (1, 1, (0,)) and not sp.greedy
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(top_p=1e-9, min_p=0, max_tokens=1, min_tokens=1).top_p == 1e-9
+
+
+def test_stop_ids_and_the_length_limit():
+    s = _sched()
+    r = s.add_request('e', [1, 2], SamplingParams(stop_token_ids=[3], ignore_eos=True), eos_token_id=5)
+    assert r.stop_ids == {3}                                   # EOS ignored
+    assert s.add_request('n', [1, 2], SamplingParams(stop_token_ids=[3])).stop_ids == {3}
+    assert s.add_request('f', [1, 2], eos_token_id=5).stop_ids == {5}
+    r.append_output_token_ids(5)
+    assert check_stop(r, 10) is None and check_stop(r, 3) == ('length', None)   # 3 tokens: at the limit
 
 
 def test_failed_update_changes_nothing():
