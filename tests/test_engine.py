@@ -188,6 +188,21 @@ def test_batched_probs_equal_reference(V, params, seed, ties):
     x = max((l / (p.temperature or 1)).abs().max().item() for l, p in zip(logits, params))      # largest tempered logit
     torch.testing.assert_close(got.double(), ref, rtol=4 * (V + 2 * x) * 2 ** -24, atol=1e-12)
 
+def test_probs_at_the_edges_of_top_k_and_top_p():
+    "top_k 1 and the vocabulary size, and top_p exactly the mass of the tokens kept so far (exact binary fractions)"
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, -1.0, 3.0, 0.5]])
+    cases = [(SamplingParams(top_p=0.5), [[0.5, 0.5, 0, 0], None]),        # ties: the lower ids first
+             (SamplingParams(top_p=0.75), [[1 / 3, 1 / 3, 1 / 3, 0], None]),
+             (SamplingParams(top_k=1), [[0.25] * 4, [0, 0, 1, 0]]),             # ties at the k-th value stay
+             (SamplingParams(top_k=4), [[0.25] * 4, None])]
+    for sp, want in cases:
+        ref = torch.stack([reference_probs(l, sp) for l in logits])
+        got = sampling_probs(logits, sampling_batch([sp] * 2, vocab_size=4)).double()
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-12)
+        for r, w in zip(ref, want):
+            if w is not None: torch.testing.assert_close(r, torch.tensor(w, dtype=torch.float64))
+    assert torch.equal(reference_probs(logits[1], SamplingParams(top_k=4)), logits[1].double().softmax(0))
+
 @pytest.mark.parametrize('sp', [SamplingParams(temperature=0.8), SamplingParams(top_k=3), SamplingParams(top_p=0.6),
                                 SamplingParams(min_p=0.2, temperature=1.5),
                                 SamplingParams(top_k=5, top_p=0.9, min_p=0.05)])

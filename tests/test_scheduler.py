@@ -1,5 +1,6 @@
 """The scheduler against independent computations: plain greedy generation of the toy model (no scheduler), the slot
 arithmetic of the block pool, the n-gram proposer's one-comparison-at-a-time reference; and one table of bad inputs."""
+import dataclasses
 import random
 import numpy as np
 import pytest
@@ -269,6 +270,30 @@ def test_bounded_replay_hits_where_hybrid_search_cannot():
         out = s.schedule()
         hits[bounded] = (out.requests[0].num_cached_tokens, out.requests[0].start)
     assert hits == {False: (0, 0), True: (48, 32)}
+
+
+def test_bounded_replay_leaves_the_last_token_and_counts_the_lookup():
+    "A prompt of exactly two resume points seen again: the hit stops one alignment short, so one token is computed"
+    prompt = [random.Random(1).randrange(V) for _ in range(32)]            # the tiny layout resumes every 16 tokens
+    s = Scheduler(tiny_cache(), SchedulerConfig(bounded_replay=True))
+    s.add_request('a', prompt, SamplingParams(max_tokens=2)); run_until_done(s, ToyRunner(s.kv.kv_cache_config, V))
+    before = dataclasses.replace(s.kv.prefix_cache_stats)
+    s.add_request('b', prompt, SamplingParams(max_tokens=2))
+    r = s.schedule().requests[0]
+    assert (r.num_cached_tokens, r.start) == (16, 0)                       # 16 hit, the window replayed from 0
+    st = s.kv.prefix_cache_stats
+    assert (st.requests - before.requests, st.queries - before.queries, st.hits - before.hits) == (1, 31, 16)
+
+
+def test_whole_prompt_admission_at_the_pool_edge():
+    "Without chunked prefill a prompt is admitted when its one step needs every usable block, and not one more"
+    cfg = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512)
+    need = 64 // 16 + 64 // 4 + 1                                          # global, window and ring blocks of 64 tokens
+    s = Scheduler(tiny_cache(need + 1), cfg)
+    s.add_request('a', [1] * 64, SamplingParams(max_tokens=1))
+    assert [len(r.token_ids) for r in s.schedule().requests] == [64]
+    fails_with(lambda: Scheduler(tiny_cache(need), cfg).add_request('b', [1] * 64, SamplingParams(max_tokens=1)),
+               contains="request 'b': without chunked prefill, 64 tokens in one step need 21 blocks")
 
 
 # ---------------------------------------------------------------- the one-pass decode step against the general one

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Which single-line mutants of a module its tests let through.
 
-    python tools/mutants.py block_pool.py tests/test_block_pool.py [more tests] [--lines 127,162]
+    python tools/mutants.py block_pool.py tests/test_block_pool.py [more tests] [--lines 127,162] [-k EXPR]
 
 Copies the package and the tests to a scratch directory, then for every mutable line of
 `dsv41_nb/MODULE` makes one small change at a time (a comparison turned around or made strict,
@@ -42,6 +42,7 @@ def main():
     p.add_argument('tests', nargs='+', help="test files, relative to the repository")
     p.add_argument('--lines', help="only these 1-based line numbers, comma-separated")
     p.add_argument('--json', help="also write the survivors here")
+    p.add_argument('-k', dest='select', help="only the tests this pytest -k expression selects")
     a = p.parse_args()
     src = ROOT / 'dsv41_nb' / a.module
     if not src.is_file(): p.error(f"no module dsv41_nb/{a.module}")
@@ -59,8 +60,9 @@ def main():
             keep = {int(x) for x in a.lines.split(',')}
             todo = [m for m in todo if m[0] + 1 in keep]
         env = dict(os.environ, PYTHONPATH=str(work), TRITON_INTERPRET='1', PYTHONDONTWRITEBYTECODE='1')
+        select = ['-k', a.select] if a.select else []
         run = lambda: subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
-                                      *a.tests], cwd=work, env=env, capture_output=True, text=True)
+                                      *select, *a.tests], cwd=work, env=env, capture_output=True, text=True)
         if (base := run()).returncode:
             sys.exit(f"the tests fail on the module as it is:\n{base.stdout[-2000:]}")
         print(f"{len(todo)} mutants of dsv41_nb/{a.module}", flush=True)
