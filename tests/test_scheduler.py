@@ -81,6 +81,7 @@ BAD = [
     (lambda: _applied_twice(), ValueError, 'step 0 is not its oldest step in flight (applied twice, or out of order)'),
     (lambda: _sched().schedule(drafts='no'), TypeError, "schedule: drafts = 'no'"),
     (lambda: NgramProposer(2, 0), ValueError, 'prompt_lookup_min = 0'),
+    (lambda: NgramProposer(2, 3, 2), ValueError, 'prompt_lookup_max = 2; expected an integer >= prompt_lookup_min = 3'),
     (lambda: ToyRunner(tiny_cache(), 0), ValueError, 'vocab_size = 0'),
     (lambda: ModelRunnerOutput(), ValueError, 'expected sampled_token_ids, or req_ids and token_ids'),
     (lambda: ModelRunnerOutput(req_ids=['a', 'b'], token_ids=[1]), ValueError, 'of the same length'),
@@ -127,6 +128,12 @@ def test_failed_update_changes_nothing():
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 4), st.integers(0, 3), st.integers(1, 6))
 def test_ngram_matches_reference(tokens, lo, extra, k):
     assert NgramProposer(k, lo, lo + extra).propose_one(tokens) == reference_ngram_propose(tokens, lo, lo + extra, k)
+
+
+def test_ngram_drafts_stop_at_max_model_len():
+    t = [1, 2, 3, 4, 5, 6, 7, 1, 2]                                   # '1 2' seen before: drafts 3 4 5 ...
+    assert NgramProposer(4, 2, 2).propose_one(t) == [3, 4, 5, 6]
+    assert [NgramProposer(4, 2, 2, max_model_len=m).propose_one(t) for m in (11, 9, 8)] == [[3, 4], [], []]
 
 
 @given(st.lists(st.integers(0, 200), min_size=1, max_size=80), st.integers(1, 300))
