@@ -1,6 +1,7 @@
 """Property tests for ModelConfig: random valid topologies are accepted and mapped consistently;
 broken ones fail with ConfigError"""
 import json
+import numpy as np
 from dataclasses import replace, fields
 from pathlib import Path
 import pytest
@@ -8,7 +9,7 @@ import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import (ModelConfig, ConfigError, layer_topology, role_counts, source_layer, engram_bucket_primes,
                              engram_table_rows, is_prime, validate, expect_config, check_int, check_share,
-                             topology_table, plot_layer_map, TOPOLOGY_COLUMNS)
+                             topology_table, plot_layer_map, TOPOLOGY_COLUMNS, require)
 
 PUBLIC = Path(__file__).resolve().parent.parent / 'nbs' / 'reference' / 'deepseek_v41_config.json'
 TINY = ModelConfig.tiny()
@@ -112,6 +113,14 @@ BAD_INPUTS = [
     (lambda: ModelConfig(engram_vocab_size=-5, engram_num_embeddings=()), ConfigError,
      'engram_vocab_size = -5; it must be positive'),
     (lambda: ModelConfig(vision_max_wh_ratio=-1.0), ConfigError, 'vision_max_wh_ratio = -1.0'),
+    (lambda: replace(TINY, vision_max_wh_ratio=0.0), ConfigError, 'vision_max_wh_ratio = 0.0; expected None or > 0'),
+    (lambda: replace(TINY, rope_head_dim=15), ConfigError, 'rope_head_dim = 15; expected an even number'),
+    (lambda: replace(TINY, rope_head_dim=64), ConfigError, 'rope_head_dim = 64; expected an even number'),
+    (lambda: replace(TINY, n_activated_experts=9), ConfigError, 'n_activated_experts = 9 > n_routed_experts = 8'),
+    (lambda: replace(TINY, engram_pad_id=512), ConfigError, 'engram_pad_id = 512 is outside the vocabulary 0..511'),
+    (lambda: replace(TINY, kv_source_layers=(2, 4, 6, 12)), ConfigError, 'contains 12, outside the backbone layers'),
+    (lambda: replace(TINY, kv_source_layers=(0, 2, 4, 6)), ConfigError, 'layer 0, whose compress_ratio is 0'),
+    (lambda: replace(TINY, index_topk=65), ConfigError, 'index_topk = 65 exceeds the candidate pool'),
     (lambda: ModelConfig.from_dict(['dim', 64]), ConfigError, 'expected a dict of config.json keys, got list'),
     (lambda: ModelConfig.from_dict({'dim': 64, 'bogus': 1}), ConfigError, 'unknown config keys'),
     (lambda: source_layer((2, 8), 'x'), TypeError, "source_layer: layer must be an int, got 'x'"),
@@ -123,6 +132,9 @@ BAD_INPUTS = [
     (lambda: check_share('f', 'u', 1.5), ValueError, 'f: u = 1.5; expected a share in (0, 1]'),
     (lambda: check_share('f', 'u', False), ValueError, 'f: u = False; expected a share'),
     (lambda: check_share('f', 'u', '0.5'), ValueError, "f: u = '0.5'; expected a share"),
+    (lambda: check_share('f', 'u', 0), ValueError, 'f: u = 0; expected a share in (0, 1]'),
+    (lambda: require(False, 'm', 'x'), TypeError, "require: exc must be an exception class, got 'x'"),
+    (lambda: require(False, 'm', int), TypeError, "require: exc must be an exception class, got <class 'int'>"),
     (lambda: validate('full'), TypeError, 'validate: expected a ModelConfig, got str'),
     (lambda: expect_config({}, 'g'), TypeError, 'g: expected a ModelConfig, got dict'),
     (lambda: engram_bucket_primes(None), TypeError, 'engram_bucket_primes: expected a ModelConfig'),
@@ -137,6 +149,16 @@ BAD_INPUTS = [
 @pytest.mark.parametrize('call, exc, words', BAD_INPUTS, ids=[w[:40] for _, _, w in BAD_INPUTS])
 def test_bad_inputs(call, exc, words):
     fct.test_fail(call, contains=words, exc=exc)
+
+
+def test_edges_are_accepted():
+    "Each limit a rule sets is itself allowed"
+    for kw in (dict(rope_head_dim=32), dict(n_activated_experts=8), dict(engram_pad_id=0), dict(engram_pad_id=511),
+               dict(index_topk=16 * 4), dict(vision_max_wh_ratio=1e-3)):
+        assert all(getattr(replace(TINY, **kw), k) == v for k, v in kw.items())
+    assert replace(TINY, engram_num_embeddings=(6127, 6337)).engram_num_embeddings == (6127, 6337)   # given, kept
+    assert [check_share('f', 'u', v) for v in (1, 0.5, np.float32(0.25))] == [1, 0.5, 0.25]
+    assert require(True, 'never raised', 'not an exception class') is None
 
 WRONG = {'int': 'x', 'float': 'x', 'str': 3, 'tuple': 'x', 'float | None': 'x', 'str | None': 3}
 

@@ -52,7 +52,7 @@ def main():
         shutil.copytree(ROOT / 'dsv41_nb', work / 'dsv41_nb',
                         ignore=shutil.ignore_patterns('__pycache__'))
         shutil.copytree(ROOT / 'tests', work / 'tests', ignore=shutil.ignore_patterns('__pycache__'))
-        for name in ('settings.ini', 'pyproject.toml', 'checkpoints', 'records'):
+        for name in ('settings.ini', 'pyproject.toml', 'checkpoints', 'records', 'nbs', 'images'):
             if (ROOT / name).exists(): os.symlink(ROOT / name, work / name)
         path, orig = work / 'dsv41_nb' / a.module, src.read_text().splitlines(keepends=True)
         todo = mutants(orig)
