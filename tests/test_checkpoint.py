@@ -15,7 +15,7 @@ from dsv41_nb.checkpoint import (load_config, save_config, quantize_weight, dequ
                                  dequantize_state, save_state, save_model, load_state, load_weights, load_model,
                                  random_state, module_from_state, master_specs, stored_shape, shard_plan, shard_name,
                                  weight_map, shard_header, bytes_by_group, peak_memory_during, STORAGE_DTYPES,
-                                 INDEX_NAME, CONFIG_NAME, CheckpointError)
+                                 INDEX_NAME, CONFIG_NAME, CheckpointError, check_checkpoint, _specs)
 
 TINY = ModelConfig.tiny()
 PUBLIC = Path(__file__).resolve().parent.parent / 'nbs' / 'reference' / 'deepseek_v41_config.json'
@@ -248,8 +248,43 @@ def test_errors(tmp_path, tiny_state):
         (lambda: save_model(torch.nn.Linear(2, 2), tmp_path / 'x'), 'has no ModelConfig `cfg`'),
         (lambda: save_model(tiny_state, tmp_path / 'x'), 'expected an nn.Module, got dict'),
         (lambda: shard_plan(TINY, 0), 'shard_bytes = 0'),
+        (lambda: quantize_weight([[1.0] * 32], 'fp8'), 'expected a 2-D floating-point tensor, got list'),
+        (lambda: save_state({**tiny_state, 'norm.weight': [1.0] * 64}, TINY, tmp_path / 'x'),
+         'save_state: norm.weight must be a floating-point tensor, got list'),
     ]
     for f, msg in bad_inputs: fct.test_fail(f, contains=msg)
+
+def test_random_gains_are_near_one(tiny_state):
+    "RMSNorm and Engram gains start near 1, every other matrix at a fan-in scale"
+    gains = [k for k in tiny_state if k.endswith('norm.weight') or k.endswith('_weight')]
+    assert gains and all((tiny_state[k].float() - 1).abs().max() < 0.6 for k in gains)
+    w = tiny_state['layers.4.attn.wo_b.weight'].float()
+    assert abs(w.std().item() * w.shape[1] ** 0.5 - 1) < 0.1
+
+
+def test_a_shard_closes_only_past_its_size():
+    "A shard that the first k tensors fill exactly holds those k"
+    sizes = [s.nbytes + (_specs(TINY)[1][k].nbytes if k in _specs(TINY)[1] else 0)
+             for k, s in master_specs(TINY).items()]
+    for k in (1, 2, 5):
+        assert len(shard_plan(TINY, sum(sizes[:k]))[0]) >= k
+        assert len(shard_plan(TINY, sum(sizes[:k]) - 1)[0]) == max(1, k - 1)
+
+
+def test_a_save_never_removes_files_outside_its_directory(tmp_path, tiny_state):
+    d, outside = tmp_path / 'ck', tmp_path / 'outside.safetensors'
+    d.mkdir(); outside.write_bytes(b'keep')
+    (d / INDEX_NAME).write_text(json.dumps({'weight_map': {'x': '../outside.safetensors', 'y': 3}}))
+    save_state(tiny_state, TINY, d, shard_bytes=200_000)
+    assert outside.read_bytes() == b'keep'
+
+
+def test_check_checkpoint_with_the_config_given(tmp_path, tiny_state):
+    d = save_state(tiny_state, TINY, tmp_path / 'ck', shard_bytes=200_000)
+    (d / CONFIG_NAME).unlink()
+    assert set(check_checkpoint(d, TINY)) == set(weight_map(d))
+    fct.test_fail(lambda: check_checkpoint(d), contains='no config.json')
+
 
 @pytest.mark.parametrize('name,value,named', [
     ('norm.weight', float('nan'), 'norm.weight'),                                   # BF16
