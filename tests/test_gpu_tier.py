@@ -156,18 +156,21 @@ def test_moe_slots_bench_layer():
     register cap), the `mid` regime and the `large` one, in one tile and with K split, within the reference"""
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, 0, DEV)
-    # new activations each run, their seed named by a failure: DSV41_MOE_SEED=S runs that case again
-    seed = int(os.environ.get('DSV41_MOE_SEED', random.SystemRandom().randrange(2 ** 31)))
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    for T in (1, 128, 512, 2048):
-        x = (3 * torch.randn(T, cfg.dim, device=DEV, generator=g)).to(torch.bfloat16)
-        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
-        for split in (1, None):
-            try:
-                check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
-                                stages=partial(_fused_stages, gate_up=plane_gate_up(W, split=split, slots=True)))
-            except AssertionError as e:
-                raise AssertionError(f"{T} tokens, split={split}, DSV41_MOE_SEED={seed}: {e}") from None
+    # two draws that once failed on an H100 (the down stage at 2,048 tokens), then new activations each run, their
+    # seed named by a failure: DSV41_MOE_SEED=S runs that case alone
+    seeds = ([int(os.environ['DSV41_MOE_SEED'])] if 'DSV41_MOE_SEED' in os.environ
+             else [500103725, 1212549319, random.SystemRandom().randrange(2 ** 31)])
+    for seed in seeds:
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        for T in (1, 128, 512, 2048):
+            x = (3 * torch.randn(T, cfg.dim, device=DEV, generator=g)).to(torch.bfloat16)
+            tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+            for split in (1, None):
+                try:
+                    check_fused_moe(x, tw, ti, W, cfg.swiglu_limit,
+                                    stages=partial(_fused_stages, gate_up=plane_gate_up(W, split=split, slots=True)))
+                except AssertionError as e:
+                    raise AssertionError(f"{T} tokens, split={split}, DSV41_MOE_SEED={seed}: {e}") from None
     from dsv41_nb import moe_planes
     assert moe_planes._check_slots.checked     # every kernel compiled here had its move's layout read and passed
 
