@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID
+from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID, NULL_BLOCK_ID
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.kv_manager import CacheCapacityError, cache_snapshot
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
@@ -60,6 +60,10 @@ BAD = [
     (lambda: SamplingParams(stop_token_ids=3), TypeError, 'stop_token_ids = 3'),
     (lambda: SchedulerConfig(max_num_batched_tokens=0), ValueError, 'max_num_batched_tokens = 0'),
     (lambda: SchedulerConfig(bounded_replay='yes'), TypeError, "bounded_replay = 'yes'"),
+    (lambda: SchedulerConfig(long_prefill_token_threshold='8'), ValueError, "long_prefill_token_threshold = '8'"),
+    (lambda: _sched().add_request(5, [1]), TypeError, 'request_id must be a non-empty str, got 5'),
+    (lambda: _sched().add_request('y', [1], eos_token_id=512), ValueError, 'eos_token_id = 512; expected a token id'),
+    (lambda: ModelRunnerOutput(req_ids=['a']), ValueError, 'expected sampled_token_ids, or req_ids and token_ids'),
     (lambda: SchedulerConfig(long_prefill_token_threshold=8, enable_chunked_prefill=False), ValueError,
      'needs enable_chunked_prefill'),
     (lambda: Scheduler(tiny_cache(), SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=64)),
@@ -104,6 +108,22 @@ def test_sampling_params_edges_are_accepted():
     assert (sp.top_k, sp.min_p, sp.stop_token_ids) == (1, 1, (0,)) and not sp.greedy
     assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=1e-6).greedy
     assert SamplingParams(top_p=1e-9, min_p=0, max_tokens=1, min_tokens=1).top_p == 1e-9
+
+
+def test_scheduler_edges_are_accepted():
+    assert SchedulerConfig(max_num_seqs=1).max_num_seqs == 1
+    s = _sched()
+    assert s.add_request('m', [1] * 512).num_tokens == 512                # exactly max_model_len
+    assert s.add_request('e', [1], eos_token_id=TINY.vocab_size - 1).eos_token_id == TINY.vocab_size - 1
+    out, why = toy_generate([1] * 10, SamplingParams(max_tokens=16), V, max_model_len=12)
+    assert (len(out), why) == (2, 'length')
+
+
+def test_block_tables_of_different_lengths_pad_to_the_longest():
+    s = Scheduler(tiny_cache(), SchedulerConfig())
+    s.add_request('a', [1] * 5); s.add_request('b', [2] * 40)
+    t = s.schedule().block_table(0)                                     # global blocks of 16 tokens: 1 and 3
+    assert t.shape == (2, 3) and t[0, 1:].tolist() == [NULL_BLOCK_ID, NULL_BLOCK_ID] and (t[1] != NULL_BLOCK_ID).all()
 
 
 def test_stop_ids_and_the_length_limit():
