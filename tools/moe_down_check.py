@@ -46,12 +46,12 @@ def where(bad, align, W, h, got, ref):
               f'chunk {miss} left out would give {-terms[miss]:+.4f}, chunk {twice} twice {terms[twice]:+.4f}')
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--seeds', type=int, nargs='+', default=[500103725, 1212549319])
     ap.add_argument('--split', type=int, default=1, help="K slices of the gate/up stage (0: its default)")
     ap.add_argument('--device', default='cuda')
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     dev = a.device
     cfg = (ModelConfig.bench() if dev == 'cuda'
            else dataclasses.replace(ModelConfig.tiny(), dim=128, moe_inter_dim=128))
