@@ -29,7 +29,8 @@ def test_a_chunk_left_out_is_found_and_named(capsys):
     assert bad.nonzero().tolist() == [[5, 9]]
     md.where(bad, al, W, h, got, ref)
     out = capsys.readouterr().out
-    assert f'experts: [({e}, 1)]' in out and re.search(rf'assignment 5, column 9, expert {e}: .* chunk {j} left out', out)
+    assert f'experts: [({e}, 1)]' in out
+    assert re.search(rf'assignment 5, column 9, expert {e}: .* chunk {j} left out', out)
 
 
 def test_the_script_runs_on_a_small_layer(capsys):
