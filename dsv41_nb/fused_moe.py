@@ -430,7 +430,8 @@ def moe_launch_shape(n_assign: int, n_experts: int) -> dict:
 
 # %% ../nbs/08b_fused_moe.ipynb #c1fb34d4
 # the routed down stage's own values, by regime, where they beat the regime's shape
-MOE_DOWN_TUNING = dict(mid=dict(block_n=128, block_k=64))
+# (large: eight warps raced, four are as fast)
+MOE_DOWN_TUNING = dict(mid=dict(block_n=128, block_k=64), large=dict(num_warps=4))
 
 # %% ../nbs/08b_fused_moe.ipynb #8b5ff65e
 def stage_shape(shape: dict, # a launch shape
