@@ -36,4 +36,13 @@ def test_a_chunk_left_out_is_found_and_named(capsys):
 def test_the_script_runs_on_a_small_layer(capsys):
     md.main(['--device', 'cpu', '--seeds', '1'])
     out = capsys.readouterr().out
-    assert 'seed 1, 40 tokens: 0 of 10240 beyond the bound' in out and out.count('launch shape') == 4
+    assert 'seed 1, 40 tokens: 0 of 10240 beyond the bound' in out
+    assert out.count('launch shape') == 4 and out.count('0 beyond; 0 of 2 launches differ from the first') == 4
+
+
+def test_repeats_counts_the_launches_that_differ_from_the_first():
+    a, b = torch.zeros(3), torch.tensor([0.0, 0.0, 1e-30])
+    outs = iter([a, a, b, a, b.clone()])
+    k, other, first = md.repeats(lambda: next(outs), 4)
+    assert (k, first is a, other is b) == (2, True, True)
+    assert md.repeats(lambda: a.clone(), 5)[:2] == (0, None)

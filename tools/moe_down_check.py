@@ -7,9 +7,11 @@ On the `bench` layer (64 experts) it draws activations as `test_moe_slots_bench_
 seed, 1, 128, 512 and 2,048 tokens in turn; the last are used), routes them, runs version 4's gate/up stage and the
 down stage, and checks the down stage's routed outputs against `expert_down_torch` on the same `h` with the bound
 `check_fused_moe` uses. For each seed it prints how many elements are beyond the bound; whether the down stage run
-again on the same `h`, or on a copy of it, repeats them; the count under each launch shape of `MOE_TUNING`; where the
-bad elements fall (row blocks, experts, row within a block, column tiles); and, for a few of them, whether the
-difference is one 64-wide K chunk's contribution left out or added twice. `--device cpu` runs a small layer in
+again on a copy of `h` repeats them; under each launch shape of `MOE_TUNING`, the count beyond the bound and how many
+of `--reruns` launches on the same `h` differ in any bit from the first (a race in the compiled kernel: the `large`
+shape at eight warps once differed in one launch of 18); where the bad or differing elements fall (row blocks,
+experts, row within a block, column tiles); and, for a few of them, whether the difference is one 64-wide K chunk's
+contribution left out or added twice. `--device cpu` runs a small layer in
 Triton's interpreter (set TRITON_INTERPRET=1): a check that the script itself runs."""
 import argparse, collections, dataclasses
 import torch
@@ -46,13 +48,26 @@ def where(bad, align, W, h, got, ref):
               f'chunk {miss} left out would give {-terms[miss]:+.4f}, chunk {twice} twice {terms[twice]:+.4f}')
 
 
+def repeats(launch, n: int):
+    "(how many of `n` more launches differ in any bit from the first, the first of them that did or None, the first)"
+    first, other, k = launch(), None, 0
+    for _ in range(n):
+        y = launch()
+        if not torch.equal(y, first):
+            k += 1
+            if other is None: other = y
+    return k, other, first
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--seeds', type=int, nargs='+', default=[500103725, 1212549319])
     ap.add_argument('--split', type=int, default=1, help="K slices of the gate/up stage (0: its default)")
     ap.add_argument('--device', default='cuda')
+    ap.add_argument('--reruns', type=int, default=None, help="launches per shape (default 300; 2 on the CPU)")
     a = ap.parse_args(argv)
     dev = a.device
+    reruns = a.reruns if a.reruns is not None else 300 if dev == 'cuda' else 2
     cfg = (ModelConfig.bench() if dev == 'cuda'
            else dataclasses.replace(ModelConfig.tiny(), dim=128, moe_inter_dim=128))
     W = MoEWeights.random(cfg, 0, dev)
@@ -69,14 +84,14 @@ def main(argv=None):
         shape = moe_launch_shape(al.n_assign, W.n_experts)
         print(f'seed {seed}, {T} tokens: {bad.sum().item()} of {bad.numel()} beyond the bound; '
               f'{al.num_blocks} row blocks of {al.block_m}')
-        again = expert_down(h, W.w2, al, shape=shape)
-        print(f'  run again: equal {torch.equal(again, s["routed"])}, beyond '
-              f'{beyond_bound(again, ref, h, W, al).sum().item()}; on a copy of h: beyond '
-              f'{beyond_bound(expert_down(h.clone(), W.w2, al, shape=shape), ref, h, W, al).sum().item()}')
-        for name, sh in MOE_TUNING.items():
-            n = beyond_bound(expert_down(h, W.w2, al, shape=dict(sh)), ref, h, W, al).sum().item()
-            print(f'  launch shape {name}: {n} beyond')
+        print(f'  on a copy of h: '
+              f'{beyond_bound(expert_down(h.clone(), W.w2, al, shape=shape), ref, h, W, al).sum().item()} beyond')
         if bad.any(): where(bad, al, W, h, s['routed'], ref)
+        for name, sh in MOE_TUNING.items():
+            k, other, first = repeats(lambda: expert_down(h, W.w2, al, shape=dict(sh)), reruns)
+            print(f'  launch shape {name}: {beyond_bound(first, ref, h, W, al).sum().item()} beyond; '
+                  f'{k} of {reruns} launches differ from the first')
+            if other is not None: where((other != first).cpu(), al, W, h, other, first)
 
 
 if __name__ == '__main__': main()
