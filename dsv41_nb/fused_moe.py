@@ -21,8 +21,9 @@ from .moe import (MoEWeights, QuantWeight, route, route_layer, fp8_qdq, expert_h
 # %% auto #0
 __all__ = ['MOE_TILES', 'MOE_TUNING', 'MOE_DOWN_TUNING', 'ExpertAlignment', 'align_by_expert_torch', 'align_by_expert',
            'fp8_act_quant', 'moe_launch_shape', 'stage_shape', 'expert_gate_up_torch', 'expert_gate_up',
-           'assert_fp8_close', 'expert_down_torch', 'expert_down', 'assert_bf16_close', 'fused_moe_experts',
-           'moe_forward', 'check_fused_moe', 'bf16_matmul_rate', 'benchmark_moe', 'format_moe_benchmark']
+           'assert_fp8_close', 'expert_down_torch', 'expert_down', 'beyond_bf16_bound', 'assert_bf16_close',
+           'fused_moe_experts', 'moe_forward', 'check_fused_moe', 'bf16_matmul_rate', 'benchmark_moe',
+           'format_moe_benchmark']
 
 # %% ../nbs/08b_fused_moe.ipynb #5d228fe3
 @dataclass
@@ -650,20 +651,27 @@ def _abs_propagate(d: torch.Tensor, w: QuantWeight, align: ExpertAlignment,
     return out
 
 # %% ../nbs/08b_fused_moe.ipynb #275b2e38
-def assert_bf16_close(
+def beyond_bf16_bound(
     got: torch.Tensor, want: torch.Tensor,
     abs_sum: torch.Tensor, # Σ|w||h| of each output: what the fp32 accumulation error scales with
     K: int, # GEMM depth: terms per fp32 sum
     parts_abs: torch.Tensor | float = 0.0, # Σ|part| where BF16 parts (up to 16) are added in fp32
-    extra: torch.Tensor | float = 0.0): # any further allowed difference (flipped inputs)
-    ("Assert BF16 results of the same sums, accumulated in different orders, "
-     "differ by at most the rounding bound")
+    extra: torch.Tensor | float = 0.0, # any further allowed difference (flipped inputs)
+) -> torch.Tensor:
+    ("Boolean mask (on the CPU) of the BF16 results farther apart than the rounding bound of the "
+     "same sums accumulated in different orders")
     got, want = got.float().cpu(), want.float().cpu()
     bound = (2 ** -7 * torch.maximum(got.abs(), want.abs())
              + 2 * K * 2 ** -24 * abs_sum.float().cpu()
              + (2 ** -7 + 16 * 2 ** -24) * parts_abs + extra)
-    bad = (got - want).abs() > bound
+    return (got - want).abs() > bound
+
+# %% ../nbs/08b_fused_moe.ipynb #b3f1d0e7
+def assert_bf16_close(got, want, abs_sum, K: int, parts_abs=0.0, extra=0.0):
+    "Assert no element is `beyond_bf16_bound` (arguments as there)"
+    bad = beyond_bf16_bound(got, want, abs_sum, K, parts_abs, extra)
     if bad.any():
+        got, want = got.float().cpu(), want.float().cpu()
         raise AssertionError(f"{bad.sum().item()} of {bad.numel()} elements "
                              f"beyond the BF16 rounding bound, "
                              f"e.g. {got[bad][:3].tolist()} vs {want[bad][:3].tolist()}")

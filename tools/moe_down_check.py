@@ -18,15 +18,13 @@ import torch
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (_fused_stages, expert_down, expert_down_torch, moe_launch_shape, MOE_TUNING,
-                                _abs_propagate)
+                                _abs_propagate, beyond_bf16_bound)
 from dsv41_nb.moe_planes import plane_gate_up
 
 
 def beyond_bound(got, want, h, W, align):
     "Elements of `got` farther from `want` than the BF16 rounding bound of the down stage's sums"
-    got, want = got.float().cpu(), want.float().cpu()
-    a = _abs_propagate(h, W.w2, align).float().cpu()
-    return (got - want).abs() > 2 ** -7 * torch.maximum(got.abs(), want.abs()) + 2 * W.inter_dim * 2 ** -24 * a
+    return beyond_bf16_bound(got, want, _abs_propagate(h, W.w2, align), W.inter_dim)
 
 
 def where(bad, align, W, h, got, ref):
