@@ -15,7 +15,7 @@ import pytest
 import torch
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
-from dsv41_nb.sparse_decode import DECODE_TUNING, check_decode_grid
+from dsv41_nb.sparse_decode import DECODE_TUNING, check_decode_grid, decode_inputs, sparse_decode
 from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_fused_moe, _fused_stages,
                                 fused_moe_experts, expert_down, expert_gate_up)
@@ -109,7 +109,8 @@ def test_moe_planes_every_tuning_entry(entry):
 @pytest.mark.parametrize('version', [1, 2, 3])
 def test_index_logits_bench_geometry(version, fmt):
     """The indexer's logits kernel at the bench geometry (32 heads x 128) in its compiled tile shape (LOGITS_TUNING),
-    each key decoding, in each mode (every entry; the kept blocks; the pool's entries alone), against the reference"""
+    each key decoding, in each mode (every entry; the kept blocks; the pool's entries alone), against the reference;
+    launched again and again on the same inputs, the same bits"""
     cfg = ModelConfig.bench()
     codec, cbs = cache_format(cfg, fmt), cfg.candidate_block_size
     q, w, cache, ib = _decode_batch(cfg, codec, 4, 5000, DEV, seed=version)
@@ -122,6 +123,7 @@ def test_index_logits_bench_geometry(version, fmt):
         full = index_logits(q, w, cache, ib, codec)
         kept = index_logits(q, w, cache, ib, codec, keep=keep, cbs=cbs)
         sparse = index_logits(q, w, cache, ib, codec, pool=pool, cbs=cbs)
+        assert not _launches_differ(lambda: index_logits(q, w, cache, ib, codec), 30)     # the same bits each time
     inside = keep.repeat_interleave(cbs, 1)[:, :ref.shape[1]]
     e = (pool.long()[:, :, None] * cbs + torch.arange(cbs, device=DEV)).flatten(1)
     for got, want, ok in ((full, ref, bound), (kept, ref.masked_fill(~inside, -torch.inf), bound),
@@ -425,10 +427,17 @@ def test_pool_sized_from_the_gpu_memory(small):
     assert sized == _serve(small, PROMPTS[:4])
 
 
+def _same(a, b):
+    "Bit for bit equal: tensors, or tuples of them (None where both are)"
+    if isinstance(a, torch.Tensor): return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, tuple): return isinstance(b, tuple) and len(a) == len(b) and all(map(_same, a, b))
+    return a is None and b is None
+
+
 def _launches_differ(fn, n):
     "How many of `n` launches of `fn` differ in any bit from its first"
     first = fn()
-    return sum(not torch.equal(fn(), first) for _ in range(n))
+    return sum(not _same(fn(), first) for _ in range(n))
 
 
 def test_moe_stages_repeat_exactly():
@@ -458,3 +467,22 @@ def test_moe_stages_repeat_exactly():
             'fp8 down': (100, lambda: expert_down_fp8(h, F.w2, al, shape))}
         differ = {name: _launches_differ(fn, n) for name, (n, fn) in stages.items()}
         assert not any(differ.values()), f"{T} tokens: launches that differ from the first: {differ}"
+
+
+@pytest.mark.parametrize('T', [1, 4, 16, 64, 256])
+def test_projections_seam_and_decode_repeat_exactly(T):
+    """The FP8 projections (the GEMV and both MMA kernels) on a 4,096 x 4,096 weight, the mHC seam at the bench width
+    and sparse decode at the full width (64 heads), launched 100 times on the same inputs at each serving batch, give
+    the same bits each time (as the MoE's stages must)"""
+    w, x = _fp8_case(T, 4096, 4096, seed=T, scale=1.0)
+    for mma in (1, 2):
+        assert not _launches_differ(lambda: fp8_linear(x, w, True, max_t=256, mma=mma), 100), f"MMA version {mma}"
+    args = seam_args(ModelConfig.bench(), T, torch.bfloat16, True, True, True, True, 3.0, seed=T)
+    with use_kernels('triton'):
+        assert not _launches_differ(lambda: mhc_seam(**args), 100), "mHC seam"
+    cfg = ModelConfig.full()
+    q, window, compressed, idx, sink, scale = decode_inputs(cfg, T, 2048, cfg.index_topk, 'fp8_ds_mla', 'ds_fp4',
+                                                            heads=64, ragged=True, device=DEV, seed=T)
+    with use_kernels('triton'):
+        assert not _launches_differ(lambda: sparse_decode(q, window, compressed, idx, sink, scale,
+                                                          check_indices=False), 100), "sparse decode"
