@@ -158,8 +158,9 @@ def test_moe_slots_bench_layer():
     register cap), the `mid` regime and the `large` one, in one tile and with K split, within the reference"""
     cfg = ModelConfig.bench()
     W = MoEWeights.random(cfg, 0, DEV)
-    # two draws that once failed on an H100 (the down stage at 2,048 tokens), then new activations each run, their
-    # seed named by a failure: DSV41_MOE_SEED=S runs that case alone
+    # two draws that once failed on an H100 (the down stage at 2,048 tokens, a race at eight warps: see
+    # test_moe_stages_repeat_exactly), then new activations each run, their seed named by a failure:
+    # DSV41_MOE_SEED=S runs that case alone
     seeds = ([int(os.environ['DSV41_MOE_SEED'])] if 'DSV41_MOE_SEED' in os.environ
              else [500103725, 1212549319, random.SystemRandom().randrange(2 ** 31)])
     for seed in seeds:
