@@ -877,6 +877,25 @@ def test_host_only_engine_times_its_phases():
     assert llm.llm_engine.runner.model.stats['replayed'] > 0
 
 
+def test_host_step_times_staggers_its_prompts_and_times_decode_steps_alone(monkeypatch):
+    """host_step_times adds prompts of staggered lengths (a third of max_model_len plus i modulo a quarter), finishes
+    every prefill, chunked ones too, before it times a step, and takes the longest run that fits max_model_len"""
+    from dsv41_nb import host_steps
+    llm = host_engine(TINY, 256, max_num_batched_tokens=16)              # prefills in chunks of 16 tokens
+    eng, lens, ready = llm.llm_engine, [], []
+    add, enter = eng.add_request, host_steps.StepTimer.__enter__
+    monkeypatch.setattr(eng, 'add_request', lambda rid, p, sp: (lens.append(len(p)), add(rid, p, sp))[1])
+    def spy(timer):
+        s = eng.scheduler
+        ready.append(not s.waiting and all(r.num_computed_tokens >= r.prefill_len for r in s.running))
+        return enter(timer)
+    monkeypatch.setattr(host_steps.StepTimer, '__enter__', spy)
+    host_step_times(llm, 5, 4)
+    assert lens == [85, 86, 87, 88, 89] and ready == [True]
+    host_step_times(llm, 1, 256 - 85 - 64 - 4)                           # prompts up to 149 tokens, 4 to spare
+    assert not eng.has_unfinished_requests()
+
+
 def test_a_prefill_step_applies_the_step_before_it_first():
     """Async: a step with prefill rows is launched only after the previous step's tokens are applied
     (its first tokens not held back)"""
