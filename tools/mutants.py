@@ -7,7 +7,8 @@ Copies the package and the tests to a scratch directory, then for every mutable 
 `dsv41_nb/MODULE` makes one small change at a time (a comparison turned around or made strict,
 `and`/`or` swapped, a `not` or a `+ 1`/`- 1` dropped, `min`/`max` swapped, `return True`/`False`
 swapped) and runs the tests against it (`pytest -x`, Triton's interpreter, no bytecode cache, so a
-mutant written in the same second as the last one is never run from the last one's bytecode).
+mutant written in the same second as the last one is never run from the last one's bytecode); a
+mutant whose tests run four times as long as the module's own (at least a minute) hangs, and counts as caught.
 Prints each mutant that every test passed; `--json` writes them. Lines that raise, build a
 message or call a `check_` validator are left alone: the bad-input tables check those. A survivor
 is either a missing test or an equivalent mutant (one that cannot change what the code does); the
@@ -61,15 +62,21 @@ def main():
             todo = [m for m in todo if m[0] + 1 in keep]
         env = dict(os.environ, PYTHONPATH=str(work), TRITON_INTERPRET='1', PYTHONDONTWRITEBYTECODE='1')
         select = ['-k', a.select] if a.select else []
-        run = lambda: subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
-                                      *select, *a.tests], cwd=work, env=env, capture_output=True, text=True)
+        run = lambda limit=None: subprocess.run([sys.executable, '-m', 'pytest', '-q', '-x', '-p', 'no:cacheprovider',
+                                                 *select, *a.tests], cwd=work, env=env, capture_output=True,
+                                                text=True, timeout=limit)
+        t0 = time.time()
         if (base := run()).returncode:
             sys.exit(f"the tests fail on the module as it is:\n{base.stdout[-2000:]}")
+        limit = max(60.0, 4 * (time.time() - t0))    # a mutant that runs past this hangs: the tests catch it
         print(f"{len(todo)} mutants of dsv41_nb/{a.module}", flush=True)
         survivors, t0 = [], time.time()
         for i, new in todo:
             path.write_text(''.join(orig[:i] + [new] + orig[i + 1:]))
-            if run().returncode == 0:
+            try: passed = run(limit).returncode == 0
+            except subprocess.TimeoutExpired:
+                print(f"hung (killed after {limit:.0f} s), line {i + 1}: {new.strip()}", flush=True); continue
+            if passed:
                 survivors.append(dict(line=i + 1, was=orig[i].strip(), now=new.strip()))
                 print(f"survived, line {i + 1}: {new.strip()}", flush=True)
         print(f"{len(survivors)} of {len(todo)} survived ({time.time() - t0:.0f} s)")
