@@ -383,3 +383,15 @@ def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded):
         req.num_computed_tokens, h, before = c, req.alloc_until, _cache_state(s.kv)
         req.append_output_token_ids(r.randrange(V)); s._allocate(req, 1)
         assert not (c < h and _cache_state(s.kv) != before), (c, h)
+
+
+@pytest.mark.parametrize('room,tried,got', [(3, [5, 3], (3, 0)), (1, [5, 3, 2, 1], (1, 0)), (0, [5, 3, 2, 1], None)])
+def test_a_prefill_chunk_that_does_not_fit_is_halved_rounding_up(monkeypatch, room, tried, got):
+    "A chunk of 5 tokens on a pool with room for fewer: 5, then 3, 2 and 1 are asked for (halved, rounding up)"
+    s, asked = _sched(), []
+    def allocate(req, n, skip, hit, num_lookahead_tokens=0):
+        asked.append(n)
+        return [] if n <= room else None
+    monkeypatch.setattr(s.kv, 'allocate_slots', allocate)
+    monkeypatch.setattr(s.kv, 'get_block_ids', lambda rid: [])
+    assert s._allocate(s.requests['x'], 5, may_preempt=False) == got and asked == tried
