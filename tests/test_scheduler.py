@@ -395,3 +395,31 @@ def test_a_prefill_chunk_that_does_not_fit_is_halved_rounding_up(monkeypatch, ro
     monkeypatch.setattr(s.kv, 'allocate_slots', allocate)
     monkeypatch.setattr(s.kv, 'get_block_ids', lambda rid: [])
     assert s._allocate(s.requests['x'], 5, may_preempt=False) == got and asked == tried
+
+
+def _drafting(budget=8, k=8, prompt=4, **sp):
+    "x (a prompt of `prompt` tokens) sampled once and handed k drafts; y, 20 tokens, admitted behind it"
+    s = Scheduler(tiny_cache(), SchedulerConfig(max_num_batched_tokens=budget, num_speculative_tokens=k))
+    s.add_request('x', list(range(1, prompt + 1)), SamplingParams(**sp))
+    s.add_request('y', list(range(1, 21)))
+    out = s.schedule()
+    sampled = {r.request_id: [5] if r.sample else [] for r in out.requests}
+    s.update_from_output(out, ModelRunnerOutput(sampled, {'x': [6] * k}))
+    return s, s.schedule()
+
+
+def test_drafts_stop_at_the_budget_and_nothing_runs_once_it_is_spent():
+    """A decode row with drafts takes at most the whole budget (1 + budget - 1 drafts); behind it, no empty entry for
+    the request still prefilling"""
+    s, out = _drafting()
+    assert s.requests['y'].num_computed_tokens == 4 < s.requests['y'].prefill_len
+    assert [(r.request_id, len(r.token_ids), r.num_draft_tokens) for r in out.requests] == [('x', 8, 7)]
+
+
+def test_drafts_stop_at_max_tokens_and_max_model_len():
+    "Drafts never plan a token past max_tokens (the row's own token counts) or past max_model_len"
+    s, out = _drafting(budget=64, max_tokens=4)          # one sampled, three to go: the row and two drafts
+    assert [(r.request_id, r.num_draft_tokens) for r in out.requests][:1] == [('x', 2)]
+    s, out = _drafting(budget=600, k=20, prompt=500)      # 501 tokens of 512: the row at 500, drafts to 511
+    (x,) = [r for r in out.requests if r.request_id == 'x']
+    assert (x.start, len(x.token_ids), x.num_draft_tokens) == (500, 12, 11)
