@@ -423,3 +423,47 @@ def test_drafts_stop_at_max_tokens_and_max_model_len():
     s, out = _drafting(budget=600, k=20, prompt=500)      # 501 tokens of 512: the row at 500, drafts to 511
     (x,) = [r for r in out.requests if r.request_id == 'x']
     assert (x.start, len(x.token_ids), x.num_draft_tokens) == (500, 12, 11)
+
+
+def test_steps_count_up_and_each_sampling_step_waits_once_to_be_applied():
+    """Steps are numbered 0, 1, 2...; under async scheduling a step that samples is listed once as not yet applied
+    (a prefill chunk that samples nothing is not), in order, until its output is applied"""
+    s = Scheduler(tiny_cache(), SchedulerConfig(async_scheduling=True, max_num_batched_tokens=4))
+    s.add_request('x', [1, 2, 3, 4, 5])
+    a = s.schedule()                                             # x's first chunk: 4 tokens, nothing sampled
+    assert (a.step, list(s._unapplied)) == (0, [])
+    s.update_from_output(a, ModelRunnerOutput({'x': []}))
+    s.add_request('y', [1, 2])
+    b, c = s.schedule(), s.schedule()                            # both sample, the second before the first is back
+    assert (b.step, c.step, list(s._unapplied)) == (1, 2, [1, 2])
+    for out in (b, c): s.update_from_output(out, ModelRunnerOutput({r: [7] for r in out.req_ids}))
+    assert not s._unapplied and s.schedule().step == 3
+
+
+def test_a_plain_decode_step_is_applied_in_one_pass():
+    "Every all-decode step without drafts is applied by the one-pass path, not the general one"
+    s = Scheduler(tiny_cache(), SchedulerConfig())
+    for r in 'xyz': s.add_request(r, [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    one_pass, orig = [], s._update_decode
+    def spy(so, mro):
+        got = orig(so, mro); one_pass.append(got is not None)
+        return got
+    s._update_decode = spy
+    steps = 0
+    while s.has_unfinished_requests():
+        out = s.schedule(); steps += 1
+        s.update_from_output(out, ModelRunnerOutput({r: [7] for r in out.req_ids}))
+    assert steps == 4 and one_pass == [True] * 3
+
+
+def test_replay_starts_a_window_before_the_prompts_end():
+    "Bounded replay: the decoder layers run from a window before the prompt's end, from 0 on a prompt within a window"
+    s = Scheduler(tiny_cache(), SchedulerConfig(bounded_replay=True))
+    s.add_request('long', list(range(1, s.window + 11))); s.add_request('short', [1, 2, 3])
+    assert [r.replay_start for r in s.schedule().requests] == [10, 0]
+
+
+def test_without_chunking_a_prompt_as_long_as_the_budget_is_admitted():
+    s = Scheduler(tiny_cache(), SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512))
+    s.add_request('x', [1] * 512, SamplingParams(max_tokens=1))
+    assert [len(r.token_ids) for r in s.schedule().requests] == [512]
