@@ -467,3 +467,20 @@ def test_without_chunking_a_prompt_as_long_as_the_budget_is_admitted():
     s = Scheduler(tiny_cache(), SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=512))
     s.add_request('x', [1] * 512, SamplingParams(max_tokens=1))
     assert [len(r.token_ids) for r in s.schedule().requests] == [512]
+
+
+def test_draft_and_accepted_counts():
+    "Three drafts verified, two accepted (the third replaced by the target's own token): the stats say 3 and 2"
+    s = Scheduler(tiny_cache(), SchedulerConfig(num_speculative_tokens=3))
+    s.add_request('x', [1, 2, 3], SamplingParams(ignore_eos=True))
+    s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [5]}, {'x': [6, 7, 8]}))
+    s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [6, 7, 9]}))
+    assert (s.stats['draft_tokens'], s.stats['accepted_tokens']) == (3, 2)
+
+
+def test_toy_runner_takes_every_vocabulary_its_cache_allows_and_refuses_rows_off_its_cache():
+    kc = tiny_cache()
+    for v in (1, kc.vocab_size): assert ToyRunner(kc, v).vocab_size == v
+    sr = _sched().schedule().requests[0]
+    runner = ToyRunner(kc, V); runner._inputs(sr)
+    fails_with(lambda: runner._inputs(dataclasses.replace(sr, new=False, start=2)), contains="rows at 2")
