@@ -374,7 +374,7 @@ def test_fast_decode_plans_every_step_as_the_general_path(c, seed, n_req):
 @given(st.integers(1, 300), st.integers(0, 10 ** 6), st.booleans(), st.booleans())
 def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded):
     """Below `alloc_until` a one-row allocation changes nothing in the cache; the horizon is met,
-    not passed, by a real change"""
+    not passed, by a real change (a horizon behind the tokens would be safe, and slow)"""
     r = random.Random(seed)
     s = Scheduler(tiny_cache(200, enable_prefix_caching=caching), SchedulerConfig(bounded_replay=bounded))
     req = s.add_request('h', [r.randrange(V) for _ in range(prompt_len)], SamplingParams(max_tokens=200))
@@ -383,6 +383,10 @@ def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded):
         req.num_computed_tokens, h, before = c, req.alloc_until, _cache_state(s.kv)
         req.append_output_token_ids(r.randrange(V)); s._allocate(req, 1)
         assert not (c < h and _cache_state(s.kv) != before), (c, h)
+        # exact: met, never behind (but for the first horizon, taken at 0 computed tokens, and -1 with prefix caching:
+        # a window group with no checkpoint yet, while too few tokens are known to hash, sends steps the general way)
+        if c > prompt_len and not (caching and h == -1):
+            assert h >= c and (c < h or _cache_state(s.kv) != before), (c, h)
 
 
 @pytest.mark.parametrize('room,tried,got', [(3, [5, 3], (3, 0)), (1, [5, 3, 2, 1], (1, 0)), (0, [5, 3, 2, 1], None)])
