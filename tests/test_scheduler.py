@@ -488,3 +488,17 @@ def test_toy_runner_takes_every_vocabulary_its_cache_allows_and_refuses_rows_off
     sr = _sched().schedule().requests[0]
     runner = ToyRunner(kc, V); runner._inputs(sr)
     fails_with(lambda: runner._inputs(dataclasses.replace(sr, new=False, start=2)), contains="rows at 2")
+
+
+def test_decode_steps_go_in_one_pass_from_the_first_even_with_every_seat_taken():
+    """Two seats, three requests: x and y prefill, then decode in one pass while z waits for a seat (from the first
+    decode step on), then z; the steps count up; a one-pass step's outputs compare equal to their list"""
+    s = Scheduler(tiny_cache(), SchedulerConfig(max_num_seqs=2))
+    for r in 'xyz': s.add_request(r, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    kinds, steps = [], []
+    while s.has_unfinished_requests():
+        out = s.schedule(); kinds.append(type(out).__name__); steps.append(out.step)
+        got = s.update_from_output(out, ModelRunnerOutput({r: [7] for r in out.req_ids}))
+        assert got == list(got)
+    assert steps == list(range(6))
+    assert kinds == ['SchedulerOutput', 'DecodeOutput', 'DecodeOutput'] * 2
