@@ -502,3 +502,29 @@ def test_decode_steps_go_in_one_pass_from_the_first_even_with_every_seat_taken()
         assert got == list(got)
     assert steps == list(range(6))
     assert kinds == ['SchedulerOutput', 'DecodeOutput', 'DecodeOutput'] * 2
+
+
+def test_a_request_aborted_while_its_one_pass_step_is_in_flight_is_left_out_of_that_steps_outputs():
+    "Async: x, y and z decode in one pass; y is aborted before that step comes back: its token is dropped, theirs kept"
+    s = Scheduler(tiny_cache(), SchedulerConfig(async_scheduling=True))
+    for r in 'xyz': s.add_request(r, [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
+    first = s.schedule()
+    second = s.schedule()                                                   # all decode, before `first` is back
+    assert type(second).__name__ == 'DecodeOutput'
+    s.update_from_output(first, ModelRunnerOutput({r: [7] for r in 'xyz'}))
+    s.abort('y')
+    got = s.update_from_output(second, ModelRunnerOutput({r: [r == 'x' and 8 or 9] for r in 'xyz'}))
+    assert [(o.request_id, o.new_token_ids) for o in got] == [('x', [8]), ('z', [9])]
+    assert type(got).__name__ == 'DecodeCoreOutputs' and len(got) == 2 and got == list(got)
+
+
+def test_a_stop_token_finishes_a_request_in_a_one_pass_step():
+    "EOS, or a stop id, sampled in an all-decode step well before max_tokens: the request stops there"
+    for kw, stop in (({}, EOS), ({'stop_token_ids': [5]}, 5)):
+        s = Scheduler(tiny_cache(), SchedulerConfig())
+        s.add_request('x', [1, 2, 3], SamplingParams(max_tokens=8, **kw), eos_token_id=EOS)
+        s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [7]}))
+        out = s.schedule()
+        (o,) = s.update_from_output(out, ModelRunnerOutput({'x': [stop]}))
+        assert type(out).__name__ == 'DecodeOutput' and o.finish_reason == 'stop'
+        assert not s.has_unfinished_requests()
