@@ -95,6 +95,9 @@ BAD = [
     (lambda: table_slot_mappings(tiny_cache().groups, [np.zeros((1, 4), np.int32)] * 3,
                                  np.zeros(1, int), np.array([3])),
      ValueError, 'position 3 falls in a released (null) block'),
+    (lambda: table_slot_mappings(tiny_cache().groups, [np.array([[1, 0] + [2] * 30], np.int32)] * 3,
+                                 np.zeros(2, int), np.array([0, 20])),
+     ValueError, 'position 20 falls in a released (null) block'),
 ]
 
 @pytest.mark.parametrize('f, exc, msg', BAD, ids=[m for _, _, m in BAD])
@@ -528,3 +531,10 @@ def test_a_stop_token_finishes_a_request_in_a_one_pass_step():
         (o,) = s.update_from_output(out, ModelRunnerOutput({'x': [stop]}))
         assert type(out).__name__ == 'DecodeOutput' and o.finish_reason == 'stop'
         assert not s.has_unfinished_requests()
+
+
+def test_as_many_decode_rows_as_the_budget_still_go_in_one_pass():
+    s = Scheduler(tiny_cache(), SchedulerConfig(max_num_batched_tokens=2))
+    for r in 'xy': s.add_request(r, [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [7], 'y': [7]}))
+    assert type(s.schedule()).__name__ == 'DecodeOutput'
