@@ -42,6 +42,15 @@ def _applied_twice():
     s.update_from_output(out, ModelRunnerOutput({'x': [7]}))
     s.update_from_output(out, ModelRunnerOutput({'x': [7]}))
 
+def _decode_step(sampled=None, **columns):
+    "x and y prefilled and sampled once, then a one-pass decode step answered with `sampled` (or columns)"
+    s = Scheduler(tiny_cache(), SchedulerConfig())
+    for r in 'xy': s.add_request(r, [1, 2, 3], SamplingParams(ignore_eos=True))
+    s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [7], 'y': [7]}))
+    out = s.schedule()
+    assert type(out).__name__ == 'DecodeOutput'
+    s.update_from_output(out, ModelRunnerOutput(sampled, **columns))
+
 BAD = [
     (lambda: SamplingParams(temperature=-1), ValueError, 'temperature = -1'),
     (lambda: SamplingParams(top_p=1.5), ValueError, 'top_p = 1.5'),
@@ -82,6 +91,12 @@ BAD = [
     (lambda: _update({'x': [7]}, {'x': [999]}), ValueError, 'token id 999'),
     (lambda: _update({'x': [7]}, verified={'x': 2}), ValueError, "request 'x': 2 drafts verified of the 0 planned"),
     (lambda: _update({'x': [7]}, verified={'x': -1}), ValueError, '-1 drafts verified'),
+    (lambda: _decode_step({}), ValueError, "no sampled tokens for request 'x'"),
+    (lambda: _decode_step({'x': [7], 'y': [512]}), ValueError, 'token id 512 at position 0 is outside the vocab'),
+    (lambda: _decode_step(req_ids=['x', 'y'], token_ids=[512, 7]), ValueError, 'token id 512 at position 0'),
+    (lambda: _decode_step({'x': [7], 'y': [-1]}), ValueError, 'token id -1 at position 0 is outside the vocabulary'),
+    (lambda: _decode_step({'x': [7.0], 'y': [7]}), TypeError, 'token id 7.0 at position 0 has type float'),
+    (lambda: _decode_step(req_ids=['x', 'y'], token_ids=['7', 7]), TypeError, "token id '7' at position 0 has"),
     (lambda: _applied_twice(), ValueError, 'step 0 is not its oldest step in flight (applied twice, or out of order)'),
     (lambda: _sched().schedule(drafts='no'), TypeError, "schedule: drafts = 'no'"),
     (lambda: NgramProposer(2, 0), ValueError, 'prompt_lookup_min = 0'),
