@@ -36,6 +36,7 @@ from dsv41_nb.checkpoint import load_model
 from dsv41_nb.accounting import HARDWARE
 from dsv41_nb.train import load_corpus, split_documents, byte_data
 from dsv41_nb.scheduler import SamplingParams
+from dsv41_nb.__main__ import load_summary
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fused kernels, CUDA graphs)
@@ -132,6 +133,7 @@ def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False, war
     sync(device); t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     sync(device); dt = time.perf_counter() - t0
+    lat = load_summary(outs, dt)                                    # the requests' TTFT and TPOT percentiles
     stats = {k: v - before.get(k, 0) for k, v in llm.llm_engine.scheduler.stats.items()}
     emitted = sum(len(o.outputs[0].token_ids) for o in outs)
     # each request-step emits one non-draft token
@@ -140,7 +142,8 @@ def run_engine(model, drafter, prompts, n, policy, cost, device, asyn=False, war
                 drafted=stats['draft_tokens'], accepted=stats['accepted_tokens'],
                 mean_k=stats['draft_tokens'] / max(1, request_steps), outputs=[o.outputs[0].token_ids for o in outs],
                 steps=eng.scheduler.step - steps, plain_steps=eng.runner.plain_steps - plain,
-                captured=captures(eng) - c0, pacer=repr(getattr(prop, 'pacer', None)))
+                captured=captures(eng) - c0, pacer=repr(getattr(prop, 'pacer', None)),
+                ttft_s=lat['ttft_s'], tpot_s=lat['tpot_s'])
 
 
 def modelled(a, c, policy, cost):
@@ -215,9 +218,11 @@ def main():
                 if path == 'loop' and policy == 'fixed 5': slots[c] = r['slot_acceptance']
                 r.pop('outputs', None)
                 rows.append(dict(path=path, concurrency=c, policy=policy, **r))
+                tpot = (f", TPOT p50/p99 {1e3 * r['tpot_s'][50]:.2f}/{1e3 * r['tpot_s'][99]:.2f} ms"
+                        if r.get('tpot_s') else '')
                 print(f"  {path} c={c} {policy}: {r['tokens_per_s']:.1f} tok/s, "
                       f"{r['tokens_per_request_step']:.2f} tokens per request-step, "
-                      f"{r['seconds']:.1f} s", flush=True)
+                      f"{r['seconds']:.1f} s{tpot}", flush=True)
     a = next(iter(slots.values()), [])
     for r in rows:
         r['modelled_tokens_per_s'] = modelled(slots.get(r['concurrency'], a), r['concurrency'],

@@ -2,7 +2,7 @@
 """Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor.
 
     python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--prefetch]
-                              [--planes] [--tiles dequantised] [--quick]
+                              [--planes] [--tiles dequantised] [--peer] [--quick]
 
 One row per batch size, all measured in one run: the median time of `fused_moe_experts`, the floor (the larger of the
 bytes the layer must move over the measured copy bandwidth and its FLOPs over the measured BF16 matmul rate), the
@@ -14,6 +14,9 @@ checks the chosen tiles against the reference loop first. `--prefetch` also time
 gate/up loop's scales loaded a step ahead and in their step (`prefetch` on and off, alternating, the best of two
 medians each). `--planes` times the layer with the gate/up stage of 08f_moe_planes (version 3: codes in planes;
 version 4: the activations in pair order) against version 2 the same way, each checked against the reference first.
+`--peer` times only the served layer (`served_moe`: the router, GEMVs up to four
+tokens, the fused MoE on planes above) against the same layer in PyTorch on BF16 weights (`torch._grouped_mm`), each
+checked against the reference loop first, and records both against the served layer's floor.
 `--quick` runs the tiny config at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check
 of the script, not a measurement."""
 import os, sys
@@ -102,6 +105,81 @@ def planes_ab(cfg, sizes, device):
               f"({t['v2'] / t['v3']:.2f}x), version 4 {t['v4']:.3f} ms ({t['v2'] / t['v4']:.2f}x)")
     return rows
 
+def grouped_peer(cfg, W):
+    """The same MoE layer as PyTorch runs it on BF16 weights, the peer the fused kernels are held to: the router,
+    `torch._grouped_mm` over the assignments sorted by expert (10_model's `sort_by_expert`), gate and up as one
+    grouped product on the stacked weights, the down product, and the shared expert on cuBLAS. It reads BF16 weights:
+    four times the routed bytes of the MXFP4 codes."""
+    import torch.nn.functional as F
+    from dsv41_nb.model import sort_by_expert
+    deq = lambda n: torch.stack([getattr(W, n).dequantize(e).to(torch.bfloat16) for e in range(getattr(W, n).shape[0])])
+    w13 = torch.cat([deq('w1'), deq('w3')], 1).transpose(1, 2)         # (E, dim, 2 inter): column-major per expert
+    w2 = deq('w2').transpose(1, 2)                                      # (E, inter, dim)
+    sw1, sw3, sw2 = (deq(f'shared_{n}')[0] for n in ('w1', 'w3', 'w2'))
+    inter, lim = w2.shape[1], cfg.swiglu_limit
+
+    def glu(g, u):
+        g, u = g.float(), u.float()
+        if lim > 0: g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+        return F.silu(g) * u
+
+    def run(x, routing=None):                                        # routing: (weights, ids), else routed here
+        tw, ti = routing or route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        order, offs = sort_by_expert(ti, W.n_experts)
+        rows = order // ti.shape[1]
+        gu = torch._grouped_mm(x[rows], w13, offs=offs)
+        h = (glu(gu[:, :inter], gu[:, inter:]) * tw.flatten()[order, None]).to(torch.bfloat16)
+        y = torch.zeros(x.shape, device=x.device).index_add_(0, rows, torch._grouped_mm(h, w2, offs=offs).float())
+        hs = glu(F.linear(x, sw1), F.linear(x, sw3)).to(torch.bfloat16)
+        return (y + F.linear(hs, sw2).float()).to(torch.bfloat16)
+    return run
+
+def rel_err(a, b) -> float: return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+def peer_ab(cfg, sizes, device):
+    """The served MoE layer (`served_moe` of 10b_paged: the router, GEMVs up to four tokens, else the fused MoE on
+    planes) against `grouped_peer`, alternately at each size, both replayed from CUDA graphs and checked against the
+    reference loop first; with the served layer's floor (`moe_bytes_flops`, measured copy and BF16 rates)"""
+    from types import SimpleNamespace
+    from dsv41_nb.moe import moe_bytes_flops, moe_experts_reference, fp8_qdq
+    from dsv41_nb.dispatch import graph_time, copy_bandwidth
+    from dsv41_nb.fused_moe import bf16_matmul_rate
+    from dsv41_nb.paged import served_moe
+    on_gpu = device == 'cuda'
+    W = MoEWeights.random(cfg, 0, device)
+    layer = SimpleNamespace(moe=MoEWeights.random(cfg, 0, device))   # served_moe turns its weights into planes
+    peer = grouped_peer(cfg, W)
+    bw = copy_bandwidth(2 * 2**30 if on_gpu else 2**24, device)
+    rate = bf16_matmul_rate(8192 if on_gpu else 256, device)
+    rows = []
+    for T in sizes:
+        g = torch.Generator(device=device).manual_seed(T)
+        x = torch.randn(T, cfg.dim, device=device, generator=g).to(torch.bfloat16)
+        tw, ti = route(x, W.gate, W.bias, cfg.n_activated_experts, cfg.route_scale)
+        want = moe_experts_reference(x, tw, ti, W, cfg.swiglu_limit)
+        # the reference rounds the activations to FP8 (the recipe's): the peer is checked on the same rounded input,
+        # routed as x was (rounded, a token near a tie could choose another expert)
+        e_peer = rel_err(peer(fp8_qdq(x).to(torch.bfloat16), (tw, ti)), want)
+        e_served = rel_err(served_moe(layer, x, cfg), want)
+        if max(e_served, e_peer) > 0.05:
+            raise RuntimeError(f"{T} tokens: relative error against the reference loop: served {e_served:.3g}, "
+                               f"peer {e_peer:.3g} (> 0.05)")
+        t = {}
+        for _ in range(2):                                   # in turn, the better of two graph medians each
+            for k, fn in (('served', lambda i: served_moe(layer, x, cfg)), ('peer', lambda i: peer(x))):
+                t[k] = min(t.get(k, float('inf')), graph_time(fn, calls=8) * 1e3)
+        nbytes, flops = moe_bytes_flops(cfg, T, ti.unique().numel())
+        floor = max(nbytes / bw, flops / rate) * 1e3
+        rows.append(dict(tokens=T, served_ms=t['served'], peer_ms=t['peer'], floor_ms=floor,
+                         bound='bytes' if nbytes / bw >= flops / rate else 'FLOPs',
+                         of_floor=floor / t['served'], peer_of_floor=floor / t['peer'],
+                         speedup=t['peer'] / t['served'], err_served=e_served, err_peer=e_peer))
+        r = rows[-1]
+        print(f"{T:6d} tokens: served {r['served_ms']:8.3f} ms ({r['of_floor']:4.0%} of floor), "
+              f"grouped_mm BF16 {r['peer_ms']:8.3f} ms, served {r['speedup']:5.2f}x faster; "
+              f"errors {e_served:.1e} / {e_peer:.1e}")
+    return dict(copy_TBps=bw / 1e12, bf16_TFLOPs=rate / 1e12, rows=rows)
+
 if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--config', default='bench', choices=('bench', 'tiny', 'full'))
@@ -113,6 +191,8 @@ if __name__ == '__main__':
                     help="time versions 3 and 4 of the gate/up stage against version 2")
     ap.add_argument('--tiles', default=MOE_TILES[0], choices=MOE_TILES,
                     help="the weight tiles: 'scaled' (version 2, tl.dot_scaled) or 'dequantised' (version 1)")
+    ap.add_argument('--peer', action='store_true',
+                    help="time the served layer against torch._grouped_mm on BF16 weights, every size alone")
     ap.add_argument('--quick', action='store_true', help='tiny config, sizes 1 8 32: checks the script on any machine')
     args = ap.parse_args()
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -120,6 +200,14 @@ if __name__ == '__main__':
     elif device == 'cpu': sys.exit('this benchmark needs a GPU (use --quick to check the script on a CPU)')
     cfg = getattr(ModelConfig, args.config)()
     machine = machine_name(device)
+    if args.peer:
+        pr = peer_ab(cfg, args.sizes, device)
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(dict(device=machine, date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', commit=git_commit(),
+                               torch=torch.__version__, triton=triton.__version__, config=args.config, **pr), f,
+                          indent=1)
+        sys.exit(0)
     print(f'{machine}  {datetime.datetime.now():%Y-%m-%d %H:%M}  torch {torch.__version__}  '
           f'triton {triton.__version__}  config {args.config}: {cfg.n_routed_experts} experts, '
           f'top {cfg.n_activated_experts}, dim {cfg.dim}, inter {cfg.moe_inter_dim}')
