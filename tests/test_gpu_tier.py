@@ -64,6 +64,31 @@ def test_decode_every_tuning_row(window, main):
     assert all(r['worst'] <= 1 for r in rows)
 
 
+
+@pytest.mark.parametrize('fmt', ['ds_fp4', 'fp8_ds_mla'])
+def test_compress_step_at_the_bench_geometry(fmt):
+    """The compressor's decode step in one launch (`compress_step`, version 2) at the `bench` head dim: 64 requests
+    prefilled, then one token each, the reference's bits in the cache, the latents and the open groups left in the
+    rings, and the same bits launch after launch"""
+    from test_compressor import Harness, same_bits
+    from dsv41_nb.compressor import Compressor, compress_reference, compress_step
+    c = Compressor(ModelConfig.bench(), 2, fmt).to(DEV)
+    c.norm.weight.data = torch.rand(c.head_dim, generator=torch.Generator().manual_seed(1)).to(DEV) + 0.5
+    lengths = [2 + 7 * q % 23 for q in range(64)]
+    steps = [[(q, 0, n - 1) for q, n in enumerate(lengths)], [(q, n - 1, 1) for q, n in enumerate(lengths)]]
+    h = Harness(c, lengths, 0)
+    (ca, ra, la), (cb, rb, lb) = h.run(compress_reference, steps), h.run(compress_step, steps)
+    assert same_bits(ca, cb) and all(same_bits(a, b) for a, b in zip(la, lb))
+    for q, n in enumerate(lengths):                                   # the open group each request leaves in its ring
+        if n % 2: assert same_bits(ra[h.rings[q] * 2], rb[h.rings[q] * 2]), q
+    cache, ring = h.caches()
+    args = h.step(steps[1])
+
+    def launch():
+        r, k = ring.clone(), cache.clone()
+        return compress_step(c, *args, r, k), r, k
+    assert not _launches_differ(launch, 30)
+
 def _moe_case(T, E, k, seed):
     cfg = replace(TINY, n_routed_experts=E, n_activated_experts=k, dim=128, moe_inter_dim=96)
     W = MoEWeights.random(cfg, seed, DEV)
@@ -374,12 +399,16 @@ def test_dspark_reads_the_taps_captured_graphs_write(small, monkeypatch, async_s
     assert 0 < runner.plain_steps <= runner.model.stats['replayed'], (runner.plain_steps, runner.model.stats)
 
 
-def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch):
-    "Three drafts a step, verified in the engine's eager steps: greedy tokens as without speculation, no target re-run"
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_dspark_fixed_drafts_keep_the_greedy_tokens(small, monkeypatch, async_scheduling):
+    """Three drafts a step, verified in steps replayed from CUDA graphs, the scheduler planning ahead or not: the
+    greedy tokens of the engine without speculation (synchronous, graphs), and no target re-run"""
     from dsv41_nb.dspark_serving import dspark_proposer
-    runs, want = _count_target_runs(monkeypatch), _serve(small, PROMPTS)
-    assert _serve(small, PROMPTS, proposer=dspark_proposer(small, SMALL / 'dspark.safetensors', 3)) == want
-    assert runs == []
+    runs, want, keep = _count_target_runs(monkeypatch), _serve(small, PROMPTS), []
+    prop = dspark_proposer(small, SMALL / 'dspark.safetensors', 3)
+    assert _serve(small, PROMPTS, keep, proposer=prop, async_scheduling=async_scheduling) == want
+    assert runs == [] and keep[0].llm_engine.scheduler.stats['accepted_tokens'] > 0
+    assert keep[0].llm_engine.runner.model.stats['replayed'] > 0
 
 
 @pytest.mark.parametrize('async_scheduling', [False, True])
