@@ -4,16 +4,16 @@
 
 # %% auto #0
 __all__ = ['PRESETS', 'load_config', 'layer_map_legend', 'accounting_summary', 'report', 'load_summary', 'random_prompts',
-           'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'write_problem',
-           'served_with', 'speculation', 'generate_command', 'bench_command', 'program_name', 'accounting_command',
-           'serve_command', 'build_parser', 'main']
+           'load_test', 'format_load', 'measured_hardware', 'concurrency_sweep', 'format_sweep', 'sweep_verdict',
+           'write_problem', 'served_with', 'speculation', 'generate_command', 'bench_command', 'program_name',
+           'accounting_command', 'serve_command', 'build_parser', 'main']
 
 # %% ../nbs/99_cli.ipynb #3d6dfe31
 import argparse, datetime, json, os, sys, textwrap, time
 from pathlib import Path
 import torch
 from .config import (ModelConfig, expect_config, topology_table, role_counts,
-                             TOPOLOGY_COLUMNS, HALVES, check_int)
+                             TOPOLOGY_COLUMNS, HALVES, check_int, require)
 from .accounting import (accounting_rows, format_rows, ROW_HEADER, SOURCES, Hardware,
                                   HARDWARE, step_floor)
 from .dispatch import machine_name, triton_interpreting, copy_bandwidth
@@ -187,6 +187,22 @@ def format_sweep(rows: list) -> str:
                      + ' '.join(f'{v:>9.2f}' for v in ms) + f" {p[50] / f:>9.1f}")
     return '\n'.join(lines)
 
+# %% ../nbs/99_cli.ipynb #185ba3f4
+def sweep_verdict(rows: list, # `concurrency_sweep` rows, levels in increasing order
+                  within: float = 2.0, # the goal: TPOT p50 at most this many step floors
+                 ) -> str:
+    "Whether throughput rises at every level, and the levels whose TPOT p50 meets the goal"
+    require(isinstance(within, (int, float)) and not isinstance(within, bool) and within > 0,
+            f"sweep_verdict: within must be a positive number, got {within!r}")
+    levels = [r['concurrency'] for r in rows]
+    require(levels == sorted(set(levels)), f"sweep_verdict: levels must increase, got {levels}")
+    rates = [r['output_tokens_per_s'] for r in rows]
+    rising = all(b > a for a, b in zip(rates, rates[1:]))
+    ok = [str(r['concurrency']) for r in rows if r['tpot_s'][50] <= within * r['floor_s']]
+    return (f"throughput rises at every level: {'yes' if rising else 'no'}; TPOT p50 within "
+            f"{within:g}x the step floor at {len(ok)} of {len(rows)} levels"
+            + (f" ({', '.join(ok)})" if ok else ''))
+
 # %% ../nbs/99_cli.ipynb #46d97109
 def write_problem(path) -> str | None:
     ("Why `path` cannot be written (None if it can): "
@@ -289,7 +305,7 @@ def bench_command(
     if levels:
         rows = concurrency_sweep(llm, levels, args.prompt_len, args.max_tokens,
                                  measured_hardware(args.device), args.seed, progress)
-        print(format_sweep(rows)); s = dict(levels=rows)
+        print(format_sweep(rows)); print(sweep_verdict(rows)); s = dict(levels=rows)
     else:
         # warm-up
         load_test(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))

@@ -1009,3 +1009,20 @@ def test_forced_kernels_reach_the_proposer(forced, monkeypatch):
     host_engine(TINY, 256, proposer=spy, kernels=forced).generate(
         [[5, 6, 7], [8, 9]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert spy.seen and set(spy.seen) == {forced}, spy.seen
+
+
+def test_sweep_verdict_says_rising_and_within():
+    from dsv41_nb.__main__ import sweep_verdict
+    row = lambda c, tps, tpot, floor: dict(concurrency=c, output_tokens_per_s=tps, tpot_s={50: tpot}, floor_s=floor)
+    rows = [row(1, 10, 0.03, 0.01), row(8, 60, 0.02, 0.01), row(32, 70, 0.021, 0.01)]
+    assert sweep_verdict(rows) == ("throughput rises at every level: yes; "
+                                   "TPOT p50 within 2x the step floor at 1 of 3 levels (8)")
+    assert sweep_verdict(rows, within=3).endswith('at 3 of 3 levels (1, 8, 32)')
+    flat = rows[:2] + [row(32, 60, 0.02, 0.01)]                 # equal is not rising
+    assert sweep_verdict(flat).startswith('throughput rises at every level: no')
+    nan = [row(1, 10, 0.03, float('nan'))]                      # no floor: no level meets it
+    assert sweep_verdict(nan).endswith('at 0 of 1 levels')
+    for bad, kw, msg in [(rows[::-1], {}, 'levels must increase'), (rows + rows[-1:], {}, 'levels must increase'),
+                         (rows, dict(within=0), 'positive number'), (rows, dict(within=True), 'positive number'),
+                         (rows, dict(within='2'), 'positive number')]:
+        with pytest.raises(ValueError, match=msg): sweep_verdict(bad, **kw)
