@@ -64,7 +64,6 @@ def test_decode_every_tuning_row(window, main):
     assert all(r['worst'] <= 1 for r in rows)
 
 
-
 @pytest.mark.parametrize('fmt', ['ds_fp4', 'fp8_ds_mla'])
 def test_compress_step_at_the_bench_geometry(fmt):
     """The compressor's decode step in one launch (`compress_step`, version 2) at the `bench` head dim: 64 requests
@@ -88,6 +87,7 @@ def test_compress_step_at_the_bench_geometry(fmt):
         r, k = ring.clone(), cache.clone()
         return compress_step(c, *args, r, k), r, k
     assert not _launches_differ(launch, 30)
+
 
 def _moe_case(T, E, k, seed):
     cfg = replace(TINY, n_routed_experts=E, n_activated_experts=k, dim=128, moe_inter_dim=96)

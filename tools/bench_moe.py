@@ -14,9 +14,9 @@ checks the chosen tiles against the reference loop first. `--prefetch` also time
 gate/up loop's scales loaded a step ahead and in their step (`prefetch` on and off, alternating, the best of two
 medians each). `--planes` times the layer with the gate/up stage of 08f_moe_planes (version 3: codes in planes;
 version 4: the activations in pair order) against version 2 the same way, each checked against the reference first.
-`--peer` times only the served layer (`served_moe`: the router, GEMVs up to four
-tokens, the fused MoE on planes above) against the same layer in PyTorch on BF16 weights (`torch._grouped_mm`), each
-checked against the reference loop first, and records both against the served layer's floor.
+`--peer` times only the served layer (`served_moe`: the router, GEMVs up to four tokens, the fused MoE on planes
+above) against the same layer in PyTorch on BF16 weights (`torch._grouped_mm`), each checked against the reference
+loop first, and records both against the served layer's floor.
 `--quick` runs the tiny config at small sizes, on a CPU under the Triton interpreter when there is no GPU: a check
 of the script, not a measurement."""
 import os, sys
