@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 from dsv41_nb.block_pool import NULL_BLOCK_ID
-from dsv41_nb.runner import InputBuffers
+from dsv41_nb.runner import InputBuffers, RING
 
 GROUPS = ('swa', 'global', 'c4')
 
@@ -77,7 +77,6 @@ def test_a_table_that_narrows_keeps_null_past_its_end():
 
 def test_history_is_the_ids_before_each_position():
     "The H ids before each position, read from the rows' rings, against the requests' whole id lists (-1 before 0)"
-    from dsv41_nb.runner import RING
     rng, buf = random.Random(0), InputBuffers(GROUPS, rows=4)
     seqs = {f'r{i}': [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 30))] for i in range(6)}
     def check():
@@ -100,7 +99,6 @@ def test_history_is_the_ids_before_each_position():
 
 def test_settle_takes_ids_only_for_rows_still_their_own():
     "A step's sampled ids go to the rows whose request still holds them (same generation); others keep theirs"
-    from dsv41_nb.runner import RING
     buf = InputBuffers(GROUPS, rows=4)
     a, b, c = (buf.start(r, [1, 2, 3], 0) for r in 'abc')
     rows = np.array([a, b, c]); gens = buf.gen[rows].copy()

@@ -109,7 +109,7 @@ def grouped_peer(cfg, W):
     """The same MoE layer as PyTorch runs it on BF16 weights, the peer the fused kernels are held to: the router,
     `torch._grouped_mm` over the assignments sorted by expert (10_model's `sort_by_expert`), gate and up as one
     grouped product on the stacked weights, the down product, and the shared expert on cuBLAS. It reads BF16 weights:
-    four times the routed bytes of the MXFP4 codes."""
+    16 bits a routed weight against the 4.25 of the MXFP4 codes and their scales."""
     import torch.nn.functional as F
     from dsv41_nb.model import sort_by_expert
     deq = lambda n: torch.stack([getattr(W, n).dequantize(e).to(torch.bfloat16) for e in range(getattr(W, n).shape[0])])
