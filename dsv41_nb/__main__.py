@@ -252,7 +252,8 @@ def generate_command(
         served, spec = speculation(args, ckpt, error)
         llm = LLM(served, device=args.device, kernels=args.kernels,
                   async_scheduling=args.async_scheduling,
-                  gpu_memory_utilization=args.gpu_memory_utilization, **spec)
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  capture_at_start=True, **spec)   # every graph captured before the first request
         # checked alone: its errors say "the prompt", not "prompt 0"
         llm.llm_engine.process_prompt(args.prompt)
         outputs = llm.stream(args.prompt, sp)
@@ -291,7 +292,8 @@ def bench_command(
         llm = LLM(served, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=args.async_scheduling, kernels=args.kernels,
-                  gpu_memory_utilization=args.gpu_memory_utilization, **spec)
+                  gpu_memory_utilization=args.gpu_memory_utilization,
+                  capture_at_start=True, **spec)   # every graph captured before the first request
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         if args.prompt_len > (m := llm.llm_engine.max_model_len):
             raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows "

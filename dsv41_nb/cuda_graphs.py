@@ -396,10 +396,20 @@ def forward(self: CUDAGraphModel, batch) -> torch.Tensor:
     if layers: self.tapped.last_taps = tuple(t[:T] for t in taps)   # the real rows' taps
     return logits[:T].clone()
 
+# %% ../nbs/12c_cuda_graphs.ipynb #a7c3e1f0
+@patch
+def _journals(self: CUDAGraphModel) -> bool:
+    "Whether the model's prepared steps can record their rows (`journal`): it verifies drafts"
+    prepare, _ = self._parts()
+    host = prepare(pad_decode_batch(self._template, self.sizes[0], self.widths, n=0))
+    names = {f.name for f in dataclasses.fields(host)} if dataclasses.is_dataclass(host) else ()
+    return 'journal' in names
+
 # %% ../nbs/12c_cuda_graphs.ipynb #ef067b97
 @patch
 def capture_all(self: CUDAGraphModel,
-                sizes: Sequence[int] | None = None) -> list: # capture sizes (default: all of them)
+                sizes: Sequence[int] | None = None, # capture sizes (default: all of them)
+                journal: bool = False) -> list: # graphs of verifying steps (`journal`) instead
     "Capture the graphs of `sizes` not captured yet, largest first; the sizes captured"
     if self._template is None:
         raise RuntimeError("CUDAGraphModel.capture_all: no decode batch has been seen yet, so the "
@@ -407,6 +417,12 @@ def capture_all(self: CUDAGraphModel,
     sizes = self.sizes if sizes is None else tuple(sizes)
     if bad := [s for s in sizes if s not in self.sizes]:
         raise ValueError(f"CUDAGraphModel.capture_all: {bad} are not capture sizes {self.sizes}")
-    new = [s for s in sorted(set(sizes), reverse=True) if s not in self.graphs]
-    for s in new: self.graphs[s] = self._capture(s, self._template)
+    if journal and not self._journals():
+        raise ValueError(f"CUDAGraphModel.capture_all: {type(self.model).__name__}'s steps do not "
+                         "journal their rows, so it has no verifying graphs (journal=True)")
+    graphs, layers = (self.journaled if journal else self.graphs), self._tap_layers()
+    # a graph captured with other taps than the step now keeps is captured again, as `forward` does
+    new = [s for s in sorted(set(sizes), reverse=True)
+           if s not in graphs or graphs[s][4][0] != layers]
+    for s in new: graphs[s] = self._capture(s, self._template, journal)
     return new

@@ -135,6 +135,18 @@ def __call__(self: DrafterGraphs,
     replay(); self.stats['replayed'] += 1
     return Draft(out['tokens'][:N].clone(), None, out['confidence'][:N].clone(), 0.0)
 
+# %% ../nbs/14a_drafter_graphs.ipynb #d2b1c0a2
+@patch
+def capture_all(self: DrafterGraphs,
+                dtype: torch.dtype | None = None) -> list: # contexts' (default: the model's weights')
+    "Capture every size not captured yet, largest first; the sizes captured"
+    dtype = self.drafter.model.embed.weight.dtype if dtype is None else dtype
+    require(isinstance(dtype, torch.dtype) and dtype.is_floating_point,
+            f"DrafterGraphs.capture_all: dtype = {dtype!r}; expected a floating torch.dtype", TypeError)
+    new = [s for s in reversed(self.sizes) if s not in self.graphs]
+    for s in new: self.graphs[s] = self._capture(s, dtype)
+    return new
+
 # %% ../nbs/14a_drafter_graphs.ipynb #c3ea03b2
 class DraftPacer:
     ("Whether an adaptive proposer drafts in a step: skip while the drafter's measured cost "

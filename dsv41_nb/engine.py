@@ -4,7 +4,7 @@
 
 # %% ../nbs/13_engine.ipynb #9990ccac
 from __future__ import annotations
-import codecs, dataclasses, itertools, time
+import codecs, contextlib, dataclasses, itertools, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -12,7 +12,7 @@ import torch
 from fastcore.basics import patch
 from .config import check_int, check_share
 from .block_pool import check_token_ids
-from .dispatch import BACKENDS, gpu_memory
+from .dispatch import BACKENDS, gpu_memory, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config
 from .kv_manager import KVCacheManager
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
@@ -98,6 +98,9 @@ class EngineArgs:
     # largest step, in rows, replayed from a graph (vLLM's; None: 2 · max_num_seqs ·
     # (1 + drafts), at most 512)
     max_cudagraph_capture_size: int | None = None
+    # capture every graph the engine replays when it is built (vLLM's way; False: each size the
+    # first time a step needs it, a pause in the middle of serving)
+    capture_at_start: bool = False
     # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
     kernels: str | None = None
     seed: int = 0  # the generator of unseeded random requests
@@ -187,6 +190,7 @@ class LLMEngine:
         self.tracked, self._pending = {}, None
         # a proposer that paces itself by measured step times is told of each decode step
         self._observer, self._tally = getattr(self.proposer, 'observe_step', None), (0, 0)
+        if a.capture_at_start: self.capture_graphs()
 
 # %% ../nbs/13_engine.ipynb #97741821
 @patch
@@ -582,3 +586,40 @@ def stream(
     ("Queue the prompts now; a generator of delta RequestOutputs as steps produce tokens "
      "(closing it aborts the rest)")
     return self._run(self._add_requests(prompts, sampling_params), delta=True)
+
+# %% ../nbs/13_engine.ipynb #c1a0e7b3
+@patch
+def _warm_up(self: LLMEngine):
+    "Decode one throw-away request of one token, no proposer told: the graphs' inputs take shape"
+    if self.has_unfinished_requests():
+        raise RuntimeError("LLMEngine.capture_graphs: the engine is serving requests; capture "
+                           "its graphs before any is added (or build it with capture_at_start)")
+    observer, self._observer = self._observer, None
+    try:
+        self.add_request('<warm-up>', [self.tokenizer.EOS],
+                         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests(): self.step()
+    finally: self._observer = observer
+
+# %% ../nbs/13_engine.ipynb #c1a0e7b4
+@patch
+def capture_graphs(self: LLMEngine) -> dict:
+    ("Capture now every graph the engine replays (vLLM's start-up capture): decode steps up to "
+     "max_num_seqs requests, verifying steps up to their rows, a drafter's; {kind: sizes captured}")
+    m = self.runner.model
+    if not isinstance(m, CUDAGraphModel): return {}
+    if m._template is None: self._warm_up()
+    if m._template is None:
+        raise RuntimeError("LLMEngine.capture_graphs: the warm-up request's decode step was not "
+                           "replayable, so the graphs' inputs have no shape to capture")
+    cfg, top, kernels = self.scheduler.config, m.sizes[-1], self.runner.kernels
+    upto = lambda rows: [s for s in m.sizes if s <= m._pad_to[min(rows, top)]]
+    with use_kernels(kernels) if kernels else contextlib.nullcontext():  # the runner's kernels
+        got = dict(decode=m.capture_all(upto(cfg.max_num_seqs)))
+        if k := cfg.num_speculative_tokens:
+            rows = min(cfg.max_num_seqs * (1 + k), cfg.max_num_batched_tokens)
+            got['verify'] = m.capture_all(upto(rows), journal=True)
+        # a proposer that drafts from graphs of its own (DSpark's drafter, 14a_drafter_graphs)
+        drafts = getattr(self.proposer, 'graphs', None)
+        if callable(getattr(drafts, 'capture_all', None)): got['drafter'] = drafts.capture_all()
+    return got

@@ -70,6 +70,17 @@ def test_emulated_graphs_pad_and_replay(model):
     assert sorted(graphs.graphs) == [2, 4] and graphs.stats == dict(replayed=2, eager=1, captured=0)
 
 
+def test_capture_all_captures_every_size_once(model):
+    "capture_all: every size, largest first, in the weights' dtype; then replays draft as the drafter alone"
+    d = Drafter(model).serve()
+    graphs, a = DrafterGraphs(d, sizes=(1, 2, 4), emulate=True), windows(3, seed=4)
+    with torch.no_grad(), use_kernels('torch'):
+        assert graphs.capture_all() == [4, 2, 1] and graphs.capture_all() == []
+        assert graphs.graphs[4][1][0].dtype == model.embed.weight.dtype
+        got, want = graphs(*a), d.draft(*a)
+    assert torch.equal(got.tokens, want.tokens) and graphs.stats['replayed'] == 1
+
+
 def test_stale_rows_never_leak_into_a_smaller_batch(model):
     "A size replayed for fewer requests than last time: the rows past N are padding again, the first N fresh"
     d = Drafter(model).serve()
@@ -116,6 +127,8 @@ BAD = [
      ValueError, 'expected (N, 16, 64)'),
     (lambda m: DrafterGraphs(Drafter(m).serve(), emulate=True)(windows(2)[0][:, :3], *windows(2)[1:]),
      ValueError, 'expected (N, 16, 64)'),
+    (lambda m: DrafterGraphs(Drafter(m).serve(), emulate=True).capture_all(torch.int8), TypeError,
+     'expected a floating torch.dtype'),
     (lambda m: DSparkProposer(Drafter(m)).serve(-1), ValueError, 'capture'),
     (lambda m: DraftPacer(0), ValueError, 'max_backoff'),
     (lambda m: DraftPacer(tolerance=1.5), ValueError, 'tolerance = 1.5'),

@@ -331,6 +331,43 @@ def test_verification_steps_replay_from_graphs(async_scheduling):
     cg = box['cg']
     assert 8 in cg.journaled and cg.stats['replayed'] > 0 and cg.model.ring_restores > 0, cg
 
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_graphs_captured_at_start(async_scheduling):
+    """capture_at_start: every decode graph up to max_num_seqs requests and every verifying graph up to their rows are
+    held before the first request, the warm-up request leaves no request or block behind, serving captures nothing
+    more, and the tokens are the eager engine's"""
+    box = {}
+    def build(kc):
+        box['cg'] = CUDAGraphModel(paged_step_model(MODEL, kc), kc, 256, capture_sizes(3, 3), emulate=True)
+        return box['cg']
+    kw, sp = {**EXACT, 'runner': 'paged', 'max_num_seqs': 3}, replace(GREEDY, max_tokens=16)
+    eager = LLM(MODEL, proposer=PartlyRightDrafts(), async_scheduling=async_scheduling, **kw)
+    llm = LLM(MODEL, proposer=PartlyRightDrafts(), step_model=build, async_scheduling=async_scheduling,
+              capture_at_start=True, **kw)
+    cg, eng = box['cg'], llm.llm_engine
+    # 3 requests pad to 4 rows; with 3 drafts each, 12 rows pad to 16
+    assert (sorted(cg.graphs), sorted(cg.journaled)) == ([1, 2, 4], [1, 2, 4, 8, 16]), cg
+    assert not eng.has_unfinished_requests() and not eng.tracked and free_blocks(llm) == free_blocks(eager)
+    held = [{s: id(g) for s, g in d.items()} for d in (cg.graphs, cg.journaled)]
+    got = outputs(llm, PROMPTS[:2], sp)
+    assert got == outputs(eager, PROMPTS[:2], sp)
+    assert [{s: id(g) for s, g in d.items()} for d in (cg.graphs, cg.journaled)] == held
+    assert cg.stats['replayed'] > 0 and eng.scheduler.stats['accepted_tokens'] > 0, cg
+    assert eng.capture_graphs() == dict(decode=[], verify=[])     # all held: nothing captured again
+
+def test_capture_graphs_refuses_a_busy_engine():
+    "Graphs are captured before requests come: with one queued, capture_graphs names why and the request stays"
+    def build(kc): return CUDAGraphModel(paged_step_model(MODEL, kc), kc, 256, (1, 2), emulate=True)
+    llm = LLM(MODEL, step_model=build, **EXACT)
+    eng, free = llm.llm_engine, free_blocks(llm)
+    eng.add_request('a', PROMPTS[0], GREEDY)
+    fails_with(eng.capture_graphs, contains='the engine is serving requests')
+    assert eng.has_unfinished_requests() and 'a' in eng.tracked
+    eng.abort_request('a')
+    assert free_blocks(llm) == free and not eng.has_unfinished_requests()
+    assert LLM(MODEL, **EXACT).llm_engine.capture_graphs() == {}           # no graphs on this CPU: none to capture
+
+
 def test_preempted_requests_give_the_same_tokens():
     "A pool too small for all four requests at once: some are preempted, recompute, and still match"
     llm = LLM(MODEL, **{**EXACT, 'max_model_len': 64}, num_gpu_blocks=12, enable_prefix_caching=False)

@@ -425,6 +425,26 @@ def test_dspark_verification_steps_replay_from_graphs(small, async_scheduling):
     assert graphs is not None and graphs.stats['replayed'] > 0 and graphs.stats['eager'] == 0, graphs.stats
 
 
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_dspark_graphs_captured_at_start(small, async_scheduling):
+    """capture_at_start with three DSpark drafts a step: every decode and verifying graph is captured before the first
+    request (the drafter's too), serving captures none, and the tokens are those of the engine without speculation"""
+    from dsv41_nb.dspark_serving import dspark_proposer
+    want, keep = _serve(small, PROMPTS), []
+    prop = dspark_proposer(small, SMALL / 'dspark.safetensors', 3)
+    llm = LLM(small, max_num_seqs=len(PROMPTS), max_model_len=160, proposer=prop,
+              async_scheduling=async_scheduling, capture_at_start=True)
+    cg = llm.llm_engine.runner.model
+    # 8 requests pad to 8 rows; with 3 drafts each, 32 rows
+    assert (max(cg.graphs), max(cg.journaled)) == (8, 32), cg
+    assert max(llm.llm_engine.proposer.graphs.graphs) == 8      # the drafter's graphs, up to 8 requests
+    captured, drafter = cg.stats['captured'], llm.llm_engine.proposer.graphs.stats['captured']
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want
+    assert (cg.stats['captured'], llm.llm_engine.proposer.graphs.stats['captured']) == (captured, drafter)
+    assert cg.stats['replayed'] > 0 and llm.llm_engine.scheduler.stats['accepted_tokens'] > 0
+
+
 def test_drafter_graphs_draft_as_the_served_drafter(small):
     """The small checkpoint's drafter, served: greedy drafts replayed from CUDA graphs of padded sizes against the same
     drafter run eagerly at exactly N (a padded GEMM may round a near-tie apart: nine in ten slots at least), and the
