@@ -1,0 +1,30 @@
+"""tools/bench_capture.py on this CPU, its graphs emulated: built lazily, the first bursts capture their padded sizes;
+built with capture_at_start, the engine holds them all before the first request and the bursts capture none."""
+import sys
+from pathlib import Path
+import torch
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.model import init_random
+from dsv41_nb.engine import LLM
+from dsv41_nb.cuda_graphs import CUDAGraphModel
+from dsv41_nb.paged_step import step_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tools'))
+from bench_capture import bursts, captured
+
+MODEL = init_random(ModelConfig.tiny(), seed=0)
+
+
+def engine(at_start: bool) -> LLM:
+    def build(kc): return CUDAGraphModel(step_model(MODEL, kc), kc, 256, (1, 2, 4, 8), emulate=True)
+    return LLM(MODEL, step_model=build, max_num_seqs=4, max_model_len=128, kernels='torch',
+               async_scheduling=True, capture_at_start=at_start)
+
+
+def test_lazy_bursts_capture_and_start_up_bursts_do_not():
+    lazy, start = engine(False), engine(True)
+    assert (captured(lazy), captured(start)) == (0, 3)           # 4 requests: sizes 1, 2 and 4
+    a = bursts(lazy, [1, 3], 8, 3, torch.device('cpu'))
+    b = bursts(start, [1, 3], 8, 3, torch.device('cpu'))
+    assert [r['captured'] for r in a] == [1, 1] and [r['captured'] for r in b] == [0, 0]
+    assert all(r['seconds'] > 0 and r['ttft_s'][99] >= r['ttft_s'][50] for r in a + b)

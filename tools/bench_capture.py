@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""A fresh engine's first bursts of requests, its CUDA graphs captured when each padded size is first needed (lazily)
+or all of them when the engine is built (`capture_at_start`, as vLLM does).
+
+    python tools/bench_capture.py --mode lazy|start [--checkpoint checkpoints/small] [--bursts 1 8 64]
+                                  [--prompt-len 64] [--max-tokens 32] [--json out.json] [--quick]
+
+The engine serves the small checkpoint on the GPU (CUDA graphs, async scheduling, up to 256 requests). It is built,
+then sent bursts of requests one after another (each burst: that many random prompts at once, greedy, EOS ignored),
+each burst a load test of its own: TTFT and TPOT percentiles, and the graphs captured while it ran. Lazily, a burst
+that meets a new padded size waits for its capture (and for the Triton kernels it compiles); built with
+`capture_at_start`, the engine has paid for all of that before the first request. Run each mode in a process of its
+own with its own TRITON_CACHE_DIR, so that neither finds the kernels the other compiled. Writes the mode's record to
+--json (merged into an existing file's other mode). --quick: the tiny config on the CPU, a check of the script (no
+graphs there)."""
+import argparse, datetime, json, os, sys, time
+from pathlib import Path
+import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import git_commit
+from dsv41_nb.__main__ import load_test, random_prompts
+from dsv41_nb.config import ModelConfig
+from dsv41_nb.dispatch import machine_name
+from dsv41_nb.engine import LLM
+from dsv41_nb.model import init_random
+from dsv41_nb.scheduler import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def captured(llm) -> int:
+    "Graphs the engine's step model holds now, decode and verifying ones (0 without graphs)"
+    m = llm.llm_engine.runner.model
+    return len(getattr(m, 'graphs', {})) + len(getattr(m, 'journaled', {}))
+
+
+def bursts(llm, sizes: list, prompt_len: int, max_tokens: int, device) -> list:
+    "One load test per burst size, in order, on the same engine: its summary and the graphs captured during it"
+    sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
+    for i, n in enumerate(sizes):
+        before = captured(llm)
+        s = load_test(llm, random_prompts(n, prompt_len, seed=i), sp)
+        if device.type == 'cuda': torch.cuda.synchronize()
+        rows.append(dict(requests=n, seconds=s['seconds'], ttft_s=s['ttft_s'], tpot_s=s['tpot_s'],
+                         tokens_per_s=s['output_tokens_per_s'], captured=captured(llm) - before))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--mode', choices=('lazy', 'start'), required=True)
+    ap.add_argument('--checkpoint', default=str(ROOT / 'checkpoints' / 'small'))
+    ap.add_argument('--bursts', type=int, nargs='+', default=[1, 8, 64])
+    ap.add_argument('--prompt-len', type=int, default=64)
+    ap.add_argument('--max-tokens', type=int, default=32)
+    ap.add_argument('--json', help='write (merge) the record here')
+    ap.add_argument('--quick', action='store_true', help='tiny config on the CPU: checks the script')
+    args = ap.parse_args()
+    if any(n < 1 for n in args.bursts): ap.error(f"--bursts: each must be >= 1, got {args.bursts}")
+    device = torch.device('cpu' if args.quick or not torch.cuda.is_available() else 'cuda')
+    model = init_random(ModelConfig.tiny(), seed=0) if args.quick else args.checkpoint
+    t0 = time.perf_counter()
+    llm = LLM(model, device=device, max_num_seqs=256, async_scheduling=True,
+              capture_at_start=args.mode == 'start', **({'kernels': 'torch'} if args.quick else {}))
+    if device.type == 'cuda': torch.cuda.synchronize()
+    build = time.perf_counter() - t0
+    rec = dict(mode=args.mode, build_s=build, captured_at_build=captured(llm),
+               rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device))
+    print(f"{machine_name(device)}, {args.mode}: built in {build:.1f} s, {rec['captured_at_build']} graphs")
+    for r in rec['rows']:
+        t, p = r['ttft_s'], r['tpot_s']
+        print(f"  {r['requests']:4d} requests: {r['seconds']:6.2f} s, TTFT p50/p99 {1e3 * t[50]:7.1f}/"
+              f"{1e3 * t[99]:7.1f} ms, TPOT p50 {1e3 * p[50]:6.2f} ms, {r['captured']} graphs captured")
+    if args.json:
+        path = Path(args.json)
+        out = json.loads(path.read_text()) if path.exists() else {}
+        out.update(machine=machine_name(device), torch=torch.__version__, commit=git_commit(),
+                   date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'),
+                   settings=dict(bursts=args.bursts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                                 checkpoint=Path(args.checkpoint).name, async_scheduling=True))
+        out.setdefault('modes', {})[args.mode] = rec
+        path.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == '__main__':
+    main()
