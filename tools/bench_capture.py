@@ -3,15 +3,17 @@
 or all of them when the engine is built (`capture_at_start`, as vLLM does).
 
     python tools/bench_capture.py --mode lazy|start [--checkpoint checkpoints/small] [--bursts 1 8 64]
-                                  [--prompt-len 64] [--max-tokens 32] [--json out.json] [--quick]
+                                  [--prompt-len 64] [--max-tokens 32] [--json out.json [--label KEY]] [--quick]
 
 The engine serves the small checkpoint on the GPU (CUDA graphs, async scheduling, up to 256 requests). It is built,
 then sent bursts of requests one after another (each burst: that many random prompts at once, greedy, EOS ignored),
 each burst a load test of its own: TTFT and TPOT percentiles, and the graphs captured while it ran. Lazily, a burst
 that meets a new padded size waits for its capture (and for the Triton kernels it compiles); built with
 `capture_at_start`, the engine has paid for all of that before the first request. Run each mode in a process of its
-own with its own TRITON_CACHE_DIR, so that neither finds the kernels the other compiled. Writes the mode's record to
---json (merged into an existing file's other mode). --quick: the tiny config on the CPU, a check of the script (no
+own. With an empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first start); run again on the
+same cache, the kernels load from it (a restart) and what is left of a burst's pause is the capture. The record
+counts the files in the cache at the start. Writes the run to --json under --label (default: the mode), merged into
+the file's other runs. --quick: the tiny config on the CPU, a check of the script (no
 graphs there)."""
 import argparse, datetime, json, os, sys, time
 from pathlib import Path
@@ -54,19 +56,23 @@ def main():
     ap.add_argument('--prompt-len', type=int, default=64)
     ap.add_argument('--max-tokens', type=int, default=32)
     ap.add_argument('--json', help='write (merge) the record here')
+    ap.add_argument('--label', help="the run's key in the record (default: the mode)")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU: checks the script')
     args = ap.parse_args()
     if any(n < 1 for n in args.bursts): ap.error(f"--bursts: each must be >= 1, got {args.bursts}")
     device = torch.device('cpu' if args.quick or not torch.cuda.is_available() else 'cuda')
+    cache = Path(os.environ.get('TRITON_CACHE_DIR') or Path.home() / '.triton' / 'cache')
+    cached = sum(1 for f in cache.rglob('*') if f.is_file()) if cache.is_dir() else 0
     model = init_random(ModelConfig.tiny(), seed=0) if args.quick else args.checkpoint
     t0 = time.perf_counter()
     llm = LLM(model, device=device, max_num_seqs=256, async_scheduling=True,
               capture_at_start=args.mode == 'start', **({'kernels': 'torch'} if args.quick else {}))
     if device.type == 'cuda': torch.cuda.synchronize()
     build = time.perf_counter() - t0
-    rec = dict(mode=args.mode, build_s=build, captured_at_build=captured(llm),
+    rec = dict(mode=args.mode, build_s=build, captured_at_build=captured(llm), triton_cache_files=cached,
                rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device))
-    print(f"{machine_name(device)}, {args.mode}: built in {build:.1f} s, {rec['captured_at_build']} graphs")
+    print(f"{machine_name(device)}, {args.mode}, {cached} files in the Triton cache: built in {build:.1f} s, "
+          f"{rec['captured_at_build']} graphs")
     for r in rec['rows']:
         t, p = r['ttft_s'], r['tpot_s']
         print(f"  {r['requests']:4d} requests: {r['seconds']:6.2f} s, TTFT p50/p99 {1e3 * t[50]:7.1f}/"
@@ -78,7 +84,7 @@ def main():
                    date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'),
                    settings=dict(bursts=args.bursts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
                                  checkpoint=Path(args.checkpoint).name, async_scheduling=True))
-        out.setdefault('modes', {})[args.mode] = rec
+        out.setdefault('modes', {})[args.label or args.mode] = rec
         path.write_text(json.dumps(out, indent=1))
 
 
