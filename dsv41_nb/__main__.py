@@ -250,10 +250,11 @@ def generate_command(
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
         served, spec = speculation(args, ckpt, error)
+        # one request: its graphs (one row, or a row and its drafts) captured before it starts
         llm = LLM(served, device=args.device, kernels=args.kernels,
-                  async_scheduling=args.async_scheduling,
+                  async_scheduling=args.async_scheduling, max_num_seqs=1,
                   gpu_memory_utilization=args.gpu_memory_utilization,
-                  capture_at_start=True, **spec)   # every graph captured before the first request
+                  capture_at_start=True, **spec)
         # checked alone: its errors say "the prompt", not "prompt 0"
         llm.llm_engine.process_prompt(args.prompt)
         outputs = llm.stream(args.prompt, sp)

@@ -138,11 +138,12 @@ def __call__(self: DrafterGraphs,
 # %% ../nbs/14a_drafter_graphs.ipynb #d2b1c0a2
 @patch
 def capture_all(self: DrafterGraphs,
-                dtype: torch.dtype | None = None) -> list: # contexts' (default: the model's weights')
+                dtype: torch.dtype | None = None) -> list: # contexts' (default: the weights')
     "Capture every size not captured yet, largest first; the sizes captured"
     dtype = self.drafter.model.embed.weight.dtype if dtype is None else dtype
     require(isinstance(dtype, torch.dtype) and dtype.is_floating_point,
-            f"DrafterGraphs.capture_all: dtype = {dtype!r}; expected a floating torch.dtype", TypeError)
+            f"DrafterGraphs.capture_all: dtype = {dtype!r}; expected a floating torch.dtype",
+            TypeError)
     new = [s for s in reversed(self.sizes) if s not in self.graphs]
     for s in new: self.graphs[s] = self._capture(s, dtype)
     return new
