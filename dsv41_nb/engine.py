@@ -22,7 +22,7 @@ from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME
 from .paged_step import step_model as paged_step_model
 from .compressor import RING_DEPTH
-from .cuda_graphs import CUDAGraphModel, tapped_model, capture_sizes
+from .cuda_graphs import CUDAGraphModel, tapped_model, capture_sizes, padded_batch_size
 from .runner import *
 
 # %% auto #0
@@ -613,7 +613,7 @@ def capture_graphs(self: LLMEngine) -> dict:
         raise RuntimeError("LLMEngine.capture_graphs: the warm-up request's decode step was not "
                            "replayable, so the graphs' inputs have no shape to capture")
     cfg, top, kernels = self.scheduler.config, m.sizes[-1], self.runner.kernels
-    upto = lambda rows: [s for s in m.sizes if s <= m._pad_to[min(rows, top)]]
+    upto = lambda rows: [s for s in m.sizes if s <= padded_batch_size(min(rows, top), m.sizes)]
     with use_kernels(kernels) if kernels else contextlib.nullcontext():  # the runner's kernels
         got = dict(decode=m.capture_all(upto(cfg.max_num_seqs)))
         if k := cfg.num_speculative_tokens:
