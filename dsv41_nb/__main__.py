@@ -250,11 +250,12 @@ def generate_command(
         sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
         served, spec = speculation(args, ckpt, error)
-        # one request: its graphs (one row, or a row and its drafts) captured before it starts
+        # one request: its graphs (one row, or a row and its drafts) captured before it starts;
+        # its prefill compiles what its one shape needs, so no other prefill shape is warmed
         llm = LLM(served, device=args.device, kernels=args.kernels,
                   async_scheduling=args.async_scheduling, max_num_seqs=1,
                   gpu_memory_utilization=args.gpu_memory_utilization,
-                  capture_at_start=True, **spec)
+                  capture_at_start=True, warm_up_prefill=False, **spec)
         # checked alone: its errors say "the prompt", not "prompt 0"
         llm.llm_engine.process_prompt(args.prompt)
         outputs = llm.stream(args.prompt, sp)
@@ -294,7 +295,7 @@ def bench_command(
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=args.async_scheduling, kernels=args.kernels,
                   gpu_memory_utilization=args.gpu_memory_utilization,
-                  capture_at_start=True, **spec)   # every graph captured before the first request
+                  capture_at_start=True, **spec)   # graphs captured, kernels compiled first
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         if args.prompt_len > (m := llm.llm_engine.max_model_len):
             raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows "

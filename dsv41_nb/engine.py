@@ -28,7 +28,7 @@ from .runner import *
 # %% auto #0
 __all__ = ['RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',
            'EngineArgs', 'make_step_model', 'LLMEngine', 'kv_pool_blocks', 'register_speculative', 'prefix_gap',
-           'greedy_shortfall', 'assert_greedy_match', 'LLM']
+           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths']
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
@@ -101,6 +101,9 @@ class EngineArgs:
     # capture every graph the engine replays when it is built (vLLM's way; False: each size the
     # first time a step needs it, a pause in the middle of serving)
     capture_at_start: bool = False
+    # prefill throw-away prompts of every size class up to the token budget when the engine is
+    # built, so their kernels compile then (None: with capture_at_start, on a GPU)
+    warm_up_prefill: bool | None = None
     # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
     kernels: str | None = None
     seed: int = 0  # the generator of unseeded random requests
@@ -116,6 +119,8 @@ class EngineArgs:
             check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
         if self.gpu_memory_utilization is not None:
             check_share('EngineArgs', 'gpu_memory_utilization', self.gpu_memory_utilization)
+        if self.warm_up_prefill not in (None, True, False):
+            raise TypeError(f"warm_up_prefill = {self.warm_up_prefill!r}; expected None or a bool")
         if self.speculative is not None and not isinstance(self.speculative, str):
             raise TypeError(f"speculative = {self.speculative!r}; expected a method's name")
         k = check_int('EngineArgs', 'num_speculative_tokens', self.num_speculative_tokens, 0)
@@ -190,7 +195,10 @@ class LLMEngine:
         self.tracked, self._pending = {}, None
         # a proposer that paces itself by measured step times is told of each decode step
         self._observer, self._tally = getattr(self.proposer, 'observe_step', None), (0, 0)
-        if a.capture_at_start: self.capture_graphs()
+        self.start_up = dict(graphs=self.capture_graphs() if a.capture_at_start else {})
+        warm = a.warm_up_prefill
+        if warm is None: warm = a.capture_at_start and step_model.device.type == 'cuda'
+        if warm: self.start_up['prefill'] = self.warm_up_prefill()
 
 # %% ../nbs/13_engine.ipynb #97741821
 @patch
@@ -589,17 +597,21 @@ def stream(
 
 # %% ../nbs/13_engine.ipynb #c1a0e7b3
 @patch
-def _warm_up(self: LLMEngine):
-    "Decode one throw-away request of one token, no proposer told: the graphs' inputs take shape"
+def _throw_away(self: LLMEngine, who: str, prompts: list, max_tokens: int):
+    "Serve throw-away requests one after another, no proposer told of their steps, none left"
     if self.has_unfinished_requests():
-        raise RuntimeError("LLMEngine.capture_graphs: the engine is serving requests; capture "
-                           "its graphs before any is added (or build it with capture_at_start)")
+        raise RuntimeError(f"LLMEngine.{who}: the engine is serving requests; warm it up before "
+                           "any is added (or build it with capture_at_start)")
     observer, self._observer = self._observer, None
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     try:
-        self.add_request('<warm-up>', [self.tokenizer.EOS],
-                         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        while self.has_unfinished_requests(): self.step()
-    finally: self._observer = observer
+        for i, ids in enumerate(prompts):
+            self.add_request(f'<warm-up {i}>', ids, sp)
+            while self.has_unfinished_requests(): self.step()
+    finally:
+        self._observer = observer
+        for rid in [r for r in self.tracked if r.startswith('<warm-up')]: self.abort_request(rid)
+
 
 # %% ../nbs/13_engine.ipynb #c1a0e7b4
 @patch
@@ -608,7 +620,8 @@ def capture_graphs(self: LLMEngine) -> dict:
      "max_num_seqs requests, verifying steps up to their rows, a drafter's; {kind: sizes captured}")
     m = self.runner.model
     if not isinstance(m, CUDAGraphModel): return {}
-    if m._template is None: self._warm_up()
+    # one throw-away request of one token decoded: the graphs' inputs take their shape
+    if m._template is None: self._throw_away('capture_graphs', [[self.tokenizer.EOS]], 2)
     if m._template is None:
         raise RuntimeError("LLMEngine.capture_graphs: the warm-up request's decode step was not "
                            "replayable, so the graphs' inputs have no shape to capture")
@@ -623,3 +636,34 @@ def capture_graphs(self: LLMEngine) -> dict:
         drafts = getattr(self.proposer, 'graphs', None)
         if callable(getattr(drafts, 'capture_all', None)): got['drafter'] = drafts.capture_all()
     return got
+
+# %% ../nbs/13_engine.ipynb #eb13f383
+def warm_up_lengths(budget: int, longest: int) -> list:
+    ("Prompt lengths whose prefills meet every power-of-two class of token counts up to "
+     "min(budget, longest): each class's top (a multiple of 16 from 16 on) and its bottom")
+    top = min(check_int('warm_up_lengths', 'budget', budget, 1),
+              check_int('warm_up_lengths', 'longest', longest, 1))
+    out, p = {top}, 1
+    while p // 2 + 1 <= top: out |= {min(p, top), p // 2 + 1}; p *= 2
+    return sorted(out)
+
+# %% ../nbs/13_engine.ipynb #0641f9f6
+@patch
+def warm_up_prefill(self: LLMEngine, lengths: list | None = None) -> list:
+    ("Prefill one throw-away random prompt of each length (default: `warm_up_lengths` of the "
+     "token budget), so the kernels of those shapes compile now; the lengths")
+    longest = self.max_model_len - 1                       # each request decodes one token
+    if lengths is None:
+        lengths = warm_up_lengths(self.scheduler.config.max_num_batched_tokens, longest)
+    if not isinstance(lengths, (list, tuple)):
+        raise TypeError(f"lengths: expected a list of prompt lengths, got {type(lengths).__name__}")
+    for n in lengths:
+        if check_int('LLMEngine.warm_up_prefill', 'a length', n, 1) > longest:
+            raise ValueError(f"LLMEngine.warm_up_prefill: a length of {n} tokens; at most "
+                             f"max_model_len - 1 = {longest} (each request decodes a token)")
+    g = torch.Generator().manual_seed(self.args.seed)
+    prompts = [torch.randint(self.tokenizer.vocab_size, (n,), generator=g).tolist()
+               for n in lengths]
+    self._throw_away('warm_up_prefill', prompts, 1)
+    self.scheduler.kv.reset_prefix_cache()                 # nothing of the warm-up stays cached
+    return list(lengths)

@@ -10,19 +10,20 @@ from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.paged_step import step_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tools'))
-from bench_capture import bursts, captured
+from bench_capture import bursts, captured, MODES
 
 MODEL = init_random(ModelConfig.tiny(), seed=0)
 
 
-def engine(at_start: bool) -> LLM:
+def engine(mode: str) -> LLM:
     def build(kc): return CUDAGraphModel(step_model(MODEL, kc), kc, 256, (1, 2, 4, 8), emulate=True)
     return LLM(MODEL, step_model=build, max_num_seqs=4, max_model_len=128, kernels='torch',
-               async_scheduling=True, capture_at_start=at_start)
+               async_scheduling=True, max_num_batched_tokens=16, **MODES[mode])
 
 
 def test_lazy_bursts_capture_and_start_up_bursts_do_not():
-    lazy, start = engine(False), engine(True)
+    lazy, start = engine('lazy'), engine('start')
+    assert [engine(m).llm_engine.start_up.get('prefill') for m in MODES] == [None, None, [1, 2, 3, 4, 5, 8, 9, 16]]
     assert (captured(lazy), captured(start)) == (0, 3)           # 4 requests: sizes 1, 2 and 4
     a = bursts(lazy, [1, 3], 8, 3, torch.device('cpu'))
     b = bursts(start, [1, 3], 8, 3, torch.device('cpu'))

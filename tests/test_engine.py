@@ -23,7 +23,7 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
 from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS,
                              register_speculative, NGRAM_TOKENS, greedy_shortfall, assert_greedy_match,
-                             kv_pool_blocks)
+                             kv_pool_blocks, warm_up_lengths)
 from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
@@ -143,6 +143,13 @@ BAD = [
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 3, 2), ValueError, 'free_bytes = 3'),
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 10**6, 10**9), ValueError,
      'gpu_memory_utilization = 0.9 leaves 0 B of the GPU'),
+    (lambda: LLM(MODEL, warm_up_prefill='yes'), TypeError, "warm_up_prefill = 'yes'; expected None or a bool"),
+    (lambda: warm_up_lengths(0, 8), ValueError, 'warm_up_lengths: budget = 0'),
+    (lambda: warm_up_lengths(8, 2.5), TypeError, 'warm_up_lengths: longest must be an int'),
+    (lambda: _LLM.llm_engine.warm_up_prefill([4, 64]), ValueError,
+     'a length of 64 tokens; at most max_model_len - 1 = 63'),
+    (lambda: _LLM.llm_engine.warm_up_prefill([0]), ValueError, 'a length = 0; expected at least 1'),
+    (lambda: _LLM.llm_engine.warm_up_prefill(8), TypeError, 'expected a list of prompt lengths, got int'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -366,6 +373,56 @@ def test_capture_graphs_refuses_a_busy_engine():
     eng.abort_request('a')
     assert free_blocks(llm) == free and not eng.has_unfinished_requests()
     assert LLM(MODEL, **EXACT).llm_engine.capture_graphs() == {}           # no graphs on this CPU: none to capture
+
+
+def test_warm_up_lengths():
+    "Each power-of-two class of token counts up to the top: its top (a multiple of 16 from 16 on) and its bottom"
+    assert warm_up_lengths(16384, 255) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 255]
+    assert warm_up_lengths(20, 100) == warm_up_lengths(100, 20) == [1, 2, 3, 4, 5, 8, 9, 16, 17, 20]
+    assert warm_up_lengths(1, 1) == [1] and warm_up_lengths(64, 1000)[-3:] == [32, 33, 64]
+
+
+def steps_of(eng):
+    "Patch the engine's scheduler to note the token count of each step it schedules; the list it fills"
+    seen, schedule = [], eng.scheduler.schedule
+    def spy(**kw):
+        so = schedule(**kw); seen.append(so.total_num_scheduled_tokens); return so
+    eng.scheduler.schedule = spy
+    return seen
+
+
+@pytest.mark.parametrize('async_scheduling', [False, True], ids=['sync', 'async'])
+def test_warm_up_prefill(async_scheduling):
+    """warm_up_prefill: one prefill step of each length, no request, block or cached prefix left behind, and the
+    engine serves afterwards as a fresh one; built with warm_up_prefill=True it warms every class of the budget"""
+    kw = {**EXACT, 'runner': 'paged', 'async_scheduling': async_scheduling, 'max_num_batched_tokens': 40}
+    llm, fresh = LLM(MODEL, warm_up_prefill=True, **kw), LLM(MODEL, **kw)
+    eng = llm.llm_engine
+    assert eng.start_up == dict(graphs={}, prefill=warm_up_lengths(40, 255))
+    assert 'prefill' not in fresh.llm_engine.start_up              # on a CPU, only when asked
+    assert 'prefill' not in LLM(MODEL, capture_at_start=True, **kw).llm_engine.start_up
+    seen = steps_of(eng)
+    assert eng.warm_up_prefill([7, 33, 40]) == [7, 33, 40]
+    assert [n for n in seen if n] == [7, 33, 40]                    # async: a step of none while one is in flight
+    assert not eng.has_unfinished_requests() and not eng.tracked
+    assert free_blocks(llm) == free_blocks(fresh)
+    assert not eng.scheduler.kv.block_pool.cached_block_hash_to_block          # the prefix cache emptied
+    assert outputs(llm, PROMPTS, GREEDY) == outputs(fresh, PROMPTS, GREEDY)
+    assert eng.scheduler.stats['prefix_hit_tokens'] == 0
+
+
+def test_warm_up_refuses_a_busy_engine_and_leaves_nothing_when_a_step_fails():
+    llm = LLM(MODEL, **EXACT)
+    eng, free = llm.llm_engine, free_blocks(llm)
+    eng.add_request('a', PROMPTS[0], GREEDY)
+    fails_with(lambda: eng.warm_up_prefill([3]), contains='LLMEngine.warm_up_prefill: the engine is serving')
+    assert 'a' in eng.tracked
+    eng.abort_request('a')
+    def broken(): raise RuntimeError('the step broke')
+    eng.step = broken
+    fails_with(lambda: eng.warm_up_prefill([3, 5]), contains='the step broke')
+    del eng.step
+    assert not eng.has_unfinished_requests() and not eng.tracked and free_blocks(llm) == free
 
 
 def test_preempted_requests_give_the_same_tokens():

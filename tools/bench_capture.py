@@ -1,17 +1,18 @@
 #!/usr/bin/env python
 """A fresh engine's first bursts of requests, its CUDA graphs captured when each padded size is first needed (lazily)
-or all of them when the engine is built (`capture_at_start`, as vLLM does).
+or all of them when the engine is built (`capture_at_start`, as vLLM does), with or without its prefill warm-up.
 
-    python tools/bench_capture.py --mode lazy|start [--checkpoint checkpoints/small] [--bursts 1 8 64]
+    python tools/bench_capture.py --mode lazy|graphs|start [--checkpoint checkpoints/small] [--bursts 1 8 64]
                                   [--prompt-len 64] [--max-tokens 32] [--json out.json [--label KEY]] [--quick]
 
 The engine serves the small checkpoint on the GPU (CUDA graphs, async scheduling, up to 256 requests). It is built,
 then sent bursts of requests one after another (each burst: that many random prompts at once, greedy, EOS ignored),
 each burst a load test of its own: TTFT and TPOT percentiles, and the graphs captured while it ran. Lazily, a burst
-that meets a new padded size waits for its capture (and for the Triton kernels it compiles); built with
-`capture_at_start`, the engine has paid for all of that before the first request. Run each mode in a process of its
-own. With an empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first start); run again on the
-same cache, the kernels load from it (a restart) and what is left of a burst's pause is the capture. The record
+that meets a new padded size waits for its capture (and for the Triton kernels it compiles). Mode `graphs`: built
+with `capture_at_start` but no prefill warm-up, the engine holds every graph before the first request, but a prefill
+shape compiles its kernels the first time a burst meets it; mode `start` (what `dsv41 bench` and `dsv41 serve` build):
+graphs captured and prefill shapes warmed (`warm_up_prefill`). Run each mode in a process of its own. With an
+empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first start); run again on the same cache, the kernels load from it (a restart) and what is left of a burst's pause is the capture. The record
 counts the files in the cache at the start. Writes the run to --json under --label (default: the mode), merged into
 the file's other runs. --quick: the tiny config on the CPU, a check of the script (no
 graphs there)."""
@@ -28,6 +29,10 @@ from dsv41_nb.model import init_random
 from dsv41_nb.scheduler import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
+# each mode's engine arguments
+MODES = dict(lazy=dict(capture_at_start=False, warm_up_prefill=False),
+             graphs=dict(capture_at_start=True, warm_up_prefill=False),
+             start=dict(capture_at_start=True, warm_up_prefill=True))
 
 
 def captured(llm) -> int:
@@ -50,7 +55,7 @@ def bursts(llm, sizes: list, prompt_len: int, max_tokens: int, device) -> list:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--mode', choices=('lazy', 'start'), required=True)
+    ap.add_argument('--mode', choices=tuple(MODES), required=True)
     ap.add_argument('--checkpoint', default=str(ROOT / 'checkpoints' / 'small'))
     ap.add_argument('--bursts', type=int, nargs='+', default=[1, 8, 64])
     ap.add_argument('--prompt-len', type=int, default=64)
@@ -65,14 +70,15 @@ def main():
     cached = sum(1 for f in cache.rglob('*') if f.is_file()) if cache.is_dir() else 0
     model = init_random(ModelConfig.tiny(), seed=0) if args.quick else args.checkpoint
     t0 = time.perf_counter()
-    llm = LLM(model, device=device, max_num_seqs=256, async_scheduling=True,
-              capture_at_start=args.mode == 'start', **({'kernels': 'torch'} if args.quick else {}))
+    llm = LLM(model, device=device, max_num_seqs=256, async_scheduling=True, **MODES[args.mode],
+              **({'kernels': 'torch', 'max_num_batched_tokens': 64} if args.quick else {}))
     if device.type == 'cuda': torch.cuda.synchronize()
     build = time.perf_counter() - t0
     rec = dict(mode=args.mode, build_s=build, captured_at_build=captured(llm), triton_cache_files=cached,
+               warmed_prefill=llm.llm_engine.start_up.get('prefill', []),
                rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device))
     print(f"{machine_name(device)}, {args.mode}, {cached} files in the Triton cache: built in {build:.1f} s, "
-          f"{rec['captured_at_build']} graphs")
+          f"{rec['captured_at_build']} graphs, {len(rec['warmed_prefill'])} prefill lengths warmed")
     for r in rec['rows']:
         t, p = r['ttft_s'], r['tpot_s']
         print(f"  {r['requests']:4d} requests: {r['seconds']:6.2f} s, TTFT p50/p99 {1e3 * t[50]:7.1f}/"
