@@ -12,10 +12,10 @@ that meets a new padded size waits for its capture (and for the Triton kernels i
 with `capture_at_start` but no prefill warm-up, the engine holds every graph before the first request, but a prefill
 shape compiles its kernels the first time a burst meets it; mode `start` (what `dsv41 bench` and `dsv41 serve` build):
 graphs captured and prefill shapes warmed (`warm_up_prefill`). Run each mode in a process of its own. With an
-empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first start); run again on the same cache, the kernels load from it (a restart) and what is left of a burst's pause is the capture. The record
-counts the files in the cache at the start. Writes the run to --json under --label (default: the mode), merged into
-the file's other runs. --quick: the tiny config on the CPU, a check of the script (no
-graphs there)."""
+empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first start); run again on the same cache, the
+kernels load from it (a restart) and what is left of a burst's pause is the capture. The record counts the files in
+the cache at the start. Writes the run to --json under --label (default: the mode), merged into the file's other runs.
+--quick: the tiny config on the CPU, a check of the script (no graphs there)."""
 import argparse, datetime, json, os, sys, time
 from pathlib import Path
 import torch
