@@ -41,6 +41,7 @@ def test_the_peer_would_be_caught():
     assert bm.rel_err(bm.grouped_peer(cfg, swapped)(xq, (tw, ti)), want) > 0.2
 
 
+@pytest.mark.slow
 def test_peer_ab_checks_and_records(capsys):
     "Both layers checked against the reference loop, timed, and set against the served layer's floor"
     cfg = ModelConfig.tiny()

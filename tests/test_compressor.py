@@ -269,7 +269,7 @@ def test_ring_journal_bad_input(f, exc, msg):
     with pytest.raises(exc, match=msg): f(ring)
 
 @pytest.mark.parametrize('backend, seed', [('torch', 0), ('torch', 1), ('torch', 2)]
-                         + ([('triton', 0)] if HAS_TRITON else []))
+                         + ([pytest.param('triton', 0, marks=pytest.mark.slow)] if HAS_TRITON else []))
 def test_ring_rows_rewind_as_the_journal(backend, seed):
     """Random verification steps, rewound by RingJournal and by RingRows (the fixed-shape journal a CUDA
     graph can hold): the same latents, records and open ring rows after every step"""

@@ -221,6 +221,7 @@ def test_bad_inputs():
         (lambda: indexer.slot_dims(16), 'dh = 16; expected at least 32'),
     ]: fct.test_fail(fn, contains=msg)
 
+@pytest.mark.slow
 @needs_triton
 @given(st.integers(40, 160), st.lists(st.integers(1, 40), min_size=1, max_size=6),
        st.sampled_from([2, 6]), st.integers(0, 2**31))

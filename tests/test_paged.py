@@ -233,7 +233,7 @@ class _SevenDrafts:
                     reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1); the GPU tier '
                            'captures verification steps for real')
 @pytest.mark.parametrize('lengths,proposer', [
-    ((75, 6), _ThreeDrafts()),
+    pytest.param((75, 6), _ThreeDrafts(), marks=pytest.mark.slow),
     pytest.param(tuple(6 + i % 9 for i in range(41)), _SevenDrafts(), id='328-rows',
                  marks=pytest.mark.skipif(not SLOW,
                                           reason='328 rows on the interpreter, about 12 minutes: DSV41_SLOW=1'))])
@@ -290,6 +290,7 @@ def test_served_moe_in_version_4(monkeypatch):
     assert (out[True].float() - out[False].float()).abs().max() <= 0.05 * out[False].float().abs().max()
 
 
+@pytest.mark.slow
 def test_served_moe_in_version_5(monkeypatch):
     """SERVED_FP8 serves both routed stages of the fused MoE in 08g's version 5 in 16-row blocks where experts get at
     most 16 rows, beside the planes (which the GEMVs still read): the layer's output is the default's to within a few
@@ -326,6 +327,7 @@ def test_served_moe_in_version_5(monkeypatch):
     assert l._fp8 is False
 
 
+@pytest.mark.slow
 def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
     """The served MoE turns a layer's routed gate and up codes into planes once (SERVED_PLANES, weights the planes can
     hold) and keeps no codes for them; every path then reads the planes: the GEMVs, the fused MoE's stage and the
@@ -373,6 +375,7 @@ def test_served_moe_holds_planes_in_place_of_codes(monkeypatch):
         served_moe_caches(SimpleNamespace(moe=None))
 
 
+@pytest.mark.slow
 def test_served_moe_holds_the_down_weights_in_planes(monkeypatch):
     """Where the planes hold them (inter 128), the served MoE keeps the routed down weights in planes too
     (SERVED_PLANES_DOWN) and both paths read them, the fused MoE's down stage and the GEMVs, each within a BF16 step of

@@ -430,6 +430,7 @@ def _train_small(monkeypatch):
     monkeypatch.setattr(mod, 'small_config', ModelConfig.tiny)
     return mod
 
+@pytest.mark.slow
 def test_train_small_quick_in_pieces(monkeypatch, tmp_path):
     """--quick --baseline in three pieces (inside the MoE's run, inside the baseline's, the rest) ends where one run
     does; the record lists the pieces, the state files are gone; a resume with another setting is refused"""
