@@ -11,8 +11,8 @@ def pytest_configure(config):
                                        "deselects them: they test the host's CPU, not the compiled kernels)")
     config.addinivalue_line('markers', "processes: starts process groups of its own (spawned ranks, torchrun); CI runs "
                                        "these after the rest, not beside another pytest worker (ports, cores)")
-    config.addinivalue_line('markers', "slow: a minute or so in Triton's interpreter; on a CPU it runs with DSV41_SLOW=1, "
-                                       "on a GPU always (the GPU tier runs it compiled)")
+    config.addinivalue_line('markers', "slow: a minute or so in Triton's interpreter; on a CPU it runs with "
+                                       "DSV41_SLOW=1, on a GPU always (the GPU tier runs it compiled)")
 
 
 def pytest_collection_modifyitems(config, items):
