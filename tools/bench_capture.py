@@ -16,7 +16,7 @@ empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first star
 kernels load from it (a restart) and what is left of a burst's pause is the capture. The record counts the files in
 the cache at the start. Writes the run to --json under --label (default: the mode), merged into the file's other runs.
 --quick: the tiny config on the CPU, a check of the script (no graphs there)."""
-import argparse, datetime, json, os, sys, time
+import argparse, collections, datetime, json, os, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,15 +41,23 @@ def captured(llm) -> int:
     return len(getattr(m, 'graphs', {})) + len(getattr(m, 'journaled', {}))
 
 
-def bursts(llm, sizes: list, prompt_len: int, max_tokens: int, device) -> list:
-    "One load test per burst size, in order, on the same engine: its summary and the graphs captured during it"
+def compiled(cache: Path | None) -> collections.Counter:
+    "Kernels compiled into a Triton cache, by name: one per specialization (a folder holding `<name>.json`)"
+    if cache is None or not cache.is_dir(): return collections.Counter()
+    return collections.Counter(f.stem for f in cache.glob('*/*.json') if not f.name.startswith('__grp__'))
+
+
+def bursts(llm, sizes: list, prompt_len: int, max_tokens: int, device, cache: Path | None = None) -> list:
+    """One load test per burst size, in order, on the same engine: its summary, the graphs captured during it, and the
+    kernels compiled into Triton's `cache` during it (by name: how many specializations)"""
     sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
     for i, n in enumerate(sizes):
-        before = captured(llm)
+        before, kernels = captured(llm), compiled(cache)
         s = load_test(llm, random_prompts(n, prompt_len, seed=i), sp)
         if device.type == 'cuda': torch.cuda.synchronize()
         rows.append(dict(requests=n, seconds=s['seconds'], ttft_s=s['ttft_s'], tpot_s=s['tpot_s'],
-                         tokens_per_s=s['output_tokens_per_s'], captured=captured(llm) - before))
+                         tokens_per_s=s['output_tokens_per_s'], captured=captured(llm) - before,
+                         compiled=dict(compiled(cache) - kernels)))
     return rows
 
 
@@ -76,13 +84,14 @@ def main():
     build = time.perf_counter() - t0
     rec = dict(mode=args.mode, build_s=build, captured_at_build=captured(llm), triton_cache_files=cached,
                warmed_prefill=llm.llm_engine.start_up.get('prefill', []),
-               rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device))
+               rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device, cache))
     print(f"{machine_name(device)}, {args.mode}, {cached} files in the Triton cache: built in {build:.1f} s, "
           f"{rec['captured_at_build']} graphs, {len(rec['warmed_prefill'])} prefill lengths warmed")
     for r in rec['rows']:
         t, p = r['ttft_s'], r['tpot_s']
         print(f"  {r['requests']:4d} requests: {r['seconds']:6.2f} s, TTFT p50/p99 {1e3 * t[50]:7.1f}/"
-              f"{1e3 * t[99]:7.1f} ms, TPOT p50 {1e3 * p[50]:6.2f} ms, {r['captured']} graphs captured")
+              f"{1e3 * t[99]:7.1f} ms, TPOT p50 {1e3 * p[50]:6.2f} ms, {r['captured']} graphs captured, "
+              f"{sum(r['compiled'].values())} kernels compiled {r['compiled'] or ''}")
     if args.json:
         path = Path(args.json)
         out = json.loads(path.read_text()) if path.exists() else {}
