@@ -656,7 +656,8 @@ def warm_up_prefill(self: LLMEngine, lengths: list | None = None) -> list:
     if lengths is None:
         lengths = warm_up_lengths(self.scheduler.config.max_num_batched_tokens, longest)
     if not isinstance(lengths, (list, tuple)):
-        raise TypeError(f"lengths: expected a list of prompt lengths, got {type(lengths).__name__}")
+        raise TypeError(f"LLMEngine.warm_up_prefill: lengths: expected a list of prompt lengths, "
+                        f"got {type(lengths).__name__}")
     for n in lengths:
         if check_int('LLMEngine.warm_up_prefill', 'a length', n, 1) > longest:
             raise ValueError(f"LLMEngine.warm_up_prefill: a length of {n} tokens; at most "

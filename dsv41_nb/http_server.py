@@ -465,7 +465,7 @@ def _engine(args, error) -> tuple:
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
                    gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                   capture_at_start=True), ckpt   # no capture pauses while serving
+                   capture_at_start=True), ckpt   # no capture or compile pauses in serving
     except (TypeError, ValueError, OSError) as e: error(str(e))
 
 # %% ../nbs/16a_http_server.ipynb #2f7cfca9

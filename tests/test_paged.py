@@ -196,6 +196,7 @@ def test_bad_inputs(models):
         for f, msg in BAD: fct.test_fail(f, contains=msg)
 
 
+@pytest.mark.slow      # 10c_paged_step checks the same step in CI
 @pytest.mark.skipif(not triton_interpreting(),
                     reason='the read-back free path is the Triton one (run under TRITON_INTERPRET=1)')
 def test_a_captured_decode_step_reads_nothing_back(models):
