@@ -18,7 +18,8 @@ from .accounting import (accounting_rows, format_rows, ROW_HEADER, SOURCES, Hard
                                   HARDWARE, step_floor)
 from .dispatch import machine_name, triton_interpreting, copy_bandwidth
 from .model import init_random
-from .engine import EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKENS
+from .engine import (EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKENS,
+                             start_up_note)
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
 from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens
@@ -291,11 +292,13 @@ def bench_command(
     try:
         levels = [check_int('--concurrency', 'level', c, 1) for c in args.concurrency or []]
         served, spec = speculation(args, ckpt, error)
+        t0 = time.perf_counter()
         llm = LLM(served, device=args.device, max_num_seqs=max([args.max_num_seqs, *levels]),
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=args.async_scheduling, kernels=args.kernels,
                   gpu_memory_utilization=args.gpu_memory_utilization,
                   capture_at_start=True, **spec)   # graphs captured, kernels compiled first
+        built = time.perf_counter() - t0
         prompts = random_prompts(args.num_prompts, args.prompt_len, seed=args.seed)
         if args.prompt_len > (m := llm.llm_engine.max_model_len):
             raise ValueError(f"--prompt-len {args.prompt_len:,} is longer than the model allows "
@@ -305,7 +308,8 @@ def bench_command(
     machine, date = machine_name(args.device), f'{datetime.datetime.now():%Y-%m-%d %H:%M}'
     runner, progress = type(llm.llm_engine.runner.model).__name__, not args.no_progress
     print(f"{machine}, torch {torch.__version__}, {date}; {ckpt.name}, {runner}, "
-          f"at most {llm.llm_engine.args.max_num_seqs} running", flush=True)
+          f"at most {llm.llm_engine.args.max_num_seqs} running; "
+          f"{start_up_note(llm.llm_engine, built)}", flush=True)
     if levels:
         rows = concurrency_sweep(llm, levels, args.prompt_len, args.max_tokens,
                                  measured_hardware(args.device), args.seed, progress)
@@ -319,7 +323,8 @@ def bench_command(
         # not the callables
         kept = {k: v for k, v in vars(args).items() if k not in ('func', 'error')}
         rec = dict(machine=machine, date=date, torch=torch.__version__, checkpoint=str(ckpt),
-                   runner=runner, args=kept, **s)
+                   runner=runner, args=kept, start_up=dict(llm.llm_engine.start_up, seconds=built),
+                   **s)
         Path(args.json).write_text(json.dumps(rec, indent=1))
     return 0
 

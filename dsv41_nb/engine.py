@@ -28,7 +28,7 @@ from .runner import *
 # %% auto #0
 __all__ = ['RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',
            'EngineArgs', 'make_step_model', 'LLMEngine', 'kv_pool_blocks', 'register_speculative', 'prefix_gap',
-           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths']
+           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths', 'start_up_note']
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
@@ -668,3 +668,15 @@ def warm_up_prefill(self: LLMEngine, lengths: list | None = None) -> list:
     self._throw_away('warm_up_prefill', prompts, 1)
     self.scheduler.kv.reset_prefix_cache()                 # nothing of the warm-up stays cached
     return list(lengths)
+
+# %% ../nbs/13_engine.ipynb #1822d9da
+def start_up_note(engine: LLMEngine, seconds: float) -> str:
+    "One line on building `engine` in `seconds`: the CUDA graphs it holds, the prefill lengths warmed"
+    if not isinstance(engine, LLMEngine):
+        raise TypeError(f"start_up_note: expected an LLMEngine, got {type(engine).__name__}")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        raise ValueError(f"start_up_note: seconds = {seconds!r}; expected a number >= 0")
+    m, drafts = engine.runner.model, getattr(engine.proposer, 'graphs', None)
+    held = [getattr(m, 'graphs', {}), getattr(m, 'journaled', {}), getattr(drafts, 'graphs', {})]
+    return (f"built in {seconds:.1f} s: {sum(len(g) for g in held)} CUDA graphs held, "
+            f"{len(engine.start_up.get('prefill', []))} prefill lengths warmed")

@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastcore.basics import patch
 from prometheus_client import CONTENT_TYPE_LATEST
 from .config import check_int
-from .engine import EngineArgs, LLM
+from .engine import EngineArgs, LLM, start_up_note
 from .kv_manager import CacheCapacityError
 from .serving import percentiles, served_checkpoint, serving_problem
 from .distributed import _group, free_port, rank_device, exit_rank
@@ -461,12 +461,15 @@ def _engine(args, error) -> tuple:
     if note: print(note, file=sys.stderr)
     try:
         torch.set_num_threads(check_int('--threads', 'threads', args.threads, 1))
-        return LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, kernels=args.kernels,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
-                   gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-                   capture_at_start=True), ckpt   # no capture or compile pauses in serving
+        t0 = time.perf_counter()
+        llm = LLM(ckpt, device=args.device, max_num_seqs=args.max_num_seqs, kernels=args.kernels,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, async_scheduling=args.async_scheduling,
+                  gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                  capture_at_start=True)   # no capture or compile pauses in serving
     except (TypeError, ValueError, OSError) as e: error(str(e))
+    print(start_up_note(llm.llm_engine, time.perf_counter() - t0), file=sys.stderr)
+    return llm, ckpt
 
 # %% ../nbs/16a_http_server.ipynb #2f7cfca9
 def dp_size(args, # parsed `serve` arguments: data_parallel_size

@@ -2,7 +2,7 @@
 plain greedy generation of the reference model (`generate_greedy`, no scheduler, no cache), the byte tokenizer's
 decode; the pool's free count around rejected and aborted requests; the command line in a subprocess; one table of bad
 inputs."""
-import os, random, subprocess, sys
+import json, os, random, subprocess, sys
 from types import SimpleNamespace
 from dataclasses import replace
 from pathlib import Path
@@ -679,6 +679,20 @@ def test_cli_generate(tmp_path, extra):
                                              use_tqdm=False)[0].outputs[0]
     assert r.stdout == 'the cat' + want.text + '\n'
     assert f'{len(want.token_ids)} tokens in' in r.stderr and 'tokens/s' in r.stderr
+
+
+def test_cli_bench_says_what_its_start_up_did(tmp_path):
+    "bench's first line says how long the engine took to build and what it captured and warmed; the JSON keeps it"
+    ck, js = random_checkpoint(tmp_path), tmp_path / 'b.json'
+    r = subprocess.run([sys.executable, '-m', 'dsv41_nb', 'bench', '--checkpoint', str(ck), '--num-prompts', '2',
+                        '--prompt-len', '4', '--max-tokens', '2', '--kernels', 'torch', '--no-progress',
+                        '--json', str(js)], capture_output=True, text=True, cwd=ROOT,
+                       env={k: v for k, v in os.environ.items()
+                            if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert ': 0 CUDA graphs held, 0 prefill lengths warmed' in r.stdout.splitlines()[0], r.stdout
+    rec = json.loads(js.read_text())['start_up']
+    assert rec['graphs'] == {} and 'prefill' not in rec and rec['seconds'] > 0         # a CPU: nothing to warm
 
 
 def test_cli_generate_with_the_dspark_drafter(tmp_path):
