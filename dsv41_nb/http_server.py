@@ -455,7 +455,7 @@ def _exit(msg): sys.exit(f"error: {msg}")
 
 # %% ../nbs/16a_http_server.ipynb #caa2fd39
 def _engine(args, error) -> tuple:
-    "(LLM, checkpoint) of `serve`'s flags"
+    "(LLM, checkpoint, a line on its start-up) of `serve`'s flags"
     if why := serving_problem(args.device, args.kernels): error(why)
     ckpt, note = served_checkpoint(args.checkpoint)
     if note: print(note, file=sys.stderr)
@@ -468,8 +468,7 @@ def _engine(args, error) -> tuple:
                   gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
                   capture_at_start=True)   # no capture or compile pauses in serving
     except (TypeError, ValueError, OSError) as e: error(str(e))
-    print(start_up_note(llm.llm_engine, time.perf_counter() - t0), file=sys.stderr)
-    return llm, ckpt
+    return llm, ckpt, start_up_note(llm.llm_engine, time.perf_counter() - t0)
 
 # %% ../nbs/16a_http_server.ipynb #2f7cfca9
 def dp_size(args, # parsed `serve` arguments: data_parallel_size
@@ -578,12 +577,13 @@ def serve(args, # parsed by a parser given add_serve_arguments
     try: sock = bind_socket(args.host, args.port)
     except OSError as e: error(f"--host {args.host} --port {args.port}: {e.strerror or e}")
     try:
-        llm, ckpt = _engine(args, error)
+        llm, ckpt, started = _engine(args, error)
         e, name = llm.llm_engine, args.served_model_name or f"dsv41-{ckpt.name}"
         server = OpenAIServer(llm, name)
         print(f"serving {server.model_name} ({type(e.runner.model).__name__}, {args.device}, "
               f"max_model_len {e.max_model_len}) at http://{args.host}:{sock.getsockname()[1]}",
               file=sys.stderr, flush=True)
+        print(started, file=sys.stderr, flush=True)           # after the line clients wait for
         UvicornServer(server, args.log_level).run([sock])
         if threading.current_thread() is threading.main_thread():    # done: a late Ctrl-C cannot
             signal.signal(signal.SIGINT, signal.SIG_IGN)              # interrupt the exit
