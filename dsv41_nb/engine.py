@@ -28,7 +28,8 @@ from .runner import *
 # %% auto #0
 __all__ = ['RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',
            'EngineArgs', 'make_step_model', 'LLMEngine', 'kv_pool_blocks', 'register_speculative', 'prefix_gap',
-           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths', 'start_up_note']
+           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths', 'step_sizes', 'graphs_held',
+           'start_up_note']
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
@@ -669,6 +670,30 @@ def warm_up_prefill(self: LLMEngine, lengths: list | None = None) -> list:
     self.scheduler.kv.reset_prefix_cache()                 # nothing of the warm-up stays cached
     return list(lengths)
 
+# %% ../nbs/13_engine.ipynb #e76c51a1
+@contextlib.contextmanager
+def step_sizes(engine: LLMEngine):
+    "Within the block, the token count of each step `engine` schedules, in a list"
+    if not isinstance(engine, LLMEngine):
+        raise TypeError(f"step_sizes: expected an LLMEngine, got {type(engine).__name__}")
+    seen, sched = [], engine.scheduler
+    def spy(**kw):
+        so = type(sched).schedule(sched, **kw); seen.append(so.total_num_scheduled_tokens)
+        return so
+    sched.schedule = spy
+    try: yield seen
+    finally: del sched.schedule
+
+# %% ../nbs/13_engine.ipynb #2516aed7
+def graphs_held(engine: LLMEngine) -> dict:
+    "The CUDA graphs `engine` holds now: decode steps', verifying steps' and the drafter's"
+    if not isinstance(engine, LLMEngine):
+        raise TypeError(f"graphs_held: expected an LLMEngine, got {type(engine).__name__}")
+    m, drafts = engine.runner.model, getattr(engine.proposer, 'graphs', None)
+    return {k: len(getattr(o, a, None) or {})
+            for k, o, a in (('decode', m, 'graphs'), ('verify', m, 'journaled'),
+                            ('drafter', drafts, 'graphs'))}
+
 # %% ../nbs/13_engine.ipynb #1822d9da
 def start_up_note(engine: LLMEngine, seconds: float) -> str:
     "One line on building `engine` in `seconds`: the CUDA graphs it holds, the prefill lengths warmed"
@@ -676,7 +701,5 @@ def start_up_note(engine: LLMEngine, seconds: float) -> str:
         raise TypeError(f"start_up_note: expected an LLMEngine, got {type(engine).__name__}")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
         raise ValueError(f"start_up_note: seconds = {seconds!r}; expected a number >= 0")
-    m, drafts = engine.runner.model, getattr(engine.proposer, 'graphs', None)
-    held = [getattr(m, 'graphs', {}), getattr(m, 'journaled', {}), getattr(drafts, 'graphs', {})]
-    return (f"built in {seconds:.1f} s: {sum(len(g) for g in held)} CUDA graphs held, "
+    return (f"built in {seconds:.1f} s: {sum(graphs_held(engine).values())} CUDA graphs held, "
             f"{len(engine.start_up.get('prefill', []))} prefill lengths warmed")

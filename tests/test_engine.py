@@ -23,7 +23,7 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
 from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS,
                              register_speculative, NGRAM_TOKENS, greedy_shortfall, assert_greedy_match,
-                             kv_pool_blocks, warm_up_lengths)
+                             kv_pool_blocks, warm_up_lengths, step_sizes, graphs_held)
 from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
@@ -150,6 +150,8 @@ BAD = [
      'a length of 64 tokens; at most max_model_len - 1 = 63'),
     (lambda: _LLM.llm_engine.warm_up_prefill([0]), ValueError, 'a length = 0; expected at least 1'),
     (lambda: _LLM.llm_engine.warm_up_prefill(8), TypeError, 'expected a list of prompt lengths, got int'),
+    (lambda: graphs_held(_LLM), TypeError, 'graphs_held: expected an LLMEngine, got LLM'),
+    (lambda: step_sizes(_LLM).__enter__(), TypeError, 'step_sizes: expected an LLMEngine, got LLM'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -354,6 +356,7 @@ def test_graphs_captured_at_start(async_scheduling):
     cg, eng = box['cg'], llm.llm_engine
     # 3 requests pad to 4 rows; with 3 drafts each, 12 rows pad to 16
     assert (sorted(cg.graphs), sorted(cg.journaled)) == ([1, 2, 4], [1, 2, 4, 8, 16]), cg
+    assert graphs_held(eng) == dict(decode=3, verify=5, drafter=0)
     assert not eng.has_unfinished_requests() and not eng.tracked and free_blocks(llm) == free_blocks(eager)
     held = [{s: id(g) for s, g in d.items()} for d in (cg.graphs, cg.journaled)]
     got = outputs(llm, PROMPTS[:2], sp)
@@ -382,15 +385,6 @@ def test_warm_up_lengths():
     assert warm_up_lengths(1, 1) == [1] and warm_up_lengths(64, 1000)[-3:] == [32, 33, 64]
 
 
-def steps_of(eng):
-    "Patch the engine's scheduler to note the token count of each step it schedules; the list it fills"
-    seen, schedule = [], eng.scheduler.schedule
-    def spy(**kw):
-        so = schedule(**kw); seen.append(so.total_num_scheduled_tokens); return so
-    eng.scheduler.schedule = spy
-    return seen
-
-
 @pytest.mark.parametrize('async_scheduling', [False, True], ids=['sync', 'async'])
 def test_warm_up_prefill(async_scheduling):
     """warm_up_prefill: one prefill step of each length, no request, block or cached prefix left behind, and the
@@ -401,9 +395,9 @@ def test_warm_up_prefill(async_scheduling):
     assert eng.start_up == dict(graphs={}, prefill=warm_up_lengths(40, 255))
     assert 'prefill' not in fresh.llm_engine.start_up              # on a CPU, only when asked
     assert 'prefill' not in LLM(MODEL, capture_at_start=True, **kw).llm_engine.start_up
-    seen = steps_of(eng)
-    assert eng.warm_up_prefill([7, 33, 40]) == [7, 33, 40]
+    with step_sizes(eng) as seen: assert eng.warm_up_prefill([7, 33, 40]) == [7, 33, 40]
     assert [n for n in seen if n] == [7, 33, 40]                    # async: a step of none while one is in flight
+    assert 'schedule' not in vars(eng.scheduler)                    # the scheduler's own method again
     assert not eng.has_unfinished_requests() and not eng.tracked
     assert free_blocks(llm) == free_blocks(fresh)
     assert not eng.scheduler.kv.block_pool.cached_block_hash_to_block          # the prefix cache emptied
@@ -420,8 +414,10 @@ def test_warm_up_refuses_a_busy_engine_and_leaves_nothing_when_a_step_fails():
     eng.abort_request('a')
     def broken(): raise RuntimeError('the step broke')
     eng.step = broken
-    fails_with(lambda: eng.warm_up_prefill([3, 5]), contains='the step broke')
+    with step_sizes(eng) as seen:
+        fails_with(lambda: eng.warm_up_prefill([3, 5]), contains='the step broke')
     del eng.step
+    assert seen == [] and 'schedule' not in vars(eng.scheduler)
     assert not eng.has_unfinished_requests() and not eng.tracked and free_blocks(llm) == free
 
 

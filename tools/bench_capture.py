@@ -24,7 +24,7 @@ from bench_engine import git_commit
 from dsv41_nb.__main__ import load_test, random_prompts
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name
-from dsv41_nb.engine import LLM
+from dsv41_nb.engine import LLM, graphs_held
 from dsv41_nb.model import init_random
 from dsv41_nb.scheduler import SamplingParams
 
@@ -36,9 +36,8 @@ MODES = dict(lazy=dict(capture_at_start=False, warm_up_prefill=False),
 
 
 def captured(llm) -> int:
-    "Graphs the engine's step model holds now, decode and verifying ones (0 without graphs)"
-    m = llm.llm_engine.runner.model
-    return len(getattr(m, 'graphs', {})) + len(getattr(m, 'journaled', {}))
+    "CUDA graphs the engine holds now, of every kind (`graphs_held`; 0 without graphs)"
+    return sum(graphs_held(llm.llm_engine).values())
 
 
 def compiled(cache: Path | None) -> collections.Counter:
