@@ -16,7 +16,7 @@ _forced: str | None = None
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
            'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'mm_f32',
            'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured', 'HostReads',
-           'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait']
+           'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait', 'spec_class', 'launch_keys']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -358,3 +358,65 @@ def _rebound(kernel, **calls):
     twin.__doc__ = fn.__doc__
     # the interpreter's functions specialise nothing and keep no list
     return triton.jit(twin, do_not_specialize=getattr(kernel, 'do_not_specialize', ()))
+
+# %% ../nbs/00a_dispatch.ipynb #851520d6
+def spec_class(v, # a kernel argument that is not `tl.constexpr`
+               specialize: bool = True, # False: named in `do_not_specialize`
+               align: bool = True) -> tuple: # False: named in `do_not_specialize_on_alignment`
+    "(type, class) of a launch argument, as Triton keys its compiled kernels"
+    if v is None: return ('constexpr', None)
+    if isinstance(v, bool): return ('u1', None)
+    if isinstance(v, int):
+        if specialize and v == 1: return ('constexpr', 1)
+        t = 'i32' if -2**31 <= v < 2**31 else 'i64' if v < 2**63 else 'u64'
+        return (t, ('D' if v % 16 == 0 else '') if specialize else None)
+    if isinstance(v, float): return ('fp32', None)
+    if isinstance(v, torch.Tensor):
+        return ('*' + str(v.dtype).removeprefix('torch.'), 'D' if align and v.data_ptr() % 16 == 0 else '')
+    return (type(v).__name__, None)
+
+# %% ../nbs/00a_dispatch.ipynb #b24cb3dd
+import inspect
+from triton.runtime.jit import JITFunction
+from triton.runtime.interpreter import InterpretedFunction
+
+# %% ../nbs/00a_dispatch.ipynb #8ab3da11
+@functools.lru_cache(None)
+def _signature(fn) -> tuple:
+    "A kernel function's signature and the names of its `tl.constexpr` parameters"
+    sig = inspect.signature(fn)
+    return sig, {n for n, p in sig.parameters.items() if 'constexpr' in str(p.annotation)}
+
+# %% ../nbs/00a_dispatch.ipynb #8ab3da11b
+def _launch_key(kernel, args, kwargs) -> tuple:
+    "The specialization of one launch: (name, constexprs and options, argument classes)"
+    fn = kernel.fn
+    opts = getattr(kernel, 'kwargs', {})     # the interpreter keeps `triton.jit`'s keywords here
+    plain = set(getattr(kernel, 'do_not_specialize', None) or opts.get('do_not_specialize') or ())
+    unaligned = set(getattr(kernel, 'do_not_specialize_on_alignment', None)
+                    or opts.get('do_not_specialize_on_alignment') or ())
+    sig, constexprs = _signature(fn)
+    bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+    bound.apply_defaults()
+    const, classes = [], []
+    for i, (name, v) in enumerate(bound.arguments.items()):
+        if name in constexprs: const.append((name, repr(v)))
+        else: classes.append(spec_class(v, not {i, name} & plain, not {i, name} & unaligned))
+    options = sorted((k, repr(v)) for k, v in kwargs.items() if k not in sig.parameters)
+    return fn.__name__, tuple(const + options), tuple(classes)
+
+# %% ../nbs/00a_dispatch.ipynb #5d04586f
+@contextmanager
+def launch_keys():
+    ("Inside the block, every Triton launch (compiled or interpreted) counted by its "
+     "specialization key: a Counter of (name, constexprs and options, argument classes)")
+    seen, runs = collections.Counter(), {c: c.run for c in (JITFunction, InterpretedFunction)}
+    def noting(run):
+        def run_noted(self, *args, grid, warmup, **kwargs):
+            if not warmup: seen[_launch_key(self, args, kwargs)] += 1
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return run_noted
+    for c, run in runs.items(): c.run = noting(run)
+    try: yield seen
+    finally:
+        for c, run in runs.items(): c.run = run

@@ -1,8 +1,15 @@
-"""The dispatch helpers: the capture mode, the host-read counter, and the bad inputs of the CUDA-graph helper."""
+"""The dispatch helpers: the capture mode, the host-read counter, the bad inputs of the CUDA-graph helper, and the
+launch keys (Triton's specializations)."""
+import collections
 import pytest
 import torch
+import triton
+import triton.language as tl
 from fastcore.test import test_fail as fails_with
-from dsv41_nb.dispatch import capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL
+from dsv41_nb.dispatch import (capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL,
+                               spec_class, launch_keys, kernel_backend, check_device)
+from triton.runtime.jit import JITFunction
+from triton.runtime.interpreter import InterpretedFunction
 
 
 def test_as_captured_nests_and_restores():
@@ -97,3 +104,56 @@ def test_mm_f32_sums_the_exact_products_in_fp32():
     for args, msg in [((a.float(), b), 'a must be a 2-D BF16 tensor'), ((a, b[0]), 'b must be a 2-D BF16 tensor'),
                       ((a, b[:, :8]), 'expected the same K and device'), ((a, 'b'), 'b must be a 2-D BF16 tensor')]:
         with pytest.raises(ValueError, match=msg): mm_f32(*args)
+
+
+@pytest.mark.parametrize('v, want', [
+    (1, ('constexpr', 1)), (0, ('i32', 'D')), (48, ('i32', 'D')), (47, ('i32', '')), (-16, ('i32', 'D')),
+    (2**31, ('i64', 'D')), (2**40 + 1, ('i64', '')), (2**63, ('u64', 'D')), (True, ('u1', None)),
+    (0.5, ('fp32', None)), (None, ('constexpr', None)),
+    (torch.zeros(4, dtype=torch.bfloat16), ('*bfloat16', 'D')), (torch.zeros(9)[1:], ('*float32', ''))])
+def test_spec_class(v, want):
+    assert spec_class(v) == want
+    if isinstance(v, int) and not isinstance(v, bool): assert spec_class(v, specialize=False)[1] is None
+    if isinstance(v, torch.Tensor): assert spec_class(v, align=False)[1] == ''
+
+
+def test_spec_class_agrees_with_triton():
+    native = pytest.importorskip('triton._C.libtriton').__dict__.get('native_specialize_impl')
+    if native is None: pytest.skip("this Triton classes its arguments in Python")
+    from triton.backends.compiler import BaseBackend
+    for v in (1, 0, 16, 33, -32, 2**40, 2**40 + 3, torch.zeros(4), torch.zeros(5)[1:], torch.zeros(2).half()):
+        assert spec_class(v)[1] == native(BaseBackend, v, False, True, True)[1], v
+
+
+@triton.jit
+def _bump_kernel(x_ptr, n, BLOCK: tl.constexpr, TWICE: tl.constexpr = False):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n)
+    tl.store(x_ptr + i, x + (2 if TWICE else 1), mask=i < n)
+
+
+@triton.jit(do_not_specialize=['n'])
+def _bump_any_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+def test_launch_keys_tell_specializations_apart_and_the_kernels_still_run():
+    x = torch.zeros(40, device=check_device())
+    if kernel_backend(x) != 'triton': pytest.skip('no Triton here (a CPU without TRITON_INTERPRET=1)')
+    runs = (JITFunction.run, InterpretedFunction.run)
+    with launch_keys() as keys:
+        for n in (1, 3, 5, 16, 32): _bump_kernel[(1,)](x, n, BLOCK=32)        # n: 1, odd twice, 16 twice
+        _bump_kernel[(1,)](x, 5, BLOCK=32, TWICE=True)                         # another constexpr
+        _bump_kernel[(1,)](x[1:], 5, BLOCK=32)                                  # an unaligned pointer
+        _bump_kernel[(1,)](x, 5, BLOCK=32, num_warps=2)                         # another launch option
+        for n in (1, 3, 16): _bump_any_kernel[(1,)](x, n, BLOCK=32)             # one kernel for all
+    assert (JITFunction.run, InterpretedFunction.run) == runs                  # put back
+    by_name = collections.Counter(k[0] for k in keys)
+    assert by_name == {'_bump_kernel': 6, '_bump_any_kernel': 1} and sum(keys.values()) == 11
+    assert sorted(keys.values()) == [1, 1, 1, 1, 2, 2, 3]
+    # every launch ran: x[0] by all but the unaligned one (the twice one adds 2), x[5] by those past 5, x[1:]'s too
+    assert (x[0].item(), x[5].item(), x[30].item()) == (5 + 2 + 1 + 3, 2 + 1 + 1, 1)
+    with pytest.raises(RuntimeError, match='inside'):
+        with launch_keys(): raise RuntimeError('inside')
+    assert (JITFunction.run, InterpretedFunction.run) == runs

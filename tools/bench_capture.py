@@ -16,14 +16,14 @@ empty TRITON_CACHE_DIR every kernel is compiled on first sight too (a first star
 kernels load from it (a restart) and what is left of a burst's pause is the capture. The record counts the files in
 the cache at the start. Writes the run to --json under --label (default: the mode), merged into the file's other runs.
 --quick: the tiny config on the CPU, a check of the script (no graphs there)."""
-import argparse, collections, datetime, json, os, sys, time
+import argparse, collections, contextlib, datetime, json, os, sys, time
 from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit
 from dsv41_nb.__main__ import load_test, random_prompts
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import machine_name
+from dsv41_nb.dispatch import launch_keys, machine_name
 from dsv41_nb.engine import LLM, graphs_held
 from dsv41_nb.model import init_random
 from dsv41_nb.scheduler import SamplingParams
@@ -46,17 +46,22 @@ def compiled(cache: Path | None) -> collections.Counter:
     return collections.Counter(f.stem for f in cache.glob('*/*.json') if not f.name.startswith('__grp__'))
 
 
-def bursts(llm, sizes: list, prompt_len: int, max_tokens: int, device, cache: Path | None = None) -> list:
+def bursts(llm, sizes: list, prompt_len: int, max_tokens: int, device, cache: Path | None = None,
+           seen: set | None = None) -> list:
     """One load test per burst size, in order, on the same engine: its summary, the graphs captured during it, and the
-    kernels compiled into Triton's `cache` during it (by name: how many specializations)"""
+    kernels compiled into Triton's `cache` during it (by name: how many specializations). With `seen` (the launch keys
+    met so far, `launch_keys`), also the keys each burst meets first, as text: what it compiles on a fresh cache"""
     sp, rows = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), []
     for i, n in enumerate(sizes):
         before, kernels = captured(llm), compiled(cache)
-        s = load_test(llm, random_prompts(n, prompt_len, seed=i), sp)
-        if device.type == 'cuda': torch.cuda.synchronize()
+        with launch_keys() if seen is not None else contextlib.nullcontext({}) as keys:
+            s = load_test(llm, random_prompts(n, prompt_len, seed=i), sp)
+            if device.type == 'cuda': torch.cuda.synchronize()
         rows.append(dict(requests=n, seconds=s['seconds'], ttft_s=s['ttft_s'], tpot_s=s['tpot_s'],
                          tokens_per_s=s['output_tokens_per_s'], captured=captured(llm) - before,
                          compiled=dict(compiled(cache) - kernels)))
+        if seen is not None:
+            rows[-1]['new_keys'] = sorted(map(str, set(keys) - seen)); seen |= set(keys)
     return rows
 
 
@@ -69,6 +74,9 @@ def main():
     ap.add_argument('--max-tokens', type=int, default=32)
     ap.add_argument('--json', help='write (merge) the record here')
     ap.add_argument('--label', help="the run's key in the record (default: the mode)")
+    ap.add_argument('--keys', action='store_true',
+                    help="note every kernel launch's specialization (`launch_keys`; slows eager steps): the ones "
+                         "each burst meets first are what it compiles on a fresh cache")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU: checks the script')
     args = ap.parse_args()
     if any(n < 1 for n in args.bursts): ap.error(f"--bursts: each must be >= 1, got {args.bursts}")
@@ -77,13 +85,16 @@ def main():
     cached = sum(1 for f in cache.rglob('*') if f.is_file()) if cache.is_dir() else 0
     model = init_random(ModelConfig.tiny(), seed=0) if args.quick else args.checkpoint
     t0 = time.perf_counter()
-    llm = LLM(model, device=device, max_num_seqs=256, async_scheduling=True, **MODES[args.mode],
-              **({'kernels': 'torch', 'max_num_batched_tokens': 64} if args.quick else {}))
-    if device.type == 'cuda': torch.cuda.synchronize()
+    with launch_keys() if args.keys else contextlib.nullcontext({}) as at_build:
+        llm = LLM(model, device=device, max_num_seqs=256, async_scheduling=True, **MODES[args.mode],
+                  **({'kernels': 'torch', 'max_num_batched_tokens': 64} if args.quick else {}))
+        if device.type == 'cuda': torch.cuda.synchronize()
     build = time.perf_counter() - t0
     rec = dict(mode=args.mode, build_s=build, captured_at_build=captured(llm), triton_cache_files=cached,
                warmed_prefill=llm.llm_engine.start_up.get('prefill', []),
-               rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device, cache))
+               rows=bursts(llm, args.bursts, args.prompt_len, args.max_tokens, device, cache,
+                           set(at_build) if args.keys else None))
+    if args.keys: rec['keys_at_build'] = len(at_build)
     print(f"{machine_name(device)}, {args.mode}, {cached} files in the Triton cache: built in {build:.1f} s, "
           f"{rec['captured_at_build']} graphs, {len(rec['warmed_prefill'])} prefill lengths warmed")
     for r in rec['rows']:
@@ -91,6 +102,7 @@ def main():
         print(f"  {r['requests']:4d} requests: {r['seconds']:6.2f} s, TTFT p50/p99 {1e3 * t[50]:7.1f}/"
               f"{1e3 * t[99]:7.1f} ms, TPOT p50 {1e3 * p[50]:6.2f} ms, {r['captured']} graphs captured, "
               f"{sum(r['compiled'].values())} kernels compiled {r['compiled'] or ''}")
+        for k in r.get('new_keys', []): print('    first met:', k)
     if args.json:
         path = Path(args.json)
         out = json.loads(path.read_text()) if path.exists() else {}
