@@ -28,8 +28,8 @@ from .runner import *
 # %% auto #0
 __all__ = ['RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',
            'EngineArgs', 'make_step_model', 'LLMEngine', 'kv_pool_blocks', 'register_speculative', 'prefix_gap',
-           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths', 'step_sizes', 'graphs_held',
-           'start_up_note']
+           'greedy_shortfall', 'assert_greedy_match', 'LLM', 'warm_up_lengths', 'warm_up_steps', 'step_sizes',
+           'graphs_held', 'start_up_note']
 
 # %% ../nbs/13_engine.ipynb #9315d311
 @dataclass
@@ -598,21 +598,22 @@ def stream(
 
 # %% ../nbs/13_engine.ipynb #c1a0e7b3
 @patch
-def _throw_away(self: LLMEngine, who: str, prompts: list, max_tokens: int):
-    "Serve throw-away requests one after another, no proposer told of their steps, none left"
+def _throw_away(self: LLMEngine, who: str,
+                groups: list, # lists of prompts: each list added at once, served to the end
+                max_tokens: int):
+    "Serve throw-away requests, a group at a time, no proposer told of their steps, none left"
     if self.has_unfinished_requests():
         raise RuntimeError(f"LLMEngine.{who}: the engine is serving requests; warm it up before "
                            "any is added (or build it with capture_at_start)")
     observer, self._observer = self._observer, None
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    sp, n = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), 0
     try:
-        for i, ids in enumerate(prompts):
-            self.add_request(f'<warm-up {i}>', ids, sp)
+        for prompts in groups:
+            for ids in prompts: self.add_request(f'<warm-up {n}>', ids, sp); n += 1
             while self.has_unfinished_requests(): self.step()
     finally:
         self._observer = observer
         for rid in [r for r in self.tracked if r.startswith('<warm-up')]: self.abort_request(rid)
-
 
 # %% ../nbs/13_engine.ipynb #c1a0e7b4
 @patch
@@ -622,7 +623,7 @@ def capture_graphs(self: LLMEngine) -> dict:
     m = self.runner.model
     if not isinstance(m, CUDAGraphModel): return {}
     # one throw-away request of one token decoded: the graphs' inputs take their shape
-    if m._template is None: self._throw_away('capture_graphs', [[self.tokenizer.EOS]], 2)
+    if m._template is None: self._throw_away('capture_graphs', [[[self.tokenizer.EOS]]], 2)
     if m._template is None:
         raise RuntimeError("LLMEngine.capture_graphs: the warm-up request's decode step was not "
                            "replayable, so the graphs' inputs have no shape to capture")
@@ -648,27 +649,58 @@ def warm_up_lengths(budget: int, longest: int) -> list:
     while p // 2 + 1 <= top: out |= {min(p, top), p // 2 + 1}; p *= 2
     return sorted(out)
 
+# %% ../nbs/13_engine.ipynb #92f1efeb
+def warm_up_steps(budget: int, # the step's token budget
+                  longest: int, # the longest prompt (max_model_len - 1)
+                  max_seqs: int, # the most requests in a step
+                 ) -> list:
+    ("Prefill steps, each a list of prompt lengths served together, that meet every class of "
+     "`warm_up_lengths` up to the budget: as many prompts of at most `longest` as a count needs")
+    check_int('warm_up_steps', 'longest', longest, 1)
+    check_int('warm_up_steps', 'max_seqs', max_seqs, 1)
+    out = []
+    for T in warm_up_lengths(budget, min(budget, longest * max_seqs)):
+        k = -(-T // longest)                          # prompts: each at most `longest`
+        out.append([T // k + 1] * (T % k) + [T // k] * (k - T % k))
+    return out
+
+# %% ../nbs/13_engine.ipynb #d0de45ea
+@patch
+def _check_warm_up_step(self: LLMEngine, lengths: list, longest: int):
+    "A warm-up step's prompt lengths fit one step of this engine, or the error says why not"
+    cfg, who = self.scheduler.config, 'LLMEngine.warm_up_prefill'
+    for n in lengths:
+        if check_int(who, 'a length', n, 1) > longest:
+            raise ValueError(f"{who}: a length of {n} tokens; at most max_model_len - 1 = "
+                             f"{longest} (each request decodes a token)")
+    if not lengths or len(lengths) > cfg.max_num_seqs:
+        raise ValueError(f"{who}: a step of {len(lengths)} prompts; expected 1 to "
+                         f"max_num_seqs = {cfg.max_num_seqs}")
+    if sum(lengths) > cfg.max_num_batched_tokens:
+        raise ValueError(f"{who}: a step of {sum(lengths)} tokens; at most the step's budget, "
+                         f"max_num_batched_tokens = {cfg.max_num_batched_tokens}")
+
 # %% ../nbs/13_engine.ipynb #0641f9f6
 @patch
-def warm_up_prefill(self: LLMEngine, lengths: list | None = None) -> list:
-    ("Prefill one throw-away random prompt of each length (default: `warm_up_lengths` of the "
-     "token budget), so the kernels of those shapes compile now; the lengths")
-    longest = self.max_model_len - 1                       # each request decodes one token
-    if lengths is None:
-        lengths = warm_up_lengths(self.scheduler.config.max_num_batched_tokens, longest)
-    if not isinstance(lengths, (list, tuple)):
-        raise TypeError(f"LLMEngine.warm_up_prefill: lengths: expected a list of prompt lengths, "
-                        f"got {type(lengths).__name__}")
-    for n in lengths:
-        if check_int('LLMEngine.warm_up_prefill', 'a length', n, 1) > longest:
-            raise ValueError(f"LLMEngine.warm_up_prefill: a length of {n} tokens; at most "
-                             f"max_model_len - 1 = {longest} (each request decodes a token)")
+def warm_up_prefill(self: LLMEngine,
+                    steps: list | None = None, # prompt lengths: an int (alone) or a list (one step)
+                   ) -> list:
+    ("Prefill throw-away random prompts, each item of `steps` in a step of its own (default: "
+     "`warm_up_steps` of the step's budget), so the kernels of those shapes compile now; the steps")
+    longest, cfg = self.max_model_len - 1, self.scheduler.config    # each request decodes a token
+    if steps is None:
+        steps = warm_up_steps(cfg.max_num_batched_tokens, longest, cfg.max_num_seqs)
+    if not isinstance(steps, (list, tuple)):
+        raise TypeError(f"LLMEngine.warm_up_prefill: steps: expected a list of prompt lengths, "
+                        f"got {type(steps).__name__}")
+    steps = [list(s) if isinstance(s, (list, tuple)) else [s] for s in steps]
+    for s in steps: self._check_warm_up_step(s, longest)
     g = torch.Generator().manual_seed(self.args.seed)
-    prompts = [torch.randint(self.tokenizer.vocab_size, (n,), generator=g).tolist()
-               for n in lengths]
-    self._throw_away('warm_up_prefill', prompts, 1)
+    groups = [[torch.randint(self.tokenizer.vocab_size, (n,), generator=g).tolist() for n in s]
+              for s in steps]
+    self._throw_away('warm_up_prefill', groups, 1)
     self.scheduler.kv.reset_prefix_cache()                 # nothing of the warm-up stays cached
-    return list(lengths)
+    return steps
 
 # %% ../nbs/13_engine.ipynb #e76c51a1
 @contextlib.contextmanager
@@ -696,10 +728,10 @@ def graphs_held(engine: LLMEngine) -> dict:
 
 # %% ../nbs/13_engine.ipynb #1822d9da
 def start_up_note(engine: LLMEngine, seconds: float) -> str:
-    "One line on building `engine` in `seconds`: the CUDA graphs it holds, the prefill lengths warmed"
+    "One line on building `engine` in `seconds`: the CUDA graphs it holds, the prefill steps warmed"
     if not isinstance(engine, LLMEngine):
         raise TypeError(f"start_up_note: expected an LLMEngine, got {type(engine).__name__}")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
         raise ValueError(f"start_up_note: seconds = {seconds!r}; expected a number >= 0")
     return (f"built in {seconds:.1f} s: {sum(graphs_held(engine).values())} CUDA graphs held, "
-            f"{len(engine.start_up.get('prefill', []))} prefill lengths warmed")
+            f"{len(engine.start_up.get('prefill', []))} prefill steps warmed")

@@ -23,7 +23,8 @@ from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, dr
 from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
 from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS,
                              register_speculative, NGRAM_TOKENS, greedy_shortfall, assert_greedy_match,
-                             kv_pool_blocks, warm_up_lengths, step_sizes, graphs_held)
+                             kv_pool_blocks, warm_up_lengths, warm_up_steps, step_sizes,
+                             graphs_held)
 from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
@@ -150,6 +151,14 @@ BAD = [
      'a length of 64 tokens; at most max_model_len - 1 = 63'),
     (lambda: _LLM.llm_engine.warm_up_prefill([0]), ValueError, 'a length = 0; expected at least 1'),
     (lambda: _LLM.llm_engine.warm_up_prefill(8), TypeError, 'expected a list of prompt lengths, got int'),
+    (lambda: _LLM.llm_engine.warm_up_prefill([[]]), ValueError, 'a step of 0 prompts; expected 1 to max_num_seqs'),
+    (lambda: _LLM.llm_engine.warm_up_prefill([[1] * 257]), ValueError, 'a step of 257 prompts'),
+    (lambda: _LLM.llm_engine.warm_up_prefill([[8000, 8000, 8000]]), ValueError,
+     'a length of 8000 tokens; at most max_model_len - 1 = 63'),
+    (lambda: LLM(MODEL, runner='recompute', max_model_len=64, max_num_batched_tokens=32).llm_engine
+     .warm_up_prefill([[20, 20]]), ValueError, 'a step of 40 tokens; at most the step\'s budget'),
+    (lambda: warm_up_steps(64, 0, 4), ValueError, 'warm_up_steps: longest = 0'),
+    (lambda: warm_up_steps(64, 8, None), TypeError, 'warm_up_steps: max_seqs must be an int'),
     (lambda: graphs_held(_LLM), TypeError, 'graphs_held: expected an LLMEngine, got LLM'),
     (lambda: step_sizes(_LLM).__enter__(), TypeError, 'step_sizes: expected an LLMEngine, got LLM'),
 ]
@@ -385,6 +394,16 @@ def test_warm_up_lengths():
     assert warm_up_lengths(1, 1) == [1] and warm_up_lengths(64, 1000)[-3:] == [32, 33, 64]
 
 
+def test_warm_up_steps():
+    "Every class of the budget, in steps of prompts no longer than the longest, as few and as even as can be"
+    assert warm_up_steps(40, 255, 256) == [[n] for n in warm_up_lengths(40, 40)]
+    steps = warm_up_steps(16384, 223, 256)
+    assert [sum(s) for s in steps] == warm_up_lengths(16384, 16384)           # every class of the budget
+    assert all(max(s) <= 223 and max(s) - min(s) <= 1 and len(s) == -(-sum(s) // 223) for s in steps)
+    assert steps[-1] == [222] * 30 + [221] * 44                                # 16,384 tokens in 74 prompts
+    assert [sum(s) for s in warm_up_steps(16384, 159, 8)][-2:] == [1025, 1272]  # 8 prompts hold 1,272 tokens
+
+
 @pytest.mark.parametrize('async_scheduling', [False, True], ids=['sync', 'async'])
 def test_warm_up_prefill(async_scheduling):
     """warm_up_prefill: one prefill step of each length, no request, block or cached prefix left behind, and the
@@ -392,10 +411,10 @@ def test_warm_up_prefill(async_scheduling):
     kw = {**EXACT, 'runner': 'paged', 'async_scheduling': async_scheduling, 'max_num_batched_tokens': 40}
     llm, fresh = LLM(MODEL, warm_up_prefill=True, **kw), LLM(MODEL, **kw)
     eng = llm.llm_engine
-    assert eng.start_up == dict(graphs={}, prefill=warm_up_lengths(40, 255))
+    assert eng.start_up == dict(graphs={}, prefill=[[n] for n in warm_up_lengths(40, 40)])
     assert 'prefill' not in fresh.llm_engine.start_up              # on a CPU, only when asked
     assert 'prefill' not in LLM(MODEL, capture_at_start=True, **kw).llm_engine.start_up
-    with step_sizes(eng) as seen: assert eng.warm_up_prefill([7, 33, 40]) == [7, 33, 40]
+    with step_sizes(eng) as seen: assert eng.warm_up_prefill([7, 33, [20, 20]]) == [[7], [33], [20, 20]]
     assert [n for n in seen if n] == [7, 33, 40]                    # async: a step of none while one is in flight
     assert 'schedule' not in vars(eng.scheduler)                    # the scheduler's own method again
     assert not eng.has_unfinished_requests() and not eng.tracked
@@ -686,7 +705,7 @@ def test_cli_bench_says_what_its_start_up_did(tmp_path):
                        env={k: v for k, v in os.environ.items()
                             if k != 'TRITON_INTERPRET'} | {'CUDA_VISIBLE_DEVICES': ''}, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert ': 0 CUDA graphs held, 0 prefill lengths warmed' in r.stdout.splitlines()[0], r.stdout
+    assert ': 0 CUDA graphs held, 0 prefill steps warmed' in r.stdout.splitlines()[0], r.stdout
     rec = json.loads(js.read_text())['start_up']
     assert rec['graphs'] == {} and 'prefill' not in rec and rec['seconds'] > 0         # a CPU: nothing to warm
 

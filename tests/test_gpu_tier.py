@@ -428,10 +428,10 @@ def test_dspark_verification_steps_replay_from_graphs(small, async_scheduling):
 @pytest.mark.parametrize('async_scheduling', [False, True])
 def test_dspark_graphs_captured_at_start(small, async_scheduling):
     """capture_at_start with three DSpark drafts a step: every decode and verifying graph is captured before the first
-    request (the drafter's too), every prefill size class up to the prompt's longest is warmed, serving captures none,
-    and the tokens are those of the engine without speculation"""
+    request (the drafter's too), every prefill size class up to what 8 prompts of the longest hold is warmed, serving
+    captures none, and the tokens are those of the engine without speculation"""
     from dsv41_nb.dspark_serving import dspark_proposer
-    from dsv41_nb.engine import warm_up_lengths
+    from dsv41_nb.engine import warm_up_steps, graphs_held
     want, keep = _serve(small, PROMPTS), []
     prop = dspark_proposer(small, SMALL / 'dspark.safetensors', 3)
     llm = LLM(small, max_num_seqs=len(PROMPTS), max_model_len=160, proposer=prop,
@@ -440,7 +440,9 @@ def test_dspark_graphs_captured_at_start(small, async_scheduling):
     # 8 requests pad to 8 rows; with 3 drafts each, 32 rows
     assert (max(cg.graphs), max(cg.journaled)) == (8, 32), cg
     assert max(llm.llm_engine.proposer.graphs.graphs) == 8      # the drafter's graphs, up to 8 requests
-    assert llm.llm_engine.start_up['prefill'] == warm_up_lengths(16384, 159)       # on a GPU: prefill shapes too
+    assert llm.llm_engine.start_up['prefill'] == warm_up_steps(16384, 159, 8)      # on a GPU: prefill shapes too
+    assert graphs_held(llm.llm_engine) == dict(decode=len(cg.graphs), verify=len(cg.journaled),
+                                               drafter=len(llm.llm_engine.proposer.graphs.graphs))
     captured, drafter = cg.stats['captured'], llm.llm_engine.proposer.graphs.stats['captured']
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == want

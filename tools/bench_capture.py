@@ -96,7 +96,7 @@ def main():
                            set(at_build) if args.keys else None))
     if args.keys: rec['keys_at_build'] = len(at_build)
     print(f"{machine_name(device)}, {args.mode}, {cached} files in the Triton cache: built in {build:.1f} s, "
-          f"{rec['captured_at_build']} graphs, {len(rec['warmed_prefill'])} prefill lengths warmed")
+          f"{rec['captured_at_build']} graphs, {len(rec['warmed_prefill'])} prefill steps warmed")
     for r in rec['rows']:
         t, p = r['ttft_s'], r['tpot_s']
         print(f"  {r['requests']:4d} requests: {r['seconds']:6.2f} s, TTFT p50/p99 {1e3 * t[50]:7.1f}/"
