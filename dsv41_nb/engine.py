@@ -656,6 +656,7 @@ def warm_up_steps(budget: int, # the step's token budget
                  ) -> list:
     ("Prefill steps, each a list of prompt lengths served together, that meet every class of "
      "`warm_up_lengths` up to the budget: as many prompts of at most `longest` as a count needs")
+    check_int('warm_up_steps', 'budget', budget, 1)
     check_int('warm_up_steps', 'longest', longest, 1)
     check_int('warm_up_steps', 'max_seqs', max_seqs, 1)
     out = []

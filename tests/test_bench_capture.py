@@ -28,7 +28,8 @@ def engine(mode: str) -> LLM:
 
 def test_lazy_bursts_capture_and_start_up_bursts_do_not():
     lazy, start = engine('lazy'), engine('start')
-    assert [engine(m).llm_engine.start_up.get('prefill') for m in MODES] == [None, None, [1, 2, 3, 4, 5, 8, 9, 16]]
+    want = [None, None, [[n] for n in (1, 2, 3, 4, 5, 8, 9, 16)]]          # one prompt a step, each class
+    assert [engine(m).llm_engine.start_up.get('prefill') for m in MODES] == want
     assert (captured(lazy), captured(start)) == (0, 3)           # 4 requests: sizes 1, 2 and 4
     a = bursts(lazy, [1, 3], 8, 3, torch.device('cpu'))
     b = bursts(start, [1, 3], 8, 3, torch.device('cpu'))

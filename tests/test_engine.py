@@ -158,6 +158,7 @@ BAD = [
     (lambda: LLM(MODEL, runner='recompute', max_model_len=64, max_num_batched_tokens=32).llm_engine
      .warm_up_prefill([[20, 20]]), ValueError, 'a step of 40 tokens; at most the step\'s budget'),
     (lambda: warm_up_steps(64, 0, 4), ValueError, 'warm_up_steps: longest = 0'),
+    (lambda: warm_up_steps(-1, 8, 4), ValueError, 'warm_up_steps: budget = -1'),
     (lambda: warm_up_steps(64, 8, None), TypeError, 'warm_up_steps: max_seqs must be an int'),
     (lambda: graphs_held(_LLM), TypeError, 'graphs_held: expected an LLMEngine, got LLM'),
     (lambda: step_sizes(_LLM).__enter__(), TypeError, 'step_sizes: expected an LLMEngine, got LLM'),
