@@ -1,6 +1,6 @@
 """tools/bench_capture.py on this CPU, its graphs emulated: built lazily, the first bursts capture their padded sizes;
 built with capture_at_start, the engine holds them all before the first request and the bursts capture none."""
-import sys
+import json, sys
 from pathlib import Path
 import pytest
 import torch
@@ -69,3 +69,12 @@ def test_bursts_name_the_specializations_each_meets_first(monkeypatch):
     assert [len(k) for k in new] == [1, 0, 0, 1, 0] and "('constexpr', 1)" in new[0][0] and "'D')" in new[3][0]
     assert all('new_keys' not in r for r in bursts(llm, [1], 4, 1, torch.device('cpu')))   # not asked: not noted
     assert x[:6].tolist() == [7, 5, 4, 3, 3, 2]                    # every launch ran: 7 with n >= 1, 5 with n >= 2...
+
+
+def test_merge_run_keeps_the_other_runs(tmp_path):
+    path = tmp_path / 'r.json'
+    bench_capture.merge_run(path, 'modes', 'a', {'x': 1}, machine='m1', settings={'s': 1})
+    bench_capture.merge_run(path, 'modes', 'b', {'x': 2}, machine='m2')
+    rec = json.loads(path.read_text())
+    assert rec['modes'] == {'a': {'x': 1}, 'b': {'x': 2}} and rec['machine'] == 'm2' and rec['settings'] == {'s': 1}
+    assert {'torch', 'commit', 'date'} <= set(rec)

@@ -40,6 +40,17 @@ def captured(llm) -> int:
     return sum(graphs_held(llm.llm_engine).values())
 
 
+def merge_run(path, group: str, label: str, run: dict, **about):
+    """Write `run` into the JSON record at `path` as `record[group][label]`, beside the runs already there, and the
+    record's torch, commit and date (now) with `about` (machine, settings) at its top level"""
+    path = Path(path)
+    out = json.loads(path.read_text()) if path.exists() else {}
+    out.update(torch=torch.__version__, commit=git_commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'), **about)
+    out.setdefault(group, {})[label] = run
+    path.write_text(json.dumps(out, indent=1))
+
+
 def compiled(cache: Path | None) -> collections.Counter:
     "Kernels compiled into a Triton cache, by name: one per specialization (a folder holding `<name>.json`)"
     if cache is None or not cache.is_dir(): return collections.Counter()
@@ -104,14 +115,9 @@ def main():
               f"{sum(r['compiled'].values())} kernels compiled {r['compiled'] or ''}")
         for k in r.get('new_keys', []): print('    first met:', k)
     if args.json:
-        path = Path(args.json)
-        out = json.loads(path.read_text()) if path.exists() else {}
-        out.update(machine=machine_name(device), torch=torch.__version__, commit=git_commit(),
-                   date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'),
-                   settings=dict(bursts=args.bursts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
-                                 checkpoint=Path(args.checkpoint).name, async_scheduling=True))
-        out.setdefault('modes', {})[args.label or args.mode] = rec
-        path.write_text(json.dumps(out, indent=1))
+        merge_run(args.json, 'modes', args.label or args.mode, rec, machine=machine_name(device),
+                  settings=dict(bursts=args.bursts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                                checkpoint=Path(args.checkpoint).name, async_scheduling=True))
 
 
 if __name__ == '__main__':

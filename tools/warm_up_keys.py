@@ -11,12 +11,12 @@ step above the longest prompt); `one-prompt`: one prompt a step, capped at the l
 first built). The burst is N prompts of L tokens sent at once, one token each (a prefill step, nothing decoded: on a
 GPU the decode steps replay graphs captured at start). On a CPU the kernels run in Triton's interpreter
 (TRITON_INTERPRET=1 is set when there is no GPU): slow (minutes at the tiny config) but the same launches."""
-import argparse, datetime, json, os, sys, time
+import argparse, os, sys, time
 from pathlib import Path
 import torch
 if not torch.cuda.is_available(): os.environ.setdefault('TRITON_INTERPRET', '1')
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine import git_commit
+from bench_capture import merge_run
 from dsv41_nb.__main__ import load_test, random_prompts
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import launch_keys, machine_name
@@ -69,14 +69,9 @@ def main():
           f"tokens met {len(burst)}, {len(new)} of them new")
     for r in rec['new']: print(f"  {r['kernel']}: {r['differs'] or 'a kernel the build never launched'}")
     if args.json:
-        path = Path(args.json)
-        out = json.loads(path.read_text()) if path.exists() else {}
-        out.update(machine=machine_name(device), torch=torch.__version__, commit=git_commit(),
-                   date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M'),
-                   settings=dict(config=args.config, max_model_len=args.max_model_len, budget=args.budget,
-                                 burst=args.burst))
-        out.setdefault('runs', {})[args.label or args.warm_up] = rec
-        path.write_text(json.dumps(out, indent=1))
+        merge_run(args.json, 'runs', args.label or args.warm_up, rec, machine=machine_name(device),
+                  settings=dict(config=args.config, max_model_len=args.max_model_len, budget=args.budget,
+                                burst=args.burst))
 
 
 if __name__ == '__main__':
