@@ -54,7 +54,7 @@ def test_plane_nibbles_are_a_permutation():
     assert all((PLANE_NIBBLE[2 * i] + i, PLANE_NIBBLE[2 * i + 1] + i) == (3, 7) for i in range(4))
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(st.sampled_from([3, 8]), st.integers(1, 3), st.sampled_from([128, 256]), st.sampled_from([32, 96]),
        st.integers(1, 40), st.integers(0, 2**31))
 def test_version_3_equals_version_2(E, k, D, I, T, seed):
@@ -216,7 +216,7 @@ def test_served_gate_up_path(T, sms, sliced, monkeypatch):
                                                     shape))
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(st.integers(1, 12), st.sampled_from([(256, 2), (512, 2), (512, 4)]), st.integers(0, 2**31))
 def test_planes_split_is_08c_split(T, D_split, seed):
     "Version 3 with K split over programs: 08c's split stage on the checkpoint's codes, bit for bit"
@@ -236,7 +236,7 @@ def test_served_gate_up_without_planes():
     assert served_gate_up(W64) is expert_gate_up_split
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(st.integers(1, GEMV_MAX_TOKENS), st.sampled_from([128, 384, 512]), st.sampled_from([32, 64]),
        st.integers(0, 2**31), st.sampled_from(['x4', 'once']))
 def test_gemv_planes(T, D, I, seed, read):
@@ -303,7 +303,7 @@ def test_pairs_in_place_equal_each_word_once(T, D, I, seed):
     assert torch.equal(pairs, once)
 
 
-@settings(max_examples=examples(4), deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(st.sampled_from([3, 8]), st.sampled_from([128, 256]), st.integers(1, 40), st.integers(0, 2**31))
 def test_down_stage_on_planes(E, D, T, seed):
     """The fused MoE with the routed down weights in planes (and version 3's gate/up) passes `check_fused_moe`: the
