@@ -19,6 +19,9 @@ from .block_pool import (PAD_SLOT_ID, slot_mapping, compressed_slot_mapping,
 from .compressor import Compressor, RMSNorm, layer_inv_freq
 from .rope_norm import rope, norm_layer
 from .indexer import Indexer, IndexBatch
+# imported for their side: they give `Compressor` its `emit` and `forward`, `Indexer` its `select`
+# and `forward`
+from . import compressor_kernel, indexer_kernels
 from .dispatch import capturing, kernel_backend
 
 # %% auto #0

@@ -14,7 +14,7 @@ from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
 from .fused_moe import _round_bf16, _fp8_qdq_groups, fp8_act_quant
-from .compressor import _bf16_round
+from .rope_norm import _bf16_round
 from .rope_norm import rms_norm_fused, rope, _check_rope, _rotate_pairs
 import struct
 from fastcore.basics import patch

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from .dispatch import kernel_backend, capturing, pdl_launch, pdl_wait
-from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm, _bf16_round
+from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm
 
 # %% auto #0
 __all__ = ['rope_torch', 'rope', 'rms_norm_fused', 'norm_layer']
@@ -26,6 +26,14 @@ def rope_torch(
     cos, sin = _cos_sin(inv_freq, positions)
     shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (cos.shape[-1],)
     return apply_rope(x, cos.view(shape), sin.view(shape), inverse)
+
+# %% ../nbs/03a_rope_norm.ipynb #3d5536b1
+@triton.jit
+def _bf16_round(v):
+    "fp32 -> the nearest BF16 value (ties to even), as fp32, on the integer bits; NaN stays NaN"
+    bits = v.to(tl.int32, bitcast=True)
+    r = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, r)
 
 # %% ../nbs/03a_rope_norm.ipynb #a3c7e853
 @triton.jit

@@ -787,11 +787,11 @@ def benchmark_context(cfg: ModelConfig, # the model's shapes
                       batch: int = 16, # query tokens per step
                       device='cuda',
                       rep: int = 20, # timed repetitions of the eager calls
-                      indexer: bool = True, # also time the indexer's full scan (04's logits kernel)
+                      indexer: bool = True, # also time the indexer's full scan (04b's logits kernel)
                      ) -> dict:
     ("Time per query token per layer at `context`: sparse attention, "
      "dense attention over every entry, the indexer's full scan")
-    from dsv41_nb.indexer import benchmark_index_logits
+    from dsv41_nb.indexer_kernels import benchmark_index_logits
     sparse = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, reference=False,
                                      device=device, rep=rep)
     dense = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, n_topk=context,

@@ -12,12 +12,12 @@ from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
-import dsv41_nb.compressor as comp
+import dsv41_nb.compressor_kernel as comp_kernel
 from dsv41_nb.dispatch import HostReads
 from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm,
-                                 pool_group, Compressor, compress_reference, compress_torch,
-                                 compress_step, compress_version, RingJournal,
-                                 RingRows, ring_rewind_trial)
+                                 pool_group, Compressor, compress_reference, compress_torch)
+from dsv41_nb.compressor_kernel import (compress_step, compress_version, RingJournal, RingRows,
+                                        ring_rewind_trial)
 from machine import DEV, HAS_TRITON
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
@@ -335,9 +335,9 @@ def test_emit_is_one_launch_and_reads_nothing(layer, monkeypatch):
     cache, ring = h.caches()
     args = h.step([(q, q % 2, 1) for q in range(8)])             # half open a pair, half close one
     for version, want in ((2, 1), (1, 2 if h.c.ratio > 1 else 1)):
-        step, two = _Counting(comp._compress_step_kernel), _Counting(comp._compress_kernel)
-        monkeypatch.setattr(comp, '_compress_step_kernel', step)
-        monkeypatch.setattr(comp, '_compress_kernel', two)
+        step, two = _Counting(comp_kernel._compress_step_kernel), _Counting(comp_kernel._compress_kernel)
+        monkeypatch.setattr(comp_kernel, '_compress_step_kernel', step)
+        monkeypatch.setattr(comp_kernel, '_compress_kernel', two)
         with use_kernels('triton'), compress_version(version), HostReads() as reads:
             h.c.emit(*args, ring, cache, check_slots=False)
         assert (step.launches + two.launches == want
@@ -357,4 +357,4 @@ def test_step_bad_inputs():
     ]: fct.test_fail(fn, contains=msg)
     with pytest.raises(ValueError, match=r'compressor kernel version 0; expected one of \[1, 2\]'):
         with compress_version(0): pass
-    assert comp.COMPRESS_KERNEL['version'] == 2
+    assert comp_kernel.COMPRESS_KERNEL['version'] == 2

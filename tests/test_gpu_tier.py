@@ -30,8 +30,8 @@ from dsv41_nb.fp8_linear import (fp8_linear, assert_linear_close, FP8_GEMV_TUNIN
                                  FP8_LINEAR_WT_TUNING, SHORT_K)
 from dsv41_nb.mhc import MHC_TUNING, mhc_seam, check_seam
 from dsv41_nb.formats import cache_format
-from dsv41_nb.indexer import (index_logits, index_logits_reference, logits_error_bound, key_decoding, _decode_batch,
-                              pool_mask)
+from dsv41_nb.indexer import index_logits_reference, pool_mask
+from dsv41_nb.indexer_kernels import index_logits, logits_error_bound, key_decoding, _decode_batch
 from dsv41_nb.checkpoint import load_model
 from dsv41_nb.model import ByteTokenizer
 from dsv41_nb.engine import LLM
@@ -70,7 +70,8 @@ def test_compress_step_at_the_bench_geometry(fmt):
     prefilled, then one token each, the reference's bits in the cache, the latents and the open groups left in the
     rings, and the same bits launch after launch"""
     from test_compressor import Harness, same_bits
-    from dsv41_nb.compressor import Compressor, compress_reference, compress_step
+    from dsv41_nb.compressor import Compressor, compress_reference
+    from dsv41_nb.compressor_kernel import compress_step
     c = Compressor(ModelConfig.bench(), 2, fmt).to(DEV)
     c.norm.weight.data = torch.rand(c.head_dim, generator=torch.Generator().manual_seed(1)).to(DEV) + 0.5
     lengths = [2 + 7 * q % 23 for q in range(64)]

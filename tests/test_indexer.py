@@ -14,11 +14,11 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting
 from dsv41_nb.formats import cache_format
 from dsv41_nb.records import store_records
-from dsv41_nb import indexer
-from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits,
-                              index_logits_reference, topk_reference, ragged_topk, candidate_pool,
-                              candidate_pool_reference, pool_mask, sparse_topk,
-                              sparse_topk_reference, logits_error_bound)
+from dsv41_nb import indexer_kernels
+from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits_reference,
+                              topk_reference, candidate_pool_reference, pool_mask, sparse_topk_reference)
+from dsv41_nb.indexer_kernels import (index_logits, ragged_topk, candidate_pool, sparse_topk,
+                                      logits_error_bound)
 from machine import DEV, needs_triton
 
 TINY = ModelConfig.tiny()
@@ -73,7 +73,7 @@ def test_logits_kernel_equals_reference(b, layer_fmt, seed, version):
     ix = Indexer(TINY, *layer_fmt)
     q, w, cache, batch = world(ix, contexts, queries, seed)                  # at ratio 2 a query sees half its context
     ref = index_logits_reference(q, w, cache, batch, ix.codec)
-    with indexer.key_decoding(version), use_kernels('triton'):
+    with indexer_kernels.key_decoding(version), use_kernels('triton'):
         got = index_logits(q, w, cache, batch, ix.codec)
     fin = torch.isfinite(ref)
     assert torch.equal(fin, torch.isfinite(got))
@@ -83,7 +83,7 @@ def test_logits_kernel_equals_reference(b, layer_fmt, seed, version):
 def _key_slots_probe(cache_ptr, out_ptr, REC: tl.constexpr, DH: tl.constexpr, N: tl.constexpr,
                      GPU: tl.constexpr):
     rows = tl.arange(0, N)
-    k = indexer._fp4_key_slots(cache_ptr + rows[:, None] * REC, rows >= 0, DH, GPU)
+    k = indexer_kernels._fp4_key_slots(cache_ptr + rows[:, None] * REC, rows >= 0, DH, GPU)
     tl.store(out_ptr + rows[:, None] * DH + tl.arange(0, DH)[None, :], k.to(tl.float32))
 
 @needs_triton
@@ -99,7 +99,7 @@ def test_version_3_decodes_every_scale_in_slot_order(cfg):
     out = torch.empty(n, dh, device=DEV)
     _key_slots_probe[(1,)](rec.to(DEV), out, REC=codec.record_bytes, DH=dh, N=n,
                            GPU=not triton_interpreting())
-    want = codec.unpack(rec)[:, indexer.slot_dims(dh)]
+    want = codec.unpack(rec)[:, indexer_kernels.slot_dims(dh)]
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0, equal_nan=True)
 
 @st.composite
@@ -214,11 +214,11 @@ def test_bad_inputs():
         (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32),
                             torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
-        (lambda: indexer.benchmark_index_logits(TINY, 64, version=4), 'version = 4; expected 1, 2 or 3'),
-        (lambda: indexer.benchmark_index_logits(TINY, 64, version=0), 'version = 0; expected 1, 2 or 3'),
-        (lambda: indexer.key_decoding(0).__enter__(), 'version = 0; expected 1, 2 or 3'),
-        (lambda: indexer.slot_dims(48), 'dh = 48; expected a multiple of 32'),
-        (lambda: indexer.slot_dims(16), 'dh = 16; expected at least 32'),
+        (lambda: indexer_kernels.benchmark_index_logits(TINY, 64, version=4), 'version = 4; expected 1, 2 or 3'),
+        (lambda: indexer_kernels.benchmark_index_logits(TINY, 64, version=0), 'version = 0; expected 1, 2 or 3'),
+        (lambda: indexer_kernels.key_decoding(0).__enter__(), 'version = 0; expected 1, 2 or 3'),
+        (lambda: indexer_kernels.slot_dims(48), 'dh = 48; expected a multiple of 32'),
+        (lambda: indexer_kernels.slot_dims(16), 'dh = 16; expected at least 32'),
     ]: fct.test_fail(fn, contains=msg)
 
 @pytest.mark.slow

@@ -8,13 +8,13 @@ each for a 32K-token prefill of one request and a decode step of 64 requests. Pr
 entry, the floor per entry (bytes moved / copy bandwidth measured in the same run), the fraction of it reached, and the
 PyTorch path's time measured in the same run. `--quick` runs the `tiny` geometry on small sizes, which also works on a
 CPU under TRITON_INTERPRET=1 (the copy bandwidth is then measured on the CPU, so the floor means little). `--version`
-picks the kernel `emit` launches (03_compressor's `COMPRESS_VERSIONS`: 2, one launch, by default; 1, two at ratio 2);
-tools/bench_layer_kernels.py times the decode step on both side by side."""
+picks the kernel `emit` launches (03b_compressor_kernel's `COMPRESS_VERSIONS`: 2, one launch, by default; 1, two at
+ratio 2); tools/bench_layer_kernels.py times the decode step on both side by side."""
 import argparse, datetime, json
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
-from dsv41_nb.compressor import benchmark_compressor, compress_version, format_compressor_benchmark
+from dsv41_nb.compressor_kernel import benchmark_compressor, compress_version, format_compressor_benchmark
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Two layer kernels on one GPU, each version against the other: the mHC seam (07_mhc) and the compressor's decode
-step (03_compressor). One run, one JSON record.
+step (03b_compressor_kernel). One run, one JSON record.
 
     python tools/bench_layer_kernels.py OUT_DIR [--quick] [--sweep] [--parts mhc compressor]
 
@@ -36,7 +36,7 @@ import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.accounting import HARDWARE
 from dsv41_nb.dispatch import copy_bandwidth, machine_name
-from dsv41_nb import mhc, compressor as comp
+from dsv41_nb import mhc, compressor_kernel as comp
 
 T0 = time.time()
 HW = HARDWARE['H200 (measured copy)']

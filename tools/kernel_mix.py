@@ -24,8 +24,9 @@ OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's give
 their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-gemv compiles the decode GEMV
 (08e_moe_gemv) of the bench layer's gate/up and down stages on codes and through each reading of the planes, and
 records each one's routed loop (SASS instructions) and registers. --compile-index does the same for the full-scan
-index logits kernel (04_indexer): its tile loop through each version of the MXFP4 key decoding, and at FP8 keys;
---compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two passes.
+index logits kernel (04b_indexer_kernels): its tile loop through each version of the MXFP4 key decoding, and at FP8
+keys; --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two
+passes.
 --compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
 --compile-gate-up-fp8 compiles 08g_moe_fp8's stages (version 5) beside version 4's, at 32 to 512 tokens.
 --compile-fp8-linear compiles 09a_fp8_linear's MMA kernel at each of its row tiles on the bench layer's wq_b.
@@ -328,11 +329,11 @@ def ncu_metrics(text: str) -> dict:
 
 
 def compile_index(out: Path) -> list[dict]:
-    ("The full-scan index logits kernel (04_indexer) for sm_90 at the bench geometry (32 heads x 128, MXFP4 keys, "
-     "the ratio-1 source's pages), with no GPU, through each version of the key decoding and at FP8 keys: the tile "
-     "loop's SASS instructions and opcodes, and the registers a thread holds, one row each")
+    ("The full-scan index logits kernel (04b_indexer_kernels) for sm_90 at the bench geometry (32 heads x 128, "
+     "MXFP4 keys, the ratio-1 source's pages), with no GPU, through each version of the key decoding and at FP8 "
+     "keys: the tile loop's SASS instructions and opcodes, and the registers a thread holds, one row each")
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.indexer import _index_logits_kernel, LOGITS_TUNING
+    from dsv41_nb.indexer_kernels import _index_logits_kernel, LOGITS_TUNING
     from dsv41_nb.formats import cache_format
     cfg, t, rows = ModelConfig.bench(), LOGITS_TUNING, []
     ptrs = dict(q_ptr='*bf16', w_ptr='*fp32', cache_ptr='*u8', bt_ptr='*i32', row_ptr='*i32', pos_ptr='*i32',

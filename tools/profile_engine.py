@@ -43,7 +43,9 @@ from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.__main__ import random_prompts
 
 COMPONENTS = {'sparse_decode': 'sparse decode', 'csa2': 'window attention', 'indexer': 'indexer',
-              'compressor': 'compressor', 'moe_gemv': 'MoE', 'fused_moe': 'MoE', 'moe_split': 'MoE',
+              'indexer_kernels': 'indexer',
+              'compressor': 'compressor', 'compressor_kernel': 'compressor',
+              'moe_gemv': 'MoE', 'fused_moe': 'MoE', 'moe_split': 'MoE',
               'moe_planes': 'MoE',
               'router': 'MoE router', 'fp8_linear': 'FP8 linear', 'mhc': 'mHC', 'engram': 'Engram',
               'rope_norm': 'RoPE / norm', 'formats': 'quantise', 'sampler': 'sampler'}
