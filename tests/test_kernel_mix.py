@@ -52,6 +52,42 @@ def test_ncu_metrics():
                  'Issued Warp Per Scheduler': 0.5, 'Memory Throughput (Tbyte/s)': 1.2}
 
 
+REPORT = """==PROF== Connected to process 7 (/usr/bin/python3.12)
+==PROF== Profiling "_mhc_seam2_kernel" - 0: 0%....50%....100% - 9 passes
+  _mhc_seam2_kernel (66, 2, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    ----------------------- ----------- ------------
+    Duration                    nsecond        9,120
+    DRAM Throughput                   %        12.50
+    Section: Command line profiler metrics
+    dram__bytes_read.sum                                             byte    1,048,576
+    smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio             0.40
+    smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio     3.20
+    smsp__average_warps_issue_stalled_wait_per_issue_active.ratio                0.90
+    smsp__average_warps_issue_stalled_selected_per_issue_active.ratio            1.00
+  _mhc_finish_kernel (8, 1, 1)x(32, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
+    Section: GPU Speed Of Light Throughput
+    Duration                    nsecond        4,000
+"""
+
+
+def test_ncu_reports_split_a_report_by_launch():
+    "Each launch's figures under its kernel's name; its three largest stall reasons, largest first"
+    seam, finish = km.ncu_reports(REPORT)
+    assert (seam['kernel'], seam['Duration'], seam['dram__bytes_read.sum']) == ('_mhc_seam2_kernel', 9120.0, 1048576.0)
+    assert finish == {'kernel': '_mhc_finish_kernel', 'Duration': 4000.0}
+    assert km.stall_reasons(seam) == [('long_scoreboard', 3.2), ('selected', 1.0), ('wait', 0.9)]
+    assert km.stall_reasons(finish) == [] and km.ncu_reports('no launch here') == []
+
+
+def test_ncu_command_profiles_between_start_and_stop():
+    cmd = km.ncu_command('/x/ncu', '_mhc_', ['python3', 'child.py'])
+    assert cmd[0] == '/x/ncu' and cmd[-2:] == ['python3', 'child.py']
+    flags = dict(zip(cmd[1:-2:2], cmd[2:-2:2]))
+    assert (flags['--profile-from-start'], flags['--kernel-name'], flags['--print-units']) == ('off', 'regex:_mhc_', 'base')
+    assert 'dram__bytes_write.sum' in flags['--metrics'].split(',')
+
+
 def test_record(tmp_path):
     (tmp_path / 'k.ptx').write_text(PTX); (tmp_path / 'n.txt').write_text(NCU)
     out = tmp_path / 'r.json'

@@ -4,15 +4,19 @@ against the fused Triton kernels, each launched
 op by op and replayed from a CUDA graph, per block (two seams), with kernel launches per block and the byte floor.
 
     python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--version 2] [--json out.json]
-                              [--sweep] [--quick]
+                              [--sweep] [--quick] [--ncu PROFILE.json]
 
 --version picks the seam kernel (07_mhc's `SEAM_VERSIONS`; the default is the current one, 2).
 --sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps, set on the launch
 table's range that each token count falls in) and prints the best.
 tools/bench_layer_kernels.py times one seam on both versions side by side.
+--ncu PATH runs Nsight Compute on one full seam at each --tokens count (every kernel it launches, after a warm-up
+call) and writes, per launch, the report's figures, DRAM bytes read and written against the seam's byte floor, and
+the reasons its warps wait, to PATH.
 --quick runs the tiny config on two small batches on whatever is there (the Triton interpreter on a CPU), to check the
 script itself; its times mean nothing."""
-import argparse, datetime, json, math, os
+import argparse, datetime, json, math, os, shutil, subprocess, sys
+from pathlib import Path
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument('--config', default='bench', help='ModelConfig preset (full, bench, tiny)')
@@ -22,6 +26,8 @@ ap.add_argument('--version', type=int, default=2, help='seam kernel version (07_
 ap.add_argument('--json', help='write the rows here')
 ap.add_argument('--sweep', action='store_true')
 ap.add_argument('--quick', action='store_true')
+ap.add_argument('--ncu', metavar='PATH', help='Nsight Compute on one seam per token count; the record to PATH')
+ap.add_argument('--ncu-child', type=int, metavar='T', help=argparse.SUPPRESS)
 args = ap.parse_args()
 
 import torch
@@ -33,7 +39,10 @@ import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, use_kernels, machine_name
 from dsv41_nb.mhc import (MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn,
-                          seam_version, _big)
+                          seam_version, seam_floor, _big)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_mix import ncu_command, ncu_reports, stall_reasons  # noqa: E402  (an ncu report, read)
+from bench_engine import git_commit                              # noqa: E402
 
 def one_seam(cfg, T, device):
     "A full seam (update, prediction, mix, FP8) on random inputs, as a no-argument function on the fused path"
@@ -59,6 +68,38 @@ def sweep(cfg, tokens, device, grid):
             res.setdefault(T, []).append((median_time(run) * 1e6, bt, bd, w))
     MHC_TUNING.update(default)
     return res
+
+def ncu_child(T: int):
+    "The profiled process: one seam of T tokens run once (compiled, warmed), then once between profiler start and stop"
+    run = one_seam(ModelConfig.bench(), T, 'cuda')
+    run(); torch.cuda.synchronize()
+    torch.cuda.profiler.start(); run(); torch.cuda.synchronize(); torch.cuda.profiler.stop()
+
+
+def ncu_profile(path: str, tokens, version: int):
+    "One Nsight Compute run per token count; each launch's figures and the seam's floor, as one record at `path`"
+    ncu = shutil.which('ncu')
+    if ncu is None: raise SystemExit('--ncu: ncu is not on PATH')
+    cfg, rows = ModelConfig.bench(), []
+    for T in tokens:
+        child = [sys.executable, __file__, '--version', str(version), '--ncu-child', str(T)]
+        res = subprocess.run(ncu_command(ncu, '_mhc_', child), capture_output=True, text=True)
+        launches = ncu_reports(res.stdout)
+        if res.returncode or not launches or any('Duration' not in m for m in launches):
+            raise SystemExit(f'--ncu: {T} tokens: {(res.stderr or res.stdout)[-1500:]}')
+        moved = sum(m.get('dram__bytes_read.sum', 0) + m.get('dram__bytes_write.sum', 0) for m in launches)
+        rows.append(dict(tokens=T, floor_bytes=seam_floor(cfg, T), dram_bytes=moved, launches=launches))
+        for m in launches:
+            print(f"{T:5d} tokens  {m['kernel']:20s} {m['Duration'] / 1e3:8.1f} us  DRAM {m.get('DRAM Throughput')}%"
+                  f"  occupancy {m.get('Achieved Occupancy')}%  registers {m.get('Registers Per Thread')}  stalls "
+                  + ', '.join(f'{r} {v:.1f}' for r, v in stall_reasons(m)))
+    rec = dict(machine=torch.cuda.get_device_name(), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}',
+               commit=git_commit(), config='bench', version=version, tuning=dict(MHC_TUNING),
+               what='one full seam (update, prediction, mix, FP8) per token count, every launch, after a warm-up '
+                    'call; ncu --clock-control none, figures in base units (ns, bytes)', rows=rows)
+    Path(path).write_text(json.dumps(rec, indent=1))
+    print('wrote', path)
+
 
 def main():
     cfg = getattr(ModelConfig, 'tiny' if args.quick else args.config)()
@@ -100,4 +141,9 @@ def main():
 
 
 if __name__ == '__main__':
-    with seam_version(args.version): main()
+    with seam_version(args.version):
+        if args.ncu_child: ncu_child(args.ncu_child)
+        elif args.ncu:
+            if not torch.cuda.is_available(): raise SystemExit('--ncu needs a GPU')
+            ncu_profile(args.ncu, args.tokens, args.version)
+        else: main()

@@ -316,6 +316,39 @@ def compile_fp8_linear(out: Path, fn=None, extra: dict | None = None) -> list[di
     return rows
 
 
+NCU_SECTIONS = ('SpeedOfLight', 'Occupancy', 'LaunchStats', 'SchedulerStats', 'WarpStateStats',
+                'MemoryWorkloadAnalysis', 'ComputeWorkloadAnalysis')
+# why warps wait: ncu's per-reason stall counts, warps per issued instruction (the WarpStateStats section's breakdown)
+NCU_STALLS = ('long_scoreboard', 'short_scoreboard', 'mio_throttle', 'lg_throttle', 'barrier', 'math_pipe_throttle',
+              'wait', 'not_selected', 'selected', 'dispatch_stall', 'no_instruction', 'branch_resolving', 'membar',
+              'drain', 'imc_miss', 'tex_throttle', 'sleeping')
+NCU_METRICS = (['dram__bytes_read.sum', 'dram__bytes_write.sum']
+               + [f'smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio' for r in NCU_STALLS])
+
+
+def ncu_command(ncu: str, kernels: str, child: list) -> list:
+    """The `ncu` command line that profiles every launch of the kernels matching the regex `kernels` between the
+    child's `cudaProfilerStart` and `cudaProfilerStop` (so warm-up launches and compilation are left out), every
+    figure in its base unit (nanoseconds, bytes)"""
+    return ([ncu, '--clock-control', 'none', '--profile-from-start', 'off', '--print-units', 'base',
+             '--kernel-name', f'regex:{kernels}']
+            + [a for s in NCU_SECTIONS for a in ('--section', s)] + ['--metrics', ','.join(NCU_METRICS)] + child)
+
+
+def ncu_reports(text: str) -> list[dict]:
+    """One `ncu_metrics` dict per profiled launch of a text report, with the kernel's name under 'kernel' (a report
+    starts each launch with a line `  name(...) (grid) x (block), Context 1, Stream 7, Device 0, CC 9.0`)"""
+    heads = [m for m in re.finditer(r'^  (\w+)\(?.*?, Context \d+, Stream \d+.*$', text, re.M)]
+    ends = [m.start() for m in heads[1:]] + [len(text)]
+    return [dict(ncu_metrics(text[m.end():e]), kernel=m.group(1)) for m, e in zip(heads, ends)]
+
+
+def stall_reasons(m: dict, top: int = 3) -> list[tuple]:
+    "The `top` largest stall reasons of one launch's metrics: (reason, warps waiting per issued instruction)"
+    got = [(r, m.get(f'smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio')) for r in NCU_STALLS]
+    return sorted([(r, v) for r, v in got if v], key=lambda rv: -rv[1])[:top]
+
+
 def ncu_metrics(text: str) -> dict:
     "Numeric metrics of an `ncu` text report: name -> value ('1,234.5' read as 1234.5; a repeated name gets its unit)"
     out = {}
