@@ -84,7 +84,7 @@ def ncu_profile(path: str, tokens, version: int):
     for T in tokens:
         child = [sys.executable, __file__, '--version', str(version), '--ncu-child', str(T)]
         res = subprocess.run(ncu_command(ncu, '_mhc_', child), capture_output=True, text=True)
-        launches = ncu_reports(res.stdout)
+        launches = [dict(m, stalls=stall_reasons(m)) for m in ncu_reports(res.stdout)]
         if res.returncode or not launches or any('Duration' not in m for m in launches):
             raise SystemExit(f'--ncu: {T} tokens: {(res.stderr or res.stdout)[-1500:]}')
         moved = sum(m.get('dram__bytes_read.sum', 0) + m.get('dram__bytes_write.sum', 0) for m in launches)
@@ -92,7 +92,7 @@ def ncu_profile(path: str, tokens, version: int):
         for m in launches:
             print(f"{T:5d} tokens  {m['kernel']:20s} {m['Duration'] / 1e3:8.1f} us  DRAM {m.get('DRAM Throughput')}%"
                   f"  occupancy {m.get('Achieved Occupancy')}%  registers {m.get('Registers Per Thread')}  stalls "
-                  + ', '.join(f'{r} {v:.1f}' for r, v in stall_reasons(m)))
+                  + ', '.join(f'{r} {v:.1f}' for r, v in m['stalls']))
     rec = dict(machine=torch.cuda.get_device_name(), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}',
                commit=git_commit(), config='bench', version=version, tuning=dict(MHC_TUNING),
                what='one full seam (update, prediction, mix, FP8) per token count, every launch, after a warm-up '
