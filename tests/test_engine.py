@@ -2,7 +2,7 @@
 plain greedy generation of the reference model (`generate_greedy`, no scheduler, no cache), the byte tokenizer's
 decode; the pool's free count around rejected and aborted requests; the command line in a subprocess; one table of bad
 inputs."""
-import json, os, random, subprocess, sys
+import functools, json, os, random, subprocess, sys
 from types import SimpleNamespace
 from dataclasses import replace
 from pathlib import Path
@@ -43,7 +43,8 @@ PROMPTS = [TOK.encode('the cat sat'), TOK.encode('a'),
 N_OUT = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
 EXPECTED = [generate_greedy(MODEL, p, N_OUT)[len(p):] for p in PROMPTS]
-MARGIN = prefix_gap(MODEL, torch.tensor([PROMPTS[2] + EXPECTED[2]]))   # how far a shape change moves the logits
+# how far a shape change moves the logits: computed once, by the first check that finds a token changed
+MARGIN = functools.cache(lambda: prefix_gap(MODEL, torch.tensor([PROMPTS[2] + EXPECTED[2]])))
 
 
 def match(prompts, got, want=None):
@@ -903,6 +904,12 @@ def test_greedy_match_oracle():
         assert_greedy_match(MODEL, PROMPTS, [EXPECTED[0][:-1]] + EXPECTED[1:], EXPECTED, MARGIN)
     with pytest.raises(ValueError, match='4 prompts, 3 and 4'):
         assert_greedy_match(MODEL, PROMPTS, EXPECTED[:3], EXPECTED, MARGIN)
+    calls = []
+    def margin(): calls.append(1); return MARGIN()
+    assert assert_greedy_match(MODEL, PROMPTS, EXPECTED, EXPECTED, margin) == 0 and calls == []   # not needed
+    with pytest.raises(AssertionError, match='below the reference'):
+        assert_greedy_match(MODEL, PROMPTS, wrong, EXPECTED, margin)
+    assert calls == [1]                                          # computed once, at the first difference
     with pytest.raises(ValueError, match=r'shape \(1, L\)'): prefix_gap(MODEL, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match='outside'): greedy_shortfall(MODEL, [1], [999])
 

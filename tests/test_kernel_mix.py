@@ -84,7 +84,8 @@ def test_ncu_command_profiles_between_start_and_stop():
     cmd = km.ncu_command('/x/ncu', '_mhc_', ['python3', 'child.py'])
     assert cmd[0] == '/x/ncu' and cmd[-2:] == ['python3', 'child.py']
     flags = dict(zip(cmd[1:-2:2], cmd[2:-2:2]))
-    assert (flags['--profile-from-start'], flags['--kernel-name'], flags['--print-units']) == ('off', 'regex:_mhc_', 'base')
+    got = flags['--profile-from-start'], flags['--kernel-name'], flags['--print-units']
+    assert got == ('off', 'regex:_mhc_', 'base')
     assert 'dram__bytes_write.sum' in flags['--metrics'].split(',')
 
 
