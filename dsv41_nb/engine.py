@@ -21,7 +21,7 @@ from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME
 from .paged_step import step_model as paged_step_model
-from .compressor_kernel import RING_DEPTH
+from .ring_rollback import RING_DEPTH
 from .cuda_graphs import CUDAGraphModel, tapped_model, capture_sizes, padded_batch_size
 from .runner import *
 

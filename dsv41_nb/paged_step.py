@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
 from .kv_cache import KVCacheConfig
 from .kv_manager import SlotMappings
-from .compressor_kernel import RingRows, RING_DEPTH
+from .ring_rollback import RingRows, RING_DEPTH
 from .model import Transformer
 from .paged import PagedModel, PagedStep
 

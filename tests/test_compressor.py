@@ -16,8 +16,8 @@ import dsv41_nb.compressor_kernel as comp_kernel
 from dsv41_nb.dispatch import HostReads
 from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm,
                                  pool_group, Compressor, compress_reference, compress_torch)
-from dsv41_nb.compressor_kernel import (compress_step, compress_version, RingJournal, RingRows,
-                                        ring_rewind_trial)
+from dsv41_nb.compressor_kernel import compress_step, compress_version
+from dsv41_nb.ring_rollback import RingJournal, RingRows, ring_rewind_trial
 from machine import DEV, HAS_TRITON
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
