@@ -1,5 +1,5 @@
 """tools/kernel_mix.py: the instruction mix of a kernel's inner loop, and an Nsight Compute report's metrics."""
-import importlib.util, json
+import importlib.util, json, os, subprocess, sys
 from pathlib import Path
 import pytest
 import torch
@@ -87,6 +87,29 @@ def test_ncu_command_profiles_between_start_and_stop():
     got = flags['--profile-from-start'], flags['--kernel-name'], flags['--print-units']
     assert got == ('off', 'regex:_mhc_', 'base')
     assert 'dram__bytes_write.sum' in flags['--metrics'].split(',')
+
+
+@pytest.mark.parametrize('registers, warps, programs', [
+    (243, 4, 2), (217, 8, 1), (178, 4, 2), (128, 4, 4), (255, 4, 2), (32, 1, 32), (16, 32, 2)])
+def test_programs_per_sm(registers, warps, programs):
+    "By registers (a warp's in units of 256 of the SM's 65,536), by the SM's 64 warps, by its 32 programs"
+    assert km.programs_per_sm(registers, warps) == programs
+
+
+def test_compiled_seam_holds_its_registers(tmp_path):
+    """The seam kernel compiled for sm_90 with no GPU (in a process of its own: the interpreter, which this suite
+    runs in, does not compile): its resources read back; a cap on registers is kept"""
+    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, 'tools'); import kernel_mix as km\n"
+            f"out = Path({str(tmp_path)!r})\n"
+            "(row,) = km.compile_mhc_seam(out, shapes=((16, 32, 4, 128),))\n"
+            "print(json.dumps(dict(row, use=km.res_usage(out / 'mhc_seam_16x32_4w_128r.cubin'))))")
+    env = {k: v for k, v in os.environ.items() if k != 'TRITON_INTERPRET'}
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = json.loads(r.stdout.splitlines()[-1])
+    assert row['registers'] <= 128 and row['programs_per_sm'] == km.programs_per_sm(row['registers'], 4)
+    use = row['use']
+    assert use['REG'] == row['registers'] and row['spill_bytes'] == use.get('STACK', 0) + use.get('LOCAL', 0)
 
 
 def test_record(tmp_path):

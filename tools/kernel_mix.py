@@ -11,6 +11,7 @@ as a record a notebook can read.
     python tools/kernel_mix.py --compile-index OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-sparse-decode OUT_DIR --json OUT.json
     python tools/kernel_mix.py --compile-fp8-linear OUT_DIR --json OUT.json
+    python tools/kernel_mix.py --compile-mhc-seam OUT_DIR --json OUT.json
 
 --ptx: the kernel's PTX (`CompiledKernel.asm['ptx']`); the record counts each opcode of the longest loop's body once
 (the instructions one thread runs per K step). --sass: the kernel's machine code as `cuobjdump -sass` prints it; the
@@ -30,6 +31,8 @@ passes.
 --compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
 --compile-gate-up-fp8 compiles 08g_moe_fp8's stages (version 5) beside version 4's, at 32 to 512 tokens.
 --compile-fp8-linear compiles 09a_fp8_linear's MMA kernel at each of its row tiles on the bench layer's wq_b.
+--compile-mhc-seam compiles 07_mhc's seam kernel (version 2) at several launch shapes: its registers and the warps an
+SM keeps by them.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, itertools, json, math, re, sys, tempfile
@@ -415,6 +418,52 @@ def compile_sparse_decode(out: Path) -> list[dict]:
             for name, i in (('window pass (FP8)', window), ('top-k pass (FP4)', 1 - window))]
 
 
+# (tokens a program, columns a tile, warps, registers a thread allowed: None for the compiler's choice)
+MHC_SHAPES = ((64, 16, 4, None), (64, 16, 8, None), (64, 32, 4, None), (64, 32, 8, None), (32, 16, 4, None),
+              (32, 32, 4, None), (16, 32, 4, None), (64, 16, 4, 128), (32, 16, 4, 128))
+
+
+def res_usage(cubin: Path) -> dict:
+    "A compiled kernel's resources as `cuobjdump -res-usage` prints them: REG, STACK, SHARED, LOCAL (bytes)"
+    import subprocess, triton
+    tool = Path(triton.__file__).parent / 'backends' / 'nvidia' / 'bin' / 'cuobjdump'
+    text = subprocess.run([str(tool), '-res-usage', str(cubin)], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in re.findall(r'\b(REG|STACK|SHARED|LOCAL):(\d+)', text)}
+
+
+def programs_per_sm(registers: int, warps: int) -> int:
+    """Programs of `warps` warps an sm_90 SM keeps by its 65,536 registers (a warp's allocated in units of 256),
+    its 64 warps and 32 programs"""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 64 // warps, 32)
+
+
+def compile_mhc_seam(out: Path, shapes=MHC_SHAPES) -> list[dict]:
+    ("Version 2 of the mHC seam kernel (07_mhc) for sm_90 at the bench width (dim 5120, four copies, the update, "
+     "prediction, input mix and FP8 all on), with no GPU, at each launch shape (tokens a program, columns a tile, "
+     "warps): the registers a thread holds and the programs, and warps, an SM keeps by them")
+    from dsv41_nb.config import ModelConfig
+    from dsv41_nb.mhc import _mhc_seam2_kernel as fn, MHC_TUNING
+    cfg, rows = ModelConfig.bench(), []
+    kinds = dict(x_ptr='*bf16', f_ptr='*bf16', xo_ptr='*bf16', w_ptr='*bf16', y_ptr='*bf16', q_ptr='*u8',
+                 qs_ptr='*u8', T='i32', norm_eps='fp32', hc_eps='fp32', inv_max='fp32', SPLIT='i32', CHUNKS='i32')
+    for bt, bd, w, cap in shapes:
+        const = dict(D=cfg.dim, ITERS=cfg.hc_sinkhorn_iters, BLOCK_T=bt, BLOCK_D=bd, PROJ=2, PDL=False,
+                     NORM_D=MHC_TUNING['norm_block_d'], HAS_PREV=True, PREDICT=True, MIX=True, FP8=True,
+                     BF16=True, HW_CVT=True)
+        sig = {n: 'constexpr' if n in const else kinds.get(n, '*fp32') for n in fn.arg_names}
+        aligned = [n for n in fn.arg_names if sig[n].startswith('*')]
+        name = f'mhc_seam_{bt}x{bd}_{w}w' + (f'_{cap}r' if cap else '')
+        regs = _sm90(fn, sig, aligned, const, w, 3, out, name, maxnreg=cap)
+        p, use = programs_per_sm(regs, w), res_usage(out / f'{name}.cubin')
+        what = f'{bt} tokens x {bd} columns, {w} warps' + (f', at most {cap} registers' if cap else '')
+        rows.append(dict(kernel=what, block_t=bt, block_d=bd, num_warps=w, maxnreg=cap, registers=regs,
+                         programs_per_sm=p, warps_per_sm=p * w, spill_bytes=use.get('STACK', 0) + use.get('LOCAL', 0),
+                         current=(bt, bd, w, cap) == (MHC_TUNING['big_block_t'], MHC_TUNING['big_block_d'],
+                                                      MHC_TUNING['big_warps'], None)))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument('--ptx')
@@ -428,6 +477,7 @@ def main(argv=None):
     ap.add_argument('--compile-index', metavar='OUT_DIR')
     ap.add_argument('--compile-sparse-decode', metavar='OUT_DIR')
     ap.add_argument('--compile-fp8-linear', metavar='OUT_DIR')
+    ap.add_argument('--compile-mhc-seam', metavar='OUT_DIR')
     ap.add_argument('--ncu')
     ap.add_argument('--json')
     ap.add_argument('--machine')
@@ -444,18 +494,20 @@ def main(argv=None):
         args.ptx, args.ncu, args.json = str(d / 'k.ptx'), str(d / 'n.txt'), str(d / 'out.json')
     compilers = dict(index=compile_index, gemv=compile_gemv, sparse_decode=compile_sparse_decode,
                      gate_up_versions=compile_gate_up_versions, gate_up_fp8=compile_gate_up_fp8,
-                     fp8_linear=compile_fp8_linear)
+                     fp8_linear=compile_fp8_linear, mhc_seam=compile_mhc_seam)
     which = next((k for k in compilers if getattr(args, f'compile_{k}')), None)
     if which:
         if not args.json: ap.error(f"--compile-{which.replace('_', '-')} needs --json")
         rows = compilers[which](Path(getattr(args, f'compile_{which}')))
+        import triton
         rec = dict(machine=args.machine or 'compiled for sm_90, no GPU', commit=args.commit or git_commit(),
-                   date=str(datetime.date.today()), config='bench', rows=rows)
+                   date=str(datetime.date.today()), config='bench', triton=triton.__version__, rows=rows)
         Path(args.json).write_text(json.dumps(rec, indent=1))
         for r in rows:
             name = (f"{r['stage']} {r['kernel']}, {r['tokens']}" if 'tokens' in r else r['kernel'] if 'kernel' in r
                     else f"{r['stage']:8s} {r['reading']}")
-            print(f"{name:22s} {r['loop_instructions']:5d} instructions, {r['registers']} registers")
+            loop = f"{r['loop_instructions']:5d} instructions, " if 'loop_instructions' in r else ''
+            print(f"{name:22s} {loop}{r['registers']} registers")
         return
     if args.compile_gate_up:
         d = Path(args.compile_gate_up)
