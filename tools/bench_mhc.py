@@ -4,7 +4,7 @@ against the fused Triton kernels, each launched
 op by op and replayed from a CUDA graph, per block (two seams), with kernel launches per block and the byte floor.
 
     python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--version 2] [--json out.json]
-                              [--sweep] [--quick] [--ncu PROFILE.json]
+                              [--sweep] [--quick] [--ncu PROFILE.json] [--maxnreg 128 168]
 
 --version picks the seam kernel (07_mhc's `SEAM_VERSIONS`; the default is the current one, 2).
 --sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps, set on the launch
@@ -13,6 +13,9 @@ tools/bench_layer_kernels.py times one seam on both versions side by side.
 --ncu PATH runs Nsight Compute on one full seam at each --tokens count (every kernel it launches, after a warm-up
 call) and writes, per launch, the report's figures, DRAM bytes read and written against the seam's byte floor, and
 the reasons its warps wait, to PATH.
+--maxnreg N [N ...] times one seam at each --tokens count from a CUDA graph at the launch table's shape as the
+compiler allocates it, then with its registers capped at each N (Triton's `maxnreg` launch option: more programs an SM,
+values spilled), after checking that a capped launch gives the same bits; with --json, its rows are the record.
 --quick runs the tiny config on two small batches on whatever is there (the Triton interpreter on a CPU), to check the
 script itself; its times mean nothing."""
 import argparse, datetime, json, math, os, shutil, subprocess, sys
@@ -28,6 +31,7 @@ ap.add_argument('--sweep', action='store_true')
 ap.add_argument('--quick', action='store_true')
 ap.add_argument('--ncu', metavar='PATH', help='Nsight Compute on one seam per token count; the record to PATH')
 ap.add_argument('--ncu-child', type=int, metavar='T', help=argparse.SUPPRESS)
+ap.add_argument('--maxnreg', type=int, nargs='+', metavar='N', help='registers a thread allowed, compared')
 args = ap.parse_args()
 
 import torch
@@ -37,7 +41,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')                 # before the kernels are defined
 import triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time, use_kernels, machine_name
+from dsv41_nb.dispatch import median_time, use_kernels, machine_name, cuda_graph, copy_bandwidth
+from dsv41_nb import mhc
 from dsv41_nb.mhc import (MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn,
                           seam_version, seam_floor, _big)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,6 +73,28 @@ def sweep(cfg, tokens, device, grid):
             res.setdefault(T, []).append((median_time(run) * 1e6, bt, bd, w))
     MHC_TUNING.update(default)
     return res
+
+def capped(caps, cfg, tokens, device) -> list[dict]:
+    "One seam per token count, as compiled and with each register cap: us from a CUDA graph, same bits, % of floor"
+    k, rows = mhc._mhc_seam2_kernel, []
+    bw = copy_bandwidth(device=device) if device == 'cuda' else float('nan')
+    launch = k.run
+    try:
+        for T in tokens:
+            run, want = one_seam(cfg, T, device), None
+            for cap in (None, *caps):
+                k.run = launch if cap is None else (lambda *a, _c=cap, **kw: launch(*a, maxnreg=_c, **kw))
+                got = [t.clone() for t in run() if isinstance(t, torch.Tensor)]
+                want = want or got
+                same = all(torch.equal(a, b) for a, b in zip(want, got))
+                us = 1e6 * median_time(cuda_graph(run) if device == 'cuda' else run)
+                rows.append(dict(tokens=T, maxnreg=cap, same_bits=same, us=us,
+                                 of_floor=seam_floor(cfg, T) / bw / (us * 1e-6)))
+                print(f"{T:6d} tokens, registers {cap or 'as compiled':>11}: {us:8.1f} us, "
+                      f"{rows[-1]['of_floor']:6.1%} of the floor, same bits {same}", flush=True)
+    finally: k.run = launch
+    return rows
+
 
 def ncu_child(T: int):
     "The profiled process: one seam of T tokens run once (compiled, warmed), then once between profiler start and stop"
@@ -143,6 +170,15 @@ def main():
 if __name__ == '__main__':
     with seam_version(args.version):
         if args.ncu_child: ncu_child(args.ncu_child)
+        elif args.maxnreg:
+            cfg = getattr(ModelConfig, 'tiny' if args.quick else args.config)()
+            dev = 'cuda' if torch.cuda.is_available() else 'cpu'
+            rows = capped(args.maxnreg, cfg, [1, 17] if args.quick else args.tokens, dev)
+            if args.json:
+                Path(args.json).write_text(json.dumps(dict(
+                    machine=machine_name(dev), date=f'{datetime.datetime.now():%Y-%m-%d %H:%M}', commit=git_commit(),
+                    config=args.config, triton=triton.__version__, version=args.version, tuning=dict(MHC_TUNING),
+                    rows=rows), indent=1, default=str))
         elif args.ncu:
             if not torch.cuda.is_available(): raise SystemExit('--ncu needs a GPU')
             ncu_profile(args.ncu, args.tokens, args.version)
