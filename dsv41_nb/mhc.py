@@ -628,6 +628,39 @@ def _project_copy(xj, fn_ptr, k0, d0, acc, D: tl.constexpr, BLOCK_D: tl.constexp
     if PROJ == 1: return tl.dot(xj, w, acc, input_precision='ieee')
     return acc + tl.sum(xj[:, :, None] * w[None, :, :], axis=1)
 
+# %% ../nbs/07_mhc.ipynb #a3c5e0d1
+@triton.jit
+def _stream_tile(x_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, xo_ptr, y_ptr, fn_ptr, t64, tm, col, m2,
+                 xoff, d0, x_ss, y_ss, acc, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, PREDICT: tl.constexpr,
+                 MIX: tl.constexpr, BF16: tl.constexpr, HW_CVT: tl.constexpr, PROJ: tl.constexpr):
+    ("Version 3's column tile: new copy j made, stored, mixed into the input and projected before "
+     "copy j + 1 is made; its coefficients re-read from the cache. The same sums in the same order")
+    if HAS_PREV:
+        f = tl.load(f_ptr + t64[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        x0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + xoff + D, mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + xoff + 2 * D, mask=m2, other=0.0).to(tl.float32)
+        x3 = tl.load(x_ptr + xoff + 3 * D, mask=m2, other=0.0).to(tl.float32)
+    for j in tl.static_range(4):
+        if HAS_PREV:          # out_j = post_j f + Σ_i comb[i, j] x_i
+            c0, c1, c2, c3 = _four(comb_ptr, t64, tm, j, 4, 16)
+            pj = tl.load(post_ptr + t64 * 4 + j, mask=tm, other=0.0)
+            n = _round(pj[:, None] * f + _mix4(c0, c1, c2, c3, x0, x1, x2, x3), BF16, HW_CVT)
+            tl.store(xo_ptr + xoff + j * D, n.to(xo_ptr.dtype.element_ty), mask=m2)
+        else: n = tl.load(x_ptr + xoff + j * D, mask=m2, other=0.0).to(tl.float32)
+        qn = tl.load(pre_ptr + t64 * 4 + j, mask=tm, other=0.0)[:, None] * n if MIX else n
+        y = qn if j == 0 else y + qn
+        sq = n * n if j == 0 else sq + n * n
+        if PREDICT: acc = _project_copy(n, fn_ptr, j * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+    if MIX:
+        y = _round(y, BF16, HW_CVT)
+        y_ss += tl.sum(y * y, axis=1)
+        tl.store(y_ptr + t64[:, None] * D + col[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
+    if PREDICT: x_ss += tl.sum(sq, axis=1)
+    return x_ss, y_ss, acc
+
+
 # %% ../nbs/07_mhc.ipynb #c12fde5c
 @triton.jit
 def _mhc_seam2_kernel(
@@ -642,17 +675,18 @@ def _mhc_seam2_kernel(
     BF16: tl.constexpr, HW_CVT: tl.constexpr,
     PROJ: tl.constexpr,           # the projection: 0 FMAs, 1 fp32 tl.dot, 2 three BF16 tl.dots
     PDL: tl.constexpr = False,    # launched by `pdl_launch`: wait for the previous kernel first
+    STREAM: tl.constexpr = False, # version 3: the new copies one at a time (fewer live registers)
 ):
     pdl_wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tm, t64, dd = t < T, t.to(tl.int64), tl.arange(0, BLOCK_D)
-    if HAS_PREV:                   # post_j and comb[i, j], once per program
+    if HAS_PREV and not STREAM:    # post_j and comb[i, j], once per program
         p0, p1, p2, p3 = _four(post_ptr, t64, tm, 0, 1, 4)
         c00, c01, c02, c03 = _four(comb_ptr, t64, tm, 0, 1, 16)
         c10, c11, c12, c13 = _four(comb_ptr, t64, tm, 4, 1, 16)
         c20, c21, c22, c23 = _four(comb_ptr, t64, tm, 8, 1, 16)
         c30, c31, c32, c33 = _four(comb_ptr, t64, tm, 12, 1, 16)
-    if MIX: q0, q1, q2, q3 = _four(pre_ptr, t64, tm, 0, 1, 4)
+    if MIX and not STREAM: q0, q1, q2, q3 = _four(pre_ptr, t64, tm, 0, 1, 4)
     x_ss, y_ss = tl.zeros((BLOCK_T,), tl.float32), tl.zeros((BLOCK_T,), tl.float32)
     acc = tl.zeros((BLOCK_T, 32), tl.float32)
     lo = tl.program_id(1) * CHUNKS * BLOCK_D
@@ -660,31 +694,43 @@ def _mhc_seam2_kernel(
         col = d0 + dd
         m2 = tm[:, None] & (col < D)[None, :]                                     # (BT, BD)
         xoff = t64[:, None] * (4 * D) + col[None, :]                              # copy 0's
-        n0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
-        n1 = tl.load(x_ptr + xoff + D, mask=m2, other=0.0).to(tl.float32)
-        n2 = tl.load(x_ptr + xoff + 2 * D, mask=m2, other=0.0).to(tl.float32)
-        n3 = tl.load(x_ptr + xoff + 3 * D, mask=m2, other=0.0).to(tl.float32)
-        if HAS_PREV:               # out_j = post_j f + Σ_i comb[i, j] x_i, rounded like the copies
-            f = tl.load(f_ptr + t64[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
-            x0, x1, x2, x3 = n0, n1, n2, n3
-            n0 = _round(p0[:, None] * f + _mix4(c00, c10, c20, c30, x0, x1, x2, x3), BF16, HW_CVT)
-            n1 = _round(p1[:, None] * f + _mix4(c01, c11, c21, c31, x0, x1, x2, x3), BF16, HW_CVT)
-            n2 = _round(p2[:, None] * f + _mix4(c02, c12, c22, c32, x0, x1, x2, x3), BF16, HW_CVT)
-            n3 = _round(p3[:, None] * f + _mix4(c03, c13, c23, c33, x0, x1, x2, x3), BF16, HW_CVT)
-            tl.store(xo_ptr + xoff, n0.to(xo_ptr.dtype.element_ty), mask=m2)
-            tl.store(xo_ptr + xoff + D, n1.to(xo_ptr.dtype.element_ty), mask=m2)
-            tl.store(xo_ptr + xoff + 2 * D, n2.to(xo_ptr.dtype.element_ty), mask=m2)
-            tl.store(xo_ptr + xoff + 3 * D, n3.to(xo_ptr.dtype.element_ty), mask=m2)
-        if MIX:                    # the input mix, not yet normalised
-            y = _round(_mix4(q0, q1, q2, q3, n0, n1, n2, n3), BF16, HW_CVT)
-            y_ss += tl.sum(y * y, axis=1)
-            tl.store(y_ptr + t64[:, None] * D + col[None, :], y.to(y_ptr.dtype.element_ty), mask=m2)
-        if PREDICT:
-            x_ss += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
-            acc = _project_copy(n0, fn_ptr, 0, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
-            acc = _project_copy(n1, fn_ptr, D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
-            acc = _project_copy(n2, fn_ptr, 2 * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
-            acc = _project_copy(n3, fn_ptr, 3 * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+        if STREAM:
+            x_ss, y_ss, acc = _stream_tile(x_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, xo_ptr, y_ptr,
+                                           fn_ptr, t64, tm, col, m2, xoff, d0, x_ss, y_ss, acc, D,
+                                           BLOCK_T, BLOCK_D, HAS_PREV, PREDICT, MIX, BF16, HW_CVT,
+                                           PROJ)
+        else:
+            n0 = tl.load(x_ptr + xoff, mask=m2, other=0.0).to(tl.float32)
+            n1 = tl.load(x_ptr + xoff + D, mask=m2, other=0.0).to(tl.float32)
+            n2 = tl.load(x_ptr + xoff + 2 * D, mask=m2, other=0.0).to(tl.float32)
+            n3 = tl.load(x_ptr + xoff + 3 * D, mask=m2, other=0.0).to(tl.float32)
+            if HAS_PREV:           # out_j = post_j f + Σ_i comb[i, j] x_i, rounded like the copies
+                f = tl.load(f_ptr + t64[:, None] * D + col[None, :], mask=m2,
+                            other=0.0).to(tl.float32)
+                x0, x1, x2, x3 = n0, n1, n2, n3
+                n0 = _round(p0[:, None] * f + _mix4(c00, c10, c20, c30, x0, x1, x2, x3),
+                            BF16, HW_CVT)
+                n1 = _round(p1[:, None] * f + _mix4(c01, c11, c21, c31, x0, x1, x2, x3),
+                            BF16, HW_CVT)
+                n2 = _round(p2[:, None] * f + _mix4(c02, c12, c22, c32, x0, x1, x2, x3),
+                            BF16, HW_CVT)
+                n3 = _round(p3[:, None] * f + _mix4(c03, c13, c23, c33, x0, x1, x2, x3),
+                            BF16, HW_CVT)
+                tl.store(xo_ptr + xoff, n0.to(xo_ptr.dtype.element_ty), mask=m2)
+                tl.store(xo_ptr + xoff + D, n1.to(xo_ptr.dtype.element_ty), mask=m2)
+                tl.store(xo_ptr + xoff + 2 * D, n2.to(xo_ptr.dtype.element_ty), mask=m2)
+                tl.store(xo_ptr + xoff + 3 * D, n3.to(xo_ptr.dtype.element_ty), mask=m2)
+            if MIX:                    # the input mix, not yet normalised
+                y = _round(_mix4(q0, q1, q2, q3, n0, n1, n2, n3), BF16, HW_CVT)
+                y_ss += tl.sum(y * y, axis=1)
+                tl.store(y_ptr + t64[:, None] * D + col[None, :], y.to(y_ptr.dtype.element_ty),
+                         mask=m2)
+            if PREDICT:
+                x_ss += tl.sum(n0 * n0 + n1 * n1 + n2 * n2 + n3 * n3, axis=1)
+                acc = _project_copy(n0, fn_ptr, 0, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+                acc = _project_copy(n1, fn_ptr, D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+                acc = _project_copy(n2, fn_ptr, 2 * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
+                acc = _project_copy(n3, fn_ptr, 3 * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
     acc_c, acc_p = tl.split(tl.reshape(acc, (BLOCK_T, 16, 2)))           # comb, pre/post logits
     if SPLIT == 1:
         tl.debug_barrier()         # the y just written is re-read by other threads
@@ -700,8 +746,10 @@ MHC_TUNING = dict(kernel=2, projection='bf16x3', split='auto', small_t=2, small_
                   norm_block_d=64)
 
 # %% ../nbs/07_mhc.ipynb #3af3b30f
-# version 1: its kernel, 16 x 64 tiles from three tokens on; 2: MHC_TUNING as it stands
-SEAM_VERSIONS = {1: dict(kernel=1, block_d=64, big_t=None), 2: {}}
+# version 1: its kernel, 16 x 64 tiles from three tokens on; 2: MHC_TUNING as it stands;
+# 3: version 2's kernel making the new copies one at a time, 32-token tiles from `big_t` on
+SEAM_VERSIONS = {1: dict(kernel=1, block_d=64, big_t=None), 2: {},
+                 3: dict(kernel=3, big_block_t=32)}
 
 # %% ../nbs/07_mhc.ipynb #41e4997e
 @contextlib.contextmanager
@@ -738,17 +786,18 @@ def _block_d(T: int, version: int = 2) -> int:
      "(version 1 normalises in its tiles: at least 32 columns)")
     if T <= MHC_TUNING['small_t']: bd = MHC_TUNING['small_block_d']
     else: bd = MHC_TUNING['big_block_d' if _big(T) else 'block_d']
-    return bd if version == 2 else max(bd, 32)
+    return bd if version >= 2 else max(bd, 32)
 
 # %% ../nbs/07_mhc.ipynb #2aff500a
 PROJECTIONS = {'fp32': 1, 'bf16x3': 2}
 
 # %% ../nbs/07_mhc.ipynb #58d10bc6
 def _kernel_version(n: int) -> int:
-    "The kernel `MHC_TUNING['kernel']` asks for, if it handles `n` copies (version 2: four), else 1"
+    ("The kernel `MHC_TUNING['kernel']` asks for, if it handles `n` copies "
+     "(versions 2 and 3: four), else 1")
     v = MHC_TUNING['kernel']
-    require(v in (1, 2), f"MHC_TUNING['kernel'] = {v!r}; expected 1 or 2")
-    return 2 if v == 2 and n == 4 else 1
+    require(v in (1, 2, 3), f"MHC_TUNING['kernel'] = {v!r}; expected 1, 2 or 3")
+    return v if v >= 2 and n == 4 else 1
 
 # %% ../nbs/07_mhc.ipynb #a31d601c
 def _projection(block_t: int, dtype: torch.dtype, version: int = 2) -> int:
@@ -758,7 +807,7 @@ def _projection(block_t: int, dtype: torch.dtype, version: int = 2) -> int:
     require(name in PROJECTIONS,
             f"MHC_TUNING['projection'] = {name!r}; expected one of {sorted(PROJECTIONS)}")
     if block_t < 16: return 0
-    return PROJECTIONS[name] if version == 2 and dtype == torch.bfloat16 else 1
+    return PROJECTIONS[name] if version >= 2 and dtype == torch.bfloat16 else 1
 
 # %% ../nbs/07_mhc.ipynb #a73a689c
 def _split(T: int, dim: int, sms: int, version: int = 2) -> tuple[int, int]:
@@ -812,7 +861,7 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
     p = lambda t: _ptr(t.float() if t is not None and t.dtype != torch.float32 else t, x)
     outs = [_ptr(t, x) for t in out[1:]]
     # the finish kernel's columns: version 2's norm tiles
-    nd = MHC_TUNING['norm_block_d'] if version == 2 else bd
+    nd = MHC_TUNING['norm_block_d'] if version >= 2 else bd
     meta = dict(D=dim, ITERS=cfg.hc_sinkhorn_iters, BLOCK_T=bt, PREDICT=predict, MIX=mix, FP8=fp8,
                 BF16=x.dtype == torch.bfloat16, HW_CVT=_hw_cvt(), num_warps=warps,
                 **pdl_launch(x.device))
@@ -821,9 +870,10 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
     args = (x, _ptr(f, x), p(post), p(comb), p(pre), out.x, *hcw, _ptr(norm_weight, x), *outs, ws,
             *scalars, split, chunks)
     with _marked('mhc_seam'):
-        if version == 2:
+        if version >= 2:
             _mhc_seam2_kernel[(blocks, split)](*args, BLOCK_D=bd, NORM_D=nd, HAS_PREV=has_prev,
-                                               PROJ=_projection(bt, x.dtype), **meta)
+                                               PROJ=_projection(bt, x.dtype),
+                                               STREAM=version == 3, **meta)
         else: _mhc_seam_kernel[(blocks, split)](*args, HC=n, NPP=npp, BLOCK_D=bd, HAS_PREV=has_prev,
                                                 **meta)
     if split > 1 and (predict or mix):

@@ -127,7 +127,7 @@ def seam_args(cfg, T, dtype, has_prev, predict, mix, fp8, strength, seed):
 GPU = DEV.type == 'cuda'
 # launch tables the fuzz draws from: version 1 (16-token tiles, fp32 tl.dot), version 2 as tuned,
 # and big tiles from a few tokens on
-TILES = {'v1': SEAM_VERSIONS[1], 'v2': SEAM_VERSIONS[2], 'v2 fp32 dot': dict(projection='fp32'),
+TILES = {'v1': SEAM_VERSIONS[1], 'v2': SEAM_VERSIONS[2], 'v3': SEAM_VERSIONS[3], 'v2 fp32 dot': dict(projection='fp32'),
          'big32': dict(big_t=5, big_block_t=32, big_block_d=64, big_warps=4),
          'big64': dict(big_t=3, big_block_t=64, big_block_d=16)}
 
@@ -223,7 +223,8 @@ def test_bf16_pieces_are_bf16_and_add_up_exactly():
 @needs_triton
 @pytest.mark.parametrize('version,tiles,T',
                          [(1, {}, 1), (1, {}, 17), (2, {}, 1), (2, {}, 3), (2, {}, 17), (2, dict(big_t=3), 65),
-                          (2, dict(big_t=3, big_block_t=32, big_block_d=64), 33), (2, dict(projection='fp32'), 17)])
+                          (2, dict(big_t=3, big_block_t=32, big_block_d=64), 33), (2, dict(projection='fp32'), 17),
+                          (3, {}, 1), (3, dict(big_t=3), 33)])
 def test_seam_versions_at_edge_sizes(version, tiles, T):
     """Both versions at one token, odd counts, and counts that leave a partial tile (17 of 16, 65 of
     64 or 32), full seam with FP8"""
@@ -236,6 +237,22 @@ def test_seam_versions_at_edge_sizes(version, tiles, T):
         finally: MHC_TUNING.clear(); MHC_TUNING.update(old)
     check_seam(got, **args)
 
+@needs_triton
+@pytest.mark.parametrize('T,steps,split', [(3, (1, 1, 1), 1), (40, (1, 1, 1), 2), (40, (0, 1, 1), 1), (17, (1, 0, 1), 2)])
+def test_seam_version_3_keeps_version_2s_bits(T, steps, split):
+    "Version 3 makes the new copies one at a time with the same sums in the same order: every output is bitwise equal"
+    args = seam_args(replace(TINY, dim=96), T, torch.bfloat16, *map(bool, steps), True, 3.0, seed=T)
+    outs = []
+    for v in (2, 3):
+        with seam_version(v):
+            old = dict(MHC_TUNING); MHC_TUNING.update(big_t=3, split=split)
+            try:
+                with use_kernels('triton'): outs.append(mhc_seam(**args))
+            finally: MHC_TUNING.clear(); MHC_TUNING.update(old)
+    for name, a, b in zip(outs[0]._fields, *outs):
+        assert (a is None) == (b is None), name
+        if a is not None: assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
 def test_seam_plan_and_versions():
     """The plan follows the launch table: one launch once token blocks fill the machine, big tiles
     cut the reads of hc_*_fn"""
@@ -246,8 +263,8 @@ def test_seam_plan_and_versions():
     assert v2['fn_reads'] * 4 == v1['fn_reads'] and v2['projection'] == 'BF16 tl.dot x3'
     assert seam_plan(full, 1)['launches'] == 2 and seam_plan(full, 1, sms=0)['launches'] == 1
     assert MHC_TUNING['projection'] == 'bf16x3'                     # the context restored the table
-    with pytest.raises(ValueError, match=r'seam version 3; expected one of \[1, 2\]'):
-        with seam_version(3): pass
+    with pytest.raises(ValueError, match=r'seam version 4; expected one of \[1, 2, 3\]'):
+        with seam_version(4): pass
     MHC_TUNING['projection'] = 'tf32'
     try:
         with pytest.raises(ValueError, match="expected one of \\['bf16x3', 'fp32'\\]"): seam_plan(full, 64)

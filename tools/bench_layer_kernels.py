@@ -93,19 +93,21 @@ def sweep(cfg, device, rep) -> list[dict]:
 
 
 def seam(rec, cfg, tokens, device, rep):
-    "The seam on both versions, and what each version's launch table plans"
+    "The seam on every version, and what each version's launch table plans"
     rec['mhc_plans'] = {}
     for v in mhc.SEAM_VERSIONS:
         with mhc.seam_version(v):
             rec['mhc_plans'][v] = [mhc.seam_plan(cfg, T, mhc.sm_count(device, default=0)) for T in tokens]
-    rec['mhc'] = mhc.benchmark_seam(cfg, tokens, (1, 2), device, HW.bandwidth, rep=rep)
-    say('mHC seam, one full seam (update, prediction, mix, FP8), version 1 against version 2:')
+    versions = tuple(mhc.SEAM_VERSIONS)
+    rec['mhc'] = mhc.benchmark_seam(cfg, tokens, versions, device, HW.bandwidth, rep=rep)
+    say(f'mHC seam, one full seam (update, prediction, mix, FP8), versions {versions} side by side:')
     print(mhc.format_seam_benchmark(rec['mhc']))
     for T in tokens:
-        r1, r2 = (next(r for r in rec['mhc'] if r['tokens'] == T and r['version'] == v) for v in (1, 2))
-        if 'error' not in r1 and 'error' not in r2 and not args.quick:
-            print(f'{T:6d} tokens: version 2 {r1["graph_us"] / r2["graph_us"]:.1f}x version 1 from a graph, '
-                  f'{r1["us"] / r2["us"]:.1f}x launched; {r2["of_floor"]:.1%} of the floor')
+        rs = {r['version']: r for r in rec['mhc'] if r['tokens'] == T and 'error' not in r}
+        if args.quick or 1 not in rs: continue
+        print(f'{T:6d} tokens: ' + '; '.join(
+            f'version {v} {rs[v - 1]["graph_us"] / r["graph_us"]:.2f}x version {v - 1} from a graph '
+            f'({r["of_floor"]:.1%} of the floor)' for v, r in sorted(rs.items()) if v - 1 in rs))
 
 
 def main():

@@ -116,7 +116,7 @@ def compile_gate_up(out: Path, prefetch: bool = False, tokens: int = 128, planes
                      SCALED=True, PREFETCH=prefetch)
     sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', 'limit': 'fp32', **{k: 'constexpr' for k in const}}
     regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'gate_up',
-                 launch.get('maxnreg'))
+                 launch.get('maxnreg'))['REG']
     return dict(kernel=('version 4' if slots else fn.fn.__name__ if hasattr(fn, 'fn') else fn.__name__),
                 tokens=tokens, config='bench', **{**shape, 'prefetch': prefetch}, **launch,
                 triton=triton.__version__, target='sm_90', registers=regs)
@@ -138,7 +138,7 @@ def compile_down(out: Path, tokens: int, slots: bool, block_n: int | None = None
     const = dict(K=cfg.moe_inter_dim, N=cfg.dim, TOPK=cfg.n_activated_experts, BM=shape['block_m'],
                  BN=shape['block_n'], GROUP_M=8, HW_CVT=True)
     sig = {**ptrs, 'n_assign': 'i32', 'num_m': 'i32', **{k: 'constexpr' for k in const}}
-    regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'down')
+    regs = _sm90(fn, sig, [*ptrs, 'n_assign'], const, shape['num_warps'], shape['num_stages'], out, 'down')['REG']
     return dict(block_m=shape['block_m'], block_n=shape['block_n'], num_warps=shape['num_warps'], registers=regs)
 
 
@@ -188,7 +188,7 @@ def compile_fp8(out: Path, stage: str, block_m: int, block_n: int, num_warps: in
     sig = {**p, 'n_assign': 'i32', 'num_m': 'i32', **({'limit': 'fp32'} if gu else {}),
            **{k: 'constexpr' for k in const}}
     return _sm90(_gate_up_fp8_kernel if gu else _down_fp8_kernel, sig, [*p, 'n_assign'], const, num_warps,
-                 num_stages, out, 'fp8')
+                 num_stages, out, 'fp8')['REG']
 
 
 def compile_gate_up_fp8(out: Path) -> list[dict]:
@@ -233,7 +233,8 @@ def _loop_row(sass: Path, stage: str, kernel: str, tokens: int, r: dict) -> dict
 
 def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages: int, out: Path, name: str,
           maxnreg: int | None = None):
-    "Compile `fn` for sm_90 with no GPU; write OUT/NAME.ttgir, .ptx, .cubin and .sass; the registers a thread holds"
+    ("Compile `fn` for sm_90 with no GPU; write OUT/NAME.ttgir, .ptx, .cubin and .sass; its resources "
+     "(`res_usage`: REG, the registers a thread holds, and the rest)")
     import subprocess
     import triton
     from triton.backends.compiler import GPUTarget
@@ -252,8 +253,7 @@ def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages:
     run = lambda *a: subprocess.run([str(tool), *a, str(out / f'{name}.cubin')], capture_output=True, text=True,
                                     check=True).stdout
     (out / f'{name}.sass').write_text(run('-sass'))
-    regs = re.search(r'REG:(\d+)', run('-res-usage'))
-    return int(regs.group(1)) if regs else None
+    return res_usage(out / f'{name}.cubin')
 
 
 def compile_gemv(out: Path) -> list[dict]:
@@ -277,7 +277,7 @@ def compile_gemv(out: Path) -> list[dict]:
                          X_PAIR=(read or {}).get('X_PAIR', _x_halves),
                          FP4_SUMS=(read or {}).get('FP4_SUMS', _fp4_sums))
             sig = {**ptrs, 'n_assign': 'i32', 'R': 'i32', **{k: 'constexpr' for k in const}}
-            regs = _sm90(fn, sig, list(ptrs), const, t['num_warps'], 3, out, f'gemv_{stage}_{name}')
+            regs = _sm90(fn, sig, list(ptrs), const, t['num_warps'], 3, out, f'gemv_{stage}_{name}')['REG']
             loop = sass_loop((out / f'gemv_{stage}_{name}.sass').read_text())   # the routed loop: the longest
             rows.append(dict(stage=stage, reading=name, loop_instructions=len(loop), registers=regs))
     return rows
@@ -306,7 +306,7 @@ def compile_fp8_linear(out: Path, fn=None, extra: dict | None = None) -> list[di
         const = dict(K=K, N=N, SPLIT=1, STEPS=K // bk, BK=bk, HW_CVT=True, DOT=tl.bfloat16, **tile)
         sig = {n: ptrs.get(n) or ints.get(n) or 'constexpr' for n in kernel.arg_names}
         name = f'fp8_linear_v{version}_{tokens}'
-        regs = _sm90(kernel, sig, list(ptrs), const, t['num_warps'], t['num_stages'], out, name)
+        regs = _sm90(kernel, sig, list(ptrs), const, t['num_warps'], t['num_stages'], out, name)['REG']
         sass = (out / f'{name}.sass').read_text()
         # Hopper's MMA (its left operand a register or a shared-memory descriptor), or Ampere's (registers)
         loop, mma = sass_loop(sass), re.search(r'(HGMMA|HMMA)\.(\w+)\S* R\d+, (\w+)', sass)
@@ -383,7 +383,7 @@ def compile_index(out: Path) -> list[dict]:
                      BF16_DOT=True, MODE=0, CBS=cfg.candidate_block_size, VERSION=version)
         sig = {n: 'constexpr' if n in const else ptrs.get(n, 'i32') for n in _index_logits_kernel.arg_names}
         tag = f"index_{name.replace(' ', '_')}"
-        regs = _sm90(_index_logits_kernel, sig, list(ptrs), const, t['num_warps'], 3, out, tag)
+        regs = _sm90(_index_logits_kernel, sig, list(ptrs), const, t['num_warps'], 3, out, tag)['REG']
         loop = sass_loop((out / f'{tag}.sass').read_text())
         rows.append(dict(kernel=name, format=fmt, loop_instructions=len(loop), registers=regs,
                          block_t=t['block_t'], num_warps=t['num_warps'], opcodes=sass_opcodes(loop)))
@@ -409,7 +409,7 @@ def compile_sparse_decode(out: Path) -> list[dict]:
     fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
     sig = {n: 'constexpr' if n in const else POINTERS.get(n, 'i32') for n in fn.arg_names}
     aligned = [n for n in fn.arg_names if sig[n].startswith('*') or n in ALIGNED]
-    regs = _sm90(fn, sig, aligned, const, L['num_warps'], L['num_stages'], out, 'sparse_decode')
+    regs = _sm90(fn, sig, aligned, const, L['num_warps'], L['num_stages'], out, 'sparse_decode')['REG']
     loops = sass_loops((out / 'sparse_decode.sass').read_text())[:2]
     ops = [sass_opcodes(l) for l in loops]
     window = max(range(2), key=lambda i: ops[i].get('HADD2', 0))
@@ -420,7 +420,10 @@ def compile_sparse_decode(out: Path) -> list[dict]:
 
 # (tokens a program, columns a tile, warps, registers a thread allowed: None for the compiler's choice)
 MHC_SHAPES = ((64, 16, 4, None), (64, 16, 8, None), (64, 32, 4, None), (64, 32, 8, None), (32, 16, 4, None),
-              (32, 32, 4, None), (16, 32, 4, None), (64, 16, 4, 128), (32, 16, 4, 128))
+              (32, 32, 4, None), (16, 32, 4, None), (64, 16, 4, 128), (32, 16, 4, 128),
+              # version 3 (the new copies one at a time): the same kernel with STREAM on
+              (64, 16, 4, None, 3), (64, 16, 8, None, 3), (32, 16, 4, None, 3), (16, 16, 4, None, 3),
+              (16, 32, 4, None, 3), (2, 32, 1, None, 3), (2, 32, 1, None))
 
 
 def res_usage(cubin: Path) -> dict:
@@ -439,28 +442,32 @@ def programs_per_sm(registers: int, warps: int) -> int:
 
 
 def compile_mhc_seam(out: Path, shapes=MHC_SHAPES) -> list[dict]:
-    ("Version 2 of the mHC seam kernel (07_mhc) for sm_90 at the bench width (dim 5120, four copies, the update, "
-     "prediction, input mix and FP8 all on), with no GPU, at each launch shape (tokens a program, columns a tile, "
-     "warps): the registers a thread holds and the programs, and warps, an SM keeps by them")
+    ("Versions 2 and 3 of the mHC seam kernel (07_mhc) for sm_90 at the bench width (dim 5120, four copies, the "
+     "update, prediction, input mix and FP8 all on), with no GPU, at each launch shape (tokens a program, columns a "
+     "tile, warps, a register cap, the version: 2 unless a fifth item says 3): the registers a thread holds and the "
+     "programs, and warps, an SM keeps by them")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.mhc import _mhc_seam2_kernel as fn, MHC_TUNING
     cfg, rows = ModelConfig.bench(), []
     kinds = dict(x_ptr='*bf16', f_ptr='*bf16', xo_ptr='*bf16', w_ptr='*bf16', y_ptr='*bf16', q_ptr='*u8',
                  qs_ptr='*u8', T='i32', norm_eps='fp32', hc_eps='fp32', inv_max='fp32', SPLIT='i32', CHUNKS='i32')
-    for bt, bd, w, cap in shapes:
-        const = dict(D=cfg.dim, ITERS=cfg.hc_sinkhorn_iters, BLOCK_T=bt, BLOCK_D=bd, PROJ=2, PDL=False,
-                     NORM_D=MHC_TUNING['norm_block_d'], HAS_PREV=True, PREDICT=True, MIX=True, FP8=True,
-                     BF16=True, HW_CVT=True)
+    for bt, bd, w, cap, *v in shapes:
+        v = v[0] if v else 2
+        const = dict(D=cfg.dim, ITERS=cfg.hc_sinkhorn_iters, BLOCK_T=bt, BLOCK_D=bd, PROJ=2 if bt >= 16 else 0,
+                     PDL=False, NORM_D=MHC_TUNING['norm_block_d'], HAS_PREV=True, PREDICT=True, MIX=True, FP8=True,
+                     BF16=True, HW_CVT=True, STREAM=v == 3)
         sig = {n: 'constexpr' if n in const else kinds.get(n, '*fp32') for n in fn.arg_names}
         aligned = [n for n in fn.arg_names if sig[n].startswith('*')]
-        name = f'mhc_seam_{bt}x{bd}_{w}w' + (f'_{cap}r' if cap else '')
-        regs = _sm90(fn, sig, aligned, const, w, 3, out, name, maxnreg=cap)
-        p, use = programs_per_sm(regs, w), res_usage(out / f'{name}.cubin')
-        what = f'{bt} tokens x {bd} columns, {w} warps' + (f', at most {cap} registers' if cap else '')
-        rows.append(dict(kernel=what, block_t=bt, block_d=bd, num_warps=w, maxnreg=cap, registers=regs,
+        name = f'mhc_seam_{bt}x{bd}_{w}w' + (f'_{cap}r' if cap else '') + ('_v3' if v == 3 else '')
+        use = _sm90(fn, sig, aligned, const, w, 3, out, name, maxnreg=cap)
+        regs = use['REG']
+        p = programs_per_sm(regs, w)
+        what = (f'version {v}, {bt} tokens x {bd} columns, {w} warps'
+                + (f', at most {cap} registers' if cap else ''))
+        rows.append(dict(kernel=what, version=v, block_t=bt, block_d=bd, num_warps=w, maxnreg=cap, registers=regs,
                          programs_per_sm=p, warps_per_sm=p * w, spill_bytes=use.get('STACK', 0) + use.get('LOCAL', 0),
-                         current=(bt, bd, w, cap) == (MHC_TUNING['big_block_t'], MHC_TUNING['big_block_d'],
-                                                      MHC_TUNING['big_warps'], None)))
+                         current=(v, bt, bd, w, cap) == (MHC_TUNING['kernel'], MHC_TUNING['big_block_t'],
+                                                         MHC_TUNING['big_block_d'], MHC_TUNING['big_warps'], None)))
     return rows
 
 
