@@ -238,7 +238,8 @@ def test_seam_versions_at_edge_sizes(version, tiles, T):
     check_seam(got, **args)
 
 @needs_triton
-@pytest.mark.parametrize('T,steps,split', [(3, (1, 1, 1), 1), (40, (1, 1, 1), 2), (40, (0, 1, 1), 1), (17, (1, 0, 1), 2)])
+@pytest.mark.parametrize('T,steps,split',
+                         [(3, (1, 1, 1), 1), (40, (1, 1, 1), 2), (40, (0, 1, 1), 1), (17, (1, 0, 1), 2)])
 def test_seam_version_3_keeps_version_2s_bits(T, steps, split):
     "Version 3 makes the new copies one at a time with the same sums in the same order: every output is bitwise equal"
     args = seam_args(replace(TINY, dim=96), T, torch.bfloat16, *map(bool, steps), True, 3.0, seed=T)
