@@ -10,6 +10,7 @@ __all__ = []
 __version__ = "0.0.1"
 
 # %% ../nbs/index.ipynb #b12bc88e
-# 03b and 04b patch `emit`, `select` and `forward` onto 03's `Compressor` and 04's `Indexer`:
+# 03b and 04b patch `emit`, `select` and `forward` onto 03's `Compressor` and 04's `Indexer`,
+# and 12a the one-pass decode step onto 12's `Scheduler` (`fast_decode` on):
 # importing the package brings them in, whichever module is imported first
-from . import compressor_kernel, indexer_kernels
+from . import compressor_kernel, indexer_kernels, decode_step

@@ -16,7 +16,8 @@ from .dispatch import BACKENDS, gpu_memory, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config
 from .kv_manager import KVCacheManager
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
-                                ModelRunnerOutput, EngineCoreOutput, DecodeCoreOutputs)
+                                ModelRunnerOutput, EngineCoreOutput)
+from .decode_step import DecodeCoreOutputs
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME

@@ -20,7 +20,8 @@ from .block_pool import NULL_BLOCK_ID
 from .dispatch import use_kernels
 from .kv_cache import KVCacheConfig
 from .kv_manager import SlotMappings
-from .scheduler import SchedulerOutput, ModelRunnerOutput, PLACEHOLDER, table_slot_mappings
+from .scheduler import SchedulerOutput, ModelRunnerOutput, PLACEHOLDER
+from .decode_step import table_slot_mappings
 from .proposer import Proposer
 from .model import Transformer
 from .sampler import sampling_batch, sampling_probs, draw, argmax_rows

@@ -6,7 +6,6 @@
 from __future__ import annotations
 import enum, math
 from collections import deque
-from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 import numpy as np
@@ -21,8 +20,7 @@ from .proposer import Proposer
 # %% auto #0
 __all__ = ['FINISH_REASONS', 'PLACEHOLDER', 'SamplingParams', 'RequestStatus', 'SchedulerRequest', 'check_stop', 'toy_next_token',
            'toy_next_tokens', 'toy_generate', 'SchedulerConfig', 'ScheduledRequest', 'SchedulerOutput',
-           'ModelRunnerOutput', 'EngineCoreOutput', 'Scheduler', 'ToyRunner', 'run_until_done', 'table_slot_mappings',
-           'block_id_tables', 'DecodeOutput', 'DecodeCoreOutputs']
+           'ModelRunnerOutput', 'EngineCoreOutput', 'Scheduler', 'ToyRunner', 'run_until_done']
 
 # %% ../nbs/12_scheduler.ipynb #3f999b79
 def _real(v) -> bool:
@@ -116,6 +114,7 @@ class SchedulerRequest(Request):
         # its block table per cache group as of its last allocation (replaced, never changed)
         self.block_ids = None
         # a one-row decode step allocates nothing while num_computed_tokens < alloc_until
+        # (the one-pass path of 12a_decode_step sets it; 0 without it)
         self.alloc_until = 0
         # the stop rules as numbers: a length stop at max_total tokens (capped by the scheduler),
         # a stop id only from min_total tokens on
@@ -339,7 +338,7 @@ class EngineCoreOutput:
 # %% ../nbs/12_scheduler.ipynb #d58005d6
 class Scheduler:
     "FCFS continuous batching over a KVCacheManager (vLLM's v1 scheduler), synchronous or async"
-    fast_decode = False  # plan all-decode steps as columns (switched on below, once it exists)
+    fast_decode = False  # plan all-decode steps as columns (switched on in 12a_decode_step)
     def __init__(self,
                  # the cache it drives (a layout makes a fresh manager)
                  kv_cache: KVCacheManager | KVCacheConfig,
@@ -577,7 +576,7 @@ def schedule(self: Scheduler,
     plan, preemptions = [], self.stats['preemptions']
     if not drafts and self.config.num_speculative_tokens:   # the drafts this step drops
         for r in self.running: r.spec_token_ids = []
-    # the common step, every running request decoding: planned in one pass (below)
+    # the common step, every running request decoding: planned in one pass (12a_decode_step)
     if self.fast_decode and (out := self._schedule_decode(drafts)) is not None: return out
     budget = self._schedule_running(plan, self.config.max_num_batched_tokens, drafts)
     if self.stats['preemptions'] == preemptions: self._schedule_waiting(plan, budget)
@@ -636,7 +635,7 @@ def update_from_output(self: Scheduler,
         raise TypeError(f"update_from_output: expected a ModelRunnerOutput, "
                         f"got {type(model_runner_output).__name__}")
     so, mro = scheduler_output, model_runner_output
-    # an all-decode step: one pass (below), unless something is unusual
+    # an all-decode step: one pass (12a_decode_step), unless something is unusual
     if (self.fast_decode and so.all_decode and not mro.draft_token_ids
             and (outs := self._update_decode(so, mro)) is not None): return outs
     live = [sr for sr in scheduler_output.requests
@@ -803,185 +802,3 @@ def run_until_done(scheduler: Scheduler, # holds the requests
         if prev is not None: apply(*prev)
     raise RuntimeError(f"run_until_done: requests still unfinished after {max_steps:,} steps: "
                        f"{list(scheduler.requests)[:5]}")
-
-# %% ../nbs/12_scheduler.ipynb #79eed790
-@patch
-def _decode_horizon(self: Scheduler, req: SchedulerRequest) -> int:
-    ("The num_computed_tokens below which `allocate_slots(req, 1)` changes nothing: "
-     "no table grows, no window block falls behind, no block fills (the groups' rules)")
-    rid, c, h, caching = (req.request_id, req.num_computed_tokens, self.max_model_len,
-                          self.kv.enable_caching)
-    for m in self.kv.managers:
-        blocks, bs, spec = m.req_to_blocks.get(rid), m.block_size, m.spec
-        if not blocks: return 0
-        kind = spec.manager
-        if kind == 'ring': continue                                    # one block for life
-        if kind not in ('global', 'sliding_window'): return 0          # a rule not known here
-        if len(blocks) * bs < h: h = len(blocks) * bs                  # the table must grow
-        if kind == 'sliding_window':                                   # a block falls behind
-            h = min(h, (max(0, (c - m.window + 1) // bs) + 1) * bs + m.window - 1)
-        if caching and spec.prefix_cacheable:                          # a block fills
-            h = min(h, (m.num_cached_block.get(rid, 0) + 1) * bs - 1 if kind == 'global'
-                    else m.next_checkpoint.get(rid, 0) - 1)
-    return h
-
-# %% ../nbs/12_scheduler.ipynb #5ac072c9
-def table_slot_mappings(
-    groups: Sequence, # the layout's CacheGroupSpecs, in group order
-    tables: Sequence, # (R, width) int block ids per group, padded with the null block
-    req: np.ndarray, # (T,) each row's request: a row of the tables
-    pos: np.ndarray, # (T,) each row's position
-    # (T,) bool rows that only rebuild the window (PAD in the global groups)
-    replayed: np.ndarray | None = None,
-) -> SlotMappings:
-    "Where each row writes, per cache kind, from the block tables: a few array operations per group"
-    pos, comp, swa, ring = np.asarray(pos, dtype=np.int64), {}, None, None
-    for g, t in zip(groups, tables):
-        bs = g.block_size
-        if not len(pos): t = np.zeros((1, 1), dtype=np.int32)     # no rows: nothing to read
-        if g.manager == 'ring': ring = t[req, 0].astype(np.int64) * bs + pos % bs; continue
-        col, off = np.divmod(pos, bs)                               # the block, the offset in it
-        try: blk = t[req, col].astype(np.int64)
-        except IndexError:
-            raise ValueError(f"table_slot_mappings: position {int(pos[col.argmax()])} needs block "
-                             f"{int(col.max())} but group {g.group_id}'s table has {t.shape[1]}")
-        if len(blk) and blk.min() == NULL_BLOCK_ID:  # (block ids are >= the null block's, 0)
-            raise ValueError(f"table_slot_mappings: position {int(pos[blk == NULL_BLOCK_ID][0])} "
-                             f"falls in a released (null) block of group {g.group_id}")
-        if g.manager == 'sliding_window': swa = blk * bs + off; continue
-        for r in g.ratios:  # ratio r: one entry per r positions, at the last of them
-            v = (blk * bs + off if r == 1
-                 else np.where(off % r == r - 1, blk * (bs // r) + off // r, PAD_SLOT_ID))
-            if replayed is not None: v[replayed] = PAD_SLOT_ID
-            comp[r] = v
-    as_t = lambda a: None if a is None else torch.from_numpy(a)
-    return SlotMappings(as_t(pos), as_t(swa), {r: as_t(v) for r, v in comp.items()}, as_t(ring))
-
-# %% ../nbs/12_scheduler.ipynb #63d63ba5
-def block_id_tables(block_ids: Sequence, # per request, its block ids per group (a snapshot)
-                    num_groups: int) -> list:
-    "(R, longest) int32 block tables per group from per-request lists, padded with the null block"
-    out = []
-    for g in range(num_groups):
-        rows = [b[g] for b in block_ids]
-        t = np.full((len(rows), max(map(len, rows), default=0)), NULL_BLOCK_ID, dtype=np.int32)
-        for i, b in enumerate(rows): t[i, :len(b)] = b
-        out.append(t)
-    return out
-
-# %% ../nbs/12_scheduler.ipynb #a3060fd2
-class DecodeOutput(SchedulerOutput):
-    ("An all-decode step as columns; its ScheduledRequests and slot mappings are built "
-     "when asked for")
-    all_decode = True
-    def __init__(self, step: int, # the step number
-                 owners: list, # (R,) the SchedulerRequests, in row order
-                 starts: list, # (R,) each one's row position (its frontier)
-                 token_ids: list, # (R,) each row's id, PLACEHOLDER where only the runner knows it
-                 groups: Sequence, # the cache layout's groups (for slot mappings on demand)
-                 finished_req_ids: set, preempted_req_ids: set):
-        self.step, self.finished_req_ids, self.preempted_req_ids = (step, finished_req_ids,
-                                                                    preempted_req_ids)
-        self.owners, self.starts, self.token_ids, self._groups = owners, starts, token_ids, groups
-        self.req_ids = [r.request_id for r in owners]
-        self.block_ids = [r.block_ids for r in owners]  # snapshots: shared, never changed
-        self._requests = self._slots = None
-
-# %% ../nbs/12_scheduler.ipynb #6c59f98d
-@patch(as_prop=True)
-def requests(self: DecodeOutput) -> list:
-    "ScheduledRequest per row, built on first use"
-    if self._requests is None:
-        self._requests = [ScheduledRequest(r.request_id, [t], c, 0, b, False, r.num_cached_tokens,
-                                           r.replay_start, True, r)
-                          for r, c, t, b in zip(self.owners, self.starts, self.token_ids,
-                                                self.block_ids)]
-    return self._requests
-
-# %% ../nbs/12_scheduler.ipynb #fcb4b4bb
-@patch(as_prop=True)
-def slot_mappings(self: DecodeOutput) -> SlotMappings:
-    if self._slots is None:
-        R = len(self.owners)
-        self._slots = table_slot_mappings(self._groups, block_id_tables(self.block_ids,
-                                                                        len(self._groups)),
-                                          np.arange(R), np.asarray(self.starts, dtype=np.int64))
-    return self._slots
-
-# %% ../nbs/12_scheduler.ipynb #01be2369
-@patch(as_prop=True)
-def decoder_rows(self: DecodeOutput) -> torch.Tensor: return torch.arange(len(self.owners))
-
-# %% ../nbs/12_scheduler.ipynb #8b39d6fe
-@patch
-def _schedule_decode(self: Scheduler,
-                     drafts: bool = True) -> DecodeOutput | None: # False: no draft rows
-    ("An all-decode step planned in one pass, or None: a request still prefilling, drafts, "
-     "a request that could be admitted, or too small a budget")
-    cfg, run = self.config, self.running
-    if ((cfg.num_speculative_tokens and drafts) or not run or len(run) > cfg.max_num_batched_tokens
-            or (self.waiting and len(run) < cfg.max_num_seqs)): return None
-    tag, owners, starts, ids, i = (self.step, 0), [], [], [], 0
-    own, start, row_id = owners.append, starts.append, ids.append
-    while i < len(run):
-        req = run[i]; C, toks = req.num_computed_tokens, req._all_token_ids  # (read only)
-        if C < req.prefill_len:                                 # a prefill chunk: undo, go general
-            for r in owners: r.num_computed_tokens -= 1; r.in_flight.pop()
-            return None
-        i += 1
-        if len(toks) + len(req.in_flight) >= req.max_total: continue  # in flight may finish it
-        if C >= req.alloc_until and self._allocate(req, 1) is None: break  # it preempted itself
-        req.num_computed_tokens = C + 1; req.in_flight.append(tag)
-        own(req); start(C); row_id(toks[C] if C < len(toks) else PLACEHOLDER)
-    if owners: self._unapplied.append(self.step)
-    out = DecodeOutput(self.step, owners, starts, ids, self.kv.kv_cache_config.groups,
-                       self._finished_ids, self._preempted_ids)
-    self.step, self._finished_ids, self._preempted_ids = self.step + 1, set(), set()
-    return out
-
-# %% ../nbs/12_scheduler.ipynb #c8d72ffc
-class DecodeCoreOutputs(SequenceABC):
-    ("`update_from_output`'s answer to an all-decode step as columns: one new token per request; "
-     "an EngineCoreOutput is built when one is read")
-    def __init__(self, req_ids: list, # (n,) the requests that got a token
-                 token_ids: list, # (n,) its token
-                 finished: dict): # request id -> (finish reason, stop reason) of those that ended
-        self.req_ids, self.token_ids, self.finished = req_ids, token_ids, finished
-    def __len__(self): return len(self.req_ids)
-    def __getitem__(self, i):
-        if isinstance(i, slice): return [self[j] for j in range(len(self))[i]]
-        rid = self.req_ids[i]
-        return EngineCoreOutput(rid, [self.token_ids[i]], *self.finished.get(rid, (None, None)))
-    def __eq__(self, other): return list(self) == list(other)
-    def __repr__(self): return f"DecodeCoreOutputs({list(self)})"
-
-# %% ../nbs/12_scheduler.ipynb #2bf8fd8f
-@patch
-def _update_decode(self: Scheduler, so: DecodeOutput,
-                   mro: ModelRunnerOutput) -> DecodeCoreOutputs | None:
-    ("`update_from_output` of an all-decode step, in one pass after the checks; "
-     "None: anything unusual, which the general path handles (and names, if it is an error)")
-    # the oldest step not applied: every live request's oldest step in flight is this one
-    if not (self._unapplied and self._unapplied[0] == so.step): return None
-    live, V = self.requests, self.vocab_size
-    if mro.req_ids is so.req_ids or mro.req_ids == so.req_ids: toks = mro.token_ids
-    else:
-        got = mro.sampled_token_ids
-        toks = [g[0] if g is not None and len(g) == 1 else None
-                for g in map(got.get, so.req_ids)]
-    if set(map(type, toks)) - {int} or (toks and (min(toks) < 0 or max(toks) >= V)): return None
-    finished, gone, M = {}, [], self.max_model_len
-    for rid, req, t, c in zip(so.req_ids, so.owners, toks, so.starts):
-        if live.get(rid) is not req: gone.append(rid); continue  # finished or aborted meanwhile
-        req.in_flight.popleft(); req.append_output_token_ids(t)
-        # it now holds c + 2 tokens: its row's, then this one
-        if (c + 2 >= req.max_total or t in req.stop_ids) and (
-                stop := check_stop(req, M)): self._finish(req, *stop); finished[rid] = stop
-    self._unapplied.popleft()
-    if not gone: return DecodeCoreOutputs(so.req_ids, toks, finished)
-    gone = set(gone)
-    keep = [(r, t) for r, t in zip(so.req_ids, toks) if r not in gone]
-    return DecodeCoreOutputs([r for r, _ in keep], [t for _, t in keep], finished)
-
-# %% ../nbs/12_scheduler.ipynb #b86e3931
-Scheduler.fast_decode = True

@@ -12,8 +12,8 @@ from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID, NULL_BLOCK_
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.kv_manager import CacheCapacityError, cache_snapshot
 from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
-                                toy_next_token, toy_next_tokens, toy_generate, run_until_done, table_slot_mappings,
-                                check_stop)
+                                toy_next_token, toy_next_tokens, toy_generate, run_until_done, check_stop)
+from dsv41_nb.decode_step import table_slot_mappings, DecodeOutput, DecodeCoreOutputs
 from dsv41_nb.proposer import NgramProposer, reference_ngram_propose
 
 TINY = ModelConfig.tiny()
@@ -48,7 +48,7 @@ def _decode_step(sampled=None, **columns):
     for r in 'xy': s.add_request(r, [1, 2, 3], SamplingParams(ignore_eos=True))
     s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [7], 'y': [7]}))
     out = s.schedule()
-    assert type(out).__name__ == 'DecodeOutput'
+    assert type(out) is DecodeOutput
     s.update_from_output(out, ModelRunnerOutput(sampled, **columns))
 
 BAD = [
@@ -528,12 +528,12 @@ def test_a_request_aborted_while_its_one_pass_step_is_in_flight_is_left_out_of_t
     for r in 'xyz': s.add_request(r, [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))
     first = s.schedule()
     second = s.schedule()                                                   # all decode, before `first` is back
-    assert type(second).__name__ == 'DecodeOutput'
+    assert type(second) is DecodeOutput
     s.update_from_output(first, ModelRunnerOutput({r: [7] for r in 'xyz'}))
     s.abort('y')
     got = s.update_from_output(second, ModelRunnerOutput({r: [r == 'x' and 8 or 9] for r in 'xyz'}))
     assert [(o.request_id, o.new_token_ids) for o in got] == [('x', [8]), ('z', [9])]
-    assert type(got).__name__ == 'DecodeCoreOutputs' and len(got) == 2 and got == list(got)
+    assert type(got) is DecodeCoreOutputs and len(got) == 2 and got == list(got)
 
 
 def test_a_stop_token_finishes_a_request_in_a_one_pass_step():
@@ -544,7 +544,7 @@ def test_a_stop_token_finishes_a_request_in_a_one_pass_step():
         s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [7]}))
         out = s.schedule()
         (o,) = s.update_from_output(out, ModelRunnerOutput({'x': [stop]}))
-        assert type(out).__name__ == 'DecodeOutput' and o.finish_reason == 'stop'
+        assert type(out) is DecodeOutput and o.finish_reason == 'stop'
         assert not s.has_unfinished_requests()
 
 
@@ -552,4 +552,4 @@ def test_as_many_decode_rows_as_the_budget_still_go_in_one_pass():
     s = Scheduler(tiny_cache(), SchedulerConfig(max_num_batched_tokens=2))
     for r in 'xy': s.add_request(r, [1], SamplingParams(max_tokens=2, ignore_eos=True))
     s.update_from_output(s.schedule(), ModelRunnerOutput({'x': [7], 'y': [7]}))
-    assert type(s.schedule()).__name__ == 'DecodeOutput'
+    assert type(s.schedule()) is DecodeOutput
