@@ -1077,7 +1077,8 @@ def _time_seam(args: dict, graphs: bool, rep: int) -> dict:
         return dict(us=us, graph_us=graph_us, launches=launches)
 
 # %% ../nbs/07_mhc.ipynb #a17d2992
-def benchmark_seam(cfg: ModelConfig, tokens=(1, 16, 64, 256, 1024, 4096, 8192), versions=(1, 2),
+def benchmark_seam(cfg: ModelConfig, tokens=(1, 16, 64, 256, 1024, 4096, 8192),
+                   versions=tuple(SEAM_VERSIONS),
                    device='cuda', bandwidth: float | None = None, graphs: bool = True,
                    rep: int = 100) -> list[dict]:
     ("A full seam per token count and kernel version, checked against the reference, then timed "
