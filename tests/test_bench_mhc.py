@@ -1,10 +1,12 @@
 """tools/bench_mhc.py --maxnreg: the seam as compiled against capped registers, checked bit for bit, as a record."""
 import json, os, subprocess, sys
 from pathlib import Path
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow   # the interpreter ignores the cap: the GPU tier, which compiles, is where it means something
 def test_capped_registers_give_the_same_bits(tmp_path):
     "Each token count as compiled, then at each cap: same bits, a time, the caps in order (interpreted on a CPU)"
     out = tmp_path / 'cap.json'
