@@ -649,8 +649,9 @@ def _stream_tile(x_ptr, f_ptr, post_ptr, comb_ptr, pre_ptr, xo_ptr, y_ptr, fn_pt
             n = _round(pj[:, None] * f + _mix4(c0, c1, c2, c3, x0, x1, x2, x3), BF16, HW_CVT)
             tl.store(xo_ptr + xoff + j * D, n.to(xo_ptr.dtype.element_ty), mask=m2)
         else: n = tl.load(x_ptr + xoff + j * D, mask=m2, other=0.0).to(tl.float32)
-        qn = tl.load(pre_ptr + t64 * 4 + j, mask=tm, other=0.0)[:, None] * n if MIX else n
-        y = qn if j == 0 else y + qn
+        if MIX:               # the input mix, Σ_j pre_j n_j
+            qn = tl.load(pre_ptr + t64 * 4 + j, mask=tm, other=0.0)[:, None] * n
+            y = qn if j == 0 else y + qn
         sq = n * n if j == 0 else sq + n * n
         if PREDICT: acc = _project_copy(n, fn_ptr, j * D, d0, acc, D, BLOCK_D, PROJ, HW_CVT)
     if MIX:
