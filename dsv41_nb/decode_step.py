@@ -24,6 +24,7 @@ def _decode_horizon(self: Scheduler, req: SchedulerRequest) -> int:
      "no table grows, no window block falls behind, no block fills (the groups' rules)")
     rid, c, h, caching = (req.request_id, req.num_computed_tokens, self.max_model_len,
                           self.kv.enable_caching)
+    lag = max(0, c + 1 - req.num_tokens)  # rows whose token is not known yet (async: one)
     for m in self.kv.managers:
         blocks, bs, spec = m.req_to_blocks.get(rid), m.block_size, m.spec
         if not blocks: return 0
@@ -33,9 +34,10 @@ def _decode_horizon(self: Scheduler, req: SchedulerRequest) -> int:
         if len(blocks) * bs < h: h = len(blocks) * bs                  # the table must grow
         if kind == 'sliding_window':                                   # a block falls behind
             h = min(h, (max(0, (c - m.window + 1) // bs) + 1) * bs + m.window - 1)
-        if caching and spec.prefix_cacheable:                          # a block fills
-            h = min(h, (m.num_cached_block.get(rid, 0) + 1) * bs - 1 if kind == 'global'
-                    else m.next_checkpoint.get(rid, 0) - 1)
+        if caching and spec.prefix_cacheable:      # a block fills, once its tokens are known
+            nxt = ((m.num_cached_block.get(rid, 0) + 1) * bs if kind == 'global'
+                   else m.next_checkpoint.get(rid, 0))
+            h = min(h, nxt - 1 + lag if nxt else -1)
     return h
 
 # %% ../nbs/12a_decode_step.ipynb #5ac072c9

@@ -389,17 +389,20 @@ def test_fast_decode_plans_every_step_as_the_general_path(c, seed, n_req):
 
 
 @settings(max_examples=examples(30), deadline=None)
-@given(st.integers(1, 300), st.integers(0, 10 ** 6), st.booleans(), st.booleans())
-def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded):
+@given(st.integers(1, 300), st.integers(0, 10 ** 6), st.booleans(), st.booleans(), st.booleans())
+def test_decode_horizon_is_exact(prompt_len, seed, caching, bounded, known_after):
     """Below `alloc_until` a one-row allocation changes nothing in the cache; the horizon is met,
-    not passed, by a real change (a horizon behind the tokens would be safe, and slow)"""
+    not passed, by a real change (a horizon behind the tokens would be safe, and slow). `known_after`: each row's
+    token reaches the request only after its row is allocated, as under async scheduling"""
     r = random.Random(seed)
     s = Scheduler(tiny_cache(200, enable_prefix_caching=caching), SchedulerConfig(bounded_replay=bounded))
     req = s.add_request('h', [r.randrange(V) for _ in range(prompt_len)], SamplingParams(max_tokens=200))
     s._allocate(req, prompt_len); req.num_computed_tokens = prompt_len
     for c in range(prompt_len, min(prompt_len + 120, 511)):
         req.num_computed_tokens, h, before = c, req.alloc_until, _cache_state(s.kv)
-        req.append_output_token_ids(r.randrange(V)); s._allocate(req, 1)
+        if not known_after: req.append_output_token_ids(r.randrange(V))
+        s._allocate(req, 1)
+        if known_after: req.append_output_token_ids(r.randrange(V))
         assert not (c < h and _cache_state(s.kv) != before), (c, h)
         # exact: met, never behind (but for the first horizon, taken at 0 computed tokens, and -1 with prefix caching:
         # a window group with no checkpoint yet, while too few tokens are known to hash, sends steps the general way)
