@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 import numpy as np
 from .config import ModelConfig, expect_config, check_int, layer_topology
-from .formats import CACHE_FORMATS, record_bytes
+from .record_codecs import CACHE_FORMATS, record_bytes
 
 # %% auto #0
 __all__ = ['SOURCES', 'DTYPE_BYTES', 'GROUPS', 'PHASES', 'GiB', 'MEMORY_ROWS', 'HARDWARE', 'LAYOUTS', 'ENGRAM_PLACES',

@@ -10,7 +10,7 @@ from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig
 from .dispatch import capturing
-from .formats import RecordCodec, cache_format
+from .record_codecs import RecordCodec, cache_format
 from .kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 
 # %% auto #0

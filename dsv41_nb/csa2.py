@@ -12,7 +12,7 @@ from torch import nn
 from fastcore.basics import patch
 from .config import (ModelConfig, LayerInfo, layer_topology, source_layer, expect_config,
                              check_int, ROLE_COLORS)
-from .formats import RecordCodec, FP8Record, cache_format
+from .record_codecs import RecordCodec, FP8Record, cache_format
 from .records import store_records
 from .block_pool import (PAD_SLOT_ID, slot_mapping, compressed_slot_mapping,
                                  ring_slot_mapping)

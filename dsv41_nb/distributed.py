@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from .config import ModelConfig, check_int
 from .dispatch import use_kernels
-from .formats import FP8Record, _as_bytes, _bytes_as
+from .record_codecs import FP8Record, _as_bytes, _bytes_as
 from .moe import MoEWeights, QuantWeight, route_layer
 from .fused_moe import (ExpertAlignment, align_by_expert, fp8_act_quant, expert_gate_up,
                                 expert_down, moe_launch_shape)

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, engram_bucket_primes
-from .formats import FP8Record, _e4m3_value, _ue8m0_value, _hw_cvt
+from .formats import _e4m3_value, _ue8m0_value, _hw_cvt
+from .record_codecs import FP8Record
 from .dispatch import kernel_backend, capturing
 
 # %% auto #0

@@ -13,8 +13,9 @@ from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, source_layer
 from .dispatch import kernel_backend, check_device
-from .formats import (cache_format, quantize_fp4, dequantize_fp4, _e2m1_value, _e2m1_code,
-                              _ue8m0_code, _pow2)
+from .formats import (quantize_fp4, dequantize_fp4, _e2m1_value, _e2m1_code, _ue8m0_code,
+                              _pow2)
+from .record_codecs import cache_format
 from .records import store_records
 from .compressor import layer_inv_freq, RMSNorm, new_record_cache
 from .rope_norm import rope, norm_layer

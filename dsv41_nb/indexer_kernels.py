@@ -12,9 +12,9 @@ from fastcore.basics import patch
 from .config import ModelConfig, check_int
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
                                use_kernels, capturing)
-from .formats import (FP4Record, FP8Record, cache_format, _e2m1_value, _ue8m0_value,
-                              _e4m3_value, _pow2, _mxfp4_pair, _e2m1_bf16_pair, _ue8m0_bf16,
-                              _bf16_scaled)
+from .formats import (_e2m1_value, _ue8m0_value, _e4m3_value, _pow2, _mxfp4_pair,
+                              _e2m1_bf16_pair, _ue8m0_bf16, _bf16_scaled)
+from .record_codecs import FP4Record, FP8Record, cache_format
 from .records import store_records
 from .indexer import (Indexer, IndexBatch, qdq_mxfp4, topk_reference,
                               candidate_pool_reference, pool_mask)

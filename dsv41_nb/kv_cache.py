@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Sequence
 from fastcore.basics import patch
 from .config import ModelConfig, layer_topology, is_int, require
-from .formats import CACHE_FORMATS, record_bytes
+from .record_codecs import CACHE_FORMATS, record_bytes
 from .accounting import GiB
 from dsv41_nb.block_pool import (
     BlockPool, KVCacheBlock, Request, _positive_int,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, layer_topology, require
-from .formats import RecordCodec, Field, cache_format
+from .record_codecs import RecordCodec, Field, cache_format
 from .block_pool import PAD_SLOT_ID
 from .kv_cache import KVCacheConfig, WINDOW_FORMAT, get_kv_cache_config
 from .kv_manager import KVCacheManager, SlotMappings

@@ -13,8 +13,8 @@ from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
 from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels,
                                cuda_graph, graph_time, sm_count, pdl_launch, pdl_wait, _rebound)
-from .formats import (RecordCodec, FP8Record, FP4Record, cache_format, _e4m3_value,
-                              _ue8m0_value)
+from .formats import _e4m3_value, _ue8m0_value
+from .record_codecs import RecordCodec, FP8Record, FP4Record, cache_format
 from .rope_norm import rope, _check_rope, _rotate_pairs
 from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices,
                            random_block_tables, gather_keys, check_attention_inputs,

@@ -7,7 +7,7 @@ import numpy as np
 import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.formats import cache_format, CACHE_FORMATS
+from dsv41_nb.record_codecs import cache_format, CACHE_FORMATS
 from dsv41_nb.accounting import (step_floor, decode_kv_read_bytes, decode_flops_per_token,
                                  compressed_entries_per_token, global_kv_bytes_per_token,
                                  swa_bytes_per_sequence, record_saving, checkpoint_manifest,

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig, layer_topology, role_counts
 from dsv41_nb.dispatch import use_kernels
-from dsv41_nb.formats import cache_format
+from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.block_pool import slot_mapping, compressed_state_slots
 from dsv41_nb.csa2 import (CSA2_ROLES, layer_reads, layer_writes, role_table, CSA2State,
                            CSA2Step, make_step, random_block_tables, window_indices, SparseIndices,

@@ -15,10 +15,10 @@ from budget import examples
 from dsv41_nb.config import ModelConfig
 from fastcore import test as fct           # fct.test_fail: pytest would collect a bare test_fail
 from dsv41_nb.dispatch import use_kernels, triton_interpreting
-from dsv41_nb.formats import (FP8Record, FP4Record, cache_codecs, cache_format, e4m3_codes,
-                              e4m3_values, e2m1_codes, e2m1_values, unpack_nibbles,
-                              quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX,
-                              _e2m1_bf16_pair, _ue8m0_bf16, _bf16_scaled)
+from dsv41_nb.formats import (e4m3_codes, e4m3_values, e2m1_codes, e2m1_values, unpack_nibbles,
+                              quantize_fp8, ue8m0_values, FP8_MAX, FP4_MAX, _e2m1_bf16_pair,
+                              _ue8m0_bf16, _bf16_scaled)
+from dsv41_nb.record_codecs import FP8Record, FP4Record, cache_codecs, cache_format
 from dsv41_nb.records import (store_records, gather_records, KERNEL_VERSIONS, edge_case_vectors, every_value_blocks,
                               kernel_version)
 from machine import DEV, HAS_TRITON, needs_triton

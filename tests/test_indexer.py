@@ -12,7 +12,7 @@ from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting
-from dsv41_nb.formats import cache_format
+from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.records import store_records
 from dsv41_nb import indexer_kernels
 from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits_reference,

@@ -28,7 +28,7 @@ def test_import_without_gpu_touches_no_device():
 def test_reference_path_without_interpreter():
     "On a CPU without TRITON_INTERPRET the dispatch falls back to PyTorch and the codecs still work"
     code = ("import torch\nfrom dsv41_nb.dispatch import kernel_backend\n"
-            "from dsv41_nb.formats import cache_format\n"
+            "from dsv41_nb.record_codecs import cache_format\n"
             "from dsv41_nb.records import store_records, gather_records\n"
             "from dsv41_nb.config import ModelConfig\n"
             "assert kernel_backend(torch.zeros(1)) == 'torch'\n"

@@ -14,7 +14,7 @@ from budget import examples
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting
-from dsv41_nb.formats import cache_format
+from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.rope_norm import rope
 from dsv41_nb.csa2 import CSA2Attention, CSA2State, make_step, random_block_tables, sparse_attention_reference
 from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, check_decode_grid,

@@ -16,7 +16,7 @@ import torch, triton
 import triton.language as tl
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, median_time, copy_bandwidth, triton_interpreting, machine_name
-from dsv41_nb.formats import cache_codecs, cache_format
+from dsv41_nb.record_codecs import cache_codecs, cache_format
 from dsv41_nb.records import (store_records, gather_records, benchmark_store_gather,
                               format_benchmark, before_after, size_sweep,
                               edge_case_vectors, every_value_blocks, KERNEL_TUNING, KERNEL_VERSIONS)

@@ -17,7 +17,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
 from dsv41_nb.indexer_kernels import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall,
                                       key_decoding, index_logits, _decode_batch, LOGITS_TUNING)
-from dsv41_nb.formats import cache_format
+from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.dispatch import use_kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_mix import ncu_metrics         # noqa: E402  (an ncu text report's numbers by name)

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, median_time, machine_name
-from dsv41_nb.formats import cache_format
+from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.sparse_decode import (benchmark_sparse_decode, format_decode_benchmark, benchmark_context, decode_inputs,
                                     decode_cost, sparse_decode, profile_summary)
 

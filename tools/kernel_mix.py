@@ -370,7 +370,7 @@ def compile_index(out: Path) -> list[dict]:
      "keys: the tile loop's SASS instructions and opcodes, and the registers a thread holds, one row each")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.indexer_kernels import _index_logits_kernel, LOGITS_TUNING
-    from dsv41_nb.formats import cache_format
+    from dsv41_nb.record_codecs import cache_format
     cfg, t, rows = ModelConfig.bench(), LOGITS_TUNING, []
     ptrs = dict(q_ptr='*bf16', w_ptr='*fp32', cache_ptr='*u8', bt_ptr='*i32', row_ptr='*i32', pos_ptr='*i32',
                 aux_ptr='*fp32', out_ptr='*fp32')
@@ -398,7 +398,7 @@ def compile_sparse_decode(out: Path) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from sweep_sparse_decode import POINTERS, ALIGNED
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.formats import cache_format
+    from dsv41_nb.record_codecs import cache_format
     from dsv41_nb import sparse_decode as sd
     cfg = ModelConfig.bench()
     L = sd.decode_launch(256, cfg.n_heads, cfg.window_size, cfg.index_topk, 'cpu', 1)

@@ -12,7 +12,7 @@ import argparse
 import torch
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
-from dsv41_nb.formats import cache_format, CACHE_FORMATS
+from dsv41_nb.record_codecs import cache_format, CACHE_FORMATS
 from dsv41_nb.records import store_records, gather_records
 
 ap = argparse.ArgumentParser()

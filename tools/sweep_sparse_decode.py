@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name, median_time
-from dsv41_nb.formats import cache_format
+from dsv41_nb.record_codecs import cache_format
 from dsv41_nb import sparse_decode as sd
 
 TUNED_BATCH = {1: 1, 8: 1, 128: 64, None: 256}      # DECODE_TUNING class -> the batch whose winner fills it
