@@ -4,38 +4,68 @@
 
 # %% ../nbs/02d_kv_walk.ipynb #a46355c2
 from __future__ import annotations
+from .config import check_int, require
 from .block_pool import Request
 from .kv_manager import KVCacheManager
+
 
 # %% auto #0
 __all__ = ['BLOCK_COLORS', 'admit', 'prefill_rest', 'generate', 'block_status', 'plot_block_tables']
 
+# %% ../nbs/02d_kv_walk.ipynb #5e0c81a7
+def _check_walk(fn: str, kv, req, chunk: int = 1):
+    "The three walk helpers' arguments: a manager, one of its requests' Request, a chunk >= 1"
+    require(isinstance(kv, KVCacheManager),
+            f"{fn}: kv must be a KVCacheManager, got {type(kv).__name__}", TypeError)
+    require(isinstance(req, Request), f"{fn}: req must be a Request, got {type(req).__name__}",
+            TypeError)
+    check_int(fn, 'chunk', chunk, 1)
+
+def _grow(fn: str, kv, req, *args, **kw):
+    "`kv.allocate_slots(req, ...)`, or a ValueError when the free pool cannot supply the slots"
+    if kv.allocate_slots(req, *args, **kw) is None:
+        raise ValueError(f"{fn}: the pool has {kv.block_pool.get_num_free_blocks()} free blocks, "
+                         f"too few for the next slots of request {req.request_id!r}")
+
+
 # %% ../nbs/02d_kv_walk.ipynb #9d95eb3c
-def admit(kv, req, chunk):
+def admit(kv: KVCacheManager, # the cache manager
+          req: Request, # a request it has not seen
+          chunk: int, # tokens computed in the first step, after the hit
+         ) -> int:
     "Prefix lookup, then the first chunk after the hit; returns the hit length"
+    _check_walk('admit', kv, req, chunk)
     hit, n = kv.get_computed_blocks(req)
     k = min(chunk, req.num_tokens - n)
-    assert kv.allocate_slots(req, k, n, hit) is not None, 'pool too small'
+    _grow('admit', kv, req, k, n, hit)
     req.num_computed_tokens = n + k
     return n
 
+
 # %% ../nbs/02d_kv_walk.ipynb #cf26a88d
-def prefill_rest(kv, req, chunk):
+def prefill_rest(kv: KVCacheManager, req: Request,
+                 chunk: int): # tokens computed a step
     "Compute the remaining known tokens, `chunk` at a time"
+    _check_walk('prefill_rest', kv, req, chunk)
     while req.num_computed_tokens < req.num_tokens:
         k = min(chunk, req.num_tokens - req.num_computed_tokens)
-        assert kv.allocate_slots(req, k) is not None, 'pool too small'
+        _grow('prefill_rest', kv, req, k)
         req.num_computed_tokens += k
 
+
 # %% ../nbs/02d_kv_walk.ipynb #aef52851
-def generate(kv, req, out_tokens, lookahead=0):
+def generate(kv: KVCacheManager, req: Request,
+             out_tokens, # the ids sampled, one a step
+             lookahead: int = 0): # speculative slots reserved each step
     "Decode: append each sampled token; the next step computes it"
+    _check_walk('generate', kv, req)
+    check_int('generate', 'lookahead', lookahead, 0)
     for i, t in enumerate(out_tokens):
         req.append_output_token_ids(t)
         if i + 1 < len(out_tokens):
-            grown = kv.allocate_slots(req, 1, num_lookahead_tokens=lookahead)
-            assert grown is not None, 'pool too small'
+            _grow('generate', kv, req, 1, num_lookahead_tokens=lookahead)
             req.num_computed_tokens += 1
+
 
 # %% ../nbs/02d_kv_walk.ipynb #40499a3e
 BLOCK_COLORS = {'null': '#e4e4e4', 'prefix hit': '#1f77b4', 'new': '#2ca02c',
@@ -45,6 +75,12 @@ BLOCK_COLORS = {'null': '#e4e4e4', 'prefix hit': '#1f77b4', 'new': '#2ca02c',
 def block_status(manager: KVCacheManager, request_id: str, num_hit_tokens: int = 0) -> list:
     ("Per group, the status of each table entry: 'null', 'prefix hit', 'new', "
      "'retained tail' (registered window block) or 'ring'")
+    require(isinstance(manager, KVCacheManager),
+            f"block_status: manager must be a KVCacheManager, got {type(manager).__name__}",
+            TypeError)
+    check_int('block_status', 'num_hit_tokens', num_hit_tokens, 0)
+    require(any(request_id in m.req_to_blocks for m in manager.managers),
+            f"block_status: request {request_id!r} holds no blocks in this cache")
     out = []
     for m in manager.managers:
         hit_blocks, st = num_hit_tokens // m.block_size, []
@@ -74,6 +110,8 @@ def plot_block_tables(manager: KVCacheManager, # the cache
                       num_hit_tokens: int = 0, # his prefix hit (entries below it are drawn as hits)
                       ax=None, xlim=None, title: str = '', legend: bool = True):
     "Draw each group's block table of `request` against token positions, coloured by `block_status`"
+    require(isinstance(request, Request),
+            f"plot_block_tables: request must be a Request, got {type(request).__name__}", TypeError)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     if ax is None: _, ax = plt.subplots(figsize=(12, 2))
