@@ -42,7 +42,8 @@ def test_a_pool_that_runs_out_raises_and_changes_nothing():
     admit(kv, a, 16); prefill_rest(kv, a, 16)               # holds 13 of them
     b = request(kv, 'b', 100, seed=1)                       # 13 at most: it would fit alone
     before = cache_snapshot(kv)
-    with pytest.raises(ValueError, match="admit: the pool has 4 free blocks, too few for the next slots of request 'b'"):
+    msg = "admit: the pool has 4 free blocks, too few for the next slots of request 'b'"
+    with pytest.raises(ValueError, match=msg):
         admit(kv, b, 16)                                    # its first chunk needs 6
     assert cache_snapshot(kv) == before and b.num_computed_tokens == 0
 
