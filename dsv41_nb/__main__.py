@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from .config import (ModelConfig, expect_config, topology_table, role_counts,
                              TOPOLOGY_COLUMNS, HALVES, check_int, require)
-from .accounting import (accounting_rows, format_rows, ROW_HEADER, SOURCES, Hardware,
-                                  HARDWARE, step_floor)
+from .accounting import SOURCES
+from .floors import accounting_rows, format_rows, ROW_HEADER, Hardware, HARDWARE, step_floor
 from .dispatch import machine_name, triton_interpreting, copy_bandwidth
 from .model import init_random
 from .engine import (EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKENS,
@@ -79,7 +79,7 @@ def accounting_summary(rows: list, # rows of `accounting_rows`, laid out as `ROW
     if checked:
         out.append(f"checked against the sources: {len(kinds['same'])} same, "
                    f"{len(kinds['rounding'])} equal after rounding, "
-                   f"{len(kinds['differs'])} differ (01a_accounting explains each):")
+                   f"{len(kinds['differs'])} differ (01a_accounting and 01a_floors explain them):")
         out += [f"  {r['quantity']}: computed {r['computed']}, "
                 f"{r['source']} says {r['source says']}"
                 for r in kinds['differs']]

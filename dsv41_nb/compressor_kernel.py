@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .config import ModelConfig
 from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels, capturing,
                                cuda_graph, HostReads, pdl_launch, pdl_wait)
-from .accounting import HARDWARE
+from .floors import HARDWARE
 from .formats import _e4m3_code, _e4m3_value, _e2m1_code, _ue8m0_code, _pow2, _bf16_bits
 from .record_codecs import RecordCodec, FP8Record, FP4Record
 from .rope_norm import _bf16_round

@@ -22,7 +22,8 @@ from .mhc import hc_pre, _rms_norm
 from .model import Transformer, DenseEngram
 from .paged import moe_weights
 from .moe_planes import PlaneWeight, expert_gate_up_planes, expert_down_planes
-from .accounting import expert_touch_fraction, expert_params
+from .accounting import expert_params
+from .floors import expert_touch_fraction
 
 # %% auto #0
 __all__ = ['BACKENDS', 'DISPATCH_META', 'free_port', 'rank_device', 'rank_threads', 'exit_rank', 'run_ranks', 'exchange',

@@ -15,7 +15,8 @@ from .config import ModelConfig, check_int, require
 from .compressor import layer_inv_freq, rope_cos_sin, apply_rope
 from .mhc import hc_expand, hc_pre, hc_post, _rms_norm
 from .model import Transformer, DenseRun, dense_attention, act_qdq
-from .accounting import Hardware, decode_floor, active_params_per_token
+from .accounting import active_params_per_token
+from .floors import Hardware, decode_floor
 from .dispatch import kernel_backend
 from .fp8_linear import head_logits
 

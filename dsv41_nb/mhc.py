@@ -13,7 +13,7 @@ import triton.language as tl
 from .config import ModelConfig, require
 from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels,
                                triton_interpreting, cuda_graph, sm_count, pdl_launch, pdl_wait)
-from .accounting import HARDWARE
+from .floors import HARDWARE
 from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
                               _hw_cvt)
 

@@ -8,14 +8,13 @@ import fastcore.test as fct
 from hypothesis import given, strategies as st
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.record_codecs import cache_format, CACHE_FORMATS
-from dsv41_nb.accounting import (step_floor, decode_kv_read_bytes, decode_flops_per_token,
-                                 compressed_entries_per_token, global_kv_bytes_per_token,
-                                 swa_bytes_per_sequence, record_saving, checkpoint_manifest,
-                                 params_by_group, expert_params, active_params_per_token,
-                                 memory_table, engram_gathers_per_token, engram_bytes_per_token, expert_touch_fraction,
-                                 decode_floor, Hardware, HARDWARE, TensorSpec, agreement, accounting_rows, format_rows,
-                                 ROW_HEADER, GiB, gqa_kv_bytes_per_token, rank_weight_gib, vram_minimum_gb,
-                                 UTILIZATION, DTYPE_BYTES)
+from dsv41_nb.accounting import (compressed_entries_per_token, global_kv_bytes_per_token, swa_bytes_per_sequence,
+                                 record_saving, checkpoint_manifest, params_by_group, expert_params,
+                                 active_params_per_token, memory_table, engram_gathers_per_token,
+                                 engram_bytes_per_token, TensorSpec, GiB, gqa_kv_bytes_per_token, DTYPE_BYTES)
+from dsv41_nb.floors import (step_floor, decode_kv_read_bytes, decode_flops_per_token, expert_touch_fraction,
+                             decode_floor, Hardware, HARDWARE, agreement, accounting_rows, format_rows, ROW_HEADER,
+                             rank_weight_gib, vram_minimum_gb, UTILIZATION)
 from test_config import topologies
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
@@ -167,7 +166,7 @@ def test_memory_figures_of_the_sources():
     room = HARDWARE['B300'].hbm_bytes / GiB * UTILIZATION - rank_weight_gib(FULL, 8)['total']
     assert rows['left per B300 at 0.92 utilization (GiB)'][1] == f'{room:.0f}'
 
-# (call, exception type, words the message must contain): every public function of dsv41_nb.accounting, given bad input
+# (call, exception type, words the message must contain): each public function of accounting and floors, given bad input
 BAD_INPUTS = [
     (lambda: expert_touch_fraction(-3), ValueError, 'batch = -3; a token count cannot be negative'),
     (lambda: expert_touch_fraction(np.array([4, -1])), ValueError, 'a token count cannot be negative'),

@@ -15,13 +15,13 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
 `step_model` hook; `--experts N` scales the routed experts down if memory asks for it. Four measurements:
 
 1. concurrency: for each level c, c random byte prompts at once (`load_test` of the command line): output tokens/s and
-   TTFT / TPOT / end-to-end percentiles, and the step floor at c requests (`step_floor` of 01a_accounting) with TPOT p50
+   TTFT / TPOT / end-to-end percentiles, and the step floor at c requests (`step_floor` of 01a_floors) with TPOT p50
    over it; one table row per level. After the first warm-up every CUDA graph a level can pad to is captured
    (`capture_all`), and each level is warmed up first with c other prompts of 3 tokens each (Triton compiles a kernel
    again for new argument specialisations), so the row times serving, not compiling or capturing.
 2. the decode step at batch 1: the engine's time per output token of one request (scheduler, runner, sampler included)
    against the floor of that step, with the runner waiting for each step's tokens and (async scheduling) not waiting:
-   the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of 01a_accounting with one rank,
+   the bytes it must read (the checkpoint's weights a token touches, `decode_floor` of 01a_floors with one rank,
    plus the KV records it attends to and the index keys it scores) over the measured copy bandwidth (`copy_bandwidth`).
    Goal: at most 3x the floor. With CUDA graphs when the model supports them (the wrapper is swapped in and out of the
    same engine), otherwise the eager step alone and the reason.
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL, gpu_memory
-from dsv41_nb.accounting import (decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE, memory_table,
-                                 GiB)
+from dsv41_nb.accounting import memory_table, GiB
+from dsv41_nb.floors import decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random, generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM

@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')                 # before the kernels are defined
 import triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.accounting import HARDWARE
+from dsv41_nb.floors import HARDWARE
 from dsv41_nb.dispatch import copy_bandwidth, machine_name
 from dsv41_nb import mhc, compressor_kernel as comp
 

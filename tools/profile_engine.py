@@ -21,7 +21,7 @@ captured, and then
   the module that defines it (sparse decode, indexer, compressor, MoE, FP8 linear, mHC, Engram, ...), cuBLAS and PyTorch
   kernels apart; and the host's time per step inside each CUDA runtime and driver call (`runtime_us`: graph launches,
   copies, kernel launches), which is where the host part of a replayed step goes beyond Python's;
-- the step floor at B (`step_floor` of 01a_accounting, at the measured copy bandwidth) for scale.
+- the step floor at B (`step_floor` of 01a_floors, at the measured copy bandwidth) for scale.
 
 `--prefill` adds one eager prefill step of 64 prompts (8,192 tokens), timed and profiled the same way. Writes
 OUT_DIR/profile_engine.json and OUT_DIR/profile_engine.txt (the summary printed). Takes about three minutes on one H200
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import paged_llm, pdl_off, git_commit
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name, copy_bandwidth
-from dsv41_nb.accounting import step_floor, HARDWARE
+from dsv41_nb.floors import step_floor, HARDWARE
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.host_steps import StepTimer, HOST_PHASES
 from dsv41_nb import cuda_graphs, fp8_linear
