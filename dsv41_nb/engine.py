@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 import torch
 from fastcore.basics import patch
 from .config import check_int, check_share
-from .block_pool import check_token_ids
+from .prefix_cache import check_token_ids
 from .dispatch import BACKENDS, gpu_memory, use_kernels
 from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config
 from .kv_manager import KVCacheManager

@@ -12,9 +12,10 @@ from .config import ModelConfig, layer_topology, is_int, require
 from .record_codecs import CACHE_FORMATS, record_bytes
 from .accounting import GiB
 from dsv41_nb.block_pool import (
-    BlockPool, KVCacheBlock, Request, _positive_int,
+    BlockPool, KVCacheBlock, _positive_int,
     PAD_SLOT_ID, NULL_BLOCK_ID, slot_mapping, compressed_slot_mapping, compressed_state_slots,
     ring_slot_mapping)
+from .prefix_cache import Request
 
 # %% auto #0
 __all__ = ['WINDOW_FORMAT', 'MAIN_KV_FORMATS', 'INDEX_KEY_FORMATS', 'MANAGER_KINDS', 'KV_LAYOUTS', 'MANAGER_CLASSES', 'cdiv',

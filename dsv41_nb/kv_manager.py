@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from .config import is_int
-from .block_pool import (BlockPool, Request, RequestBlockHasher, pool_snapshot,
-                                 PAD_SLOT_ID, NULL_BLOCK_ID)
+from .block_pool import BlockPool, PAD_SLOT_ID, NULL_BLOCK_ID
+from .prefix_cache import Request, RequestBlockHasher, pool_snapshot
 from .kv_cache import KVCacheConfig, KVCacheCoordinator
 
 # %% auto #0

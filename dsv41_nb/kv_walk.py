@@ -5,7 +5,7 @@
 # %% ../nbs/02d_kv_walk.ipynb #a46355c2
 from __future__ import annotations
 from .config import check_int, require
-from .block_pool import Request
+from .prefix_cache import Request
 from .kv_manager import KVCacheManager
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 from .config import is_int
-from .block_pool import Request, PAD_SLOT_ID, NULL_BLOCK_ID, check_token_ids
+from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
+from .prefix_cache import Request, check_token_ids
 from .kv_cache import KVCacheConfig
 from .kv_manager import KVCacheManager, KVCacheBlocks, SlotMappings, CacheCapacityError
 from .proposer import Proposer

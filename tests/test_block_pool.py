@@ -1,4 +1,4 @@
-"Exact cases for dsv41_nb.block_pool: prefix hashes, the pool's eviction rules, slot arithmetic, and bad input"
+"Exact cases for block_pool and prefix_cache: prefix hashes, the pool's eviction rules, slot arithmetic, and bad input"
 import os, random, subprocess, sys
 import numpy as np
 import pytest
@@ -7,10 +7,10 @@ import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.block_pool import (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, Request, RequestBlockHasher, ImageSpan,
-                                 BlockStored, BlockRemoved, check_token_ids, hash_block_tokens, reference_block_hash,
-                                 pool_snapshot, slot_mapping, compressed_slot_mapping, compressed_state_slots,
-                                 ring_slot_mapping, reference_slot_mapping, PAD_SLOT_ID)
+from dsv41_nb.block_pool import (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock, slot_mapping, compressed_slot_mapping,
+                                 compressed_state_slots, ring_slot_mapping, reference_slot_mapping, PAD_SLOT_ID)
+from dsv41_nb.prefix_cache import (Request, RequestBlockHasher, ImageSpan, BlockStored, BlockRemoved, check_token_ids,
+                                   hash_block_tokens, reference_block_hash, pool_snapshot)
 
 FULL = ModelConfig.full()
 
@@ -44,7 +44,7 @@ def test_hash_block_tokens_matches_reference(tokens, extra):
 
 
 def test_hashes_are_the_same_in_another_process():
-    code = ("from dsv41_nb.block_pool import Request, RequestBlockHasher; "
+    code = ("from dsv41_nb.prefix_cache import Request, RequestBlockHasher; "
             "print(Request('r', list(range(1000, 1300)), RequestBlockHasher(32, 129280)).block_hashes[-1].hex())")
     outs = {subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
                            env={**os.environ, 'PYTHONHASHSEED': seed}).stdout.strip() for seed in ('1', '2')}

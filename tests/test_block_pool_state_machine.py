@@ -16,7 +16,7 @@ from budget import examples
 from hypothesis.stateful import (RuleBasedStateMachine, rule, invariant, initialize, precondition,
                                  run_state_machine_as_test)
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.block_pool import reference_block_hash
+from dsv41_nb.prefix_cache import reference_block_hash
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, cdiv
 from dsv41_nb.kv_manager import KVCacheManager, CacheCapacityError, cache_snapshot
 

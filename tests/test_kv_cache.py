@@ -8,8 +8,8 @@ import fastcore.test as fct
 from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.block_pool import (BlockPool, Request, RequestBlockHasher, BlockStored,
-                                 AllBlocksCleared, reference_slot_mapping, ring_slot_mapping)
+from dsv41_nb.block_pool import BlockPool, reference_slot_mapping, ring_slot_mapping
+from dsv41_nb.prefix_cache import Request, RequestBlockHasher, BlockStored, AllBlocksCleared
 from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheCoordinator, cdiv, reference_longest_hit,
                                kv_bytes_per_token, kv_cache_layout_table)
 from dsv41_nb.accounting import global_kv_bytes_per_token
