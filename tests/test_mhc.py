@@ -241,12 +241,13 @@ def test_seam_versions_at_edge_sizes(version, tiles, T):
 @pytest.mark.parametrize('T,steps,split',
                          [(3, (1, 1, 1), 1), (40, (1, 1, 1), 2), (40, (0, 1, 1), 1), (17, (1, 0, 1), 2)])
 def test_seam_version_3_keeps_version_2s_bits(T, steps, split):
-    "Version 3 makes the new copies one at a time with the same sums in the same order: every output is bitwise equal"
+    """Version 3 makes the new copies one at a time with the same sums in the same order: at the same tiles every
+    output is bitwise equal (other tiles may compile the projection to other matrix instructions, other bits)"""
     args = seam_args(replace(TINY, dim=96), T, torch.bfloat16, *map(bool, steps), True, 3.0, seed=T)
     outs = []
     for v in (2, 3):
         with seam_version(v):
-            old = dict(MHC_TUNING); MHC_TUNING.update(big_t=3, split=split)
+            old = dict(MHC_TUNING); MHC_TUNING.update(big_t=3, big_block_t=32, split=split)
             try:
                 with use_kernels('triton'): outs.append(mhc_seam(**args))
             finally: MHC_TUNING.clear(); MHC_TUNING.update(old)
