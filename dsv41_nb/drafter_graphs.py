@@ -8,7 +8,8 @@ from typing import Sequence
 import torch
 from fastcore.basics import patch
 from .config import ModelConfig, check_int, check_share, require
-from .model import MoE, DenseRun
+from .model import MoE
+from .model_forward import DenseRun
 from .paged import moe_weights, served_moe, block_seam
 from .fused_moe import fp8_act_quant
 from .mhc import HCWeights, SeamOut, mhc_seam, hc_pre

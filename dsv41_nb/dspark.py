@@ -14,7 +14,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, check_int, require
 from .compressor import layer_inv_freq, rope_cos_sin, apply_rope
 from .mhc import hc_expand, hc_pre, hc_post, _rms_norm
-from .model import Transformer, DenseRun, dense_attention, act_qdq
+from .model import Transformer, act_qdq
+from .model_forward import DenseRun, dense_attention
 from .accounting import active_params_per_token
 from .floors import Hardware, decode_floor
 from .dispatch import kernel_backend

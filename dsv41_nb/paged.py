@@ -33,7 +33,7 @@ from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, capturing
 from .engram import Engram, EngramTable
-from . import model as reference
+from . import model_forward as reference
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0

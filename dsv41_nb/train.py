@@ -15,7 +15,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, layer_topology
 from .accounting import checkpoint_manifest
 from .compressor import rope_inv_freq, rope_cos_sin, apply_rope
-from .model import index_scores, MoE, Block, mhc_in
+from .model import MoE, Block, mhc_in
+from .model_forward import index_scores
 from .mhc import hc_post
 
 # %% auto #0

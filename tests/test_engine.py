@@ -14,7 +14,8 @@ from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
-from dsv41_nb.model import init_random, generate_greedy, ByteTokenizer
+from dsv41_nb.model import init_random, ByteTokenizer
+from dsv41_nb.model_forward import generate_greedy
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.block_pool import PAD_SLOT_ID
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
