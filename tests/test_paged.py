@@ -16,8 +16,9 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting, HostReads, as_captured
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.csa2 import SparseIndices
-from dsv41_nb.paged import (PagedModel, PagedRunner, PagedLinear, fp64_attention, logits_tolerance, truncate_window,
-                            context_blocks, single_request_steps)
+from dsv41_nb.paged import PagedModel, PagedLinear, truncate_window
+from dsv41_nb.paged_runner import (PagedRunner, fp64_attention, logits_tolerance, context_blocks,
+                                   single_request_steps)
 from dsv41_nb.paged_step import PagedStepModel, step_model
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config, kv_bytes_per_token
 from dsv41_nb.accounting import global_kv_bytes_per_token

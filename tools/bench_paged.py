@@ -20,7 +20,8 @@ import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.accounting import checkpoint_manifest, global_kv_bytes_per_token
-from dsv41_nb.paged import PagedModel, context_blocks
+from dsv41_nb.paged import PagedModel
+from dsv41_nb.paged_runner import context_blocks
 
 
 def benchmark_prefill(model: PagedModel, sizes, chunk: int, seed: int = 0) -> list:
