@@ -303,6 +303,7 @@ def test_pairs_in_place_equal_each_word_once(T, D, I, seed):
     assert torch.equal(pairs, once)
 
 
+@pytest.mark.slow   # ~30 s interpreted; the GPU tier runs it compiled, and test_gemv_down_on_planes stays quick
 @settings(max_examples=examples(3), deadline=None)
 @given(st.sampled_from([3, 8]), st.sampled_from([128, 256]), st.integers(1, 40), st.integers(0, 2**31))
 def test_down_stage_on_planes(E, D, T, seed):
