@@ -4,6 +4,7 @@
 
 # %% ../nbs/02d_kv_walk.ipynb #a46355c2
 from __future__ import annotations
+import itertools
 from .config import check_int, require
 from .prefix_cache import Request
 from .kv_manager import KVCacheManager
@@ -98,11 +99,10 @@ def block_status(manager: KVCacheManager, request_id: str, num_hit_tokens: int =
 def _runs(st):
     "(first index, length, status) of each run of equal statuses"
     out, i = [], 0
-    while i < len(st):
-        j = i
-        while j < len(st) and st[j] == st[i]: j += 1
-        out.append((i, j - i, st[i])); i = j
+    for status, run in itertools.groupby(st):
+        n = len(list(run)); out.append((i, n, status)); i += n
     return out
+
 
 # %% ../nbs/02d_kv_walk.ipynb #e708fdbf
 def plot_block_tables(manager: KVCacheManager, # the cache

@@ -14,6 +14,7 @@ from dsv41_nb.kv_cache import (CacheConfig, get_kv_cache_config, KVCacheCoordina
                                kv_bytes_per_token, kv_cache_layout_table)
 from dsv41_nb.accounting import global_kv_bytes_per_token
 from dsv41_nb.kv_manager import KVCacheManager, CacheCapacityError, cache_snapshot
+from dsv41_nb.kv_walk import admit, prefill_rest
 
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
 GLOBAL, SWA, RING = 0, 1, 2
@@ -33,14 +34,8 @@ def toks(n, seed=0, vocab=TINY.vocab_size):
 
 def run(kv, req, chunk=10 ** 9):
     "Admit with a prefix hit, then prefill every known token; returns the hit length"
-    hit, n = kv.get_computed_blocks(req)
-    k = min(chunk, req.num_tokens - n)
-    assert kv.allocate_slots(req, k, n, hit) is not None
-    req.num_computed_tokens = n + k
-    while req.num_computed_tokens < req.num_tokens:
-        k = min(chunk, req.num_tokens - req.num_computed_tokens)
-        assert kv.allocate_slots(req, k) is not None
-        req.num_computed_tokens += k
+    n = admit(kv, req, chunk)
+    prefill_rest(kv, req, chunk)
     return n
 
 
