@@ -175,7 +175,7 @@ KERNELS = {'v1': version_emit(1), 'v2': version_emit(2), 'v2 reversed': in_order
 @pytest.mark.skipif(not HAS_TRITON, reason='needs a GPU or TRITON_INTERPRET=1')
 @given(schedules(max_requests=3, max_len=30, max_chunk=7), st.sampled_from([2, 6]),
        st.sampled_from(FORMATS), st.integers(0, 2**31), st.sampled_from(list(KERNELS)))
-@settings(max_examples=examples(8))
+@settings(max_examples=examples(5))
 def test_kernel_equals_reference(sched, layer, fmt, seed, kernel):
     "Both versions, and version 2 with its programs in any order (the interpreter runs them in index order otherwise)"
     lengths = sched[0]
