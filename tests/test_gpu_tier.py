@@ -28,7 +28,8 @@ from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, asse
 from dsv41_nb.moe import quantize_weight
 from dsv41_nb.fp8_linear import (fp8_linear, assert_linear_close, FP8_GEMV_TUNING, FP8_LINEAR_TUNING,
                                  FP8_LINEAR_WT_TUNING, SHORT_K)
-from dsv41_nb.mhc import MHC_TUNING, mhc_seam, check_seam
+from dsv41_nb.mhc import mhc_seam
+from dsv41_nb.mhc_kernel import MHC_TUNING, check_seam
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.indexer import index_logits_reference, pool_mask
 from dsv41_nb.indexer_kernels import index_logits, logits_error_bound, key_decoding, _decode_batch

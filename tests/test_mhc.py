@@ -11,9 +11,10 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 import triton, triton.language as tl
 from dsv41_nb.formats import _hw_cvt
-from dsv41_nb.mhc import (MHC_TUNING, SEAM_VERSIONS, HCWeights, check_seam, hc_expand, hc_collapse,
-                          hc_mixes, mhc_seam, random_hc_layer, random_hc_weights, run_hc_stack,
-                          seam_plan, seam_version, sinkhorn, _bf16_pieces, _rms_norm)
+from dsv41_nb.mhc import (HCWeights, hc_expand, hc_collapse, hc_mixes, mhc_seam, random_hc_layer,
+                          random_hc_weights, run_hc_stack, sinkhorn, _rms_norm)
+from dsv41_nb.mhc_kernel import MHC_TUNING, SEAM_VERSIONS, check_seam, seam_version, _bf16_pieces
+from dsv41_nb.mhc_speed import seam_plan
 from machine import DEV, HAS_TRITON, needs_triton
 
 TINY = ModelConfig.tiny()

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Two layer kernels on one GPU, each version against the other: the mHC seam (07_mhc) and the compressor's decode
-step (03b_compressor_kernel). One run, one JSON record.
+"""Two layer kernels on one GPU, each version against the other: the mHC seam (07a_mhc_kernel) and the compressor's
+decode step (03b_compressor_kernel). One run, one JSON record.
 
     python tools/bench_layer_kernels.py OUT_DIR [--quick] [--sweep] [--parts mhc compressor]
 
@@ -36,7 +36,7 @@ import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.floors import HARDWARE
 from dsv41_nb.dispatch import copy_bandwidth, machine_name
-from dsv41_nb import mhc, compressor_kernel as comp
+from dsv41_nb import mhc_kernel, mhc_speed, compressor_kernel as comp
 
 T0 = time.time()
 HW = HARDWARE['H200 (measured copy)']
@@ -81,11 +81,11 @@ def sweep(cfg, device, rep) -> list[dict]:
     rows, shapes = [], [(64, 16, 4), (128, 16, 8), (32, 32, 4), (64, 32, 8)]
     for T in (1024, 8192):
         for (bt, bd, w), split in [(s, 'auto') for s in shapes] + [((64, 16, 4), 1)]:
-            with mhc.seam_version(2):
-                old = dict(mhc.MHC_TUNING)
-                mhc.MHC_TUNING.update(big_block_t=bt, big_block_d=bd, big_warps=w, split=split)
-                try: r = mhc.benchmark_seam(cfg, (T,), (2,), device, HW.bandwidth, rep=rep)[0]
-                finally: mhc.MHC_TUNING.clear(); mhc.MHC_TUNING.update(old)
+            with mhc_kernel.seam_version(2):
+                old = dict(mhc_kernel.MHC_TUNING)
+                mhc_kernel.MHC_TUNING.update(big_block_t=bt, big_block_d=bd, big_warps=w, split=split)
+                try: r = mhc_speed.benchmark_seam(cfg, (T,), (2,), device, HW.bandwidth, rep=rep)[0]
+                finally: mhc_kernel.MHC_TUNING.clear(); mhc_kernel.MHC_TUNING.update(old)
             rows.append(dict(r, tile=f'{bt}x{bd}', warps=w, split_asked=split))
             say(f"sweep T={T} {bt}x{bd} warps {w} split {split}: "
                 + (r['error'] if 'error' in r else f"{r['graph_us']:.1f} us, {r['of_floor']:.1%} of the floor"))
@@ -95,13 +95,14 @@ def sweep(cfg, device, rep) -> list[dict]:
 def seam(rec, cfg, tokens, device, rep):
     "The seam on every version, and what each version's launch table plans"
     rec['mhc_plans'] = {}
-    for v in mhc.SEAM_VERSIONS:
-        with mhc.seam_version(v):
-            rec['mhc_plans'][v] = [mhc.seam_plan(cfg, T, mhc.sm_count(device, default=0)) for T in tokens]
-    versions = tuple(mhc.SEAM_VERSIONS)
-    rec['mhc'] = mhc.benchmark_seam(cfg, tokens, versions, device, HW.bandwidth, rep=rep)
+    for v in mhc_kernel.SEAM_VERSIONS:
+        with mhc_kernel.seam_version(v):
+            sms = mhc_kernel.sm_count(device, default=0)
+            rec['mhc_plans'][v] = [mhc_speed.seam_plan(cfg, T, sms) for T in tokens]
+    versions = tuple(mhc_kernel.SEAM_VERSIONS)
+    rec['mhc'] = mhc_speed.benchmark_seam(cfg, tokens, versions, device, HW.bandwidth, rep=rep)
     say(f'mHC seam, one full seam (update, prediction, mix, FP8), versions {versions} side by side:')
-    print(mhc.format_seam_benchmark(rec['mhc']))
+    print(mhc_speed.format_seam_benchmark(rec['mhc']))
     for T in tokens:
         rs = {r['version']: r for r in rec['mhc'] if r['tokens'] == T and 'error' not in r}
         if args.quick: continue
@@ -134,7 +135,8 @@ def main():
         rec['compressor'] = [r for layer in (cfg.kv_source_layers[0], ratio1)
                              for r in comp.benchmark_decode_step(cfg, layer, batches, (1, 2), device=device,
                                                                  bandwidth=HW.bandwidth, rep=rep,
-                                                                 count=None if args.quick else mhc.count_launches)]
+                                                                 count=None if args.quick
+                                                                 else mhc_speed.count_launches)]
         save()
         say('compressor, one decode step (pool, normalise, rotate, quantise, store, ring), version 1 against 2:')
         print(comp.format_decode_benchmark(rec['compressor']))
@@ -142,8 +144,8 @@ def main():
     if args.sweep and not args.quick:
         rec['mhc_sweep'] = sweep(cfg, device, rep)
         save()
-    rec['compiled'] = compiled([mhc._mhc_seam_kernel, mhc._mhc_seam2_kernel, mhc._mhc_finish_kernel,
-                                comp._compress_kernel, comp._compress_step_kernel])
+    rec['compiled'] = compiled([mhc_kernel._mhc_seam_kernel, mhc_kernel._mhc_seam2_kernel,
+                                mhc_kernel._mhc_finish_kernel, comp._compress_kernel, comp._compress_step_kernel])
     for r in rec['compiled']:
         if 'error' not in r: print(f"  {r['kernel']:24s} {r['num_warps']} warps: {r['regs']} registers, "
                                    f"{r['spills']} spills, {r['shared']} B of shared memory")

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Time the hyper-connection seams of 07_mhc: the eager PyTorch reference \
+"""Time the hyper-connection seams of 07_mhc as 07b_mhc_speed does: the eager PyTorch reference \
 against the fused Triton kernels, each launched
 op by op and replayed from a CUDA graph, per block (two seams), with kernel launches per block and the byte floor.
 
     python tools/bench_mhc.py [--config bench] [--tokens 1 64 1024 8192] [--layers 8] [--version 2] [--json out.json]
                               [--sweep] [--quick] [--ncu PROFILE.json] [--maxnreg 128 168]
 
---version picks the seam kernel (07_mhc's `SEAM_VERSIONS`; the default is the current one, 2).
+--version picks the seam kernel (07a_mhc_kernel's `SEAM_VERSIONS`; the default is the current one, 2).
 --sweep first times one fused seam over launch shapes (tokens per program x columns per tile x warps, set on the launch
 table's range that each token count falls in) and prints the best.
 tools/bench_layer_kernels.py times one seam on both versions side by side.
@@ -25,7 +25,7 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument('--config', default='bench', help='ModelConfig preset (full, bench, tiny)')
 ap.add_argument('--tokens', type=int, nargs='+', default=[1, 64, 1024, 8192])
 ap.add_argument('--layers', type=int, default=8, help='blocks in the timed stack')
-ap.add_argument('--version', type=int, default=2, help='seam kernel version (07_mhc SEAM_VERSIONS)')
+ap.add_argument('--version', type=int, default=2, help='seam kernel version (07a_mhc_kernel SEAM_VERSIONS)')
 ap.add_argument('--json', help='write the rows here')
 ap.add_argument('--sweep', action='store_true')
 ap.add_argument('--quick', action='store_true')
@@ -42,9 +42,10 @@ if not torch.cuda.is_available():
 import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, use_kernels, machine_name, cuda_graph, copy_bandwidth
-from dsv41_nb import mhc
-from dsv41_nb.mhc import (MHC_TUNING, benchmark_hc_layers, format_hc_benchmark, mhc_seam, random_hc_layer, sinkhorn,
-                          seam_version, seam_floor, _big)
+from dsv41_nb import mhc_kernel
+from dsv41_nb.mhc import mhc_seam, random_hc_layer, sinkhorn
+from dsv41_nb.mhc_kernel import MHC_TUNING, seam_version, _big
+from dsv41_nb.mhc_speed import benchmark_hc_layers, format_hc_benchmark, seam_floor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_mix import ncu_command, ncu_reports, stall_reasons  # noqa: E402  (an ncu report, read)
 from bench_engine import git_commit                              # noqa: E402
@@ -76,7 +77,7 @@ def sweep(cfg, tokens, device, grid):
 
 def capped(caps, cfg, tokens, device) -> list[dict]:
     "One seam per token count, as compiled and with each register cap: us from a CUDA graph, same bits, % of floor"
-    k, rows = mhc._mhc_seam2_kernel, []
+    k, rows = mhc_kernel._mhc_seam2_kernel, []
     bw = copy_bandwidth(device=device) if device == 'cuda' else float('nan')
     launch = k.run
     interpreted = os.environ.get('TRITON_INTERPRET') == '1'          # the interpreter has no registers to cap

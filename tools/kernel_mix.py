@@ -31,8 +31,8 @@ passes.
 --compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
 --compile-gate-up-fp8 compiles 08g_moe_fp8's stages (version 5) beside version 4's, at 32 to 512 tokens.
 --compile-fp8-linear compiles 09a_fp8_linear's MMA kernel at each of its row tiles on the bench layer's wq_b.
---compile-mhc-seam compiles 07_mhc's seam kernel (version 2) at several launch shapes: its registers and the warps an
-SM keeps by them.
+--compile-mhc-seam compiles 07a_mhc_kernel's seam kernel (version 2) at several launch shapes: its registers and the
+warps an SM keeps by them.
 --quick: a check of the script on a small PTX and
 report it writes itself."""
 import argparse, datetime, itertools, json, math, re, sys, tempfile
@@ -442,12 +442,12 @@ def programs_per_sm(registers: int, warps: int) -> int:
 
 
 def compile_mhc_seam(out: Path, shapes=MHC_SHAPES) -> list[dict]:
-    ("Versions 2 and 3 of the mHC seam kernel (07_mhc) for sm_90 at the bench width (dim 5120, four copies, the "
-     "update, prediction, input mix and FP8 all on), with no GPU, at each launch shape (tokens a program, columns a "
-     "tile, warps, a register cap, the version: 2 unless a fifth item says 3): the registers a thread holds and the "
+    ("Versions 2 and 3 of the mHC seam kernel (07a_mhc_kernel) for sm_90 at the bench width (dim 5120, four copies, "
+     "the update, prediction, input mix and FP8 all on), with no GPU, at each launch shape (tokens a program, columns "
+     "a tile, warps, a register cap, the version: 2 unless a fifth item says 3): the registers a thread holds and the "
      "programs, and warps, an SM keeps by them")
     from dsv41_nb.config import ModelConfig
-    from dsv41_nb.mhc import _mhc_seam2_kernel as fn, MHC_TUNING
+    from dsv41_nb.mhc_kernel import _mhc_seam2_kernel as fn, MHC_TUNING
     cfg, rows = ModelConfig.bench(), []
     kinds = dict(x_ptr='*bf16', f_ptr='*bf16', xo_ptr='*bf16', w_ptr='*bf16', y_ptr='*bf16', q_ptr='*u8',
                  qs_ptr='*u8', T='i32', norm_eps='fp32', hc_eps='fp32', inv_max='fp32', SPLIT='i32', CHUNKS='i32')

@@ -47,7 +47,8 @@ COMPONENTS = {'sparse_decode': 'sparse decode', 'csa2': 'window attention', 'ind
               'compressor': 'compressor', 'compressor_kernel': 'compressor',
               'moe_gemv': 'MoE', 'fused_moe': 'MoE', 'moe_split': 'MoE',
               'moe_planes': 'MoE',
-              'router': 'MoE router', 'fp8_linear': 'FP8 linear', 'mhc': 'mHC', 'engram': 'Engram',
+              'router': 'MoE router', 'fp8_linear': 'FP8 linear', 'mhc': 'mHC', 'mhc_kernel': 'mHC',
+              'engram': 'Engram',
               'rope_norm': 'RoPE / norm', 'formats': 'quantise', 'sampler': 'sampler'}
 
 

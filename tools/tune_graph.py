@@ -7,7 +7,7 @@ A kernel timed back to back keeps its instructions in the SM's instruction cache
 layer between a hundred other kernels and fetches them again. So this script builds the `bench` engine of
 `tools/bench_engine.py` (the paged path with random weights, CUDA graphs), starts one request, and for each candidate
 launch shape of sparse decode (the `DECODE_TUNING` row that one token uses, 06_sparse_decode), the mHC seam
-(`MHC_TUNING`'s small-batch keys, 07_mhc), the MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV
+(`MHC_TUNING`'s small-batch keys, 07a_mhc_kernel), the MoE GEMVs (`GEMV_TUNING`, 08e_moe_gemv) and the FP8 GEMV
 (`FP8_GEMV_TUNING` at one token, 09a_fp8_linear) captures the batch-1 graph again and times its replay (`median_time`).
 Each row also records the compiled sparse decode kernel's size, registers and spills. A sparse-decode candidate is first
 checked against the reference at one token (64 heads, both main-KV formats, `check_decode`) and only timed if it passes:
@@ -22,12 +22,12 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.__main__ import random_prompts
 from dsv41_nb.dispatch import median_time, machine_name
-from dsv41_nb import sparse_decode as sd, mhc, moe_gemv, fp8_linear
+from dsv41_nb import sparse_decode as sd, mhc_kernel, moe_gemv, fp8_linear
 
 CANDIDATES = {   # kind -> (the launch table it overrides, in place; the overrides tried)
     'sparse': (sd.DECODE_TUNING[8], [dict(splits=24), dict(splits=32), dict(block_n=16), dict(block_n=64),
                                       dict(num_warps=4), dict(num_warps=16), dict(block_h=32), dict(num_stages=1)]),
-    'seam': (mhc.MHC_TUNING,
+    'seam': (mhc_kernel.MHC_TUNING,
              [dict(small_block_d=64), dict(small_warps=2), dict(small_finish_sb=16), dict(small_finish_sb=64),
               dict(split=64), dict(split=32)]),
     'moe_gate_up': (moe_gemv.GEMV_TUNING['gate_up'],
