@@ -10,10 +10,10 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.moe import route
 from dsv41_nb.train import (SKIP_MODULES, corpus_documents, load_corpus, split_documents, ByteData, small_config,
-                            module_documents, byte_data, lm_loss, compiled, trained_param_count, DenseBaseline,
-                            dense_param_count, lr_at, balance_router_bias, max_violation, ExpertLoad, ExpertDropout,
-                            evaluate, train, fast_path, source_files, held_out_prompts, sample_next, continue_prompts,
-                            distinct_4grams, known_words, ends_in_loop, corpus_words)
+                            module_documents, byte_data, trained_param_count, DenseBaseline, dense_param_count,
+                            lr_at, balance_router_bias, max_violation, ExpertLoad, ExpertDropout, source_files)
+from dsv41_nb.train_loop import (lm_loss, compiled, evaluate, train, fast_path, held_out_prompts, sample_next,
+                                 continue_prompts, distinct_4grams, known_words, ends_in_loop, corpus_words)
 from dsv41_nb.train_records import interval_rates
 
 def _gen(seed): return torch.Generator().manual_seed(seed)
@@ -240,7 +240,7 @@ def _tiny_model_and_run(seed=0, S=40):
     layer, captured by a hook"""
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.model import init_random
-    from dsv41_nb.train import indexer_layers
+    from dsv41_nb.train_loop import indexer_layers
     m = init_random(ModelConfig.tiny(), seed)
     m.quant = False
     attn = next(iter(indexer_layers(m).values()))
@@ -252,7 +252,7 @@ def _tiny_model_and_run(seed=0, S=40):
 
 def test_attention_mass_matches_a_loop():
     "Per query and head, softmax over window + visible compressed entries + sink, in float64 loops; summed, normalised"
-    from dsv41_nb.train import attention_mass
+    from dsv41_nb.train_loop import attention_mass
     m, attn, (x, run) = _tiny_model_and_run()
     got = attention_mass(attn, x, run)                                               # (B, S, L)
     q, _ = attn.query(x, run)
@@ -272,7 +272,7 @@ def test_attention_mass_matches_a_loop():
 
 def test_indexer_distillation_trains_only_the_indexer():
     "The KL's gradient reaches indexer weights and nothing else; a few Adam steps on it lower it"
-    from dsv41_nb.train import IndexerDistillation, lm_loss
+    from dsv41_nb.train_loop import IndexerDistillation, lm_loss
     m, _, _ = _tiny_model_and_run()
     d, x = IndexerDistillation(m), torch.randint(0, 256, (2, 40), generator=_gen(1))
     idx = [p for n, p in m.named_parameters() if '.indexer.' in n]
@@ -374,7 +374,7 @@ def _tiny_pieces(stops, tmp_path, **kw):
     in a fresh model of another seed, its state read back from a file"""
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.model import init_random
-    from dsv41_nb.train import TrainState
+    from dsv41_nb.train_loop import TrainState
     data, st = _stream_data(), TrainState()
     kw = dict(steps=6, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, expert_dropout=0.2, device='cpu') | kw
     for k, stop in enumerate(stops):
@@ -393,7 +393,7 @@ def test_train_in_pieces_equals_one_run(tmp_path):
 
 def test_resume_refuses_other_settings(tmp_path):
     "A piece that goes on with another schedule, batch, seed or model is refused, naming what differs"
-    from dsv41_nb.train import TrainState
+    from dsv41_nb.train_loop import TrainState
     _, _, st = _tiny_pieces([2], tmp_path)
     data, m = _stream_data(), DenseBaseline(512, 32, 1, 2, 64)
     kw = dict(steps=6, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, expert_dropout=0.2, device='cpu')
@@ -404,7 +404,7 @@ def test_resume_refuses_other_settings(tmp_path):
                       contains=msg)
 
 def test_piece_bad_inputs(tmp_path):
-    from dsv41_nb.train import TrainState
+    from dsv41_nb.train_loop import TrainState
     data, m = _stream_data(), DenseBaseline(512, 32, 1, 2, 64)
     kw = dict(steps=4, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, device='cpu')
     torch.save({'weights': {}}, tmp_path / 'other.pt')

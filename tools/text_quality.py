@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Measure how a checkpoint writes: greedy and sampled continuations of held-out prompts (11_train's `text_quality`).
+"""Measure how a checkpoint writes: greedy and sampled continuations of held-out prompts (11_train_loop's text_quality).
 
     python tools/text_quality.py [--checkpoint checkpoints/small] [--prompts 20] [--json PATH]
 
@@ -13,7 +13,8 @@ import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.model import ByteTokenizer
 from dsv41_nb.checkpoint import load_model
-from dsv41_nb.train import load_corpus, split_documents, held_out_prompts, corpus_words, text_quality
+from dsv41_nb.train import load_corpus, split_documents
+from dsv41_nb.train_loop import held_out_prompts, corpus_words, text_quality
 
 
 def main():

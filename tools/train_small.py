@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.train import (load_corpus, read_corpus, write_corpus, split_documents, byte_data, small_config,
-                            trained_param_count, DenseBaseline,
-                            train, evaluate, lm_loss, make_optimizer, IndexerDistillation, fast_path,
-                            held_out_prompts, corpus_words, text_quality, TrainState)
+                            trained_param_count, DenseBaseline)
+from dsv41_nb.train_loop import (train, evaluate, lm_loss, make_optimizer, IndexerDistillation, fast_path,
+                                 held_out_prompts, corpus_words, text_quality, TrainState)
 from dsv41_nb.model import ByteTokenizer, init_random
 from dsv41_nb.checkpoint import save_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
