@@ -22,7 +22,7 @@ from .engine import (EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKEN
                              start_up_note)
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
-from .dp_engine import dp_generate, dp_bench, is_torchrun, ngram_tokens
+from .dp_front import dp_generate, dp_bench, is_torchrun, ngram_tokens
 from .checkpoint import DRAFTER_NAME
 from . import dspark_serving   # imported for its side: it registers speculative='dspark'
 # and for this one: an engine serves the drafter (fused kernels, CUDA graphs)
@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
 # %% ../nbs/99_cli.ipynb #d52e6df9
 def _rank_exit(code: int):
     "A torchrun rank's end: leave the process group, flush, exit without the interpreter's shutdown"
-    from dsv41_nb.dp_engine import leave_dp_group
+    from dsv41_nb.dp_front import leave_dp_group
     from dsv41_nb.distributed import exit_rank
     leave_dp_group()
     exit_rank(code or 0)

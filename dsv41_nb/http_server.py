@@ -21,8 +21,9 @@ from .engine import EngineArgs, LLM, start_up_note
 from .kv_manager import CacheCapacityError
 from .serving import percentiles, served_checkpoint, serving_problem
 from .distributed import _group, free_port, rank_device, exit_rank
-from .dp_engine import (DPLLM, DPLLMEngine, DPServingEngine, control_group, follow,
-                                init_dp_group, rank_model, torchrun_env)
+from .dp_engine import DPLLMEngine, rank_model
+from .dp_front import (DPLLM, DPServingEngine, control_group, follow, init_dp_group,
+                               torchrun_env)
 log = logging.getLogger(__name__)
 from .server import *
 

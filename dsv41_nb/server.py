@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from .engine import LLM, RequestOutput, CompletionOutput
 from .scheduler import SamplingParams
-from .dp_engine import DPServingEngine, core_stats
+from .dp_front import DPServingEngine, core_stats
 log = logging.getLogger(__name__)
 
 # %% auto #0

@@ -1,4 +1,4 @@
-"""The data-parallel engine of 15a on two gloo ranks, against the one-process `LLM` of 13_engine.
+"""The data-parallel engine of 15a and its front (15b) on two gloo ranks, against the one-process `LLM` of 13_engine.
 
 Every two-rank scenario runs in one spawn of two processes per module (the `ranks` fixture); each test reads its part.
 The oracle of every scenario is the existing one-process `LLM` over all the prompts at once, with the scenario's engine
@@ -25,7 +25,7 @@ from dsv41_nb.paged import PagedModel
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.serving import random_checkpoint
 from dsv41_nb.distributed import run_ranks, rank_threads, free_port
-from dsv41_nb import dp_engine as de
+from dsv41_nb import dp_engine as de, dp_front as dpf
 
 pytestmark = pytest.mark.processes    # run apart from other pytest workers (see conftest)
 TINY = ModelConfig.tiny()
@@ -42,7 +42,7 @@ def place(ids_per_rank):
     return [[(str(i), PROMPTS[i], GREEDY) for i in ids] for ids in ids_per_rank]
 
 
-FRONT = de.DPFront(2)
+FRONT = dpf.DPFront(2)
 BALANCED = [[], []]
 for i, p in enumerate(PROMPTS): BALANCED[FRONT.add(str(i))].append((str(i), p, GREEDY))
 
@@ -69,7 +69,7 @@ SERVING = (MODEL, BASE, [(str(i), PROMPTS[i], GREEDY) for i in range(4)], {'0': 
 @pytest.fixture(scope='module')
 def ranks():
     "Every scenario on two gloo ranks, spawned once: {name: [rank 0 result, rank 1 result]}"
-    jobs = [(de.dp_engine_job, s[2]) for s in SCENARIOS.values()] + [(de.dp_serving_job, SERVING)]
+    jobs = [(de.dp_engine_job, s[2]) for s in SCENARIOS.values()] + [(dpf.dp_serving_job, SERVING)]
     return dict(zip([*SCENARIOS, 'serving'], run_ranks(jobs)))
 
 
@@ -174,7 +174,7 @@ def test_serving_engine_over_two_ranks(ranks, want):
 # ---------------------------------------------------------------- the front, against a brute-force count
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 30)), max_size=60), st.integers(1, 5))
 def test_front_places_on_the_least_loaded_rank(ops, world):
-    front, live, placed = de.DPFront(world), {}, 0
+    front, live, placed = dpf.DPFront(world), {}, 0
     for add, k in ops:
         if add or not live:
             counts = [sum(r == q for r in live.values()) for q in range(world)]
@@ -211,7 +211,7 @@ def test_llm_hook():
     "LLM's two new keywords: one rank is the one-process LLM, more a DPLLM (nothing spawned until generate)"
     assert type(LLM(MODEL, data_parallel_size=1, enable_expert_parallel=True, **BASE)) is LLM
     llm = LLM(MODEL, data_parallel_size=2, enable_expert_parallel=True, **BASE)
-    assert isinstance(llm, de.DPLLM) and llm.world_size == 2 and llm.backend == 'gloo'
+    assert isinstance(llm, dpf.DPLLM) and llm.world_size == 2 and llm.backend == 'gloo'
     rids, placed = llm._place(PROMPTS[:3], GREEDY)
     assert rids == ['0', '1', '2'] and [[r for r, *_ in p] for p in placed] == [['0', '2'], ['1']]
 
@@ -219,7 +219,7 @@ def test_llm_hook():
 # ---------------------------------------------------------------- torchrun
 SCRIPT = """
 import sys, argparse
-from dsv41_nb.dp_engine import dp_generate, dp_bench
+from dsv41_nb.dp_front import dp_generate, dp_bench
 from dsv41_nb.__main__ import _rank_exit
 common = dict(checkpoint={ckpt!r}, speculative=0, device='cpu', threads=1, kernels='torch', seed=0,
               async_scheduling=False, data_parallel_size=None)
@@ -253,17 +253,17 @@ def test_init_dp_group_leaves_at_exit(monkeypatch):
                                         'MASTER_PORT': str(free_port())})
     registered = []
     monkeypatch.setattr(atexit, 'register', registered.append)
-    assert de.init_dp_group() == torch.device('cpu') and dist.is_initialized()
-    de.init_dp_group()
-    assert registered == [de.leave_dp_group]
-    de.leave_dp_group(timeout_s=5)
+    assert dpf.init_dp_group() == torch.device('cpu') and dist.is_initialized()
+    dpf.init_dp_group()
+    assert registered == [dpf.leave_dp_group]
+    dpf.leave_dp_group(timeout_s=5)
     assert not dist.is_initialized()
-    de.leave_dp_group()
+    dpf.leave_dp_group()
 
 
 # ---------------------------------------------------------------- bad input, one table for the module
 ENV = dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0', MASTER_ADDR='h', MASTER_PORT='1')
-_LLM2 = de.DPLLM(MODEL, data_parallel_size=2, **BASE)
+_LLM2 = dpf.DPLLM(MODEL, data_parallel_size=2, **BASE)
 _LLM1, _LLM_SMALL_POOL = LLM(MODEL, **BASE), LLM(MODEL, **BASE, num_gpu_blocks=4)
 def _error(msg): raise ValueError(msg)
 _CLI = dict(prompt='a', max_tokens=2, temperature=0.0, top_p=1.0, top_k=-1, seed=0, checkpoint=None, speculative=0,
@@ -279,49 +279,49 @@ BAD = [
      'enable_expert_parallel must be a bool'),
     (lambda: LLM(MODEL, data_parallel_size=2, step_model=print), ValueError, 'a step_model cannot travel'),
     (lambda: LLM(MODEL, data_parallel_size=2, max_num_seqs=0), ValueError, 'max_num_seqs'),
-    (lambda: de.DPLLM(MODEL, tokenizer=object()), ValueError, 'a tokenizer cannot travel'),
-    (lambda: de.DPLLM('/no/such/checkpoint'), FileNotFoundError, '/no/such/checkpoint'),
-    (lambda: de.DPLLM(3.5), TypeError, 'expected a checkpoint directory, a Transformer or a ModelConfig, got float'),
+    (lambda: dpf.DPLLM(MODEL, tokenizer=object()), ValueError, 'a tokenizer cannot travel'),
+    (lambda: dpf.DPLLM('/no/such/checkpoint'), FileNotFoundError, '/no/such/checkpoint'),
+    (lambda: dpf.DPLLM(3.5), TypeError, 'expected a checkpoint directory, a Transformer or a ModelConfig, got float'),
     (lambda: _LLM2.generate(''), ValueError, 'prompt 0: the prompt is empty'),
     (lambda: _LLM2.generate([[1, 2], [7] * 129]), ValueError, 'prompt 1: the prompt has 129 tokens'),
     (lambda: _LLM2.generate(['a', 'b'], [GREEDY] * 3), ValueError, '2 prompts but 3 sampling params'),
     (lambda: _LLM2.generate('a', {'temperature': 0}), TypeError, 'sampling params 0: expected a SamplingParams'),
     (lambda: _LLM2.bench([2], prompt_len=0), ValueError, 'prompt_len = 0'),
-    (lambda: de.DPFront(-1), ValueError, 'world_size = -1'),
-    (lambda: de.DPFront(2).finish('x'), ValueError, "no running request 'x'"),
-    (lambda: de.DPFront(2).add(''), TypeError, "request_id must be a non-empty str, got ''"),
+    (lambda: dpf.DPFront(-1), ValueError, 'world_size = -1'),
+    (lambda: dpf.DPFront(2).finish('x'), ValueError, "no running request 'x'"),
+    (lambda: dpf.DPFront(2).add(''), TypeError, "request_id must be a non-empty str, got ''"),
     (lambda: de.dummy_batch(None), TypeError, 'expected a KVCacheConfig, got NoneType'),
     (lambda: de.serve_rank(None, []), TypeError, 'expected a DPLLMEngine, got NoneType'),
     (lambda: de.rank_model(7, 'cpu'), TypeError, 'expected a Transformer, a checkpoint directory or a ModelConfig'),
     (lambda: de.DPLLMEngine(MODEL), RuntimeError, 'torch.distributed is not initialised'),
     (lambda: de.dp_engine_job(MODEL, [[], []], BASE), RuntimeError, 'torch.distributed is not initialised'),
     (lambda: de.EPPagedModel.from_model(MODEL)(None), RuntimeError, 'shard the model first'),
-    (lambda: de.torchrun_env(dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0')), ValueError,
+    (lambda: dpf.torchrun_env(dict(RANK='0', WORLD_SIZE='2', LOCAL_RANK='0')), ValueError,
      'not MASTER_ADDR, MASTER_PORT'),
-    (lambda: de.torchrun_env({**ENV, 'WORLD_SIZE': 'two'}), ValueError, 'expected integers'),
-    (lambda: de.torchrun_env({**ENV, 'RANK': '-1'}), ValueError, 'RANK -1 outside 0..1'),
-    (lambda: de.init_dp_group(), RuntimeError, 'was not started by torchrun'),
-    (lambda: de.leave_dp_group(0), ValueError, 'leave_dp_group: timeout_s 0; expected > 0'),
+    (lambda: dpf.torchrun_env({**ENV, 'WORLD_SIZE': 'two'}), ValueError, 'expected integers'),
+    (lambda: dpf.torchrun_env({**ENV, 'RANK': '-1'}), ValueError, 'RANK -1 outside 0..1'),
+    (lambda: dpf.init_dp_group(), RuntimeError, 'was not started by torchrun'),
+    (lambda: dpf.leave_dp_group(0), ValueError, 'leave_dp_group: timeout_s 0; expected > 0'),
     (lambda: de.project_world(0, 0.1, TINY, 1), ValueError, 'per_rank_tokens_per_s = 0'),
     (lambda: de.project_world(5.0, -0.1, TINY, 1), ValueError, 'a2a_share = -0.1'),
     (lambda: de.project_world(5.0, 0.1, TINY, 0), ValueError, 'batch = 0'),
     (lambda: de.project_world(5.0, 0.1, TINY, 1, world=1), ValueError, 'world = 1; expected at least 2'),
     (lambda: de.project_world(5.0, 0.1, TINY, 1, to=16), ValueError, '8 routed experts do not split evenly over 16'),
-    (lambda: de.dp_generate(argparse_ns(prompt=''), _error), ValueError, 'the prompt is empty'),
-    (lambda: de.dp_generate(argparse_ns(device='cuda:7'), _error), ValueError, '--device cuda:7'),
-    (lambda: de.dp_bench(argparse_ns(device='mps'), _error), ValueError, "--device 'mps'"),
-    (lambda: de.DPServingEngine(None), TypeError, 'DPServingEngine: expected a DPLLMEngine, got NoneType'),
-    (lambda: de.follow('e'), TypeError, 'follow: expected a DPLLMEngine, got str'),
-    (lambda: de.rank_turn(None, {}), TypeError, 'rank_turn: expected a DPLLMEngine, got NoneType'),
-    (lambda: de.core_stats(_LLM1), TypeError, 'core_stats: expected an LLMEngine, got LLM'),
-    (lambda: de.control_group(), RuntimeError, 'torch.distributed is not initialised'),
-    (lambda: de.check_request(_LLM1.llm_engine, '', 'a'), TypeError, "request_id must be a non-empty str, got ''"),
-    (lambda: de.check_request(_LLM1.llm_engine, 'x', 'a', {'temperature': 0}), TypeError,
+    (lambda: dpf.dp_generate(argparse_ns(prompt=''), _error), ValueError, 'the prompt is empty'),
+    (lambda: dpf.dp_generate(argparse_ns(device='cuda:7'), _error), ValueError, '--device cuda:7'),
+    (lambda: dpf.dp_bench(argparse_ns(device='mps'), _error), ValueError, "--device 'mps'"),
+    (lambda: dpf.DPServingEngine(None), TypeError, 'DPServingEngine: expected a DPLLMEngine, got NoneType'),
+    (lambda: dpf.follow('e'), TypeError, 'follow: expected a DPLLMEngine, got str'),
+    (lambda: dpf.rank_turn(None, {}), TypeError, 'rank_turn: expected a DPLLMEngine, got NoneType'),
+    (lambda: dpf.core_stats(_LLM1), TypeError, 'core_stats: expected an LLMEngine, got LLM'),
+    (lambda: dpf.control_group(), RuntimeError, 'torch.distributed is not initialised'),
+    (lambda: dpf.check_request(_LLM1.llm_engine, '', 'a'), TypeError, "request_id must be a non-empty str, got ''"),
+    (lambda: dpf.check_request(_LLM1.llm_engine, 'x', 'a', {'temperature': 0}), TypeError,
      'sampling_params must be a SamplingParams, got dict'),
-    (lambda: de.check_request(_LLM1.llm_engine, 'x', [1, 999]), ValueError, 'token id 999'),
-    (lambda: de.check_request(_LLM1.llm_engine, 'x', 'a', SamplingParams(stop_token_ids=[999])), ValueError,
+    (lambda: dpf.check_request(_LLM1.llm_engine, 'x', [1, 999]), ValueError, 'token id 999'),
+    (lambda: dpf.check_request(_LLM1.llm_engine, 'x', 'a', SamplingParams(stop_token_ids=[999])), ValueError,
      'stop token id 999'),
-    (lambda: de.check_request(_LLM_SMALL_POOL.llm_engine, 'x', [1] * 100, SamplingParams(max_tokens=20)),
+    (lambda: dpf.check_request(_LLM_SMALL_POOL.llm_engine, 'x', [1] * 100, SamplingParams(max_tokens=20)),
      CacheCapacityError, "request 'x' can never fit"),
 ]
 
@@ -340,7 +340,7 @@ def test_ngram_tokens_reads_the_speculation_arguments():
     """n-gram drafts from --speculative / --num-speculative-tokens; no count without a method,
     DSpark refused across ranks"""
     from argparse import Namespace
-    from dsv41_nb.dp_engine import ngram_tokens
+    from dsv41_nb.dp_front import ngram_tokens
     from dsv41_nb.engine import NGRAM_TOKENS
     def error(msg): raise ValueError(msg)
     ns = lambda **kw: Namespace(**{'speculative': None, 'num_speculative_tokens': None, **kw})
