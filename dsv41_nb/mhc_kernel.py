@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 from .config import require
-from .dispatch import sm_count, pdl_launch, pdl_wait
+from .dispatch import sm_count, pdl_launch, pdl_wait, triton_interpreting
 from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
                               _hw_cvt)
 from . import mhc
@@ -457,13 +457,14 @@ def _mhc_seam2_kernel(
 MHC_TUNING = dict(kernel=2, projection='bf16x3', split='auto', small_t=2, small_warps=1,
                   small_block_d=32, small_finish_sb=256, block_t=16, block_d=32, num_warps=4,
                   finish_sb=16, big_t=256, big_block_t=64, big_block_d=16, big_warps=4,
-                  norm_block_d=64)
+                  norm_block_d=64, big_maxnreg=168)
 
 # %% ../nbs/07a_mhc_kernel.ipynb #3af3b30f
 # version 1: its kernel, 16 x 64 tiles from three tokens on; 2: MHC_TUNING as it stands;
-# 3: version 2's kernel making the new copies one at a time, 32-token tiles from `big_t` on
+# 3: version 2's kernel making the new copies one at a time, 32-token tiles from `big_t` on,
+#    no register cap (none was measured to help it)
 SEAM_VERSIONS = {1: dict(kernel=1, block_d=64, big_t=None), 2: {},
-                 3: dict(kernel=3, big_block_t=32)}
+                 3: dict(kernel=3, big_block_t=32, big_maxnreg=None)}
 
 # %% ../nbs/07a_mhc_kernel.ipynb #41e4997e
 @contextlib.contextmanager
@@ -549,6 +550,15 @@ def _marked(name: str):
     if not torch.autograd.profiler._is_profiler_enabled: return contextlib.nullcontext()
     return torch.profiler.record_function(f'triton::{name}')
 
+# %% ../nbs/07a_mhc_kernel.ipynb #6c1a9e42
+def _register_cap(T: int, version: int) -> dict:
+    "The seam's launch keywords for `MHC_TUNING['big_maxnreg']` (none below `big_t`, on version 1)"
+    cap = MHC_TUNING['big_maxnreg']
+    require(cap is None or (type(cap) is int and 24 <= cap <= 255),
+            f"MHC_TUNING['big_maxnreg'] = {cap!r}; expected None or 24 to 255 registers a thread")
+    use = cap and version >= 2 and _big(T) and not triton_interpreting()
+    return dict(maxnreg=cap) if use else {}
+
 # %% ../nbs/07a_mhc_kernel.ipynb #5beae90b
 def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOut:
     "The Triton path of `mhc_seam` (arguments already checked)"
@@ -587,7 +597,8 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
         if version >= 2:
             _mhc_seam2_kernel[(blocks, split)](*args, BLOCK_D=bd, NORM_D=nd, HAS_PREV=has_prev,
                                                PROJ=_projection(bt, x.dtype),
-                                               STREAM=version == 3, **meta)
+                                               STREAM=version == 3, **meta,
+                                               **_register_cap(T, version))
         else: _mhc_seam_kernel[(blocks, split)](*args, HC=n, NPP=npp, BLOCK_D=bd, HAS_PREV=has_prev,
                                                 **meta)
     if split > 1 and (predict or mix):

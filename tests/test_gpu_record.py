@@ -52,3 +52,14 @@ def test_each_phase_keeps_its_time(tmp_path):
     assert gpu_record.suite_seconds(tmp_path / 'a.xml') == 235.92
     (tmp_path / 'c.xml').write_text(XML)
     assert gpu_record.suite_seconds(tmp_path / 'c.xml') is None
+
+
+def test_a_test_the_phase_was_stopped_in_is_named(tmp_path):
+    "not_finished: collected ids no report holds, classes and parameters included, in collection order"
+    (tmp_path / 'j.xml').write_text(XML)
+    ids = ['tests/test_engine.py::test_a', 'tests/test_dspark.py::TestDSparkScheduler::test_c',
+           'tests/test_server.py::test_dp_serve[2]', 'tests/test_engine.py::test_b', 'tests/test_engine.py::test_f']
+    (tmp_path / 'ids.txt').write_text('\n'.join(ids) + '\n\n5 tests collected in 1.2s\n')
+    assert gpu_record.not_finished([tmp_path / 'ids.txt'], tmp_path / 'j.xml') == [
+        'tests/test_server.py::test_dp_serve[2]', 'tests/test_engine.py::test_f']
+    assert gpu_record.not_finished([], tmp_path / 'j.xml') == []

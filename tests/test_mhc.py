@@ -272,3 +272,22 @@ def test_seam_plan_and_versions():
     try:
         with pytest.raises(ValueError, match="expected one of \\['bf16x3', 'fp32'\\]"): seam_plan(full, 64)
     finally: MHC_TUNING['projection'] = 'bf16x3'
+
+
+def test_register_cap_from_big_t(monkeypatch):
+    """Compiled, version 2's programs from big_t on are capped at MHC_TUNING['big_maxnreg'] registers; smaller
+    programs, version 3 and the interpreter launch without a cap, and a cap Triton cannot take is named"""
+    from dsv41_nb import mhc_kernel
+    big, cap = MHC_TUNING['big_t'], MHC_TUNING['big_maxnreg']
+    monkeypatch.setattr(mhc_kernel, 'triton_interpreting', lambda: False)
+    assert cap == 168 and mhc_kernel._register_cap(big, 2) == dict(maxnreg=168)
+    assert mhc_kernel._register_cap(8192, 2) == dict(maxnreg=168)
+    assert mhc_kernel._register_cap(big - 1, 2) == {} and mhc_kernel._register_cap(1, 2) == {}
+    with seam_version(3): assert mhc_kernel._register_cap(big, 3) == {}
+    with seam_version(1): assert mhc_kernel._register_cap(8192, 1) == {}
+    monkeypatch.setattr(mhc_kernel, 'triton_interpreting', lambda: True)
+    assert mhc_kernel._register_cap(big, 2) == {}
+    for bad in (300, 0, 16, 168.0, '168'):
+        monkeypatch.setitem(MHC_TUNING, 'big_maxnreg', bad)
+        with pytest.raises(ValueError, match=r"MHC_TUNING\['big_maxnreg'\] = .*expected None or 24 to 255"):
+            mhc_kernel._register_cap(big, 2)

@@ -14,8 +14,9 @@ tools/bench_layer_kernels.py times one seam on both versions side by side.
 call) and writes, per launch, the report's figures, DRAM bytes read and written against the seam's byte floor, and
 the reasons its warps wait, to PATH.
 --maxnreg N [N ...] times one seam at each --tokens count from a CUDA graph at the launch table's shape as the
-compiler allocates it, then with its registers capped at each N (Triton's `maxnreg` launch option: more programs an SM,
-values spilled), after checking that a capped launch gives the same bits; with --json, its rows are the record.
+compiler allocates it (the table's own cap, MHC_TUNING['big_maxnreg'], off), then with its registers capped at each N
+(Triton's `maxnreg` launch option: more programs an SM, values spilled), after checking that a capped launch gives
+the same bits; with --json, its rows are the record.
 --quick runs the tiny config on two small batches on whatever is there (the Triton interpreter on a CPU), to check the
 script itself; its times mean nothing."""
 import argparse, datetime, json, math, os, shutil, subprocess, sys
@@ -81,6 +82,8 @@ def capped(caps, cfg, tokens, device) -> list[dict]:
     bw = copy_bandwidth(device=device) if device == 'cuda' else float('nan')
     launch = k.run
     interpreted = os.environ.get('TRITON_INTERPRET') == '1'          # the interpreter has no registers to cap
+    default = MHC_TUNING['big_maxnreg']
+    MHC_TUNING['big_maxnreg'] = None                                  # "as compiled": the launch table's cap off
     try:
         for T in tokens:
             run, want = one_seam(cfg, T, device), None
@@ -95,7 +98,7 @@ def capped(caps, cfg, tokens, device) -> list[dict]:
                                  of_floor=seam_floor(cfg, T) / bw / (us * 1e-6)))
                 print(f"{T:6d} tokens, registers {cap or 'as compiled':>11}: {us:8.1f} us, "
                       f"{rows[-1]['of_floor']:6.1%} of the floor, same bits {same}", flush=True)
-    finally: k.run = launch
+    finally: k.run, MHC_TUNING['big_maxnreg'] = launch, default
     return rows
 
 

@@ -1,12 +1,14 @@
 """The GPU test tier's record: pytest's JUnit XML summed per test file, with the commit, machine, date and wall time.
 
     python tools/gpu_record.py JUNIT_XML [JUNIT_XML ...] --out records/gpu_tier.json [--commit SHA] [--wall-s S]
-                               [--setup-s S] [--machine TEXT]
+                               [--setup-s S] [--machine TEXT] [--collected IDS.txt ...]
 
 Several reports (the tier's phases) are summed into one record, which names the phases it holds (the reports' names
 after gpu_tier_junit_) with each one's time (its test suites' own, `phase_s`), and is dated by when the first of them
 started. Prints one line per file (passed / failed /
-skipped / seconds) and the failures' names, and writes the JSON."""
+skipped / seconds) and the failures' names, and writes the JSON. --collected names files of the test ids each phase was
+to run (`pytest --collect-only -q`): a test collected but absent from every report (the phase was stopped in it, or
+before it) is recorded under `not_finished`, and counts as not passed."""
 import argparse, json, os, subprocess, time
 import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
@@ -35,6 +37,22 @@ def summarise(*paths) -> tuple[dict, list]:
         elif case.find('skipped') is not None: row['skipped'] += 1
         else: row['passed'] += 1
     return dict(sorted(files.items())), failed
+
+
+def node_id(case) -> str:
+    "A JUnit test case's pytest id: tests.test_x.TestY + test_z[p] -> tests/test_x.py::TestY::test_z[p]"
+    parts = (case.get('classname') or '').split('.')
+    mods = [i for i, p in enumerate(parts) if p.startswith('test_')]
+    if not mods: return case.get('name') or ''
+    m = mods[-1]
+    return '::'.join(['/'.join(parts[:m + 1]) + '.py', *parts[m + 1:], case.get('name') or ''])
+
+
+def not_finished(collected, *paths) -> list[str]:
+    "The ids in the `--collect-only -q` listings `collected` that no report holds, in collection order"
+    ran = {node_id(c) for p in paths for c in ET.parse(p).getroot().iter('testcase')}
+    ids = [line.strip() for f in collected for line in Path(f).read_text().splitlines() if '::' in line]
+    return [i for i in ids if i not in ran]
 
 
 def started(*paths) -> str | None:
@@ -66,6 +84,7 @@ def main():
     ap.add_argument('--commit', default=os.environ.get('DSV41_COMMIT'))
     ap.add_argument('--wall-s', type=float, default=None); ap.add_argument('--setup-s', type=float, default=None)
     ap.add_argument('--machine', help='the GPU, torch and Triton the reports ran on (default: this machine\'s)')
+    ap.add_argument('--collected', nargs='*', default=[], help='test ids each phase collected, one file a phase')
     a = ap.parse_args()
     commit = (a.commit or subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip()
               or None)
@@ -76,15 +95,17 @@ def main():
                phases=[Path(p).stem.removeprefix('gpu_tier_junit_') for p in a.junit],
                phase_s={Path(p).stem.removeprefix('gpu_tier_junit_'): suite_seconds(p) for p in a.junit},
                examples_scale=float(os.environ.get('DSV41_EXAMPLES', 1)), wall_s=a.wall_s, setup_s=a.setup_s,
-               **tot, failures=failed, files=files)
+               **tot, not_finished=not_finished(a.collected, *a.junit), failures=failed, files=files)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     json.dump(rec, open(a.out, 'w'), indent=1)
     for name, r in files.items():
         print(f"{name:38} {r['passed']:4d} passed {r['failed']:3d} failed {r['skipped']:3d} "
               f"skipped {r['seconds']:7.1f} s")
     print(f"GPU tier at {commit}: {tot['passed']} passed, {tot['failed']} failed, {tot['skipped']} skipped"
+          + (f", {len(rec['not_finished'])} not finished" if rec['not_finished'] else '')
           + (f" in {a.wall_s:.0f} s" if a.wall_s else '') + f" ({rec['machine']})")
     for f in failed: print('FAILED', f)
+    for f in rec['not_finished']: print('NOT FINISHED', f)
 
 
 if __name__ == '__main__': main()
