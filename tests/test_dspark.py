@@ -19,8 +19,8 @@ from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.kv_manager import CacheCapacityError
 from dsv41_nb.sampler import chi_square_pvalue
 from test_scheduler_state_machine import SchedulerMachine, V, MAX_LEN      # the same rules, another proposer
-from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ToyRunner, RequestStatus, toy_generate,
-                                run_until_done)
+from dsv41_nb.scheduler import SamplingParams, SchedulerConfig, Scheduler, RequestStatus, toy_generate
+from dsv41_nb.scheduler_run import ToyRunner, run_until_done
 from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_positions, reference_draft, accept_greedy,
                              reference_accept_greedy, accept_sampled, reference_accept_sampled, accept_block,
                              reference_accept_block, block_stops, prefix_survival, expected_accepted,

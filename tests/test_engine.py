@@ -18,7 +18,8 @@ from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.model_forward import generate_greedy
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.block_pool import PAD_SLOT_ID
-from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput, run_until_done
+from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput
+from dsv41_nb.scheduler_run import run_until_done
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts

@@ -11,8 +11,9 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.block_pool import reference_slot_mapping, PAD_SLOT_ID, NULL_BLOCK_ID
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.kv_manager import CacheCapacityError, cache_snapshot
-from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
-                                toy_next_token, toy_next_tokens, toy_generate, run_until_done, check_stop)
+from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput,
+                                toy_next_token, toy_next_tokens, toy_generate, check_stop)
+from dsv41_nb.scheduler_run import ToyRunner, run_until_done
 from dsv41_nb.decode_step import table_slot_mappings, DecodeOutput, DecodeCoreOutputs
 from dsv41_nb.proposer import NgramProposer, reference_ngram_propose
 

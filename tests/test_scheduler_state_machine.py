@@ -14,8 +14,9 @@ from hypothesis.stateful import RuleBasedStateMachine, rule, invariant, initiali
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.kv_manager import CacheCapacityError
-from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput, ToyRunner,
+from dsv41_nb.scheduler import (SamplingParams, SchedulerConfig, Scheduler, ModelRunnerOutput,
                                 RequestStatus, toy_generate)
+from dsv41_nb.scheduler_run import ToyRunner
 from dsv41_nb.proposer import NgramProposer
 
 TINY = ModelConfig.tiny()
