@@ -15,7 +15,8 @@ from .fused_moe import fp8_act_quant
 from .mhc import HCWeights, SeamOut, mhc_seam, hc_pre
 from .dispatch import cuda_graph
 from .cuda_graphs import CAPTURE_SIZES, padded_batch_size
-from .dspark import Drafter, Draft, DSparkProposer, expected_accepted
+from .dspark import Drafter, Draft
+from .dspark_decode import DSparkProposer, expected_accepted
 
 # %% auto #0
 __all__ = ['ServedMoE', 'served_act_qdq', 'DrafterGraphs', 'DraftPacer', 'simulate_pacer']

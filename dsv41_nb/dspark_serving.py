@@ -20,6 +20,7 @@ from .engine import register_speculative
 from .dispatch import machine_name
 from .scheduler import SamplingParams
 from .dspark import *
+from .dspark_decode import *
 
 # %% auto #0
 __all__ = ['greedy_training_data', 'drafter_anchors', 'walk_anchors', 'drafter_loss', 'train_drafter', 'drafter_state',

@@ -9,7 +9,8 @@ from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.model_forward import DenseRun
-from dsv41_nb.dspark import Drafter, DSparkProposer, window_positions
+from dsv41_nb.dspark import Drafter, window_positions
+from dsv41_nb.dspark_decode import DSparkProposer
 from dsv41_nb.dspark_serving import save_drafter
 from dsv41_nb.paged import block_seam
 from dsv41_nb.drafter_graphs import ServedMoE, DrafterGraphs, DraftPacer, simulate_pacer

@@ -21,11 +21,12 @@ from dsv41_nb.sampler import chi_square_pvalue
 from test_scheduler_state_machine import SchedulerMachine, V, MAX_LEN      # the same rules, another proposer
 from dsv41_nb.scheduler import SamplingParams, SchedulerConfig, Scheduler, RequestStatus, toy_generate
 from dsv41_nb.scheduler_run import ToyRunner, run_until_done
-from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, window_positions, reference_draft, accept_greedy,
-                             reference_accept_greedy, accept_sampled, reference_accept_sampled, accept_block,
-                             reference_accept_block, block_stops, prefix_survival, expected_accepted,
-                             best_verify_length, choose_verify_lengths, brute_force_verify_lengths,
-                             roofline_step_cost, speculative_generate)
+from dsv41_nb.dspark import (Drafter, window_positions, reference_draft, accept_greedy, reference_accept_greedy,
+                             accept_sampled, reference_accept_sampled, accept_block, reference_accept_block,
+                             block_stops)
+from dsv41_nb.dspark_decode import (DSparkProposer, SpecStats, prefix_survival, expected_accepted,
+                                    best_verify_length, choose_verify_lengths, brute_force_verify_lengths,
+                                    roofline_step_cost, speculative_generate)
 from dsv41_nb.dspark_serving import (greedy_training_data, drafter_anchors, drafter_loss, train_drafter,
                                      drafter_state, save_drafter, load_drafter, set_successor_markov, StepCostProfile,
                                      profile_drafts, profile_step_costs, load_step_costs, ScriptedDrafts,

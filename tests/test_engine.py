@@ -744,7 +744,8 @@ def test_dspark_reads_the_targets_streams_from_the_paged_step(tmp_path, monkeypa
     contexts are the dense model's streams at the same positions (within the paged path's rounding),
     the target never runs again for them, and greedy output is unchanged; without the taps (a
     replayed step) the proposer runs the target itself"""
-    from dsv41_nb.dspark import Drafter, DSparkProposer
+    from dsv41_nb.dspark import Drafter
+    from dsv41_nb.dspark_decode import DSparkProposer
     from dsv41_nb.dspark_serving import dspark_proposer, save_drafter
     model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
     save_drafter(Drafter(model), path)
@@ -777,7 +778,8 @@ def test_dspark_reads_the_taps_a_replayed_graph_writes(tmp_path, monkeypatch):
     """Decode steps replayed from CUDA graphs (emulated) hand the drafter the taps the graph wrote:
     adaptive DSpark that verifies nothing (every step a replay) never runs the target again, its
     contexts are those of the eager engine, and greedy output is unchanged"""
-    from dsv41_nb.dspark import Drafter, DSparkProposer
+    from dsv41_nb.dspark import Drafter
+    from dsv41_nb.dspark_decode import DSparkProposer
     from dsv41_nb.dspark_serving import dspark_proposer, save_drafter
     from dsv41_nb.paged_step import step_model
     from dsv41_nb.drafter_graphs import DraftPacer
@@ -817,7 +819,8 @@ def test_adaptive_dspark_runs_the_steps_that_draft_nothing_plain(tmp_path, monke
     """Adaptive DSpark whose drafts never pay: between its probes the engine plans and runs plain decode steps (no
     draft rows, no proposer call; async: launched without waiting), the taps are kept all along (the target never
     runs again for them), a probe after plain steps drafts, and greedy output is plain decoding's"""
-    from dsv41_nb.dspark import Drafter, DSparkProposer
+    from dsv41_nb.dspark import Drafter
+    from dsv41_nb.dspark_decode import DSparkProposer
     from dsv41_nb.dspark_serving import dspark_proposer, save_drafter
     from dsv41_nb.drafter_graphs import DraftPacer
     model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
@@ -1105,7 +1108,8 @@ def test_engine_on_a_cpu_keeps_the_cache_budget():
 def test_the_engine_tells_an_adaptive_proposer_its_decode_steps(tmp_path, asyn):
     """Every decode step reaches the pacer's ledger (seconds, plain or not, tokens a request), prompt steps do not;
     a drafter measured to lose is held back, and greedy output is plain decoding's"""
-    from dsv41_nb.dspark import Drafter, DSparkProposer
+    from dsv41_nb.dspark import Drafter
+    from dsv41_nb.dspark_decode import DSparkProposer
     from dsv41_nb.dspark_serving import dspark_proposer, save_drafter
     model, path = init_random(TINY, seed=3), tmp_path / 'drafter.safetensors'
     save_drafter(Drafter(model), path)

@@ -380,7 +380,7 @@ def test_engine_on_the_fp8_codes_through_the_mma_kernel(small, monkeypatch, batc
 
 def _count_target_runs(monkeypatch) -> list:
     "The lengths of the sequences DSpark's proposer runs the target over itself (it lacked their taps)"
-    from dsv41_nb.dspark import DSparkProposer
+    from dsv41_nb.dspark_decode import DSparkProposer
     runs, orig = [], DSparkProposer._target_hidden
     monkeypatch.setattr(DSparkProposer, '_target_hidden', lambda self, ids: runs.append(len(ids)) or orig(self, ids))
     return runs

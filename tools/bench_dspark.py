@@ -40,8 +40,9 @@ from dsv41_nb.__main__ import load_summary
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fused kernels, CUDA graphs)
-from dsv41_nb.dspark import (Drafter, DSparkProposer, SpecStats, speculative_generate, expected_accepted,
-                             choose_verify_lengths, roofline_step_cost)
+from dsv41_nb.dspark import Drafter
+from dsv41_nb.dspark_decode import (DSparkProposer, SpecStats, speculative_generate, expected_accepted,
+                                    choose_verify_lengths, roofline_step_cost)
 from dsv41_nb.dspark_serving import load_drafter, profile_step_costs, load_step_costs
 
 POLICIES = ('off', 'fixed 5', 'adaptive')

@@ -21,7 +21,8 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import ByteTokenizer, init_random
 from dsv41_nb.checkpoint import load_model, save_model
 from dsv41_nb.train import load_corpus, split_documents, byte_data
-from dsv41_nb.dspark import Drafter, DSparkProposer, SpecStats, window_positions, speculative_generate
+from dsv41_nb.dspark import Drafter, window_positions
+from dsv41_nb.dspark_decode import DSparkProposer, SpecStats, speculative_generate
 from dsv41_nb.dspark_serving import greedy_training_data, drafter_anchors, train_drafter, save_drafter
 
 
