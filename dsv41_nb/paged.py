@@ -23,8 +23,9 @@ from .fused_moe import fp8_act_quant, moe_forward, expert_down
 from .fp8_linear import (FP8Linear, head_logits, fp8_linear_norm,
                                  fp8_linear_rope, FP8_LINEAR_MAX_T)
 from .rope_norm import rope
-from .moe_planes import (served_gate_up, planes_moe, fits_planes, PlaneWeight,
-                                  gemv_gate_up_planes, gemv_down_planes, expert_down_planes)
+from .moe_planes import planes_moe, PlaneWeight, expert_down_planes
+from .moe_planes_served import (served_gate_up, fits_planes, gemv_gate_up_planes,
+                                        gemv_down_planes)
 from .moe_split import expert_gate_up_split, DenseShared
 from .moe_fp8 import fp8_gate_up, fp8_down, fits_fp8_words, fp8_launch_shape, by_row_block
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS

@@ -19,8 +19,9 @@ from dsv41_nb.sparse_decode import DECODE_TUNING, check_decode_grid, decode_inpu
 from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, check_fused_moe, _fused_stages,
                                 fused_moe_experts, expert_down, expert_gate_up)
-from dsv41_nb.moe_planes import (plane_gate_up, gemv_gate_up_planes, planes_moe, PLANE_READ,
-                                 PLANE_READ_ONCE, PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes)
+from dsv41_nb.moe_planes import plane_gate_up, planes_moe, expert_down_planes
+from dsv41_nb.moe_planes_served import (gemv_gate_up_planes, PLANE_READ, PLANE_READ_ONCE, PLANE_READ_PAIRS,
+                                        gemv_down_planes)
 from dsv41_nb.moe_split import expert_gate_up_split, DenseShared
 from dsv41_nb.moe_fp8 import fp8_gate_up, act_codes, act_codes_torch, fp8_moe, expert_down_fp8, FP8_MMA_BITS
 from dsv41_nb.moe_gemv import GEMV_MAX_TOKENS, gemv_stages, gemv_gate_up

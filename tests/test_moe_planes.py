@@ -1,6 +1,7 @@
 """Version 3 of the gate/up stage (08f_moe_planes): the plane layout read back exactly, and the kernel bit for bit equal
 to version 2 (`expert_gate_up`) over random layers, on the interpreter (CI) and compiled (the GPU test tier, where the
-BF16 path of the upcast runs). Version 4 (`slots`: the activations in `pair_order`) within the reference's bound."""
+BF16 path of the upcast runs). Version 4 (`slots`: the activations in `pair_order`) within the reference's bound. The
+decode GEMVs on planes and the engine's stage (08f_moe_planes_served) as well."""
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -15,13 +16,13 @@ from dsv41_nb.moe import route, MoEWeights, QuantWeight
 from dsv41_nb.fused_moe import (moe_launch_shape, align_by_expert, fp8_act_quant, expert_gate_up,
                                 fused_moe_experts, check_fused_moe, _fused_stages, ExpertAlignment)
 from dsv41_nb.moe_planes import (PLANE_NIBBLE, PlaneWeight, mxfp4_planes, planes_values, planes_weight,
-                                  expert_gate_up_planes, plane_gate_up, fits_planes, served_gate_up,
-                                  gemv_gate_up_planes, planes_moe, PLANE_READ, PLANE_READ_ONCE,
-                                  PLANE_READ_PAIRS, expert_down_planes, gemv_down_planes, pair_order,
-                                  layout_map, held, pairs_ok, SLOT_MOVE_LAYOUT, _check_slots)
+                                  expert_gate_up_planes, plane_gate_up, planes_moe, expert_down_planes,
+                                  pair_order, layout_map, held, pairs_ok, SLOT_MOVE_LAYOUT, _check_slots)
+from dsv41_nb.moe_planes_served import (fits_planes, served_gate_up, gemv_gate_up_planes, PLANE_READ,
+                                        PLANE_READ_ONCE, PLANE_READ_PAIRS, gemv_down_planes)
 from dsv41_nb.fused_moe import align_by_expert_torch, expert_gate_up_torch, assert_fp8_close
 from dsv41_nb.moe_gemv import gemv_gate_up, GEMV_MAX_TOKENS, gemv_stages, moe_gemv_experts
-from dsv41_nb import moe_planes
+from dsv41_nb import moe_planes, moe_planes_served
 from dsv41_nb.dispatch import sm_count
 from dsv41_nb.moe_split import expert_gate_up_split, _default_split
 from machine import DEV
@@ -261,7 +262,7 @@ def test_gemv_reads_pairs_in_place_by_default(monkeypatch):
     seen = []
     def spy(*args, routed=None, **kw):
         seen.append(routed[2]); raise RuntimeError('stop')
-    monkeypatch.setattr(moe_planes, 'gemv_gate_up', spy)
+    monkeypatch.setattr(moe_planes_served, 'gemv_gate_up', spy)
     for read in (None, PLANE_READ):
         with pytest.raises(RuntimeError, match='stop'):
             gemv_gate_up_planes(x, tw, ti, planes_moe(W), cfg.swiglu_limit, read=read)

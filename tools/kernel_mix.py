@@ -23,11 +23,11 @@ machine, this checkout). --compile-gate-up compiles the fused MoE's gate/up kern
 (sm_90) at the `bench` layer's 128-token launch, with no GPU: Triton's own compiler, ptxas and cuobjdump; it writes
 OUT_DIR/gate_up.ptx, .cubin and .sass (the same Triton version as the GPU's gives the GPU's code), and with --json
 their record; --planes compiles version 3 (08f_moe_planes) instead. --compile-gemv compiles the decode GEMV
-(08e_moe_gemv) of the bench layer's gate/up and down stages on codes and through each reading of the planes, and
-records each one's routed loop (SASS instructions) and registers. --compile-index does the same for the full-scan
-index logits kernel (04b_indexer_kernels): its tile loop through each version of the MXFP4 key decoding, and at FP8
-keys; --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode): the tile loop of each of its two
-passes.
+(08e_moe_gemv) of the bench layer's gate/up and down stages on codes and through each reading of the planes
+(08f_moe_planes_served), and records each one's routed loop (SASS instructions) and registers. --compile-index does
+the same for the full-scan index logits kernel (04b_indexer_kernels): its tile loop through each version of the
+MXFP4 key decoding, and at FP8 keys; --compile-sparse-decode for the sparse MLA decode kernel (06_sparse_decode):
+the tile loop of each of its two passes.
 --compile-gate-up-versions compiles 08f_moe_planes' gate/up and down stages, versions 3 and 4, at 32 to 2,048 tokens.
 --compile-gate-up-fp8 compiles 08g_moe_fp8's stages (version 5) beside version 4's, at 32 to 512 tokens.
 --compile-fp8-linear compiles 09a_fp8_linear's MMA kernel at each of its row tiles on the bench layer's wq_b.
@@ -258,11 +258,11 @@ def _sm90(fn, sig: dict, aligned: list, const: dict, num_warps: int, num_stages:
 
 def compile_gemv(out: Path) -> list[dict]:
     ("The decode GEMV (08e_moe_gemv) of the bench layer's gate/up and down stages for sm_90, with no GPU, reading "
-     "the routed weights as codes and through each reading of the planes (08f_moe_planes): the routed loop's SASS "
-     "instructions and the registers a thread holds, one row each")
+     "the routed weights as codes and through each reading of the planes (08f_moe_planes_served): "
+     "the routed loop's SASS instructions and the registers a thread holds, one row each")
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.moe_gemv import _moe_gemv_kernel, GEMV_TUNING, _fp4_sums, _x_halves
-    from dsv41_nb.moe_planes import PLANE_READ, PLANE_READ_ONCE, PLANE_READ_PAIRS
+    from dsv41_nb.moe_planes_served import PLANE_READ, PLANE_READ_ONCE, PLANE_READ_PAIRS
     cfg, fn, rows = ModelConfig.bench(), _moe_gemv_kernel, []
     readings = dict(codes=None, planes_x4=PLANE_READ, planes_once=PLANE_READ_ONCE, planes_pairs=PLANE_READ_PAIRS)
     for stage, K, N, gate_up in (('gate_up', cfg.dim, cfg.moe_inter_dim, True),
