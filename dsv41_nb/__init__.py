@@ -14,7 +14,8 @@ __version__ = "0.0.1"
 # 07a_mhc_kernel puts its launcher where 07's `mhc_seam` calls it (`_mhc_seam_triton`),
 # 10_model_forward the reference forward onto 10_model's `Transformer` and its modules,
 # 10b_paged_runner `prefill`, `exact_caches` and `weight_bytes` onto 10b's `PagedModel`,
-# and 12a the one-pass decode step onto 12's `Scheduler` (`fast_decode` on):
+# 12a the one-pass decode step onto 12's `Scheduler` (`fast_decode` on),
+# and 15b_dp_front the hook that makes `LLM(..., data_parallel_size=N)` a `DPLLM`:
 # importing the package brings them in, whichever module is imported first
-from . import (
-    compressor_kernel, indexer_kernels, mhc_kernel, model_forward, paged_runner, decode_step)
+from . import (compressor_kernel, indexer_kernels, mhc_kernel, model_forward, paged_runner,
+                      decode_step, dp_front)

@@ -40,6 +40,19 @@ def test_reference_path_without_interpreter():
     r = run(code)
     assert r.returncode == 0 and 'ok' in r.stdout, r.stderr
 
+def test_data_parallel_llm_needs_no_extra_import():
+    "LLM(..., data_parallel_size=N) is the data-parallel front whichever module the user imports LLM from"
+    code = ("from dsv41_nb.engine import LLM\n"
+            "from dsv41_nb.config import ModelConfig\n"
+            "from dsv41_nb.model import init_random\n"
+            "m = init_random(ModelConfig.tiny(), seed=0)\n"
+            "print(type(LLM(m, data_parallel_size=1, max_model_len=64)).__name__)\n"
+            "try: LLM(m, data_parallel_size=0)\n"
+            "except ValueError as e: print(e)")
+    r = run(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ['LLM', 'LLM: data_parallel_size = 0; expected at least 1']
+
 def test_docstring_and_version():
     "help(dsv41_nb) shows what the package is; __version__ is settings.ini's"
     cfg = configparser.ConfigParser(delimiters=['=']); cfg.read(ROOT / 'settings.ini')
