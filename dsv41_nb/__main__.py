@@ -376,13 +376,13 @@ def _serving_args(p: argparse.ArgumentParser):
 # %% ../nbs/99_cli.ipynb #5704f4e6
 def serve_command(args, error) -> int:
     "`serve`: one engine core in this process, or with --data-parallel-size / torchrun, one a rank"
-    from dsv41_nb.http_server import serve
+    from dsv41_nb.serve_cli import serve
     return serve(args, error)
 
 # %% ../nbs/99_cli.ipynb #b7d760e2
 def build_parser() -> argparse.ArgumentParser:
     "The parser: subcommands generate, bench, serve, bench serve and accounting"
-    from dsv41_nb.http_server import add_serve_arguments, add_bench_serve_arguments, bench_serve
+    from dsv41_nb.serve_cli import add_serve_arguments, add_bench_serve_arguments, bench_serve
     p = argparse.ArgumentParser(prog=program_name(),
                                 description='DeepSeek-V4.1-Flash, notebook by notebook')
     sub = p.add_subparsers(dest='command', metavar='{generate,bench,serve,accounting}')

@@ -1,8 +1,8 @@
 """The OpenAI-compatible server of `16a_http_server` as its clients meet it: the official `openai` package for
 completions, chat, streaming and errors; greedy text equal to `LLM.generate`'s; 64 concurrent streaming clients,
 after which the pool has every block back and /metrics agrees with what the clients counted; clients that hang up; a
-failing engine step; one table of bad inputs, each a 400 naming its field; the load generator; Ctrl-C on `serve` in a
-subprocess.
+failing engine step; one table of bad inputs, each a 400 naming its field; the load generator and Ctrl-C on `serve`
+in a subprocess (both `16b_serve_cli`).
 Then `serve --data-parallel-size 2` (spawned ranks) and `serve` under torchrun, each in a process group of its own
 (marked `processes`): concurrent greedy answers equal the one-process engine's, requests on both ranks, streaming, a
 client that hangs up on one rank while the other rank's request goes on, no blocks left held, and Ctrl-C ending every
@@ -17,8 +17,9 @@ from dsv41_nb.distributed import free_port
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.server import parse_metrics, chat_prompt
-from dsv41_nb.http_server import (OpenAIServer, ServerThread, run_bench, bench_prompts, add_bench_serve_arguments,
-                                  bench_serve, add_serve_arguments, serve)
+from dsv41_nb.http_server import OpenAIServer, ServerThread
+from dsv41_nb.serve_cli import (run_bench, bench_prompts, add_bench_serve_arguments,
+                                bench_serve, add_serve_arguments, serve)
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = ROOT / 'checkpoints' / 'small'
@@ -268,7 +269,7 @@ def test_serve_flags():
 
 def test_ctrl_c_aborts_what_is_in_flight_and_exits_quietly():
     "`serve` in its own process: Ctrl-C mid-stream ends the stream with finish reason 'abort' and [DONE], exit 0"
-    code = ("import argparse, sys; from dsv41_nb.http_server import add_serve_arguments, serve; "
+    code = ("import argparse, sys; from dsv41_nb.serve_cli import add_serve_arguments, serve; "
             "sys.exit(serve(add_serve_arguments(argparse.ArgumentParser()).parse_args(sys.argv[1:])))")
     p = subprocess.Popen([sys.executable, '-c', code, '--port', '0', '--kernels', 'torch', '--max-model-len', '256',
                           '--log-level', 'warning'], stderr=subprocess.PIPE, text=True, cwd=ROOT)

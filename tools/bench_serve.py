@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""The server (16a_http_server) under load on one GPU: `dsv41 bench serve`'s load generator against the HTTP server at
-each concurrency, beside the offline engine (`LLM.generate`) serving the same load in the same run; the server's cost
-per token.
+"""The server (16a_http_server) under load on one GPU: `dsv41 bench serve`'s load generator (16b_serve_cli) against the
+HTTP server at each concurrency, beside the offline engine (`LLM.generate`) serving the same load in the same run; the
+server's cost per token.
 
     python tools/bench_serve.py [--config bench] [--concurrency 1 4 16 64 128 256] [--prompt-len 128] [--max-tokens 32]
                                 [--seed 0] [--json records/serve_bench.json] [--quick]
@@ -29,7 +29,8 @@ from dsv41_nb.config import ModelConfig                              # noqa: E40
 from dsv41_nb.dispatch import machine_name                           # noqa: E402
 from dsv41_nb.__main__ import random_prompts                         # noqa: E402
 from dsv41_nb.server import run_sync
-from dsv41_nb.http_server import OpenAIServer, UvicornServer, bind_socket, run_bench
+from dsv41_nb.http_server import OpenAIServer, UvicornServer, bind_socket
+from dsv41_nb.serve_cli import run_bench
 
 MODEL = 'dsv41-bench'
 
