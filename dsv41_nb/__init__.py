@@ -15,7 +15,9 @@ __version__ = "0.0.1"
 # 10_model_forward the reference forward onto 10_model's `Transformer` and its modules,
 # 10b_paged_runner `prefill`, `exact_caches` and `weight_bytes` onto 10b's `PagedModel`,
 # 12a the one-pass decode step onto 12's `Scheduler` (`fast_decode` on),
+# 13_engine_runs `capture_graphs` and `warm_up_prefill` onto 13's `LLMEngine` (its `__init__`
+# calls them when asked to capture or warm up at start),
 # and 15b_dp_front the hook that makes `LLM(..., data_parallel_size=N)` a `DPLLM`:
 # importing the package brings them in, whichever module is imported first
 from . import (compressor_kernel, indexer_kernels, mhc_kernel, model_forward, paged_runner,
-                      decode_step, dp_front)
+                      decode_step, engine_runs, dp_front)

@@ -18,8 +18,8 @@ from .accounting import SOURCES
 from .floors import accounting_rows, format_rows, ROW_HEADER, Hardware, HARDWARE, step_floor
 from .dispatch import machine_name, triton_interpreting, copy_bandwidth
 from .model import init_random
-from .engine import (EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKENS,
-                             start_up_note)
+from .engine import EngineArgs, LLM, SamplingParams, RequestOutput, NGRAM_TOKENS
+from .engine_runs import start_up_note
 from .serving import (shipped_checkpoint, random_checkpoint, served_checkpoint,
                               serving_problem, percentiles)
 from .dp_front import dp_generate, dp_bench, is_torchrun, ngram_tokens

@@ -10,7 +10,8 @@ import httpx, torch
 import torch.distributed as dist, torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 from .config import check_int
-from .engine import EngineArgs, LLM, start_up_note
+from .engine import EngineArgs, LLM
+from .engine_runs import start_up_note
 from .serving import percentiles, served_checkpoint, serving_problem
 from .distributed import _group, free_port, rank_device, exit_rank
 from .dp_engine import DPLLMEngine, rank_model

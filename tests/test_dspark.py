@@ -524,7 +524,8 @@ def test_adaptive_under_a_dear_profile_serves_exactly_as_without_speculation(tmp
 
 def test_async_speculation_with_the_drafter_equals_greedy():
     "The untrained drafter under async scheduling, fixed at 3 drafts a step: the greedy tokens of no speculation"
-    from dsv41_nb.engine import LLM, prefix_gap, assert_greedy_match
+    from dsv41_nb.engine import LLM
+    from dsv41_nb.engine_runs import prefix_gap, assert_greedy_match
     model = init_random(TINY, seed=3)
     prompts, sp = [list(range(40, 60)), [7] * 9, list(range(3, 30))], SamplingParams(temperature=0, max_tokens=8)
     want = [o.outputs[0].token_ids for o in LLM(model, kernels='torch', bounded_replay=False).generate(
@@ -532,7 +533,7 @@ def test_async_speculation_with_the_drafter_equals_greedy():
     llm = LLM(model, proposer=DSparkProposer(Drafter(model), 3), kernels='torch', async_scheduling=True,
               bounded_replay=False)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    # equal up to near ties: a verify step's rows are other GEMM shapes than a decode step's (13_engine)
+    # equal up to near ties: a verify step's rows are other GEMM shapes than a decode step's (13_engine_runs)
     assert_greedy_match(model, prompts, got, want, lambda: prefix_gap(model, torch.tensor([prompts[2] + want[2]])))
     assert llm.llm_engine.scheduler.stats['draft_tokens'] > 0
 

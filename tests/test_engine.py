@@ -23,10 +23,10 @@ from dsv41_nb.scheduler_run import run_until_done
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
-from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, prefix_gap, SPECULATIVE_METHODS,
-                             register_speculative, NGRAM_TOKENS, greedy_shortfall, assert_greedy_match,
-                             kv_pool_blocks, warm_up_lengths, warm_up_steps, step_sizes,
-                             graphs_held)
+from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, SPECULATIVE_METHODS,
+                             register_speculative, NGRAM_TOKENS, kv_pool_blocks)
+from dsv41_nb.engine_runs import (prefix_gap, greedy_shortfall, assert_greedy_match, warm_up_lengths,
+                                  warm_up_steps, step_sizes, graphs_held)
 from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
@@ -50,7 +50,7 @@ MARGIN = functools.cache(lambda: prefix_gap(MODEL, torch.tensor([PROMPTS[2] + EX
 
 
 def match(prompts, got, want=None):
-    "The paged path's greedy tokens are the reference's, up to near ties (GEMM shapes differ; see 13_engine)"
+    "The paged path's greedy tokens are the reference's, up to near ties (GEMM shapes differ; see 13_engine_runs)"
     assert_greedy_match(MODEL, prompts, got, EXPECTED[:len(prompts)] if want is None else want, MARGIN)
     return True
 EXACT = dict(max_model_len=256, bounded_replay=False, kernels='torch')   # the paged path, comparable with the reference

@@ -434,7 +434,7 @@ def test_dspark_graphs_captured_at_start(small, async_scheduling):
     request (the drafter's too), every prefill size class up to what 8 prompts of the longest hold is warmed, serving
     captures none, and the tokens are those of the engine without speculation"""
     from dsv41_nb.dspark_serving import dspark_proposer
-    from dsv41_nb.engine import warm_up_steps, graphs_held
+    from dsv41_nb.engine_runs import warm_up_steps, graphs_held
     want, keep = _serve(small, PROMPTS), []
     prop = dspark_proposer(small, SMALL / 'dspark.safetensors', 3)
     llm = LLM(small, max_num_seqs=len(PROMPTS), max_model_len=160, proposer=prop,

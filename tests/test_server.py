@@ -56,7 +56,7 @@ GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
 def warm(client, prompt):
     """Put the prompt's blocks in the prefix cache: the requests compared below then all read them (a prefix hit can
-    flip a near tie of the greedy choice, 13_engine)"""
+    flip a near tie of the greedy choice, 13_engine_runs)"""
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
 
 

@@ -24,7 +24,8 @@ from bench_engine import git_commit
 from dsv41_nb.__main__ import load_test, random_prompts
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import launch_keys, machine_name
-from dsv41_nb.engine import LLM, graphs_held
+from dsv41_nb.engine import LLM
+from dsv41_nb.engine_runs import graphs_held
 from dsv41_nb.model import init_random
 from dsv41_nb.scheduler import SamplingParams
 
