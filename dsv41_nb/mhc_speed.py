@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 import torch
-from .config import ModelConfig
+from .config import ModelConfig, check_int
 from .dispatch import (median_time, copy_bandwidth, use_kernels, triton_interpreting,
                                cuda_graph, sm_count)
 from .floors import HARDWARE
@@ -19,9 +19,18 @@ from .mhc_kernel import (SEAM_VERSIONS, seam_version, check_seam, _block_t, _blo
 __all__ = ['seam_floor', 'seam_plan', 'count_launches', 'hc_layer_floor', 'benchmark_hc_layers', 'format_hc_benchmark',
            'seam_inputs', 'benchmark_seam', 'format_seam_benchmark']
 
+# %% ../nbs/07b_mhc_speed.ipynb #7e3b19c1
+def _check_seam_args(caller: str, cfg, T, low: int = 1, fp8: bool = True):
+    "cfg a ModelConfig, T an int >= low, fp8 a bool; else a TypeError or ValueError naming `caller`"
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"{caller}: cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_int(caller, 'T', T, low)
+    if not isinstance(fp8, bool): raise TypeError(f"{caller}: fp8 must be a bool, got {fp8!r}")
+
 # %% ../nbs/07b_mhc_speed.ipynb #44f1e273
 def seam_floor(cfg: ModelConfig, T: int, fp8: bool = True) -> int:
     "Bytes a seam must move for T tokens: copies in and out, sublayer output, input (FP8), hc_*_fn"
+    _check_seam_args('seam_floor', cfg, T, 0, fp8)
     n, dim = cfg.hc_mult, cfg.dim
     per_token = (2 * n + 2) * dim * 2 + ((dim + dim // 32) if fp8 else 0)
     return T * per_token + (2 + n) * n * n * dim * 4
@@ -30,6 +39,7 @@ def seam_floor(cfg: ModelConfig, T: int, fp8: bool = True) -> int:
 def seam_plan(cfg: ModelConfig, T: int, sms: int = 132) -> dict:
     ("A full seam under `MHC_TUNING` on `sms` multiprocessors: its kernel and launch shape, its "
      "reads of hc_*_fn, the bytes it moves against the floor, its projection and that one's FLOPs")
+    _check_seam_args('seam_plan', cfg, T); check_int('seam_plan', 'sms', sms, 0)
     n, dim = cfg.hc_mult, cfg.dim
     (bt, warps), version = _block_t(T), _kernel_version(n)
     bd, (split, _), blocks = _block_d(T, version), _split(T, dim, sms, version), _ceil_div(T, bt)
@@ -58,6 +68,7 @@ _COPY_IF_CHILDREN = {'aten::to', 'aten::contiguous', 'aten::reshape', 'aten::typ
 # %% ../nbs/07b_mhc_speed.ipynb #30feed92
 def count_launches(fn: Callable) -> int:
     "Kernel launches of one call of `fn` (after a warm-up call)"
+    if not callable(fn): raise TypeError(f"count_launches: fn must be callable, got {fn!r}")
     from torch.profiler import profile, ProfilerActivity
     fn()
     if torch.cuda.is_available(): torch.cuda.synchronize()
@@ -131,6 +142,7 @@ def format_hc_benchmark(rows: list[dict]) -> str:
 # %% ../nbs/07b_mhc_speed.ipynb #1f60d81b
 def seam_inputs(cfg: ModelConfig, T: int, device='cuda', seed: int = 0) -> dict:
     "`mhc_seam`'s arguments for a full seam (update, prediction, mix, FP8) on random BF16 copies"
+    _check_seam_args('seam_inputs', cfg, T); check_int('seam_inputs', 'seed', seed, 0)
     g, gd = torch.Generator().manual_seed(seed), torch.Generator(device).manual_seed(seed)
     n, dim = cfg.hc_mult, cfg.dim
     layer = random_hc_layer(cfg, 1.0, g, device)

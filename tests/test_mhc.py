@@ -291,3 +291,21 @@ def test_register_cap_from_big_t(monkeypatch):
         monkeypatch.setitem(MHC_TUNING, 'big_maxnreg', bad)
         with pytest.raises(ValueError, match=r"MHC_TUNING\['big_maxnreg'\] = .*expected None or 24 to 255"):
             mhc_kernel._register_cap(big, 2)
+
+
+@pytest.mark.parametrize('call, exc, msg', [
+    (lambda m, c: m.seam_floor(c, -1), ValueError, 'seam_floor: T = -1; expected at least 0'),
+    (lambda m, c: m.seam_floor(vars(c), 8), TypeError, 'seam_floor: cfg must be a ModelConfig, got dict'),
+    (lambda m, c: m.seam_floor(c, 8, fp8=1), TypeError, 'seam_floor: fp8 must be a bool, got 1'),
+    (lambda m, c: m.hc_layer_floor(c, 2.5), TypeError, 'seam_floor: T must be an int, got 2.5'),
+    (lambda m, c: m.seam_plan(c, 0), ValueError, 'seam_plan: T = 0; expected at least 1'),
+    (lambda m, c: m.seam_plan(c, 64, sms=-1), ValueError, 'seam_plan: sms = -1; expected at least 0'),
+    (lambda m, c: m.count_launches(3), TypeError, 'count_launches: fn must be callable, got 3'),
+    (lambda m, c: m.seam_inputs(c, 0, device='cpu'), ValueError, 'seam_inputs: T = 0; expected at least 1'),
+], ids=lambda x: '' if callable(x) or isinstance(x, type) else x.split(':')[0] + ' ' + x.split('; ')[0][-6:])
+def test_speed_helpers_name_bad_inputs(call, exc, msg):
+    "07b's plans, floors and counts refuse a malformed argument with a message that names it"
+    from dsv41_nb import mhc_speed
+    with pytest.raises(exc) as e: call(mhc_speed, ModelConfig.tiny())
+    assert msg in str(e.value)
+    assert mhc_speed.seam_floor(ModelConfig.tiny(), 0) > 0 and mhc_speed.seam_plan(ModelConfig.tiny(), 1)['tokens'] == 1
