@@ -613,10 +613,17 @@ def benchmark_index_logits(cfg: ModelConfig,          # geometry: heads, head di
         q, w, cache, ib = _decode_batch(cfg, codec, batch, context, device)
         bw = bandwidth or copy_bandwidth(device=device)
         with use_kernels('triton'):
+            got = index_logits(q, w, cache, ib, codec, width=context)
             t = median_time(lambda: index_logits(q, w, cache, ib, codec, width=context), rep=rep)
+    # checked against the reference: within the bound of another summation order
+    want = index_logits_torch(q, w, cache, ib, codec, width=context)
+    off = int(((got - want).abs() > logits_error_bound(q, w, cache, ib, codec)).sum())
+    if off:
+        raise RuntimeError(f"benchmark_index_logits: version {version} at {context} entries: "
+                           f"{off} logits beyond the reference's rounding bound")
     moved = (batch * context * (codec.record_bytes + 4) + q.numel() * 2
              + batch * (4 * q.shape[1] + 12))
-    return dict(context=context, batch=batch, format=fmt, version=version,
+    return dict(context=context, batch=batch, format=fmt, version=version, checked=True,
                 us_per_query=t / batch * 1e6,
                 floor_us=moved / bw / batch * 1e6, of_floor=moved / bw / t, GBps=moved / t / 1e9)
 

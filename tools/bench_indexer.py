@@ -3,11 +3,14 @@
 sparse (candidate-pool) scoring against scoring the whole context and masking, and the candidate stage's recall.
 
     python tools/bench_indexer.py [--json out.json] [--quick] [--versions 2 3] [--ncu PROFILE.json]
+                                  [--sections scan sparse recall]
 
 Default (a GPU): the `bench` geometry (32 heads x 128, MXFP4 keys, 2,048 x 8 candidates) at the ratio-1 source, where a
 context of N tokens is N entries; decode batches of 32 requests; the full scan at 8K, 128K and 512K, sparse vs dense at
 128K and 512K, recall from 16K to 512K on random and clustered keys. `--versions` times the full scan with each of
-those key decodings (default: the default one, LOGITS_TUNING['version']); `--ncu` profiles all three. `--quick` runs
+those key decodings (default: the default one, LOGITS_TUNING['version']), each first checked against the PyTorch
+reference (within the rounding bound of another summation order); `--ncu` profiles all three. `--sections` runs
+some of the three measurements (default: all). `--quick` runs
 the `tiny` geometry on small contexts, which also works on a CPU under TRITON_INTERPRET=1 (timings there mean
 nothing; it checks that it all runs)."""
 import argparse, datetime, json, shutil, subprocess, sys
@@ -26,6 +29,7 @@ from bench_engine import git_commit        # noqa: E402
 NCU_SECTIONS = ('SpeedOfLight', 'Occupancy', 'LaunchStats', 'SchedulerStats', 'WarpStateStats',
                 'MemoryWorkloadAnalysis', 'ComputeWorkloadAnalysis')
 NCU_CONTEXT, NCU_BATCH = 524288, 32
+SECTIONS = ('scan', 'sparse', 'recall')
 
 
 def ncu_child(version: int):
@@ -72,6 +76,8 @@ if __name__ == '__main__':
     ap.add_argument('--ncu-child', type=int, choices=(1, 2, 3), help=argparse.SUPPRESS)
     ap.add_argument('--versions', type=int, nargs='+', choices=(1, 2, 3),
                     help='MXFP4 key decodings to time in the full scan (default: the default one)')
+    ap.add_argument('--sections', nargs='+', choices=SECTIONS, default=list(SECTIONS),
+                    help='which measurements to run (default: all)')
     args = ap.parse_args()
     if args.ncu_child: ncu_child(args.ncu_child); sys.exit(0)
     if args.ncu: ncu_profile(args.ncu, args.versions or (1, 2, 3)); sys.exit(0)
@@ -88,6 +94,9 @@ if __name__ == '__main__':
     bw = copy_bandwidth(nbytes=(1 << 24) if args.quick else (2 << 30), device=device)
     print(f'copy bandwidth {bw / 1e9:.0f} GB/s\n\nfull-scan index logits, decode batch {batch}, '
           'MXFP4 keys + 4 B of logits per entry')
+    if 'scan' not in args.sections: scan = ()
+    if 'sparse' not in args.sections: sparse = ()
+    if 'recall' not in args.sections: recall_at = ()
     scan_rows = [benchmark_index_logits(cfg, n, batch=batch, device=device, bandwidth=bw, rep=rep, version=v)
                  for v in (args.versions or [LOGITS_TUNING['version']]) for n in scan]
     print(f"{'version':>7s} {'context':>8s} {'us/query':>9s} {'floor us':>9s} {'of floor':>9s} {'GB/s':>7s}")
@@ -111,6 +120,7 @@ if __name__ == '__main__':
         print(f"{n:8d} {recall['random'][i]:8.3f} {recall['clustered'][i]:10.3f} {min(1, pool / n):13.3f}")
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(device=machine, date=str(datetime.date.today()), torch=torch.__version__,
+            json.dump(dict(device=machine, date=f'{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC', commit=git_commit(),
+                           sections=args.sections, torch=torch.__version__,
                            triton=triton.__version__, copy_bandwidth=bw, full_scan=scan_rows, sparse_vs_dense=sd_rows,
                            recall=dict(contexts=list(recall_at), **recall)), f, indent=1)
