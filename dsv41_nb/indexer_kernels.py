@@ -244,7 +244,7 @@ def index_logits_torch(q,                  # (T, H, DH) bf16 index queries
 
 # %% ../nbs/04b_indexer_kernels.ipynb #c6d3bf6b
 # entries per tile, tiles per program, warps (compiled); the MXFP4 keys' version
-LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=2)
+LOGITS_TUNING = dict(block_t=128, tiles=16, num_warps=4, version=3)
 
 # %% ../nbs/04b_indexer_kernels.ipynb #377f0e05
 @contextmanager

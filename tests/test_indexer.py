@@ -195,6 +195,17 @@ def test_select_all_scores_nothing():
             and (sel[2] == torch.arange(32, device=DEV)).all())
     assert pool[2, :9].tolist() == list(range(8)) + [-1]
 
+@needs_triton
+def test_benchmark_checks_the_kernel_before_timing_it(monkeypatch):
+    "benchmark_index_logits times only a kernel whose logits match the reference; a wrong one is named, not timed"
+    row = indexer_kernels.benchmark_index_logits(TINY, 64, batch=2, device=DEV, bandwidth=1e10, rep=1, version=3)
+    assert row['checked'] and row['version'] == 3
+    real = indexer_kernels.index_logits
+    monkeypatch.setattr(indexer_kernels, 'index_logits', lambda *a, **k: real(*a, **k) * 1.001)
+    with pytest.raises(RuntimeError, match='version 3 at 64 entries: .* logits beyond'):
+        indexer_kernels.benchmark_index_logits(TINY, 64, batch=2, device=DEV, bandwidth=1e10, rep=1, version=3)
+
+
 def test_bad_inputs():
     ix = Indexer(TINY, 6)
     q, w, cache, batch = world(ix, [5], [(0, 3)], 0)
