@@ -28,6 +28,7 @@ from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM,
 from dsv41_nb.engine_runs import (prefix_gap, greedy_shortfall, assert_greedy_match, warm_up_lengths,
                                   warm_up_steps, step_sizes, graphs_held)
 from dsv41_nb.host_steps import host_engine, host_step_times, HOST_PHASES, StepTimer, NullStepModel
+from dsv41_nb.engine_load import load_shape, random_byte_prompts
 from dsv41_nb.kv_manager import KVCacheManager
 from dsv41_nb.paged_step import step_model as paged_step_model
 from dsv41_nb.cuda_graphs import (CUDAGraphModel, padded_batch_size, pad_decode_batch, StagedInputs, fill_token_ids,
@@ -165,6 +166,14 @@ BAD = [
     (lambda: warm_up_steps(64, 8, None), TypeError, 'warm_up_steps: max_seqs must be an int'),
     (lambda: graphs_held(_LLM), TypeError, 'graphs_held: expected an LLMEngine, got LLM'),
     (lambda: step_sizes(_LLM).__enter__(), TypeError, 'step_sizes: expected an LLMEngine, got LLM'),
+    (lambda: load_shape(0, 4, cfg=TINY), ValueError, 'load_shape: budget = 0'),
+    (lambda: load_shape(64, 0, cfg=TINY), ValueError, 'load_shape: n = 0'),
+    (lambda: load_shape(64, 4, prompt_len=2.0, cfg=TINY), TypeError, 'load_shape: prompt_len must be an int'),
+    (lambda: load_shape(64, 4, max_tokens=0, cfg=TINY), ValueError, 'load_shape: max_tokens = 0'),
+    (lambda: load_shape(64, 4, cfg='tiny'), TypeError, 'load_shape: cfg must be a ModelConfig or None, got str'),
+    (lambda: random_byte_prompts(0, 8), ValueError, 'random_byte_prompts: n = 0'),
+    (lambda: random_byte_prompts(2, True), TypeError, 'random_byte_prompts: length must be an int'),
+    (lambda: random_byte_prompts(2, 8, seed=-1), ValueError, 'random_byte_prompts: seed = -1'),
 ]
 
 @pytest.mark.parametrize('f,exc,msg', BAD, ids=[m for *_, m in BAD])
@@ -1030,6 +1039,23 @@ def test_host_step_times_staggers_its_prompts_and_times_decode_steps_alone(monke
     assert lens == [85, 86, 87, 88, 89] and ready == [True]
     host_step_times(llm, 1, 256 - 85 - 64 - 4)                           # prompts up to 149 tokens, 4 to spare
     assert not eng.has_unfinished_requests()
+
+
+def test_load_shape_counts_the_prefill_rows_of_a_burst():
+    """load_shape: the prefill rows add up to every prompt's tokens, no step carries more than the budget, decode-only
+    steps follow the last prefill step, first tokens come in the order of arrival; one step when the budget holds all"""
+    prefill, first = load_shape(64, 5, prompt_len=32, max_tokens=4, cfg=TINY)
+    assert sum(prefill) == 5 * 32 and max(prefill) == 64 and prefill[:3] == [64, 62, 34]   # 2 decode rows ride along
+    assert prefill[3:] == [0] * (len(prefill) - 3) and len(prefill) - 3 >= 4 - 1
+    assert list(first) == [str(i) for i in range(5)] and list(first.values()) == sorted(first.values())
+    prefill, first = load_shape(256, 5, prompt_len=32, max_tokens=4, cfg=TINY)
+    assert prefill[0] == 160 and not any(prefill[1:]) and len(set(first.values())) == 1
+
+
+def test_random_byte_prompts_are_bytes_and_seeded():
+    a, b = random_byte_prompts(3, 40), random_byte_prompts(3, 40, seed=1)
+    assert [len(p) for p in a] == [40] * 3 and all(0 <= t < 256 for p in a for t in p)
+    assert a == random_byte_prompts(3, 40) and a != b and len({tuple(p) for p in a}) == 3
 
 
 def test_a_prefill_step_applies_the_step_before_it_first():
