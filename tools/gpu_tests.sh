@@ -25,10 +25,14 @@ setup=$(( $(date +%s) - start ))
 # the rest, alone (one pytest process), not beside twelve workers that take the cores their ranks need.
 # PROCESSES_LIMIT_S: interrupt the second phase (SIGINT) after that many seconds: pytest then still writes its report
 # and prints where it stood, so that a test that hangs on some machine is named and the rest is recorded.
-run() {   # run NAME MARKERS WORKERS [LIMIT_S]
-  # what the phase is to run, so that the record names a test it was stopped in (gpu_record.py --collected)
+collect() {   # collect NAME MARKERS: what a phase is to run, so that the record names a test it was stopped in
   python3 -m pytest ${TESTS:-tests/} -m "$2" --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::' \
     > "$OUTDIR/gpu_tier_ids_$1.txt"
+}
+# both phases' lists are collected in the background, beside the first phase, not before it
+collect main "not cpu_exact and not processes" & c1=$!
+collect processes "processes and not cpu_exact" & c2=$!
+run() {   # run NAME MARKERS WORKERS [LIMIT_S]
   ${4:+timeout -s INT -k 20 "$4"} python3 -m pytest ${TESTS:-tests/} -m "$2" -n "$3" -q -p no:cacheprovider \
     --junitxml="$OUTDIR/gpu_tier_junit_$1.xml" --durations=15 2>&1 | tee "$OUTDIR/gpu_tier_$1.log" | tail -40
   return "${PIPESTATUS[0]}"
@@ -37,6 +41,7 @@ run main "not cpu_exact and not processes" "${WORKERS:-12}"; status=$?
 run processes "processes and not cpu_exact" 0 "${PROCESSES_LIMIT_S:-}"; s2=$?
 # pytest's 5: nothing collected (TESTS without such tests)
 [ "$s2" = 5 ] && s2=0; [ "$status" = 0 ] && status=$s2
+wait $c1 $c2
 reports=$(ls "$OUTDIR"/gpu_tier_junit_main.xml "$OUTDIR"/gpu_tier_junit_processes.xml 2>/dev/null)
 python3 tools/gpu_record.py $reports --out "$OUTDIR/gpu_tier.json" --setup-s "$setup" \
   --collected $(ls "$OUTDIR"/gpu_tier_ids_main.txt "$OUTDIR"/gpu_tier_ids_processes.txt 2>/dev/null) \
