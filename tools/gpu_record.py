@@ -16,12 +16,18 @@ from collections import defaultdict
 from pathlib import Path
 
 
+def _module_at(case) -> tuple[list[str], int | None]:
+    "A JUnit case's `classname` split at its dots, and where the last test_ module is among the parts (None: nowhere)"
+    parts = (case.get('classname') or '').split('.')
+    mods = [i for i, p in enumerate(parts) if p.startswith('test_')]
+    return parts, (mods[-1] if mods else None)
+
+
 def test_file(case) -> str:
     "A test case's file name: `file` if the report has it, else the test_ module in `classname` (tests.test_x.TestY)"
     if f := case.get('file'): return Path(f).name
-    parts = case.get('classname', '').split('.')
-    mods = [i for i, p in enumerate(parts) if p.startswith('test_')]
-    return f"{parts[mods[-1]]}.py" if mods else '(skipped at collection)'
+    parts, m = _module_at(case)
+    return f"{parts[m]}.py" if m is not None else '(skipped at collection)'
 
 
 def summarise(*paths) -> tuple[dict, list]:
@@ -41,10 +47,8 @@ def summarise(*paths) -> tuple[dict, list]:
 
 def node_id(case) -> str:
     "A JUnit test case's pytest id: tests.test_x.TestY + test_z[p] -> tests/test_x.py::TestY::test_z[p]"
-    parts = (case.get('classname') or '').split('.')
-    mods = [i for i, p in enumerate(parts) if p.startswith('test_')]
-    if not mods: return case.get('name') or ''
-    m = mods[-1]
+    parts, m = _module_at(case)
+    if m is None: return case.get('name') or ''
     return '::'.join(['/'.join(parts[:m + 1]) + '.py', *parts[m + 1:], case.get('name') or ''])
 
 
