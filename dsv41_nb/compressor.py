@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig
-from .dispatch import capturing
+from .dispatch import checks_values
 from .record_codecs import RecordCodec, cache_format
 from .kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 
@@ -67,7 +67,7 @@ def rope_cos_sin(inv_freq: torch.Tensor,   # (rope_dim/2,) from `rope_inv_freq`
     if pos.dtype.is_floating_point or pos.ndim != 1:
         raise TypeError(f"positions: expected 1-D integers, "
                         f"got {pos.dtype} of shape {tuple(pos.shape)}")
-    if pos.numel() and not capturing() and int(pos.min()) < 0:
+    if pos.numel() and checks_values() and int(pos.min()) < 0:
         raise ValueError(f"positions: holds {int(pos.min())}; expected >= 0")
     return _cos_sin(inv_freq, pos)
 

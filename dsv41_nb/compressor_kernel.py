@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from fastcore.basics import patch
 from .config import ModelConfig
-from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels, capturing,
+from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels, checks_values,
                                cuda_graph, HostReads, pdl_launch, pdl_wait)
 from .floors import HARDWARE
 from .formats import _e4m3_code, _e4m3_value, _e2m1_code, _ue8m0_code, _pow2, _bf16_bits
@@ -386,7 +386,7 @@ def _check_slots(name, slots, T, limit):
         raise TypeError(f"{name}: expected a ({T},) int32/int64 tensor, "
                         f"got {getattr(slots, 'dtype', type(slots))} "
                         f"of shape {tuple(getattr(slots, 'shape', ()))}")
-    if limit is not None and T and not capturing():
+    if limit is not None and T and checks_values():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= limit:
             raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, "
@@ -428,7 +428,7 @@ def check_inputs(self: Compressor, kv, score, positions, ring_slots, compressed_
                if t is not None}
     if len(devices) > 1:
         raise ValueError(f"arguments on several devices {sorted(map(str, devices))}")
-    if check_slots and T and not capturing():
+    if check_slots and T and checks_values():
         if int(positions.min()) < 0:
             raise ValueError(f"positions: holds {int(positions.min())}; expected >= 0")
         bad = ((compressed_slots >= 0) & ((positions + 1) % r != 0)).nonzero().flatten()

@@ -22,7 +22,7 @@ from .indexer import Indexer, IndexBatch
 # imported for their side: they give `Compressor` its `emit` and `forward`, `Indexer` its `select`
 # and `forward`
 from . import compressor_kernel, indexer_kernels
-from .dispatch import capturing, kernel_backend
+from .dispatch import capturing, checks_values, kernel_backend
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',
@@ -336,7 +336,7 @@ def _int_tensor(name, t, shape):
 def _check_ranges(*checks):
     ("Each (name, t, lo, hi): t within lo..hi-1, else an "
      "IndexError naming it; one read back to the host for them all")
-    checks = [c for c in checks if c[1].numel() and not capturing()]
+    checks = [c for c in checks if c[1].numel() and checks_values()]
     if not checks: return
     out_of_range = torch.stack([((t < lo) | (t >= hi)).any() for _, t, lo, hi in checks])
     if not bool(out_of_range.any()): return

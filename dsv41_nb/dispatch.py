@@ -16,7 +16,8 @@ _forced: str | None = None
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
            'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'mm_f32',
            'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured', 'HostReads',
-           'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait', 'spec_class', 'launch_keys']
+           'checks_values', 'trusted_values', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait', 'spec_class',
+           'launch_keys']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -255,6 +256,25 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
     @property
     def count(self) -> int: return sum(self.sites.values())
+
+# %% ../nbs/00a_dispatch.ipynb #1c14835e
+_trusted = False
+
+# %% ../nbs/00a_dispatch.ipynb #1af7e67b
+def checks_values() -> bool:
+    ("Should an argument check read device values back? Not while capturing (`capturing`), "
+     "nor inside `trusted_values`")
+    return not (_trusted or capturing())
+
+# %% ../nbs/00a_dispatch.ipynb #fe70cac7
+@contextmanager
+def trusted_values():
+    ("Inside the block, the argument checks that read device values back are skipped: the "
+     "caller vouches for them (shapes and dtypes are still checked)")
+    global _trusted
+    prev, _trusted = _trusted, True
+    try: yield
+    finally: _trusted = prev
 
 # %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
 def cuda_graph(fn, # the work to capture, no arguments: tensors it touches stay the graph's buffers

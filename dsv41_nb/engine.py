@@ -107,6 +107,9 @@ class EngineArgs:
     # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
     kernels: str | None = None
     seed: int = 0  # the generator of unseeded random requests
+    # check the values of every eager step (slots in range, positions >= 0), a device sync each;
+    # False: trust them, as the graphs do (the engine builds them itself)
+    check_values: bool = False
     def __post_init__(self):
         if self.runner not in RUNNERS:
             raise ValueError(f"runner = {self.runner!r}; expected one of {RUNNERS}")
@@ -119,6 +122,8 @@ class EngineArgs:
             check_int('EngineArgs', 'max_model_len', self.max_model_len, 1)
         if self.gpu_memory_utilization is not None:
             check_share('EngineArgs', 'gpu_memory_utilization', self.gpu_memory_utilization)
+        if not isinstance(self.check_values, bool):
+            raise TypeError(f"check_values = {self.check_values!r}; expected a bool")
         if self.warm_up_prefill not in (None, True, False):
             raise TypeError(f"warm_up_prefill = {self.warm_up_prefill!r}; expected None or a bool")
         if self.speculative is not None and not isinstance(self.speculative, str):
@@ -191,7 +196,7 @@ class LLMEngine:
             graphs = isinstance(step_model, CUDAGraphModel)
             self.proposer.serve(capture=a.max_num_seqs if graphs else 0)
         self.runner = ModelRunner(step_model, self.kv_cache_config, self.proposer, a.seed,
-                                  step_model.device, a.kernels)
+                                  step_model.device, a.kernels, a.check_values)
         self.tracked, self._pending = {}, None
         # a proposer that paces itself by measured step times is told of each decode step
         self._observer, self._tally = getattr(self.proposer, 'observe_step', None), (0, 0)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
-                               use_kernels, capturing, pdl_launch, pdl_wait)
+                               use_kernels, checks_values, pdl_launch, pdl_wait)
 from .config import check_int
 from .formats import (FP8_MAX, FP4_MAX, e4m3_values, _hw_cvt, _e4m3_code, _e4m3_value,
                               _ue8m0_code, _pow2, _ue8m0_value, _e2m1_code, _e2m1_value, _bf16_bits,
@@ -51,7 +51,7 @@ def _check_slots(name: str, # what the message calls the tensor
                         f"of shape {tuple(getattr(slots, 'shape', ()))}")
     if n is not None and slots.numel() != n:
         raise ValueError(f"{name}: has {slots.numel()} entries for {n} vectors")
-    if check_range and slots.numel() and not capturing():
+    if check_range and slots.numel() and checks_values():
         lo, hi = slots.min().item(), slots.max().item()
         if lo < -1 or hi >= num_slots:
             raise IndexError(f"{name}: holds {lo if lo < -1 else hi}, "

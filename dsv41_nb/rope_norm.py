@@ -8,7 +8,7 @@ import struct
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, capturing, pdl_launch, pdl_wait
+from .dispatch import kernel_backend, checks_values, pdl_launch, pdl_wait
 from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm
 
 # %% auto #0
@@ -92,7 +92,7 @@ def _check_rope(x, inv_freq, positions):
         raise TypeError(f"rope: positions must be integers of shape ({x.shape[0]},), got "
                         f"{getattr(positions, 'dtype', type(positions).__name__)} "
                         f"of shape {tuple(getattr(positions, 'shape', ()))}")
-    if positions.numel() and not capturing() and int(positions.min()) < 0:
+    if positions.numel() and checks_values() and int(positions.min()) < 0:
         raise ValueError(f"rope: positions holds {int(positions.min())}; expected >= 0")
     return positions
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from itertools import compress
 from operator import is_not
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Sequence
@@ -17,7 +17,7 @@ import torch
 from fastcore.basics import patch
 from .config import check_int
 from .block_pool import NULL_BLOCK_ID
-from .dispatch import use_kernels
+from .dispatch import use_kernels, trusted_values
 from .kv_cache import KVCacheConfig
 from .kv_manager import SlotMappings
 from .scheduler import SchedulerOutput, ModelRunnerOutput, PLACEHOLDER
@@ -267,6 +267,9 @@ class ModelRunner:
         device=None, # where the batch goes (default: the CPU)
         # 'triton' or 'torch' kernels in the model and its proposer (None: the dispatch's)
         kernels: str | None = None,
+        # read the step's values back and check them on every eager step (False: trust them, as
+        # a graph's replay does: no synchronisation for a slot's range or a position's sign)
+        check_values: bool = False,
     ):
         if not all(callable(getattr(model, f, None)) for f in ('forward', 'release')):
             raise TypeError(f"ModelRunner: the model needs forward(batch) and release(ids); "
@@ -278,6 +281,9 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(
             check_int('ModelRunner', 'seed', seed, 0))
         self.requests, self.generators, self.kernels, self.filled_rows = {}, {}, kernels, 0
+        if not isinstance(check_values, bool):
+            raise TypeError(f"ModelRunner: check_values must be a bool, got {check_values!r}")
+        self.check_values = check_values
         # the requests' rows, kept across steps; the ids a model wants before each row
         self.buffers = InputBuffers(kv_cache_config.groups)
         self.history_len = check_int('ModelRunner', "the model's history_len",
@@ -565,12 +571,21 @@ def _forget(self: ModelRunner, so: SchedulerOutput):
         self.contexts.reset([self.buffers.row_of[r] for r in gone if r in self.buffers.row_of])
     self.buffers.release(gone); self.model.release(gone)
 
+# %% ../nbs/12d_runner.ipynb #ce56d46d
+@patch
+def _kernels_and_checks(self: ModelRunner) -> ExitStack:
+    "Around a model call: the runner's kernels, and the value checks off unless `check_values`"
+    stack = ExitStack()
+    if self.kernels: stack.enter_context(use_kernels(self.kernels))
+    if not self.check_values: stack.enter_context(trusted_values())
+    return stack
+
 # %% ../nbs/12d_runner.ipynb #c0491382
 @patch
 def _logits(self: ModelRunner, so: SchedulerOutput) -> tuple:
     "(sample plan, logits) of a step: the batch built and the model run"
     batch, plan = self.prepare_inputs(so)
-    with use_kernels(self.kernels) if self.kernels else nullcontext():
+    with self._kernels_and_checks():
         logits = self.model.forward(batch)     # (N, vocab)
     if tuple(logits.shape) != (len(batch.logits_indices), self.vocab_size):
         raise RuntimeError(f"model logits of shape {tuple(logits.shape)}; "
@@ -774,7 +789,7 @@ def execute_model(self: ModelRunner, so: SchedulerOutput) -> ModelRunnerOutput:
                | (self._sample(logits, plan) if plan else {}))
     lists = [self._known(r, keep) + sampled[r] for r, _, _, keep in plan]
     kw = {} if self.tap_model is None else {'hidden': self._hidden(so, sampled, plan, lists)}
-    with use_kernels(self.kernels) if self.kernels else nullcontext():   # the drafter's too
+    with self._kernels_and_checks():   # the drafter's too
         drafts = self.proposer.propose(lists, **kw) if self.proposer is not None and plan else []
     # drafts to verify, or accepted ones the scheduler has not seen: the next step has drafts
     self._pending = any(map(len, drafts)) or any(len(t) > 1 for t in sampled.values())

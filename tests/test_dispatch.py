@@ -157,3 +157,17 @@ def test_launch_keys_tell_specializations_apart_and_the_kernels_still_run():
     with pytest.raises(RuntimeError, match='inside'):
         with launch_keys(): raise RuntimeError('inside')
     assert (JITFunction.run, InterpretedFunction.run) == runs
+
+
+def test_trusted_values_skip_only_the_checks_that_read_values():
+    "Inside trusted_values a negative position is not read back (no error); outside, it is refused; shapes always are"
+    from dsv41_nb.dispatch import trusted_values, checks_values
+    from dsv41_nb.rope_norm import _check_rope
+    x, f = torch.zeros(3, 8), torch.ones(2)
+    with pytest.raises(ValueError, match='positions holds -1'): _check_rope(x, f, torch.tensor([0, -1, 2]))
+    with trusted_values():
+        assert not checks_values()
+        _check_rope(x, f, torch.tensor([0, -1, 2]))
+        with pytest.raises(TypeError, match=r'positions must be integers of shape \(3,\)'):
+            _check_rope(x, f, torch.tensor([0, 1]))
+    assert checks_values()

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import use_kernels
+from dsv41_nb.dispatch import use_kernels, HostReads
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.model_forward import generate_greedy
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
@@ -149,6 +149,7 @@ BAD = [
     (lambda: kv_pool_blocks(_LLM.llm_engine.kv_cache_config, 4, 0.9, 10**6, 10**9), ValueError,
      'gpu_memory_utilization = 0.9 leaves 0 B of the GPU'),
     (lambda: LLM(MODEL, warm_up_prefill='yes'), TypeError, "warm_up_prefill = 'yes'; expected None or a bool"),
+    (lambda: LLM(MODEL, check_values=1), TypeError, "check_values = 1; expected a bool"),
     (lambda: warm_up_lengths(0, 8), ValueError, 'warm_up_lengths: budget = 0'),
     (lambda: warm_up_lengths(8, 2.5), TypeError, 'warm_up_lengths: longest must be an int'),
     (lambda: _LLM.llm_engine.warm_up_prefill([4, 64]), ValueError,
@@ -1189,3 +1190,38 @@ def test_sweep_verdict_says_rising_and_within():
                          (rows, dict(within=0), 'positive number'), (rows, dict(within=True), 'positive number'),
                          (rows, dict(within='2'), 'positive number')]:
         with pytest.raises(ValueError, match=msg): sweep_verdict(bad, **kw)
+
+
+def test_eager_steps_trust_their_values_unless_asked():
+    """An eager step skips the checks that read values back (check_values False, the default) and gives the same
+    tokens as one that checks every slot and position (check_values True); on the Triton path (the one a GPU runs)
+    the prompts' eager step then reads back a fraction of what it did"""
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(20 + 9 * i)] for i in range(3)]
+    reads, texts = {}, {}
+    for check in (False, True):
+        eng = LLM(MODEL, max_model_len=128, kernels='torch', check_values=check).llm_engine
+        for i, p in enumerate(prompts): eng.add_request(str(i), p, sp)
+        with HostReads() as r: eng.step()                     # the prompts: an eager step
+        reads[check], out = r.sites, []
+        while eng.has_unfinished_requests(): out += eng.step()
+        texts[check] = sorted((o.request_id, o.outputs[0].token_ids) for o in out if o.finished)
+    assert texts[False] == texts[True]
+    checks = ('_check_rope', '_check_slots', '_check_ranges', ' check')
+    for check, sites in reads.items():   # the checks' reads: there with check_values, gone without
+        assert any(k.endswith(checks) for k in sites) == check, (check, sites)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get('TRITON_INTERPRET') and not torch.cuda.is_available(),
+                    reason='the Triton kernels need a GPU or TRITON_INTERPRET=1')
+def test_an_eager_triton_step_reads_back_little():
+    "The prompts' eager step on the Triton kernels: at least four times fewer read-backs without the value checks"
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    reads = {}
+    for check in (False, True):
+        eng = LLM(MODEL, max_model_len=64, kernels='triton', check_values=check).llm_engine
+        for i in range(2): eng.add_request(str(i), list(range(1, 18 + 5 * i)), sp)
+        with HostReads() as r: eng.step()
+        reads[check] = r.count
+    assert reads[True] >= 4 * reads[False], reads
