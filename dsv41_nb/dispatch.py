@@ -257,16 +257,16 @@ class HostReads(TorchDispatchMode):
     @property
     def count(self) -> int: return sum(self.sites.values())
 
-# %% ../nbs/00a_dispatch.ipynb #1c14835e
+# %% ../nbs/00a_dispatch.ipynb #b4c29a21
 _trusted = False
 
-# %% ../nbs/00a_dispatch.ipynb #1af7e67b
+# %% ../nbs/00a_dispatch.ipynb #1a975921
 def checks_values() -> bool:
     ("Should an argument check read device values back? Not while capturing (`capturing`), "
      "nor inside `trusted_values`")
     return not (_trusted or capturing())
 
-# %% ../nbs/00a_dispatch.ipynb #fe70cac7
+# %% ../nbs/00a_dispatch.ipynb #34e82efa
 @contextmanager
 def trusted_values():
     ("Inside the block, the argument checks that read device values back are skipped: the "

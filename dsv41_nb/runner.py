@@ -571,7 +571,7 @@ def _forget(self: ModelRunner, so: SchedulerOutput):
         self.contexts.reset([self.buffers.row_of[r] for r in gone if r in self.buffers.row_of])
     self.buffers.release(gone); self.model.release(gone)
 
-# %% ../nbs/12d_runner.ipynb #ce56d46d
+# %% ../nbs/12d_runner.ipynb #cd3223b1
 @patch
 def _kernels_and_checks(self: ModelRunner) -> ExitStack:
     "Around a model call: the runner's kernels, and the value checks off unless `check_values`"
