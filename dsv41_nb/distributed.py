@@ -17,7 +17,7 @@ from .record_codecs import FP8Record, _as_bytes, _bytes_as
 from .moe import MoEWeights, QuantWeight, route_layer
 from .fused_moe import (ExpertAlignment, align_by_expert, fp8_act_quant, expert_gate_up,
                                 expert_down, moe_launch_shape)
-from .engram import EngramTable, head_shards, engram_gate, engram_update
+from .engram_table import EngramTable, head_shards, engram_gate, engram_update
 from .mhc import hc_pre, _rms_norm
 from .model import Transformer, DenseEngram
 from .paged import moe_weights

@@ -15,7 +15,8 @@ from .dispatch import use_kernels
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
 from .kv_cache import KVCacheConfig
 from .kv_manager import SlotMappings
-from .engram import Engram, EngramTable, head_shards, engram_kv, engram_gate, engram_update
+from .engram_table import (Engram, EngramTable, head_shards, engram_kv, engram_gate,
+                                  engram_update)
 from .model import Transformer, ByteTokenizer, init_random
 from .checkpoint import load_model
 from .paged import PagedModel

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fastcore.basics import patch
 from .config import ModelConfig, check_int
 from .dispatch import machine_name
-from .engram import head_shards
+from .engram_table import head_shards
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_config
 from .scheduler import SamplingParams, SchedulerConfig

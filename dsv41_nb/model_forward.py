@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .config import ModelConfig, check_int
 from .compressor import layer_inv_freq, rope_cos_sin, apply_rope, pool_group
 from .mhc import hc_mixes, hc_split, hc_pre, hc_expand, _rms_norm
-from .engram import engram_gate, engram_update
+from .engram_table import engram_gate, engram_update
 from .model import (Attention, DenseIndexer, Expert, MoE, DenseEngram, Block, Transformer,
                             act_qdq, ds_fp4_qdq, mxfp4_qdq, init_module_)
 

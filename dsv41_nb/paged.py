@@ -31,7 +31,7 @@ from .moe_fp8 import fp8_gate_up, fp8_down, fits_fp8_words, fp8_launch_shape, by
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
 from .dispatch import kernel_backend, checks_values
-from .engram import Engram, EngramTable
+from .engram_table import Engram, EngramTable
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 
 # %% auto #0

@@ -4,7 +4,7 @@ against one process.
 Every distributed scenario runs in a single spawn of two ranks per module (the `ranks` fixture); each test reads its
 part. The oracles are 08_moe's `moe_reference` (the PyTorch path: the layer's output must be the same bits, since the
 combine repeats the reference loop's fp32 additions in its order), `ep_moe_simulated` (the same exchange with lists in
-one process: the same bits on any kernel path), 09_engram's `engram_lookup`, and brute-force enumeration for the
+one process: the same bits on any kernel path), 09_engram_table's `engram_lookup`, and brute-force enumeration for the
 traffic formulas, and for the whole-model step 10_model_forward's `Transformer` forward in one process (with a rank's
 share of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the default-path
 scenario runs the Triton kernels."""
@@ -20,8 +20,8 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.moe import MoEWeights, moe_reference, route_layer, fp8_qdq
 from dsv41_nb.model import init_random
-from dsv41_nb.engram import (Engram, NgramHasher, head_shards, engram_lookup, compressed_token_map,
-                             synthetic_token_strings)
+from dsv41_nb.engram import NgramHasher, compressed_token_map, synthetic_token_strings
+from dsv41_nb.engram_table import Engram, head_shards, engram_lookup
 from dsv41_nb import distributed as dd
 
 pytestmark = pytest.mark.processes    # run apart from other pytest workers (see conftest)

@@ -1,5 +1,6 @@
 """Engram: the token map, n-gram hashing against a plain-Python reference and against values computed with DeepSeek's
-public code, row ranges and spread, the gather kernel against the PyTorch reference, the gate, sharding, and bad input.
+public code, row ranges and spread (09_engram, module engram); the gather kernel against the PyTorch reference, the
+gate, sharding (09_engram_table, module engram_table); and bad input to each module.
 
 Kernel tests need Triton: a GPU, or TRITON_INTERPRET=1 on a CPU (as CI runs them); without either they are skipped."""
 import dataclasses
@@ -12,8 +13,9 @@ from dsv41_nb.config import ModelConfig, engram_bucket_primes
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.formats import quantize_fp8, dequantize_fp8
 from dsv41_nb.engram import (normalize_token, compressed_token_map, synthetic_token_strings, hash_multipliers,
-                             ngram_hashes_reference, NgramHasher, hash_spread, EngramTable, engram_lookup, engram_kv,
-                             engram_gate, Engram, head_shards, sharding_traffic)
+                             ngram_hashes_reference, NgramHasher, hash_spread)
+from dsv41_nb.engram_table import (EngramTable, engram_row_codec, engram_lookup, engram_kv, engram_gate, Engram,
+                                   head_shards, sharding_traffic)
 from machine import DEV, HAS_TRITON
 
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
@@ -174,7 +176,7 @@ _HASHER = NgramHasher(TINY, *TINY_MAP)
 _TABLE = EngramTable.from_values(torch.randn(50, 64))
 _NO_ENGRAM = dataclasses.replace(TINY, engram_layer_ids=(), engram_num_embeddings=())
 _ROWS = torch.zeros(2, 6, 32)
-BAD_INPUT = [  # (call, part of the message)
+BAD_INPUT = [  # engram: (call, part of the message)
     (lambda: _HASHER(torch.tensor([[5, 512]])), 'token ids: id 512 is out of range; expected 0..511'),
     (lambda: _HASHER(torch.tensor([[-1, 3]])), 'token ids: id -1 is out of range; expected 0..511'),
     (lambda: _HASHER(torch.tensor([[1.0, 3.0]])), 'token ids: expected an integer tensor'),
@@ -197,11 +199,18 @@ BAD_INPUT = [  # (call, part of the message)
     (lambda: synthetic_token_strings(100, 10), 'at most 5 texts per key'),
     (lambda: synthetic_token_strings(5, 10), 'vocab_size = 5; expected at least 10'),
     (lambda: hash_spread(_HASHER, torch.zeros(3, 2, 6, dtype=torch.long), bins=1), 'bins = 1; expected at least 2'),
+]
+
+BAD_TABLE_INPUT = [  # engram_table: (call, part of the message)
+    (lambda: engram_row_codec('full'), 'engram_row_codec: expected a ModelConfig'),
     (lambda: EngramTable(torch.zeros(4, 65, dtype=torch.uint8), 64), 'expected records of 66 bytes'),
     (lambda: EngramTable(torch.zeros(4, 66), 64), 'expected uint8 records'),
     (lambda: EngramTable(torch.zeros(4, 41, dtype=torch.uint8), 40), 'head_dim = 40 is not a multiple of 32'),
     (lambda: EngramTable(torch.zeros(4, 66, dtype=torch.uint8), 64, -3), 'row_start = -3; expected at least 0'),
     (lambda: EngramTable.from_checkpoint(torch.zeros(4, 64), torch.zeros(4, 2)), 'expected float8_e4m3fn weight'),
+    (lambda: EngramTable.from_checkpoint(torch.zeros(4, 64).to(torch.float8_e4m3fn),
+                                         torch.zeros(4, 3).to(torch.float8_e8m0fnu)), 'needs scale (4, 2), got (4, 3)'),
+    (lambda: EngramTable.from_values(torch.zeros(64)), 'expected (rows, head_dim) values, got (64,)'),
     (lambda: _TABLE.shard(40, 60), '[40, 60) is not inside the table'),
     (lambda: _TABLE.placed('disk'), "placement 'disk'; expected 'gpu' or 'host'"),
     (lambda: engram_lookup(_TABLE, torch.tensor([-2])), 'negative row id -2'),
@@ -211,11 +220,18 @@ BAD_INPUT = [  # (call, part of the message)
     (lambda: Engram(TINY, 3, _TABLE, None, None, None), 'layer 3 is not in engram_layer_ids (1, 4)'),
     (lambda: Engram(TINY, 1, _TABLE, torch.zeros(3, 3), torch.zeros(4, 64), torch.zeros(4, 64)),
      'wkv has shape (3, 3), expected (320, 192)'),
+    (lambda: Engram(TINY, 1, _TABLE, torch.zeros(320, 192), torch.zeros(4, 64), torch.zeros(4, 64)),
+     'table rows hold 64 values, the config 32'),
     (lambda: head_shards(TINY, 7), '7 ranks for 6 hash heads'),
     (lambda: head_shards(TINY, 0), 'world_size = 0; expected at least 1'),
     (lambda: sharding_traffic(TINY, 2, -1), 'batch = -1; expected at least 0'),
+    (lambda: sharding_traffic(TINY, 0, 1), 'world_size = 0; expected at least 1'),
 ]
 
 @pytest.mark.parametrize('call,message', BAD_INPUT, ids=[m[:40] for _, m in BAD_INPUT])
 def test_bad_input_raises_a_clear_error(call, message):
+    fails_with(call, contains=message)
+
+@pytest.mark.parametrize('call,message', BAD_TABLE_INPUT, ids=[m[:40] for _, m in BAD_TABLE_INPUT])
+def test_bad_table_input_raises_a_clear_error(call, message):
     fails_with(call, contains=message)

@@ -21,8 +21,9 @@ import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, copy_bandwidth, machine_name, cuda_graph
 from dsv41_nb.floors import expert_touch_fraction
-from dsv41_nb.engram import (EngramTable, NgramHasher, compressed_token_map, synthetic_token_strings, engram_lookup,
-                             engram_lookup_torch, engram_gate, engram_update, engram_row_codec)
+from dsv41_nb.engram import NgramHasher, compressed_token_map, synthetic_token_strings
+from dsv41_nb.engram_table import (EngramTable, engram_lookup, engram_lookup_torch, engram_gate, engram_update,
+                                   engram_row_codec)
 
 PLACEMENTS = ('hbm', 'uva', 'uva_prefetch')
 CUDA = torch.cuda.is_available()

@@ -3,7 +3,7 @@
 # kernels, every tools/bench_*.py, and re-execute the kernel notebooks so their committed outputs carry GPU numbers.
 #   bash tools/gpu_check.sh OUTDIR [notebooks to re-execute ...]
 # Without a notebook list it re-executes the kernel notebooks that exist among 01_formats, 01b_records,
-# 03b_compressor_kernel, 04b_indexer_kernels, 07a_mhc_kernel, 07b_mhc_speed, 08_moe, 08b_fused_moe and 09_engram.
+# 03b_compressor_kernel, 04b_indexer_kernels, 07a_mhc_kernel, 07b_mhc_speed, 08_moe, 08b_fused_moe and 09_engram_table.
 # Each benchmark runs as `python3 tools/bench_NAME.py --json OUTDIR/bench_NAME.json`.
 # A GPU machine that cannot reach a package index needs nbdev's wheels: `bash tools/gpu_wheels.sh` puts them in .whl/
 # beforehand, and this script installs them from there.
@@ -14,7 +14,7 @@ if [ $# -gt 0 ]; then NOTEBOOKS="$*"
 else
   NOTEBOOKS=""
   for n in 01_formats 01b_records 03b_compressor_kernel 04b_indexer_kernels 07a_mhc_kernel 07b_mhc_speed 08_moe \
-           08b_fused_moe 09_engram; do
+           08b_fused_moe 09_engram_table; do
     [ -f "nbs/$n.ipynb" ] && NOTEBOOKS="$NOTEBOOKS nbs/$n.ipynb"
   done
 fi
