@@ -1,8 +1,9 @@
 """The OpenAI-compatible server of `16a_http_server` as its clients meet it: the official `openai` package for
 completions, chat, streaming and errors; greedy text equal to `LLM.generate`'s; 64 concurrent streaming clients,
 after which the pool has every block back and /metrics agrees with what the clients counted; clients that hang up; a
-failing engine step; one table of bad inputs, each a 400 naming its field; the load generator and Ctrl-C on `serve`
-in a subprocess (both `16b_serve_cli`).
+failing engine step; one table of bad inputs, each a 400 naming its field, and one of bad calls to the functions of
+`16_server_api`, each a TypeError or ValueError naming its argument; the load generator and Ctrl-C on `serve` in a
+subprocess (both `16b_serve_cli`).
 Then `serve --data-parallel-size 2` (spawned ranks) and `serve` under torchrun, each in a process group of its own
 (marked `processes`): concurrent greedy answers equal the one-process engine's, requests on both ranks, streaming, a
 client that hangs up on one rank while the other rank's request goes on, no blocks left held, and Ctrl-C ending every
@@ -11,12 +12,15 @@ The server runs on 127.0.0.1 on a free port, its engine on the PyTorch kernels (
 switches on, would take minutes a step)."""
 import argparse, asyncio, json, os, selectors, signal, subprocess, sys, time
 from pathlib import Path
+from types import SimpleNamespace
 import httpx, openai, pytest, torch
 from dsv41_nb.checkpoint import load_model
 from dsv41_nb.distributed import free_port
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
-from dsv41_nb.server import parse_metrics, chat_prompt
+from dsv41_nb.server import AsyncEngine
+from dsv41_nb.server_api import (APIError, field, sampling_params, completion_prompt, chat_messages, chat_prompt,
+                                 choice, response, usage, sse, ServerMetrics, parse_metrics)
 from dsv41_nb.http_server import OpenAIServer, ServerThread
 from dsv41_nb.serve_cli import (run_bench, bench_prompts, add_bench_serve_arguments,
                                 bench_serve, add_serve_arguments, serve)
@@ -171,6 +175,67 @@ def test_bad_input_table(server):
         assert ok['usage']['completion_tokens'] == 2
     assert idle_pool(server).get_num_free_blocks() == free0             # refused requests left nothing behind
 
+
+
+def bare_front(): return AsyncEngine(SimpleNamespace())      # a front that is never started: its engine is not read
+BAD_CALLS = [
+    (lambda: field([1], 'n', 'an integer'), TypeError, 'field: body must be a dict'),
+    (lambda: field({}, 'n', 'an int'), ValueError, "field: kind = 'an int'; expected one of"),
+    (lambda: field({}, 'n', ['an integer']), ValueError, "field: kind = ['an integer']"),
+    (lambda: sampling_params('{}', 10, 256, 512), TypeError, 'sampling_params: body must be a dict'),
+    (lambda: sampling_params({}, 0, 256, 512), ValueError, 'sampling_params: n_prompt = 0; expected at least 1'),
+    (lambda: sampling_params({}, 10, 256.0, 512), TypeError, 'sampling_params: max_model_len must be an int'),
+    (lambda: sampling_params({}, 10, 256, 0), ValueError, 'sampling_params: vocab_size = 0'),
+    (lambda: sampling_params({}, 10, 256, 512, 0), ValueError, 'sampling_params: default_max_tokens = 0'),
+    (lambda: sampling_params({}, 10, 256, 512, True), TypeError, 'default_max_tokens must be an int'),
+    (lambda: completion_prompt(None), TypeError, 'completion_prompt: body must be a dict'),
+    (lambda: chat_messages([]), TypeError, 'chat_messages: body must be a dict'),
+    (lambda: chat_prompt('user: hi'), TypeError, 'chat_prompt: messages must be a list of (role, text) pairs'),
+    (lambda: chat_prompt([('user', 3)]), TypeError, 'chat_prompt: messages must be'),
+    (lambda: chat_prompt([('user', 'a', 'b')]), TypeError, 'chat_prompt: messages must be'),
+    (lambda: choice(b'a', None, False, False), TypeError, 'choice: text must be a str, got bytes'),
+    (lambda: choice('a', 1, False, False), TypeError, 'choice: finish must be a str or None'),
+    (lambda: choice('a', None, 1, False), TypeError, 'choice: chat must be a bool'),
+    (lambda: choice('a', None, False, None), TypeError, 'choice: stream must be a bool'),
+    (lambda: response(1, 'm', 0, [], False, False), TypeError, 'response: rid must be a str'),
+    (lambda: response('r', None, 0, [], False, False), TypeError, 'response: model must be a str'),
+    (lambda: response('r', 'm', -1, [], False, False), ValueError, 'response: created = -1'),
+    (lambda: response('r', 'm', 0, {}, False, False), TypeError, 'response: choices must be a list'),
+    (lambda: response('r', 'm', 0, [], False, 'yes'), TypeError, 'response: stream must be a bool'),
+    (lambda: usage(-1, 0), ValueError, 'usage: n_prompt = -1'),
+    (lambda: usage(1, 2.0), TypeError, 'usage: n_out must be an int'),
+    (lambda: sse(object()), TypeError, 'not JSON serializable'),
+    (lambda: APIError(3), TypeError, 'APIError: message must be a str'),
+    (lambda: APIError('x', 7), TypeError, 'APIError: param must be a str or None'),
+    (lambda: APIError('x', status=200), ValueError, 'APIError: status = 200'),
+    (lambda: APIError('x', status='400'), TypeError, "APIError: status must be an int, got str '400'"),
+    (lambda: ServerMetrics('front', 'm'), TypeError, 'ServerMetrics: front must be an AsyncEngine'),
+    (lambda: ServerMetrics(bare_front(), ''), ValueError, 'ServerMetrics: model_name is empty'),
+    (lambda: ServerMetrics(bare_front(), None), TypeError, 'ServerMetrics: model_name must be a str'),
+    (lambda: parse_metrics(b'x 1'), TypeError, 'parse_metrics: text must be a str'),
+    (lambda: parse_metrics('x{ 1'), ValueError, "parse_metrics: not Prometheus' text format"),
+]
+
+
+@pytest.mark.parametrize('f,exc,msg', BAD_CALLS, ids=[m for *_, m in BAD_CALLS])
+def test_bad_calls_to_the_protocol_functions(f, exc, msg):
+    "Each row: the exception's type, and a message naming the function and the argument"
+    with pytest.raises(exc) as e: f()
+    assert msg in str(e.value), str(e.value)
+
+
+def test_the_protocol_functions_take_what_the_server_hands_them():
+    "The checks refuse nothing the server passes: a request's parts, a chunk and its event, and the metrics' text"
+    sp, stops = sampling_params({'stop': 'END', 'max_tokens': 4}, 3, MAX_LEN, 512, None)
+    assert (sp.max_tokens, stops) == (4, ['END'])
+    assert completion_prompt({'prompt': [[1, 2]]}) == [1, 2]
+    assert chat_prompt(chat_messages(chat('hi'))) == 'user: hi\nassistant:'
+    r = response('cmpl-1', MODEL, 0, [choice('a', None, True, True)], True, True, usage=usage(3, 0))
+    assert json.loads(sse(r)[6:]) == r and r['object'] == 'chat.completion.chunk'
+    assert sse('[DONE]') == 'data: [DONE]\n\n'
+    assert APIError('busy', None, 503, 'service_unavailable').body()['error']['code'] == 503
+    met = ServerMetrics(AsyncEngine(new_llm()), MODEL)
+    assert parse_metrics(met.render().decode())['vllm:num_requests_running'] == 0
 
 def test_openai_client_errors(client):
     "The openai package raises BadRequestError with the field, for the errors above"
