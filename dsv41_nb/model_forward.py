@@ -207,6 +207,9 @@ def project_out(self: Attention, o: torch.Tensor, run: DenseRun) -> torch.Tensor
     o = torch.einsum('bsgi,gri->bsgr', o, w)                            # (B, S, G, R)
     return self.wo_b(o.flatten(2), run.quant)
 
+# %% ../nbs/10_model_forward.ipynb #10988eef
+Attention.attend = staticmethod(dense_attention)  # the core `forward` calls
+
 # %% ../nbs/10_model_forward.ipynb #412bde04
 @patch
 def forward(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
@@ -219,7 +222,7 @@ def forward(self: Attention, x: torch.Tensor, run: DenseRun) -> torch.Tensor:
     if self.ratio:
         compressed, chosen = self.select(x, qr, run)
         keys, allowed = torch.cat([keys, compressed], 1), torch.cat([allowed, chosen], 2)
-    return self.project_out(dense_attention(q, keys, allowed, self.attn_sink, self.scale), run)
+    return self.project_out(self.attend(q, keys, allowed, self.attn_sink, self.scale), run)
 
 # %% ../nbs/10_model_forward.ipynb #55c82461
 @patch

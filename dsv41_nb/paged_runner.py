@@ -131,16 +131,14 @@ def attention_fp64(q, window, compressed, idx, sink, scale, check_indices: bool 
 def fp64_attention(paged: PagedModel):
     ("Inside the block, the reference path and `paged`'s layers attend in fp64 "
      "(a comparison knob, restored on exit)")
-    # `Attention.forward` reads `dense_attention` from the namespace it was defined in: the
-    # module's, or a notebook's that re-ran 10_model_forward's `@patch` cells in this process
-    spaces = list({id(g): g for g in (vars(reference), reference.Attention.forward.__globals__)
-                   }.values())
-    before = [g['dense_attention'] for g in spaces], [l.attn.attend for l in paged.layers]
-    for g in spaces: g['dense_attention'] = dense_attention_fp64
+    if not isinstance(paged, PagedModel):
+        raise TypeError(f"fp64_attention: expected a PagedModel, got {type(paged).__name__}")
+    before = reference.Attention.attend, [l.attn.attend for l in paged.layers]
+    reference.Attention.attend = staticmethod(dense_attention_fp64)
     for l in paged.layers: l.attn.attend = attention_fp64
     try: yield
     finally:
-        for g, f in zip(spaces, before[0]): g['dense_attention'] = f
+        reference.Attention.attend = staticmethod(before[0])
         for l, a in zip(paged.layers, before[1]): l.attn.attend = a
 
 # %% ../nbs/10b_paged_runner.ipynb #bfd3750d

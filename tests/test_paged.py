@@ -6,6 +6,7 @@ their own tests.
 
 CPU fp32 GEMMs take another MKL kernel for fewer than four rows and round differently in the last bit, so the exact
 comparisons keep every step (and every decoder sub-batch) at a multiple of four rows."""
+import types
 from dataclasses import replace
 import pytest
 import torch
@@ -17,6 +18,9 @@ from dsv41_nb.dispatch import use_kernels, triton_interpreting, HostReads, as_ca
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.csa2 import SparseIndices
 from dsv41_nb.paged import PagedModel, PagedLinear, truncate_window
+from dsv41_nb import paged_runner
+from dsv41_nb.model import Attention
+from dsv41_nb.model_forward import dense_attention
 from dsv41_nb.paged_runner import (PagedRunner, fp64_attention, logits_tolerance, context_blocks,
                                    single_request_steps)
 from dsv41_nb.paged_step import PagedStepModel, step_model
@@ -67,6 +71,22 @@ def test_greedy_parity_with_the_reference(models):
             assert want.argmax(-1).tolist() == s[len(p):]
             assert (want - lg).abs().max().item() <= logits_tolerance(pm)
 
+
+
+def test_fp64_attention_reaches_a_forward_defined_elsewhere(models, monkeypatch):
+    """fp64_attention swaps the core every reference `forward` attends through, whatever namespace that forward reads
+    its names from: here a copy of `Attention.forward` with globals of its own, as a notebook that re-ran
+    10_model_forward's cells leaves behind in its process. Each layer then attends in fp64 once, and the core is back
+    after the block"""
+    model, pm = models
+    f = Attention.forward
+    monkeypatch.setattr(Attention, 'forward', types.FunctionType(f.__code__, dict(f.__globals__), f.__name__,
+                                                                 f.__defaults__, f.__closure__))
+    calls, attend = [], paged_runner._attend_fp64
+    monkeypatch.setattr(paged_runner, '_attend_fp64', lambda *a: calls.append(1) or attend(*a))
+    with use_kernels('torch'), fp64_attention(pm): model(torch.tensor([[1, 2, 3, 4]]))
+    assert len(calls) == TINY.n_layers
+    assert Attention.attend is dense_attention
 
 
 @pytest.mark.parametrize('main,index', [('ds_fp4', 'index_mxfp4'), ('fp8_ds_mla', 'index_fp8')])
@@ -192,6 +212,7 @@ def test_bad_inputs(models):
         (lambda: PagedStepModel(model), 'expected a PagedModel'),
         (lambda: step_model(model, 'layout'), 'expected a KVCacheConfig'),
         (lambda: context_blocks(pm.kv_cache_config, 8, 0), 'chunk = 0'),
+        (lambda: fp64_attention(model).__enter__(), 'fp64_attention: expected a PagedModel, got Transformer'),
     ]
     with use_kernels('torch'):
         for f, msg in BAD: fct.test_fail(f, contains=msg)
