@@ -11,7 +11,7 @@ __version__ = "0.0.1"
 
 # %% ../nbs/index.ipynb #b12bc88e
 # 03b and 04b patch `emit`, `select` and `forward` onto 03's `Compressor` and 04's `Indexer`,
-# 07a_mhc_kernel puts its launcher where 07's `mhc_seam` calls it (`_mhc_seam_triton`),
+# 07a_mhc_kernel registers its launcher and launch table with 07's `mhc_seam`,
 # 10_model_forward the reference forward onto 10_model's `Transformer` and its modules,
 # 10b_paged_runner `prefill`, `exact_caches` and `weight_bytes` onto 10b's `PagedModel`,
 # 12a the one-pass decode step onto 12's `Scheduler` (`fast_decode` on),

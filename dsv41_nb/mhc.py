@@ -12,9 +12,9 @@ from .dispatch import kernel_backend
 from .formats import quantize_fp8
 
 # %% auto #0
-__all__ = ['STREAM_DTYPES', 'hc_mixes', 'sinkhorn', 'hc_split', 'hc_pre', 'hc_post', 'HCWeights', 'HCLayer', 'random_hc_weights',
-           'random_hc_layer', 'hc_expand', 'SeamOut', 'mhc_seam_torch', 'mhc_seam', 'hc_collapse', 'run_hc_layers',
-           'run_hc_stack']
+__all__ = ['STREAM_DTYPES', 'SEAM_TRITON', 'hc_mixes', 'sinkhorn', 'hc_split', 'hc_pre', 'hc_post', 'HCWeights', 'HCLayer',
+           'random_hc_weights', 'random_hc_layer', 'hc_expand', 'SeamOut', 'mhc_seam_torch', 'register_seam_triton',
+           'mhc_seam', 'hc_collapse', 'run_hc_layers', 'run_hc_stack']
 
 # %% ../nbs/07_mhc.ipynb #11b1476c
 def hc_mixes(x: torch.Tensor,   # (T, n, dim) the residual copies entering a sublayer
@@ -225,6 +225,23 @@ def _check_seam(x, f, post, comb, pre, hc, norm_weight, cfg, fp8):
             _check_tensor(name, t, shape)
     return T, n, dim
 
+# %% ../nbs/07_mhc.ipynb #9bbad27f
+# `mhc_seam`'s Triton path, which `07a_mhc_kernel` registers: its launcher and the launch table
+SEAM_TRITON = dict(launch=None, tuning={})
+
+# %% ../nbs/07_mhc.ipynb #603a0f83
+def register_seam_triton(launch=None, # called as `mhc_seam`'s Triton path, with its arguments
+                         **tuning,    # the launch table's entries (replacing the ones it had)
+                        ) -> dict:    # the launch table: one dict, updated in place
+    "Register `mhc_seam`'s Triton launcher and/or the entries of its launch table"
+    if launch is not None:
+        if not callable(launch):
+            raise TypeError(f"register_seam_triton: expected a callable launcher, "
+                            f"got {type(launch).__name__}")
+        SEAM_TRITON['launch'] = launch
+    if tuning: SEAM_TRITON['tuning'].clear(); SEAM_TRITON['tuning'].update(tuning)
+    return SEAM_TRITON['tuning']
+
 # %% ../nbs/07_mhc.ipynb #f7092955
 def mhc_seam(x: torch.Tensor, # (T, n, dim) copies entering the seam (BF16 or fp32)
              f: torch.Tensor = None, # (T, dim) previous sublayer's output; None at the first seam
@@ -244,7 +261,11 @@ def mhc_seam(x: torch.Tensor, # (T, n, dim) copies entering the seam (BF16 or fp
     given = [t for t in (x, f, post, comb, pre, norm_weight) if t is not None]
     if kernel_backend(*given) == 'torch':
         return mhc_seam_torch(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
-    return _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
+    launch = SEAM_TRITON['launch']
+    if launch is None:
+        raise RuntimeError("mhc_seam: no Triton seam registered; importing dsv41_nb registers "
+                           "07a_mhc_kernel's (or run the reference with use_kernels('torch'))")
+    return launch(x, f, post, comb, pre, hc, norm_weight, cfg, fp8)
 
 # %% ../nbs/07_mhc.ipynb #966b854b
 def hc_collapse(x: torch.Tensor,            # (T, n, dim) copies

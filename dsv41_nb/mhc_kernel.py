@@ -12,8 +12,7 @@ from .config import require
 from .dispatch import sm_count, pdl_launch, pdl_wait, triton_interpreting
 from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
                               _hw_cvt)
-from . import mhc
-from .mhc import SeamOut, hc_mixes, hc_pre, mhc_seam_torch
+from .mhc import SeamOut, hc_mixes, hc_pre, mhc_seam_torch, register_seam_triton
 
 # %% auto #0
 __all__ = ['MHC_TUNING', 'SEAM_VERSIONS', 'PROJECTIONS', 'seam_version', 'check_seam']
@@ -454,10 +453,10 @@ def _mhc_seam2_kernel(
     else: _store_partials(ws_ptr, acc_c, acc_p, x_ss, y_ss, t64, tm, SPLIT, 4, 16)
 
 # %% ../nbs/07a_mhc_kernel.ipynb #3f221c29
-MHC_TUNING = dict(kernel=2, projection='bf16x3', split='auto', small_t=2, small_warps=1,
-                  small_block_d=32, small_finish_sb=256, block_t=16, block_d=32, num_warps=4,
-                  finish_sb=16, big_t=256, big_block_t=64, big_block_d=16, big_warps=4,
-                  norm_block_d=64, big_maxnreg=168)
+MHC_TUNING = register_seam_triton(
+    kernel=2, projection='bf16x3', split='auto', small_t=2, small_warps=1, small_block_d=32,
+    small_finish_sb=256, block_t=16, block_d=32, num_warps=4, finish_sb=16, big_t=256,
+    big_block_t=64, big_block_d=16, big_warps=4, norm_block_d=64, big_maxnreg=168)
 
 # %% ../nbs/07a_mhc_kernel.ipynb #3af3b30f
 # version 1: its kernel, 16 x 64 tiles from three tokens on; 2: MHC_TUNING as it stands;
@@ -611,9 +610,9 @@ def _mhc_seam_triton(x, f, post, comb, pre, hc, norm_weight, cfg, fp8) -> SeamOu
     return out
 
 # %% ../nbs/07a_mhc_kernel.ipynb #09cd262b
-# `mhc_seam` (07_mhc) runs Triton through the name `_mhc_seam_triton` of its own module: the
-# launcher goes there, and the package imports this module, so it is there whichever comes first
-mhc._mhc_seam_triton = _mhc_seam_triton
+# `mhc_seam` (07_mhc) runs the launcher registered with its module; the package imports this
+# module, so it is registered whichever module is imported first
+register_seam_triton(_mhc_seam_triton);
 
 # %% ../nbs/07a_mhc_kernel.ipynb #0bab1db3
 def _bf16_ulp(v: torch.Tensor) -> torch.Tensor:

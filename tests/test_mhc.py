@@ -11,9 +11,11 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 import triton, triton.language as tl
 from dsv41_nb.formats import _hw_cvt
+from dsv41_nb import mhc
 from dsv41_nb.mhc import (HCWeights, hc_expand, hc_collapse, hc_mixes, mhc_seam, random_hc_layer,
-                          random_hc_weights, run_hc_stack, sinkhorn, _rms_norm)
-from dsv41_nb.mhc_kernel import MHC_TUNING, SEAM_VERSIONS, check_seam, seam_version, _bf16_pieces
+                          random_hc_weights, register_seam_triton, run_hc_stack, sinkhorn, _rms_norm)
+from dsv41_nb.mhc_kernel import (MHC_TUNING, SEAM_VERSIONS, check_seam, seam_version, _bf16_pieces,
+                                 _mhc_seam_triton)
 from dsv41_nb.mhc_speed import seam_plan
 from machine import DEV, HAS_TRITON, needs_triton
 
@@ -154,6 +156,28 @@ def test_seam_kernel_matches_reference(T, dim, n, dtype, steps, fp8, strength, b
     if got.comb is not None and T:
         assert ((got.comb.sum(-2) - 1).abs() <= 1e-3).all() and (got.comb >= 0).all()
         assert (got.pre > 0).all() and (got.pre <= 1 + 1e-6).all() and (got.post >= 0).all() and (got.post <= 2).all()
+
+@needs_triton
+def test_seam_runs_the_registered_launcher_on_one_table(monkeypatch):
+    """mhc_seam's Triton path is the launcher registered with mhc, and the launch table is the registry's one dict:
+    registering its entries again (as a notebook that re-runs 07a_mhc_kernel's cells does) updates that dict in place,
+    so a launcher defined anywhere reads the table the package's `seam_version` and `MHC_TUNING` change"""
+    assert mhc.SEAM_TRITON['launch'] is _mhc_seam_triton and mhc.SEAM_TRITON['tuning'] is MHC_TUNING
+    table = dict(MHC_TUNING)
+    monkeypatch.setattr(mhc, 'SEAM_TRITON', dict(launch=None, tuning=MHC_TUNING))
+    try:
+        assert register_seam_triton(**dict(table, block_t=32)) is MHC_TUNING and MHC_TUNING['block_t'] == 32
+        with seam_version(1): assert mhc.SEAM_TRITON['tuning']['kernel'] == 1
+    finally: register_seam_triton(**table)
+    assert MHC_TUNING == table
+    calls, x = [], torch.randn(2, 4, 64)
+    with use_kernels('triton'):
+        with pytest.raises(RuntimeError, match='no Triton seam registered'): mhc_seam(x, cfg=TINY)
+        register_seam_triton(lambda *a: calls.append(a) or 'ran')
+        assert mhc_seam(x, cfg=TINY) == 'ran' and calls[0][0] is x and len(calls[0]) == 9
+    with pytest.raises(TypeError, match='register_seam_triton: expected a callable launcher, got int'):
+        register_seam_triton(3)
+
 
 @needs_triton
 def test_stack_on_kernels_stays_within_bf16_noise():
