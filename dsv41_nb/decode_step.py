@@ -158,6 +158,7 @@ def _schedule_decode(self: Scheduler,
 class DecodeCoreOutputs(SequenceABC):
     ("`update_from_output`'s answer to an all-decode step as columns: one new token per request; "
      "an EngineCoreOutput is built when one is read")
+    columns = True  # the engine asks this, not the class (which re-run cells redefine)
     def __init__(self, req_ids: list, # (n,) the requests that got a token
                  token_ids: list, # (n,) its token
                  finished: dict): # request id -> (finish reason, stop reason) of those that ended

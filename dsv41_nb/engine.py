@@ -17,7 +17,6 @@ from .kv_cache import CacheConfig, KVCacheConfig, get_kv_cache_config
 from .kv_manager import KVCacheManager
 from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput,
                                 ModelRunnerOutput, EngineCoreOutput)
-from .decode_step import DecodeCoreOutputs
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
 from .checkpoint import load_model, DRAFTER_NAME
@@ -365,7 +364,7 @@ def _apply(self: LLMEngine, so: SchedulerOutput, mro: ModelRunnerOutput,
     now, tracked = time.perf_counter(), self.tracked
     got = self.scheduler.update_from_output(so, mro)
     if self._observer is not None: self._count(mro)
-    if isinstance(got, DecodeCoreOutputs):          # one token each, as columns
+    if getattr(got, 'columns', False):          # one token each: 12a's DecodeCoreOutputs
         for rid in got.req_ids:
             t = tracked[rid]; t.steps += 1
             if t.first is None: t.first = t.metrics['first_token'] = now

@@ -20,6 +20,7 @@ from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.block_pool import PAD_SLOT_ID
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput
 from dsv41_nb.scheduler_run import run_until_done
+from dsv41_nb.decode_step import DecodeCoreOutputs
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
 from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
@@ -285,6 +286,23 @@ def test_greedy_equals_generate_greedy(kw):
     assert got == EXPECTED if kw['runner'] == 'recompute' else match(PROMPTS, got)     # recompute: the same arithmetic
     assert (free_blocks(llm) == llm.llm_engine.kv_cache_config.num_usable_blocks
             or llm.llm_engine.args.enable_prefix_caching)
+
+def test_decode_columns_are_applied_as_columns_whatever_class_carries_them(monkeypatch):
+    """The engine applies an all-decode step's answer as columns because the answer says so (`columns`), not because of
+    its class: answers of a copy of DecodeCoreOutputs (what a notebook that re-ran 12a_decode_step's cells leaves
+    `_update_decode` handing out) are applied without reading one EngineCoreOutput out of them, and the tokens are the
+    reference's"""
+    Copy = type('DecodeCoreOutputs', DecodeCoreOutputs.__bases__,
+                {k: v for k, v in vars(DecodeCoreOutputs).items() if k not in ('__dict__', '__weakref__')})
+    made, read, update = [], [], Scheduler._update_decode
+    monkeypatch.setattr(Copy, '__getitem__', lambda self, i: read.append(i) or DecodeCoreOutputs.__getitem__(self, i))
+    def copied(self, so, mro):
+        got = update(self, so, mro)
+        return got if got is None else made.append(1) or Copy(got.req_ids, got.token_ids, got.finished)
+    monkeypatch.setattr(Scheduler, '_update_decode', copied)
+    assert outputs(LLM(MODEL, **{**EXACT, 'runner': 'recompute'})) == EXPECTED
+    assert made and not read
+
 
 def test_speculative_by_name():
     "speculative='ngram' builds the n-gram proposer (its default count, or the one asked for) and decodes as it does"
