@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, engram_bucket_primes
 from .formats import _e4m3_value, _ue8m0_value, _hw_cvt
 from .record_codecs import FP8Record
-from .dispatch import kernel_backend, capturing
+from .dispatch import kernel_backend, checks_values
 
 # %% auto #0
 __all__ = ['ENGRAM_TUNING', 'engram_row_codec', 'EngramTable', 'engram_lookup_torch', 'engram_lookup', 'engram_kv', 'engram_gate',
@@ -183,7 +183,7 @@ def engram_lookup(
                          f"and the ids on {ids.device}; "
                          "put both on one device, or pin the table (`placed('host')`) "
                          "for the GPU to read it")
-    if check and ids.numel() and not capturing() and int(ids.min()) < 0:
+    if check and ids.numel() and checks_values() and int(ids.min()) < 0:
         raise ValueError(f"engram_lookup: negative row id {int(ids.min())}")
     if kernel_backend(ids) == 'torch': return engram_lookup_torch(table, ids, dtype)
     flat = ids.reshape(-1).contiguous()
