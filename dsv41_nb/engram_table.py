@@ -223,6 +223,13 @@ def engram_gate(h: torch.Tensor,         # (..., hc_mult, dim) residual stream c
                ) -> torch.Tensor:
     ("(..., hc_mult) gates in (0, 1): "
      "sigmoid of the signed square root of the normalised dot product of copy and key")
+    if not (h.ndim >= 2 and key.shape == h.shape and q_weight.shape == h.shape[-2:]
+            and k_weight.shape == h.shape[-2:]):
+        raise ValueError(f"engram_gate: expected h and key of one shape (..., hc_mult, dim) and "
+                         f"weights (hc_mult, dim); got h {tuple(h.shape)}, key {tuple(key.shape)}, "
+                         f"weights {tuple(q_weight.shape)} and {tuple(k_weight.shape)}")
+    if not (eps > 0 and clamp > 0):
+        raise ValueError(f"engram_gate: eps = {eps} and clamp = {clamp}; both must be > 0")
     h, w = h.float(), q_weight.float() * k_weight.float()
     # per token and copy
     rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
@@ -237,6 +244,14 @@ def engram_update(
     token_mask: torch.Tensor | None = None,  # (...) False shuts the gate (image tokens)
 ) -> torch.Tensor:
     "h + gate * value on each copy, in h's dtype"
+    if h.ndim < 2 or gate.shape != h.shape[:-1] or value.shape != h.shape[:-2] + h.shape[-1:]:
+        raise ValueError(f"engram_update: expected h (..., hc_mult, dim), gate (..., hc_mult) and "
+                         f"value (..., dim); got {tuple(h.shape)}, {tuple(gate.shape)} and "
+                         f"{tuple(value.shape)}")
+    if token_mask is not None and (token_mask.dtype != torch.bool
+                                   or token_mask.shape != h.shape[:-2]):
+        raise ValueError(f"engram_update: token_mask must be bool of shape {tuple(h.shape[:-2])}, "
+                         f"got {token_mask.dtype} {tuple(token_mask.shape)}")
     if token_mask is not None: gate = gate.masked_fill(~token_mask.unsqueeze(-1), 0)
     return (h.float() + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 

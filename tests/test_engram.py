@@ -15,7 +15,7 @@ from dsv41_nb.formats import quantize_fp8, dequantize_fp8
 from dsv41_nb.engram import (normalize_token, compressed_token_map, synthetic_token_strings, hash_multipliers,
                              ngram_hashes_reference, NgramHasher, hash_spread)
 from dsv41_nb.engram_table import (EngramTable, engram_row_codec, engram_lookup, engram_kv, engram_gate, Engram,
-                                   head_shards, sharding_traffic)
+                                   head_shards, sharding_traffic, engram_update)
 from machine import DEV, HAS_TRITON
 
 FULL, TINY = ModelConfig.full(), ModelConfig.tiny()
@@ -217,6 +217,16 @@ BAD_TABLE_INPUT = [  # engram_table: (call, part of the message)
     (lambda: engram_lookup(_TABLE, torch.tensor([0.5])), 'expected int32/int64 row ids'),
     (lambda: engram_lookup(torch.zeros(3), torch.tensor([1])), 'expected an EngramTable'),
     (lambda: engram_kv(_ROWS, torch.zeros(320, 100), 4), 'does not fit rows'),
+    (lambda: engram_gate(torch.zeros(2, 4, 8), torch.zeros(2, 4, 6), torch.ones(4, 8), torch.ones(4, 8), 1e-20),
+     'engram_gate: expected h and key of one shape'),
+    (lambda: engram_gate(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.ones(8), torch.ones(4, 8), 1e-20),
+     'weights (8,) and (4, 8)'),
+    (lambda: engram_gate(torch.zeros(2, 4, 8), torch.zeros(2, 4, 8), torch.ones(4, 8), torch.ones(4, 8), 0.0),
+     'eps = 0.0 and clamp = 1e-06; both must be > 0'),
+    (lambda: engram_update(torch.zeros(2, 4, 8), torch.zeros(2, 3), torch.zeros(2, 8)),
+     'engram_update: expected h (..., hc_mult, dim), gate (..., hc_mult)'),
+    (lambda: engram_update(torch.zeros(2, 4, 8), torch.zeros(2, 4), torch.zeros(2, 8), torch.ones(2)),
+     'token_mask must be bool of shape (2,), got torch.float32'),
     (lambda: Engram(TINY, 3, _TABLE, None, None, None), 'layer 3 is not in engram_layer_ids (1, 4)'),
     (lambda: Engram(TINY, 1, _TABLE, torch.zeros(3, 3), torch.zeros(4, 64), torch.zeros(4, 64)),
      'wkv has shape (3, 3), expected (320, 192)'),
