@@ -225,8 +225,10 @@ def __new__(cls: LLM, *args, data_parallel_size: int = 1, enable_expert_parallel
         raise TypeError(f"LLM: enable_expert_parallel must be a bool, "
                         f"got {enable_expert_parallel!r}")
     if n == 1: return object.__new__(cls)
-    return DPLLM(*args, data_parallel_size=n, enable_expert_parallel=enable_expert_parallel,
-                 **kwargs)
+    # the module's class by name, wherever this method was defined: ranks import it from there
+    from dsv41_nb import dp_front
+    return dp_front.DPLLM(*args, data_parallel_size=n,
+                          enable_expert_parallel=enable_expert_parallel, **kwargs)
 
 # %% ../nbs/15b_dp_front.ipynb #f887440d
 def _dropping_dp_args(init):
