@@ -23,8 +23,8 @@ from .paged import PagedModel
 from .paged_step import PagedStepModel
 from .runner import InputBatch, RecomputeModel
 from .engine import LLMEngine, EngineArgs
-from .distributed import (_group, rank_device, local_experts, ep_moe_forward,
-                                  sharded_engram_lookup, shard_model_, dummy_step, ep_traffic)
+from .distributed import _group, rank_device, local_experts, ep_moe_forward
+from .distributed_model import sharded_engram_lookup, shard_model_, dummy_step, ep_traffic
 from .distributed import run_ranks   # the cells below start their ranks as `de.run_ranks`
 
 # %% auto #0

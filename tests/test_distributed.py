@@ -23,6 +23,7 @@ from dsv41_nb.model import init_random
 from dsv41_nb.engram import NgramHasher, compressed_token_map, synthetic_token_strings
 from dsv41_nb.engram_table import Engram, head_shards, engram_lookup
 from dsv41_nb import distributed as dd
+from dsv41_nb import distributed_model as dm
 
 pytestmark = pytest.mark.processes    # run apart from other pytest workers (see conftest)
 
@@ -51,8 +52,8 @@ REQUESTS = [[_ids(1, 9)], [_ids(2, 5), _ids(1, 4)]]                             
 SCENARIOS = dict(default=(dd.ep_moe_job, (XS, W, TINY)), torch=(dd.ep_moe_job, (XS, W, TINY, 'torch')),
                  idle=(dd.ep_moe_job, (IDLE, W, TINY, 'torch')), skewed=(dd.ep_moe_job, (XS, TO_RANK1, TINY, 'torch')),
                  steps=(dd.dp_moe_job, (WORK, W, TINY, 'torch')),
-                 engram=(dd.engram_shard_job, (ROW_IDS, ENGRAM.table, PLAN)),
-                 exchange=(dd.exchange_job, (EXCHANGE,)), model=(dd.dp_model_job, (MODEL, REQUESTS)))
+                 engram=(dm.engram_shard_job, (ROW_IDS, ENGRAM.table, PLAN)),
+                 exchange=(dd.exchange_job, (EXCHANGE,)), model=(dm.dp_model_job, (MODEL, REQUESTS)))
 
 @pytest.fixture(scope='module')
 def ranks():
@@ -62,7 +63,7 @@ def ranks():
 @pytest.fixture(scope='module')
 def one_process():
     "Each step of REQUESTS through the whole model in this process, with one rank's share of the cores"
-    with dd.rank_threads(2): return [[dd.step_trace(MODEL, ids) for ids in steps] for steps in REQUESTS]
+    with dd.rank_threads(2): return [[dm.step_trace(MODEL, ids) for ids in steps] for steps in REQUESTS]
 
 def _same(a, b): torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -146,7 +147,7 @@ def test_sharded_model_world_of_one(one_process):
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{dd.free_port()}', rank=0, world_size=1)
     try:
         with dd.rank_threads(2), use_kernels('torch'):
-            got = dd.step_trace(dd.shard_model_(copy.deepcopy(MODEL)), REQUESTS[0][0])
+            got = dm.step_trace(dm.shard_model_(copy.deepcopy(MODEL)), REQUESTS[0][0])
     finally: dist.destroy_process_group()
     _same(got['logits'], one_process[0][0]['logits'])
 
@@ -185,7 +186,7 @@ def test_traffic_formulas_by_enumeration(world_size):
     sets = list(itertools.combinations(range(E), k))
     off = [sum(e // per != own for e in s) for s in sets for own in range(world_size)]
     reached = [len({e // per for e in s} - {own}) for s in sets for own in range(world_size)]
-    t = dd.ep_traffic(TINY, world_size, 3)
+    t = dm.ep_traffic(TINY, world_size, 3)
     out_row = dd.dispatch_codec(TINY.dim).record_bytes + dd.DISPATCH_META
     assert math.isclose(t['dispatch_bytes'], L * 3 * sum(off) / len(off) * out_row, rel_tol=1e-12)
     assert math.isclose(t['combine_bytes'], L * 3 * sum(off) / len(off) * 2 * TINY.dim, rel_tol=1e-12)
@@ -196,7 +197,7 @@ def test_bad_inputs():
     dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{dd.free_port()}', rank=0, world_size=1)
     try:
         x, half = XS[0], dd.local_experts(W, 0, 2)
-        sharded, unquantised = dd.shard_model_(copy.deepcopy(MODEL)), copy.copy(MODEL)
+        sharded, unquantised = dm.shard_model_(copy.deepcopy(MODEL)), copy.copy(MODEL)
         unquantised.quant = False
         shard = ENGRAM.table.shard(*PLAN[0][2:])
         cases = [
@@ -221,25 +222,25 @@ def test_bad_inputs():
                                       torch.arange(16), 4), 'do not describe one batch'),
             (lambda: dd.ep_combine(torch.zeros(4, 64), torch.arange(4), torch.zeros(2, 2, dtype=torch.int64),
                                    torch.zeros(3, 64)), 'expected outputs (4, dim), order (4,) and shared (2, dim)'),
-            (lambda: dd.sharded_engram_lookup(shard, ROW_IDS[0], PLAN),
+            (lambda: dm.sharded_engram_lookup(shard, ROW_IDS[0], PLAN),
              'splits the table over 2 ranks, the group has 1'),
-            (lambda: dd.sharded_engram_lookup(ENGRAM.table, ROW_IDS[0], PLAN[:1]), 'rank 0 holds rows [0, '),
-            (lambda: dd.sharded_engram_lookup(ENGRAM.table, ROW_IDS[0][:, :2], [(0, 6, 0, ENGRAM.table.rows)]),
+            (lambda: dm.sharded_engram_lookup(ENGRAM.table, ROW_IDS[0], PLAN[:1]), 'rank 0 holds rows [0, '),
+            (lambda: dm.sharded_engram_lookup(ENGRAM.table, ROW_IDS[0][:, :2], [(0, 6, 0, ENGRAM.table.rows)]),
              'expected int ids (tokens, 6)'),
-            (lambda: dd.check_engram_plan('table', PLAN, 0, 2), 'expected an EngramTable'),
-            (lambda: dd.ep_traffic(TINY, 3, 1), '8 routed experts do not split evenly over 3 ranks'),
-            (lambda: dd.ep_traffic(TINY, 2, -1), 'batch = -1'),
-            (lambda: dd.shard_model_(W), 'expected a Transformer, got MoEWeights'),
-            (lambda: dd.shard_model_(sharded), 'the model is already sharded'),
-            (lambda: dd.shard_model_(unquantised), 'set model.quant = True'),
-            (lambda: dd.dummy_step(MODEL), 'expected a sharded model'),
+            (lambda: dm.check_engram_plan('table', PLAN, 0, 2), 'expected an EngramTable'),
+            (lambda: dm.ep_traffic(TINY, 3, 1), '8 routed experts do not split evenly over 3 ranks'),
+            (lambda: dm.ep_traffic(TINY, 2, -1), 'batch = -1'),
+            (lambda: dm.shard_model_(W), 'expected a Transformer, got MoEWeights'),
+            (lambda: dm.shard_model_(sharded), 'the model is already sharded'),
+            (lambda: dm.shard_model_(unquantised), 'set model.quant = True'),
+            (lambda: dm.dummy_step(MODEL), 'expected a sharded model'),
             (lambda: dd.rank_threads(-1).__enter__(), 'world_size = -1'),
         ]
         for f, msg in cases: fails_with(f, contains=msg)
     finally: dist.destroy_process_group()
     fails_with(lambda: dd.ep_moe_forward(x, W, TINY), contains='torch.distributed is not initialised')
     fails_with(lambda: dd.exchange(torch.zeros(1), [1], [1]), contains='torch.distributed is not initialised')
-    fails_with(lambda: dd.shard_model_(copy.deepcopy(MODEL)), contains='torch.distributed is not initialised')
+    fails_with(lambda: dm.shard_model_(copy.deepcopy(MODEL)), contains='torch.distributed is not initialised')
 
 
 def test_a_rank_cuts_and_runs_experts_held_in_planes():
