@@ -349,6 +349,8 @@ def main():
     ap.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=SECTIONS,
                     help='what to measure; with --json, the sections not run keep what the file already holds')
     ap.add_argument('--json', help='write the results to this file')
+    ap.add_argument('--check-values', action='store_true',
+                    help="check every eager step's values (EngineArgs.check_values): a device sync per check")
     ap.add_argument('--codes', action='store_true',
                     help="layers keep the routed experts' codes (version 2 gate/up), not planes (08f), to compare")
     ap.add_argument('--planes-down', action='store_true',
@@ -399,7 +401,7 @@ def main():
         t0 = time.perf_counter()
         budget = dict(max_num_batched_tokens=args.max_num_batched_tokens) if args.max_num_batched_tokens else {}
         llm = paged_llm(cfg, args.seed, device, max_num_seqs=max(args.concurrency), kernels=args.kernels,
-                        async_scheduling=args.async_scheduling,
+                        async_scheduling=args.async_scheduling, check_values=args.check_values,
                         max_model_len=args.prompt_len + args.max_tokens + 64, **budget)
         res.update(build_s=time.perf_counter() - t0, runner=type(llm.llm_engine.runner.model).__name__,
                    planes_layers=llm.planes_layers, planes_down_layers=llm.planes_down_layers)
