@@ -22,7 +22,7 @@ from .indexer import Indexer, IndexBatch
 # imported for their side: they give `Compressor` its `emit` and `forward`, `Indexer` its `select`
 # and `forward`
 from . import compressor_kernel, indexer_kernels
-from .dispatch import capturing, checks_values, kernel_backend
+from .dispatch import checks_values, kernel_backend
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',
@@ -230,8 +230,8 @@ def window_indices(step: CSA2Step,  # the step's tokens and window block table
         raise ValueError(f"window_indices: floor: expected ({len(p)},) integers, "
                          f"got {getattr(floor, 'dtype', type(floor).__name__)} "
                          f"{tuple(getattr(floor, 'shape', ()))}")
-    # the newest position read (a sync)
-    hi = int(torch.where(step.rows >= 0, p, -1).max()) if len(p) and not capturing() else -1
+    # the newest position, read to check the table (a sync; skipped for trusted values)
+    hi = int(torch.where(step.rows >= 0, p, -1).max()) if len(p) and checks_values() else -1
     if hi // bs >= bt.shape[1]:
         raise ValueError(f"window positions up to {hi} need {hi // bs + 1} window blocks, "
                          f"the table has {bt.shape[1]}")

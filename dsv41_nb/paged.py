@@ -617,7 +617,7 @@ def forward(self: PagedModel, s: PagedStep) -> torch.Tensor:
     where = torch.full((T,), -1, dtype=torch.long, device=dec.device)
     where[dec] = torch.arange(len(dec), device=dec.device)
     lr = where[s.logits_rows.long()]
-    if bool((lr < 0).any()):
+    if checks_values() and bool((lr < 0).any()):
         i = int(s.logits_rows[lr < 0][0])
         raise ValueError(f"logits_rows: row {i} (position {int(s.slots.positions[i])}) "
                          f"runs the encoder only "
