@@ -18,7 +18,7 @@ from .kv_manager import SlotMappings
 from .engram_table import (Engram, EngramTable, head_shards, engram_kv, engram_gate,
                                   engram_update)
 from .model import Transformer, ByteTokenizer, init_random
-from .checkpoint import load_model
+from .checkpoint_files import load_model
 from .paged import PagedModel
 from .paged_step import PagedStepModel
 from .runner import InputBatch, RecomputeModel

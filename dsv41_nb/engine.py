@@ -19,7 +19,8 @@ from .scheduler import (SamplingParams, Scheduler, SchedulerConfig, SchedulerOut
                                 ModelRunnerOutput, EngineCoreOutput)
 from .proposer import Proposer, NgramProposer
 from .model import Transformer, ByteTokenizer
-from .checkpoint import load_model, DRAFTER_NAME
+from .checkpoint import DRAFTER_NAME
+from .checkpoint_files import load_model
 from .paged_step import step_model as paged_step_model
 from .ring_rollback import RING_DEPTH
 from .cuda_graphs import CUDAGraphModel, tapped_model, capture_sizes, padded_batch_size

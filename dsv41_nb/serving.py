@@ -12,7 +12,7 @@ import torch
 from .config import ModelConfig
 from .dispatch import triton_interpreting
 from .model import init_random
-from .checkpoint import save_model
+from .checkpoint_files import save_model
 
 # %% ../nbs/13b_serving.ipynb #bd8aa52d
 def shipped_checkpoint() -> Path | None:

@@ -12,10 +12,11 @@ from safetensors.torch import save_file, load_file
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.accounting import checkpoint_manifest
 from dsv41_nb.checkpoint import (load_config, save_config, quantize_weight, dequantize_weight, quantize_state,
-                                 dequantize_state, save_state, save_model, load_state, load_weights, load_model,
-                                 random_state, module_from_state, master_specs, stored_shape, shard_plan, shard_name,
-                                 weight_map, shard_header, bytes_by_group, peak_memory_during, STORAGE_DTYPES,
-                                 INDEX_NAME, CONFIG_NAME, CheckpointError, check_checkpoint, _specs)
+                                 dequantize_state, random_state, master_specs, stored_shape, STORAGE_DTYPES,
+                                 INDEX_NAME, CONFIG_NAME, CheckpointError, _specs)
+from dsv41_nb.checkpoint_files import (save_state, save_model, load_state, load_weights, load_model,
+                                       module_from_state, shard_plan, shard_name, weight_map, shard_header,
+                                       bytes_by_group, peak_memory_during, check_checkpoint)
 
 TINY = ModelConfig.tiny()
 PUBLIC = Path(__file__).resolve().parent.parent / 'nbs' / 'reference' / 'deepseek_v41_config.json'
@@ -312,7 +313,8 @@ _STREAMING_PROBE = """
 import json, sys, torch
 from dataclasses import replace
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.checkpoint import load_weights, peak_memory_during, random_state, save_state
+from dsv41_nb.checkpoint import random_state
+from dsv41_nb.checkpoint_files import load_weights, peak_memory_during, save_state
 cfg = replace(ModelConfig.tiny(), engram_num_embeddings=(1 << 18, 1 << 18))
 state = random_state(cfg, seed=5)
 d = save_state(state, cfg, sys.argv[1], shard_bytes=8 << 20)

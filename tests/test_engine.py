@@ -745,7 +745,7 @@ def test_cli_bench_says_what_its_start_up_did(tmp_path):
 def test_cli_generate_with_the_dspark_drafter(tmp_path):
     """`--speculative dspark` loads the drafter beside the checkpoint: the tokens of LLM with
     `dspark_proposer`, and the drafts counted"""
-    from dsv41_nb.checkpoint import load_model
+    from dsv41_nb.checkpoint_files import load_model
     from dsv41_nb.dspark import Drafter
     from dsv41_nb.dspark_serving import save_drafter, dspark_proposer
     from dsv41_nb.checkpoint import DRAFTER_NAME

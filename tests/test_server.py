@@ -14,7 +14,7 @@ import argparse, asyncio, json, os, selectors, signal, subprocess, sys, time
 from pathlib import Path
 from types import SimpleNamespace
 import httpx, openai, pytest, torch
-from dsv41_nb.checkpoint import load_model
+from dsv41_nb.checkpoint_files import load_model
 from dsv41_nb.distributed import free_port
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams

@@ -480,7 +480,7 @@ def test_train_dspark_quick_keeps_the_checkpoint_shards(monkeypatch, tmp_path):
     import importlib.util
     from dsv41_nb.config import ModelConfig
     from dsv41_nb.model import init_random
-    from dsv41_nb.checkpoint import save_model, load_model
+    from dsv41_nb.checkpoint_files import save_model, load_model
     ck = tmp_path / 'ck'
     save_model(init_random(ModelConfig.tiny(), seed=0, max_seq_len=4096), ck, 1 << 20)
     before = sorted(f.name for f in ck.glob('model-*.safetensors'))

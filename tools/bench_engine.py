@@ -58,7 +58,7 @@ from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.engine import kv_pool_blocks
 from dsv41_nb.paged_step import PagedStepModel
 from dsv41_nb.__main__ import load_test, load_summary, random_prompts
-from dsv41_nb.checkpoint import load_model
+from dsv41_nb.checkpoint_files import load_model
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

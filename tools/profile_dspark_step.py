@@ -12,7 +12,7 @@ import argparse, cProfile, contextlib, datetime, io, os, pstats, sys, time
 from pathlib import Path
 import torch
 from dsv41_nb.dispatch import machine_name
-from dsv41_nb.checkpoint import load_model
+from dsv41_nb.checkpoint_files import load_model
 import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fused kernels, CUDA graphs)
 from dsv41_nb.dspark import Drafter
 from dsv41_nb.dspark_serving import load_drafter

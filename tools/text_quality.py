@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.model import ByteTokenizer
-from dsv41_nb.checkpoint import load_model
+from dsv41_nb.checkpoint_files import load_model
 from dsv41_nb.train import load_corpus, split_documents
 from dsv41_nb.train_loop import held_out_prompts, corpus_words, text_quality
 

@@ -19,7 +19,7 @@ import torch
 from dsv41_nb.dispatch import machine_name
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import ByteTokenizer, init_random
-from dsv41_nb.checkpoint import load_model, save_model
+from dsv41_nb.checkpoint_files import load_model, save_model
 from dsv41_nb.train import load_corpus, split_documents, byte_data
 from dsv41_nb.dspark import Drafter, window_positions
 from dsv41_nb.dspark_decode import DSparkProposer, SpecStats, speculative_generate

@@ -34,7 +34,7 @@ from dsv41_nb.train import (load_corpus, read_corpus, write_corpus, split_docume
 from dsv41_nb.train_loop import (train, evaluate, lm_loss, make_optimizer, IndexerDistillation, fast_path,
                                  held_out_prompts, corpus_words, text_quality, TrainState)
 from dsv41_nb.model import ByteTokenizer, init_random
-from dsv41_nb.checkpoint import save_model
+from dsv41_nb.checkpoint_files import save_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import git_commit     # noqa: E402  (the checkout's commit, as every record names it)
 
