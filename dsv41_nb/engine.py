@@ -25,6 +25,7 @@ from .paged_step import step_model as paged_step_model
 from .ring_rollback import RING_DEPTH
 from .cuda_graphs import CUDAGraphModel, tapped_model, capture_sizes, padded_batch_size
 from .runner import *
+from .model_runner import *
 
 # %% auto #0
 __all__ = ['RUNNERS', 'NGRAM_TOKENS', 'SPECULATIVE_METHODS', 'CompletionOutput', 'RequestOutput', 'IncrementalDetokenizer',

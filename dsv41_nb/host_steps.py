@@ -15,7 +15,7 @@ from .scheduler import SamplingParams
 from .model import Transformer
 from .paged_step import PagedStepModel
 from .cuda_graphs import CUDAGraphModel
-from .runner import StepFuture
+from .model_runner import StepFuture
 from .engine import LLM, LLMEngine
 
 # %% auto #0

@@ -23,7 +23,8 @@ from dsv41_nb.scheduler_run import run_until_done
 from dsv41_nb.decode_step import DecodeCoreOutputs
 from dsv41_nb.proposer import NgramProposer
 from dsv41_nb.sampler import reference_probs, sampling_batch, sampling_probs, draw, chi_square_pvalue, argmax_rows
-from dsv41_nb.runner import RecomputeModel, ModelRunner, InputBuffers, RING, TapContexts, ReferenceTapContexts
+from dsv41_nb.runner import RecomputeModel, InputBuffers, RING, TapContexts, ReferenceTapContexts
+from dsv41_nb.model_runner import ModelRunner
 from dsv41_nb.engine import (IncrementalDetokenizer, EngineArgs, LLMEngine, LLM, SPECULATIVE_METHODS,
                              register_speculative, NGRAM_TOKENS, kv_pool_blocks)
 from dsv41_nb.engine_runs import (prefix_gap, greedy_shortfall, assert_greedy_match, warm_up_lengths,
