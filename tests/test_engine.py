@@ -14,6 +14,7 @@ from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, HostReads
+from machine import DEV
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.model_forward import generate_greedy
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
@@ -1237,9 +1238,9 @@ def test_eager_steps_trust_their_values_unless_asked():
 def test_an_eager_triton_step_reads_back_little():
     "The prompts' eager step on the Triton kernels: at least four times fewer read-backs without the value checks"
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    reads = {}
+    reads, model = {}, init_random(TINY, seed=0, device=DEV)     # on the GPU where there is one
     for check in (False, True):
-        eng = LLM(MODEL, max_model_len=64, kernels='triton', check_values=check).llm_engine
+        eng = LLM(model, max_model_len=64, kernels='triton', check_values=check).llm_engine
         for i in range(2): eng.add_request(str(i), list(range(1, 18 + 5 * i)), sp)
         with HostReads() as r: eng.step()
         reads[check] = r.count

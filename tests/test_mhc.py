@@ -170,7 +170,7 @@ def test_seam_runs_the_registered_launcher_on_one_table(monkeypatch):
         with seam_version(1): assert mhc.SEAM_TRITON['tuning']['kernel'] == 1
     finally: register_seam_triton(**table)
     assert MHC_TUNING == table
-    calls, x = [], torch.randn(2, 4, 64)
+    calls, x = [], torch.randn(2, 4, 64, device=DEV)
     with use_kernels('triton'):
         with pytest.raises(RuntimeError, match='no Triton seam registered'): mhc_seam(x, cfg=TINY)
         register_seam_triton(lambda *a: calls.append(a) or 'ran')
