@@ -11,6 +11,7 @@ __version__ = "0.0.1"
 
 # %% ../nbs/index.ipynb #b12bc88e
 # 03b and 04b patch `emit`, `select` and `forward` onto 03's `Compressor` and 04's `Indexer`,
+# 05_csa2_layer `allocate` (caches for a stack of its layers) onto 05's `CSA2State`,
 # 07a_mhc_kernel registers its launcher and launch table with 07's `mhc_seam`,
 # 10_model_forward the reference forward onto 10_model's `Transformer` and its modules,
 # 10b_paged_runner `prefill`, `exact_caches` and `weight_bytes` onto 10b's `PagedModel`,
@@ -19,5 +20,5 @@ __version__ = "0.0.1"
 # calls them when asked to capture or warm up at start),
 # and 15b_dp_front the hook that makes `LLM(..., data_parallel_size=N)` a `DPLLM`:
 # importing the package brings them in, whichever module is imported first
-from . import (compressor_kernel, indexer_kernels, mhc_kernel, model_forward, paged_runner,
-                      decode_step, engine_runs, dp_front)
+from . import (compressor_kernel, indexer_kernels, csa2_layer, mhc_kernel, model_forward,
+                      paged_runner, decode_step, engine_runs, dp_front)

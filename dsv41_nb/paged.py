@@ -15,7 +15,8 @@ from .block_pool import PAD_SLOT_ID
 from .kv_cache import KVCacheConfig, WINDOW_FORMAT, get_kv_cache_config
 from .kv_manager import SlotMappings
 from .compressor import layer_inv_freq
-from .csa2 import CSA2Attention, CSA2State, CSA2Step, SparseIndices
+from .csa2 import CSA2State, CSA2Step, SparseIndices
+from .csa2_layer import CSA2Attention
 from .sparse_decode import sparse_decode
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer

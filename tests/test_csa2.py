@@ -15,8 +15,8 @@ from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.block_pool import slot_mapping, compressed_state_slots
 from dsv41_nb.csa2 import (CSA2_ROLES, layer_reads, layer_writes, role_table, CSA2State,
                            CSA2Step, make_step, random_block_tables, window_indices, SparseIndices,
-                           topk_slots, PagedRecords, gather_keys, sparse_attention_reference,
-                           CSA2Attention)
+                           topk_slots, PagedRecords, gather_keys, sparse_attention_reference)
+from dsv41_nb.csa2_layer import CSA2Attention
 
 TINY, FULL = ModelConfig.tiny(), ModelConfig.full()
 

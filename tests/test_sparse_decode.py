@@ -16,7 +16,8 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.rope_norm import rope
-from dsv41_nb.csa2 import CSA2Attention, CSA2State, make_step, random_block_tables, sparse_attention_reference
+from dsv41_nb.csa2 import CSA2State, make_step, random_block_tables, sparse_attention_reference
+from dsv41_nb.csa2_layer import CSA2Attention
 from dsv41_nb.sparse_decode import (sparse_decode, decode_inputs, check_decode, check_decode_grid,
                                     decode_launch, decode_variants, distinct_kernels, launch_name,
                                     DECODE_TUNING, _check_launch, _format_meta, _half_view,
