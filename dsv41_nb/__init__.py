@@ -13,7 +13,8 @@ __version__ = "0.0.1"
 # 03b and 04b patch `emit`, `select` and `forward` onto 03's `Compressor` and 04's `Indexer`,
 # 05_csa2_layer `allocate` (caches for a stack of its layers) onto 05's `CSA2State`,
 # 07a_mhc_kernel registers its launcher and launch table with 07's `mhc_seam`,
-# 10_model_forward the reference forward onto 10_model's `Transformer` and its modules,
+# 10_model_forward and 10_model_forward_block the reference forward onto 10_model's `Transformer`
+# and its modules,
 # 10b_paged_runner `prefill`, `exact_caches` and `weight_bytes` onto 10b's `PagedModel`,
 # 12a the one-pass decode step onto 12's `Scheduler` (`fast_decode` on),
 # 13_engine_runs `capture_graphs` and `warm_up_prefill` onto 13's `LLMEngine` (its `__init__`
@@ -21,4 +22,5 @@ __version__ = "0.0.1"
 # and 15b_dp_front the hook that makes `LLM(..., data_parallel_size=N)` a `DPLLM`:
 # importing the package brings them in, whichever module is imported first
 from . import (compressor_kernel, indexer_kernels, csa2_layer, mhc_kernel, model_forward,
+                      model_forward_block,
                       paged_runner, decode_step, engine_runs, dp_front)

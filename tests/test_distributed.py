@@ -5,9 +5,9 @@ Every distributed scenario runs in a single spawn of two ranks per module (the `
 part. The oracles are 08_moe's `moe_reference` (the PyTorch path: the layer's output must be the same bits, since the
 combine repeats the reference loop's fp32 additions in its order), `ep_moe_simulated` (the same exchange with lists in
 one process: the same bits on any kernel path), 09_engram_table's `engram_lookup`, and brute-force enumeration for the
-traffic formulas, and for the whole-model step 10_model_forward's `Transformer` forward in one process (with a rank's
-share of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the default-path
-scenario runs the Triton kernels."""
+traffic formulas, and for the whole-model step 10_model_forward_block's `Transformer` forward in one process (with a
+rank's share of the cores: fp32 GEMMs sum in a thread-dependent order). Under TRITON_INTERPRET=1 (as CI runs) the
+default-path scenario runs the Triton kernels."""
 import copy, itertools, math, os
 from dataclasses import replace
 import pytest

@@ -12,7 +12,7 @@ from hypothesis.stateful import initialize
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.model import init_random
-from dsv41_nb.model_forward import generate_greedy
+from dsv41_nb.model_forward_block import generate_greedy
 from dsv41_nb.accounting import active_params_per_token
 from dsv41_nb.floors import HARDWARE, decode_floor
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config

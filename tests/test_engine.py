@@ -16,7 +16,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, HostReads
 from machine import DEV
 from dsv41_nb.model import init_random, ByteTokenizer
-from dsv41_nb.model_forward import generate_greedy
+from dsv41_nb.model_forward_block import generate_greedy
 from dsv41_nb.kv_cache import CacheConfig, get_kv_cache_config
 from dsv41_nb.block_pool import PAD_SLOT_ID
 from dsv41_nb.scheduler import SamplingParams, Scheduler, SchedulerConfig, ModelRunnerOutput

@@ -13,8 +13,8 @@ from dsv41_nb.accounting import checkpoint_manifest
 from dsv41_nb.indexer import topk_reference, candidate_pool_reference, sparse_topk_reference
 from dsv41_nb.model import (ByteTokenizer, Transformer, init_random, manifest_mismatches, master_dtype,
                             mxfp4_qdq, weight_qdq, Linear, mhc_in)
-from dsv41_nb.model_forward import (sort_by_expert, generate_greedy, select_topk, candidate_pool_mask,
-                                    layer_rms, streamed_layer_rms)
+from dsv41_nb.model_forward import select_topk, candidate_pool_mask
+from dsv41_nb.model_forward_block import sort_by_expert, generate_greedy, layer_rms, streamed_layer_rms
 
 TINY, BENCH = ModelConfig.tiny(), ModelConfig.bench()
 

@@ -29,7 +29,7 @@ GPU: the `bench` geometry's BF16 masters would not fit as a whole `Transformer`)
    kernels of decode steps replayed from CUDA graphs at a few batch sizes (count, GPU busy time, the kernels under
    3 us, the largest), which is where a replayed step's time goes. Both are taken with programmatic dependent launch
    switched off (and the graphs captured again), so that each kernel's time is its own, not its wait for the one before.
-4. the naive loop: `generate_greedy` of 10_model_forward on a (32, prompt) batch, recomputing the whole sequence
+4. the naive loop: `generate_greedy` of 10_model_forward_block on a (32, prompt) batch, recomputing the whole sequence
    every token, against the engine serving the same 32 prompts (`--naive-config`, default `small`: the dense
    `Transformer` must fit; the trained small model of 11_train when its checkpoint is in the repository). Goal: the
    engine at least 5x the naive loop's tokens/s. Both are warmed up first on other prompts of the same shape (kernels
@@ -47,7 +47,7 @@ from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL, gp
 from dsv41_nb.accounting import memory_table, GiB
 from dsv41_nb.floors import decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random
-from dsv41_nb.model_forward import generate_greedy
+from dsv41_nb.model_forward_block import generate_greedy
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.engine import LLM
 from dsv41_nb.cuda_graphs import CUDAGraphModel

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Run the reference model of 10_model_forward a layer at a time: activation RMS after every layer and seconds per
+"""Run the reference model of 10_model_forward_block a layer at a time: activation RMS after every layer and seconds per
 layer.
 
     python tools/bench_model.py [--config bench] [--tokens 1024] [--seed 0] [--json out.json] [--quick]
@@ -14,7 +14,7 @@ import argparse, datetime, json, sys, time
 import torch
 from dsv41_nb.config import ModelConfig, layer_topology
 from dsv41_nb.dispatch import machine_name
-from dsv41_nb.model_forward import streamed_layer_rms
+from dsv41_nb.model_forward_block import streamed_layer_rms
 
 if __name__ == '__main__':
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

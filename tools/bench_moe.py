@@ -107,11 +107,11 @@ def planes_ab(cfg, sizes, device):
 
 def grouped_peer(cfg, W):
     """The same MoE layer as PyTorch runs it on BF16 weights, the peer the fused kernels are held to: the router,
-    `torch._grouped_mm` over the assignments sorted by expert (10_model_forward's `sort_by_expert`), gate and up as one
-    grouped product on the stacked weights, the down product, and the shared expert on cuBLAS. It reads BF16 weights:
-    16 bits a routed weight against the 4.25 of the MXFP4 codes and their scales."""
+    `torch._grouped_mm` over the assignments sorted by expert (10_model_forward_block's `sort_by_expert`), gate and up
+    as one grouped product on the stacked weights, the down product, and the shared expert on cuBLAS. It reads BF16
+    weights: 16 bits a routed weight against the 4.25 of the MXFP4 codes and their scales."""
     import torch.nn.functional as F
-    from dsv41_nb.model_forward import sort_by_expert
+    from dsv41_nb.model_forward_block import sort_by_expert
     deq = lambda n: torch.stack([getattr(W, n).dequantize(e).to(torch.bfloat16) for e in range(getattr(W, n).shape[0])])
     w13 = torch.cat([deq('w1'), deq('w3')], 1).transpose(1, 2)         # (E, dim, 2 inter): column-major per expert
     w2 = deq('w2').transpose(1, 2)                                      # (E, inter, dim)

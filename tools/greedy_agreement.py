@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv41_nb.checkpoint_files import load_model
-from dsv41_nb.model_forward import generate_greedy
+from dsv41_nb.model_forward_block import generate_greedy
 from dsv41_nb.engine import LLM
 from dsv41_nb.scheduler import SamplingParams
 from dsv41_nb.__main__ import random_prompts
