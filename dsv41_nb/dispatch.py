@@ -4,7 +4,7 @@
 
 # %% ../nbs/00a_dispatch.ipynb #1dcfa23e
 from __future__ import annotations
-import collections, functools, os, time, statistics, traceback
+import collections, functools, os, time, statistics, threading, traceback
 from contextlib import contextmanager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -258,23 +258,22 @@ class HostReads(TorchDispatchMode):
     def count(self) -> int: return sum(self.sites.values())
 
 # %% ../nbs/00a_dispatch.ipynb #b4c29a21
-_trusted = False
+_trusted = threading.local()  # .on: has this thread entered trusted_values?
 
 # %% ../nbs/00a_dispatch.ipynb #1a975921
 def checks_values() -> bool:
     ("Should an argument check read device values back? Not while capturing (`capturing`), "
      "nor inside `trusted_values`")
-    return not (_trusted or capturing())
+    return not (getattr(_trusted, 'on', False) or capturing())
 
 # %% ../nbs/00a_dispatch.ipynb #34e82efa
 @contextmanager
 def trusted_values():
-    ("Inside the block, the argument checks that read device values back are skipped: the "
-     "caller vouches for them (shapes and dtypes are still checked)")
-    global _trusted
-    prev, _trusted = _trusted, True
+    ("Inside the block, on this thread only, the argument checks that read device values back "
+     "are skipped: the caller vouches for them (shapes and dtypes are still checked)")
+    prev, _trusted.on = getattr(_trusted, 'on', False), True
     try: yield
-    finally: _trusted = prev
+    finally: _trusted.on = prev
 
 # %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
 def cuda_graph(fn, # the work to capture, no arguments: tensors it touches stay the graph's buffers

@@ -171,3 +171,25 @@ def test_trusted_values_skip_only_the_checks_that_read_values():
         with pytest.raises(TypeError, match=r'positions must be integers of shape \(3,\)'):
             _check_rope(x, f, torch.tensor([0, 1]))
     assert checks_values()
+
+
+def test_trusted_values_is_per_thread_and_restored():
+    "A thread inside trusted_values leaves another thread's checks on; the flag comes back, after an exception too"
+    import threading
+    from dsv41_nb.dispatch import trusted_values, checks_values
+    inside, leave, seen = threading.Event(), threading.Event(), []
+    def vouch():
+        with trusted_values(): inside.set(); leave.wait(10); seen.append(checks_values())
+    t = threading.Thread(target=vouch); t.start()
+    try:
+        assert inside.wait(10)
+        assert checks_values()                               # not this thread's block
+    finally: leave.set(); t.join()
+    assert seen == [False] and checks_values()
+    with pytest.raises(KeyError, match='inside'):
+        with trusted_values(): raise KeyError('inside')
+    assert checks_values()
+    with trusted_values():
+        with trusted_values(): pass
+        assert not checks_values()                           # the outer block still holds
+    assert checks_values()
