@@ -329,6 +329,122 @@ _sparse_decode_separate = _rebound(_sparse_decode_kernel,
                                    _window_pass=triton.jit(_window_pass.fn, noinline=True),
                                    _topk_pass=triton.jit(_topk_pass.fn, noinline=True))
 
+# %% ../nbs/06_sparse_decode.ipynb #fb587c31
+@triton.jit
+def _kv_words(ptr, word_ptr, slot, live, D: tl.constexpr, BLOCK: tl.constexpr,
+              SCALE_OFF: tl.constexpr, REC: tl.constexpr):
+    ("The FP4 records at `slot` as loaded, not yet decoded: (codes as (BN, D // 8) int32 words, "
+     "(BN, D // BLOCK) scale bytes)")
+    base = slot.to(tl.int64) * REC
+    g = tl.arange(0, D // BLOCK)
+    sc = tl.load(ptr + base[:, None] + SCALE_OFF + g[None, :], mask=live[:, None], other=0)
+    words = tl.load(word_ptr + (base // 4)[:, None] + tl.arange(0, D // 8)[None, :],
+                    mask=live[:, None], other=0)
+    return words, sc
+
+# %% ../nbs/06_sparse_decode.ipynb #a4afd25a
+@triton.jit
+def _kv_decode_words(words, sc, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr,
+                     HW_CVT: tl.constexpr):
+    "(BN, D) BF16 vectors from what `_kv_words` loaded"
+    BN: tl.constexpr = words.shape[0]
+    if E4M3_SCALE:
+        if HW_CVT: f = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else: f = _e4m3_value(sc.to(tl.int32))
+    else: f = _ue8m0_value(sc.to(tl.int32))
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, D // BLOCK, BLOCK)), (BN, D))
+    nib = tl.reshape(tl.join(tl.join(tl.join(words << 28, words << 12),
+                                     tl.join(words << 20, words << 4)),
+                             tl.join(tl.join(words << 24, words << 8),
+                                     tl.join(words << 16, words))), (BN, D))
+    v = ((nib >> 6) & -2118123520).to(tl.float32, bitcast=True) * 8.507059173023462e+37
+    return (v * f).to(tl.bfloat16)
+
+# %% ../nbs/06_sparse_decode.ipynb #3928954a
+@triton.jit
+def _words_probe(ptr, word_ptr, slot_ptr, out_ptr, n, D: tl.constexpr, BN: tl.constexpr,
+                 P_BLOCK: tl.constexpr, P_SCALE_OFF: tl.constexpr, P_REC: tl.constexpr,
+                 P_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+    "`_tile_probe` for FP4 records read as words: the first `n` of `BN` slots into `out_ptr`"
+    r = tl.arange(0, BN)
+    slot = tl.load(slot_ptr + r, mask=r < n, other=-1)
+    words, sc = _kv_words(ptr, word_ptr, slot, slot >= 0, D, P_BLOCK, P_SCALE_OFF, P_REC)
+    v = _kv_decode_words(words, sc, D, P_BLOCK, P_E4M3, HW_CVT)
+    tl.store(out_ptr + r[:, None] * D + tl.arange(0, D)[None, :], v, mask=(r < n)[:, None])
+
+# %% ../nbs/06_sparse_decode.ipynb #57958961
+@triton.jit
+def _topk_slots(topk_ptr, t64, stride_kt, bt_ptr, row, stride_bt, per_block, k_len, i,
+                BLOCK_N: tl.constexpr):
+    "(slots, live) of top-k tile `i` of token `t64`: none live past `k_len`"
+    n = i * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.load(topk_ptr + t64 * stride_kt + n, mask=n < k_len, other=-1)
+    jj = tl.where(j >= 0, j, 0)
+    blk = tl.load(bt_ptr + row * stride_bt + jj // per_block, mask=j >= 0, other=0)
+    return blk.to(tl.int64) * per_block + jj % per_block, j >= 0
+
+# %% ../nbs/06_sparse_decode.ipynb #b61f4894
+@triton.jit
+def _topk_pass_prefetch(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt,
+                        w_len_ptr, k_len_ptr, bt_ptr, stride_bt, row_ptr, per_block, sink_ptr,
+                        scale_log2, out_ptr, stride_ot, stride_oh, lse_ptr, po_ptr, pl_ptr, H,
+                        num_splits, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                        BLOCK_N: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                        SCALE_TILE: tl.constexpr, C_FP4: tl.constexpr, C_QDIM: tl.constexpr,
+                        C_BLOCK: tl.constexpr, C_ROPE: tl.constexpr, C_SCALE_OFF: tl.constexpr,
+                        C_REC: tl.constexpr, C_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
+                        F32_DOT: tl.constexpr):
+    "`_topk_pass` over FP4 records, each tile's bytes loaded during the tile before's products"
+    lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
+    t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
+    hm = heads < H
+    part = (t64 * num_splits + split) * H + heads
+    k_len, row = tl.load(k_len_ptr + t), tl.load(row_ptr + t).to(tl.int64)
+    first, last = tl.maximum(lo, nw) - nw, hi - nw
+    slot, live = _topk_slots(topk_ptr, t64, stride_kt, bt_ptr, row, stride_bt, per_block,
+                             tl.where(first < last, k_len, 0), first, BLOCK_N)
+    words, sc = _kv_words(c_ptr, c_half, slot, live, D, C_BLOCK, C_SCALE_OFF, C_REC)
+    q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
+                mask=hm[:, None], other=0.0)
+    if lo < nw:
+        tl.debug_barrier()
+        m_i, l_i, acc = _load_partial(part, hm, col, po_ptr, pl_ptr, D)
+    else:
+        m_i, l_i = tl.full((BLOCK_H,), -float('inf'), tl.float32), tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+    for i in range(first, last):
+        kv, now = _kv_decode_words(words, sc, D, C_BLOCK, C_E4M3, HW_CVT), live
+        slot, live = _topk_slots(topk_ptr, t64, stride_kt, bt_ptr, row, stride_bt, per_block,
+                                 tl.where(i + 1 < last, k_len, 0), i + 1, BLOCK_N)
+        words, sc = _kv_words(c_ptr, c_half, slot, live, D, C_BLOCK, C_SCALE_OFF, C_REC)
+        m_i, l_i, acc = _attend_tile(q, kv, now, m_i, l_i, acc, scale_log2, F32_DOT)
+    _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_ot, stride_oh,
+            lse_ptr, po_ptr, pl_ptr, H, D, ONE_SPLIT)
+
+# %% ../nbs/06_sparse_decode.ipynb #5035d090
+_prefetch_pass = triton.jit(_topk_pass_prefetch.fn, noinline=True)
+_sparse_decode_prefetch = _rebound(_sparse_decode_kernel, _topk_pass=_prefetch_pass,
+                                   _window_pass=triton.jit(_window_pass.fn, noinline=True))
+_one_function_prefetch = _rebound(_sparse_decode_kernel, _topk_pass=_topk_pass_prefetch)
+
+# %% ../nbs/06_sparse_decode.ipynb #320f4f28
+def _words_view(cache: torch.Tensor) -> torch.Tensor | None:
+    "The cache as int32 words when its layout allows, else None"
+    ok = (cache.dtype == torch.uint8 and cache.stride(-1) == 1 and cache.storage_offset() % 4 == 0
+          and all(s % 4 == 0 for s in cache.stride()[:-1]) and cache.shape[-1] % 4 == 0)
+    return cache.view(torch.int32) if ok else None
+
+# %% ../nbs/06_sparse_decode.ipynb #b2333e83
+def _decode_kernel(launch: dict, comp: PagedRecords) -> tuple:
+    ("(kernel, what its `c_half` argument reads) for `launch` (`decode_launch`'s) "
+     "over the compressed records `comp`")
+    words = _words_view(comp.cache) if isinstance(comp.codec, FP4Record) else None
+    if launch['PREFETCH'] and words is not None:
+        return (_sparse_decode_prefetch if launch['SEPARATE'] else _one_function_prefetch), words
+    fn = _sparse_decode_separate if launch['SEPARATE'] else _sparse_decode_kernel
+    return fn, _half_view(comp.cache)
+
 # %% ../nbs/06_sparse_decode.ipynb #7f755515
 @triton.jit
 def _combine_kernel(po_ptr, pl_ptr, sink_ptr, out_ptr, stride_ot, stride_oh, lse_ptr, H, num_splits,
@@ -373,7 +489,7 @@ DECODE_TUNING = {
 # %% ../nbs/06_sparse_decode.ipynb #9d6c9f6b
 # least values
 _LAUNCH_KEYS = dict(block_h=16, block_n=16, num_warps=1, num_stages=1, scale_tile=None,
-                    separate=None, maxnreg=1, splits=1)
+                    separate=None, maxnreg=1, splits=1, prefetch=None)
 
 # %% ../nbs/06_sparse_decode.ipynb #3668209b
 def _check_launch(launch: dict) -> dict:
@@ -385,7 +501,7 @@ def _check_launch(launch: dict) -> dict:
     if unknown:
         raise ValueError(f"launch: unknown keys {unknown}; expected some of {list(_LAUNCH_KEYS)}")
     for k, v in launch.items():
-        if k in ('scale_tile', 'separate'):
+        if k in ('scale_tile', 'separate', 'prefetch'):
             if not isinstance(v, bool):
                 raise TypeError(f"launch: {k} must be True or False, got {v!r}")
         elif not (k in ('maxnreg', 'splits') and v is None):
@@ -419,7 +535,8 @@ def decode_launch(T: int,                       # query tokens in the launch
     return dict(BLOCK_H=block_h, BLOCK_N=entry['block_n'], SPLITS=num_splits,
                 SCALE_TILE=entry['scale_tile'], SEPARATE=entry['separate'],
                 num_warps=4 if block_h < entry['block_h'] else entry['num_warps'],
-                num_stages=entry['num_stages'], maxnreg=entry.get('maxnreg'))
+                num_stages=entry['num_stages'], maxnreg=entry.get('maxnreg'),
+                PREFETCH=entry.get('prefetch', False))
 
 # %% ../nbs/06_sparse_decode.ipynb #d79b347f
 def _as_i32(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -446,15 +563,15 @@ def _sparse_decode_triton(q, window, compressed, idx, sink, scale, launch, out_r
     sk = (sink.float().contiguous() if sink is not None
           else torch.full((H,), -math.inf, device=q.device))
     if T == 0: return out, lse, None
+    fn, c_view = _decode_kernel(launch, comp)
     # a shape too big for shared memory with some record format: halve its tile, then its stages
     while True:
         regs = dict(maxnreg=launch['maxnreg']) if launch.get('maxnreg') else {}
         try:
-            fn = _sparse_decode_separate if launch['SEPARATE'] else _sparse_decode_kernel
             kernel = fn[(T, triton.cdiv(H, BH), S)](
                 q, q.stride(0), q.stride(1),
                 window.cache, _half_view(window.cache), ws, ws.stride(0), _as_i32(idx.window_lens),
-                comp.cache, _half_view(comp.cache), tk, tk.stride(0),
+                comp.cache, c_view, tk, tk.stride(0),
                 _as_i32(idx.topk_lens if K else torch.zeros_like(idx.topk_lens)),
                 bt, bt.stride(0), _as_i32(idx.rows), idx.per_block, sk, scale * math.log2(math.e),
                 out, out.stride(0), out.stride(1), lse, po, pl, H, S,
@@ -644,6 +761,10 @@ def decode_variants() -> list:
           dict(base, block_h=32, num_stages=1), dict(base, block_h=32, maxnreg=168),
           dict(base, block_h=32, maxnreg=128), dict(base, block_h=32, num_warps=4),
           dict(base, block_h=16, num_warps=4)]
+    # the next tile's bytes loaded during this tile's products
+    v += [dict(base, block_n=64, num_stages=1, prefetch=True),
+          dict(base, num_stages=1, prefetch=True),
+          dict(base, block_h=16, separate=False, prefetch=True)]
     return v
 
 # %% ../nbs/06_sparse_decode.ipynb #81869561
@@ -653,6 +774,7 @@ def launch_name(launch: dict) -> str:
     s = f"h{launch['block_h']} n{launch['block_n']} w{launch['num_warps']} s{launch['num_stages']}"
     if not launch.get('scale_tile', True): s += ' value-scales'
     if not launch.get('separate', True): s += ' one-function'
+    if launch.get('prefetch'): s += ' prefetch'
     return (s + (f" r{launch['maxnreg']}" if launch.get('maxnreg') else '')
             + (f" x{launch['splits']}" if launch.get('splits') else ''))
 
@@ -677,7 +799,8 @@ def distinct_kernels(variants: list) -> list:
      "(heads and records per program, scales, passes): what the interpreter can tell apart")
     seen = {}
     for v in variants:
-        seen.setdefault((v['block_h'], v['block_n'], v['scale_tile'], v['separate']), v)
+        key = v['block_h'], v['block_n'], v['scale_tile'], v['separate'], v.get('prefetch', False)
+        seen.setdefault(key, v)
     return list(seen.values())
 
 # %% ../nbs/06_sparse_decode.ipynb #a7541a14

@@ -192,6 +192,7 @@ def test_bad_arguments():
              (lambda: run(launch=dict(block_n=48)), 'block_n = 48 is not a power of two'),
              (lambda: run(launch=dict(num_warps=3)), 'num_warps = 3 is not a power of two'),
              (lambda: run(launch=dict(scale_tile='yes')), 'scale_tile must be True or False'),
+             (lambda: run(launch=dict(prefetch=1)), 'prefetch must be True or False'),
              (lambda: run(launch=dict(warps=8)), "unknown keys ['warps']"),
              (lambda: run(launch=[('block_n', 32)]), 'launch: expected a dict'),
              (lambda: decode_launch(1, 0, 10, 10, 'cpu'), 'H = 0'),
@@ -219,3 +220,20 @@ def test_out_rope_is_the_inverse_rotation_of_the_output(num_splits):
     o, lse = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=num_splits)
     o_r, lse_r = sparse_decode(q, window, compressed, idx, sink, scale, num_splits=num_splits, out_rope=(inv, pos))
     assert torch.equal(o_r, rope(o, inv, pos, inverse=True)) and torch.equal(lse_r, lse)
+
+
+def test_prefetch_takes_the_word_kernel_only_where_the_codes_can_be_read_as_words():
+    "FP4 records in a word-aligned cache: the prefetching kernels; FP8 records or a misaligned view: the byte tiles"
+    import dsv41_nb.sparse_decode as sd
+    _, _, fp4, idx, _, _ = decode_inputs(SMALL, 2, 100, 30, 'window_fp8', 'ds_fp4', heads=4, device=DEV)
+    _, _, fp8, *_ = decode_inputs(SMALL, 2, 100, 30, 'window_fp8', 'fp8_ds_mla', heads=4, device=DEV)
+    L = lambda **kw: decode_launch(2, 64, 16, 32, DEV, 1, dict(prefetch=True, **kw))
+    fn, view = sd._decode_kernel(L(separate=True), fp4)
+    assert fn is sd._sparse_decode_prefetch and view.dtype == torch.int32
+    assert view.data_ptr() == fp4.cache.data_ptr() and view.shape[-1] * 4 == fp4.cache.shape[-1]
+    assert sd._decode_kernel(L(separate=False), fp4)[0] is sd._one_function_prefetch
+    assert sd._decode_kernel(L(separate=True), fp8)[0] is sd._sparse_decode_separate
+    assert sd._decode_kernel(dict(L(separate=True), PREFETCH=False), fp4)[0] is sd._sparse_decode_separate
+    flat = fp4.cache.reshape(-1)
+    assert sd._words_view(flat[1:1 + 288 * 4].view(4, 288)) is None        # a view that starts mid-word
+    assert sd._words_view(fp4.cache.view(torch.int8)) is None               # not bytes as stored

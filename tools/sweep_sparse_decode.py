@@ -142,9 +142,12 @@ def compile_sm90(launch: dict, one_split: bool, window_format='window_fp8', main
                  SCALE_TILE=L['SCALE_TILE'], HW_CVT=True, F32_DOT=False,
                  **sd._format_meta(cache_format(cfg, window_format), cfg.head_dim, 'W'),
                  **sd._format_meta(cache_format(cfg, main_format), cfg.head_dim, 'C'))
-    fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
+    words = L['PREFETCH'] and const['C_FP4']
+    if words: fn = sd._sparse_decode_prefetch if L['SEPARATE'] else sd._one_function_prefetch
+    else: fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
     names = fn.arg_names
     sig = {n: 'constexpr' if n in const else POINTERS.get(n, 'i32') for n in names}
+    if words: sig['c_half'] = '*i32'                # the compressed codes read as words
     attrs = {(names.index(n),): [['tt.divisibility', 16]] for n in names if sig[n].startswith('*') or n in ALIGNED}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     opts = dict(num_warps=L['num_warps'], num_stages=L['num_stages'],
