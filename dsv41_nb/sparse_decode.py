@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import (kernel_backend, triton_interpreting, median_time, use_kernels,
-                               cuda_graph, graph_time, sm_count, pdl_launch, pdl_wait, _rebound)
+from .dispatch import (kernel_backend, triton_interpreting, use_kernels, sm_count,
+                               pdl_launch, pdl_wait, _rebound)
 from .formats import _e4m3_value, _ue8m0_value
 from .record_codecs import RecordCodec, FP8Record, FP4Record, cache_format
 from .rope_norm import rope, _check_rope, _rotate_pairs
@@ -23,8 +23,7 @@ from .csa2 import (CSA2Step, SparseIndices, PagedRecords, window_indices,
 # %% auto #0
 __all__ = ['DECODE_TUNING', 'decode_cost', 'decode_launch', 'sparse_decode', 'random_records', 'decode_inputs',
            'decode_tolerance', 'check_decode', 'decode_variants', 'launch_name', 'decode_kernel_resources',
-           'distinct_kernels', 'check_decode_grid', 'input_sets', 'benchmark_sparse_decode', 'format_decode_benchmark',
-           'benchmark_context', 'profile_summary']
+           'distinct_kernels', 'check_decode_grid']
 
 # %% ../nbs/06_sparse_decode.ipynb #e2e0cf18
 def decode_cost(cfg: ModelConfig, # the model's shapes (heads, head dim)
@@ -824,130 +823,3 @@ def check_decode_grid(device,                                          # where t
                                    device)['SPLITS']
         rows.append(dict(window=wf, main=mf, heads=H, batch=B, worst=worst, num_splits=num_splits))
     return rows
-
-# %% ../nbs/06_sparse_decode.ipynb #7fd91ef8
-def input_sets(cfg: ModelConfig, # the model's shapes
-               batch: int, # query tokens per step
-               context: int, # tokens of context each request holds
-               n_topk: int, # selected compressed records per token
-               window_format: str = 'window_fp8', # the window records' format
-               main_format: str = 'ds_fp4', # the compressed records' format
-               device='cuda',
-               max_sets: int = 8, # at most this many steps
-               max_bytes: float = 8e9, # at most this many bytes of caches in all
-              ) -> list:
-    ("Enough independent decode steps (random valid records) that one pass over them reads "
-     "at least twice the L2, within `max_bytes`")
-    cc, wc = cache_format(cfg, main_format), cache_format(cfg, window_format)
-    # bytes of records one step reads
-    per_set = batch * (n_topk * cc.record_bytes + cfg.window_size * wc.record_bytes)
-    is_cuda = torch.device(device).type == 'cuda'
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if is_cuda else 1
-    # what one set allocates, about
-    cache = batch * context * cc.record_bytes
-    n = max(1, min(max_sets, math.ceil(2 * l2 / per_set), int(max_bytes // max(cache, 1))))
-    return [decode_inputs(cfg, batch, context, n_topk, window_format, main_format, exact=False,
-                          device=device, seed=s) for s in range(n)]
-
-# %% ../nbs/06_sparse_decode.ipynb #e06e10ed
-def benchmark_sparse_decode(cfg: ModelConfig, # the model's shapes
-                            batch: int, # query tokens per step
-                            bandwidth: float, # bytes/s the floor assumes
-                            peak: float, # FLOP/s the floor assumes
-                            context: int = 32768, # tokens of context each request holds
-                            # selected records per token (None: the config's)
-                            n_topk: int | None = None,
-                            window_format: str = 'window_fp8', # the window records' format
-                            main_format: str = 'ds_fp4', # the compressed records' format
-                            reference: bool = True, # also time `sparse_attention_reference`
-                            device='cuda',
-                            rep: int = 100, # timed repetitions of the eager call
-                            num_splits: int | None = None, # as `sparse_decode`'s
-                            launch: dict | None = None, # as `sparse_decode`'s
-                           ) -> dict:
-    ("One decode step of `batch` tokens, per query token per layer: "
-     "kernel (graph-replayed, and one eager call) and reference, against the floor")
-    k = cfg.index_topk if n_topk is None else n_topk
-    sets = input_sets(cfg, batch, context, k, window_format, main_format, device)
-    idx = sets[0][3]
-    cost = decode_cost(cfg, idx.window_slots.shape[1], idx.topk.shape[1], sets[0][1].codec,
-                       sets[0][2].codec)
-    def call(i):
-        return sparse_decode(*sets[i % len(sets)], num_splits=num_splits, launch=launch,
-                             check_indices=False)
-    t = graph_time(call, calls=max(8, len(sets)))
-    eager = median_time(lambda: call(0), rep=rep) if torch.cuda.is_available() else t
-    # eager: the reference copies its decode tables to the GPU, which a graph cannot capture
-    ref = (median_time(lambda: sparse_attention_reference(*sets[0], check_indices=False), warmup=2,
-                       rep=5)
-           if reference else float('nan'))
-    floor_b, floor_f = cost['bytes'] / bandwidth, cost['flops'] / peak
-    return dict(batch=batch, context=context, records=idx.window_slots.shape[1] + idx.topk.shape[1],
-                us=t / batch * 1e6, eager_us=eager / batch * 1e6,
-                floor_us=max(floor_b, floor_f) * 1e6,
-                bound='bytes' if floor_b >= floor_f else 'FLOPs',
-                of_floor=max(floor_b, floor_f) * batch / t, TBps=cost['bytes'] * batch / t / 1e12,
-                TFLOPs=cost['flops'] * batch / t / 1e12, ref_us=ref / batch * 1e6, vs_ref=ref / t,
-                sets=len(sets))
-
-# %% ../nbs/06_sparse_decode.ipynb #cef89e74
-def format_decode_benchmark(rows) -> str:
-    "Rows of `benchmark_sparse_decode` as a table: microseconds per query token per layer"
-    head = (f"{'batch':>6} {'context':>8} {'records':>8} {'us/token':>9} {'eager':>8} {'floor':>7} "
-            f"{'bound':>6} {'of floor':>9} {'TB/s':>6} {'TFLOP/s':>8} {'ref us':>8} {'vs ref':>7}")
-    def line(r):
-        return (f"{r['batch']:>6d} {r['context']:>8d} {r['records']:>8d} {r['us']:>9.3f} "
-                f"{r['eager_us']:>8.2f} {r['floor_us']:>7.3f} {r['bound']:>6s} "
-                f"{r['of_floor']:>9.0%} "
-                f"{r['TBps']:>6.2f} {r['TFLOPs']:>8.1f} {r['ref_us']:>8.2f} {r['vs_ref']:>6.1f}x")
-    return '\n'.join([head] + [line(r) for r in rows])
-
-# %% ../nbs/06_sparse_decode.ipynb #d5909adb
-def benchmark_context(cfg: ModelConfig, # the model's shapes
-                      context: int, # tokens of context each request holds
-                      bandwidth: float, # bytes/s the floor assumes
-                      peak: float, # FLOP/s the floor assumes
-                      batch: int = 16, # query tokens per step
-                      device='cuda',
-                      rep: int = 20, # timed repetitions of the eager calls
-                      indexer: bool = True, # also time the indexer's full scan (04b's logits kernel)
-                     ) -> dict:
-    ("Time per query token per layer at `context`: sparse attention, "
-     "dense attention over every entry, the indexer's full scan")
-    from dsv41_nb.indexer_kernels import benchmark_index_logits
-    sparse = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, reference=False,
-                                     device=device, rep=rep)
-    dense = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, n_topk=context,
-                                    reference=False, device=device, rep=rep)
-    scan = (benchmark_index_logits(cfg, context, batch, device=device, bandwidth=bandwidth, rep=rep)
-            if indexer else dict(us_per_query=0.0))
-    return dict(context=context, batch=batch, sparse_us=sparse['us'], dense_us=dense['us'],
-                indexer_us=scan['us_per_query'] if indexer else float('nan'),
-                sparse_of_floor=sparse['of_floor'], dense_of_floor=dense['of_floor'],
-                dense_vs_sparse=dense['us'] / (sparse['us'] + scan['us_per_query']))
-
-# %% ../nbs/06_sparse_decode.ipynb #7eef43ab
-def profile_summary(prof: dict) -> str:
-    "The kernel's Nsight Compute numbers that say what limits it, and the next step that points to"
-    if 'error' in prof: return f"no profile: {prof['error'][:300]}"
-    m = prof['metrics']
-    def pick(name):
-        return next((float(v.replace(',', '')) for k, v in m.items()
-                     if k.split(' / ')[-1].startswith(name)), float('nan'))
-    sm, mem = pick('Compute (SM) Throughput'), pick('Memory Throughput')
-    dram = pick('DRAM Throughput')
-    keys = ('device', 'date', 'us per query token', 'achieved TFLOP/s',
-            'achieved TB/s (bytes the kernel must move)')
-    lines = [f"{k}: {prof[k]}" for k in keys if k in prof]
-    lines += [f"SM throughput {sm:.0f}% of peak, memory throughput {mem:.0f}% (DRAM {dram:.0f}%), "
-              f"registers per thread {pick('Registers Per Thread'):.0f}, "
-              f"achieved occupancy {pick('Achieved Occupancy'):.1f}%"]
-    if sm >= mem:
-        lines.append('limiter: the SMs. Decoding records and rescaling the accumulator '
-                     'share issue slots with the tensor cores; next: decode each tile once '
-                     'into shared memory in a producer warp group, and rescale only when '
-                     'the running max moves.')
-    else:
-        lines.append('limiter: memory. Next: more records in flight per SM '
-                     '(pipeline stages, larger tiles) so the gathers overlap the math.')
-    return '\n'.join(lines)

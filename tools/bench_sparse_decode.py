@@ -10,17 +10,18 @@ in the same run, and which one applies), the fraction of the floor reached, the 
 sparse against dense attention (every compressed entry) at 8K, 128K and 512K context with the indexer's full scan beside
 it (batch 16). `--sweep` then runs tools/sweep_sparse_decode.py, which checks and times every launch shape of the kernel
 at batches 1, 64 and 256 (its JSON next to this one's, `_sweep` added to the name). `--ncu PATH` profiles one launch at
-batch 64 with Nsight Compute and writes a summary to PATH (read by 06_sparse_decode's profile cell). `--quick` runs a
-small geometry on small sizes, which also works on a CPU under TRITON_INTERPRET=1 (bandwidth and matmul rate are then
-the CPU's, so the floor means little)."""
+batch 64 with Nsight Compute and writes a summary to PATH (read by 06a_sparse_decode_speed's profile cell).
+`--quick` runs a small geometry on small sizes, which also works on a CPU under TRITON_INTERPRET=1 (bandwidth and
+matmul rate are then the CPU's, so the floor means little)."""
 import argparse, csv, datetime, io, json, pathlib, shutil, subprocess, sys
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, median_time, machine_name
 from dsv41_nb.record_codecs import cache_format
-from dsv41_nb.sparse_decode import (benchmark_sparse_decode, format_decode_benchmark, benchmark_context, decode_inputs,
-                                    decode_cost, sparse_decode, profile_summary)
+from dsv41_nb.sparse_decode import decode_inputs, decode_cost, sparse_decode
+from dsv41_nb.sparse_decode_speed import (benchmark_sparse_decode, format_decode_benchmark, benchmark_context,
+                                          profile_summary)
 
 NCU_SECTIONS = ('SpeedOfLight', 'ComputeWorkloadAnalysis', 'MemoryWorkloadAnalysis', 'Occupancy', 'LaunchStats')
 

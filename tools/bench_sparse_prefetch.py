@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name, median_time
-from dsv41_nb.sparse_decode import (benchmark_sparse_decode, check_decode, decode_inputs,
-                                    decode_kernel_resources)
+from dsv41_nb.sparse_decode import check_decode, decode_inputs, decode_kernel_resources
+from dsv41_nb.sparse_decode_speed import benchmark_sparse_decode
 
 MODES = {'as tuned': {}, 'prefetch': dict(prefetch=True)}
 

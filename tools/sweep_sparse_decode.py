@@ -11,7 +11,7 @@ records, 32K context), each shape is timed per query token per layer, replayed f
 steps that the records come from HBM, at each batch size (the default split count, and the default shape at fixed split
 counts too), against the floor (bytes over the copy bandwidth, FLOPs over the BF16 matmul rate, both measured here). It
 prints a table per batch, sorted by time, and the `DECODE_TUNING` table the winners make; `--json` writes everything
-(06_sparse_decode reads it). `--quick` runs a small geometry on two tokens, which also works on a CPU under
+(06a_sparse_decode_speed reads it). `--quick` runs a small geometry on two tokens, which also works on a CPU under
 TRITON_INTERPRET=1 (each distinct kernel once). `--compile-only` compiles every shape for sm_90 with this machine's
 Triton (no GPU needed) and prints registers, spilled bytes, shared memory and the matrix instructions, read from the
 binary with the `cuobjdump` Triton ships."""
@@ -19,9 +19,10 @@ import argparse, datetime, json, math, os, re, subprocess, sys, time
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name, median_time
+from dsv41_nb.dispatch import copy_bandwidth, graph_time, kernel_backend, machine_name, median_time
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb import sparse_decode as sd
+from dsv41_nb.sparse_decode_speed import input_sets
 
 TUNED_BATCH = {1: 1, 8: 1, 128: 64, None: 256}      # DECODE_TUNING class -> the batch whose winner fills it
 
@@ -85,7 +86,7 @@ def time_shapes(cfg, batch, variants, checks, floor_us, device, quick, context):
     """Rows: each shape that passed, timed at `batch` with the default split count; then the default
     shape at fixed split counts"""
     k = 16 if quick else cfg.index_topk
-    sets = sd.input_sets(cfg, batch, context, k, device=device, max_sets=2 if quick else 8)
+    sets = input_sets(cfg, batch, context, k, device=device, max_sets=2 if quick else 8)
     tiles = math.ceil(cfg.window_size / variants[0]['block_n']) + math.ceil(k / variants[0]['block_n'])
     plans = [(v, None) for v, c in zip(variants, checks) if c['ok']]
     # the default shape at fixed split counts
@@ -95,7 +96,7 @@ def time_shapes(cfg, batch, variants, checks, floor_us, device, quick, context):
     for launch, num_splits in plans:
         call = lambda i: sd.sparse_decode(*sets[i % len(sets)], num_splits=num_splits, launch=launch,
                                           check_indices=False)
-        t = sd.graph_time(call, calls=2 if quick else max(8, len(sets)), reps=2 if quick else 10)
+        t = graph_time(call, calls=2 if quick else max(8, len(sets)), reps=2 if quick else 10)
         res = sd.decode_kernel_resources(sets[0], num_splits, launch)
         L = sd.decode_launch(batch, sets[0][0].shape[1], cfg.window_size, k, device, num_splits, launch)
         rows.append(dict(batch=batch, name=sd.launch_name(launch), launch=launch,
