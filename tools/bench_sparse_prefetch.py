@@ -4,14 +4,15 @@ then timed against the floor in one run.
 
     python tools/bench_sparse_prefetch.py [--batches 1 16 64 256] [--rounds 2] [--json PATH]
 
-Each batch's `DECODE_TUNING` launch, as is and with `prefetch=True`, is first checked against the PyTorch reference at
-the `bench` geometry (64 heads, 128 `window_fp8` + 512 `ds_fp4` records, ragged lists with -1 entries, one split and the
-default split count), then timed per query token per layer at 32K context (`benchmark_sparse_decode`: replayed from a
-CUDA graph over enough decode steps that the records come from HBM), alternating the two launches for `--rounds`
-rounds, against the floor (bytes over the copy bandwidth and FLOPs over the BF16 matmul rate, both measured here). Each
-row carries the compiled kernel's registers and spilled bytes. `--quick` runs a small geometry, which also works on a
-CPU under TRITON_INTERPRET=1 (the timings then mean nothing)."""
-import argparse, datetime, json, subprocess
+Each batch's `DECODE_TUNING` launch, with `prefetch=False` (byte tiles) and `prefetch=True`, is first checked against
+the PyTorch reference at the `bench` geometry (64 heads, 128 `window_fp8` + 512 `ds_fp4` records, ragged lists with -1
+entries, one split and the default split count), then timed per query token per layer at 32K context
+(`benchmark_sparse_decode`: replayed from a CUDA graph over enough decode steps that the records come from HBM),
+alternating the two launches for `--rounds` rounds, against the floor (bytes over the copy bandwidth and FLOPs over
+the BF16 matmul rate, both measured here). Each row carries the compiled kernel's registers and spilled bytes.
+`--quick` runs a small geometry, which also works on a CPU under TRITON_INTERPRET=1 (the timings then mean nothing)."""
+import argparse, datetime, json, sys
+from pathlib import Path
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
@@ -19,7 +20,10 @@ from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name, medi
 from dsv41_nb.sparse_decode import check_decode, decode_inputs, decode_kernel_resources
 from dsv41_nb.sparse_decode_speed import benchmark_sparse_decode
 
-MODES = {'as tuned': {}, 'prefetch': dict(prefetch=True)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import git_commit        # noqa: E402  (DSV41_COMMIT overrides it)
+
+MODES = {'byte tiles': dict(prefetch=False), 'prefetch': dict(prefetch=True)}
 
 
 def main():
@@ -36,16 +40,15 @@ def main():
         raise SystemExit('needs a GPU, or TRITON_INTERPRET=1 on a CPU')
     cfg = replace(ModelConfig.bench(), window_size=16) if args.quick else ModelConfig.bench()
     context, topk = (300, 24) if args.quick else (32768, cfg.index_topk)
-    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip()
     rec = dict(machine=machine_name(device), date=f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC",
-               torch=torch.__version__, triton=triton.__version__, commit=commit or 'unknown', checks=[], rows=[])
+               torch=torch.__version__, triton=triton.__version__, commit=git_commit() or 'unknown', checks=[], rows=[])
     print(rec['machine'], rec['date'], f"torch {rec['torch']}, Triton {rec['triton']}, commit {rec['commit']}")
     for B in args.batches:
         for name, launch in MODES.items():
             inputs = decode_inputs(cfg, min(B, 3), 300 if args.quick else 2048, topk, ragged=True,
                                    device=device, seed=B)
             for splits in (1, None):
-                worst, *_ = check_decode(inputs, num_splits=splits, launch=launch or None)
+                worst, *_ = check_decode(inputs, num_splits=splits, launch=launch)
                 rec['checks'].append(dict(batch=B, mode=name, splits=splits, worst=worst))
         print(f"batch {B}: both launches within the reference's bound", flush=True)
     bw = copy_bandwidth(device=device)
@@ -59,10 +62,10 @@ def main():
         for rnd in range(args.rounds):
             for name, launch in MODES.items():
                 r = benchmark_sparse_decode(cfg, B, bw, peak, context, topk, reference=False,
-                                            device=device, rep=5, launch=launch or None)
+                                            device=device, rep=5, launch=launch)
                 res = decode_kernel_resources(decode_inputs(cfg, B, 300 if args.quick else 2048, topk,
                                                             exact=False, device=device),
-                                              launch=launch or None)
+                                              launch=launch)
                 row = dict(batch=B, mode=name, round=rnd, us=r['us'], floor_us=r['floor_us'], bound=r['bound'],
                            of_floor=r['of_floor'], **res)
                 rec['rows'].append(row)

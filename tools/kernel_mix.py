@@ -406,8 +406,10 @@ def compile_sparse_decode(out: Path) -> list[dict]:
                  SCALE_TILE=L['SCALE_TILE'], HW_CVT=True, F32_DOT=False,
                  **sd._format_meta(cache_format(cfg, 'window_fp8'), cfg.head_dim, 'W'),
                  **sd._format_meta(cache_format(cfg, 'ds_fp4'), cfg.head_dim, 'C'))
-    fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
+    if L['PREFETCH']: fn = sd._sparse_decode_prefetch if L['SEPARATE'] else sd._one_function_prefetch
+    else: fn = sd._sparse_decode_separate if L['SEPARATE'] else sd._sparse_decode_kernel
     sig = {n: 'constexpr' if n in const else POINTERS.get(n, 'i32') for n in fn.arg_names}
+    if L['PREFETCH']: sig['c_half'] = '*i32'        # the DS-FP4 codes read as words
     aligned = [n for n in fn.arg_names if sig[n].startswith('*') or n in ALIGNED]
     regs = _sm90(fn, sig, aligned, const, L['num_warps'], L['num_stages'], out, 'sparse_decode')['REG']
     loops = sass_loops((out / 'sparse_decode.sass').read_text())[:2]
