@@ -5,11 +5,11 @@ then timed against the floor in one run.
     python tools/bench_sparse_prefetch.py [--batches 1 16 64 256] [--rounds 2] [--json PATH]
 
 Each batch's `DECODE_TUNING` launch, with `prefetch=False` (byte tiles) and `prefetch=True`, is first checked against
-the PyTorch reference at the `bench` geometry (64 heads, 128 `window_fp8` + 512 `ds_fp4` records, ragged lists with -1
-entries, one split and the default split count), then timed per query token per layer at 32K context
-(`benchmark_sparse_decode`: replayed from a CUDA graph over enough decode steps that the records come from HBM),
-alternating the two launches for `--rounds` rounds, against the floor (bytes over the copy bandwidth and FLOPs over
-the BF16 matmul rate, both measured here). Each row carries the compiled kernel's registers and spilled bytes.
+the PyTorch reference at the `bench` geometry on that many tokens (64 heads, 128 `window_fp8` + 512 `ds_fp4` records,
+ragged lists with -1 entries, one split and the default split count), then timed per query token per layer at 32K
+context (`benchmark_sparse_decode`: replayed from a CUDA graph over enough decode steps that the records come from
+HBM), alternating the two launches for `--rounds` rounds, against the floor (bytes over the copy bandwidth and FLOPs
+over the BF16 matmul rate, both measured here). Each row carries the compiled kernel's registers and spilled bytes.
 `--quick` runs a small geometry, which also works on a CPU under TRITON_INTERPRET=1 (the timings then mean nothing)."""
 import argparse, datetime, json, sys
 from pathlib import Path
@@ -45,8 +45,9 @@ def main():
     print(rec['machine'], rec['date'], f"torch {rec['torch']}, Triton {rec['triton']}, commit {rec['commit']}")
     for B in args.batches:
         for name, launch in MODES.items():
-            inputs = decode_inputs(cfg, min(B, 3), 300 if args.quick else 2048, topk, ragged=True,
-                                   device=device, seed=B)
+            # the batch's own launch (a few tokens under the interpreter)
+            inputs = decode_inputs(cfg, min(B, 3) if args.quick else B, 300 if args.quick else 2048, topk,
+                                   ragged=True, device=device, seed=B)
             for splits in (1, None):
                 worst, *_ = check_decode(inputs, num_splits=splits, launch=launch)
                 rec['checks'].append(dict(batch=B, mode=name, splits=splits, worst=worst))
