@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 BACKENDS = ('triton', 'torch')
-_forced: str | None = None
+_forced = threading.local()  # .backend: what this thread's use_kernels forces
 
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
@@ -34,7 +34,7 @@ def kernel_backend(*tensors: torch.Tensor) -> str:
     if len(devices) > 1:
         raise ValueError(f"tensors on several devices {sorted(devices)}; move them to one")
     triton_ok = triton_interpreting() or devices == {'cuda'}
-    forced = _forced or os.environ.get('DSV41_KERNELS') or None
+    forced = getattr(_forced, 'backend', None) or os.environ.get('DSV41_KERNELS') or None
     if forced not in (None, *BACKENDS):
         raise ValueError(f"kernel backend {forced!r}; expected one of {BACKENDS}")
     if forced == 'triton' and not triton_ok:
@@ -48,13 +48,13 @@ def kernel_backend(*tensors: torch.Tensor) -> str:
 # %% ../nbs/00a_dispatch.ipynb #9f47f0d6
 @contextmanager
 def use_kernels(backend: str | None):
-    "Force 'triton' or 'torch' inside the block (None restores the automatic choice)"
-    global _forced
+    ("On this thread only, force 'triton' or 'torch' inside the block "
+     "(None restores the automatic choice)")
     if backend not in (None, *BACKENDS):
         raise ValueError(f"kernel backend {backend!r}; expected one of {BACKENDS}")
-    prev, _forced = _forced, backend
+    prev, _forced.backend = getattr(_forced, 'backend', None), backend
     try: yield
-    finally: _forced = prev
+    finally: _forced.backend = prev
 
 # %% ../nbs/00a_dispatch.ipynb #a4cf8df3
 def check_device() -> torch.device:
@@ -211,25 +211,24 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
     fig.savefig(path, **kw)
 
 # %% ../nbs/00a_dispatch.ipynb #6b343ce8
-_as_captured = False
+_as_captured = threading.local()  # .on: has this thread entered as_captured?
 
 # %% ../nbs/00a_dispatch.ipynb #5cde16f8
 def capturing() -> bool:
     ("Is this code being captured into a CUDA graph "
      "(or run as one would be, inside `as_captured`), "
      "or traced by `torch.compile`? Then it may not read device values")
-    return (_as_captured or torch.compiler.is_compiling()
+    return (getattr(_as_captured, 'on', False) or torch.compiler.is_compiling()
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
 # %% ../nbs/00a_dispatch.ipynb #0aa5b8bc
 @contextmanager
 def as_captured():
-    ("Inside the block, run as a CUDA graph capture does: no read-backs of device values, "
-     "shapes from the inputs' shapes alone")
-    global _as_captured
-    prev, _as_captured = _as_captured, True
+    ("Inside the block, on this thread only, run as a CUDA graph capture does: "
+     "no read-backs of device values, shapes from the inputs' shapes alone")
+    prev, _as_captured.on = getattr(_as_captured, 'on', False), True
     try: yield
-    finally: _as_captured = prev
+    finally: _as_captured.on = prev
 
 # %% ../nbs/00a_dispatch.ipynb #fdbdac57
 _READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2',

@@ -1,13 +1,13 @@
 """The dispatch helpers: the capture mode, the host-read counter, the bad inputs of the CUDA-graph helper, and the
 launch keys (Triton's specializations)."""
-import collections
+import collections, threading
 import pytest
 import torch
 import triton
 import triton.language as tl
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.dispatch import (capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL,
-                               spec_class, launch_keys, kernel_backend, check_device)
+                               spec_class, launch_keys, kernel_backend, check_device, use_kernels)
 from triton.runtime.jit import JITFunction
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -18,6 +18,61 @@ def test_as_captured_nests_and_restores():
         with as_captured(): assert capturing()
         assert capturing()
     assert not capturing()
+
+
+def _in_thread(enter, probe):
+    "probe() on this thread while another waits inside enter(), then what probe() saw on that one"
+    inside, leave, seen = threading.Event(), threading.Event(), []
+    def hold():
+        with enter(): inside.set(); leave.wait(10); seen.append(probe())
+    t = threading.Thread(target=hold); t.start()
+    try:
+        assert inside.wait(10)
+        here = probe()
+    finally: leave.set(); t.join()
+    return here, seen[0]
+
+
+def test_as_captured_is_per_thread_and_restored():
+    "A thread inside as_captured leaves another thread eager, its checks on; the mode comes back after an exception"
+    from dsv41_nb.dispatch import checks_values
+    here, there = _in_thread(as_captured, lambda: (capturing(), checks_values()))
+    assert here == (False, True) and there == (True, False)
+    with as_captured():                                      # a thread started inside is not captured
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(capturing())); t.start(); t.join()
+        assert seen == [False] and capturing()
+    with pytest.raises(KeyError, match='inside'):
+        with as_captured(): raise KeyError('inside')
+    assert not capturing() and checks_values()
+
+
+def _backend_here(x):
+    "kernel_backend(x), or 'refused' where Triton is forced onto CPU memory without the interpreter"
+    try: return kernel_backend(x)
+    except RuntimeError: return 'refused'
+
+
+def test_use_kernels_is_per_thread_and_restored(monkeypatch):
+    "A thread inside use_kernels leaves another thread's choice automatic; the choice comes back after an exception"
+    monkeypatch.delenv('DSV41_KERNELS', raising=False)
+    x = torch.zeros(3, device=check_device())
+    auto = kernel_backend(x)
+    other = 'torch' if auto == 'triton' else 'triton'        # what the automatic choice is not
+    forced = other if other == 'torch' else 'refused'        # Triton on CPU memory, no interpreter
+    here, there = _in_thread(lambda: use_kernels(other), lambda: _backend_here(x))
+    assert (here, there) == (auto, forced)
+    with use_kernels(other):                                 # a thread started inside chooses for itself
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(_backend_here(x))); t.start(); t.join()
+        assert seen == [auto] and _backend_here(x) == forced
+    with pytest.raises(KeyError, match='inside'):
+        with use_kernels(other): raise KeyError('inside')
+    assert kernel_backend(x) == auto
+    with use_kernels('torch'):
+        with use_kernels(None): assert kernel_backend(x) == auto
+        assert kernel_backend(x) == 'torch'                  # the outer block still holds
+    assert kernel_backend(x) == auto
 
 
 def test_host_reads_sees_reads_and_only_reads():
