@@ -10,11 +10,12 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.moe import route, quantize_weight, MoEWeights, fp8_qdq, moe_experts_reference
-from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, benchmark_moe, ExpertAlignment,
+from dsv41_nb.fused_moe import (MOE_TILES, moe_launch_shape, ExpertAlignment,
                                 align_by_expert, align_by_expert_torch, fp8_act_quant,
                                 fused_moe_experts, moe_forward,
                                 check_fused_moe, expert_gate_up, expert_down, MOE_TUNING,
                                 MOE_DOWN_TUNING, stage_shape)
+from dsv41_nb.fused_moe_measured import benchmark_moe
 from machine import DEV, HAS_TRITON
 
 TINY = ModelConfig.tiny()

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor.
+"""Time the fused Triton MoE of 08b_fused_moe against the reference loop, a loop over BF16 weights, and the floor
+(the measurement of 08b_fused_moe_measured).
 
     python tools/bench_moe.py [--config bench] [--sizes 1 64 1024 8192] [--json out.json] [--sweep] [--prefetch]
                               [--planes] [--tiles dequantised] [--peer] [--quick]
@@ -32,7 +33,8 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import median_time, machine_name
 from dsv41_nb.moe import MoEWeights, route
 from dsv41_nb.fused_moe import (MOE_TUNING, MOE_TILES, moe_launch_shape, fused_moe_experts,
-                                benchmark_moe, format_moe_benchmark, check_fused_moe)
+                                check_fused_moe)
+from dsv41_nb.fused_moe_measured import benchmark_moe, format_moe_benchmark
 
 def sweep_shapes(cfg, sizes, device):
     "Fused-MoE median ms per launch shape of a small grid, per batch size; prints a table and returns the best per size"
@@ -143,7 +145,7 @@ def peer_ab(cfg, sizes, device):
     from types import SimpleNamespace
     from dsv41_nb.moe import moe_bytes_flops, moe_experts_reference, fp8_qdq
     from dsv41_nb.dispatch import graph_time, copy_bandwidth
-    from dsv41_nb.fused_moe import bf16_matmul_rate
+    from dsv41_nb.fused_moe_measured import bf16_matmul_rate
     from dsv41_nb.paged import served_moe
     on_gpu = device == 'cuda'
     W = MoEWeights.random(cfg, 0, device)
