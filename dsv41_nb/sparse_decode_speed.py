@@ -147,7 +147,7 @@ def benchmark_context(cfg: ModelConfig, # the model's shapes
      "dense attention over every entry, the indexer's full scan")
     _check_bench('benchmark_context', cfg, batch, context, bandwidth, peak, rep)
     _check_flag('benchmark_context', 'indexer', indexer)
-    from dsv41_nb.indexer_kernels import benchmark_index_logits
+    from dsv41_nb.indexer_speed import benchmark_index_logits
     sparse = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, reference=False,
                                      device=device, rep=rep)
     dense = benchmark_sparse_decode(cfg, batch, bandwidth, peak, context, n_topk=context,

@@ -33,7 +33,8 @@ from dsv41_nb.mhc import mhc_seam
 from dsv41_nb.mhc_kernel import MHC_TUNING, check_seam
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.indexer import index_logits_reference, pool_mask
-from dsv41_nb.indexer_kernels import index_logits, logits_error_bound, key_decoding, _decode_batch
+from dsv41_nb.indexer_kernels import index_logits, logits_error_bound, key_decoding
+from dsv41_nb.indexer_speed import _decode_batch
 from dsv41_nb.checkpoint_files import load_model
 from dsv41_nb.model import ByteTokenizer
 from dsv41_nb.engine import LLM

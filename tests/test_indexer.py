@@ -14,7 +14,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels, triton_interpreting
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.records import store_records
-from dsv41_nb import indexer_kernels
+from dsv41_nb import indexer_kernels, indexer_speed
 from dsv41_nb.indexer import (Indexer, IndexBatch, qdq_mxfp4, qdq_mxfp4_fused, index_logits_reference,
                               topk_reference, candidate_pool_reference, pool_mask, sparse_topk_reference)
 from dsv41_nb.indexer_kernels import (index_logits, ragged_topk, candidate_pool, sparse_topk,
@@ -198,12 +198,12 @@ def test_select_all_scores_nothing():
 @needs_triton
 def test_benchmark_checks_the_kernel_before_timing_it(monkeypatch):
     "benchmark_index_logits times only a kernel whose logits match the reference; a wrong one is named, not timed"
-    row = indexer_kernels.benchmark_index_logits(TINY, 64, batch=2, device=DEV, bandwidth=1e10, rep=1, version=3)
+    row = indexer_speed.benchmark_index_logits(TINY, 64, batch=2, device=DEV, bandwidth=1e10, rep=1, version=3)
     assert row['checked'] and row['version'] == 3
     real = indexer_kernels.index_logits
-    monkeypatch.setattr(indexer_kernels, 'index_logits', lambda *a, **k: real(*a, **k) * 1.001)
+    monkeypatch.setattr(indexer_speed, 'index_logits', lambda *a, **k: real(*a, **k) * 1.001)
     with pytest.raises(RuntimeError, match='version 3 at 64 entries: .* logits beyond'):
-        indexer_kernels.benchmark_index_logits(TINY, 64, batch=2, device=DEV, bandwidth=1e10, rep=1, version=3)
+        indexer_speed.benchmark_index_logits(TINY, 64, batch=2, device=DEV, bandwidth=1e10, rep=1, version=3)
 
 
 def test_bad_inputs():
@@ -225,8 +225,8 @@ def test_bad_inputs():
         (lambda: IndexBatch(torch.arange(2), torch.zeros(2, dtype=torch.int32),
                             torch.zeros(1, 2, dtype=torch.int64), 16, 1), 'block_table'),
         (lambda: ix.new_key_cache(2, -16), 'positive multiple'),
-        (lambda: indexer_kernels.benchmark_index_logits(TINY, 64, version=4), 'version = 4; expected 1, 2 or 3'),
-        (lambda: indexer_kernels.benchmark_index_logits(TINY, 64, version=0), 'version = 0; expected 1, 2 or 3'),
+        (lambda: indexer_speed.benchmark_index_logits(TINY, 64, version=4), 'version = 4; expected 1, 2 or 3'),
+        (lambda: indexer_speed.benchmark_index_logits(TINY, 64, version=0), 'version = 0; expected 1, 2 or 3'),
         (lambda: indexer_kernels.key_decoding(0).__enter__(), 'version = 0; expected 1, 2 or 3'),
         (lambda: indexer_kernels.slot_dims(48), 'dh = 48; expected a multiple of 32'),
         (lambda: indexer_kernels.slot_dims(16), 'dh = 16; expected at least 32'),

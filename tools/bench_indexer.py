@@ -18,8 +18,9 @@ from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name
-from dsv41_nb.indexer_kernels import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall,
-                                      key_decoding, index_logits, _decode_batch, LOGITS_TUNING)
+from dsv41_nb.indexer_kernels import key_decoding, index_logits, LOGITS_TUNING
+from dsv41_nb.indexer_speed import (benchmark_index_logits, benchmark_sparse_vs_dense, candidate_recall,
+                                    _decode_batch)
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.dispatch import use_kernels
 sys.path.insert(0, str(Path(__file__).resolve().parent))
