@@ -28,9 +28,10 @@ from dsv41_nb.dspark_decode import (DSparkProposer, SpecStats, prefix_survival, 
                                     best_verify_length, choose_verify_lengths, brute_force_verify_lengths,
                                     roofline_step_cost, speculative_generate)
 from dsv41_nb.dspark_serving import (greedy_training_data, drafter_anchors, drafter_loss, train_drafter,
-                                     drafter_state, save_drafter, load_drafter, set_successor_markov, StepCostProfile,
-                                     profile_drafts, profile_step_costs, load_step_costs, ScriptedDrafts,
+                                     drafter_state, save_drafter, load_drafter, set_successor_markov,
                                      walk_anchors)
+from dsv41_nb.dspark_serving_measured import (StepCostProfile, profile_drafts, profile_step_costs,
+                                              load_step_costs, ScriptedDrafts)
 
 TINY = ModelConfig.tiny()
 

@@ -43,7 +43,8 @@ import dsv41_nb.drafter_graphs  # noqa: F401  (an engine serves the drafter: fus
 from dsv41_nb.dspark import Drafter
 from dsv41_nb.dspark_decode import (DSparkProposer, SpecStats, speculative_generate, expected_accepted,
                                     choose_verify_lengths, roofline_step_cost)
-from dsv41_nb.dspark_serving import load_drafter, profile_step_costs, load_step_costs
+from dsv41_nb.dspark_serving import load_drafter
+from dsv41_nb.dspark_serving_measured import profile_step_costs, load_step_costs
 
 POLICIES = ('off', 'fixed 5', 'adaptive')
 
