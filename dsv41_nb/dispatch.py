@@ -14,10 +14,10 @@ _forced = threading.local()  # .backend: what this thread's use_kernels forces
 
 # %% auto #0
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'mm_f32',
-           'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured', 'HostReads',
-           'checks_values', 'trusted_values', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait', 'spec_class',
-           'launch_keys']
+           'copy_bandwidth', 'seen_in_thread', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent',
+           'mm_f32', 'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured',
+           'HostReads', 'checks_values', 'trusted_values', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait',
+           'spec_class', 'launch_keys']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -94,6 +94,24 @@ def copy_bandwidth(nbytes: int = 2 * 2**30, # bytes in the source buffer (the co
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
     dst = torch.empty_like(src)
     return 2 * nbytes / median_time(lambda: dst.copy_(src))
+
+# %% ../nbs/00a_dispatch.ipynb #ddb8cd2b
+def seen_in_thread(enter, # makes the context manager to wait inside, e.g. `as_captured`
+                   probe, # what to look at: called here, then inside `enter()` on the other thread
+                  ) -> tuple:
+    "(probe() here while another thread waits inside enter(), probe() there from inside)"
+    if not callable(enter) or not callable(probe):
+        raise TypeError(f"seen_in_thread: enter and probe must be callable, got "
+                        f"{type(enter).__name__} and {type(probe).__name__}")
+    inside, leave, seen = threading.Event(), threading.Event(), []
+    def hold():
+        with enter(): inside.set(); leave.wait(10); seen.append(probe())
+    t = threading.Thread(target=hold); t.start()
+    try:
+        if not inside.wait(10): raise TimeoutError("seen_in_thread: the thread never got inside")
+        here = probe()
+    finally: leave.set(); t.join()
+    return here, seen[0]
 
 # %% ../nbs/00a_dispatch.ipynb #a0d1s9a2
 def machine_name(device='cuda') -> str:

@@ -7,9 +7,14 @@ import triton
 import triton.language as tl
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.dispatch import (capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL,
-                               spec_class, launch_keys, kernel_backend, check_device, use_kernels)
+                               spec_class, launch_keys, kernel_backend, check_device, use_kernels,
+                               seen_in_thread)
 from triton.runtime.jit import JITFunction
 from triton.runtime.interpreter import InterpretedFunction
+
+
+def test_seen_in_thread_refuses_what_it_cannot_call():
+    fails_with(lambda: seen_in_thread(capturing, 3), contains='enter and probe must be callable')
 
 
 def test_as_captured_nests_and_restores():
@@ -20,23 +25,10 @@ def test_as_captured_nests_and_restores():
     assert not capturing()
 
 
-def _in_thread(enter, probe):
-    "probe() on this thread while another waits inside enter(), then what probe() saw on that one"
-    inside, leave, seen = threading.Event(), threading.Event(), []
-    def hold():
-        with enter(): inside.set(); leave.wait(10); seen.append(probe())
-    t = threading.Thread(target=hold); t.start()
-    try:
-        assert inside.wait(10)
-        here = probe()
-    finally: leave.set(); t.join()
-    return here, seen[0]
-
-
 def test_as_captured_is_per_thread_and_restored():
     "A thread inside as_captured leaves another thread eager, its checks on; the mode comes back after an exception"
     from dsv41_nb.dispatch import checks_values
-    here, there = _in_thread(as_captured, lambda: (capturing(), checks_values()))
+    here, there = seen_in_thread(as_captured, lambda: (capturing(), checks_values()))
     assert here == (False, True) and there == (True, False)
     with as_captured():                                      # a thread started inside is not captured
         seen = []
@@ -60,7 +52,7 @@ def test_use_kernels_is_per_thread_and_restored(monkeypatch):
     auto = kernel_backend(x)
     other = 'torch' if auto == 'triton' else 'triton'        # what the automatic choice is not
     forced = other if other == 'torch' else 'refused'        # Triton on CPU memory, no interpreter
-    here, there = _in_thread(lambda: use_kernels(other), lambda: _backend_here(x))
+    here, there = seen_in_thread(lambda: use_kernels(other), lambda: _backend_here(x))
     assert (here, there) == (auto, forced)
     with use_kernels(other):                                 # a thread started inside chooses for itself
         seen = []
@@ -230,17 +222,9 @@ def test_trusted_values_skip_only_the_checks_that_read_values():
 
 def test_trusted_values_is_per_thread_and_restored():
     "A thread inside trusted_values leaves another thread's checks on; the flag comes back, after an exception too"
-    import threading
     from dsv41_nb.dispatch import trusted_values, checks_values
-    inside, leave, seen = threading.Event(), threading.Event(), []
-    def vouch():
-        with trusted_values(): inside.set(); leave.wait(10); seen.append(checks_values())
-    t = threading.Thread(target=vouch); t.start()
-    try:
-        assert inside.wait(10)
-        assert checks_values()                               # not this thread's block
-    finally: leave.set(); t.join()
-    assert seen == [False] and checks_values()
+    assert seen_in_thread(trusted_values, checks_values) == (True, False)   # not this thread's block
+    assert checks_values()
     with pytest.raises(KeyError, match='inside'):
         with trusted_values(): raise KeyError('inside')
     assert checks_values()
