@@ -12,8 +12,9 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['HALVES', 'TOPOLOGY_COLUMNS', 'ROLE_COLORS', 'ModelConfig', 'is_int', 'check_int', 'check_share', 'require',
-           'ConfigError', 'expect_config', 'validate', 'source_layer', 'is_prime', 'engram_bucket_primes',
-           'engram_table_rows', 'LayerInfo', 'layer_topology', 'role_counts', 'topology_table', 'plot_layer_map']
+           'check_config', 'ConfigError', 'expect_config', 'validate', 'source_layer', 'is_prime',
+           'engram_bucket_primes', 'engram_table_rows', 'LayerInfo', 'layer_topology', 'role_counts', 'topology_table',
+           'plot_layer_map']
 
 # %% ../nbs/00_config.ipynb #a3ece8d7
 @dataclass(frozen=True)
@@ -138,6 +139,13 @@ def require(ok, msg: str, exc: type = ValueError):
     if not (isinstance(exc, type) and issubclass(exc, Exception)):
         raise TypeError(f"require: exc must be an exception class, got {exc!r}")
     raise exc(msg)
+
+# %% ../nbs/00_config.ipynb #e9b6116b
+def check_config(caller: str, cfg) -> ModelConfig:
+    "`cfg` if a `ModelConfig`; else a TypeError naming `caller`"
+    require(isinstance(cfg, ModelConfig),
+            f"{caller}: cfg must be a ModelConfig, got {type(cfg).__name__}", TypeError)
+    return cfg
 
 # %% ../nbs/00_config.ipynb #742cea09
 class ConfigError(ValueError):

@@ -5,7 +5,7 @@
 # %% ../nbs/08b_fused_moe_measured.ipynb #26a81f8c
 from __future__ import annotations
 import torch
-from .config import ModelConfig, check_int, require
+from .config import ModelConfig, check_config, check_int, require
 from .dispatch import median_time, graph_time, copy_bandwidth
 from .moe import MoEWeights, route, moe_experts_reference, moe_bytes_flops
 from .fused_moe import MOE_TILES, moe_launch_shape, fused_moe_experts
@@ -16,8 +16,7 @@ __all__ = ['bf16_matmul_rate', 'benchmark_moe', 'format_moe_benchmark']
 # %% ../nbs/08b_fused_moe_measured.ipynb #58e6b7bb
 def _check_benchmark(cfg, sizes, seed, tiles):
     "`benchmark_moe`'s arguments; else an error naming the argument"
-    require(isinstance(cfg, ModelConfig),
-            f"benchmark_moe: cfg must be a ModelConfig, got {type(cfg).__name__}", TypeError)
+    check_config('benchmark_moe', cfg)
     require(isinstance(sizes, (tuple, list)) and len(sizes) > 0,
             f"benchmark_moe: sizes must be a non-empty tuple or list of token counts, "
             f"got {sizes!r}",

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch
 import triton
-from .config import ModelConfig, check_int, require
+from .config import ModelConfig, check_config, check_int, require
 from .dispatch import median_time, copy_bandwidth, use_kernels
 from .record_codecs import FP4Record, FP8Record, cache_format
 from .records import store_records
@@ -21,8 +21,7 @@ __all__ = ['random_key_cache', 'benchmark_index_logits', 'benchmark_sparse_vs_de
 # %% ../nbs/04c_indexer_speed.ipynb #6995be63
 def _check_run(caller: str, cfg, context, batch=1, rep=1):
     "A benchmark's shared arguments; else an error naming `caller` and the argument"
-    require(isinstance(cfg, ModelConfig),
-            f"{caller}: cfg must be a ModelConfig, got {type(cfg).__name__}", TypeError)
+    check_config(caller, cfg)
     for name, v in (('context', context), ('batch', batch), ('rep', rep)):
         check_int(caller, name, v, 1)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 import torch
-from .config import ModelConfig, check_int
+from .config import ModelConfig, check_config, check_int
 from .dispatch import (median_time, copy_bandwidth, use_kernels, triton_interpreting,
                                cuda_graph, sm_count)
 from .floors import HARDWARE
@@ -22,8 +22,7 @@ __all__ = ['seam_floor', 'seam_plan', 'count_launches', 'hc_layer_floor', 'bench
 # %% ../nbs/07b_mhc_speed.ipynb #7e3b19c1
 def _check_seam_args(caller: str, cfg, T, low: int = 1, fp8: bool = True):
     "cfg a ModelConfig, T an int >= low, fp8 a bool; else a TypeError or ValueError naming `caller`"
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError(f"{caller}: cfg must be a ModelConfig, got {type(cfg).__name__}")
+    check_config(caller, cfg)
     check_int(caller, 'T', T, low)
     if not isinstance(fp8, bool): raise TypeError(f"{caller}: fp8 must be a bool, got {fp8!r}")
 

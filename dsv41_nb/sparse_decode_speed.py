@@ -6,7 +6,7 @@
 from __future__ import annotations
 import math
 import torch
-from .config import ModelConfig, check_int, require
+from .config import ModelConfig, check_config, check_int, require
 from .dispatch import median_time, graph_time
 from .record_codecs import cache_format
 from .csa2 import sparse_attention_reference
@@ -34,8 +34,7 @@ def _check_rate(caller: str, name: str, value):
 def _check_bench(caller: str, cfg, batch, context, bandwidth=None, peak=None, rep=None):
     ("cfg a ModelConfig, batch and context ints of at least 1, and where given, positive "
      "rates and at least one repetition; else an error naming `caller`")
-    require(isinstance(cfg, ModelConfig),
-            f"{caller}: cfg must be a ModelConfig, got {type(cfg).__name__}", TypeError)
+    check_config(caller, cfg)
     check_int(caller, 'batch', batch, 1); check_int(caller, 'context', context, 1)
     for name, rate in (('bandwidth', bandwidth), ('peak', peak)):
         if rate is not None: _check_rate(caller, name, rate)
