@@ -18,6 +18,7 @@ from .compressor import layer_inv_freq
 from .csa2 import CSA2State, CSA2Step, SparseIndices
 from .csa2_layer import CSA2Attention
 from .sparse_decode import sparse_decode
+from .sparse_prefill import served_attend
 from .mhc import HCWeights, SeamOut, hc_expand, mhc_seam, hc_collapse
 from .moe import MoEWeights, quantize_weight, moe_experts_reference, route_layer
 from .fused_moe import fp8_act_quant, moe_forward, expert_down
@@ -133,8 +134,8 @@ def window_kv(self: PagedAttention, x, positions):
 @patch
 def forward(self: PagedAttention, x, step, state, topk=None):
     ("As `CSA2Attention.forward`; at decode the output's inverse rotation happens "
-     "in `sparse_decode`'s last launch")
-    if self.attend is not sparse_decode or not self._fused(x, self.wo_a):
+     "in `sparse_decode`'s last launch (`served_attend` passes it there)")
+    if self.attend not in (sparse_decode, served_attend) or not self._fused(x, self.wo_a):
         return CSA2Attention.forward(self, x, step, state, topk)
     o = self.attention(x, step, state, topk, out_rope=(self.inv_freq, step.positions))[0]
     return self.wo_b(self.wo_a(o.flatten(1).unflatten(1, (self.n_groups, -1))).flatten(1))
@@ -155,14 +156,15 @@ def _frozen(t: torch.Tensor, dtype=None) -> nn.Parameter:
 def paged_attention(att: Attention,           # a reference layer's attention (master weights)
                     cfg: ModelConfig,
                     kc: KVCacheConfig,        # the cache layout: its record formats
-                    # the attention core (default `sparse_decode`: kernel or reference by dispatch)
+                    # the attention core (default `served_attend`: 06b's prompt runs, else kernel
+                    # or reference by dispatch)
                     attend=None,
                    ) -> PagedAttention:
     "The paged attention layer holding `att`'s weights as the checkpoint stores them"
     cc, dev = kc.cache_config, att.wq_a.weight.device
     with torch.device('meta'):
         p = PagedAttention(cfg, att.layer, WINDOW_FORMAT, cc.main_kv_format, cc.index_key_format,
-                           attend=attend or sparse_decode)
+                           attend=attend or served_attend)
     fp8 = lambda lin: FP8Linear.from_master(lin.weight)
     p.wq_a, p.wq_b, p.wkv, p.wo_b = fp8(att.wq_a), fp8(att.wq_b), fp8(att.wkv), fp8(att.wo_b)
     p.wo_a = FP8Linear.from_master(att.wo_a.weight, act_quant=False, groups=cfg.o_groups)
@@ -326,7 +328,7 @@ def _layout(cfg, kc):
 def from_model(cls: PagedModel, model: Transformer,
                # the cache layout (default `get_kv_cache_config(cfg)`)
                kv_cache_config: KVCacheConfig | None = None,
-               # attention core for every layer (default `sparse_decode`)
+               # attention core for every layer (default `served_attend`)
                attend=None,
               ) -> PagedModel:
     ("The serving-path model of a reference `Transformer`, "
