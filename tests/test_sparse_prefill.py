@@ -190,3 +190,13 @@ BAD = [
 def test_bad_inputs(call, msg):
     args = prefill_inputs(TINY, [(0, 20)], device=DEV)
     fct.test_fail(lambda: call(args), contains=msg)
+
+
+def test_few_reads_of_device_values():
+    "A prefill step runs eagerly, but each read of device values waits for the GPU: the plan makes two, the rest none"
+    from dsv41_nb.dispatch import HostReads, trusted_values
+    args = prefill_inputs(TINY, [(0, 30), (4, 1), (0, 20)], device=DEV)
+    with trusted_values(), HostReads() as h: plan = plan_prefill(*args[1:4], 16)
+    assert h.count == 2, dict(h.sites)
+    with trusted_values(), HostReads() as h: sparse_prefill(*args, 16, check_indices=False, plan=plan)
+    assert h.count == 0, dict(h.sites)
