@@ -147,18 +147,23 @@ def test_served_attend_guard_sends_sparse_sharing_to_the_kernel(monkeypatch):
     assert torch.equal(out, sparse_decode(*args)[0])
 
 
-def test_served_attend_choice():
-    "Left to choose: the union where the Triton kernel would run, the reference whole where it would"
+def test_served_attend_choice(monkeypatch):
+    "As served (PREFILL_UNION off) every step is sparse_decode's; on, the union where the Triton kernel would run"
     args = prefill_inputs(TINY, [(0, 24)], device=DEV)
+    assert not sp.PREFILL_UNION
+    assert torch.equal(served_attend(*args)[0], sparse_decode(*args)[0])
+    monkeypatch.setattr(sp, 'PREFILL_UNION', True)
+    monkeypatch.setattr(sp, 'PREFILL_MAX_WORK', 10 ** 6)
     with use_kernels('torch'):
         out, lse = served_attend(*args)
         ref, ref_lse = sparse_attention_reference(*args)
         assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     q, window, compressed, idx, sink, scale = args
-    rope = (torch.ones(q.shape[-1] // 2, device=DEV), torch.arange(len(q), device=DEV))
-    if kernel_backend(q) == 'triton':        # out_rope (the fused decode path) always goes to the kernel
-        got, _ = served_attend(*args, out_rope=rope)
-        assert torch.equal(got, sparse_decode(*args, out_rope=rope)[0])
+    if kernel_backend(q) == 'triton':
+        assert torch.equal(served_attend(*args)[0], served_attend(*args, union=True)[0])
+        # out_rope (the fused decode path) always goes to the kernel
+        rope = (torch.ones(q.shape[-1] // 2, device=DEV), torch.arange(len(q), device=DEV))
+        assert torch.equal(served_attend(*args, out_rope=rope)[0], sparse_decode(*args, out_rope=rope)[0])
 
 
 def test_served_layers_default_to_served_attend():

@@ -7,7 +7,7 @@ token.
                                  [--prompt-len 128] [--max-tokens 32] [--seed 0]
                                  [--sections concurrency decode profile graphs naive]
                                  [--async-scheduling] [--max-num-batched-tokens N] [--codes] [--planes-down] [--slots]
-                                 [--shared-fp8] [--fp8] [--fp8-mma ROWS] [--no-prefill-union]
+                                 [--shared-fp8] [--fp8] [--fp8-mma ROWS] [--prefill-union]
                                  [--json out.json] [--quick]
 
 The model is the paged path of 10b_paged with random weights (`PagedModel.init_random`, built one layer at a time on the
@@ -365,8 +365,8 @@ def main():
     ap.add_argument('--fp8-mma', type=int, default=0, metavar='ROWS',
                     help="the FP8 projections on their codes through 09a's MMA kernel (version 2) up to ROWS rows "
                          "(at most 256), not cuBLAS on BF16 copies (FP8_LINEAR_MMA_T; 0: off)")
-    ap.add_argument('--no-prefill-union', action='store_true',
-                    help="prompt tokens through the sparse decode kernel, not 06b's sparse_prefill, to compare")
+    ap.add_argument('--prefill-union', action='store_true',
+                    help="runs of a request's tokens through 06b's sparse_prefill, not the sparse decode kernel")
     ap.add_argument('--quick', action='store_true', help='tiny config on the CPU, a few requests: checks the script')
     args = ap.parse_args()
     if not 0 <= args.fp8_mma <= 256: ap.error(f'--fp8-mma {args.fp8_mma}: expected 0 to 256 rows')
@@ -376,7 +376,7 @@ def main():
     paged.SERVED_SHARED_DENSE = not args.shared_fp8
     paged.SERVED_SLOTS = args.slots
     paged.SERVED_FP8 = args.fp8
-    sparse_prefill.PREFILL_UNION = not args.no_prefill_union
+    sparse_prefill.PREFILL_UNION = args.prefill_union
     device = 'cuda' if torch.cuda.is_available() and not args.quick else 'cpu'
     if args.quick:
         (args.config, args.naive_config, args.concurrency, args.prompt_len,
