@@ -188,6 +188,9 @@ BAD = [
     (lambda a: prefill_inputs(TINY, []), 'at least one request'),
     (lambda a: prefill_inputs('tiny', [(0, 4)]), 'ModelConfig'),
     (lambda a: prefill_inputs(TINY, [(0, 4)], ratio=0), 'ratio'),
+    (lambda a: prefill_inputs(TINY, [(0, 4)], heads=0), 'heads'),
+    (lambda a: take_tokens(a[3], [0, 1]), 'sel must be a 1-D tensor'),
+    (lambda a: take_tokens(a[3], torch.zeros(2, 2, dtype=torch.bool)), 'sel must be a 1-D tensor'),
 ]
 
 
