@@ -2,7 +2,8 @@
 every record format pair, ratios 1 and 2, runs that start at 0 and later, chunk sizes that divide the runs and that
 do not, batches of chunks, holes, empty lists and records listed twice, with and without a sink; the chunking and the
 plan on their own; `served_attend`'s split of a mixed step, its guard and its choice by backend; the served layers'
-default core; bad inputs by name. On a GPU the same checks run on cuBLAS, and at the `bench` width."""
+default core; bad inputs by name; the `bench` layer's width, where short prompts share nearly everything. On a GPU the
+same checks run on cuBLAS."""
 from dataclasses import replace
 import pytest
 import torch
@@ -208,3 +209,11 @@ def test_few_reads_of_device_values():
     assert h.count == 2, dict(h.sites)
     with trusted_values(), HostReads() as h: sparse_prefill(*args, 16, check_indices=False, plan=plan)
     assert h.count == 0, dict(h.sites)
+
+
+def test_prefill_at_the_bench_layer():
+    "The bench layer's width and heads (64 x 512), its window of 128 and top-k of 512: prompts sharing everything"
+    args = prefill_inputs(ModelConfig.bench(), [(0, 128), (0, 128)], device=DEV, seed=7)
+    plan = plan_prefill(*args[1:4], 64)
+    assert plan.work <= 2.1 * plan.reads          # a short prompt's chunks share nearly every record
+    assert check_prefill(args, chunk=64, plan=plan) <= 1
