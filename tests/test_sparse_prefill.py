@@ -183,6 +183,7 @@ BAD = [
     (lambda a: sparse_prefill(a[0][:3], *a[1:]), 'window_slots'),
     (lambda a: sparse_prefill(*a[:4], a[4][:2], a[5]), 'sink'),
     (lambda a: sparse_prefill(*a, plan='plan'), 'plan must be a PrefillPlan'),
+    (lambda a: sparse_prefill(*a, chunk=8, plan=plan_prefill(*a[1:4], 16)), 'in chunks of 8'),
     (lambda a: served_attend(*a, union=1), 'union'),
     (lambda a: bmm_f32(a[0].float(), a[0]), 'a must be a 3-D BF16'),
     (lambda a: bmm_f32(a[0], a[0]), 'do not multiply'),

@@ -9,7 +9,7 @@ A layout RxN is R requests of N prompt tokens each from position 0, in one step,
 head dim 512, window records `window_fp8`, compressed records `ds_fp4` in a ratio-1 layer, window 128, top-k 512 drawn
 at random from the entries each token sees: past the top-k the least sharing real lists could have). Each layout's first
 request (up to 512 tokens) is checked first, both paths against the PyTorch reference; then the kernel,
-`sparse_prefill` and `served_attend` (the served choice, its plan and guard included) are each timed eagerly, as a
+`sparse_prefill` and `served_attend` with the union on (its split, plan and guard included) are each timed eagerly, as a
 prefill step runs them (`median_time`), with the plan's scores a head per record read and the union's extra memory.
 `--quick` runs a small geometry, which also works on a CPU under TRITON_INTERPRET=1 (the timings then mean nothing)."""
 import argparse, datetime, json, sys
@@ -57,10 +57,11 @@ def main():
         worst_union = check_prefill(sub, chunk=PREFILL_CHUNK)
         worst_kernel, *_ = check_decode(sub)
         plan = plan_prefill(window, compressed, idx, PREFILL_CHUNK)
+        records = int((plan.rchunk < plan.n).sum())           # the stand-in of dead entries left out
         calls = {'kernel': lambda: sparse_decode(*inputs, check_indices=False),
                  'union': lambda: sparse_prefill(*inputs, PREFILL_CHUNK, check_indices=False, plan=plan),
                  'union and plan': lambda: sparse_prefill(*inputs, PREFILL_CHUNK, check_indices=False),
-                 'served': lambda: served_attend(*inputs)}
+                 'served': lambda: served_attend(*inputs, union=True)}
         times = {k: median_time(f) for k, f in calls.items()}
         extra = None
         if device == 'cuda':
@@ -68,8 +69,8 @@ def main():
             base = torch.cuda.memory_allocated(); calls['union']()
             extra = torch.cuda.max_memory_allocated() - base
         row = dict(requests=R, tokens=N, steps_tokens=R * N, worst_union=worst_union, worst_kernel=worst_kernel,
-                   chunks=plan.n, width=plan.width, reads=plan.reads, records=len(plan.records),
-                   work_per_read=plan.work / plan.reads, reads_per_record=plan.reads / len(plan.records),
+                   chunks=plan.n, width=plan.width, reads=plan.reads, records=records,
+                   work_per_read=plan.work / plan.reads, reads_per_record=plan.reads / records,
                    kernel_ms=1e3 * times['kernel'], union_ms=1e3 * times['union'],
                    union_plan_ms=1e3 * times['union and plan'], served_ms=1e3 * times['served'],
                    union_extra_bytes=extra)
