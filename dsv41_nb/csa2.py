@@ -18,8 +18,8 @@ from .dispatch import checks_values, kernel_backend
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',
-           'random_block_tables', 'window_indices', 'step_window', 'SparseIndices', 'topk_slots', 'PagedRecords',
-           'check_attention_inputs', 'gather_keys', 'sparse_attention_reference']
+           'random_block_tables', 'window_indices', 'step_window', 'SparseIndices', 'topk_slots', 'live_entries',
+           'PagedRecords', 'check_attention_inputs', 'gather_keys', 'sparse_attention_reference']
 
 # %% ../nbs/05_csa2.ipynb #8a20c70f
 CSA2_ROLES = ('SWA', 'Full', 'Reindex', 'Reuse')
@@ -305,6 +305,15 @@ def topk_slots(idx: SparseIndices) -> torch.Tensor:
     blk = idx.block_table.long()[idx.rows.clamp_min(0).long()[:, None], i.clamp_min(0) // per]
     return torch.where(i >= 0, blk * per + i % per, PAD_SLOT_ID)
 
+# %% ../nbs/05_csa2.ipynb #e057dabe
+def live_entries(idx: SparseIndices) -> list:
+    ("[(slots (T, n) int64, live (T, n) bool)]: the window list, then the top-k list (if any), "
+     "as cache slots and the entries that count")
+    ar = lambda n: torch.arange(n, device=idx.rows.device)
+    lists = [(idx.window_slots.long(), idx.window_slots, idx.window_lens)]
+    if idx.topk.shape[1]: lists.append((topk_slots(idx), idx.topk, idx.topk_lens))
+    return [(s, (ar(s.shape[1]) < n[:, None]) & (i >= 0)) for s, i, n in lists]
+
 # %% ../nbs/05_csa2.ipynb #10b951e1
 @dataclass(frozen=True)
 class PagedRecords:
@@ -389,17 +398,11 @@ def check_attention_inputs(q, window, compressed, idx, sink, scale, check_indice
 def gather_keys(window: PagedRecords, compressed: PagedRecords | None, idx: SparseIndices) -> tuple:
     ("(keys (T, W+K, D) fp32, live (T, W+K) bool): every "
      "record each token reads, window first, dead ones zero")
-    W, K = idx.window_slots.shape[1], idx.topk.shape[1]
-    ar = lambda n: torch.arange(n, device=idx.rows.device)
-    w_live = (ar(W) < idx.window_lens[:, None]) & (idx.window_slots >= 0)
-    # (T, W, D)
-    keys = [window.codec.unpack(window.records()[idx.window_slots.clamp_min(0).long()])]
-    live = [w_live]
-    if K:
-        slots = topk_slots(idx)
-        live.append((ar(K) < idx.topk_lens[:, None]) & (slots >= 0))
-        keys.append(compressed.codec.unpack(compressed.records()[slots.clamp_min(0)]))  # (T, K, D)
-    live = torch.cat(live, 1)
+    lists = live_entries(idx)
+    # (T, W, D), then (T, K, D)
+    keys = [c.codec.unpack(c.records()[s.clamp_min(0)])
+            for c, (s, _) in zip((window, compressed), lists)]
+    live = torch.cat([l for _, l in lists], 1)
     return torch.where(live[..., None], torch.cat(keys, 1), 0.0), live
 
 # %% ../nbs/05_csa2.ipynb #4d293af9

@@ -155,19 +155,21 @@ def gemm_rows_independent() -> bool:
     return True
 
 # %% ../nbs/00a_dispatch.ipynb #6015497c
-def mm_f32(a: torch.Tensor, # (M, K) BF16
-           b: torch.Tensor, # (N, K) BF16
-          ) -> torch.Tensor: # (M, N) fp32
+def mm_f32(a: torch.Tensor, # (M, K) BF16, or (n, M, K): n products at once
+           b: torch.Tensor, # (N, K) BF16, or (n, N, K)
+          ) -> torch.Tensor: # (M, N) fp32, or (n, M, N)
     "a @ bᵀ with fp32 sums of the exact products: cuBLAS on a GPU, the operands widened on a CPU"
     for name, t in (('a', a), ('b', b)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.ndim != 2:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.ndim not in (2, 3):
             got = f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
-            raise ValueError(f"mm_f32: {name} must be a 2-D BF16 tensor, got {got}")
-    if a.shape[1] != b.shape[1] or a.device != b.device:
+            raise ValueError(f"mm_f32: {name} must be a 2-D or 3-D BF16 tensor, got {got}")
+    if (a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]
+            or a.device != b.device):
         raise ValueError(f"mm_f32: a {tuple(a.shape)} on {a.device} and b {tuple(b.shape)} on "
-                         f"{b.device}: expected the same K and device")
-    if a.is_cuda: return torch.mm(a, b.t(), out_dtype=torch.float32)
-    return a.float() @ b.float().t()
+                         f"{b.device}: expected the same batch, K and device")
+    bt = b.transpose(-1, -2)
+    if a.is_cuda: return (torch.mm if a.ndim == 2 else torch.bmm)(a, bt, out_dtype=torch.float32)
+    return a.float() @ bt.float()
 
 # %% ../nbs/00a_dispatch.ipynb #4b6f4795
 import os, re

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 import torch
 import triton
 from .config import ModelConfig, check_config, check_int, require
-from .dispatch import kernel_backend, capturing
+from .dispatch import kernel_backend, capturing, mm_f32
 from .record_codecs import cache_format
-from .csa2 import (SparseIndices, PagedRecords, check_attention_inputs, topk_slots,
+from .csa2 import (SparseIndices, PagedRecords, check_attention_inputs, live_entries,
                            make_step, window_indices, random_block_tables,
                            sparse_attention_reference)
 from .sparse_decode import sparse_decode, decode_tolerance
 
 # %% auto #0
 __all__ = ['PREFILL_UNION', 'PREFILL_MIN_RUN', 'PREFILL_CHUNK', 'PREFILL_MAX_WORK', 'step_chunks', 'chunk_records',
-           'prefill_inputs', 'bmm_f32', 'PrefillPlan', 'plan_prefill', 'sparse_prefill', 'check_prefill', 'run_lengths',
+           'prefill_inputs', 'PrefillPlan', 'plan_prefill', 'sparse_prefill', 'check_prefill', 'run_lengths',
            'take_tokens', 'served_attend']
 
 # %% ../nbs/06b_sparse_prefill.ipynb #00045e02
@@ -47,16 +47,10 @@ def _record_keys(window: PagedRecords, compressed: PagedRecords | None,
                  idx: SparseIndices) -> tuple:
     ("(keys (T, N) int64, live (T, N) bool, span): every entry of each token's lists as one "
      "number, window slots then compressed slots after the window cache's; span the count")
-    W, K = idx.window_slots.shape[1], idx.topk.shape[1]
-    ar = lambda n: torch.arange(n, device=idx.rows.device)
-    keys = [idx.window_slots.long()]
-    live = [(ar(W) < idx.window_lens[:, None]) & (idx.window_slots >= 0)]
-    if K:
-        slots = topk_slots(idx)
-        keys.append(slots + window.num_slots)
-        live.append((ar(K) < idx.topk_lens[:, None]) & (slots >= 0))
-    span = window.num_slots + (compressed.num_slots if K else 0)
-    return torch.cat(keys, 1), torch.cat(live, 1), span
+    lists = live_entries(idx)
+    keys = torch.cat([s + off for (s, _), off in zip(lists, (0, window.num_slots))], 1)
+    span = window.num_slots + (compressed.num_slots if len(lists) > 1 else 0)
+    return keys, torch.cat([l for _, l in lists], 1), span
 
 # %% ../nbs/06b_sparse_prefill.ipynb #14247866
 def chunk_records(window: PagedRecords, # the layer's window cache
@@ -115,19 +109,6 @@ def prefill_inputs(cfg: ModelConfig, # the model's shapes (heads, head dim, wind
     idx = SparseIndices(w_slots, w_lens, topk, lens, step.rows, bt, per)
     q = torch.randn(len(visible), H, D, device=device, generator=g).bfloat16()
     return q, window, compressed, idx, torch.randn(H, device=device, generator=g), D ** -0.5
-
-# %% ../nbs/06b_sparse_prefill.ipynb #63078035
-def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    "a @ b for BF16 (n, M, K) and (n, K, N): fp32 sums of the exact products (cuBLAS on a GPU)"
-    for name, t in (('a', a), ('b', b)):
-        require(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.ndim == 3,
-                f"bmm_f32: {name} must be a 3-D BF16 tensor, got "
-                f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-    require(a.shape[0] == b.shape[0] and a.shape[2] == b.shape[1] and a.device == b.device,
-            f"bmm_f32: a {tuple(a.shape)} on {a.device} and b {tuple(b.shape)} on {b.device} "
-            f"do not multiply")
-    if a.is_cuda: return torch.bmm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
 
 # %% ../nbs/06b_sparse_prefill.ipynb #c5d17f4c
 @dataclass
@@ -230,9 +211,9 @@ def sparse_prefill(q: torch.Tensor, # (T, H, D) bf16 queries (RoPE'd)
     per = max(1, max_elements // (P.chunk * H * P.width))
     for a in range(0, P.n, per):
         b = min(P.n, a + per)
-        s = bmm_f32(qp[a:b].flatten(1, 2), kv[a:b].transpose(1, 2)).mul_(scale)
+        s = mm_f32(qp[a:b].flatten(1, 2), kv[a:b]).mul_(scale)
         p, lse[a:b] = _softmax_sink(s.view(b - a, P.chunk, H, P.width), mult[a:b], sink)
-        out[a:b] = bmm_f32(p.bfloat16().flatten(1, 2), kv[a:b]).view(b - a, P.chunk, H, D)
+        out[a:b] = mm_f32(p.bfloat16().flatten(1, 2), kv[a:b].transpose(1, 2)).view(b - a, P.chunk, H, D)
     return out[P.chunk_of, P.place], lse[P.chunk_of, P.place]
 
 # %% ../nbs/06b_sparse_prefill.ipynb #8a1f36ee

@@ -141,15 +141,26 @@ def test_gemm_rows_independent_says_what_this_cpu_does():
 
 
 def test_mm_f32_sums_the_exact_products_in_fp32():
-    "a @ bᵀ of BF16 operands in fp32 (on a CPU the widened operands' product), and bad operands named"
+    "a @ bᵀ of BF16 operands in fp32 (on a CPU the widened operands' product), one or a batch, bad operands named"
     from dsv41_nb.dispatch import mm_f32
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(5, 48, generator=g).bfloat16(), torch.randn(7, 48, generator=g).bfloat16()
     out = mm_f32(a, b)
     assert out.dtype == torch.float32 and out.shape == (5, 7)
     assert torch.equal(out, a.float() @ b.float().t())
-    for args, msg in [((a.float(), b), 'a must be a 2-D BF16 tensor'), ((a, b[0]), 'b must be a 2-D BF16 tensor'),
-                      ((a, b[:, :8]), 'expected the same K and device'), ((a, 'b'), 'b must be a 2-D BF16 tensor')]:
+    A, B = torch.randn(3, 5, 48, generator=g).bfloat16(), torch.randn(3, 7, 48, generator=g).bfloat16()
+    out = mm_f32(A, B)
+    assert out.dtype == torch.float32 and out.shape == (3, 5, 7)
+    assert torch.equal(out, A.float() @ B.float().transpose(1, 2))
+    for i in range(3): torch.testing.assert_close(out[i], mm_f32(A[i], B[i]), rtol=1e-6, atol=1e-6)
+    strided = B.transpose(1, 2).contiguous().transpose(1, 2)   # the same values, other strides
+    torch.testing.assert_close(mm_f32(A, strided), out, rtol=1e-6, atol=1e-6)
+    for args, msg in [((a.float(), b), 'a must be a 2-D or 3-D BF16 tensor'),
+                      ((a, b[0]), 'b must be a 2-D or 3-D BF16 tensor'),
+                      ((a, b[:, :8]), 'expected the same batch, K and device'),
+                      ((A, B[:2]), 'expected the same batch, K and device'),
+                      ((A, b), 'expected the same batch, K and device'),
+                      ((a, 'b'), 'b must be a 2-D or 3-D BF16 tensor')]:
         with pytest.raises(ValueError, match=msg): mm_f32(*args)
 
 
