@@ -233,6 +233,13 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
 # %% ../nbs/00a_dispatch.ipynb #6b343ce8
 _as_captured = threading.local()  # .on: has this thread entered as_captured?
 
+@contextmanager
+def _flag_on(flag: threading.local):
+    "Inside the block, `flag.on` is True on this thread; afterwards what it was before"
+    prev, flag.on = getattr(flag, 'on', False), True
+    try: yield
+    finally: flag.on = prev
+
 # %% ../nbs/00a_dispatch.ipynb #5cde16f8
 def capturing() -> bool:
     ("Is this code being captured into a CUDA graph "
@@ -242,13 +249,10 @@ def capturing() -> bool:
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
 
 # %% ../nbs/00a_dispatch.ipynb #0aa5b8bc
-@contextmanager
 def as_captured():
     ("Inside the block, on this thread only, run as a CUDA graph capture does: "
      "no read-backs of device values, shapes from the inputs' shapes alone")
-    prev, _as_captured.on = getattr(_as_captured, 'on', False), True
-    try: yield
-    finally: _as_captured.on = prev
+    return _flag_on(_as_captured)
 
 # %% ../nbs/00a_dispatch.ipynb #fdbdac57
 _READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2',
@@ -286,13 +290,10 @@ def checks_values() -> bool:
     return not (getattr(_trusted, 'on', False) or capturing())
 
 # %% ../nbs/00a_dispatch.ipynb #34e82efa
-@contextmanager
 def trusted_values():
     ("Inside the block, on this thread only, the argument checks that read device values back "
      "are skipped: the caller vouches for them (shapes and dtypes are still checked)")
-    prev, _trusted.on = getattr(_trusted, 'on', False), True
-    try: yield
-    finally: _trusted.on = prev
+    return _flag_on(_trusted)
 
 # %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
 def cuda_graph(fn, # the work to capture, no arguments: tensors it touches stay the graph's buffers
