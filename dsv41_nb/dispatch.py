@@ -16,8 +16,8 @@ _forced = threading.local()  # .backend: what this thread's use_kernels forces
 __all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
            'copy_bandwidth', 'seen_in_thread', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent',
            'mm_f32', 'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured',
-           'HostReads', 'checks_values', 'trusted_values', 'cuda_graph', 'graph_time', 'pdl_launch', 'pdl_wait',
-           'spec_class', 'launch_keys']
+           'HostReads', 'checks_values', 'trusted_values', 'cuda_graph', 'graph_time', 'copy_time', 'pdl_launch',
+           'pdl_wait', 'spec_class', 'launch_keys']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -343,6 +343,21 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
         a.record(); replay(); b.record(); torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3 / calls)
     return sorted(times)[len(times) // 2]
+
+# %% ../nbs/00a_dispatch.ipynb #58495960
+def copy_time(nbytes: int, # bytes the copy moves: half read, half written
+              device='cuda', # where to measure
+              rep: int = 100, # `median_time`'s rep
+             ) -> float:
+    ("Median seconds of one device copy moving `nbytes`, replayed from a CUDA graph on a GPU: "
+     "what a launch of that many bytes takes when it does nothing else")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 2:
+        raise ValueError(f"copy_time: nbytes must be an int >= 2, got {nbytes!r}")
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    run = lambda: dst.copy_(src)
+    if src.is_cuda: run = cuda_graph(run)
+    return median_time(run, warmup=max(1, rep // 4), rep=rep)
 
 # %% ../nbs/00a_dispatch.ipynb #4c4e455f
 import triton

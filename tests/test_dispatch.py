@@ -8,7 +8,7 @@ import triton.language as tl
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.dispatch import (capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL,
                                spec_class, launch_keys, kernel_backend, check_device, use_kernels,
-                               seen_in_thread)
+                               seen_in_thread, copy_time)
 from triton.runtime.jit import JITFunction
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -86,8 +86,18 @@ def test_host_reads_sees_reads_and_only_reads():
     (lambda: graph_time('f'), 'fn must be callable'),
     (lambda: graph_time(lambda i: None, calls=-2), 'calls must be an int >= 1'),
     (lambda: graph_time(lambda i: None, reps=0), 'reps must be an int >= 1'),
+    (lambda: copy_time(1, 'cpu'), 'nbytes must be an int >= 2'),
+    (lambda: copy_time(2.0, 'cpu'), 'nbytes must be an int >= 2'),
+    (lambda: copy_time(False, 'cpu'), 'nbytes must be an int >= 2'),
 ])
 def test_cuda_graph_bad_inputs(call, words): fails_with(call, contains=words)
+
+
+def test_copy_time_is_one_copy_of_the_bytes():
+    "a positive median, from a CUDA graph on a GPU; more bytes take longer (1 MiB against 256 MiB)"
+    dev = check_device()
+    small, big = copy_time(1 << 20, dev, rep=20), copy_time(1 << 28, dev, rep=20)
+    assert 0 < small < big, (small, big)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message a machine without CUDA gives')

@@ -14,6 +14,10 @@ the compressor's reads of device values, the bytes of the floor, the rate they i
 the registers, spills and shared memory of every kernel variant that was compiled. It is written to
 OUT_DIR/layer_kernels.json after each part, so a run cut short keeps what it measured.
 
+`--parts copy` times a plain device copy of the floor's bytes at each size of the seam and of the sparse MLA decode
+kernel (06_sparse_decode, bench geometry, 128 window and 512 selected records a token), replayed from a CUDA graph
+(`copy_time`): the most of its floor a launch of that size reaches when it does nothing else.
+
 `--sweep` also times version 2 of the seam at 1,024 and 8,192 tokens over a few tile shapes (a compile each).
 `--quick` runs the `tiny` geometry at two sizes under the Triton interpreter on a CPU: a check of the script, whose
 times mean nothing."""
@@ -24,8 +28,9 @@ ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument('out_dir', help='the directory that receives layer_kernels.json')
 ap.add_argument('--quick', action='store_true', help='tiny geometry on the CPU interpreter (checks the script)')
 ap.add_argument('--sweep', action='store_true', help='also time a few tile shapes of the seam, version 2')
-ap.add_argument('--parts', nargs='+', default=['mhc', 'compressor'], choices=['mhc', 'compressor'],
-                help='what to measure (both by default; one at a time halves the compiles)')
+ap.add_argument('--parts', nargs='+', default=['mhc', 'compressor'], choices=['mhc', 'compressor', 'copy'],
+                help='what to measure (the two kernels by default; one at a time halves the compiles); copy: '
+                     'a plain copy of each size\'s floor bytes')
 args = ap.parse_args()
 
 import torch
@@ -35,8 +40,10 @@ if not torch.cuda.is_available():
 import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.floors import HARDWARE
-from dsv41_nb.dispatch import copy_bandwidth, machine_name
+from dsv41_nb.dispatch import copy_bandwidth, copy_time, machine_name
 from dsv41_nb import mhc_kernel, mhc_speed, compressor_kernel as comp
+from dsv41_nb.record_codecs import cache_format
+from dsv41_nb.sparse_decode import decode_cost
 
 T0 = time.time()
 HW = HARDWARE['H200 (measured copy)']
@@ -111,6 +118,22 @@ def seam(rec, cfg, tokens, device, rep):
             f'({r["of_floor"]:.1%} of the floor)' for v, r in sorted(rs.items()) if v - 1 in rs))
 
 
+def copies(rec, cfg, tokens, batches, device, rep) -> list[dict]:
+    "A plain copy of each size's floor bytes, from a CUDA graph, against that floor at the bandwidth measured here"
+    bw, rows = rec['copy_bandwidth_measured'], []
+    per_token = decode_cost(cfg, cfg.window_size, cfg.index_topk, cache_format(cfg, 'window_fp8'),
+                            cache_format(cfg, 'ds_fp4'))['bytes']
+    sizes = ([('mhc seam', T, mhc_speed.seam_floor(cfg, T)) for T in tokens]
+             + [('sparse decode', B, B * per_token) for B in batches])
+    for kernel, n, nbytes in sizes:
+        t = copy_time(int(nbytes), device, rep=rep)
+        rows.append(dict(kernel=kernel, size=n, bytes=int(nbytes), copy_us=t * 1e6, floor_us=nbytes / bw * 1e6,
+                         of_floor=nbytes / bw / t))
+        say(f"copy of the {kernel}'s floor at {n}: {nbytes / 1e6:8.2f} MB in {t * 1e6:7.2f} us, "
+            f"{rows[-1]['of_floor']:.1%} of the floor")
+    return rows
+
+
 def main():
     out = Path(args.out_dir); out.mkdir(parents=True, exist_ok=True)
     path = out / 'layer_kernels.json'
@@ -130,6 +153,7 @@ def main():
     rec['copy_bandwidth_measured'] = copy_bandwidth(nbytes=(1 << 24) if args.quick else (1 << 30), device=device)
     say(f"copy bandwidth measured in this run: {rec['copy_bandwidth_measured'] / 1e12:.2f} TB/s")
 
+    if 'copy' in args.parts: rec['copy'] = copies(rec, cfg, tokens, batches, device, rep); save()
     if 'mhc' in args.parts: seam(rec, cfg, tokens, device, rep); save()
     if 'compressor' in args.parts:
         rec['compressor'] = [r for layer in (cfg.kv_source_layers[0], ratio1)
