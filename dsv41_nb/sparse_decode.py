@@ -210,6 +210,29 @@ def _finish(m_i, l_i, acc, t64, part, heads, hm, col, sink_ptr, out_ptr, stride_
         tl.store(lse_ptr + t64 * H + heads, lse, mask=hm)
     else: _store_partial(m_i, l_i, acc, part, hm, col, po_ptr, pl_ptr, D)
 
+# %% ../nbs/06_sparse_decode.ipynb #4eec14e1
+@triton.jit
+def _program_heads(num_splits, H, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    ("(t, t64, heads, col, hm, part): this program's token, its heads and which are real, "
+     "the output's columns, and its split's partial slots")
+    t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t64, heads = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    return t, t64, heads, tl.arange(0, D), heads < H, (t64 * num_splits + split) * H + heads
+
+# %% ../nbs/06_sparse_decode.ipynb #b1adde01
+@triton.jit
+def _topk_state(lo, nw, part, hm, col, po_ptr, pl_ptr, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    ("The top-k pass's first softmax state: the window pass's, "
+     "where this program had window tiles, else an empty one")
+    if lo < nw:
+        # the window pass's stores, from other threads, are visible
+        tl.debug_barrier()
+        m_i, l_i, acc = _load_partial(part, hm, col, po_ptr, pl_ptr, D)
+    else:
+        m_i, l_i = tl.full((BLOCK_H,), -float('inf'), tl.float32), tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, D), tl.float32)
+    return m_i, l_i, acc
+
 # %% ../nbs/06_sparse_decode.ipynb #971d3ab3
 @triton.jit
 def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_ws, w_len_ptr,
@@ -222,9 +245,7 @@ def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_
      "the state goes to its partial slot for `_topk_pass`")
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
     if lo < nw:
-        t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
-        hm = heads < H
+        t, t64, heads, col, hm, part = _program_heads(num_splits, H, D, BLOCK_H)
         q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
                     mask=hm[:, None], other=0.0)
         w_len = tl.load(w_len_ptr + t)
@@ -236,8 +257,7 @@ def _window_pass(q_ptr, stride_qt, stride_qh, w_ptr, w_half, w_slot_ptr, stride_
             kv = _kv_tile(w_ptr, w_half, slot, slot >= 0, D, W_FP4, W_QDIM, W_BLOCK, W_ROPE,
                           W_SCALE_OFF, W_REC, W_E4M3, HW_CVT, SCALE_TILE)
             m_i, l_i, acc = _attend_tile(q, kv, slot >= 0, m_i, l_i, acc, scale_log2, F32_DOT)
-        _store_partial(m_i, l_i, acc, (t64 * num_splits + split) * H + heads, hm, col,
-                       po_ptr, pl_ptr, D)
+        _store_partial(m_i, l_i, acc, part, hm, col, po_ptr, pl_ptr, D)
 
 # %% ../nbs/06_sparse_decode.ipynb #a74c4d87
 @triton.jit
@@ -252,19 +272,10 @@ def _topk_pass(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, stride_kt, 
     ("The program's top-k tiles, from the window pass's "
      "state (if it had window tiles); then `_finish`")
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
-    t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
-    hm = heads < H
-    part = (t64 * num_splits + split) * H + heads
+    t, t64, heads, col, hm, part = _program_heads(num_splits, H, D, BLOCK_H)
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
                 mask=hm[:, None], other=0.0)
-    if lo < nw:
-        # the window pass's stores, from other threads, are visible
-        tl.debug_barrier()
-        m_i, l_i, acc = _load_partial(part, hm, col, po_ptr, pl_ptr, D)
-    else:
-        m_i, l_i = tl.full((BLOCK_H,), -float('inf'), tl.float32), tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_H, D), tl.float32)
+    m_i, l_i, acc = _topk_state(lo, nw, part, hm, col, po_ptr, pl_ptr, D, BLOCK_H)
     k_len, row = tl.load(k_len_ptr + t), tl.load(row_ptr + t).to(tl.int64)
     for i in range(tl.maximum(lo, nw) - nw, hi - nw):
         n = i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -395,10 +406,7 @@ def _topk_pass_prefetch(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, st
                         F32_DOT: tl.constexpr):
     "`_topk_pass` over FP4 records, each tile's bytes loaded during the tile before's products"
     lo, hi, nw = _program_tiles(w_len_ptr, k_len_ptr, num_splits, BLOCK_N)
-    t, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t64, heads, col = t.to(tl.int64), hb * BLOCK_H + tl.arange(0, BLOCK_H), tl.arange(0, D)
-    hm = heads < H
-    part = (t64 * num_splits + split) * H + heads
+    t, t64, heads, col, hm, part = _program_heads(num_splits, H, D, BLOCK_H)
     k_len, row = tl.load(k_len_ptr + t), tl.load(row_ptr + t).to(tl.int64)
     first, last = tl.maximum(lo, nw) - nw, hi - nw
     slot, live = _topk_slots(topk_ptr, t64, stride_kt, bt_ptr, row, stride_bt, per_block,
@@ -406,12 +414,7 @@ def _topk_pass_prefetch(q_ptr, stride_qt, stride_qh, c_ptr, c_half, topk_ptr, st
     words, sc = _kv_words(c_ptr, c_half, slot, live, D, C_BLOCK, C_SCALE_OFF, C_REC)
     q = tl.load(q_ptr + t64 * stride_qt + heads[:, None] * stride_qh + col[None, :],
                 mask=hm[:, None], other=0.0)
-    if lo < nw:
-        tl.debug_barrier()
-        m_i, l_i, acc = _load_partial(part, hm, col, po_ptr, pl_ptr, D)
-    else:
-        m_i, l_i = tl.full((BLOCK_H,), -float('inf'), tl.float32), tl.zeros((BLOCK_H,), tl.float32)
-        acc = tl.zeros((BLOCK_H, D), tl.float32)
+    m_i, l_i, acc = _topk_state(lo, nw, part, hm, col, po_ptr, pl_ptr, D, BLOCK_H)
     for i in range(first, last):
         kv, now = _kv_decode_words(words, sc, D, C_BLOCK, C_E4M3, HW_CVT), live
         slot, live = _topk_slots(topk_ptr, t64, stride_kt, bt_ptr, row, stride_bt, per_block,
