@@ -13,7 +13,7 @@ at batches 1, 64 and 256 (its JSON next to this one's, `_sweep` added to the nam
 batch 64 with Nsight Compute and writes a summary to PATH (read by 06a_sparse_decode_speed's profile cell).
 `--quick` runs a small geometry on small sizes, which also works on a CPU under TRITON_INTERPRET=1 (bandwidth and
 matmul rate are then the CPU's, so the floor means little)."""
-import argparse, csv, datetime, io, json, pathlib, shutil, subprocess, sys
+import argparse, csv, datetime, io, json, os, pathlib, shutil, subprocess, sys
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
@@ -102,17 +102,21 @@ if __name__ == '__main__':
                                     rep=5 if args.quick else 100) for B in ((1, 2) if args.quick else (1, 16, 64, 256))]
     print(format_decode_benchmark(rows), flush=True)
     ctx_rows = []
+    def save():   # after the batch table, and again with the context rows: a run cut short keeps its batches
+        if args.json:
+            with open(args.json, 'w') as f:
+                json.dump(dict(device=machine_name(device), date=str(datetime.date.today()),
+                               commit=os.environ.get('DSV41_COMMIT'), torch=torch.__version__,
+                               triton=triton.__version__, copy_bandwidth=bw, bf16_matmul=peak, rows=rows,
+                               context_rows=ctx_rows), f, indent=1)
+    save()
     if not args.quick:
         ctx_rows = [benchmark_context(cfg, L, bw, peak, device=device) for L in (8192, 131072, 524288)]
         print(f"{'context':>8} {'sparse us':>10} {'indexer us':>11} {'dense us':>9} {'dense / (sparse + indexer)':>27}")
         for r in ctx_rows:
             print(f"{r['context']:>8d} {r['sparse_us']:>10.3f} {r['indexer_us']:>11.3f} "
                   f"{r['dense_us']:>9.2f} {r['dense_vs_sparse']:>26.1f}x")
-    if args.json:
-        with open(args.json, 'w') as f:
-            json.dump(dict(device=machine_name(device), date=str(datetime.date.today()),
-                           torch=torch.__version__, triton=triton.__version__,
-                           copy_bandwidth=bw, bf16_matmul=peak, rows=rows, context_rows=ctx_rows), f, indent=1)
+        save()
     if args.sweep:
         extra = ((['--quick'] if args.quick else [])
                  + (['--json', args.json.replace('.json', '') + '_sweep.json'] if args.json else []))
