@@ -182,7 +182,8 @@ def test_profile_names_every_kernel_of_the_package():
 
 def test_profile_counts_the_host_time_in_the_cuda_runtime():
     """kernels_of: the GPU's time per step by component from the device's events, and the host's time per step in each
-    CUDA runtime or driver call from the CPU's (PyTorch's own CPU ops left out)"""
+    CUDA runtime or driver call from the CPU's (PyTorch's own CPU ops left out), and the PyTorch operators that launched
+    kernels, by their own GPU time"""
     from types import SimpleNamespace
     spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
     pe = importlib.util.module_from_spec(spec); spec.loader.exec_module(pe)
@@ -191,10 +192,18 @@ def test_profile_counts_the_host_time_in_the_cuda_runtime():
                                                              cpu_time_total=cpu)
     prof = SimpleNamespace(events=lambda: [
         ev('_down_kernel', CUDA, gpu=40.0), ev('Memcpy HtoD', CUDA, gpu=4.0), ev('cudaGraphLaunch', CPU, cpu=300.0),
-        ev('cudaMemcpyAsync', CPU, cpu=20.0), ev('cuLaunchKernel', CPU, cpu=8.0), ev('aten::copy_', CPU, cpu=50.0)])
+        ev('cudaMemcpyAsync', CPU, cpu=20.0), ev('cuLaunchKernel', CPU, cpu=8.0), ev('aten::copy_', CPU, cpu=50.0)],
+        key_averages=lambda group_by_input_shape: [
+            SimpleNamespace(key='aten::mul', input_shapes=[[8, 4], []], count=4, self_device_time_total=6.0),
+            SimpleNamespace(key='aten::copy_', input_shapes=[[8], [8]], count=2, self_device_time_total=10.0),
+            SimpleNamespace(key='aten::view', input_shapes=[[8]], count=2, self_device_time_total=0.0),
+            SimpleNamespace(key='ProfilerStep', input_shapes=[], count=1, self_device_time_total=44.0)])
     r = pe.kernels_of(prof, 2, {'_down_kernel': 'MoE'})
     assert r['components'] == {'MoE': 20.0, 'copies': 2.0} and r['kernels'] == 1
     assert r['runtime_us'] == {'cudaGraphLaunch': 150.0, 'cudaMemcpyAsync': 10.0, 'cuLaunchKernel': 4.0}
+    # the operators that launched kernels, most GPU time first, per step; none without kernels, nothing but aten's
+    assert [(o['op'], o['calls'], o['us']) for o in r['ops']] == [('aten::copy_', 1.0, 5.0), ('aten::mul', 2.0, 3.0)]
+    assert r['ops'][1]['shapes'] == '[[8, 4], []]'
 
 
 TTGIR = """#mma = #ttg.nvidia_mma<{versionMajor = 3, versionMinor = 0, warpsPerCTA = [4, 1], instrShape = [16, 16, 32]}>

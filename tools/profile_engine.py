@@ -23,7 +23,8 @@ captured, and then
   copies, kernel launches), which is where the host part of a replayed step goes beyond Python's;
 - the step floor at B (`step_floor` of 01a_floors, at the measured copy bandwidth) for scale.
 
-`--prefill` adds one eager prefill step of 64 prompts (8,192 tokens), timed and profiled the same way. Writes
+`--prefill` adds one eager prefill step of 64 prompts (8,192 tokens), timed and profiled the same way, with the
+PyTorch operators that launched kernels and their input shapes (`ops`: the 40 with the most GPU time). Writes
 OUT_DIR/profile_engine.json and OUT_DIR/profile_engine.txt (the summary printed). Takes about three minutes on one H200
 for the bench config. `--quick` runs tiny on the CPU (emulated graphs, no kernels to profile): a check of the script."""
 import argparse, dataclasses, datetime, importlib, json, os, statistics, sys, time
@@ -103,6 +104,11 @@ def kernels_of(prof, steps: int, triton_names: dict) -> dict:
         by_comp[component(e.name, triton_names)] += e.device_time_total / steps
         by_kernel[e.name[:80]] += e.device_time_total / steps; n += 1
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    # the PyTorch operators that launched kernels, by input shapes (a profile that recorded them: the prefill step's)
+    avg = [a for a in prof.key_averages(group_by_input_shape=True)
+           if a.key.startswith('aten::') and getattr(a, 'self_device_time_total', 0) > 0]
+    ops = [dict(op=a.key, shapes=str(a.input_shapes)[:240], calls=a.count / steps, us=a.self_device_time_total / steps)
+           for a in sorted(avg, key=lambda a: -a.self_device_time_total)[:40]]
     # the host's time inside the CUDA runtime and driver (graph launches, copies, kernel launches), per step
     runtime = defaultdict(float)
     for e in prof.events():
@@ -110,7 +116,7 @@ def kernels_of(prof, steps: int, triton_names: dict) -> dict:
             runtime[e.name] += e.cpu_time_total / steps
     return dict(gpu_us=sum(by_comp.values()), kernels=round(n / steps),
                 components=dict(sorted(by_comp.items(), key=lambda kv: -kv[1])),
-                top=[dict(kernel=k, us=v) for k, v in top],
+                top=[dict(kernel=k, us=v) for k, v in top], ops=ops,
                 runtime_us=dict(sorted(runtime.items(), key=lambda kv: -kv[1])))
 
 
@@ -204,15 +210,16 @@ def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> di
 
 
 def prefill_profile(llm, device, args, triton_names: dict) -> dict:
-    "One eager step of 64 prompts: wall time and kernels"
+    "One eager step of 64 prompts: wall time (the profiler's overhead included), kernels, the operators behind them"
     from torch.profiler import profile, ProfilerActivity
     eng, n = llm.llm_engine, 64
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for i, p in enumerate(random_prompts(n, args.prompt_len, seed=7)): eng.add_request(f'pre-{i}', p, sp)
-    acts = [ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [ProfilerActivity.CPU]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == 'cuda' else [])
     with pdl_off(llm):
         sync(device); t0 = time.perf_counter()
-        with profile(activities=acts) as prof:
+        # the operators and their shapes too, so that the kernels PyTorch launched are named by what launched them
+        with profile(activities=acts, record_shapes=True) as prof:
             eng.step('final'); sync(device)
         wall = time.perf_counter() - t0
     drain(eng)
@@ -246,6 +253,9 @@ def summary(res: dict) -> str:
                    f"{p['wall_s']:.2f} s wall, GPU busy {p['gpu_us'] / 1e6:.2f} s in "
                    f"{p['kernels']} kernels")
         out += [f"    {v / 1e3:9.1f} ms  {v / p['gpu_us']:5.1%}  {k}" for k, v in p['components'].items()]
+        if p.get('ops'): out.append("  the PyTorch operators with the most GPU time (their own kernels), by shapes:")
+        out += [f"    {o['us'] / 1e3:9.2f} ms  {o['calls']:5.0f} calls  {o['op']} {o['shapes'][:90]}"
+                for o in p.get('ops', [])[:15]]
     return '\n'.join(out)
 
 
