@@ -156,8 +156,8 @@ def _frozen(t: torch.Tensor, dtype=None) -> nn.Parameter:
 def paged_attention(att: Attention,           # a reference layer's attention (master weights)
                     cfg: ModelConfig,
                     kc: KVCacheConfig,        # the cache layout: its record formats
-                    # the attention core (default `served_attend`: the kernel or reference by dispatch;
-                    # 06b's prompt runs with PREFILL_UNION)
+                    # the attention core (default `served_attend`: the kernel or reference
+                    # by dispatch; 06b's prompt runs with PREFILL_UNION)
                     attend=None,
                    ) -> PagedAttention:
     "The paged attention layer holding `att`'s weights as the checkpoint stores them"

@@ -213,7 +213,8 @@ def sparse_prefill(q: torch.Tensor, # (T, H, D) bf16 queries (RoPE'd)
         b = min(P.n, a + per)
         s = mm_f32(qp[a:b].flatten(1, 2), kv[a:b]).mul_(scale)
         p, lse[a:b] = _softmax_sink(s.view(b - a, P.chunk, H, P.width), mult[a:b], sink)
-        out[a:b] = mm_f32(p.bfloat16().flatten(1, 2), kv[a:b].transpose(1, 2)).view(b - a, P.chunk, H, D)
+        o = mm_f32(p.bfloat16().flatten(1, 2), kv[a:b].transpose(1, 2))
+        out[a:b] = o.view(b - a, P.chunk, H, D)
     return out[P.chunk_of, P.place], lse[P.chunk_of, P.place]
 
 # %% ../nbs/06b_sparse_prefill.ipynb #8a1f36ee
