@@ -345,6 +345,13 @@ def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
     return sorted(times)[len(times) // 2]
 
 # %% ../nbs/00a_dispatch.ipynb #58495960
+def _copy_launch(nbytes, device):
+    "The copy `copy_time` times: source, destination, and one call (a CUDA graph's replay on a GPU)"
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    run = lambda: dst.copy_(src)
+    return src, dst, (cuda_graph(run) if src.is_cuda else run)
+
 def copy_time(nbytes: int, # bytes the copy moves: half read, half written
               device='cuda', # where to measure
               rep: int = 100, # `median_time`'s rep
@@ -353,11 +360,7 @@ def copy_time(nbytes: int, # bytes the copy moves: half read, half written
      "what a launch of that many bytes takes when it does nothing else")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 2:
         raise ValueError(f"copy_time: nbytes must be an int >= 2, got {nbytes!r}")
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 256)
-    dst = torch.empty_like(src)
-    run = lambda: dst.copy_(src)
-    if src.is_cuda: run = cuda_graph(run)
-    return median_time(run, warmup=max(1, rep // 4), rep=rep)
+    return median_time(_copy_launch(nbytes, device)[2], warmup=max(1, rep // 4), rep=rep)
 
 # %% ../nbs/00a_dispatch.ipynb #4c4e455f
 import triton

@@ -8,7 +8,8 @@ import triton.language as tl
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.dispatch import (capturing, as_captured, HostReads, cuda_graph, graph_time, sm_count, pdl_launch, PDL,
                                spec_class, launch_keys, kernel_backend, check_device, use_kernels,
-                               seen_in_thread, copy_time)
+                               seen_in_thread, copy_time, _copy_launch)
+import dsv41_nb.dispatch as dispatch
 from triton.runtime.jit import JITFunction
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -93,11 +94,15 @@ def test_host_reads_sees_reads_and_only_reads():
 def test_cuda_graph_bad_inputs(call, words): fails_with(call, contains=words)
 
 
-def test_copy_time_is_one_copy_of_the_bytes():
-    "a positive median, from a CUDA graph on a GPU; more bytes take longer (1 MiB against 256 MiB)"
+def test_copy_time_times_one_copy_of_the_bytes(monkeypatch):
+    "the launch copies nbytes // 2 bytes to a second buffer (a graph replay on a GPU); that call is timed"
     dev = check_device()
-    small, big = copy_time(1 << 20, dev, rep=20), copy_time(1 << 28, dev, rep=20)
-    assert 0 < small < big, (small, big)
+    src, dst, run = _copy_launch(4097, dev)
+    dst.zero_(); run()
+    assert (src.numel(), dst.equal(src), dst.data_ptr() != src.data_ptr()) == (2048, True, True)
+    seen = []
+    monkeypatch.setattr(dispatch, 'median_time', lambda fn, warmup, rep: seen.append((warmup, rep)) or 0.25)
+    assert copy_time(1 << 12, dev, rep=20) == 0.25 and seen == [(5, 20)]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message a machine without CUDA gives')
