@@ -17,7 +17,7 @@ from dsv41_nb.moe_fp8 import (FP8Words, FP8_SCALE_MAX, e2m1_e4m3, mxfp4_fp8_word
                               fp8_moe, expert_down_fp8, by_row_block, fp8_launch_shape,
                               FP8_MIN_BLOCK_N, FP8_MMA_BITS, _check_move, _fp8_shape)
 from dsv41_nb.moe_planes import asm_layouts
-from test_moe_planes import compiled, LINEAR_32, bad_input_tests, _layer, DEV
+from test_moe_planes import compiled, LINEAR_32, bad_input_tests, _layer, DEV, random_mxfp4
 from dsv41_nb import fused_moe as fm
 
 def test_every_code_is_its_e4m3_byte():
@@ -30,10 +30,7 @@ def test_every_code_is_its_e4m3_byte():
 @given(st.integers(1, 3), st.sampled_from([16, 48]), st.sampled_from([128, 256]), st.integers(0, 2**31))
 def test_words_round_trip(E, N, K, seed):
     "Every code and scale comes back; the words decode to each column's E4M3 byte; the values are the checkpoint's"
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(0, FP8_SCALE_MAX + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
-    w = QuantWeight(codes, scales, 'mxfp4')
+    codes, scales, w = random_mxfp4(E, N, K, seed, scales=(0, FP8_SCALE_MAX))
     p = mxfp4_fp8_words(w)
     assert p.shape == (E, N, K) and p.words.dtype == p.scale_words.dtype == torch.int32
     back = fp8_words_weight(p)

@@ -34,14 +34,19 @@ def _layer(E, k, D, I, seed):
     return cfg, MoEWeights.random(cfg, seed, DEV)
 
 
+def random_mxfp4(E, N, K, seed, scales=(0, 255)):
+    "(codes, scales, their QuantWeight): E experts of N x K MXFP4 weights, every byte random; scales in a range"
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    sc = torch.randint(scales[0], scales[1] + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    return codes, sc, QuantWeight(codes, sc, 'mxfp4')
+
+
 @settings(max_examples=examples(10), deadline=None)
 @given(st.integers(1, 4), st.sampled_from([32, 96]), st.sampled_from([128, 256]), st.integers(0, 2**31))
 def test_layout_round_trip(E, N, K, seed):
     "Every code and scale lands where the plane layout says, and comes back: values and the checkpoint's bytes"
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
-    scales = torch.randint(2, 129, (E, N, K // 32), generator=g, dtype=torch.uint8)
-    w = QuantWeight(codes, scales, 'mxfp4')
+    codes, scales, w = random_mxfp4(E, N, K, seed, scales=(2, 128))
     p = mxfp4_planes(w)
     assert p.shape == (E, N, K) and p.words.dtype == p.scale_words.dtype == torch.int32
     assert torch.equal(planes_values(p), w.dequantize())
