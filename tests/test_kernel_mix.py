@@ -268,7 +268,7 @@ def test_a_model_that_does_not_fit_names_experts(monkeypatch):
         be.paged_llm(ModelConfig.tiny(), 0, 'cpu', kernels='torch')
 
 
-def test_model_host_split_times_the_parts_and_puts_them_back():
+def test_model_host_split_times_the_parts_and_puts_them_back(monkeypatch):
     "model_host_split: the forward's host time by part while inside, every wrapped method as it was afterwards"
     from dsv41_nb import cuda_graphs
     spec = importlib.util.spec_from_file_location('profile_engine', ROOT / 'tools' / 'profile_engine.py')
@@ -284,12 +284,18 @@ def test_model_host_split_times_the_parts_and_puts_them_back():
                           cuda_graphs.fill_token_ids)
     with pe.model_host_split(m) as t:
         assert m.forward(1) == 1 and m.forward(2) == 2
-    assert set(t) == {'prepare', 'replay', 'forward'} and t['forward'] >= t['prepare'] > 0
-    assert replays == [1, 1] and t['replay'] > 0 and m.graphs == {4: entry}
+    assert set(t) == {'prepare', 'replay', 'forward', 'replays'} and t['forward'] >= t['prepare'] > 0
+    assert replays == [1, 1] and t['replay'] > 0 and t['replays'] == 2 and m.graphs == {4: entry}
     assert (cuda_graphs.StagedInputs.load, cuda_graphs.StagedInputs.load_rows, cuda_graphs.fill_token_ids) == before
     assert 'forward' not in vars(m) and 'prepare' not in vars(m.model)
-    assert pe.split_per_step({'prepare': 10, 'staged': 30, 'forward': 100}, 2) == {
-        'prepare': 5, 'staged': 15, 'fill ids': 0, 'replay': 0, 'rest': 30}
+    assert pe.split_per_step({'prepare': 10, 'staged': 30, 'forward': 100, 'replays': 2}, 2) == {
+        'prepare': 5, 'staged': 15, 'fill ids': 0, 'replay': 0, 'rest': 30, 'replays': 1}
+    synced = []    # synchronised before each launch: the sync comes before the launch's clock
+    monkeypatch.setattr(pe, 'sync', lambda d: synced.append(len(replays)))
+    monkeypatch.setattr(torch.cuda, 'current_device', lambda: 0)
+    with pe.model_host_split(m, sync_before_replay=True) as t: m.forward(3)
+    assert synced == [2] and replays == [1, 1, 1] and t['replays'] == 1
+    assert pe.host_parts({'replay': 12.4, 'replays': 1.0}) == 'replay 12 us (1.00 launches a step)'
 
 
 def test_idle_steps_time_each_phase_after_a_sync(monkeypatch):

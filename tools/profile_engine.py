@@ -138,15 +138,20 @@ MODEL_HOST_PARTS = ('prepare', 'staged', 'fill ids', 'replay')   # the replayed 
 
 
 @contextmanager
-def model_host_split(model):
+def model_host_split(model, sync_before_replay: bool = False):
     """Host microseconds, summed while inside, in the parts of a CUDAGraphModel's forward: the step model's `prepare`,
     the staged inputs' copy (`StagedInputs.load` / `load_rows`, their wait for the last transfer included), the ids
     filled on the device (`fill_token_ids`) and the graphs' launches (the replay each captured graph's entry holds: a
     method bound at capture, so the graphs' entries are wrapped, not `CUDAGraph.replay`); the forward's total as
-    'forward'. The methods and entries are wrapped in place and put back on exit"""
+    'forward', the launches counted as 'replays'. `sync_before_replay`: the device synchronised before each launch's
+    clock starts (the launch alone, with the step's copies and fills done). The methods and entries are wrapped in place
+    and put back on exit"""
     times, undo, entries = defaultdict(float), [], []
     def timer(f, part):
         def timed(*a, **k):
+            if part == 'replay':
+                times['replays'] += 1
+                if sync_before_replay: sync(torch.cuda.current_device())
             t = time.perf_counter_ns()
             try: return f(*a, **k)
             finally: times[part] += (time.perf_counter_ns() - t) / 1e3
@@ -174,14 +179,15 @@ def model_host_split(model):
 def split_per_step(times: dict, steps: int) -> dict:
     "Microseconds a step by part of the model's host work, the forward's time outside the parts as 'rest'"
     parts = {k: times.get(k, 0.0) / steps for k in MODEL_HOST_PARTS}
-    return parts | {'rest': times.get('forward', 0.0) / steps - sum(parts.values())}
+    return parts | {'rest': times.get('forward', 0.0) / steps - sum(parts.values()),
+                    'replays': times.get('replays', 0.0) / steps}
 
 
-def idle_steps(eng, model, device, steps: int) -> tuple:
+def idle_steps(eng, model, device, steps: int, sync_before_replay: bool = False) -> tuple:
     """(median microseconds by phase, model host parts summed) of `steps` steps each started with the GPU idle (synced
     before it): the host's own work, with no launch waiting for room behind a step still running"""
     rows = []
-    with StepTimer(eng) as timer, model_host_split(model) as parts:
+    with StepTimer(eng) as timer, model_host_split(model, sync_before_replay and device != 'cpu') as parts:
         for _ in range(steps): sync(device); rows.append(timer.step())
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}, parts
 
@@ -199,6 +205,8 @@ def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> di
         sync(device); wall = (time.perf_counter() - t0) / args.steps
     host = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     idle, idle_parts = idle_steps(eng, model, device, args.steps)
+    # and with the device synchronised again right before each launch: the launch alone, nothing queued before it
+    _, synced_parts = idle_steps(eng, model, device, args.steps, sync_before_replay=True)
     prof = profile_steps(llm, device, 4, triton_names)
     drain(eng)
     ctx = args.prompt_len + args.steps
@@ -206,7 +214,8 @@ def measure(llm, cfg, device, B: int, args, bw: float, triton_names: dict) -> di
     work = sum(v for k, v in host.items() if k not in ('wait', 'total'))
     return dict(batch=B, wall_step_s=wall, host_us=host, host_work_us=work,
                 model_host_us=split_per_step(parts, args.steps), host_idle_us=idle,
-                model_host_idle_us=split_per_step(idle_parts, args.steps), floor_s=floor, **prof)
+                model_host_idle_us=split_per_step(idle_parts, args.steps),
+                model_host_synced_us=split_per_step(synced_parts, args.steps), floor_s=floor, **prof)
 
 
 def prefill_profile(llm, device, args, triton_names: dict) -> dict:
@@ -226,6 +235,12 @@ def prefill_profile(llm, device, args, triton_names: dict) -> dict:
     return dict(prompts=n, tokens=n * args.prompt_len, wall_s=wall, **kernels_of(prof, 1, triton_names))
 
 
+def host_parts(d: dict) -> str:
+    "The model host's parts in microseconds, then the graph launches a step"
+    us = ', '.join(f"{k} {v:.0f}" for k, v in d.items() if k != 'replays')
+    return us + " us" + (f" ({d['replays']:.2f} launches a step)" if 'replays' in d else '')
+
+
 def summary(res: dict) -> str:
     out = [f"{res['machine']}, {res['date']}, commit {res['commit']}, torch {res['torch']}, Triton {res['triton']}; "
            f"{res['config']} config, prompts of {res['args']['prompt_len']}, async scheduling, CUDA graphs"]
@@ -236,13 +251,16 @@ def summary(res: dict) -> str:
                    f"({r['wall_step_s'] / r['floor_s']:.1f}x); host work {r['host_work_us'] / 1e3:.2f} ms "
                    f"(" + ', '.join(f"{k} {h[k]:.0f}" for k, *_ in HOST_PHASES)
                    + f" us), waiting {h['wait'] / 1e3:.2f} ms")
-        if 'model_host_us' in r: out.append("  model host a step (mean of the timed steps): " + ', '.join(
-            f"{k} {v:.0f}" for k, v in r['model_host_us'].items()) + " us")
+        if 'model_host_us' in r:
+            out.append("  model host a step (mean of the timed steps): " + host_parts(r['model_host_us']))
         if 'host_idle_us' in r:
             hi = r['host_idle_us']
             out.append("  each step started on an idle GPU: host work " + ', '.join(
-                f"{k} {hi[k]:.0f}" for k, *_ in HOST_PHASES) + " us; model host " + ', '.join(
-                f"{k} {v:.0f}" for k, v in r['model_host_idle_us'].items()) + " us")
+                f"{k} {hi[k]:.0f}" for k, *_ in HOST_PHASES) + " us; model host "
+                + host_parts(r["model_host_idle_us"]))
+        if 'model_host_synced_us' in r:
+            out.append("  and synchronised again right before each launch: model host "
+                       + host_parts(r['model_host_synced_us']))
         out += [f"    {v / 1e3:8.3f} ms  {v / r['gpu_us']:5.1%}  {k}" for k, v in r['components'].items()]
         rt = list(r.get('runtime_us', {}).items())[:5]
         if rt: out.append("  host time in the CUDA runtime a step (profiled steps): "
