@@ -4,7 +4,9 @@ through the whole layer within the reference, on the interpreter (CI) and compil
 words reach the FP8 MMA through registers)."""
 from dataclasses import replace
 from functools import partial
+import numpy as np
 import pytest
+from fastcore.test import test_fail as fails_with
 import torch
 from hypothesis import given, settings, strategies as st
 from budget import examples
@@ -253,3 +255,16 @@ def test_the_mma_allowance_keeps_its_teeth():
     with pytest.raises(AssertionError, match='beyond the BF16 rounding bound'):
         check_fused_moe(x, tw, ti, W, cfg.swiglu_limit, mma_bits=FP8_MMA_BITS,
                         stages=partial(_fused_stages, down=shifted_down))
+
+
+def test_groups_ok_reads_the_byte_move_rule():
+    "Neighbouring columns of one row from a multiple of four pass; a swapped pair, a shifted start, another row fail"
+    from dsv41_nb.moe_fp8_measured import groups_ok
+    cols = np.arange(8)
+    good = np.stack([np.zeros((2, 8), dtype=np.int64), cols + 8 * np.arange(2)[:, None]], -1)
+    assert groups_ok(good)
+    swapped, shifted, rows = good[:, [1, 0, 2, 3, 4, 5, 6, 7]], good.copy(), good.copy()
+    shifted[..., 1] += 1; rows[0, 2, 0] = 5
+    assert not any(map(groups_ok, (swapped, shifted, rows)))
+    for bad in (np.zeros((2, 6, 2)), np.zeros((2, 8)), [[0, 1]]):
+        fails_with(lambda: groups_ok(bad), contains='expected a (threads, registers, 2) array')
