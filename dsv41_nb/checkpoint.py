@@ -21,7 +21,8 @@ __all__ = ['CONFIG_NAME', 'INDEX_NAME', 'SINGLE_NAME', 'DRAFTER_NAME', 'STORAGE_
 # %% ../nbs/10a_checkpoint.ipynb #9af9bcdd
 CONFIG_NAME, INDEX_NAME, SINGLE_NAME = ('config.json', 'model.safetensors.index.json',
                                         'model.safetensors')
-DRAFTER_NAME = 'dspark.safetensors'   # the trained DSpark drafter, beside the backbone (14_dspark_serving)
+# the trained DSpark drafter, beside the backbone (14_dspark_serving)
+DRAFTER_NAME = 'dspark.safetensors'
 
 class CheckpointError(ValueError):
     ("A checkpoint file, directory or state that does not match its config; "

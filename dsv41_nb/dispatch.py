@@ -429,7 +429,8 @@ def spec_class(v, # a kernel argument that is not `tl.constexpr`
         return (t, ('D' if v % 16 == 0 else '') if specialize else None)
     if isinstance(v, float): return ('fp32', None)
     if isinstance(v, torch.Tensor):
-        return ('*' + str(v.dtype).removeprefix('torch.'), 'D' if align and v.data_ptr() % 16 == 0 else '')
+        aligned = align and v.data_ptr() % 16 == 0
+        return ('*' + str(v.dtype).removeprefix('torch.'), 'D' if aligned else '')
     return (type(v).__name__, None)
 
 # %% ../nbs/00a_dispatch.ipynb #b24cb3dd

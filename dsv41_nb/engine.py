@@ -91,7 +91,8 @@ class EngineArgs:
     bounded_replay: bool = True
     async_scheduling: bool = False
     num_speculative_tokens: int = 0  # drafts verified per step (0: none, unless a proposer says)
-    # the proposer by name (`SPECULATIVE_METHODS`: 'ngram', and 'dspark' once 14_dspark_serving is loaded)
+    # the proposer by name (`SPECULATIVE_METHODS`: 'ngram', and 'dspark' once 14_dspark_serving
+    # is loaded)
     speculative: str | None = None
     drafter: str | None = None  # the drafter's weights (LLM: beside the checkpoint it loads)
     runner: str = 'auto'  # one of RUNNERS

@@ -28,8 +28,8 @@ def load_shape(budget: int, # the step's token budget (`max_num_batched_tokens`)
                prompt_len: int = 128, # tokens in each prompt
                max_tokens: int = 32, # tokens each request generates
                cfg: ModelConfig | None = None) -> tuple[list, dict]: # the layout; None: `bench`
-    ("A load test's steps on the host-only engine (async scheduling): the prefill rows of each step "
-     "(0 for decode rows only), and the step at which each request got its first token")
+    ("A load test's steps on the host-only engine (async scheduling): the prefill rows of each "
+     "step (0 for decode rows only), and the step at which each request got its first token")
     for name, v in dict(budget=budget, n=n, prompt_len=prompt_len, max_tokens=max_tokens).items():
         check_int('load_shape', name, v, 1)
     cfg = ModelConfig.bench() if cfg is None else cfg

@@ -251,8 +251,8 @@ def key_world(ix, contexts, block_size=16, seed=0,
 # %% ../nbs/04_indexer.ipynb #38cbf0bf
 def query_world(ix, table, block_size, rows, positions, seed=1,
                 device=None): # default: `check_device`
-    ("(q, w, batch): random MXFP4-rounded queries and head weights of `ix`, for tokens at `positions` "
-     "of the requests in block-table `rows` (-1: padding)")
+    ("(q, w, batch): random MXFP4-rounded queries and head weights of `ix`, for tokens at "
+     "`positions` of the requests in block-table `rows` (-1: padding)")
     if device is None: device = check_device()
     g = torch.Generator().manual_seed(seed)
     q = qdq_mxfp4(torch.randn(len(rows), ix.n_heads, ix.head_dim, generator=g).bfloat16())

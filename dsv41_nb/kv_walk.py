@@ -111,7 +111,8 @@ def plot_block_tables(manager: KVCacheManager, # the cache
                       ax=None, xlim=None, title: str = '', legend: bool = True):
     "Draw each group's block table of `request` against token positions, coloured by `block_status`"
     require(isinstance(request, Request),
-            f"plot_block_tables: request must be a Request, got {type(request).__name__}", TypeError)
+            f"plot_block_tables: request must be a Request, got {type(request).__name__}",
+            TypeError)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
     if ax is None: _, ax = plt.subplots(figsize=(12, 2))

@@ -140,7 +140,8 @@ def benchmark_context(cfg: ModelConfig, # the model's shapes
                       batch: int = 16, # query tokens per step
                       device='cuda',
                       rep: int = 20, # timed repetitions of the eager calls
-                      indexer: bool = True, # also time the indexer's full scan (04b's logits kernel)
+                      # also time the indexer's full scan (04b's logits kernel)
+                      indexer: bool = True,
                      ) -> dict:
     ("Time per query token per layer at `context`: sparse attention, "
      "dense attention over every entry, the indexer's full scan")
