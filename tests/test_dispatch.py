@@ -103,6 +103,7 @@ def test_copy_time_times_one_copy_of_the_bytes(monkeypatch):
     seen = []
     monkeypatch.setattr(dispatch, 'median_time', lambda fn, warmup, rep: seen.append((warmup, rep)) or 0.25)
     assert copy_time(1 << 12, dev, rep=20) == 0.25 and seen == [(5, 20)]
+    assert copy_time(2, dev, rep=3) == 0.25 and seen[-1] == (1, 3)      # the fewest bytes: one each way
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason='checks the message a machine without CUDA gives')
