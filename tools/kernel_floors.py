@@ -1,6 +1,5 @@
 #!/usr/bin/env python
-"""The layer's kernels against their floors and goals, all taken in one run on one GPU: one command, one commit, one
-record.
+"""The layer's kernels against their floors and goals, all taken in one run on one GPU (one commit, one record).
 
     python tools/kernel_floors.py OUT_DIR [--parts moe layer sparse indexer] [--limit-s 900] [--quick]
     python tools/kernel_floors.py OUT_DIR --summary        # the table again, from OUT_DIR's records
