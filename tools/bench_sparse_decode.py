@@ -13,10 +13,11 @@ at batches 1, 64 and 256 (its JSON next to this one's, `_sweep` added to the nam
 batch 64 with Nsight Compute and writes a summary to PATH (read by 06a_sparse_decode_speed's profile cell).
 `--quick` runs a small geometry on small sizes, which also works on a CPU under TRITON_INTERPRET=1 (bandwidth and
 matmul rate are then the CPU's, so the floor means little)."""
-import argparse, csv, datetime, io, json, os, pathlib, shutil, subprocess, sys
+import argparse, csv, datetime, io, json, pathlib, shutil, subprocess, sys
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
+from bench_engine import git_commit        # tools/ is on the path when this runs as a script
 from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, median_time, machine_name
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.sparse_decode import decode_inputs, decode_cost, sparse_decode
@@ -106,7 +107,7 @@ if __name__ == '__main__':
         if args.json:
             with open(args.json, 'w') as f:
                 json.dump(dict(device=machine_name(device), date=str(datetime.date.today()),
-                               commit=os.environ.get('DSV41_COMMIT'), torch=torch.__version__,
+                               commit=git_commit(), torch=torch.__version__,
                                triton=triton.__version__, copy_bandwidth=bw, bf16_matmul=peak, rows=rows,
                                context_rows=ctx_rows), f, indent=1)
     save()
