@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from fastcore.basics import patch
 from .config import ModelConfig
-from .dispatch import checks_values
+from .launches import checks_values
 from .record_codecs import RecordCodec, cache_format
 from .kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 from fastcore.basics import patch
 from .config import ModelConfig
-from .dispatch import (kernel_backend, median_time, copy_bandwidth, use_kernels,
-                               checks_values, cuda_graph, HostReads, pdl_launch, pdl_wait)
+from .dispatch import kernel_backend, median_time, copy_bandwidth, use_kernels
+from .launches import checks_values, cuda_graph, HostReads, pdl_launch, pdl_wait
 from .floors import HARDWARE
 from .formats import _e4m3_code, _e4m3_value, _e2m1_code, _ue8m0_code, _pow2, _bf16_bits
 from .record_codecs import RecordCodec, FP8Record, FP4Record

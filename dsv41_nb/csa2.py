@@ -14,7 +14,8 @@ from .config import (ModelConfig, LayerInfo, layer_topology, source_layer, expec
 from .record_codecs import RecordCodec, FP8Record, cache_format
 from .block_pool import (PAD_SLOT_ID, slot_mapping, compressed_slot_mapping,
                                  ring_slot_mapping)
-from .dispatch import checks_values, kernel_backend
+from .dispatch import kernel_backend
+from .launches import checks_values
 
 # %% auto #0
 __all__ = ['CSA2_ROLES', 'layer_writes', 'layer_reads', 'role_table', 'plot_csa2_roles', 'CSA2State', 'CSA2Step', 'make_step',

@@ -12,7 +12,7 @@ import torch
 from fastcore.basics import patch
 from .config import check_int
 from .block_pool import PAD_SLOT_ID, NULL_BLOCK_ID
-from .dispatch import as_captured, cuda_graph
+from .launches import as_captured, cuda_graph
 from .kv_cache import KVCacheConfig, cdiv
 from .kv_manager import SlotMappings
 from .paged_step import pad_rows

@@ -4,20 +4,17 @@
 
 # %% ../nbs/00a_dispatch.ipynb #1dcfa23e
 from __future__ import annotations
-import collections, functools, os, time, statistics, threading, traceback
+import functools, os, time, statistics, threading
 from contextlib import contextmanager
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 BACKENDS = ('triton', 'torch')
 _forced = threading.local()  # .backend: what this thread's use_kernels forces
 
 # %% auto #0
-__all__ = ['BACKENDS', 'PDL', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time',
-           'copy_bandwidth', 'seen_in_thread', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent',
-           'mm_f32', 'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure', 'capturing', 'as_captured',
-           'HostReads', 'checks_values', 'trusted_values', 'cuda_graph', 'graph_time', 'copy_time', 'pdl_launch',
-           'pdl_wait', 'spec_class', 'launch_keys']
+__all__ = ['BACKENDS', 'triton_interpreting', 'kernel_backend', 'use_kernels', 'check_device', 'median_time', 'copy_bandwidth',
+           'seen_in_thread', 'machine_name', 'sm_count', 'gpu_memory', 'gemm_rows_independent', 'mm_f32',
+           'gpu_cell_note', 'skip_gpu_cells', 'printed_rows', 'save_figure']
 
 # %% ../nbs/00a_dispatch.ipynb #8c8d5594
 def triton_interpreting() -> bool:
@@ -96,7 +93,7 @@ def copy_bandwidth(nbytes: int = 2 * 2**30, # bytes in the source buffer (the co
     return 2 * nbytes / median_time(lambda: dst.copy_(src))
 
 # %% ../nbs/00a_dispatch.ipynb #ddb8cd2b
-def seen_in_thread(enter, # makes the context manager to wait inside, e.g. `as_captured`
+def seen_in_thread(enter, # makes the context manager to wait inside, e.g. `use_kernels('torch')`
                    probe, # what to look at: called here, then inside `enter()` on the other thread
                   ) -> tuple:
     "(probe() here while another thread waits inside enter(), probe() there from inside)"
@@ -229,252 +226,3 @@ def save_figure(path, # where the PNG goes (the notebooks use ../images/NAME.png
         import matplotlib.pyplot as plt
         fig = plt.gcf()
     fig.savefig(path, **kw)
-
-# %% ../nbs/00a_dispatch.ipynb #6b343ce8
-_as_captured = threading.local()  # .on: has this thread entered as_captured?
-
-@contextmanager
-def _flag_on(flag: threading.local):
-    "Inside the block, `flag.on` is True on this thread; afterwards what it was before"
-    prev, flag.on = getattr(flag, 'on', False), True
-    try: yield
-    finally: flag.on = prev
-
-# %% ../nbs/00a_dispatch.ipynb #5cde16f8
-def capturing() -> bool:
-    ("Is this code being captured into a CUDA graph "
-     "(or run as one would be, inside `as_captured`), "
-     "or traced by `torch.compile`? Then it may not read device values")
-    return (getattr(_as_captured, 'on', False) or torch.compiler.is_compiling()
-            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()))
-
-# %% ../nbs/00a_dispatch.ipynb #0aa5b8bc
-def as_captured():
-    ("Inside the block, on this thread only, run as a CUDA graph capture does: "
-     "no read-backs of device values, shapes from the inputs' shapes alone")
-    return _flag_on(_as_captured)
-
-# %% ../nbs/00a_dispatch.ipynb #fdbdac57
-_READS = ('_local_scalar_dense', 'nonzero', 'masked_select', 'unique', '_unique2',
-          'unique_consecutive', 'equal', 'is_nonzero')
-
-# %% ../nbs/00a_dispatch.ipynb #6dbcebd1
-def _caller() -> str:
-    "file:line function of the innermost frame outside torch and this mode"
-    for f in reversed(traceback.extract_stack()[:-3]):
-        if f'{os.sep}torch{os.sep}' not in f.filename:
-            return f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
-    return '?'
-
-# %% ../nbs/00a_dispatch.ipynb #02cc4732
-class HostReads(TorchDispatchMode):
-    ("Inside the block, count the operator calls that read tensor values back to the host "
-     "(a sync on a GPU), by call site")
-    def __init__(self): super().__init__(); self.sites = collections.Counter()
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        mask_index = name == 'index' and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool
-                                             for t in args[1])
-        if name in _READS or mask_index: self.sites[_caller()] += 1
-        return func(*args, **(kwargs or {}))
-    @property
-    def count(self) -> int: return sum(self.sites.values())
-
-# %% ../nbs/00a_dispatch.ipynb #b4c29a21
-_trusted = threading.local()  # .on: has this thread entered trusted_values?
-
-# %% ../nbs/00a_dispatch.ipynb #1a975921
-def checks_values() -> bool:
-    ("Should an argument check read device values back? Not while capturing (`capturing`), "
-     "nor inside `trusted_values`")
-    return not (getattr(_trusted, 'on', False) or capturing())
-
-# %% ../nbs/00a_dispatch.ipynb #34e82efa
-def trusted_values():
-    ("Inside the block, on this thread only, the argument checks that read device values back "
-     "are skipped: the caller vouches for them (shapes and dtypes are still checked)")
-    return _flag_on(_trusted)
-
-# %% ../nbs/00a_dispatch.ipynb #0d5bcdfa
-def cuda_graph(fn, # the work to capture, no arguments: tensors it touches stay the graph's buffers
-               # eager calls first, on a side stream (compile kernels, settle the allocator)
-               warmup: int = 3,
-               calls: int = 1, # calls of `fn` recorded back to back in the graph
-               # a memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`)
-               pool=None,
-              ):
-    ("Capture `calls` calls of `fn` in one CUDA graph (after `warmup` eager calls); "
-     "return the graph's replay")
-    if not callable(fn):
-        raise TypeError(f"cuda_graph: fn must be callable, got {type(fn).__name__}")
-    for name, v, lo in (('warmup', warmup, 0), ('calls', calls, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"cuda_graph: {name} must be an int >= {lo}, got {v!r}")
-    if not torch.cuda.is_available(): raise RuntimeError("cuda_graph: no CUDA device to capture on")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup): fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        for _ in range(calls): fn()
-    return graph.replay
-
-# %% ../nbs/00a_dispatch.ipynb #ee6b1401
-def graph_time(fn,               # fn(i): the i-th call (rotate inputs with i)
-               calls: int = 16,  # calls captured in one CUDA graph
-               reps: int = 10,   # graph replays timed
-              ) -> float:
-    ("Median seconds per call of `fn(0) .. fn(calls - 1)` replayed as one CUDA graph "
-     "(no launch overhead); `fn(0)` by the host clock off the GPU")
-    if not callable(fn):
-        raise TypeError(f"graph_time: fn must be callable, got {type(fn).__name__}")
-    for name, v in (('calls', calls), ('reps', reps)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"graph_time: {name} must be an int >= 1, got {v!r}")
-    if not torch.cuda.is_available(): return median_time(lambda: fn(0), warmup=1, rep=10)
-    # compiled and warmed up outside the capture
-    replay = cuda_graph(lambda: [fn(i) for i in range(calls)], warmup=1)
-    replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); replay(); b.record(); torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-# %% ../nbs/00a_dispatch.ipynb #58495960
-def _copy_launch(nbytes, device):
-    "The copy `copy_time` times: source, destination, and one call (a CUDA graph's replay on a GPU)"
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).random_(0, 256)
-    dst = torch.empty_like(src)
-    run = lambda: dst.copy_(src)
-    return src, dst, (cuda_graph(run) if src.is_cuda else run)
-
-def copy_time(nbytes: int, # bytes the copy moves: half read, half written
-              device='cuda', # where to measure
-              rep: int = 100, # `median_time`'s rep
-             ) -> float:
-    ("Median seconds of one device copy moving `nbytes`, replayed from a CUDA graph on a GPU: "
-     "what a launch of that many bytes takes when it does nothing else")
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 2:
-        raise ValueError(f"copy_time: nbytes must be an int >= 2, got {nbytes!r}")
-    return median_time(_copy_launch(nbytes, device)[2], warmup=max(1, rep // 4), rep=rep)
-
-# %% ../nbs/00a_dispatch.ipynb #4c4e455f
-import triton
-import triton.language as tl
-
-# %% ../nbs/00a_dispatch.ipynb #3350329f
-# launch the decode path's kernels with programmatic dependent launch where the GPU has it
-PDL = dict(enabled=True)
-
-@functools.lru_cache(None)
-def _capability(index: int) -> tuple: return torch.cuda.get_device_capability(index)
-
-# %% ../nbs/00a_dispatch.ipynb #04d008ee
-def pdl_launch(device, # the device the kernel runs on: a torch.device or its name
-              ) -> dict:
-    ("Launch keywords for a kernel that starts with `pdl_wait(PDL)`: "
-     "on for compiled kernels on a GPU of compute capability >= 9")
-    if not isinstance(PDL.get('enabled'), bool):
-        raise ValueError(f"PDL['enabled'] = {PDL.get('enabled')!r}; expected a bool")
-    try: device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"pdl_launch: {device!r} is not a device") from None
-    if (not PDL['enabled'] or device.type != 'cuda' or triton_interpreting()
-            or not torch.cuda.is_available()):
-        return dict(PDL=False)
-    if _capability(torch.cuda.current_device() if device.index is None else device.index)[0] < 9:
-        return dict(PDL=False)
-    return dict(PDL=True, launch_pdl=True)
-
-# %% ../nbs/00a_dispatch.ipynb #226cfb98
-@triton.jit
-def pdl_wait(ON: tl.constexpr):
-    ("A kernel's first step: wait until the previous kernel's writes are visible, "
-     "then let the next one launch (nothing unless ON)")
-    if ON:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-# %% ../nbs/00a_dispatch.ipynb #d76cefa5
-import types
-
-# %% ../nbs/00a_dispatch.ipynb #519f6855
-def _rebound(kernel, **calls):
-    "`kernel`'s source compiled against other versions of the functions it calls (by name)"
-    fn = kernel.fn
-    if missing := [n for n in calls if n not in fn.__code__.co_names]:
-        raise ValueError(f"_rebound: {fn.__name__} calls no {', '.join(missing)}")
-    twin = types.FunctionType(fn.__code__, dict(fn.__globals__, **calls), fn.__name__,
-                              fn.__defaults__, fn.__closure__)
-    # what a def sets beside its code: the annotations say which arguments are `tl.constexpr`
-    twin.__annotations__, twin.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-    twin.__doc__ = fn.__doc__
-    # the interpreter's functions specialise nothing and keep no list
-    return triton.jit(twin, do_not_specialize=getattr(kernel, 'do_not_specialize', ()))
-
-# %% ../nbs/00a_dispatch.ipynb #851520d6
-def spec_class(v, # a kernel argument that is not `tl.constexpr`
-               specialize: bool = True, # False: named in `do_not_specialize`
-               align: bool = True) -> tuple: # False: named in `do_not_specialize_on_alignment`
-    "(type, class) of a launch argument, as Triton keys its compiled kernels"
-    if v is None: return ('constexpr', None)
-    if isinstance(v, bool): return ('u1', None)
-    if isinstance(v, int):
-        if specialize and v == 1: return ('constexpr', 1)
-        t = 'i32' if -2**31 <= v < 2**31 else 'i64' if v < 2**63 else 'u64'
-        return (t, ('D' if v % 16 == 0 else '') if specialize else None)
-    if isinstance(v, float): return ('fp32', None)
-    if isinstance(v, torch.Tensor):
-        aligned = align and v.data_ptr() % 16 == 0
-        return ('*' + str(v.dtype).removeprefix('torch.'), 'D' if aligned else '')
-    return (type(v).__name__, None)
-
-# %% ../nbs/00a_dispatch.ipynb #b24cb3dd
-import inspect
-from triton.runtime.jit import JITFunction
-from triton.runtime.interpreter import InterpretedFunction
-
-# %% ../nbs/00a_dispatch.ipynb #8ab3da11
-@functools.lru_cache(None)
-def _signature(fn) -> tuple:
-    "A kernel function's signature and the names of its `tl.constexpr` parameters"
-    sig = inspect.signature(fn)
-    return sig, {n for n, p in sig.parameters.items() if 'constexpr' in str(p.annotation)}
-
-# %% ../nbs/00a_dispatch.ipynb #8ab3da11b
-def _launch_key(kernel, args, kwargs) -> tuple:
-    "The specialization of one launch: (name, constexprs and options, argument classes)"
-    fn = kernel.fn
-    opts = getattr(kernel, 'kwargs', {})     # the interpreter keeps `triton.jit`'s keywords here
-    plain = set(getattr(kernel, 'do_not_specialize', None) or opts.get('do_not_specialize') or ())
-    unaligned = set(getattr(kernel, 'do_not_specialize_on_alignment', None)
-                    or opts.get('do_not_specialize_on_alignment') or ())
-    sig, constexprs = _signature(fn)
-    bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
-    bound.apply_defaults()
-    const, classes = [], []
-    for i, (name, v) in enumerate(bound.arguments.items()):
-        if name in constexprs: const.append((name, repr(v)))
-        else: classes.append(spec_class(v, not {i, name} & plain, not {i, name} & unaligned))
-    options = sorted((k, repr(v)) for k, v in kwargs.items() if k not in sig.parameters)
-    return fn.__name__, tuple(const + options), tuple(classes)
-
-# %% ../nbs/00a_dispatch.ipynb #5d04586f
-@contextmanager
-def launch_keys():
-    ("Inside the block, every Triton launch (compiled or interpreted) counted by its "
-     "specialization key: a Counter of (name, constexprs and options, argument classes)")
-    seen, runs = collections.Counter(), {c: c.run for c in (JITFunction, InterpretedFunction)}
-    def noting(run):
-        def run_noted(self, *args, grid, warmup, **kwargs):
-            if not warmup: seen[_launch_key(self, args, kwargs)] += 1
-            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        return run_noted
-    for c, run in runs.items(): c.run = noting(run)
-    try: yield seen
-    finally:
-        for c, run in runs.items(): c.run = run

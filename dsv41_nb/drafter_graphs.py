@@ -13,7 +13,7 @@ from .model_forward import DenseRun
 from .paged import moe_weights, served_moe, block_seam
 from .fused_moe import fp8_act_quant
 from .mhc import HCWeights, SeamOut, mhc_seam, hc_pre
-from .dispatch import cuda_graph
+from .launches import cuda_graph
 from .cuda_graphs import CAPTURE_SIZES, padded_batch_size
 from .dspark import Drafter, Draft
 from .dspark_decode import DSparkProposer, expected_accepted

@@ -12,7 +12,8 @@ from fastcore.basics import patch
 from .config import ModelConfig, expect_config, check_int, engram_bucket_primes
 from .formats import _e4m3_value, _ue8m0_value, _hw_cvt
 from .record_codecs import FP8Record
-from .dispatch import kernel_backend, checks_values
+from .dispatch import kernel_backend
+from .launches import checks_values
 
 # %% auto #0
 __all__ = ['ENGRAM_TUNING', 'engram_row_codec', 'EngramTable', 'engram_lookup_torch', 'engram_lookup', 'engram_kv', 'engram_gate',

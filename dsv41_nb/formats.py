@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 from .config import check_int, require
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
-                               use_kernels, capturing)
+                               use_kernels)
+from .launches import capturing
 
 # %% auto #0
 __all__ = ['FP8_MAX', 'FP4_MAX', 'E2M1_VALUES', 'SCALE_FORMATS', 'e4m3_codes', 'e4m3_values', 'ue8m0_codes', 'ue8m0_values',

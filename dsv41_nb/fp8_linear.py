@@ -9,8 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait,
-                               mm_f32)
+from .dispatch import kernel_backend, triton_interpreting, sm_count, mm_f32
+from .launches import pdl_launch, pdl_wait
 from .moe import QuantWeight, quantize_weight, fp8_qdq
 from .formats import _pow2
 from .fused_moe import _round_bf16, _fp8_qdq_groups, fp8_act_quant

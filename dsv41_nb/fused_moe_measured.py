@@ -6,7 +6,8 @@
 from __future__ import annotations
 import torch
 from .config import ModelConfig, check_config, check_int, require
-from .dispatch import median_time, graph_time, copy_bandwidth
+from .dispatch import median_time, copy_bandwidth
+from .launches import graph_time
 from .moe import MoEWeights, route, moe_experts_reference, moe_bytes_flops
 from .fused_moe import MOE_TILES, moe_launch_shape, fused_moe_experts
 

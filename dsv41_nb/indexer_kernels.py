@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 from fastcore.basics import patch
 from .config import ModelConfig, check_int
-from .dispatch import kernel_backend, triton_interpreting, use_kernels, capturing
+from .dispatch import kernel_backend, triton_interpreting, use_kernels
+from .launches import capturing
 from .formats import (_e2m1_value, _ue8m0_value, _e4m3_value, _pow2, _mxfp4_pair,
                               _e2m1_bf16_pair, _ue8m0_bf16, _bf16_scaled)
 from .record_codecs import FP4Record, FP8Record, cache_format

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 from .config import require
-from .dispatch import sm_count, pdl_launch, pdl_wait, triton_interpreting
+from .dispatch import sm_count, triton_interpreting
+from .launches import pdl_launch, pdl_wait
 from .formats import (FP8_MAX, quantize_fp8, _bf16_bits, _e4m3_code, _ue8m0_code, _pow2,
                               _hw_cvt)
 from .mhc import SeamOut, hc_mixes, hc_pre, mhc_seam_torch, register_seam_triton

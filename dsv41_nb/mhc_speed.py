@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 from .config import ModelConfig, check_config, check_int
 from .dispatch import (median_time, copy_bandwidth, use_kernels, triton_interpreting,
-                               cuda_graph, sm_count)
+                               sm_count)
+from .launches import cuda_graph
 from .floors import HARDWARE
 from .mhc import sinkhorn, random_hc_layer, hc_expand, mhc_seam, run_hc_layers
 from .mhc_kernel import (SEAM_VERSIONS, seam_version, check_seam, _block_t, _block_d,

@@ -13,7 +13,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 import torch
 from fastcore.basics import patch
 from .config import check_int
-from .dispatch import use_kernels, trusted_values
+from .dispatch import use_kernels
+from .launches import trusted_values
 from .kv_cache import KVCacheConfig
 from .scheduler import SchedulerOutput, ModelRunnerOutput, PLACEHOLDER
 from .decode_step import table_slot_mappings

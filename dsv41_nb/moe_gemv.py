@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 from .config import ModelConfig, check_int
-from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch,
-                               pdl_wait)
+from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .launches import pdl_launch, pdl_wait
 from .formats import _ue8m0_code, _pow2, _e4m3_code, _e4m3_value, _mxfp4_pair
 from .moe import (MoEWeights, route_layer, moe_experts_reference, _check_routing, _check_x,
                           _shape)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 from fastcore.basics import patch
-from .dispatch import kernel_backend, triton_interpreting, sm_count, _rebound
+from .dispatch import kernel_backend, triton_interpreting, sm_count
+from .launches import _rebound
 from .config import check_int
 from .moe import QuantWeight, MoEWeights, _check_x, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _swiglu, _fp8_quant_tile,

@@ -8,8 +8,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from .dispatch import (kernel_backend, triton_interpreting, sm_count, pdl_launch, pdl_wait,
-                               mm_f32)
+from .dispatch import kernel_backend, triton_interpreting, sm_count, mm_f32
+from .launches import pdl_launch, pdl_wait
 from .moe import QuantWeight, MoEWeights, _shape
 from .fused_moe import (ExpertAlignment, _program_tile, _weight_rows, _swiglu,
                                 _fp8_quant_tile, _check_stage, _check_shape, moe_launch_shape,

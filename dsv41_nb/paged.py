@@ -32,7 +32,8 @@ from .moe_split import expert_gate_up_split, DenseShared
 from .moe_fp8 import fp8_gate_up, fp8_down, fits_fp8_words, fp8_launch_shape, by_row_block
 from .moe_gemv import moe_gemv_forward, GEMV_MAX_TOKENS
 from .router import fused_route
-from .dispatch import kernel_backend, checks_values
+from .dispatch import kernel_backend
+from .launches import checks_values
 from .engram_table import Engram, EngramTable
 from .model import Transformer, Block, Attention, MoE, DenseEngram, init_module_
 

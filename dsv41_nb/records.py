@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 from .dispatch import (kernel_backend, triton_interpreting, median_time, copy_bandwidth,
-                               use_kernels, checks_values, pdl_launch, pdl_wait)
+                               use_kernels)
+from .launches import checks_values, pdl_launch, pdl_wait
 from .config import check_int
 from .formats import (FP8_MAX, FP4_MAX, e4m3_values, _hw_cvt, _e4m3_code, _e4m3_value,
                               _ue8m0_code, _pow2, _ue8m0_value, _e2m1_code, _e2m1_value, _bf16_bits,

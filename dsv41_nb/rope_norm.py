@@ -8,7 +8,8 @@ import struct
 import torch
 import triton
 import triton.language as tl
-from .dispatch import kernel_backend, checks_values, pdl_launch, pdl_wait
+from .dispatch import kernel_backend
+from .launches import checks_values, pdl_launch, pdl_wait
 from .compressor import _cos_sin, apply_rope, rms_norm, RMSNorm
 
 # %% auto #0

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from .dispatch import kernel_backend, triton_interpreting, pdl_launch, pdl_wait
+from .dispatch import kernel_backend, triton_interpreting
+from .launches import pdl_launch, pdl_wait
 from .moe import route, check_route_args, _shape
 
 # %% auto #0

@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 from .config import ModelConfig, check_int
-from .dispatch import (kernel_backend, triton_interpreting, use_kernels, sm_count,
-                               pdl_launch, pdl_wait, _rebound)
+from .dispatch import kernel_backend, triton_interpreting, use_kernels, sm_count
+from .launches import pdl_launch, pdl_wait, _rebound
 from .formats import _e4m3_value, _ue8m0_value
 from .record_codecs import RecordCodec, FP8Record, FP4Record, cache_format
 from .rope_norm import rope, _check_rope, _rotate_pairs

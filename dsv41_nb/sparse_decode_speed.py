@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import torch
 from .config import ModelConfig, check_config, check_int, require
-from .dispatch import median_time, graph_time
+from .dispatch import median_time
+from .launches import graph_time
 from .record_codecs import cache_format
 from .csa2 import sparse_attention_reference
 from .sparse_decode import decode_cost, decode_inputs, sparse_decode

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import triton
 from .config import ModelConfig, check_config, check_int, require
-from .dispatch import kernel_backend, capturing, mm_f32
+from .dispatch import kernel_backend, mm_f32
+from .launches import capturing
 from .record_codecs import cache_format
 from .csa2 import (SparseIndices, PagedRecords, check_attention_inputs, live_entries,
                            make_step, window_indices, random_block_tables,

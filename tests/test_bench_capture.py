@@ -11,7 +11,8 @@ from dsv41_nb.model import init_random
 from dsv41_nb.engine import LLM
 from dsv41_nb.cuda_graphs import CUDAGraphModel
 from dsv41_nb.paged_step import step_model
-from dsv41_nb.dispatch import launch_keys, kernel_backend, check_device
+from dsv41_nb.dispatch import kernel_backend, check_device
+from dsv41_nb.launches import launch_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / 'tools'))
 import bench_capture

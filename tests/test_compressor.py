@@ -13,7 +13,7 @@ from dsv41_nb.config import ModelConfig
 from dsv41_nb.dispatch import use_kernels
 from dsv41_nb.kv_cache import compressed_slot_mapping, ring_slot_mapping, PAD_SLOT_ID
 import dsv41_nb.compressor_kernel as comp_kernel
-from dsv41_nb.dispatch import HostReads
+from dsv41_nb.launches import HostReads
 from dsv41_nb.compressor import (rope_inv_freq, layer_inv_freq, rope_cos_sin, apply_rope, rms_norm,
                                  pool_group, Compressor, compress_reference, compress_torch)
 from dsv41_nb.compressor_kernel import compress_step, compress_version

@@ -13,7 +13,8 @@ from hypothesis import given, settings, strategies as st
 from budget import examples
 from fastcore.test import test_fail as fails_with
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import use_kernels, HostReads
+from dsv41_nb.dispatch import use_kernels
+from dsv41_nb.launches import HostReads
 from machine import DEV
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.model_forward_block import generate_greedy

@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 from budget import examples, SLOW
 from fastcore import test as fct
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import use_kernels, triton_interpreting, HostReads, as_captured
+from dsv41_nb.dispatch import use_kernels, triton_interpreting
+from dsv41_nb.launches import HostReads, as_captured
 from dsv41_nb.model import init_random, ByteTokenizer
 from dsv41_nb.csa2 import SparseIndices
 from dsv41_nb.paged import PagedModel, PagedLinear, truncate_window

@@ -207,7 +207,7 @@ def test_bad_inputs(call, msg):
 
 def test_few_reads_of_device_values():
     "A prefill step runs eagerly, but each read of device values waits for the GPU: the plan makes two, the rest none"
-    from dsv41_nb.dispatch import HostReads, trusted_values
+    from dsv41_nb.launches import HostReads, trusted_values
     args = prefill_inputs(TINY, [(0, 30), (4, 1), (0, 20)], device=DEV)
     with trusted_values(), HostReads() as h: plan = plan_prefill(*args[1:4], 16)
     assert h.count == 2, dict(h.sites)

@@ -43,7 +43,8 @@ from contextlib import contextmanager
 from pathlib import Path
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, PDL, gpu_memory
+from dsv41_nb.dispatch import machine_name, copy_bandwidth, median_time, gpu_memory
+from dsv41_nb.launches import PDL
 from dsv41_nb.accounting import memory_table, GiB
 from dsv41_nb.floors import decode_floor, decode_kv_read_bytes, step_floor, Hardware, HARDWARE
 from dsv41_nb.model import Transformer, init_random

@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time, copy_bandwidth, machine_name, cuda_graph
+from dsv41_nb.dispatch import median_time, copy_bandwidth, machine_name
+from dsv41_nb.launches import cuda_graph
 from dsv41_nb.floors import expert_touch_fraction
 from dsv41_nb.engram import NgramHasher, compressed_token_map, synthetic_token_strings
 from dsv41_nb.engram_table import (EngramTable, engram_lookup, engram_lookup_torch, engram_gate, engram_update,

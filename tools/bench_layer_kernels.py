@@ -40,7 +40,8 @@ if not torch.cuda.is_available():
 import triton
 from dsv41_nb.config import ModelConfig
 from dsv41_nb.floors import HARDWARE
-from dsv41_nb.dispatch import copy_bandwidth, copy_time, machine_name
+from dsv41_nb.dispatch import copy_bandwidth, machine_name
+from dsv41_nb.launches import copy_time
 from dsv41_nb import mhc_kernel, mhc_speed, compressor_kernel as comp
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb.sparse_decode import decode_cost

@@ -42,7 +42,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault('TRITON_INTERPRET', '1')                 # before the kernels are defined
 import triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import median_time, use_kernels, machine_name, cuda_graph, copy_bandwidth
+from dsv41_nb.dispatch import median_time, use_kernels, machine_name, copy_bandwidth
+from dsv41_nb.launches import cuda_graph
 from dsv41_nb import mhc_kernel
 from dsv41_nb.mhc import mhc_seam, random_hc_layer, sinkhorn
 from dsv41_nb.mhc_kernel import MHC_TUNING, seam_version, _big

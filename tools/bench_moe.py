@@ -144,7 +144,8 @@ def peer_ab(cfg, sizes, device):
     reference loop first; with the served layer's floor (`moe_bytes_flops`, measured copy and BF16 rates)"""
     from types import SimpleNamespace
     from dsv41_nb.moe import moe_bytes_flops, moe_experts_reference, fp8_qdq
-    from dsv41_nb.dispatch import graph_time, copy_bandwidth
+    from dsv41_nb.dispatch import copy_bandwidth
+    from dsv41_nb.launches import graph_time
     from dsv41_nb.fused_moe_measured import bf16_matmul_rate
     from dsv41_nb.paged import served_moe
     on_gpu = device == 'cuda'

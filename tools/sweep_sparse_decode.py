@@ -19,7 +19,8 @@ import argparse, datetime, json, math, os, re, subprocess, sys, time
 from dataclasses import replace
 import torch, triton
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import copy_bandwidth, graph_time, kernel_backend, machine_name, median_time
+from dsv41_nb.dispatch import copy_bandwidth, kernel_backend, machine_name, median_time
+from dsv41_nb.launches import graph_time
 from dsv41_nb.record_codecs import cache_format
 from dsv41_nb import sparse_decode as sd
 from dsv41_nb.sparse_decode_speed import input_sets

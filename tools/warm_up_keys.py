@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_capture import merge_run
 from dsv41_nb.__main__ import load_test, random_prompts
 from dsv41_nb.config import ModelConfig
-from dsv41_nb.dispatch import launch_keys, machine_name
+from dsv41_nb.dispatch import machine_name
+from dsv41_nb.launches import launch_keys
 from dsv41_nb.engine import LLM
 from dsv41_nb.engine_runs import warm_up_lengths
 from dsv41_nb.model import init_random
